@@ -1,0 +1,16 @@
+"""pagedkernels: paged-attention and KV-cache Triton kernels with PyTorch twins.
+
+KV-cache layout, one pair per layer: ``key_cache`` and ``value_cache`` are each
+``[num_blocks, block_size, num_kv_heads, head_dim]``; a slot is ``block_id * block_size + offset``.
+Every op dispatches through :func:`set_backend` (``auto`` = Triton for CUDA tensors, PyTorch for CPU
+tensors).
+"""
+
+from ._backend import get_backend, set_backend, use_backend  # noqa: F401  (must come first)
+
+# -- decode attention --
+# -- prefill attention --
+# -- cache ops --
+# -- norms, rotary, activation --
+
+__version__ = "0.1.0"

@@ -1,0 +1,78 @@
+"""Argument checks shared by the ops. Every failure is a ValueError naming the argument and what
+was wrong with it, raised before any kernel launch."""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+ATTENTION_HEAD_SIZES = (64, 80, 96, 128, 256)
+
+
+def check_tensor(
+    name: str,
+    tensor: object,
+    *,
+    ndim: int | None = None,
+    dtypes: Iterable[torch.dtype] | None = None,
+    device: torch.device | None = None,
+    shape: Sequence[int | None] | None = None,
+) -> torch.Tensor:
+    """Check type, rank, dtype, device and (partially given) shape. ``None`` in ``shape`` is a
+    wildcard. Returns the tensor for chaining."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if ndim is not None and tensor.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(tensor.shape)}")
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if tensor.dtype not in dtypes:
+            allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+            raise ValueError(f"{name} must have dtype in ({allowed}), got {str(tensor.dtype).replace('torch.', '')}")
+    if device is not None and tensor.device != device:
+        raise ValueError(f"{name} must be on device {device}, got {tensor.device}")
+    if shape is not None:
+        if tensor.dim() != len(shape) or any(
+            want is not None and want != got for want, got in zip(shape, tensor.shape)
+        ):
+            want_str = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise ValueError(f"{name} must have shape {want_str}, got {list(tensor.shape)}")
+    return tensor
+
+
+def check_same_dtype(name: str, tensor: torch.Tensor, like_name: str, like: torch.Tensor) -> None:
+    if tensor.dtype != like.dtype:
+        raise ValueError(f"{name} must have the same dtype as {like_name} ({like.dtype}), got {tensor.dtype}")
+
+
+def check_head_size(name: str, head_size: int) -> None:
+    if head_size not in ATTENTION_HEAD_SIZES:
+        raise ValueError(f"{name}: head size {head_size} is not supported; supported: {ATTENTION_HEAD_SIZES}")
+
+
+def check_gqa(num_q_heads: int, num_kv_heads: int) -> int:
+    """Returns the query-heads-per-KV-head group size."""
+    if num_kv_heads <= 0 or num_q_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"q: num_q_heads ({num_q_heads}) must be a multiple of the caches' num_kv_heads ({num_kv_heads})"
+        )
+    return num_q_heads // num_kv_heads
+
+
+def check_kv_caches(key_cache: object, value_cache: object, *, device: torch.device | None = None) -> tuple[int, int, int, int]:
+    """key_cache/value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, same dtype and
+    device. Returns their shape."""
+    check_tensor("key_cache", key_cache, ndim=4, dtypes=FLOAT_DTYPES, device=device)
+    check_tensor("value_cache", value_cache, ndim=4, dtypes=FLOAT_DTYPES, device=key_cache.device,
+                 shape=tuple(key_cache.shape))
+    check_same_dtype("value_cache", value_cache, "key_cache", key_cache)
+    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        raise ValueError("key_cache and value_cache must be contiguous in their last (head_dim) dimension")
+    return tuple(key_cache.shape)
+
+
+def check_optional_positive(name: str, value: float | int | None) -> None:
+    if value is not None and not value > 0:
+        raise ValueError(f"{name} must be positive or None, got {value!r}")
