@@ -8,7 +8,7 @@ tensors).
 
 from ._backend import get_backend, set_backend, use_backend  # noqa: F401  (must come first)
 
-# -- decode attention --
+from .decode_attention import paged_decode_attention  # noqa: F401
 # -- prefill attention --
 # -- cache ops --
 # -- norms, rotary, activation --
