@@ -1,0 +1,118 @@
+"""Per-request sampling parameters, validated at construction (vLLM's `SamplingParams` names and meanings)."""
+from dataclasses import dataclass
+
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing by them would overflow float32.
+_SAMPLING_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick each next token of one request, and when to stop.
+
+    temperature 0 is greedy (argmax of the penalized logits; top_p/top_k/min_p are then ignored). top_k 0 or -1
+    disables top-k. `stop` strings are searched in the generated text and cut from it unless
+    `include_stop_str_in_output`. `logprobs=k` returns, per generated token, the k most likely tokens plus the
+    sampled one, taken from the raw model output (before penalties and temperature), like vLLM v1's default
+    "raw_logprobs" mode. Penalties follow vLLM: `repetition_penalty` applies to prompt and output tokens
+    (divides positive logits, multiplies negative ones), `presence_penalty` and `frequency_penalty` to output
+    tokens only (subtracted once / once per occurrence). `min_tokens` keeps EOS and `stop_token_ids` from being
+    sampled (and stop strings from matching) until that many tokens exist. `max_tokens=None` generates until
+    the model's max_model_len.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("n", self.n, minimum=1)
+        if self.n > 1:
+            raise ValueError(f"n > 1 is not supported yet (got n={self.n}); send the prompt n times instead")
+        _check_float("temperature", self.temperature, minimum=0.0)
+        _check_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k, minimum=-1)
+        if self.top_k == -1:
+            self.top_k = 0
+        _check_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, minimum=1)
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
+                             f"and max_tokens={self.max_tokens}")
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a str, a list of str or None, got {type(self.stop).__name__}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must contain only non-empty strings, got {s!r}")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple, set, frozenset)):
+            self.stop_token_ids = list(self.stop_token_ids)
+        else:
+            raise ValueError(f"stop_token_ids must be a list of int or None, got {type(self.stop_token_ids).__name__}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, minimum=0)
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, minimum=0)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_float(name, getattr(self, name))
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        _check_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.temperature < _SAMPLING_EPS:
+            # Greedy: the filters cannot change the argmax, so drop them (as vLLM does).
+            self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, 0, 0.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def max_stop_str_len(self) -> int:
+        return max((len(s) for s in self.stop), default=0)
+
+
+def _check_int(name: str, value, *, minimum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_float(name: str, value, *, minimum: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
