@@ -10,7 +10,9 @@ from ._backend import get_backend, set_backend, use_backend  # noqa: F401  (must
 
 from .decode_attention import paged_decode_attention  # noqa: F401
 # -- prefill attention --
-# -- cache ops --
-# -- norms, rotary, activation --
+from .cache_ops import copy_blocks, reshape_and_cache, swap_blocks  # noqa: F401
+from .activation import silu_and_mul  # noqa: F401
+from .rms_norm import fused_add_rms_norm, rms_norm  # noqa: F401
+from .rotary import compute_cos_sin_cache, rotary_embedding  # noqa: F401
 
 __version__ = "0.1.0"

@@ -1,0 +1,261 @@
+"""KV-cache block ops: write new tokens into the paged cache, copy blocks (copy-on-write) and
+swap blocks between devices.
+
+Cache layout, one pair per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``, last
+dimension contiguous. A slot is ``block_id * block_size + offset``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._backend import use_triton, value_checks_enabled
+from ._validate import FLOAT_DTYPES, check_kv_caches, check_same_dtype, check_tensor
+
+# Elements one program copies per step: 2048 fp16 = 4 KiB, enough in-flight bytes per program for
+# a memory-bound copy while keeping the tile in registers at 4 warps (16 elements per thread).
+_COPY_TILE = 2048
+
+
+# ----------------------------------------------------------------------------------------------
+# reshape_and_cache
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    value_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping_ptr,  # [num_tokens] int64
+    stride_k_tok: tl.int64,
+    stride_k_head: tl.int64,
+    stride_v_tok: tl.int64,
+    stride_v_head: tl.int64,
+    stride_kc_blk: tl.int64,
+    stride_kc_slot: tl.int64,
+    stride_kc_head: tl.int64,
+    stride_vc_blk: tl.int64,
+    stride_vc_slot: tl.int64,
+    stride_vc_head: tl.int64,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    BLOCK_H: tl.constexpr,  # heads per program (power of two)
+    BLOCK_D: tl.constexpr,  # head_dim padded to a power of two
+):
+    token = tl.program_id(0).to(tl.int64)
+    head_chunk = tl.program_id(1)
+    slot = tl.load(slot_mapping_ptr + token)
+    if slot < 0:  # padding token
+        return
+    block_id = slot // block_size
+    block_offset = slot % block_size
+
+    offs_h = head_chunk * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    mask = (offs_h[:, None] < num_kv_heads) & (offs_d[None, :] < head_dim)  # [BLOCK_H, BLOCK_D]
+
+    src_k = key_ptr + token * stride_k_tok + offs_h[:, None] * stride_k_head + offs_d[None, :]
+    src_v = value_ptr + token * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :]
+    dst_k = (key_cache_ptr + block_id * stride_kc_blk + block_offset * stride_kc_slot
+             + offs_h[:, None] * stride_kc_head + offs_d[None, :])
+    dst_v = (value_cache_ptr + block_id * stride_vc_blk + block_offset * stride_vc_slot
+             + offs_h[:, None] * stride_vc_head + offs_d[None, :])
+    tl.store(dst_k, tl.load(src_k, mask=mask), mask=mask)
+    tl.store(dst_v, tl.load(src_v, mask=mask), mask=mask)
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each token's key/value into its cache slot, in place.
+
+    key, value: ``[num_tokens, num_kv_heads, head_dim]``, same dtype as the caches; may be strided
+        views (e.g. slices of a fused qkv projection) as long as the last dimension is contiguous.
+    key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+    slot_mapping: int64 ``[num_tokens]``; slot = ``block_id * block_size + offset``; a negative
+        slot skips the token (padding).
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = check_kv_caches(key_cache, value_cache)
+    device = key_cache.device
+    check_tensor("key", key, ndim=3, device=device, shape=(None, num_kv_heads, head_dim))
+    num_tokens = key.shape[0]
+    check_tensor("value", value, device=device, shape=(num_tokens, num_kv_heads, head_dim))
+    check_same_dtype("key", key, "key_cache", key_cache)
+    check_same_dtype("value", value, "value_cache", value_cache)
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError("key and value must be contiguous in their last (head_dim) dimension")
+    check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int64,), device=device, shape=(num_tokens,))
+    if value_checks_enabled(slot_mapping) and num_tokens > 0:
+        max_slot = int(slot_mapping.max())
+        if max_slot >= num_blocks * block_size:
+            raise ValueError(
+                f"slot_mapping: slot {max_slot} is out of range for a cache of "
+                f"{num_blocks} blocks x {block_size} slots"
+            )
+    if num_tokens == 0:
+        return
+
+    if use_triton(key_cache):
+        block_d = triton.next_power_of_2(head_dim)
+        # One program per token and chunk of heads: a chunk holds up to 4096 elements (8 KiB of
+        # fp16 per tensor), so small models copy a whole token per program and large ones spread
+        # heads over a few programs.
+        block_h = min(triton.next_power_of_2(num_kv_heads), max(1, 4096 // block_d))
+        grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
+        _reshape_and_cache_kernel[grid](
+            key, value, key_cache, value_cache, slot_mapping,
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+            num_kv_heads, head_dim, block_size,
+            BLOCK_H=block_h, BLOCK_D=block_d,
+        )
+        return
+
+    # Torch twin. Boolean indexing syncs on CUDA; this path is the CPU/reference one.
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    block_ids, offsets = slots // block_size, slots % block_size
+    key_cache[block_ids, offsets] = key[keep]
+    value_cache[block_ids, offsets] = value[keep]
+
+
+# ----------------------------------------------------------------------------------------------
+# copy_blocks
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _copy_blocks_kernel(
+    cache_ptrs,  # [2 * num_layers] int64: data_ptr of key_caches[0..L) then value_caches[0..L)
+    typed_ptr,  # any cache; only its element type is used, to cast the raw addresses
+    block_mapping_ptr,  # [num_pairs, 2] int64 (src, dst)
+    stride_blk: tl.int64,  # elements per block in every cache (block stride)
+    block_numel,  # block_size * num_kv_heads * head_dim
+    TILE: tl.constexpr,
+):
+    cache = tl.program_id(0)
+    pair = tl.program_id(1).to(tl.int64)
+    chunk = tl.program_id(2)
+    base = tl.load(cache_ptrs + cache).to(typed_ptr.dtype)
+    src = tl.load(block_mapping_ptr + 2 * pair)
+    dst = tl.load(block_mapping_ptr + 2 * pair + 1)
+    offs = chunk.to(tl.int64) * TILE + tl.arange(0, TILE)  # [TILE]
+    mask = offs < block_numel
+    vals = tl.load(base + src * stride_blk + offs, mask=mask)
+    tl.store(base + dst * stride_blk + offs, vals, mask=mask)
+
+
+def _launch_copy_blocks(caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
+    """The single launch behind :func:`copy_blocks` (a separate function so tests can count it)."""
+    first = caches[0]
+    block_numel = first[0].numel()
+    tile = min(_COPY_TILE, triton.next_power_of_2(block_numel))
+    cache_ptrs = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64).to(first.device)
+    grid = (len(caches), block_mapping.shape[0], triton.cdiv(block_numel, tile))
+    _copy_blocks_kernel[grid](cache_ptrs, first, block_mapping, first.stride(0), block_numel, TILE=tile)
+
+
+def copy_blocks(
+    key_caches: list[torch.Tensor],
+    value_caches: list[torch.Tensor],
+    block_mapping: torch.Tensor,
+) -> None:
+    """Copy whole blocks within each layer's caches (copy-on-write), all layers in one launch.
+
+    key_caches, value_caches: one ``[num_blocks, block_size, num_kv_heads, head_dim]`` tensor per
+        layer, all contiguous with the same shape, dtype and device.
+    block_mapping: int64 ``[num_pairs, 2]`` of (src, dst) block ids, on the caches' device.
+        Destinations must be distinct and must not be sources (so pairs are independent).
+    """
+    if not isinstance(key_caches, (list, tuple)) or len(key_caches) == 0:
+        raise ValueError("key_caches must be a non-empty list of tensors")
+    if not isinstance(value_caches, (list, tuple)) or len(value_caches) != len(key_caches):
+        raise ValueError(f"value_caches must be a list with one tensor per layer ({len(key_caches)})")
+    first = check_tensor("key_caches[0]", key_caches[0], ndim=4, dtypes=FLOAT_DTYPES)
+    for kind, caches in (("key_caches", key_caches), ("value_caches", value_caches)):
+        for layer, cache in enumerate(caches):
+            name = f"{kind}[{layer}]"
+            check_tensor(name, cache, device=first.device, shape=tuple(first.shape))
+            check_same_dtype(name, cache, "key_caches[0]", first)
+            if not cache.is_contiguous():
+                raise ValueError(f"{name} must be contiguous")
+    num_blocks = first.shape[0]
+    check_tensor("block_mapping", block_mapping, dtypes=(torch.int64,), device=first.device, shape=(None, 2))
+    num_pairs = block_mapping.shape[0]
+    if value_checks_enabled(block_mapping) and num_pairs > 0:
+        if int(block_mapping.min()) < 0 or int(block_mapping.max()) >= num_blocks:
+            raise ValueError(f"block_mapping: block ids must lie in [0, {num_blocks})")
+        src, dst = block_mapping[:, 0], block_mapping[:, 1]
+        if dst.unique().numel() != num_pairs or bool(torch.isin(dst, src).any()):
+            raise ValueError("block_mapping: destination blocks must be distinct and not be sources")
+    if num_pairs == 0:
+        return
+
+    caches = list(key_caches) + list(value_caches)
+    if use_triton(first):
+        if not block_mapping.is_contiguous():
+            block_mapping = block_mapping.contiguous()
+        _launch_copy_blocks(caches, block_mapping)
+        return
+
+    src, dst = block_mapping[:, 0], block_mapping[:, 1]
+    for cache in caches:
+        cache.index_copy_(0, dst, cache.index_select(0, src))
+
+
+# ----------------------------------------------------------------------------------------------
+# swap_blocks
+# ----------------------------------------------------------------------------------------------
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copy whole blocks ``src[s] -> dst[d]`` for each (s, d) row of ``block_mapping``.
+
+    src, dst: ``[num_blocks_src, ...]`` and ``[num_blocks_dst, ...]`` caches with the same
+        per-block shape and dtype, on any devices (typically GPU and pinned CPU memory, either way;
+        the same device works too).
+    block_mapping: int64 ``[num_pairs, 2]`` (src block, dst block), on the CPU.
+
+    There is no Triton kernel on purpose: a kernel cannot read pageable host memory, and a copy
+    between device and host is the DMA (copy) engine's job, which ``Tensor.copy_`` drives. Runs of
+    consecutive source and destination blocks are coalesced into one slice copy each. When one
+    side is CUDA and the host side is pinned the copies are ``non_blocking`` (enqueued on the
+    current stream): synchronize that stream before reading a CPU destination.
+    """
+    check_tensor("src", src, dtypes=FLOAT_DTYPES)
+    if not isinstance(dst, torch.Tensor) or dst.dim() < 1 or tuple(dst.shape[1:]) != tuple(src.shape[1:]):
+        got = list(dst.shape) if isinstance(dst, torch.Tensor) else type(dst).__name__
+        raise ValueError(f"dst must have the same per-block shape as src {list(src.shape[1:])}, got {got}")
+    check_same_dtype("dst", dst, "src", src)
+    check_tensor("block_mapping", block_mapping, dtypes=(torch.int64,), device=torch.device("cpu"),
+                 shape=(None, 2))
+    if block_mapping.shape[0] == 0:
+        return
+    if int(block_mapping[:, 0].min()) < 0 or int(block_mapping[:, 0].max()) >= src.shape[0]:
+        raise ValueError(f"block_mapping: source block ids must lie in [0, {src.shape[0]})")
+    if int(block_mapping[:, 1].min()) < 0 or int(block_mapping[:, 1].max()) >= dst.shape[0]:
+        raise ValueError(f"block_mapping: destination block ids must lie in [0, {dst.shape[0]})")
+
+    def pinned_or_cuda(t: torch.Tensor) -> bool:
+        return t.is_cuda or t.is_pinned()
+
+    non_blocking = (src.is_cuda or dst.is_cuda) and pinned_or_cuda(src) and pinned_or_cuda(dst)
+    pairs = block_mapping.tolist()  # on the CPU: no device sync
+    run_src, run_dst, run_len = pairs[0][0], pairs[0][1], 1
+    for s, d in pairs[1:] + [(None, None)]:
+        if s is not None and s == run_src + run_len and d == run_dst + run_len:
+            run_len += 1
+            continue
+        dst[run_dst: run_dst + run_len].copy_(src[run_src: run_src + run_len], non_blocking=non_blocking)
+        if s is not None:
+            run_src, run_dst, run_len = s, d, 1

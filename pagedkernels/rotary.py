@@ -1,0 +1,201 @@
+"""Rotary position embedding (RoPE), applied in place to q and k."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._backend import use_triton, value_checks_enabled
+from ._validate import FLOAT_DTYPES, check_tensor
+
+
+def compute_cos_sin_cache(
+    max_position: int,
+    rot_dim: int,
+    base: float,
+    *,
+    dtype: torch.dtype = torch.float32,
+    inv_freq: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """``[max_position, rot_dim]`` = ``cat(cos, sin, dim=-1)`` with angle ``pos * inv_freq[i]``.
+
+    inv_freq defaults to ``base ** (-arange(0, rot_dim, 2) / rot_dim)``; pass your own
+    ``[rot_dim // 2]`` tensor to apply a scaling scheme (Llama-3, YaRN, ...). Computed in float64.
+    """
+    if not isinstance(rot_dim, int) or rot_dim <= 0 or rot_dim % 2:
+        raise ValueError(f"rot_dim must be a positive even integer, got {rot_dim!r}")
+    if not isinstance(max_position, int) or max_position <= 0:
+        raise ValueError(f"max_position must be a positive integer, got {max_position!r}")
+    if inv_freq is None:
+        inv_freq = base ** (-torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim)
+    else:
+        check_tensor("inv_freq", inv_freq, ndim=1, shape=(rot_dim // 2,))
+    angles = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq.double().cpu())
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).to(dtype=dtype, device=device)
+
+
+@triton.jit
+def _rotate_heads(
+    base_ptr,  # [num_heads, head_size] for one token (head stride given)
+    stride_head: tl.int64,
+    num_heads,
+    cos,  # [HALF_PAD] fp32
+    sin,  # [HALF_PAD] fp32
+    half,
+    IS_NEOX: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+):
+    offs_d = tl.arange(0, HALF_PAD)  # [HALF_PAD]
+    if IS_NEOX:  # pairs (d, d + half)
+        offs_1 = offs_d
+        offs_2 = offs_d + half
+    else:  # GPT-J: pairs (2d, 2d + 1)
+        offs_1 = 2 * offs_d
+        offs_2 = 2 * offs_d + 1
+    for h0 in range(0, num_heads, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+        mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < half)  # [BLOCK_H, HALF_PAD]
+        row = base_ptr + offs_h[:, None] * stride_head
+        x1 = tl.load(row + offs_1[None, :], mask=mask, other=0.0)
+        x2 = tl.load(row + offs_2[None, :], mask=mask, other=0.0)
+        x1f = x1.to(tl.float32)
+        x2f = x2.to(tl.float32)
+        o1 = x1f * cos[None, :] - x2f * sin[None, :]
+        o2 = x2f * cos[None, :] + x1f * sin[None, :]
+        tl.store(row + offs_1[None, :], o1.to(x1.dtype), mask=mask)
+        tl.store(row + offs_2[None, :], o2.to(x2.dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    positions_ptr,  # [num_tokens] int64
+    q_ptr,  # [num_tokens, num_q_heads, head_size]
+    k_ptr,  # [num_tokens, num_kv_heads, head_size]  (HAS_K only)
+    cos_sin_ptr,  # [max_position, rot_dim]: cos in [:rot_dim/2], sin in [rot_dim/2:]
+    stride_q_tok: tl.int64,
+    stride_q_head: tl.int64,
+    stride_k_tok: tl.int64,
+    stride_k_head: tl.int64,
+    stride_cs_pos: tl.int64,
+    num_q_heads,
+    num_kv_heads,
+    half,  # rot_dim // 2
+    IS_NEOX: tl.constexpr,
+    HAS_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HALF_PAD: tl.constexpr,  # half padded to a power of two
+):
+    """One program per token; cos/sin are loaded once and applied to every q and k head.
+
+    With (x1, x2) a rotated pair (neox: x[d], x[d + rot/2]; GPT-J: x[2d], x[2d + 1]) and
+    theta = pos * inv_freq[d]:  x1' = x1 cos - x2 sin,  x2' = x2 cos + x1 sin  (fp32).
+    Dimensions past rot_dim are left untouched (partial rotary).
+    """
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token)
+    offs_d = tl.arange(0, HALF_PAD)
+    cs_row = cos_sin_ptr + pos * stride_cs_pos
+    cos = tl.load(cs_row + offs_d, mask=offs_d < half, other=0.0).to(tl.float32)
+    sin = tl.load(cs_row + half + offs_d, mask=offs_d < half, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr + token * stride_q_tok, stride_q_head, num_q_heads, cos, sin, half,
+                  IS_NEOX, BLOCK_H, HALF_PAD)
+    if HAS_K:
+        _rotate_heads(k_ptr + token * stride_k_tok, stride_k_head, num_kv_heads, cos, sin, half,
+                      IS_NEOX, BLOCK_H, HALF_PAD)
+
+
+def _as_heads(name: str, t: object, num_tokens: int, head_size: int, device: torch.device) -> torch.Tensor:
+    """[num_tokens, num_heads, head_size] view of a 2-D or 3-D q/k (never a copy)."""
+    check_tensor(name, t, dtypes=FLOAT_DTYPES, device=device)
+    if t.dim() not in (2, 3) or t.shape[0] != num_tokens:
+        raise ValueError(f"{name} must have shape [{num_tokens}, num_heads, head_size] or "
+                         f"[{num_tokens}, num_heads * head_size], got {list(t.shape)}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension")
+    if t.dim() == 3:
+        if t.shape[2] != head_size:
+            raise ValueError(f"{name}: head size {t.shape[2]} != head_size {head_size}")
+        return t
+    if t.shape[1] % head_size:
+        raise ValueError(f"{name}: last dimension {t.shape[1]} is not a multiple of head_size {head_size}")
+    return t.view(num_tokens, t.shape[1] // head_size, head_size)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    cos_sin_cache: torch.Tensor,
+    *,
+    is_neox: bool = True,
+    head_size: int | None = None,
+) -> None:
+    """Rotate q and k in place by their tokens' positions.
+
+    positions: int64 ``[num_tokens]`` in ``[0, max_position)``.
+    q: ``[num_tokens, num_q_heads, head_size]`` or ``[num_tokens, num_q_heads * head_size]``;
+    k: the same with num_kv_heads, or None. Rows may be strided (e.g. views of a fused qkv
+        tensor); the last dimension must be contiguous.
+    cos_sin_cache: ``[max_position, rot_dim]`` = ``cat(cos, sin, -1)`` (see
+        :func:`compute_cos_sin_cache`), float32 or the model dtype. Only the first ``rot_dim``
+        dims of each head rotate (partial rotary when ``rot_dim < head_size``).
+    is_neox: rotate halves (x[:rot/2], x[rot/2:rot]); False = GPT-J interleaved pairs.
+    head_size: needed for 2-D q/k when it differs from rot_dim (defaults to q.shape[-1] for
+        3-D q, else rot_dim).
+    """
+    check_tensor("positions", positions, ndim=1, dtypes=(torch.int64,))
+    num_tokens = positions.shape[0]
+    device = positions.device
+    check_tensor("cos_sin_cache", cos_sin_cache, ndim=2, dtypes=FLOAT_DTYPES, device=device)
+    max_position, rot_dim = cos_sin_cache.shape
+    if rot_dim == 0 or rot_dim % 2:
+        raise ValueError(f"cos_sin_cache: rot_dim (last dimension) must be positive and even, got {rot_dim}")
+    if cos_sin_cache.stride(-1) != 1:
+        raise ValueError("cos_sin_cache must be contiguous in its last dimension")
+    if head_size is None:
+        head_size = q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() == 3 else rot_dim
+    if rot_dim > head_size:
+        raise ValueError(f"cos_sin_cache: rot_dim {rot_dim} exceeds head_size {head_size}")
+    q3 = _as_heads("q", q, num_tokens, head_size, device)
+    k3 = None if k is None else _as_heads("k", k, num_tokens, head_size, device)
+    if k3 is not None and k3.dtype != q3.dtype:
+        raise ValueError(f"k must have the same dtype as q ({q3.dtype}), got {k3.dtype}")
+    if value_checks_enabled(positions) and num_tokens > 0:
+        lo, hi = int(positions.min()), int(positions.max())
+        if lo < 0 or hi >= max_position:
+            raise ValueError(f"positions must lie in [0, {max_position}), got values in [{lo}, {hi}]")
+    if num_tokens == 0:
+        return
+
+    if use_triton(q3):
+        half = rot_dim // 2
+        half_pad = triton.next_power_of_2(half)
+        num_heads = max(q3.shape[1], 0 if k3 is None else k3.shape[1])
+        # Tiles of up to 2048 pairs (4096 elements) per head chunk: all heads of common models
+        # (32 x 64 pairs) in one step, bounded registers for wide ones.
+        block_h = min(triton.next_power_of_2(num_heads), max(1, 2048 // half_pad))
+        k_arg = k3 if k3 is not None else q3
+        _rotary_kernel[(num_tokens,)](
+            positions, q3, k_arg, cos_sin_cache,
+            q3.stride(0), q3.stride(1), k_arg.stride(0), k_arg.stride(1), cos_sin_cache.stride(0),
+            q3.shape[1], k_arg.shape[1], half,
+            IS_NEOX=bool(is_neox), HAS_K=k3 is not None, BLOCK_H=block_h, HALF_PAD=half_pad,
+        )
+        return
+
+    cos_sin = cos_sin_cache.index_select(0, positions).float()  # [num_tokens, rot_dim]
+    cos, sin = cos_sin.chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]  # [num_tokens, 1, rot_dim / 2]
+    for t in (q3, k3):
+        if t is None:
+            continue
+        rot = t[..., :rot_dim]
+        if is_neox:
+            x1, x2 = rot.float().chunk(2, dim=-1)
+            rot.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
+        else:
+            x1, x2 = rot[..., 0::2].float(), rot[..., 1::2].float()
+            rot.copy_(torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2))
