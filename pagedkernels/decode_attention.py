@@ -14,6 +14,8 @@ A sequence with seq_len == 0 sees no keys: its output is all zeros.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from ._backend import num_multiprocessors, use_triton, value_checks_enabled
 from ._validate import (
@@ -26,7 +28,7 @@ from ._validate import (
     check_tensor,
 )
 
-__all__ = ["paged_decode_attention"]
+__all__ = ["paged_decode_attention", "decode_num_splits"]
 
 
 def _validate(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap,
@@ -169,5 +171,241 @@ def _decode_torch(q, key_cache, value_cache, block_tables, seq_lens, scale, slid
     return outg.reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)
 
 
-def _decode_triton(*args, **kwargs):
-    raise NotImplementedError("the Triton decode kernel is not written yet; use backend 'torch'")
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton: flash-decoding split-K
+# ----------------------------------------------------------------------------------------------
+
+# Tokens per K/V tile, independent of the page size: each token finds its own physical block.
+TILE_N = 32
+# A split streams at least this many tiles (128 tokens), so its fixed costs (loading Q, writing a
+# partial row + lse, its share of the reduce) stay small next to its K/V traffic.
+MIN_TILES_PER_SPLIT = 4
+# More splits than this only grow the scratch and the reduce; 32 already fills an H100 with one
+# sequence x 8 KV heads.
+MAX_SPLITS = 32
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_multiprocessors: int, *,
+                      tile_n: int = TILE_N, max_splits: int = MAX_SPLITS) -> int:
+    """Number of context partitions for a decode launch, from shapes only (no host sync).
+
+    Without splitting the grid has ``num_seqs * num_kv_heads`` programs, each streaming a whole
+    context: a small batch leaves most SMs idle. We aim for about two waves of programs
+    (``2 * num_multiprocessors``; the second wave evens out the tail left by uneven lengths),
+    but no split shorter than ``MIN_TILES_PER_SPLIT`` tiles of ``max_context`` (the upper bound
+    ``max_blocks_per_seq * block_size``, since reading seq_lens would sync the host), and at most
+    ``max_splits``. Examples on an H100 (132 SMs): 1 seq x 8 KV heads x 4096 tokens -> 32;
+    8 x 8 x 4096 -> 5; 64 x 8 x 4096 -> 1 (512 programs are already ~2 waves).
+    """
+    programs = max(1, num_seqs * num_kv_heads)
+    wanted = -(-2 * num_multiprocessors // programs)
+    by_length = max_context // (MIN_TILES_PER_SPLIT * tile_n)
+    return max(1, min(wanted, by_length, max_splits))
+
+
+@triton.jit
+def _softcap(S, softcap):
+    # softcap * tanh(S / softcap), written with exp(-2|y|) so it cannot overflow.
+    y = S / softcap
+    t = tl.exp(-2.0 * tl.abs(y))
+    th = (1.0 - t) / (1.0 + t)
+    return softcap * tl.where(y < 0, -th, th)
+
+
+@triton.jit
+def _decode_split_kernel(
+    out_ptr,  # [num_seqs, num_q_heads, head_dim]; written here only when NUM_SPLITS == 1
+    partial_out_ptr,  # fp32 [num_seqs, num_q_heads, NUM_SPLITS, HEAD_PAD]
+    partial_lse_ptr,  # fp32 [num_seqs, num_q_heads, NUM_SPLITS]
+    q_ptr,  # [num_seqs, num_q_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # int32 [num_seqs, max_blocks_per_seq]
+    seq_lens_ptr,  # int32 [num_seqs]
+    scale,  # float
+    softcap,  # float, used when USE_SOFTCAP
+    stride_q_seq: tl.int64,
+    stride_q_head: tl.int64,
+    stride_k_blk: tl.int64,
+    stride_k_slot: tl.int64,
+    stride_k_head: tl.int64,
+    stride_v_blk: tl.int64,
+    stride_v_slot: tl.int64,
+    stride_v_head: tl.int64,
+    stride_bt_seq: tl.int64,
+    stride_o_seq: tl.int64,
+    stride_o_head: tl.int64,
+    NUM_QUERIES_PER_KV: tl.constexpr,  # GQA group size
+    BLOCK_H: tl.constexpr,  # group padded to a power of two >= 16 (tl.dot needs >= 16 rows)
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,  # next power of two >= HEAD_DIM
+    BLOCK_SIZE: tl.constexpr,  # page size (tokens per cache block)
+    TILE_N: tl.constexpr,  # tokens per K/V tile
+    NUM_SPLITS: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,  # 0 = off
+    USE_SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (exact, not tf32); None (default) for 16-bit
+):
+    # grid: (num_seqs, num_kv_heads, NUM_SPLITS); one program = all query heads of one KV head over
+    # one contiguous range of tiles, so each K/V tile is loaded once per group.
+    seq_idx = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq_idx)
+    # The query sits at seq_len - 1 and sees keys [first_key, seq_len).
+    if SLIDING_WINDOW > 0:
+        first_key = tl.maximum(seq_len - SLIDING_WINDOW, 0)
+    else:
+        first_key = seq_len * 0
+    # Only tiles touching [first_key, seq_len) are visited; each split takes an equal share of
+    # them, so splits balance per sequence and every visited tile holds >= 1 visible key.
+    first_tile = first_key // TILE_N
+    end_tile = tl.cdiv(seq_len, TILE_N)
+    tiles_per_split = tl.cdiv(end_tile - first_tile, NUM_SPLITS)
+    tile_lo = first_tile + split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, end_tile)
+
+    head_offs = tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    head_mask = head_offs < NUM_QUERIES_PER_KV
+    q_heads = (kv_head * NUM_QUERIES_PER_KV + head_offs).to(tl.int64)
+    dim_offs = tl.arange(0, HEAD_PAD)  # [HEAD_PAD]
+    dim_mask = dim_offs < HEAD_DIM
+    qh_mask = head_mask[:, None] & dim_mask[None, :]  # [BLOCK_H, HEAD_PAD]
+
+    # Q : (BLOCK_H, HEAD_PAD)
+    Q = tl.load(q_ptr + seq_idx.to(tl.int64) * stride_q_seq + q_heads[:, None] * stride_q_head + dim_offs[None, :],
+                mask=qh_mask, other=0.0)
+
+    M = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)  # running max
+    L = tl.zeros([BLOCK_H], dtype=tl.float32)  # running sum of exp
+    acc = tl.zeros([BLOCK_H, HEAD_PAD], dtype=tl.float32)
+
+    block_table_row = block_tables_ptr + seq_idx.to(tl.int64) * stride_bt_seq
+    k_head_ptr = key_cache_ptr + kv_head.to(tl.int64) * stride_k_head
+    v_head_ptr = value_cache_ptr + kv_head.to(tl.int64) * stride_v_head
+    tile_offs = tl.arange(0, TILE_N)  # [TILE_N]
+    for tile in range(tile_lo, tile_hi):
+        pos = tile * TILE_N + tile_offs  # [TILE_N] key positions
+        visible = (pos >= first_key) & (pos < seq_len)
+        # Masked lanes never touch the table or the cache: unused slots may hold NaN.
+        physical_block = tl.load(block_table_row + pos // BLOCK_SIZE, mask=visible, other=0).to(tl.int64)
+        slot = (pos % BLOCK_SIZE).to(tl.int64)
+        kv_mask = visible[:, None] & dim_mask[None, :]  # [TILE_N, HEAD_PAD]
+
+        # K : (TILE_N, HEAD_PAD)
+        K = tl.load(k_head_ptr + physical_block[:, None] * stride_k_blk + slot[:, None] * stride_k_slot
+                    + dim_offs[None, :], mask=kv_mask, other=0.0)
+        # S : (BLOCK_H, TILE_N)
+        S = tl.dot(Q, tl.trans(K), input_precision=DOT_PRECISION) * scale
+        if USE_SOFTCAP:
+            S = _softcap(S, softcap)
+        S = tl.where(visible[None, :], S, float("-inf"))
+
+        # Online softmax; M stays finite after the first tile (it has a visible key).
+        m_new = tl.maximum(M, tl.max(S, axis=1))  # [BLOCK_H]
+        P = tl.exp(S - m_new[:, None])  # (BLOCK_H, TILE_N)
+        alpha = tl.exp(M - m_new)  # [BLOCK_H]; exp(-inf) = 0 on the first tile
+        L = L * alpha + tl.sum(P, axis=1)
+        M = m_new
+
+        # V : (TILE_N, HEAD_PAD)
+        V = tl.load(v_head_ptr + physical_block[:, None] * stride_v_blk + slot[:, None] * stride_v_slot
+                    + dim_offs[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(P.to(V.dtype), V, input_precision=DOT_PRECISION)
+
+    # An empty split (past the end, before the window, or seq_len == 0) has L == 0: output 0, lse -inf.
+    has_keys = L > 0
+    L_safe = tl.where(has_keys, L, 1.0)
+    O = acc / L_safe[:, None]  # (BLOCK_H, HEAD_PAD)
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + seq_idx.to(tl.int64) * stride_o_seq + q_heads[:, None] * stride_o_head + dim_offs[None, :],
+                 O.to(out_ptr.dtype.element_ty), mask=qh_mask)
+    else:
+        row = (seq_idx.to(tl.int64) * tl.num_programs(1) * NUM_QUERIES_PER_KV + q_heads) * NUM_SPLITS + split
+        tl.store(partial_out_ptr + row[:, None] * HEAD_PAD + dim_offs[None, :], O, mask=head_mask[:, None])
+        lse = tl.where(has_keys, M + tl.log(L_safe), float("-inf"))
+        tl.store(partial_lse_ptr + row, lse, mask=head_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr,  # [num_seqs, num_q_heads, head_dim]
+    partial_out_ptr,  # fp32 [num_seqs, num_q_heads, NUM_SPLITS, HEAD_PAD]
+    partial_lse_ptr,  # fp32 [num_seqs, num_q_heads, NUM_SPLITS]
+    stride_o_seq: tl.int64,
+    stride_o_head: tl.int64,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # next power of two >= NUM_SPLITS
+):
+    # grid: (num_seqs, num_q_heads). out = sum_s exp(lse_s - lse) * O_s with lse = logsumexp_s lse_s.
+    seq_idx = tl.program_id(0)
+    head = tl.program_id(1)
+    row = seq_idx.to(tl.int64) * tl.num_programs(1) + head
+    split_offs = tl.arange(0, SPLITS_PAD)  # [SPLITS_PAD]
+    split_mask = split_offs < NUM_SPLITS
+    dim_offs = tl.arange(0, HEAD_PAD)  # [HEAD_PAD]
+    dim_mask = dim_offs < HEAD_DIM
+
+    lse = tl.load(partial_lse_ptr + row * NUM_SPLITS + split_offs, mask=split_mask, other=float("-inf"))
+    lse_max = tl.max(lse, axis=0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # every split empty: seq_len == 0
+    weight = tl.exp(lse - lse_max)  # [SPLITS_PAD]; 0 for empty splits
+    total = tl.sum(weight, axis=0)
+    # O_s : (SPLITS_PAD, HEAD_PAD); every split row was written (zeros when empty), so no NaN.
+    partial = tl.load(partial_out_ptr + (row * NUM_SPLITS + split_offs[:, None]) * HEAD_PAD + dim_offs[None, :],
+                      mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
+    O = tl.sum(weight[:, None] * partial, axis=0) / tl.where(total > 0, total, 1.0)  # [HEAD_PAD]
+    tl.store(out_ptr + seq_idx.to(tl.int64) * stride_o_seq + head.to(tl.int64) * stride_o_head + dim_offs,
+             O.to(out_ptr.dtype.element_ty), mask=dim_mask)
+
+
+def _decode_triton(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap,
+                   num_splits, out, group):
+    num_seqs, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if block_tables.shape[1] > 0 and block_tables.stride(1) != 1:
+        block_tables = block_tables.contiguous()
+    if num_splits is None:
+        max_context = block_tables.shape[1] * block_size
+        if sliding_window is not None:  # a window spans at most W + TILE_N - 1 tokens of tiles
+            max_context = min(max_context, sliding_window + TILE_N)
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_context, num_multiprocessors(q.device))
+    head_pad = triton.next_power_of_2(head_dim)
+    if num_splits > 1:
+        partial_out = torch.empty(num_seqs, num_q_heads, num_splits, head_pad, dtype=torch.float32, device=q.device)
+        partial_lse = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
+    else:  # the split kernel writes `out` directly; the scratch arguments are unused
+        partial_out = partial_lse = out
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        out, partial_out, partial_lse, q, key_cache, value_cache, block_tables, seq_lens,
+        scale, float(softcap or 0.0),
+        q.stride(0), q.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        NUM_QUERIES_PER_KV=group,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        HEAD_PAD=head_pad,
+        BLOCK_SIZE=block_size,
+        TILE_N=TILE_N,
+        NUM_SPLITS=num_splits,
+        SLIDING_WINDOW=sliding_window or 0,
+        USE_SOFTCAP=softcap is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,  # None: the default for 16-bit
+        num_warps=4,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_q_heads)](
+            out, partial_out, partial_lse, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_PAD=head_pad, NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+        )
+    return out
