@@ -1,0 +1,456 @@
+"""Paged prefill attention: causal attention of packed new query tokens over a paged KV cache.
+
+One kernel serves first prefill (q_len == seq_len), chunked prefill and prefix-cache hits
+(0 < q_len < seq_len) and mixed batches with 1-token (decode) rows. Query ``i`` of sequence ``s``
+(``q_len = cu_seqlens_q[s+1] - cu_seqlens_q[s]``) sits at position ``p = seq_len - q_len + i``
+(bottom-right alignment) and attends to cache positions ``k`` with ``k <= p`` and, with a sliding
+window ``W``, ``k > p - W``:
+
+    S = scale * q @ k^T                      (softcap: S = softcap * tanh(S / softcap))
+    out = softmax(S masked to visible keys) @ v
+
+Kernel layout (after vLLM's triton_unified_attention): a 2D grid of (query tiles, KV heads). A
+program takes BLOCK_Q consecutive query tokens of one sequence and *all* query heads of one KV
+head, folded into BLOCK_M = BLOCK_Q * GROUP_PAD rows (row m = token m // GROUP_PAD, head
+m % GROUP_PAD of the group), so each K/V tile is loaded once per KV head and feeds one tl.dot. It
+walks the sequence's keys in tiles of TILE_N tokens (independent of the page size: every token's
+physical block comes from the block table) with an online softmax in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._backend import use_triton, value_checks_enabled
+from ._validate import (
+    FLOAT_DTYPES,
+    check_gqa,
+    check_head_size,
+    check_kv_caches,
+    check_optional_positive,
+    check_same_dtype,
+    check_tensor,
+)
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_seq_idx(
+    cu_seqlens_q_ptr,  # [num_seqs + 1]
+    q_tile_idx,
+    num_seqs,
+    BLOCK_Q: tl.constexpr,
+):
+    """Sequence owning global query tile ``q_tile_idx``. Sequence s owns the tiles numbered from
+    ``cu_seqlens_q[s] // BLOCK_Q + s`` on: its ceil(q_len / BLOCK_Q) tiles always fit before the
+    next sequence's first number, so the owner is the last s whose first number <= q_tile_idx."""
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= q_tile_idx:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attend_kv_tile(
+    Q,  # (BLOCK_M, HEAD_DIM_PAD), input dtype
+    m_i,  # (BLOCK_M,) fp32 running max of the log2-scaled scores
+    l_i,  # (BLOCK_M,) fp32 running sum of exp2(S - m_i)
+    acc,  # (BLOCK_M, HEAD_DIM_PAD) fp32 running sum of P @ V
+    tile_idx,
+    q_pos,  # (BLOCK_M,) absolute position of each row's query
+    kv_end,  # keys at positions >= kv_end are never read
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table_row_ptr,  # [max_blocks_per_seq] of this sequence
+    kv_head_offset_k,  # int64: kv_head * stride_k_head
+    kv_head_offset_v,
+    stride_k_block,
+    stride_k_slot,
+    stride_v_block,
+    stride_v_slot,
+    qk_scale,  # scale * log2(e), or scale when USE_SOFTCAP
+    softcap,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,  # 0 = off
+    USE_SOFTCAP: tl.constexpr,
+    MASKED: tl.constexpr,  # False: every row sees every key of this tile (no mask needed)
+    DOT_PRECISION: tl.constexpr,
+):
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = offs_d < HEAD_DIM
+    k_pos = tile_idx * TILE_N + tl.arange(0, TILE_N)  # (TILE_N,)
+    if MASKED:
+        key_valid = k_pos < kv_end
+    else:
+        key_valid = k_pos >= 0
+    # Physical block of every key; positions past kv_end are never looked up, so table entries
+    # past a sequence's end are never dereferenced.
+    block_ids = tl.load(block_table_row_ptr + k_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+    slots = (k_pos % BLOCK_SIZE).to(tl.int64)
+
+    # K : (HEAD_DIM_PAD, TILE_N)
+    k_offsets = (block_ids[None, :] * stride_k_block + slots[None, :] * stride_k_slot
+                 + kv_head_offset_k + offs_d[:, None])
+    K = tl.load(key_cache_ptr + k_offsets, mask=dim_valid[:, None] & key_valid[None, :], other=0.0)
+    # V : (TILE_N, HEAD_DIM_PAD)
+    v_offsets = (block_ids[:, None] * stride_v_block + slots[:, None] * stride_v_slot
+                 + kv_head_offset_v + offs_d[None, :])
+    V = tl.load(value_cache_ptr + v_offsets, mask=key_valid[:, None] & dim_valid[None, :], other=0.0)
+
+    # S : (BLOCK_M, TILE_N), in log2 units so the softmax can use exp2
+    S = tl.dot(Q, K, input_precision=DOT_PRECISION)
+    if USE_SOFTCAP:
+        x = S * (qk_scale / softcap)
+        # tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits +-1 when exp over/underflows
+        S = (softcap * 1.4426950408889634) * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
+    else:
+        S = S * qk_scale
+    if MASKED:
+        visible = key_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if SLIDING_WINDOW > 0:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - SLIDING_WINDOW)
+        S = tl.where(visible, S, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(S, 1))
+    if MASKED:
+        # A row may have seen no key yet (window start inside the tile): keep exp2 finite.
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_new)
+    P = tl.exp2(S - m_new[:, None])  # (BLOCK_M, TILE_N)
+    l_i = l_i * alpha + tl.sum(P, 1)
+    acc = acc * alpha[:, None] + tl.dot(P.to(V.dtype), V, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    out_ptr,  # [num_tokens, num_q_heads, head_dim]
+    q_ptr,  # [num_tokens, num_q_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
+    cu_seqlens_q_ptr,  # [num_seqs + 1] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    qk_scale,  # float32
+    softcap,  # float32
+    num_seqs,
+    stride_q_token: tl.int64,
+    stride_q_head: tl.int64,
+    stride_out_token: tl.int64,
+    stride_out_head: tl.int64,
+    stride_table_seq: tl.int64,
+    stride_k_block: tl.int64,
+    stride_k_slot: tl.int64,
+    stride_k_head: tl.int64,
+    stride_v_block: tl.int64,
+    stride_v_slot: tl.int64,
+    stride_v_head: tl.int64,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # next power of two >= GROUP
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,  # next power of two >= HEAD_DIM
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block (page)
+    BLOCK_Q: tl.constexpr,  # query tokens per program
+    BLOCK_M: tl.constexpr,  # BLOCK_Q * GROUP_PAD rows
+    TILE_N: tl.constexpr,  # keys per inner iteration
+    SLIDING_WINDOW: tl.constexpr,  # 0 = off
+    USE_SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    q_tile_global = tl.program_id(0)
+    kv_head = tl.program_id(1)
+
+    seq_idx = _find_seq_idx(cu_seqlens_q_ptr, q_tile_global, num_seqs, BLOCK_Q)
+    q_start = tl.load(cu_seqlens_q_ptr + seq_idx)
+    q_len = tl.load(cu_seqlens_q_ptr + seq_idx + 1) - q_start
+    q_tile = q_tile_global - (q_start // BLOCK_Q + seq_idx)
+    if q_tile * BLOCK_Q >= q_len:
+        return  # spare tile of the upper-bound grid
+    seq_len = tl.load(seq_lens_ptr + seq_idx)
+    context_len = seq_len - q_len  # cached tokens before the first new query
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    q_idx = q_tile * BLOCK_Q + offs_m // GROUP_PAD  # (BLOCK_M,) query index within the sequence
+    head_in_group = offs_m % GROUP_PAD
+    row_valid = (q_idx < q_len) & (head_in_group < GROUP)
+    dim_valid = offs_d < HEAD_DIM
+    token = (q_start + q_idx).to(tl.int64)
+    q_head = (kv_head * GROUP + head_in_group).to(tl.int64)
+    q_pos = context_len + q_idx  # (BLOCK_M,)
+
+    # Q : (BLOCK_M, HEAD_DIM_PAD)
+    io_mask = row_valid[:, None] & dim_valid[None, :]
+    Q = tl.load(q_ptr + token[:, None] * stride_q_token + q_head[:, None] * stride_q_head + offs_d[None, :],
+                mask=io_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+
+    # Key tiles: [first_tile, full_lo) and [full_hi, num_tiles) need masks; in [full_lo, full_hi)
+    # every row of the tile sees every key (causally before the tile's first query and inside the
+    # window of its last one), so they run unmasked.
+    first_q_pos = context_len + q_tile * BLOCK_Q
+    last_q_pos = context_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len) - 1
+    kv_end = last_q_pos + 1
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    first_tile = 0
+    full_lo = 0
+    if SLIDING_WINDOW > 0:
+        first_tile = tl.maximum(first_q_pos - SLIDING_WINDOW + 1, 0) // TILE_N
+        full_lo = tl.cdiv(tl.maximum(last_q_pos - SLIDING_WINDOW + 1, 0), TILE_N)
+    full_lo = tl.minimum(full_lo, num_tiles)
+    full_hi = tl.maximum(tl.minimum((first_q_pos + 1) // TILE_N, num_tiles), full_lo)
+
+    block_table_row_ptr = block_tables_ptr + seq_idx.to(tl.int64) * stride_table_seq
+    kv_head_offset_k = kv_head.to(tl.int64) * stride_k_head
+    kv_head_offset_v = kv_head.to(tl.int64) * stride_v_head
+    for tile_idx in range(first_tile, full_lo):
+        m_i, l_i, acc = _attend_kv_tile(
+            Q, m_i, l_i, acc, tile_idx, q_pos, kv_end, key_cache_ptr, value_cache_ptr,
+            block_table_row_ptr, kv_head_offset_k, kv_head_offset_v,
+            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, softcap,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, SLIDING_WINDOW, USE_SOFTCAP, True, DOT_PRECISION)
+    for tile_idx in range(full_lo, full_hi):
+        m_i, l_i, acc = _attend_kv_tile(
+            Q, m_i, l_i, acc, tile_idx, q_pos, kv_end, key_cache_ptr, value_cache_ptr,
+            block_table_row_ptr, kv_head_offset_k, kv_head_offset_v,
+            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, softcap,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, SLIDING_WINDOW, USE_SOFTCAP, False, DOT_PRECISION)
+    for tile_idx in range(full_hi, num_tiles):
+        m_i, l_i, acc = _attend_kv_tile(
+            Q, m_i, l_i, acc, tile_idx, q_pos, kv_end, key_cache_ptr, value_cache_ptr,
+            block_table_row_ptr, kv_head_offset_k, kv_head_offset_v,
+            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, softcap,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, SLIDING_WINDOW, USE_SOFTCAP, True, DOT_PRECISION)
+
+    # Every valid row saw at least its own key, so l_i > 0 there; invalid rows are not stored.
+    acc = acc / l_i[:, None]
+    tl.store(out_ptr + token[:, None] * stride_out_token + q_head[:, None] * stride_out_head + offs_d[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def _launch_config(head_dim_pad: int, group_pad: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_M, TILE_N, num_warps, num_stages).
+
+    GPU: a program holds acc (BLOCK_M x HEAD_DIM_PAD fp32), S/P (BLOCK_M x TILE_N fp32) and Q in
+    registers. With BLOCK_M=128, TILE_N=64, head 128 and 8 warps (256 threads) that is 64 + 32
+    registers per thread for acc and S plus Q in shared memory: the FlashAttention-2 sweet spot on
+    A100/H100. Head 256 doubles acc and Q, so we halve BLOCK_M and TILE_N (64 x 32) to stay clear
+    of spills and keep 2 pipeline stages of K/V (2 x 2 x 32 x 256 x 2 B = 64 KiB) in shared memory.
+    BLOCK_M >= 16 always holds (tl.dot needs >= 16 on every dimension on a GPU).
+
+    Interpreter (CPU): registers do not exist and cost is per program and per op, but tests run
+    tiny shapes; 32 x 32 tiles keep the masked waste low and make modest test lengths cross
+    query-tile and key-tile boundaries.
+    """
+    if device.type != "cuda":
+        block_m, tile_n, num_warps, num_stages = 32, 32, 4, 1
+    elif head_dim_pad <= 128:
+        block_m, tile_n, num_warps, num_stages = 128, 64, 8, 3
+    else:
+        block_m, tile_n, num_warps, num_stages = 64, 32, 8, 2
+    # A program must hold at least one query token with all heads of its group.
+    return max(block_m, group_pad), tile_n, num_warps, num_stages
+
+
+def _prefill_attention_triton(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+                              scale, sliding_window, softcap, out) -> None:
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return
+    group = num_q_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    block_m, tile_n, num_warps, num_stages = _launch_config(head_dim_pad, group_pad, q.device)
+    block_q = block_m // group_pad
+    # Sequence s owns tiles cu[s] // BLOCK_Q + s ... so this bound covers every tile without
+    # reading cu_seqlens_q on the host; spare programs return at once.
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    use_softcap = softcap is not None
+    _prefill_attention_kernel[grid](
+        out, q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+        scale if use_softcap else scale * _LOG2E,
+        softcap if use_softcap else 1.0,
+        num_seqs,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
+        SLIDING_WINDOW=sliding_window or 0, USE_SOFTCAP=use_softcap,
+        # fp32 inputs: exact fp32 products (tl.dot would default to tf32 on a GPU)
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+# Bound on the fp32 score matrix the torch path materializes per chunk of queries (elements).
+_TORCH_SCORE_BUDGET = 1 << 26
+
+
+def _prefill_attention_torch(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+                             scale, sliding_window, softcap, out) -> None:
+    """Per sequence: gather exactly its seq_len cached K/V through the block table (never an unused
+    slot, so NaN there cannot leak in through a zero weight), then masked attention in fp32 with the
+    GQA group handled by SDPA's enable_gqa or by broadcasting."""
+    _, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_q_heads // num_kv_heads
+    starts = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    for s, seq_len in enumerate(lens):
+        q_start, q_end = starts[s], starts[s + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        blocks = block_tables[s, : -(-seq_len // block_size)].long()
+        # k, v : [num_kv_heads, seq_len, head_dim]
+        k = key_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).float()
+        v = value_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).float()
+        k_pos = torch.arange(seq_len, device=q.device)
+        chunk = max(1, _TORCH_SCORE_BUDGET // (num_q_heads * max(seq_len, 1)))
+        for c_start in range(0, q_len, chunk):
+            c_end = min(c_start + chunk, q_len)
+            # qs : [num_q_heads, chunk, head_dim]
+            qs = q[q_start + c_start: q_start + c_end].transpose(0, 1).float()
+            q_pos = torch.arange(seq_len - q_len + c_start, seq_len - q_len + c_end, device=q.device)
+            visible = k_pos[None, :] <= q_pos[:, None]  # [chunk, seq_len]
+            if sliding_window is not None:
+                visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
+            if softcap is None:
+                o = F.scaled_dot_product_attention(qs, k, v, attn_mask=visible, scale=scale,
+                                                   enable_gqa=group > 1)
+            else:
+                # scores : [num_kv_heads, group, chunk, seq_len]
+                scores = qs.reshape(num_kv_heads, group, c_end - c_start, head_dim) @ k[:, None].transpose(-1, -2)
+                scores = softcap * torch.tanh(scores * (scale / softcap))
+                scores = scores.masked_fill(~visible, float("-inf"))
+                o = (torch.softmax(scores, dim=-1) @ v[:, None]).flatten(0, 1)
+            out[q_start + c_start: q_start + c_end] = o.transpose(0, 1).to(out.dtype)
+
+
+def _check_values(q, key_cache, block_tables, cu_seqlens_q, seq_lens) -> None:
+    num_blocks, block_size = key_cache.shape[:2]
+    cu = cu_seqlens_q.cpu().long()
+    lens = seq_lens.cpu().long()
+    if cu[0].item() != 0:
+        raise ValueError(f"cu_seqlens_q must start at 0, got {cu[0].item()}")
+    q_lens = cu[1:] - cu[:-1]
+    if (q_lens < 0).any():
+        raise ValueError(f"cu_seqlens_q must be non-decreasing, got {cu.tolist()}")
+    if cu[-1].item() != q.shape[0]:
+        raise ValueError(f"cu_seqlens_q[-1] ({cu[-1].item()}) must equal q.shape[0] ({q.shape[0]})")
+    if (q_lens > lens).any():
+        s = int(torch.nonzero(q_lens > lens)[0])
+        raise ValueError(
+            f"seq_lens[{s}] ({lens[s].item()}) must be >= the sequence's query length ({q_lens[s].item()}): "
+            "the new tokens must already be in the cache")
+    blocks_needed = (lens + block_size - 1) // block_size
+    if (blocks_needed > block_tables.shape[1]).any():
+        s = int(torch.nonzero(blocks_needed > block_tables.shape[1])[0])
+        raise ValueError(
+            f"block_tables has {block_tables.shape[1]} columns but seq_lens[{s}] = {lens[s].item()} "
+            f"needs {blocks_needed[s].item()} blocks of {block_size}")
+    table = block_tables.cpu().long()
+    used = torch.arange(table.shape[1])[None, :] < blocks_needed[:, None]
+    bad = used & ((table < 0) | (table >= num_blocks))
+    if bad.any():
+        s, j = (int(i) for i in torch.nonzero(bad)[0])
+        raise ValueError(f"block_tables[{s}, {j}] = {table[s, j].item()} is out of range [0, {num_blocks})")
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal (bottom-right aligned) attention of packed new tokens over a paged KV cache.
+
+    Args:
+        q: ``[num_tokens, num_q_heads, head_dim]`` fp16/bf16/fp32, the new tokens of all sequences
+            packed back to back; head_dim in (64, 80, 96, 128, 256).
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, q's dtype;
+            the new tokens are already written (``reshape_and_cache``). num_q_heads must be a
+            multiple of num_kv_heads (GQA).
+        block_tables: int32 ``[num_seqs, max_blocks_per_seq]``; entries past a sequence's end are
+            never read.
+        cu_seqlens_q: int32 ``[num_seqs + 1]``, starts 0, non-decreasing; sequence s owns tokens
+            ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` of q.
+        seq_lens: int32 ``[num_seqs]``, tokens in the cache per sequence, new ones included
+            (``seq_lens[s] >= q_len[s]``; equal for a first prefill, 1-token rows are decodes).
+        scale: defaults to ``head_dim ** -0.5``.
+        sliding_window: W: a query at position p sees keys k with ``p - W < k <= p``.
+        softcap: scores become ``softcap * tanh(score / softcap)`` after scaling.
+        out: optional ``[num_tokens, num_q_heads, head_dim]`` output in q's dtype.
+
+    Returns ``out`` (new tensor if not given). ``cu_seqlens_q[-1] == num_tokens`` is checked only
+    where value checks run (CPU tensors, ``PAGEDKERNELS_DEBUG=1``); otherwise rows of ``out`` past
+    ``cu_seqlens_q[-1]`` are left untouched.
+    """
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    device = q.device
+    check_kv_caches(key_cache, value_cache, device=device)
+    check_same_dtype("key_cache", key_cache, "q", q)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    if cache_head_dim != head_dim:
+        raise ValueError(f"key_cache: head_dim ({cache_head_dim}) must equal q's head_dim ({head_dim})")
+    check_head_size("q", head_dim)
+    check_gqa(num_q_heads, num_kv_heads)
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=device)
+    num_seqs = seq_lens.shape[0]
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), device=device,
+                 shape=(num_seqs, None))
+    check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), device=device,
+                 shape=(num_seqs + 1,))
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise ValueError(f"scale must be a float or None, got {type(scale).__name__}")
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)):
+        raise ValueError(f"sliding_window must be an int or None, got {sliding_window!r}")
+    check_optional_positive("sliding_window", sliding_window)
+    if softcap is not None and not isinstance(softcap, (int, float)):
+        raise ValueError(f"softcap must be a float or None, got {type(softcap).__name__}")
+    check_optional_positive("softcap", softcap)
+    if out is not None:
+        check_tensor("out", out, dtypes=(q.dtype,), device=device, shape=tuple(q.shape))
+        if out.stride(-1) != 1:
+            raise ValueError("out must be contiguous in its last (head_dim) dimension")
+    if value_checks_enabled(q):
+        _check_values(q, key_cache, block_tables, cu_seqlens_q, seq_lens)
+
+    scale = head_dim ** -0.5 if scale is None else float(scale)
+    softcap = None if softcap is None else float(softcap)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    impl = _prefill_attention_triton if use_triton(q) else _prefill_attention_torch
+    impl(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window, softcap, out)
+    return out
