@@ -1,0 +1,94 @@
+"""One request's state as it moves through the engine."""
+import enum
+import itertools
+
+import torch
+
+from engine.outputs import Logprob, RequestMetrics
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Sequence:
+    """A request: prompt + generated tokens, how many of them have KV in the cache, and where that KV lives.
+
+    Invariant: `token_ids == prompt_token_ids + output_token_ids` (kept as one list because the model runner
+    reads `token_ids[num_computed_tokens:]` every step). Tokens `[0, num_computed_tokens)` have their KV in the
+    blocks of `block_table`; the last sampled token is not computed until the next step.
+    """
+
+    _counter = itertools.count()
+
+    __slots__ = ("seq_id", "request_id", "prompt", "prompt_token_ids", "output_token_ids", "token_ids",
+                 "num_computed_tokens", "num_cached_tokens", "block_table", "status", "params", "generator",
+                 "arrival_time", "metrics", "output_text", "prefix_offset", "read_offset", "logprobs",
+                 "cumulative_logprob", "finish_reason", "stop_reason", "stop_token_ids", "max_tokens")
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                 *, arrival_time: float, eos_token_ids: frozenset[int] = frozenset(),
+                 max_model_len: int | None = None, device: torch.device | str = "cpu"):
+        self.seq_id = next(Sequence._counter)   # arrival order: preemption victims are the largest seq_id
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0   # prefix-cache hit of the first admission
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.params = params
+        # A seeded request draws only from its own generator, so its tokens do not depend on the batch.
+        self.generator = None
+        if params.seed is not None and not params.greedy:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(params.seed)
+        self.arrival_time = arrival_time
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        # Incremental detokenizer state (see engine/detokenizer.py): offsets index into token_ids.
+        self.output_text = ""
+        self.read_offset = len(prompt_token_ids)
+        self.prefix_offset = max(self.read_offset - 5, 0)
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        # Ids that end the request when sampled (and that min_tokens masks): stop_token_ids, plus EOS unless ignored.
+        self.stop_token_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
+        # Output budget: max_tokens, and never past max_model_len tokens in total.
+        limit = params.max_tokens if params.max_tokens is not None else float("inf")
+        if max_model_len is not None:
+            limit = min(limit, max(max_model_len - len(prompt_token_ids), 1))
+        self.max_tokens = int(limit) if limit != float("inf") else None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __repr__(self) -> str:
+        return (f"Sequence(request_id={self.request_id!r}, num_tokens={self.num_tokens}, "
+                f"num_computed_tokens={self.num_computed_tokens}, status={self.status.name})")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)

@@ -1,0 +1,120 @@
+"""Scheduler: token budget, chunked prefill, decodes-first mixing, max_num_seqs, FCFS admission, preemption of
+the latest arrival and its exact resumption. Sequences are driven by hand (a fake model: each step appends one
+token to every sequence whose scheduled tokens reached its end)."""
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+
+
+def make_seq(num_prompt_tokens, request_id, first_token=0):
+    tokens = [(first_token + 7 * i) % 997 + 1 for i in range(num_prompt_tokens)]
+    return Sequence(request_id, None, tokens, SamplingParams(), arrival_time=0.0)
+
+
+def fake_step(scheduler: Scheduler, scheduled, next_token=5):
+    """Advance like the engine: count the computed tokens, then sample for sequences that reached their end."""
+    scheduler.update_after_step(scheduled)
+    for seq, _ in scheduled:
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.append_token(next_token)
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, prefix=True):
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
+    return Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+
+
+def test_budget_chunks_long_prompt_and_mixes_decodes_first():
+    sched = make_scheduler(max_num_batched_tokens=10)
+    a, b = make_seq(6, "a"), make_seq(25, "b", first_token=3)
+    sched.add(a)
+    sched.add(b)
+    step1 = sched.schedule()
+    assert [(s.request_id, n) for s, n in step1] == [("a", 6), ("b", 4)]   # b chunked to the remaining budget
+    fake_step(sched, step1)
+    step2 = sched.schedule()
+    assert [(s.request_id, n) for s, n in step2] == [("a", 1), ("b", 9)]   # a decodes first
+    fake_step(sched, step2)
+    assert b.num_computed_tokens == 13 and b.num_output_tokens == 0 and a.num_output_tokens == 2
+    for _ in range(2):
+        fake_step(sched, sched.schedule())
+    assert b.num_computed_tokens == 25 and b.num_output_tokens == 1
+    assert sum(n for _, n in sched.schedule()) == 2   # two decodes
+
+
+def test_max_num_seqs_and_fcfs():
+    sched = make_scheduler(max_num_seqs=2, max_num_batched_tokens=100)
+    seqs = [make_seq(3, str(i), first_token=10 * i) for i in range(4)]
+    for s in seqs:
+        sched.add(s)
+    step = sched.schedule()
+    assert [s.request_id for s, _ in step] == ["0", "1"]
+    assert [s.request_id for s in sched.waiting] == ["2", "3"]
+    sched.finish(seqs[0])
+    fake_step(sched, step)
+    step = sched.schedule()
+    assert [s.request_id for s, _ in step] == ["1", "2"]
+
+
+def test_prefix_hit_reduces_scheduled_tokens():
+    sched = make_scheduler(max_num_batched_tokens=64)
+    a = make_seq(12, "a")
+    sched.add(a)
+    fake_step(sched, sched.schedule())
+    b = Sequence("b", None, a.prompt_token_ids[:8] + [900, 901, 902], SamplingParams(), arrival_time=0.0)
+    sched.add(b)
+    step = sched.schedule()
+    assert ("b", 3) in [(s.request_id, n) for s, n in step]
+    assert b.num_cached_tokens == 8
+
+
+def test_preempts_latest_arrival_and_resumes_identically():
+    # 8 blocks of 4 slots; three sequences of 8 prompt tokens each need 2 blocks, then grow.
+    sched = make_scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=64, prefix=False)
+    seqs = [make_seq(8, str(i), first_token=100 * i) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    victims = []
+    for step_index in range(40):
+        before = {s.request_id: s.status for s in seqs}
+        step = sched.schedule()
+        for s in seqs:
+            if before[s.request_id] is SequenceStatus.RUNNING and s.status is SequenceStatus.WAITING:
+                victims.append((s.request_id, [r.request_id for r in sched.running]))
+                assert s.num_computed_tokens == 0 and s.block_table == [] and sched.waiting[0] is s
+        # The victim always arrived after every sequence still running.
+        fake_step(sched, step, next_token=step_index + 1)
+        for s in seqs:
+            if s.num_output_tokens >= 6 and s.status is SequenceStatus.RUNNING:
+                sched.finish(s)
+        if not sched.has_unfinished():
+            break
+    assert victims, "the cache was sized so that preemption must happen"
+    for victim, still_running in victims:
+        assert all(int(r) < int(victim) for r in still_running)
+    assert sched.num_preemptions == len(victims)
+    assert all(s.num_output_tokens == 6 for s in seqs)
+    # Preempted sequences kept their generated tokens: token_ids is still prompt + outputs.
+    for s in seqs:
+        assert s.token_ids == s.prompt_token_ids + s.output_token_ids
+    assert sched.block_manager.num_free_blocks == 8
+
+
+def test_no_admission_when_blocks_short():
+    sched = make_scheduler(num_blocks=3, block_size=4, max_num_batched_tokens=64)
+    a, b = make_seq(10, "a"), make_seq(5, "b", first_token=50)
+    sched.add(a)
+    sched.add(b)
+    step = sched.schedule()
+    assert [s.request_id for s, _ in step] == ["a"]   # b needs 2 blocks, 0 left
+    assert sched.block_manager.num_free_blocks == 0 and list(sched.waiting) == [b]
+
+
+@pytest.mark.parametrize("bad", [dict(max_num_seqs=0), dict(max_num_batched_tokens=0)])
+def test_rejects_bad_limits(bad):
+    kwargs = dict(max_num_seqs=4, max_num_batched_tokens=16) | bad
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        Scheduler(BlockManager(4, 4), **kwargs)
