@@ -1,0 +1,159 @@
+"""Sampler semantics on crafted logits: each SamplingParams field that acts on the distribution, seeded
+reproducibility independent of the batch, logprobs of the raw logits."""
+import pytest
+import torch
+
+from engine.sampler import Sampler, apply_penalties, apply_top_k_top_p
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+VOCAB = 12
+
+
+def seq_with(params: SamplingParams, prompt=(1, 2, 3), output=(), eos=frozenset({11})):
+    seq = Sequence("r", None, list(prompt), params, arrival_time=0.0, eos_token_ids=eos)
+    for t in output:
+        seq.append_token(t)
+    return seq
+
+
+def random_logits(num_rows, seed=0, vocab=VOCAB):
+    return torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(seed)) * 2.0
+
+
+def empirical(tokens, vocab=VOCAB):
+    return torch.bincount(torch.tensor(tokens), minlength=vocab).float() / len(tokens)
+
+
+def test_greedy_rows_take_argmax_next_to_random_rows():
+    logits = random_logits(6)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.5)] * 3
+    out = Sampler(seed=1)(logits, [seq_with(p) for p in params])
+    expected = logits.argmax(-1).tolist()
+    assert [out.sampled_token_ids[i] for i in (0, 2, 4)] == [expected[i] for i in (0, 2, 4)]
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_temperature_distribution(temperature):
+    row = random_logits(1, seed=3)
+    n = 4000
+    out = Sampler(seed=2)(row.expand(n, VOCAB), [seq_with(SamplingParams(temperature=temperature))] * n)
+    expected = torch.softmax(row[0] / temperature, -1)
+    assert (empirical(out.sampled_token_ids) - expected).abs().sum() < 0.08
+
+
+def test_top_k_keeps_only_k_largest():
+    row = random_logits(1, seed=4)
+    n = 3000
+    out = Sampler(seed=3)(row.expand(n, VOCAB), [seq_with(SamplingParams(top_k=3))] * n)
+    top3 = set(row[0].topk(3).indices.tolist())
+    assert set(out.sampled_token_ids) == top3
+    expected = torch.zeros(VOCAB)
+    expected[list(top3)] = torch.softmax(row[0, list(top3)], -1)
+    assert (empirical(out.sampled_token_ids) - expected).abs().sum() < 0.08
+
+
+def test_top_p_keeps_smallest_nucleus():
+    probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.05, 0.05] + [0.0] * 6) + 1e-9
+    row = probs.log().unsqueeze(0)
+    n = 3000
+    out = Sampler(seed=4)(row.expand(n, VOCAB), [seq_with(SamplingParams(top_p=0.7))] * n)
+    assert set(out.sampled_token_ids) == {0, 1, 2}   # 0.4 + 0.25 < 0.7 <= 0.8
+
+
+def test_min_p_drops_unlikely_tokens():
+    probs = torch.tensor([0.5, 0.2, 0.1, 0.09] + [0.11 / 8] * 8)
+    row = probs.log().unsqueeze(0)
+    n = 3000
+    out = Sampler(seed=5)(row.expand(n, VOCAB), [seq_with(SamplingParams(min_p=0.19))] * n)
+    assert set(out.sampled_token_ids) == {0, 1, 2}   # kept: p >= 0.19 * 0.5
+
+
+def test_top_k_top_p_per_row_in_one_batch():
+    logits = random_logits(3, seed=6)
+    out = apply_top_k_top_p(logits.clone(), torch.tensor([2, VOCAB, 5]), torch.tensor([1.0, 0.5, 1.0]))
+    kept = torch.isfinite(out)
+    assert kept[0].sum() == 2 and kept[2].sum() == 5
+    probs = torch.softmax(logits[1], -1).sort(descending=True).values
+    assert kept[1].sum() == int((probs.cumsum(0) < 0.5).sum()) + 1
+    assert torch.equal(out[kept], logits[kept])
+
+
+def test_seeded_request_independent_of_batch():
+    params = SamplingParams(temperature=1.0, seed=1234)
+    logits = random_logits(1, seed=7)
+
+    def run(batch_builder, steps=6):
+        seq = seq_with(params)
+        sampler = Sampler(seed=99)
+        tokens = []
+        for step in range(steps):
+            others = batch_builder(step)
+            batch_logits = torch.cat([random_logits(len(others), seed=100 + step), logits]) if others else logits
+            tokens.append(sampler(batch_logits, others + [seq]).sampled_token_ids[-1])
+        return tokens
+
+    alone = run(lambda step: [])
+    crowded = run(lambda step: [seq_with(SamplingParams(temperature=0.8)) for _ in range(step + 1)]
+                  + [seq_with(SamplingParams(temperature=0.9, seed=step))])
+    assert alone == crowded
+    assert len(set(alone)) > 1   # really random, not a constant
+    other_seed = seq_with(SamplingParams(temperature=1.0, seed=4321))
+    sampler = Sampler(seed=99)
+    assert [sampler(logits, [other_seed]).sampled_token_ids[0] for _ in range(6)] != alone
+
+
+def reference_penalties(logits, prompt, output, rep, pres, freq):
+    out = logits.clone()
+    for t in range(logits.shape[0]):
+        if t in prompt or t in output:
+            out[t] = out[t] / rep if out[t] > 0 else out[t] * rep
+        count = output.count(t)
+        out[t] -= freq * count + pres * (count > 0)
+    return out
+
+
+def test_penalties_match_vllm_semantics():
+    logits = random_logits(3, seed=8)
+    cases = [((1, 2, 3), (3, 3, 5), 1.3, 0.5, 0.25), ((4, 4), (6,), 0.7, -0.5, 0.0), ((0,), (0, 0, 0, 9), 1.0, 0.0, 1.5)]
+    seqs = [seq_with(SamplingParams(repetition_penalty=r, presence_penalty=p, frequency_penalty=f), prompt=pr, output=o)
+            for pr, o, r, p, f in cases]
+    got = logits.clone()
+    apply_penalties(got, seqs)
+    for i, (pr, o, r, p, f) in enumerate(cases):
+        torch.testing.assert_close(got[i], reference_penalties(logits[i], list(pr), list(o), r, p, f))
+
+
+def test_presence_penalty_changes_greedy_choice_only_for_output_tokens():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 5] = 1.0
+    logits[0, 6] = 0.5
+    prompt_only = seq_with(SamplingParams(temperature=0, presence_penalty=2.0), prompt=(5,))
+    in_output = seq_with(SamplingParams(temperature=0, presence_penalty=2.0), output=(5,))
+    out = Sampler()(logits.repeat(2, 1), [prompt_only, in_output])
+    assert out.sampled_token_ids == [5, 6]
+
+
+def test_min_tokens_masks_eos_and_stop_token_ids():
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 11] = 10.0   # EOS
+    logits[:, 7] = 9.0     # a stop token id
+    logits[:, 2] = 1.0
+    p = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[7])
+    seqs = [seq_with(p, output=()), seq_with(p, output=(1, 1)), seq_with(SamplingParams(temperature=0, min_tokens=2, ignore_eos=True))]
+    assert Sampler()(logits, seqs).sampled_token_ids == [2, 11, 11]   # ignore_eos: EOS is an ordinary token
+
+
+def test_logprobs_are_raw_log_softmax_and_include_sampled_token():
+    logits = random_logits(3, seed=9)
+    params = [SamplingParams(temperature=2.0, logprobs=3, repetition_penalty=1.5), SamplingParams(temperature=0),
+              SamplingParams(temperature=0.7, logprobs=0, seed=3)]
+    out = Sampler(seed=5)(logits, [seq_with(p) for p in params])
+    ref = torch.log_softmax(logits, -1)
+    for i in (0, 2):
+        token = out.sampled_token_ids[i]
+        assert out.sampled_logprobs[i] == pytest.approx(ref[i, token].item(), abs=1e-6)
+        assert out.sampled_ranks[i] == int((ref[i] > ref[i, token]).sum()) + 1
+    assert out.topk_token_ids[0] == ref[0].topk(3).indices.tolist()
+    torch.testing.assert_close(torch.tensor(out.topk_logprobs[0]), ref[0].topk(3).values)
+    assert out.topk_token_ids[1] is None and out.topk_token_ids[2] == []
