@@ -238,8 +238,9 @@ def _prefill_attention_kernel(
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, softcap,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, SLIDING_WINDOW, USE_SOFTCAP, True, DOT_PRECISION)
 
-    # Every valid row saw at least its own key, so l_i > 0 there; invalid rows are not stored.
-    acc = acc / l_i[:, None]
+    # Every valid row saw at least its own key, so l_i > 0 there; padding rows (l_i may be 0) are
+    # not stored.
+    acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + token[:, None] * stride_out_token + q_head[:, None] * stride_out_head + offs_d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=io_mask)
 
@@ -320,10 +321,10 @@ def _prefill_attention_torch(q, key_cache, value_cache, block_tables, cu_seqlens
         q_len = q_end - q_start
         if q_len == 0:
             continue
-        blocks = block_tables[s, : -(-seq_len // block_size)].long()
-        # k, v : [num_kv_heads, seq_len, head_dim]
-        k = key_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).float()
-        v = value_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).float()
+        blocks = block_tables[s, : -(-seq_len // block_size)]
+        # k, v : [num_kv_heads, seq_len, head_dim] (index_select: far faster than advanced indexing)
+        k = key_cache.index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1).float()
+        v = value_cache.index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1).float()
         k_pos = torch.arange(seq_len, device=q.device)
         chunk = max(1, _TORCH_SCORE_BUDGET // (num_q_heads * max(seq_len, 1)))
         for c_start in range(0, q_len, chunk):
@@ -335,8 +336,14 @@ def _prefill_attention_torch(q, key_cache, value_cache, block_tables, cu_seqlens
             if sliding_window is not None:
                 visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
             if softcap is None:
-                o = F.scaled_dot_product_attention(qs, k, v, attn_mask=visible, scale=scale,
-                                                   enable_gqa=group > 1)
+                # Fast paths: a square first prefill is SDPA's (top-left) causal case; a row that sees
+                # every key needs no mask. 4-D inputs select SDPA's fused CPU kernel (3-D ones take a
+                # much slower path).
+                is_causal = sliding_window is None and c_end - c_start == seq_len
+                sees_all = c_end - c_start == 1 and (sliding_window is None or sliding_window >= seq_len)
+                mask = None if is_causal or sees_all else visible
+                o = F.scaled_dot_product_attention(qs[None], k[None], v[None], attn_mask=mask, is_causal=is_causal,
+                                                   scale=scale, enable_gqa=group > 1)[0]
             else:
                 # scores : [num_kv_heads, group, chunk, seq_len]
                 scores = qs.reshape(num_kv_heads, group, c_end - c_start, head_dim) @ k[:, None].transpose(-1, -2)
