@@ -7,6 +7,8 @@ dimension contiguous. A slot is ``block_id * block_size + offset``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -112,7 +114,7 @@ def reshape_and_cache(
         block_h = min(triton.next_power_of_2(num_kv_heads), max(1, 4096 // block_d))
         grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
         _reshape_and_cache_kernel[grid](
-            key, value, key_cache, value_cache, slot_mapping,
+            key, value, key_cache, value_cache, slot_mapping.contiguous(),
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -155,12 +157,19 @@ def _copy_blocks_kernel(
     tl.store(base + dst * stride_blk + offs, vals, mask=mask)
 
 
+@functools.lru_cache(maxsize=16)
+def _pointer_table(data_ptrs: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Device int64 tensor of cache base addresses. Caches are allocated once per engine, so this
+    host-to-device copy happens once, not per step; keyed on the addresses themselves, a cached
+    table can never be stale."""
+    return torch.tensor(data_ptrs, dtype=torch.int64).to(device)
+
+
 def _launch_copy_blocks(caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
-    """The single launch behind :func:`copy_blocks` (a separate function so tests can count it)."""
     first = caches[0]
     block_numel = first[0].numel()
     tile = min(_COPY_TILE, triton.next_power_of_2(block_numel))
-    cache_ptrs = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64).to(first.device)
+    cache_ptrs = _pointer_table(tuple(c.data_ptr() for c in caches), first.device)
     grid = (len(caches), block_mapping.shape[0], triton.cdiv(block_numel, tile))
     _copy_blocks_kernel[grid](cache_ptrs, first, block_mapping, first.stride(0), block_numel, TILE=tile)
 
@@ -203,9 +212,7 @@ def copy_blocks(
 
     caches = list(key_caches) + list(value_caches)
     if use_triton(first):
-        if not block_mapping.is_contiguous():
-            block_mapping = block_mapping.contiguous()
-        _launch_copy_blocks(caches, block_mapping)
+        _launch_copy_blocks(caches, block_mapping.contiguous())
         return
 
     src, dst = block_mapping[:, 0], block_mapping[:, 1]
@@ -233,6 +240,8 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     current stream): synchronize that stream before reading a CPU destination.
     """
     check_tensor("src", src, dtypes=FLOAT_DTYPES)
+    if src.dim() < 1:
+        raise ValueError("src must have a leading num_blocks dimension")
     if not isinstance(dst, torch.Tensor) or dst.dim() < 1 or tuple(dst.shape[1:]) != tuple(src.shape[1:]):
         got = list(dst.shape) if isinstance(dst, torch.Tensor) else type(dst).__name__
         raise ValueError(f"dst must have the same per-block shape as src {list(src.shape[1:])}, got {got}")

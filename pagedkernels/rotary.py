@@ -179,7 +179,7 @@ def rotary_embedding(
         block_h = min(triton.next_power_of_2(num_heads), max(1, 2048 // half_pad))
         k_arg = k3 if k3 is not None else q3
         _rotary_kernel[(num_tokens,)](
-            positions, q3, k_arg, cos_sin_cache,
+            positions.contiguous(), q3, k_arg, cos_sin_cache,
             q3.stride(0), q3.stride(1), k_arg.stride(0), k_arg.stride(1), cos_sin_cache.stride(0),
             q3.shape[1], k_arg.shape[1], half,
             IS_NEOX=bool(is_neox), HAS_K=k3 is not None, BLOCK_H=block_h, HALF_PAD=half_pad,

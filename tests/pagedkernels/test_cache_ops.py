@@ -47,7 +47,7 @@ def test_reshape_and_cache(backend, device, dtype, num_tokens, num_kv_heads, hea
     assert not key.is_contiguous()
     slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
     slots[torch.randperm(num_tokens, generator=g)[: num_tokens // 3]] = -1  # padding tokens
-    slot_mapping = slots.to(device)
+    slot_mapping = torch.stack([slots, -slots], dim=1).to(device)[:, 0]  # a strided view
     key_cache = nan_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
     value_cache = nan_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
 

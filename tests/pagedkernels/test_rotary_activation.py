@@ -89,7 +89,7 @@ def test_rotary_embedding(backend, device, dtype, atol, rtol, is_neox, num_q_hea
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_rotary_embedding_3d_q_without_k(backend, device):
     g = torch.Generator().manual_seed(11)
-    positions = torch.tensor([0, 3, 17, 3], device=device)
+    positions = torch.tensor([0, 9, 3, 9, 17, 9, 3, 9], device=device)[::2]  # strided: [0, 3, 17, 3]
     cos_sin = make_cos_sin_cache(20, 64).float().to(device)
     q = torch.randn(4, 3, 64, generator=g).to(device)
     q_ref = rotary_ref(q, positions, cos_sin, True)
