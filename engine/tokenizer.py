@@ -1,0 +1,19 @@
+"""Loading the tokenizer of a model directory (transformers' fast tokenizer; tokenization only, no model code)."""
+import os
+
+
+def get_tokenizer(path: str):
+    """The tokenizer stored in `path` (a local directory). A chat template kept in a separate
+    `chat_template.jinja` is attached when the tokenizer config has none. Raises ValueError when the
+    directory has no usable tokenizer."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from e
+    template_file = os.path.join(path, "chat_template.jinja")
+    if getattr(tokenizer, "chat_template", None) is None and os.path.isfile(template_file):
+        with open(template_file, encoding="utf-8") as f:
+            tokenizer.chat_template = f.read()
+    return tokenizer
