@@ -1,0 +1,888 @@
+"""Kernel microbenchmarks for every pagedkernels op: ``python -m bench.kernels``.
+
+On a GPU each op is timed with ``triton.testing.do_bench`` (median; the L2 cache is flushed before
+every timed call, so each op reads its operands cold, as it does inside a forward pass) next to
+the torch alternative timed in the same run, and set against the device's limits measured in the
+same run:
+
+- copy bandwidth: device-to-device ``copy_`` of a 2 GiB buffer, GB/s = 2 * bytes / time;
+- matmul rate: ``torch.matmul`` of 8192^3 in bf16, TFLOP/s = 2 * 8192^3 / time;
+- pinned host <-> device bandwidth, the limit of ``swap_blocks``.
+
+Every row carries: op, shape, dtype, ms, GB/s (bytes the op must move at least, over its time),
+TFLOP/s (attention: useful FLOPs only, 4 * head_dim per visible query-key pair and head),
+frac_of_peak (GB/s over the copy bandwidth, or TFLOP/s over the matmul rate for prefill), the
+baseline's name and time, and ratio = baseline_ms / ms (above 1: pagedkernels is faster).
+Baselines: SDPA with only the flash backend on the same K/V made dense and contiguous; FlexAttention
+over the flat slot space of the same paged cache with a block mask built from the block tables;
+eager and ``torch.compile``d torch for norms/rotary/activation; the PyTorch twin (backend "torch")
+for the cache ops. Each op's result is checked once against a float32 reference before timing.
+
+``--device cpu`` (alias ``--dry-run``) runs tiny shapes with a wall-clock timer: it exercises the
+whole reporting path on a machine without a GPU; its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import gc
+import json
+import math
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+import pagedkernels as pk
+
+Timer = Callable[[Callable[[], object]], float]  # returns milliseconds per call
+
+# Relative tolerance of an output against its float32 reference: max|out - ref| <= tol * max|ref|.
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+# ------------------------------------------------------------------------------------------------
+# timers and the measured limits
+# ------------------------------------------------------------------------------------------------
+
+
+def cuda_timer(fn: Callable[[], object]) -> float:
+    """Median ms of ``fn`` over ~100 ms of runs after ~25 ms of warm-up; triton's do_bench clears
+    the L2 cache (writes a 256 MB buffer) before every timed call and times with CUDA events."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def wall_timer(fn: Callable[[], object], repeats: int = 3) -> float:
+    """Trivial CPU timer for the dry run: one warm-up call, median of ``repeats`` wall-clock runs."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+@dataclass
+class Peaks:
+    copy_gbps: float  # device-to-device copy: 2 * bytes / time
+    copy_bytes: int
+    matmul_tflops: float  # dense matmul rate, matmul_dtype, n^3
+    matmul_n: int
+    matmul_dtype: str
+    h2d_gbps: float | None = None  # pinned host -> device (CUDA only)
+    d2h_gbps: float | None = None  # device -> pinned host
+
+    def of(self, bound: str) -> float | None:
+        return {"copy": self.copy_gbps, "matmul": self.matmul_tflops, "h2d": self.h2d_gbps,
+                "d2h": self.d2h_gbps}[bound]
+
+
+def measure_peaks(device: torch.device, timer: Timer, *, tiny: bool = False) -> Peaks:
+    """Copy bandwidth and matmul rate of ``device``, measured now (tiny: small sizes for the dry run)."""
+    copy_bytes = (64 << 20) if tiny else (2 << 30)
+    src = torch.randint(0, 255, (copy_bytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_gbps = 2 * copy_bytes / timer(lambda: dst.copy_(src)) / 1e6
+    del src, dst
+
+    n = 512 if tiny else 8192
+    mm_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(n, n, dtype=mm_dtype, device=device)
+    b = torch.randn(n, n, dtype=mm_dtype, device=device)
+    c = torch.empty(n, n, dtype=mm_dtype, device=device)
+    matmul_tflops = 2 * n**3 / timer(lambda: torch.matmul(a, b, out=c)) / 1e9
+    del a, b, c
+
+    h2d = d2h = None
+    if device.type == "cuda":
+        nbytes = 1 << 30
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        h2d = nbytes / timer(lambda: dev.copy_(host, non_blocking=True)) / 1e6
+        d2h = nbytes / timer(lambda: host.copy_(dev, non_blocking=True)) / 1e6
+        del host, dev
+    _free(device)
+    return Peaks(copy_gbps, copy_bytes, matmul_tflops, n, DTYPE_NAMES[mm_dtype], h2d, d2h)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------------
+# cases, rows, targets
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Baseline:
+    name: str
+    # Builds the timed callable (and may verify its output); raising means "not available".
+    # Returns (callable, note).
+    make: Callable[[], tuple[Callable[[], object], str]]
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+
+@dataclass
+class Target:
+    name: str
+    metric: str  # "frac_of_peak", or "ratio:<baseline name>"
+    threshold: float
+
+
+@dataclass
+class Case:
+    op: str
+    shape: str
+    dtype: torch.dtype
+    fn: Callable[[], object]  # the pagedkernels call, inputs bound
+    bytes_moved: int  # bytes the op must read + write at least
+    flops: int = 0  # useful FLOPs (attention), 0 for bandwidth-bound ops
+    bound: str = "copy"  # the limit frac_of_peak refers to: "copy", "matmul", "h2d", "d2h"
+    baselines: list[Baseline] = field(default_factory=list)
+    check: Callable[[], None] | None = None  # raises AssertionError on a wrong result
+    target: Target | None = None
+
+
+@dataclass
+class Row:
+    op: str
+    shape: str
+    dtype: str
+    ms: float | None
+    gbps: float | None
+    tflops: float | None
+    frac_of_peak: float | None
+    peak: str  # which measured limit frac_of_peak refers to
+    baseline: str | None
+    baseline_ms: float | None
+    ratio: float | None  # baseline_ms / ms
+    check: str  # "ok", "FAILED: ...", or "not checked"
+    note: str = ""
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str = "output") -> None:
+    actual, expected = actual.float(), expected.float()
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{what}: shape {list(actual.shape)} != reference {list(expected.shape)}")
+    err = (actual - expected).abs().max().item()
+    scale = expected.abs().max().item()
+    tol = TOLERANCE[dtype] * scale + 1e-6
+    if not err <= tol:  # also catches NaN
+        raise AssertionError(f"{what}: max |err| {err:.3g} > {TOLERANCE[dtype]:g} * max |ref| ({scale:.3g})")
+
+
+class Skipped(Exception):
+    """Raised by a baseline's ``make`` that was not asked for (e.g. ``--no-compile``)."""
+
+
+def _first_line(e: BaseException) -> str:
+    if isinstance(e, Skipped):
+        return f"skipped: {e}"
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200] if text else ''}"
+
+
+def run_case(case: Case, timer: Timer, peaks: Peaks) -> list[Row]:
+    """Check the op once, time it and each baseline; one row per baseline (at least one row)."""
+    check = "not checked"
+    if case.check is not None:
+        try:
+            case.check()
+            check = "ok"
+        except Exception as e:  # a wrong result is reported, not fatal: the other ops still run
+            check = f"FAILED: {_first_line(e)}"
+    ms = gbps = tflops = frac = None
+    note = ""
+    try:
+        ms = timer(case.fn)
+        gbps = case.bytes_moved / ms / 1e6
+        tflops = case.flops / ms / 1e9 if case.flops else None
+        peak = peaks.of(case.bound)
+        achieved = tflops if case.bound == "matmul" else gbps
+        frac = achieved / peak if peak and achieved is not None else None
+    except Exception as e:
+        note = f"error: {_first_line(e)}"
+    peak_name = {"copy": "copy BW", "matmul": f"{peaks.matmul_dtype} matmul", "h2d": "pinned H2D",
+                 "d2h": "pinned D2H"}[case.bound]
+    rows = []
+    for baseline in case.baselines or [None]:
+        name = baseline_ms = ratio = None
+        row_note = note
+        if baseline is not None:
+            name = baseline.name
+            try:
+                with baseline.context():
+                    fn, extra = baseline.make()
+                    baseline_ms = timer(fn)
+                ratio = baseline_ms / ms if ms else None
+                row_note = "; ".join(x for x in (note, extra) if x)
+            except Skipped as e:
+                row_note = "; ".join(x for x in (note, _first_line(e)) if x)
+            except Exception as e:
+                row_note = "; ".join(x for x in (note, f"not available: {_first_line(e)}") if x)
+        rows.append(Row(case.op, case.shape, DTYPE_NAMES[case.dtype], ms, gbps, tflops, frac, peak_name,
+                        name, baseline_ms, ratio, check, row_note))
+    return rows
+
+
+def evaluate_target(case: Case, rows: list[Row]) -> dict:
+    target = case.target
+    value = None
+    if target.metric == "frac_of_peak":
+        value = rows[0].frac_of_peak
+    else:
+        wanted = target.metric.split(":", 1)[1]
+        value = next((r.ratio for r in rows if r.baseline == wanted), None)
+    ok = rows[0].check == "ok"
+    status = "n/a" if value is None else ("pass" if value >= target.threshold and ok else "fail")
+    return {"target": target.name, "op": case.op, "shape": case.shape, "metric": target.metric,
+            "threshold": target.threshold, "value": value, "status": status,
+            "note": "" if ok else f"result check: {rows[0].check}"}
+
+
+# ------------------------------------------------------------------------------------------------
+# inputs
+# ------------------------------------------------------------------------------------------------
+
+
+def _generator(device: torch.device, seed: int = 0) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _randn(*shape: int, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, dtype=dtype, device=device, generator=gen)
+
+
+@dataclass
+class PagedKV:
+    key_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq]
+    seq_lens: torch.Tensor  # int32 [num_seqs]
+    lens: list[int]
+
+
+def random_paged_kv(lens: list[int], num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                    device: torch.device, gen: torch.Generator) -> PagedKV:
+    """A random KV cache holding ``lens[s]`` tokens per sequence. Blocks are handed out in order,
+    as a fresh engine would: the kernels do not care, and it keeps FlexAttention's block mask
+    (over the flat slot space) as sparse as it can be."""
+    blocks = [-(-n // block_size) for n in lens]
+    num_blocks = sum(blocks)
+    key_cache = _randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device, gen=gen)
+    value_cache = _randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device, gen=gen)
+    block_tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32, device=device)
+    start = 0
+    for s, nb in enumerate(blocks):
+        block_tables[s, :nb] = torch.arange(start, start + nb, dtype=torch.int32, device=device)
+        start += nb
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    return PagedKV(key_cache, value_cache, block_tables, seq_lens, list(lens))
+
+
+def dense_kv(cache: torch.Tensor, block_tables: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[num_seqs, num_kv_heads, seq_len, head_dim] contiguous copy of equal-length sequences."""
+    gathered = cache[block_tables.long()]  # [num_seqs, max_blocks, block_size, kv_heads, head_dim]
+    return gathered.flatten(1, 2)[:, :seq_len].transpose(1, 2).contiguous()
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """float32 bottom-right causal attention, one sequence at a time (bounded memory).
+    q: [B, Hq, Lq, D]; k, v: [B, Hkv, L, D]. Returns [B, Hq, Lq, D] float32."""
+    group = q.shape[1] // k.shape[1]
+    out = []
+    for b in range(q.shape[0]):
+        qb = q[b].float()
+        kb = k[b].float().repeat_interleave(group, 0)
+        vb = v[b].float().repeat_interleave(group, 0)
+        lq, lk = qb.shape[1], kb.shape[1]
+        scores = qb @ kb.transpose(1, 2) * q.shape[-1] ** -0.5  # [Hq, Lq, L]
+        q_pos = torch.arange(lk - lq, lk, device=q.device)[:, None]
+        scores = scores.masked_fill(torch.arange(lk, device=q.device)[None, :] > q_pos, float("-inf"))
+        out.append(torch.softmax(scores, dim=-1) @ vb)
+    return torch.stack(out)
+
+
+def _slot_owners(kv: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per physical slot: owning sequence and logical position (-1 for unused slots)."""
+    num_blocks, block_size = kv.key_cache.shape[:2]
+    device = kv.key_cache.device
+    slot_seq = torch.full((num_blocks * block_size,), -1, dtype=torch.int32, device=device)
+    slot_pos = torch.full_like(slot_seq, -1)
+    for s, n in enumerate(kv.lens):
+        nb = -(-n // block_size)
+        slots = (kv.block_tables[s, :nb].long()[:, None] * block_size
+                 + torch.arange(block_size, device=device)).flatten()[:n]
+        slot_seq[slots] = s
+        slot_pos[slots] = torch.arange(n, dtype=torch.int32, device=device)
+    return slot_seq, slot_pos
+
+
+# ------------------------------------------------------------------------------------------------
+# attention baselines
+# ------------------------------------------------------------------------------------------------
+
+
+def sdpa_flash_baseline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool,
+                        check: Callable[[torch.Tensor], None]) -> Baseline:
+    """SDPA restricted to the flash backend on dense contiguous q [B, Hq, Lq, D], k/v [B, Hkv, L, D].
+    GQA through ``enable_gqa=True`` when the flash backend takes it, else K/V repeated to Hq heads
+    beforehand (which makes the baseline read ``group`` times more K/V; the note says so)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def make():
+        if q.shape[1] == k.shape[1]:
+            fn, note = (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)), ""
+        else:
+            try:
+                F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
+                fn, note = (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=is_causal,
+                                                                   enable_gqa=True)), "enable_gqa=True"
+            except RuntimeError as e:
+                group = q.shape[1] // k.shape[1]
+                k_rep, v_rep = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+                fn = lambda: F.scaled_dot_product_attention(q, k_rep, v_rep, is_causal=is_causal)  # noqa: E731
+                note = f"K/V repeated to {q.shape[1]} heads (enable_gqa refused: {_first_line(e)[:80]})"
+        check(fn())
+        return fn, note
+
+    return Baseline("sdpa-flash", make, context=lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION))
+
+
+def flex_paged_baseline(q: torch.Tensor, kv: PagedKV, q_seq: torch.Tensor, q_pos: torch.Tensor, *,
+                        compile: bool, check: Callable[[torch.Tensor], None]) -> Baseline:
+    """FlexAttention over the paged cache itself: K/V viewed as one sequence of all physical slots
+    [1, Hkv, num_blocks * block_size, D] (no copy), queries packed as [1, Hq, T, D], and a block mask
+    from the block tables: query t sees slot j iff j belongs to t's sequence at a position <= t's."""
+
+    def make():
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        num_blocks, block_size, num_kv_heads, head_dim = kv.key_cache.shape
+        num_slots = num_blocks * block_size
+        slot_seq, slot_pos = _slot_owners(kv)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (slot_seq[kv_idx] == q_seq[q_idx]) & (slot_pos[kv_idx] <= q_pos[q_idx])
+
+        block_mask = create_block_mask(mask_mod, None, None, q.shape[0], num_slots, device=q.device)
+        q_flat = q.transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hq, T, D]
+        k_flat = kv.key_cache.view(1, num_slots, num_kv_heads, head_dim).transpose(1, 2)
+        v_flat = kv.value_cache.view(1, num_slots, num_kv_heads, head_dim).transpose(1, 2)
+        attend = torch.compile(flex_attention, dynamic=False) if compile else flex_attention
+        gqa = q.shape[1] != num_kv_heads
+
+        def fn():
+            with warnings.catch_warnings():  # eager flex warns that it is unfused: known, it is the dry run
+                warnings.simplefilter("ignore", UserWarning)
+                return attend(q_flat, k_flat, v_flat, block_mask=block_mask, enable_gqa=gqa)
+
+        check(fn()[0].transpose(0, 1))  # back to [T, Hq, D]
+        return fn, "" if compile else "eager (--no-compile)"
+
+    return Baseline("flex-paged", make)
+
+
+def _checker(reference: Callable[[], torch.Tensor], dtype: torch.dtype, what: str) -> Callable[[torch.Tensor], None]:
+    cached = functools.cache(reference)
+    return lambda out: assert_close(out, cached(), dtype, what)
+
+
+# ------------------------------------------------------------------------------------------------
+# the cases
+# ------------------------------------------------------------------------------------------------
+
+
+def _heads(num_q_heads: int, num_kv_heads: int, head_dim: int) -> str:
+    return f"{num_q_heads}q/{num_kv_heads}kv heads, d{head_dim}"
+
+
+def decode_case(device, dtype, *, num_seqs: int, seq_len: int, num_q_heads: int, num_kv_heads: int,
+                head_dim: int, block_size: int = 16, compile: bool = True, target: Target | None = None) -> Case:
+    gen = _generator(device)
+    kv = random_paged_kv([seq_len] * num_seqs, num_kv_heads, head_dim, block_size, dtype, device, gen)
+    q = _randn(num_seqs, num_q_heads, head_dim, dtype=dtype, device=device, gen=gen)
+    out = torch.empty_like(q)
+    k_dense = dense_kv(kv.key_cache, kv.block_tables, seq_len)  # [B, Hkv, L, D]
+    v_dense = dense_kv(kv.value_cache, kv.block_tables, seq_len)
+    q_dense = q.unsqueeze(2)  # [B, Hq, 1, D]
+    reference = _checker(lambda: reference_attention(q_dense, k_dense, v_dense).squeeze(2), dtype, "decode")
+
+    def fn():
+        return pk.paged_decode_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, out=out)
+
+    item = q.element_size()
+    tokens = num_seqs * seq_len
+    bytes_moved = (2 * tokens * num_kv_heads * head_dim + 2 * q.numel()) * item + kv.block_tables.numel() * 4
+    q_seq = torch.arange(num_seqs, dtype=torch.int32, device=device)
+    q_pos = kv.seq_lens - 1
+    return Case(
+        "paged_decode_attention",
+        f"{num_seqs} seqs x {seq_len} tok, {_heads(num_q_heads, num_kv_heads, head_dim)}, block {block_size}",
+        dtype, fn, bytes_moved, flops=4 * num_q_heads * head_dim * tokens, bound="copy",
+        baselines=[
+            sdpa_flash_baseline(q_dense, k_dense, v_dense, is_causal=False,
+                                check=lambda o: reference(o.squeeze(2))),
+            flex_paged_baseline(q, kv, q_seq, q_pos, compile=compile, check=reference),
+        ],
+        check=lambda: reference(fn()), target=target)
+
+
+def prefill_case(device, dtype, *, num_seqs: int, new_tokens: int, context: int | None = None, num_q_heads: int,
+                 num_kv_heads: int, head_dim: int, block_size: int = 16, compile: bool = True,
+                 target: Target | None = None) -> Case:
+    """``num_seqs`` sequences of ``new_tokens`` query tokens each over ``context`` cached tokens
+    (the new ones included; default: a first prefill, context == new_tokens)."""
+    context = context or new_tokens
+    gen = _generator(device)
+    kv = random_paged_kv([context] * num_seqs, num_kv_heads, head_dim, block_size, dtype, device, gen)
+    num_tokens = num_seqs * new_tokens
+    q = _randn(num_tokens, num_q_heads, head_dim, dtype=dtype, device=device, gen=gen)
+    out = torch.empty_like(q)
+    cu_seqlens_q = torch.arange(0, num_tokens + 1, new_tokens, dtype=torch.int32, device=device)
+    k_dense = dense_kv(kv.key_cache, kv.block_tables, context)  # [B, Hkv, L, D]
+    v_dense = dense_kv(kv.value_cache, kv.block_tables, context)
+    q_dense = q.view(num_seqs, new_tokens, num_q_heads, head_dim).transpose(1, 2).contiguous()  # [B, Hq, Lq, D]
+
+    def to_packed(o: torch.Tensor) -> torch.Tensor:  # [B, Hq, Lq, D] -> [T, Hq, D]
+        return o.transpose(1, 2).reshape(num_tokens, num_q_heads, head_dim)
+
+    reference = _checker(lambda: to_packed(reference_attention(q_dense, k_dense, v_dense)), dtype, "prefill")
+
+    def fn():
+        return pk.paged_prefill_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, cu_seqlens_q,
+                                          kv.seq_lens, out=out)
+
+    item = q.element_size()
+    pairs = num_seqs * (new_tokens * (context - new_tokens) + new_tokens * (new_tokens + 1) // 2)
+    bytes_moved = (2 * q.numel() + 2 * num_seqs * context * num_kv_heads * head_dim) * item
+    q_seq = torch.arange(num_seqs, dtype=torch.int32, device=device).repeat_interleave(new_tokens)
+    q_pos = (torch.arange(new_tokens, dtype=torch.int32, device=device) + context - new_tokens).repeat(num_seqs)
+    baselines = [flex_paged_baseline(q, kv, q_seq, q_pos, compile=compile, check=reference)]
+    if context == new_tokens:  # SDPA's is_causal is top-left aligned: equal to ours only then
+        baselines.insert(0, sdpa_flash_baseline(q_dense, k_dense, v_dense, is_causal=True,
+                                                check=lambda o: reference(to_packed(o))))
+    shape = f"{num_seqs} x {new_tokens} new tok"
+    if context != new_tokens:
+        shape += f" over {context} ctx"
+    return Case("paged_prefill_attention", f"{shape}, {_heads(num_q_heads, num_kv_heads, head_dim)}, block {block_size}",
+                dtype, fn, bytes_moved, flops=4 * num_q_heads * head_dim * pairs, bound="matmul",
+                baselines=baselines, check=lambda: reference(fn()), target=target)
+
+
+def _torch_twin(name: str, call: Callable[[], object]) -> Baseline:
+    def make():
+        def fn():
+            with pk.use_backend("torch"):
+                return call()
+        return fn, ""
+    return Baseline(name, make)
+
+
+def reshape_and_cache_case(device, dtype, *, num_tokens: int, num_kv_heads: int, head_dim: int,
+                           block_size: int = 16) -> Case:
+    gen = _generator(device)
+    num_blocks = 2 * -(-num_tokens // block_size)
+    key = _randn(num_tokens, num_kv_heads, head_dim, dtype=dtype, device=device, gen=gen)
+    value = _randn(num_tokens, num_kv_heads, head_dim, dtype=dtype, device=device, gen=gen)
+    key_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    value_cache = torch.zeros_like(key_cache)
+    # Distinct slots scattered over the whole cache, as a batch of sequences at different offsets.
+    slot_mapping = torch.randperm(num_blocks * block_size, generator=gen, device=device)[:num_tokens]
+
+    def fn():
+        pk.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+    def check():
+        key_cache.zero_()
+        value_cache.zero_()
+        fn()
+        assert_close(key_cache.view(-1, num_kv_heads, head_dim)[slot_mapping], key, dtype, "key_cache")
+        assert_close(value_cache.view(-1, num_kv_heads, head_dim)[slot_mapping], value, dtype, "value_cache")
+
+    bytes_moved = 4 * key.numel() * key.element_size() + 8 * num_tokens
+    return Case("reshape_and_cache", f"{num_tokens} tok, {num_kv_heads} kv heads, d{head_dim}, block {block_size}",
+                dtype, fn, bytes_moved, baselines=[_torch_twin("torch twin", fn)], check=check)
+
+
+def copy_blocks_case(device, dtype, *, num_layers: int, num_blocks: int, num_pairs: int, num_kv_heads: int,
+                     head_dim: int, block_size: int = 16) -> Case:
+    gen = _generator(device)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_caches = [_randn(*shape, dtype=dtype, device=device, gen=gen) for _ in range(num_layers)]
+    value_caches = [_randn(*shape, dtype=dtype, device=device, gen=gen) for _ in range(num_layers)]
+    perm = torch.randperm(num_blocks, generator=gen, device=device)
+    block_mapping = torch.stack([perm[:num_pairs], perm[num_pairs: 2 * num_pairs]], dim=1)  # (src, dst)
+
+    def fn():
+        pk.copy_blocks(key_caches, value_caches, block_mapping)
+
+    def check():
+        fn()
+        src, dst = block_mapping[:, 0], block_mapping[:, 1]
+        for cache in key_caches + value_caches:
+            assert_close(cache[dst], cache[src], dtype, "copied blocks")
+
+    block_bytes = block_size * num_kv_heads * head_dim * key_caches[0].element_size()
+    bytes_moved = 2 * 2 * num_layers * num_pairs * block_bytes
+    return Case("copy_blocks", f"{num_layers} layers x {num_pairs} pairs, block {block_size}x{num_kv_heads}x{head_dim}",
+                dtype, fn, bytes_moved, baselines=[_torch_twin("torch twin", fn)], check=check)
+
+
+def swap_blocks_case(device, dtype, *, direction: str, num_blocks: int, num_pairs: int, num_kv_heads: int,
+                     head_dim: int, block_size: int = 16) -> Case:
+    """direction "d2h" (GPU -> pinned CPU, swap-out) or "h2d" (swap-in); on a CPU run both caches
+    live in host memory."""
+    gen = _generator(device)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    on_device = _randn(*shape, dtype=dtype, device=device, gen=gen)
+    host = torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
+    host.copy_(on_device)
+    src, dst = (on_device, host) if direction == "d2h" else (host, on_device)
+    cpu_gen = torch.Generator().manual_seed(1)
+    perm = torch.randperm(num_blocks, generator=cpu_gen)
+    block_mapping = torch.stack([perm[:num_pairs], torch.randperm(num_blocks, generator=cpu_gen)[:num_pairs]], 1)
+    src_ids, dst_ids = block_mapping[:, 0], block_mapping[:, 1]
+
+    def fn():
+        pk.swap_blocks(src, dst, block_mapping)
+
+    def check():
+        dst.zero_()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        assert_close(dst[dst_ids.to(dst.device)].cpu(), src[src_ids.to(src.device)].cpu(), dtype, "swapped blocks")
+
+    def index_copy():
+        # The obvious torch alternative: gather the blocks, move them in one transfer, scatter.
+        src_idx, dst_idx = src_ids.to(src.device), dst_ids.to(dst.device)
+
+        def call():
+            dst.index_copy_(0, dst_idx, src.index_select(0, src_idx).to(dst.device, non_blocking=True))
+        return call, "index_select + one transfer + index_copy_"
+
+    block_bytes = block_size * num_kv_heads * head_dim * on_device.element_size()
+    bound = direction if device.type == "cuda" else "copy"
+    return Case("swap_blocks", f"{direction}: {num_pairs} of {num_blocks} blocks, block {block_size}x{num_kv_heads}x{head_dim}",
+                dtype, fn, num_pairs * block_bytes * (1 if device.type == "cuda" else 2), bound=bound,
+                baselines=[Baseline("torch index_copy", index_copy)], check=check)
+
+
+def _rms_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def _add_rms_reference(x, residual, weight, eps):
+    summed = (x.float() + residual.float()).to(residual.dtype)
+    return _rms_reference(summed, weight, eps), summed
+
+
+def _eager_and_compiled(fn: Callable, args: tuple, compile: bool) -> list[Baseline]:
+    def eager():
+        return (lambda: fn(*args)), ""
+
+    def compiled():
+        if not compile:
+            raise Skipped("--no-compile")
+        compiled_fn = torch.compile(fn, dynamic=False)
+        compiled_fn(*args)
+        return (lambda: compiled_fn(*args)), ""
+
+    return [Baseline("torch eager", eager), Baseline("torch.compile", compiled)]
+
+
+def rms_norm_case(device, dtype, *, num_tokens: int, hidden: int, compile: bool = True) -> Case:
+    gen = _generator(device)
+    x = _randn(num_tokens, hidden, dtype=dtype, device=device, gen=gen)
+    weight = 1 + 0.1 * _randn(hidden, dtype=dtype, device=device, gen=gen)
+    out = torch.empty_like(x)
+    eps = 1e-6
+
+    def fn():
+        return pk.rms_norm(x, weight, eps, out=out)
+
+    bytes_moved = 2 * x.numel() * x.element_size() + weight.numel() * weight.element_size()
+    return Case("rms_norm", f"{num_tokens} x {hidden}", dtype, fn, bytes_moved,
+                baselines=_eager_and_compiled(_rms_reference, (x, weight, eps), compile),
+                check=lambda: assert_close(fn(), _rms_reference(x.float(), weight, eps), dtype))
+
+
+def fused_add_rms_norm_case(device, dtype, *, num_tokens: int, hidden: int, compile: bool = True,
+                            target: Target | None = None) -> Case:
+    gen = _generator(device)
+    x = _randn(num_tokens, hidden, dtype=dtype, device=device, gen=gen)
+    residual = _randn(num_tokens, hidden, dtype=dtype, device=device, gen=gen)
+    weight = 1 + 0.1 * _randn(hidden, dtype=dtype, device=device, gen=gen)
+    eps = 1e-6
+    # Timed calls keep updating x and residual in place (residual grows by x each call): harmless.
+    x_run, residual_run = x.clone(), residual.clone()
+
+    def fn():
+        return pk.fused_add_rms_norm(x_run, residual_run, weight, eps)
+
+    def check():
+        expected_out, expected_residual = _add_rms_reference(x, residual, weight, eps)
+        x_run.copy_(x)
+        residual_run.copy_(residual)
+        out, new_residual = fn()
+        assert_close(new_residual, expected_residual, dtype, "residual")
+        assert_close(out, expected_out, dtype, "out")
+
+    bytes_moved = 4 * x.numel() * x.element_size() + weight.numel() * weight.element_size()
+    return Case("fused_add_rms_norm", f"{num_tokens} x {hidden}", dtype, fn, bytes_moved,
+                baselines=_eager_and_compiled(_add_rms_reference, (x, residual, weight, eps), compile),
+                check=check, target=target)
+
+
+def _rotary_reference(positions, q, k, cos_sin_cache):
+    """neox rotary, out of place: halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), fp32."""
+    cos, sin = cos_sin_cache[positions].float().chunk(2, dim=-1)  # [T, D/2] each
+    cos, sin = cos[:, None, :], sin[:, None, :]
+
+    def rotate(x):
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def rotary_case(device, dtype, *, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                max_position: int = 8192, compile: bool = True) -> Case:
+    gen = _generator(device)
+    q = _randn(num_tokens, num_q_heads, head_dim, dtype=dtype, device=device, gen=gen)
+    k = _randn(num_tokens, num_kv_heads, head_dim, dtype=dtype, device=device, gen=gen)
+    positions = torch.randint(0, max_position, (num_tokens,), generator=gen, device=device)
+    cos_sin_cache = pk.compute_cos_sin_cache(max_position, head_dim, 10000.0, dtype=torch.float32, device=device)
+    q_run, k_run = q.clone(), k.clone()
+
+    def fn():
+        pk.rotary_embedding(positions, q_run, k_run, cos_sin_cache)
+
+    def check():
+        q_run.copy_(q)
+        k_run.copy_(k)
+        fn()
+        expected_q, expected_k = _rotary_reference(positions, q, k, cos_sin_cache)
+        assert_close(q_run, expected_q, dtype, "q")
+        assert_close(k_run, expected_k, dtype, "k")
+
+    bytes_moved = (2 * (q.numel() + k.numel()) * q.element_size() + num_tokens * 8
+                   + num_tokens * head_dim * cos_sin_cache.element_size())
+    baselines = [_torch_twin("torch twin", fn)] + _eager_and_compiled(
+        _rotary_reference, (positions, q_run, k_run, cos_sin_cache), compile)[1:]
+    return Case("rotary_embedding", f"{num_tokens} tok, {_heads(num_q_heads, num_kv_heads, head_dim)}, neox",
+                dtype, fn, bytes_moved, baselines=baselines, check=check)
+
+
+def _silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return (F.silu(gate.float()) * up.float()).to(x.dtype)
+
+
+def silu_and_mul_case(device, dtype, *, num_tokens: int, intermediate: int, compile: bool = True) -> Case:
+    gen = _generator(device)
+    x = _randn(num_tokens, 2 * intermediate, dtype=dtype, device=device, gen=gen)
+    out = torch.empty(num_tokens, intermediate, dtype=dtype, device=device)
+
+    def fn():
+        return pk.silu_and_mul(x, out=out)
+
+    return Case("silu_and_mul", f"{num_tokens} x 2*{intermediate}", dtype, fn, 3 * out.numel() * out.element_size(),
+                baselines=_eager_and_compiled(_silu_and_mul_reference, (x,), compile),
+                check=lambda: assert_close(fn(), _silu_and_mul_reference(x.float()), dtype))
+
+
+# The issue's targets (H100, bf16).
+DECODE_TARGET = Target("decode >= 0.90 of copy BW", "frac_of_peak", 0.90)
+PREFILL_TARGET = Target("prefill >= 0.90 of SDPA-flash TFLOP/s", "ratio:sdpa-flash", 0.90)
+ADD_RMS_TARGET = Target("fused add-RMSNorm >= 0.85 of copy BW", "frac_of_peak", 0.85)
+
+
+def suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False, compile: bool = True) -> list[Callable[[], Case]]:
+    """Case builders, run one at a time so only one case's tensors are alive. ``tiny`` keeps every
+    shape relation (GQA groups, head sizes, targets) at sizes a CPU handles in seconds."""
+    d, c = dict(device=device, dtype=dtype), dict(compile=compile)
+    if tiny:
+        attn = dict(num_q_heads=4, num_kv_heads=2, head_dim=64)
+        return [
+            lambda: decode_case(**d, **c, num_seqs=4, seq_len=64, **attn, target=DECODE_TARGET),
+            lambda: decode_case(**d, **c, num_seqs=1, seq_len=256, **attn),
+            lambda: prefill_case(**d, **c, num_seqs=2, new_tokens=32, **attn, target=PREFILL_TARGET),
+            lambda: prefill_case(**d, **c, num_seqs=2, new_tokens=16, context=48, **attn),
+            lambda: reshape_and_cache_case(**d, num_tokens=64, num_kv_heads=2, head_dim=64),
+            lambda: copy_blocks_case(**d, num_layers=2, num_blocks=16, num_pairs=4, num_kv_heads=2, head_dim=64),
+            lambda: swap_blocks_case(**d, direction="d2h", num_blocks=16, num_pairs=4, num_kv_heads=2, head_dim=64),
+            lambda: rms_norm_case(**d, **c, num_tokens=16, hidden=256),
+            lambda: fused_add_rms_norm_case(**d, **c, num_tokens=16, hidden=256, target=ADD_RMS_TARGET),
+            lambda: rotary_case(**d, **c, num_tokens=16, num_q_heads=4, num_kv_heads=2, head_dim=64, max_position=64),
+            lambda: silu_and_mul_case(**d, **c, num_tokens=16, intermediate=128),
+        ]
+    heads = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
+    cache = dict(num_kv_heads=8, head_dim=128)
+    return [
+        # decode: the target, batch-1 long context (split-K), GQA group 8, head 64, many short sequences
+        lambda: decode_case(**d, **c, num_seqs=64, seq_len=4096, **heads, target=DECODE_TARGET),
+        lambda: decode_case(**d, **c, num_seqs=1, seq_len=32768, **heads),
+        lambda: decode_case(**d, **c, num_seqs=64, seq_len=4096, num_q_heads=64, num_kv_heads=8, head_dim=128),
+        lambda: decode_case(**d, **c, num_seqs=64, seq_len=4096, num_q_heads=32, num_kv_heads=8, head_dim=64),
+        lambda: decode_case(**d, **c, num_seqs=256, seq_len=1024, **heads),
+        # prefill: the target, head 64, GQA group 8, one long prompt, chunked prefill over a cached prefix
+        lambda: prefill_case(**d, **c, num_seqs=8, new_tokens=2048, **heads, target=PREFILL_TARGET),
+        lambda: prefill_case(**d, **c, num_seqs=8, new_tokens=2048, num_q_heads=32, num_kv_heads=8, head_dim=64),
+        lambda: prefill_case(**d, **c, num_seqs=8, new_tokens=2048, num_q_heads=64, num_kv_heads=8, head_dim=128),
+        lambda: prefill_case(**d, **c, num_seqs=1, new_tokens=8192, **heads),
+        lambda: prefill_case(**d, **c, num_seqs=4, new_tokens=512, context=4096, **heads),
+        # cache ops
+        lambda: reshape_and_cache_case(**d, num_tokens=16384, **cache),
+        lambda: reshape_and_cache_case(**d, num_tokens=64, **cache),
+        lambda: copy_blocks_case(**d, num_layers=32, num_blocks=1024, num_pairs=256, **cache),
+        lambda: swap_blocks_case(**d, direction="d2h", num_blocks=2048, num_pairs=512, **cache),
+        lambda: swap_blocks_case(**d, direction="h2d", num_blocks=2048, num_pairs=512, **cache),
+        # norms, rotary, activation
+        lambda: rms_norm_case(**d, **c, num_tokens=8192, hidden=4096),
+        lambda: fused_add_rms_norm_case(**d, **c, num_tokens=8192, hidden=4096, target=ADD_RMS_TARGET),
+        lambda: fused_add_rms_norm_case(**d, **c, num_tokens=64, hidden=4096),
+        lambda: rotary_case(**d, **c, num_tokens=8192, num_q_heads=32, num_kv_heads=8, head_dim=128),
+        lambda: silu_and_mul_case(**d, **c, num_tokens=8192, intermediate=14336),
+    ]
+
+
+# ------------------------------------------------------------------------------------------------
+# running and printing
+# ------------------------------------------------------------------------------------------------
+
+
+def run_suite(device: torch.device | str, *, tiny: bool = False, compile: bool = True, only: str | None = None,
+              log: Callable[[str], None] = print, timer: Timer | None = None) -> dict:
+    """Measure the limits, then every case. Returns {"peaks", "rows", "targets"} (plain dicts).
+    On CUDA: bf16 and do_bench; on CPU: fp32 and the wall-clock timer (``timer`` overrides)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("bench.kernels: CUDA is not available on this machine (use --device cpu for a dry run)")
+        timer, dtype = timer or cuda_timer, torch.bfloat16
+    else:
+        timer, dtype = timer or wall_timer, torch.float32
+    peaks = measure_peaks(device, timer, tiny=tiny)
+    log(format_peaks(dataclasses.asdict(peaks)))
+    rows: list[Row] = []
+    targets = []
+    for build in suite(device, dtype, tiny=tiny, compile=compile):
+        try:
+            case = build()
+        except Exception as e:
+            log(f"  case could not be built: {_first_line(e)}")
+            continue
+        if only and only not in case.op:
+            continue
+        start = time.perf_counter()
+        case_rows = run_case(case, timer, peaks)
+        rows += case_rows
+        if case.target is not None:
+            targets.append(evaluate_target(case, case_rows))
+        log(f"  {case.op} [{case.shape}]: {_fmt(case_rows[0].ms, '.4f')} ms, check {case_rows[0].check} "
+            f"({time.perf_counter() - start:.1f} s)")
+        del case, case_rows
+        _free(device)
+    return {"peaks": dataclasses.asdict(peaks), "rows": [dataclasses.asdict(r) for r in rows], "targets": targets}
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _num(value: float | None) -> str:
+    """Three significant figures at most, without exponents for the usual ranges."""
+    if value is None:
+        return "-"
+    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
+
+
+COLUMNS = ("op", "shape", "dtype", "ms", "GB/s", "TFLOP/s", "frac_of_peak", "baseline", "baseline_ms", "ratio",
+           "check")
+
+
+def table_cells(row: dict) -> list[str]:
+    frac = "-" if row["frac_of_peak"] is None else f"{row['frac_of_peak']:.3f} of {row['peak']}"
+    baseline = row["baseline"] or "-"
+    if row["baseline"] and row["baseline_ms"] is None:
+        baseline += f" ({row['note']})"
+    return [row["op"], row["shape"], row["dtype"], _fmt(row["ms"], ".4f"), _num(row["gbps"]),
+            _num(row["tflops"]), frac, baseline, _fmt(row["baseline_ms"], ".4f"), _fmt(row["ratio"], ".2f"),
+            row["check"]]
+
+
+def format_table(rows: list[dict]) -> str:
+    """Plain-text tables, one per op; ratio = baseline_ms / ms (above 1: pagedkernels is faster)."""
+    out = []
+    for op in dict.fromkeys(r["op"] for r in rows):
+        cells = [list(COLUMNS)] + [table_cells(r) for r in rows if r["op"] == op]
+        widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+        out.append(f"== {op}")
+        for i, line in enumerate(cells):
+            out.append("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
+            if i == 0:
+                out.append("  ".join("-" * w for w in widths))
+        out.append("")
+    return "\n".join(out)
+
+
+def format_peaks(peaks: dict) -> str:
+    text = (f"measured limits: copy {peaks['copy_gbps']:.1f} GB/s ({peaks['copy_bytes'] >> 20} MiB d2d), "
+            f"{peaks['matmul_dtype']} matmul {_num(peaks['matmul_tflops'])} TFLOP/s ({peaks['matmul_n']}^3)")
+    if peaks.get("h2d_gbps"):
+        text += f", pinned H2D {peaks['h2d_gbps']:.1f} GB/s, D2H {peaks['d2h_gbps']:.1f} GB/s"
+    return text
+
+
+def format_targets(targets: list[dict]) -> str:
+    lines = ["targets:"]
+    for t in targets:
+        lines.append(f"  [{t['status'].upper():4}] {t['target']}: {_fmt(t['value'], '.3f')} "
+                     f"(need >= {t['threshold']}) -- {t['op']} {t['shape']} {t['note']}".rstrip())
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (dry run: tiny shapes, wall clock)")
+    parser.add_argument("--dry-run", action="store_true", help="same as --device cpu")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile baselines (eager FlexAttention)")
+    parser.add_argument("--only", help="run only ops whose name contains this")
+    parser.add_argument("--json", help="also write the results to this JSON file")
+    args = parser.parse_args(argv)
+    device = "cpu" if args.dry_run else args.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print("bench.kernels: CUDA is not available on this machine; run on a GPU, or use --dry-run "
+              "(--device cpu) to exercise the reporting code on tiny CPU shapes", file=sys.stderr)
+        return 2
+    result = run_suite(device, tiny=device == "cpu", compile=not args.no_compile, only=args.only)
+    print()
+    print(format_table(result["rows"]))
+    print(format_targets(result["targets"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""Benchmark reports: ``<out>/<YYYY-MM-DD>-<device-slug>.json``, ``.md`` and ``.png``.
+
+The JSON holds everything (environment, test summary, measured limits, rows, targets); the Markdown
+is the same for a person; the PNG plots each op's fraction of the measured limit next to its best
+baseline. matplotlib is imported only here, lazily: without it the PNG is skipped with a note.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+from pathlib import Path
+
+import torch
+
+from bench.kernels import COLUMNS, format_peaks, table_cells
+
+
+def _driver_version() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment(device: torch.device | str) -> dict:
+    """Device name, driver and library versions: what a result row needs to be compared."""
+    device = torch.device(device)
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    env = {
+        "device_type": device.type,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(device_name=props.name, driver=_driver_version(),
+                   memory_gib=round(props.total_memory / 2**30, 1), multiprocessors=props.multi_processor_count,
+                   compute_capability=f"{props.major}.{props.minor}")
+    else:
+        env.update(device_name=platform.processor() or platform.machine() or "cpu", driver=None)
+    return env
+
+
+def device_slug(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
+
+
+def report_stem(env: dict, date: datetime.date | None = None) -> str:
+    date = date or datetime.datetime.now(datetime.timezone.utc).date()
+    slug = device_slug(env["device_name"])
+    if env["device_type"] == "cpu":
+        slug = f"cpu-dry-run-{slug}"
+    return f"{date.isoformat()}-{slug}"
+
+
+def write_report(out_dir: str | os.PathLike, result: dict, *, stem: str | None = None) -> list[Path]:
+    """Write ``<stem>.json``, ``<stem>.md`` and (with matplotlib) ``<stem>.png``; returns the paths.
+
+    result: {"environment", "tests", "peaks", "rows", "targets", ...} as built by bench.gpu_suite.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = stem or report_stem(result["environment"])
+    paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md"]
+    paths[0].write_text(json.dumps(result, indent=1) + "\n")
+    paths[1].write_text(markdown(result))
+    png = out_dir / f"{stem}.png"
+    if plot(result, png):
+        paths.append(png)
+    return paths
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> str:
+    def line(cells):
+        return "| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |"
+    return "\n".join([line(header), line(["---"] * len(header))] + [line(r) for r in rows])
+
+
+def markdown(result: dict) -> str:
+    env = result["environment"]
+    lines = [f"# pagedkernels benchmarks: {env['device_name']}", ""]
+    if result.get("dry_run"):
+        lines += ["**Dry run on CPU** (tiny shapes, wall-clock timer): exercises the reporting code; "
+                  "the numbers mean nothing.", ""]
+    lines += [f"Date (UTC): {result.get('timestamp', '-')}", ""]
+    keys = ["device_name", "driver", "compute_capability", "memory_gib", "multiprocessors", "torch", "triton", "cuda",
+            "python", "cpu_count"]
+    lines += [_md_table(["field", "value"], [[k, env.get(k)] for k in keys if k in env]), ""]
+    tests = result.get("tests")
+    if tests:
+        lines += ["## Tests", "", f"`{tests.get('command')}` -> **{tests.get('summary')}** "
+                  f"(exit {tests.get('returncode')}, {tests.get('seconds', 0):.0f} s)", ""]
+    if result.get("peaks"):
+        lines += ["## Measured limits", "", format_peaks(result["peaks"]), ""]
+    if result.get("targets"):
+        lines += ["## Targets", "", _md_table(
+            ["target", "op", "shape", "value", "need", "status"],
+            [[t["target"], t["op"], t["shape"], "-" if t["value"] is None else f"{t['value']:.3f}",
+              f">= {t['threshold']}", t["status"] + (f" ({t['note']})" if t["note"] else "")]
+             for t in result["targets"]]), ""]
+    if result.get("rows"):
+        lines += ["## Kernels", "",
+                  "ms: median of triton's do_bench (L2 flushed before each call); GB/s: bytes the op must move / "
+                  "time; TFLOP/s: useful attention FLOPs / time; frac_of_peak: against the limit measured in "
+                  "this run; ratio = baseline_ms / ms (above 1: pagedkernels is faster).", "",
+                  _md_table(list(COLUMNS) + ["note"], [table_cells(r) + [r["note"]] for r in result["rows"]]), ""]
+    for key, title in (("engine", "Engine"), ("errors", "Errors")):
+        if result.get(key):
+            lines += [f"## {title}", "", "```", json.dumps(result[key], indent=1), "```", ""]
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> bool:
+    """Horizontal bars: each case's fraction of its measured limit, with its best baseline's
+    fraction as a marker and the targets as ticks. Returns False (with a note) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"note: matplotlib is not installed; skipping {path.name}")
+        return False
+    cases: dict[tuple[str, str], dict] = {}
+    for row in result.get("rows", []):
+        if row["frac_of_peak"] is None:
+            continue
+        entry = cases.setdefault((row["op"], row["shape"]), {"row": row, "best": None})
+        if row["baseline_ms"]:
+            baseline_frac = row["frac_of_peak"] * row["ms"] / row["baseline_ms"]
+            if entry["best"] is None or baseline_frac > entry["best"][1]:
+                entry["best"] = (row["baseline"], baseline_frac)
+    if not cases:
+        print(f"note: no timed rows; skipping {path.name}")
+        return False
+    thresholds = {(t["op"], t["shape"]): t for t in result.get("targets", []) if t["metric"] == "frac_of_peak"}
+    labels = [f"{op}\n{shape}" for op, shape in cases]
+    fig, ax = plt.subplots(figsize=(11, 0.55 * len(cases) + 1.8))
+    y = list(range(len(cases)))[::-1]
+    fracs = [c["row"]["frac_of_peak"] for c in cases.values()]
+    colors = ["tab:orange" if c["row"]["peak"].endswith("matmul") else "tab:blue" for c in cases.values()]
+    ax.barh(y, fracs, color=colors, height=0.6, label="pagedkernels")
+    for yi, (key, entry) in zip(y, cases.items()):
+        ax.text(entry["row"]["frac_of_peak"] + 0.01, yi, f"{entry['row']['frac_of_peak']:.2f} of {entry['row']['peak']}",
+                va="center", fontsize=7)
+        if entry["best"]:
+            ax.plot(entry["best"][1], yi, "k|", markersize=14, markeredgewidth=2)
+        if key in thresholds:
+            ax.plot(thresholds[key]["threshold"], yi, "rv", markersize=7)
+    ax.plot([], [], "k|", markersize=10, markeredgewidth=2, label="best baseline (same run)")
+    ax.plot([], [], "rv", label="target")
+    ax.set_yticks(y)
+    ax.set_yticklabels(labels, fontsize=7)
+    ax.set_xlabel("fraction of the limit measured in the same run (blue: copy bandwidth, orange: matmul rate)")
+    ax.axvline(1.0, color="gray", linewidth=0.8, linestyle="--")
+    ax.set_xlim(0, max(1.1, max(fracs) + 0.25))
+    env = result["environment"]
+    title = f"pagedkernels on {env['device_name']} (torch {env['torch']}, triton {env['triton']})"
+    ax.set_title(title + (" - DRY RUN" if result.get("dry_run") else ""), fontsize=9)
+    ax.legend(loc="lower right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

@@ -1,0 +1,113 @@
+"""The benchmark reporting path, run on CPU with tiny shapes: ``python -m pytest bench/test_report.py``.
+
+The GPU suite cannot run here; this checks everything around the timing: every case builds and its
+result check passes, rows and targets are complete, and the JSON, Markdown and PNG are written.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from bench import gpu_suite, report
+from bench import kernels as K
+
+
+def _one_shot(fn):
+    """A timer that calls ``fn`` once: the numbers do not matter here, only the plumbing."""
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+@pytest.fixture
+def fast_timer(monkeypatch):
+    monkeypatch.setattr(K, "wall_timer", _one_shot)
+
+
+def test_dry_run_writes_complete_report(tmp_path, fast_timer, capsys):
+    tests_args = "bench/test_report.py -q -p no:cacheprovider -k test_pytest_summary"
+    rc = gpu_suite.main(["--dry-run", "--no-compile", "--tests", "--pytest-args", tests_args, "--out", str(tmp_path)])
+    assert rc == 0, capsys.readouterr().out
+    [json_path] = tmp_path.glob("*-cpu-dry-run-*.json")
+    stem = json_path.name[: -len(".json")]
+    result = json.loads(json_path.read_text())
+
+    assert result["dry_run"] is True
+    assert result["environment"]["torch"] == torch.__version__
+    assert result["tests"]["summary"].startswith("1 passed"), result["tests"]
+    assert (tmp_path / f"{stem}-tests.log").exists()
+    assert result["peaks"]["copy_gbps"] > 0 and result["peaks"]["matmul_tflops"] > 0
+
+    rows = result["rows"]
+    ops = {r["op"] for r in rows}
+    assert ops == {"reshape_and_cache", "paged_decode_attention", "paged_prefill_attention", "copy_blocks",
+                   "swap_blocks", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"}
+    for row in rows:
+        assert row["check"] == "ok", row
+        assert row["ms"] > 0 and row["gbps"] > 0 and row["frac_of_peak"] > 0, row
+        assert row["baseline"], row
+    # Attention rows carry TFLOP/s; SDPA-flash runs on CPU too and must agree with the reference.
+    attention = [r for r in rows if "attention" in r["op"]]
+    assert all(r["tflops"] > 0 for r in attention)
+    assert any(r["baseline"] == "sdpa-flash" and r["baseline_ms"] for r in attention)
+    compiled = [r for r in rows if r["baseline"] == "torch.compile"]
+    assert compiled and all(r["note"] == "skipped: --no-compile" for r in compiled)
+
+    targets = {t["target"]: t for t in result["targets"]}
+    assert set(targets) == {K.DECODE_TARGET.name, K.PREFILL_TARGET.name, K.ADD_RMS_TARGET.name}
+    assert all(t["status"] in ("pass", "fail") and t["value"] is not None for t in targets.values())
+
+    md = (tmp_path / f"{stem}.md").read_text()
+    assert "Dry run on CPU" in md and "| paged_decode_attention |" in md and "## Targets" in md
+    png = tmp_path / f"{stem}.png"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert not png.exists()
+    else:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_target_evaluation_pass_fail_and_missing_baseline():
+    case = K.Case("paged_prefill_attention", "s", torch.bfloat16, fn=lambda: None, bytes_moved=1,
+                  target=K.PREFILL_TARGET)
+
+    def row(baseline, ratio, check="ok"):
+        return K.Row("paged_prefill_attention", "s", "bf16", 1.0, 1.0, 1.0, 0.5, "bf16 matmul", baseline,
+                     None if ratio is None else 1.0, ratio, check)
+
+    assert K.evaluate_target(case, [row("sdpa-flash", 0.95), row("flex-paged", 0.1)])["status"] == "pass"
+    assert K.evaluate_target(case, [row("sdpa-flash", 0.80)])["status"] == "fail"
+    assert K.evaluate_target(case, [row("sdpa-flash", 0.95, check="FAILED: x")])["status"] == "fail"
+    assert K.evaluate_target(case, [row("sdpa-flash", None)])["status"] == "n/a"
+
+
+def test_wrong_result_is_reported_not_timed_silently():
+    case = K.rms_norm_case(torch.device("cpu"), torch.float32, num_tokens=4, hidden=64, compile=False)
+    case.fn = lambda: torch.zeros(4, 64)  # a broken op
+    case.check = lambda: K.assert_close(case.fn(), torch.ones(4, 64), torch.float32)
+    peaks = K.Peaks(1.0, 1, 1.0, 1, "fp32")
+    rows = K.run_case(case, _one_shot, peaks)
+    assert rows[0].check.startswith("FAILED: AssertionError")
+
+
+def test_pytest_summary():
+    out = "....\n=========== 3 passed, 1 skipped in 2.01s ===========\n"
+    assert gpu_suite.pytest_summary(out) == "3 passed, 1 skipped in 2.01s"
+    assert gpu_suite.pytest_summary("1 failed, 2 passed in 1s") == "1 failed, 2 passed in 1s"
+    assert gpu_suite.pytest_summary("collected 0 items\n\nno tests ran in 0.01s") == "no tests ran in 0.01s"
+
+
+def test_device_slug():
+    assert report.device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given when CUDA is absent")
+def test_gpu_suite_without_cuda_fails_loudly(tmp_path, capsys):
+    assert gpu_suite.main(["--out", str(tmp_path)]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
+    assert K.main([]) == 2
