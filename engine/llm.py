@@ -1,0 +1,123 @@
+"""The user API: `LLM(model).generate(prompts, SamplingParams(...))` and `LLM.chat(messages)`."""
+import itertools
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """An offline LLM on the paged-KV engine.
+
+    Args:
+        model: a local Hugging Face model directory, or a hub id (downloaded with huggingface_hub).
+        tokenizer: a different tokenizer directory or hub id (default: the model's).
+        dtype: "auto" (the checkpoint's; bf16/fp16 checkpoints run as float32 on CPU), or a torch dtype / name.
+        device: "auto" (CUDA when available, else CPU), "cpu" or "cuda[:N]".
+        block_size: tokens per KV-cache block.
+        max_model_len: longest prompt + output (default: the model's max_position_embeddings).
+        max_num_seqs: most sequences in one step.
+        max_num_batched_tokens: token budget of one step (default 8192: chunked prefill is always on, so it
+            need not hold a whole prompt; see engine/llm_engine.py).
+        num_kv_blocks: KV-cache size in blocks; overrides the memory-derived size.
+        gpu_memory_utilization: share of GPU memory the engine may use (CUDA only).
+        enable_prefix_caching: reuse the KV of full blocks shared with earlier prompts.
+        enforce_eager: never capture CUDA graphs.
+        seed: seeds the sampler of unseeded requests (seeded requests use their own generator).
+    """
+
+    def __init__(self, model: str, *, tokenizer: str | None = None, dtype: str | torch.dtype = "auto",
+                 device: str | torch.device = "auto", block_size: int = 16, max_model_len: int | None = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, num_kv_blocks: int | None = None,
+                 gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
+                 enforce_eager: bool = False, seed: int = 0):
+        self.llm_engine = LLMEngine(
+            model, tokenizer=tokenizer, dtype=dtype, device=device, block_size=block_size,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed)
+        self.request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate completions; outputs come back in the order of `prompts`.
+
+        prompts: a str, a {"prompt_token_ids": [...]} dict, or a list of those. sampling_params: one for all
+        prompts or one per prompt (default SamplingParams()). Every prompt is validated before any is queued,
+        so a bad one raises ValueError without running the others."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a str, a dict or a list of them, got {type(prompts).__name__}")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts")
+        engine = self.llm_engine
+        inputs = []
+        for prompt, params in zip(prompts, params_list):
+            if not isinstance(params, SamplingParams):
+                raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+            text, token_ids = engine.process_prompt(prompt)
+            inputs.append({"prompt": text, "prompt_token_ids": token_ids})
+        request_ids = [str(next(self.request_counter)) for _ in inputs]
+        try:
+            for request_id, prompt, params in zip(request_ids, inputs, params_list):
+                engine.add_request(request_id, prompt, params)
+            finished = self._run_engine(len(inputs), use_tqdm)
+        except BaseException:
+            for request_id in request_ids:   # leave no half-run request behind (e.g. on KeyboardInterrupt)
+                engine.abort_request(request_id)
+            raise
+        return [finished[request_id] for request_id in request_ids]
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} dicts) or to a list of them,
+        through the tokenizer's chat template (or `chat_template`)."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of messages or of conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("the tokenizer has no chat template; pass chat_template=")
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
+            # The template already wrote every special token it wants: do not add a BOS again.
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run_engine(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=num_requests, desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm,
+                   postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+        start = time.perf_counter()
+        num_input_tokens = num_output_tokens = 0
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+                    num_input_tokens += len(output.prompt_token_ids)
+                    num_output_tokens += len(output.outputs[0].token_ids)
+                    if use_tqdm:
+                        elapsed = max(time.perf_counter() - start, 1e-9)
+                        bar.postfix = (f"est. speed input: {num_input_tokens / elapsed:.2f} toks/s, "
+                                       f"output: {num_output_tokens / elapsed:.2f} toks/s")
+                        bar.update(1)
+        bar.close()
+        return finished

@@ -1,0 +1,240 @@
+"""The engine loop: requests in, one step = schedule -> run the model -> process outputs, RequestOutputs out."""
+import os
+import time
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import ModelConfig
+from engine.detokenizer import Detokenizer, check_stop_strings
+from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.sampler import Sampler, SamplerOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.tokenizer import get_tokenizer
+
+# Default token budget per step. Chunked prefill is always on, so the budget does not have to hold a whole
+# prompt; 8192 is vLLM v1's offline default on GPUs below the H100 class. On CPU a step of this size keeps
+# the matmuls large (efficient) while bounding the activation memory of one forward pass.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+def resolve_model_path(model: str) -> str:
+    """`model` if it is a local directory, else a Hugging Face hub id downloaded with huggingface_hub."""
+    if os.path.isdir(model):
+        return model
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"])
+    except Exception as e:   # offline, unknown repo, invalid id: all mean "no such model here"
+        raise ValueError(f"model {model!r} is not a local directory and could not be fetched from the "
+                         f"Hugging Face hub ({type(e).__name__}: {e})") from e
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device} requested but CUDA is not available")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
+    return device
+
+
+class LLMEngine:
+    """Same arguments as `engine.LLM` (which wraps this class); see there."""
+
+    def __init__(self, model: str, *, tokenizer: str | None = None, dtype: str | torch.dtype = "auto",
+                 device: str | torch.device = "auto", block_size: int = 16, max_model_len: int | None = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, num_kv_blocks: int | None = None,
+                 gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
+                 enforce_eager: bool = False, seed: int = 0):
+        for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name, value in (("max_model_len", max_model_len), ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("num_kv_blocks", num_kv_blocks)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        from engine.model_runner import ModelRunner   # late import: pulls in the model code and pagedkernels
+
+        self.device = resolve_device(device)
+        model_dir = resolve_model_path(model)
+        self.model_config = ModelConfig.from_pretrained(model_dir, dtype=dtype, max_model_len=max_model_len,
+                                                        device=self.device)
+        self.tokenizer = get_tokenizer(resolve_model_path(tokenizer) if tokenizer else model_dir)
+        self.max_model_len = self.model_config.max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        self.model_runner = ModelRunner(
+            self.model_config, device=self.device, block_size=block_size, num_kv_blocks=num_kv_blocks,
+            gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, enforce_eager=enforce_eager, seed=seed)
+        self.block_manager = BlockManager(self.model_runner.num_kv_blocks, block_size,
+                                          enable_prefix_caching=enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=self.max_num_batched_tokens)
+        self.sampler = Sampler(seed=seed, device=self.device)
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self.requests: dict[str, Sequence] = {}
+
+    # -- requests --------------------------------------------------------------------------------------------
+    def process_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        """Validate a prompt (str, {"prompt": str} or {"prompt_token_ids": [...]}, optionally with "prompt"
+        as its text) and return (text, token ids). Raises ValueError on bad input."""
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown or not prompt:
+                raise ValueError(f"a prompt dict has the keys 'prompt' and/or 'prompt_token_ids', got {sorted(prompt)}")
+            if "prompt_token_ids" in prompt:
+                text, token_ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+                if isinstance(token_ids, torch.Tensor):
+                    token_ids = token_ids.tolist()
+                if not isinstance(token_ids, (list, tuple)) or not all(
+                        isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+                    raise ValueError(f"prompt_token_ids must be a list of int, got {token_ids!r:.100}")
+                token_ids = list(token_ids)
+            else:
+                text, token_ids = self._tokenize(prompt["prompt"])
+        else:
+            text, token_ids = self._tokenize(prompt)
+        if not token_ids:
+            raise ValueError("prompt is empty (no tokens)")
+        vocab_size = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}")
+        return text, token_ids
+
+    def _tokenize(self, text) -> tuple[str, list[int]]:
+        if not isinstance(text, str):
+            raise ValueError(f"prompt must be a str or a dict with 'prompt_token_ids', got {type(text).__name__}")
+        if not text:
+            raise ValueError("prompt is empty")
+        return text, self.tokenizer.encode(text)
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    *, arrival_time: float | None = None) -> None:
+        """Queue a request. Everything is checked first: a bad request raises ValueError and leaves the engine
+        (and the requests already in it) untouched."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        text, token_ids = self.process_prompt(prompt)
+        seq = Sequence(request_id, text, token_ids, params, arrival_time=arrival_time or time.time(),
+                       eos_token_ids=self.model_config.eos_token_ids, max_model_len=self.max_model_len,
+                       device=self.device)
+        # The longest this request can get must fit in the whole cache, or it could never run alone.
+        max_computed = seq.num_prompt_tokens + (seq.max_tokens if seq.max_tokens is not None
+                                                else self.max_model_len) - 1
+        needed_blocks = self.block_manager.num_blocks_for(min(max_computed, self.max_model_len))
+        if needed_blocks > self.block_manager.num_blocks:
+            raise ValueError(f"request {request_id!r} may need {needed_blocks} KV-cache blocks but the cache has "
+                             f"only {self.block_manager.num_blocks}; lower max_tokens or raise num_kv_blocks")
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now; returns its final output (finish_reason "abort"), or None for an unknown id."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return None
+        seq.finish_reason = "abort"
+        self.scheduler.finish(seq)
+        seq.metrics.finished_time = time.time()
+        return self._make_output(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # -- the step -------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One iteration; returns an output for every request that produced a token (finished or not)."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        logits = self.model_runner.execute_model(scheduled)
+        return self._process_outputs(scheduled, logits)
+
+    def _process_outputs(self, scheduled: list[tuple[Sequence, int]], logits: torch.Tensor) -> list[RequestOutput]:
+        self.scheduler.update_after_step(scheduled)
+        # Sequences whose scheduled tokens reached their end sample a token; mid-prompt chunks do not.
+        rows = [i for i, (seq, _) in enumerate(scheduled) if seq.num_computed_tokens == seq.num_tokens]
+        if not rows:
+            return []
+        seqs = [scheduled[i][0] for i in rows]
+        if len(rows) < len(scheduled):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        sampler_output = self.sampler(logits, seqs)
+        now = time.time()
+        outputs = []
+        for row, seq in enumerate(seqs):
+            token_id = sampler_output.sampled_token_ids[row]
+            seq.append_token(token_id)
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = now
+            seq.metrics.last_token_time = now
+            if seq.logprobs is not None:
+                self._append_logprobs(seq, row, token_id, sampler_output)
+            self._check_stop(seq, token_id)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+                del self.requests[seq.request_id]
+                seq.metrics.finished_time = now
+            outputs.append(self._make_output(seq))
+        return outputs
+
+    def _append_logprobs(self, seq: Sequence, row: int, token_id: int, out: SamplerOutput) -> None:
+        decode = self.detokenizer.decode_token
+        entry = {token_id: Logprob(out.sampled_logprobs[row], out.sampled_ranks[row], decode(token_id))}
+        for rank, (tid, lp) in enumerate(zip(out.topk_token_ids[row], out.topk_logprobs[row]), start=1):
+            if tid not in entry:
+                entry[tid] = Logprob(lp, rank, decode(tid))
+        seq.logprobs.append(entry)
+        seq.cumulative_logprob += out.sampled_logprobs[row]
+
+    def _check_stop(self, seq: Sequence, token_id: int) -> None:
+        """Set finish_reason/stop_reason after `token_id` was appended, and extend the output text.
+        Order: stop token (EOS or stop_token_ids; its text is left out unless include_stop_str_in_output),
+        stop string in the new text, then the length limit (max_tokens or max_model_len)."""
+        params = seq.params
+        if token_id in seq.stop_token_ids and seq.num_output_tokens >= params.min_tokens:
+            seq.finish_reason = "stop"
+            seq.stop_reason = token_id if token_id in params.stop_token_ids else None   # None: EOS
+            if params.include_stop_str_in_output:
+                self.detokenizer.update(seq)
+            return
+        num_new_chars = self.detokenizer.update(seq)
+        if seq.num_output_tokens >= params.min_tokens:
+            stop_str = check_stop_strings(seq, num_new_chars)
+            if stop_str is not None:
+                seq.finish_reason, seq.stop_reason = "stop", stop_str
+                return
+        if seq.max_tokens is not None and seq.num_output_tokens >= seq.max_tokens:
+            seq.finish_reason = "length"
+
+    @staticmethod
+    def _make_output(seq: Sequence) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0, text=seq.output_text, token_ids=list(seq.output_token_ids),
+            cumulative_logprob=seq.cumulative_logprob,
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+        return RequestOutput(request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
+                             outputs=[completion], finished=seq.finish_reason is not None,
+                             num_cached_tokens=seq.num_cached_tokens, metrics=seq.metrics)
