@@ -1,0 +1,76 @@
+"""Linear layers whose parameters know how to load themselves from checkpoint tensors.
+
+Fused projections keep one weight for several checkpoint tensors: ``QKVLinear`` holds q/k/v
+stacked along the output dimension, ``MergedLinear`` holds gate/up. Each parameter carries a
+``weight_loader(param, loaded, shard_id)`` and the ``shard_ids`` it expects, so the loader can
+copy tensors in one by one and report any that never arrived.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    if loaded.shape != param.shape:
+        raise ValueError(f"shape {tuple(loaded.shape)} does not match parameter shape {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def _copy_shard(param: nn.Parameter, loaded: torch.Tensor, offset: int, size: int) -> None:
+    shard = param.data.narrow(0, offset, size)
+    if loaded.shape != shard.shape:
+        raise ValueError(f"shape {tuple(loaded.shape)} does not match shard shape {tuple(shard.shape)}")
+    shard.copy_(loaded)
+
+
+class Linear(nn.Module):
+    """``y = x W^T (+ b)``; W: ``[output_size, input_size]``."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        default_weight_loader(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
+    """Several projections of one input stacked along the output dim (gate_up_proj: shard 0 = gate,
+    1 = up)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias)
+        for param in self.parameters():
+            param.shard_ids = tuple(range(len(output_sizes)))
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        _copy_shard(param, loaded, sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id])
+
+
+class QKVLinear(Linear):
+    """q, k and v projections fused: output rows ``[q (num_heads*head_dim) | k | v (num_kv_heads*head_dim)]``."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias)
+        for param in self.parameters():
+            param.shard_ids = ("q", "k", "v")
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        offsets = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
+                   "v": (self.q_size + self.kv_size, self.kv_size)}
+        _copy_shard(param, loaded, *offsets[shard_id])

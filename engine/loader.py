@@ -1,0 +1,106 @@
+"""Load safetensors checkpoints (single file or sharded) straight into the engine's modules.
+
+Parameter by parameter, as nano-vllm does: each checkpoint tensor is read from ``safe_open`` and
+handed to its parameter's ``weight_loader``; names of fused projections are rewritten through the
+model's ``packed_modules_mapping`` (``q_proj`` -> ``qkv_proj`` shard "q", ``gate_proj`` ->
+``gate_up_proj`` shard 0, ...). Afterwards every parameter shard must have been loaded exactly once;
+a missing file, a missing tensor, a wrong shape or an unreadable file is a ValueError naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+_SINGLE_FILE = "model.safetensors"
+_INDEX_FILE = "model.safetensors.index.json"
+# Checkpoint tensors the engine recomputes instead of loading.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def weight_files(model_dir: str) -> list[str]:
+    """The safetensors files of ``model_dir``: the shards its index names, or model.safetensors."""
+    index_path = os.path.join(model_dir, _INDEX_FILE)
+    if os.path.isfile(index_path):
+        try:
+            with open(index_path, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index_path} is not a valid safetensors index: {e!r}") from e
+        files = [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
+        for path in files:
+            if not os.path.isfile(path):
+                raise ValueError(f"weight file {path} (listed in {_INDEX_FILE}) is missing")
+        return files
+    path = os.path.join(model_dir, _SINGLE_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"no weights in {model_dir}: expected {_SINGLE_FILE} or {_INDEX_FILE}")
+    return [path]
+
+
+def load_model(model: nn.Module, model_dir: str) -> None:
+    """Copy every checkpoint tensor of ``model_dir`` into ``model``'s parameters (any dtype/device)."""
+    packed = getattr(model, "packed_modules_mapping", {})
+    params = dict(model.named_parameters())  # tied weights appear once, under their first name
+    expected = {(name, shard) for name, p in params.items() for shard in getattr(p, "shard_ids", (None,))}
+    loaded: set[tuple[str, object]] = set()
+    for path in weight_files(model_dir):
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for ckpt_name in f.keys():
+                    target = _target(ckpt_name, packed)
+                    if target is None:
+                        continue
+                    param_name, shard_id = target
+                    param = params.get(param_name)
+                    if param is None:
+                        if ckpt_name == "lm_head.weight" and "lm_head.weight" not in params:
+                            continue  # tied embeddings: the checkpoint may still carry a copy
+                        raise ValueError(f"{path}: tensor {ckpt_name!r} matches no parameter of "
+                                         f"{type(model).__name__}")
+                    try:
+                        tensor = f.get_tensor(ckpt_name)
+                        loader = getattr(param, "weight_loader", None)
+                        if loader is None:
+                            _default_loader(param, tensor)
+                        else:
+                            loader(param, tensor, shard_id)
+                    except ValueError as e:
+                        raise ValueError(f"{path}: tensor {ckpt_name!r}: {e}") from e
+                    loaded.add((param_name, shard_id))
+        except ValueError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for corrupt files
+            raise ValueError(f"cannot read weight file {path}: {e}") from e
+    missing = sorted(expected - loaded, key=str)
+    if missing:
+        names = [_checkpoint_name(name, shard, packed) for name, shard in missing]
+        raise ValueError(f"weights missing from {model_dir}: {', '.join(names[:10])}"
+                         + (f" and {len(names) - 10} more" if len(names) > 10 else ""))
+
+
+def _target(ckpt_name: str, packed: dict) -> tuple[str, object] | None:
+    """(parameter name, shard id) a checkpoint tensor loads into; None for tensors to skip."""
+    if ckpt_name.endswith(_IGNORED_SUFFIXES):
+        return None
+    for fragment, (fused, shard_id) in packed.items():
+        if f".{fragment}." in ckpt_name:
+            return ckpt_name.replace(f".{fragment}.", f".{fused}."), shard_id
+    return ckpt_name, None
+
+
+def _checkpoint_name(param_name: str, shard_id, packed: dict) -> str:
+    for fragment, (fused, sid) in packed.items():
+        if sid == shard_id and f".{fused}." in param_name:
+            return param_name.replace(f".{fused}.", f".{fragment}.")
+    return param_name
+
+
+def _default_loader(param: nn.Parameter, tensor: torch.Tensor) -> None:
+    if tensor.shape != param.shape:
+        raise ValueError(f"shape {tuple(tensor.shape)} does not match parameter shape {tuple(param.shape)}")
+    param.data.copy_(tensor)

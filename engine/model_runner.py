@@ -1,0 +1,198 @@
+"""ModelRunner: owns the model and the KV cache, flattens a scheduled batch and runs one forward pass.
+
+A batch is a list of ``(sequence, num_new_tokens)``: prefill chunks and single-token decodes mixed.
+The runner packs all new tokens back to back (input ids, positions, cache slots) with per-sequence
+``cu_seqlens_q`` / ``seq_lens`` / block tables, runs the model (whose attention layers call
+pagedkernels), and computes logits only for the last new token of each sequence.
+
+CUDA graphs come later: decode batches will be padded up the ``graph_batch_sizes`` ladder and copied
+into the static buffers allocated here, so a captured graph can replay on them. On CPU (and with
+``enforce_eager``) every step runs eagerly.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+import pagedkernels as pk
+from engine.config import ModelConfig
+from engine.layers.attention import Attention, AttentionMetadata
+from engine.loader import load_model
+from engine.models import get_model_class
+
+if TYPE_CHECKING:
+    from engine.sequence import Sequence
+
+# Share of the currently available RAM the KV cache may take on CPU.
+_CPU_KV_CACHE_FRACTION = 0.25
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, *, device: torch.device, block_size: int,
+                 num_kv_blocks: int | None, gpu_memory_utilization: float, max_num_seqs: int,
+                 max_num_batched_tokens: int, enforce_eager: bool, seed: int):
+        self.config = model_config
+        self.device = torch.device(device)
+        self.dtype = model_config.dtype
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enforce_eager = enforce_eager or self.device.type != "cuda"
+        self.max_blocks_per_seq = math.ceil(model_config.max_model_len / block_size)
+        torch.manual_seed(seed)
+
+        self.model = self._build_model()
+        self.num_kv_blocks = self._decide_num_kv_blocks(num_kv_blocks, gpu_memory_utilization)
+        self._allocate_kv_cache()
+        # Decode batch sizes a CUDA graph would be captured for (a batch pads up to the next one).
+        self.graph_batch_sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))
+
+    # -- setup ------------------------------------------------------------------------------------
+
+    def _build_model(self) -> torch.nn.Module:
+        model_class = get_model_class(self.config.architecture)
+        previous_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = model_class(self.config)
+        finally:
+            torch.set_default_dtype(previous_dtype)
+        load_model(model, self.config.model_dir)
+        return model.to(self.device).eval()
+
+    def _block_bytes(self) -> int:
+        c = self.config
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim * element_size
+
+    def _decide_num_kv_blocks(self, num_kv_blocks: int | None, gpu_memory_utilization: float) -> int:
+        if num_kv_blocks is not None:
+            if not isinstance(num_kv_blocks, int) or num_kv_blocks < 1:
+                raise ValueError(f"num_kv_blocks must be a positive int, got {num_kv_blocks!r}")
+            return num_kv_blocks
+        # More blocks than every sequence at full length could use would be wasted memory.
+        useful = self.max_num_seqs * self.max_blocks_per_seq
+        if self.device.type == "cuda":
+            free = self._profile_cuda_free_bytes(gpu_memory_utilization)
+        else:
+            free = _CPU_KV_CACHE_FRACTION * _available_ram_bytes()
+        num_blocks = min(useful, int(free // self._block_bytes()))
+        if num_blocks < 1:
+            raise ValueError(f"not enough memory for a single KV-cache block of {self._block_bytes()} bytes")
+        return num_blocks
+
+    def _profile_cuda_free_bytes(self, gpu_memory_utilization: float) -> float:
+        """(utilization * total - peak of a max-size forward) bytes, the budget of the KV cache."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = min(self.max_num_batched_tokens, self.config.max_model_len)
+        num_blocks = math.ceil(num_tokens / self.block_size)
+        self._bind_kv_cache(torch.empty(2, self.config.num_hidden_layers, num_blocks, self.block_size,
+                                        self.config.num_key_value_heads, self.config.head_dim,
+                                        dtype=self.dtype, device=self.device))
+        with torch.inference_mode():
+            input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+            positions = torch.arange(num_tokens, device=self.device)
+            meta = AttentionMetadata(
+                slot_mapping=positions.clone(),
+                block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None],
+                seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+                cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+                is_decode=False)
+            self.model.compute_logits(self.model(input_ids, positions, meta)[-1:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self._bind_kv_cache(None)
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return gpu_memory_utilization * total - peak
+
+    def _allocate_kv_cache(self) -> None:
+        c = self.config
+        # One allocation for all layers: [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim].
+        self.kv_cache = torch.empty(2, c.num_hidden_layers, self.num_kv_blocks, self.block_size,
+                                    c.num_key_value_heads, c.head_dim, dtype=self.dtype, device=self.device)
+        self._bind_kv_cache(self.kv_cache)
+        self.key_caches = list(self.kv_cache[0])
+        self.value_caches = list(self.kv_cache[1])
+
+    def _bind_kv_cache(self, kv_cache: torch.Tensor | None) -> None:
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for i, layer in enumerate(layers):
+            layer.key_cache = None if kv_cache is None else kv_cache[0, i]
+            layer.value_cache = None if kv_cache is None else kv_cache[1, i]
+
+    # -- per step ---------------------------------------------------------------------------------
+
+    def prepare_inputs(self, scheduled: list[tuple["Sequence", int]]
+                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Flatten a batch: (input_ids int64 [num_tokens], positions int64 [num_tokens], metadata,
+        last_token_indices int64 [num_seqs]) on the runner's device."""
+        input_ids: list[int] = []
+        starts, query_lens, tables = [], [], []
+        for seq, num_new_tokens in scheduled:
+            start = seq.num_computed_tokens
+            input_ids += seq.token_ids[start:start + num_new_tokens]
+            starts.append(start)
+            query_lens.append(num_new_tokens)
+            tables.append(seq.block_table)
+        num_seqs = len(scheduled)
+        query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
+        seq_lens_t = torch.tensor(starts, dtype=torch.int64) + query_lens_t
+        cu_seqlens_q = torch.zeros(num_seqs + 1, dtype=torch.int64)
+        torch.cumsum(query_lens_t, 0, out=cu_seqlens_q[1:])
+        num_tokens = int(cu_seqlens_q[-1])
+        # Only the table columns this batch can touch; the rest of each row is padding, never read.
+        width = max(1, -(-int(seq_lens_t.max()) // self.block_size))
+        block_tables = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], dtype=torch.int32)
+        # positions: token i of sequence s sits at starts[s] + (i - cu_seqlens_q[s]).
+        seq_index = torch.repeat_interleave(torch.arange(num_seqs), query_lens_t, output_size=num_tokens)
+        positions = torch.arange(num_tokens) + (seq_lens_t - query_lens_t - cu_seqlens_q[:-1])[seq_index]
+        block_ids = block_tables[seq_index, positions // self.block_size].long()
+        slot_mapping = block_ids * self.block_size + positions % self.block_size
+
+        to_device = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
+        meta = AttentionMetadata(
+            slot_mapping=to_device(slot_mapping),
+            block_tables=to_device(block_tables),
+            seq_lens=to_device(seq_lens_t.to(torch.int32)),
+            cu_seqlens_q=to_device(cu_seqlens_q.to(torch.int32)),
+            is_decode=num_tokens == num_seqs,
+        )
+        return (to_device(torch.tensor(input_ids, dtype=torch.int64)), to_device(positions), meta,
+                to_device(cu_seqlens_q[1:] - 1))
+
+    @torch.inference_mode()
+    def execute_model(self, scheduled: list[tuple["Sequence", int]]) -> torch.Tensor:
+        """Run ``seq.token_ids[seq.num_computed_tokens : + num_new_tokens]`` for each scheduled entry,
+        writing their K/V into the slots of ``seq.block_table``. Returns float32 logits
+        ``[len(scheduled), vocab_size]`` of each entry's last new token. Does not advance
+        ``seq.num_computed_tokens``."""
+        if not scheduled:
+            return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device)
+        input_ids, positions, meta, last_token_indices = self.prepare_inputs(scheduled)
+        hidden_states = self.model(input_ids, positions, meta)
+        return self.model.compute_logits(hidden_states.index_select(0, last_token_indices))
+
+    def copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks ``src -> dst`` in every layer (copy-on-write)."""
+        if not mapping:
+            return
+        block_mapping = torch.tensor(mapping, dtype=torch.int64, device=self.device)
+        pk.copy_blocks(self.key_caches, self.value_caches, block_mapping)
+
+
+def _available_ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
