@@ -4,8 +4,11 @@
 
 writes ``DIR/<YYYY-MM-DD>-<device-slug>.json``, ``.md`` and ``.png`` (device name, driver, torch,
 triton and CUDA versions, the test summary line, the measured limits, every benchmark row and the
-issue's targets marked pass/fail), plus ``...-tests.log`` with pytest's full output. The report is
-written once after the tests and again at the end, so a run cut short still leaves the test result.
+issue's targets marked pass/fail), plus ``...-tests.log`` with pytest's full output. JSON and
+Markdown are rewritten after the tests and after every benchmark case, so a run cut short (the
+device tool's 10-minute limit) still leaves what it measured; the PNG comes at the end.
+On a time-limited machine split the work: ``--skip-tests`` for the benchmarks alone, ``--only OP``
+for one op, ``--no-compile`` to skip the torch.compile / compiled-FlexAttention baselines.
 
 Without CUDA it stops with a clear message, unless ``--dry-run`` (``--device cpu``): tiny shapes, a
 wall-clock timer and no tests by default, to exercise the reporting code on any machine.
@@ -104,11 +107,15 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.skip_tests and (not dry_run or args.tests):
         result["tests"] = run_tests(args.pytest_args, out_dir / f"{stem}-tests.log", args.tests_timeout)
-        report.write_report(out_dir, result, stem=stem)
+        report.write_report(out_dir, result, stem=stem, png=False)
+
+    def save_partial(partial: dict) -> None:  # a run cut short keeps every case measured so far
+        result.update(partial)
+        report.write_report(out_dir, result, stem=stem, png=False)
 
     try:
         bench = kernels.run_suite(device, tiny=dry_run, compile=not args.no_compile, only=args.only,
-                                  log=lambda line: print(line, flush=True))
+                                  log=lambda line: print(line, flush=True), on_progress=save_partial)
         result.update(bench)
     except Exception as e:  # still write what we have
         result["errors"].append(f"kernel benchmarks: {type(e).__name__}: {e}")

@@ -302,21 +302,24 @@ def dense_kv(cache: torch.Tensor, block_tables: torch.Tensor, seq_len: int) -> t
     return gathered.flatten(1, 2)[:, :seq_len].transpose(1, 2).contiguous()
 
 
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """float32 bottom-right causal attention, one sequence at a time (bounded memory).
-    q: [B, Hq, Lq, D]; k, v: [B, Hkv, L, D]. Returns [B, Hq, Lq, D] float32."""
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_chunk: int = 1024) -> torch.Tensor:
+    """float32 bottom-right causal attention, one sequence and ``q_chunk`` queries at a time (so the
+    score matrix of a long prompt stays small). q: [B, Hq, Lq, D]; k, v: [B, Hkv, L, D].
+    Returns [B, Hq, Lq, D] float32."""
     group = q.shape[1] // k.shape[1]
-    out = []
+    scale = q.shape[-1] ** -0.5
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for b in range(q.shape[0]):
-        qb = q[b].float()
-        kb = k[b].float().repeat_interleave(group, 0)
+        kb = k[b].float().repeat_interleave(group, 0)  # [Hq, L, D]
         vb = v[b].float().repeat_interleave(group, 0)
-        lq, lk = qb.shape[1], kb.shape[1]
-        scores = qb @ kb.transpose(1, 2) * q.shape[-1] ** -0.5  # [Hq, Lq, L]
-        q_pos = torch.arange(lk - lq, lk, device=q.device)[:, None]
-        scores = scores.masked_fill(torch.arange(lk, device=q.device)[None, :] > q_pos, float("-inf"))
-        out.append(torch.softmax(scores, dim=-1) @ vb)
-    return torch.stack(out)
+        lq, lk = q.shape[2], kb.shape[1]
+        for start in range(0, lq, q_chunk):
+            qb = q[b, :, start: start + q_chunk].float()  # [Hq, chunk, D]
+            scores = qb @ kb.transpose(1, 2) * scale  # [Hq, chunk, L]
+            q_pos = torch.arange(lk - lq + start, lk - lq + start + qb.shape[1], device=q.device)[:, None]
+            scores.masked_fill_(torch.arange(lk, device=q.device)[None, :] > q_pos, float("-inf"))
+            out[b, :, start: start + q_chunk] = torch.softmax(scores, dim=-1) @ vb
+    return out
 
 
 def _slot_owners(kv: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
@@ -771,8 +774,10 @@ def suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False, compi
 
 
 def run_suite(device: torch.device | str, *, tiny: bool = False, compile: bool = True, only: str | None = None,
-              log: Callable[[str], None] = print, timer: Timer | None = None) -> dict:
-    """Measure the limits, then every case. Returns {"peaks", "rows", "targets"} (plain dicts).
+              log: Callable[[str], None] = print, timer: Timer | None = None,
+              on_progress: Callable[[dict], None] | None = None) -> dict:
+    """Measure the limits, then every case. Returns {"peaks", "rows", "targets"} (plain dicts),
+    also handed to ``on_progress`` after each case (so a caller can save partial results).
     On CUDA: bf16 and do_bench; on CPU: fp32 and the wall-clock timer (``timer`` overrides)."""
     device = torch.device(device)
     if device.type == "cuda":
@@ -802,7 +807,14 @@ def run_suite(device: torch.device | str, *, tiny: bool = False, compile: bool =
             f"({time.perf_counter() - start:.1f} s)")
         del case, case_rows
         _free(device)
-    return {"peaks": dataclasses.asdict(peaks), "rows": [dataclasses.asdict(r) for r in rows], "targets": targets}
+        if on_progress is not None:
+            on_progress(_result(peaks, rows, targets))
+    return _result(peaks, rows, targets)
+
+
+def _result(peaks: Peaks, rows: list[Row], targets: list[dict]) -> dict:
+    return {"peaks": dataclasses.asdict(peaks), "rows": [dataclasses.asdict(r) for r in rows],
+            "targets": list(targets)}
 
 
 def _fmt(value, spec: str) -> str:

@@ -70,8 +70,9 @@ def report_stem(env: dict, date: datetime.date | None = None) -> str:
     return f"{date.isoformat()}-{slug}"
 
 
-def write_report(out_dir: str | os.PathLike, result: dict, *, stem: str | None = None) -> list[Path]:
-    """Write ``<stem>.json``, ``<stem>.md`` and (with matplotlib) ``<stem>.png``; returns the paths.
+def write_report(out_dir: str | os.PathLike, result: dict, *, stem: str | None = None, png: bool = True) -> list[Path]:
+    """Write ``<stem>.json``, ``<stem>.md`` and (with matplotlib, unless ``png=False``) ``<stem>.png``;
+    returns the paths.
 
     result: {"environment", "tests", "peaks", "rows", "targets", ...} as built by bench.gpu_suite.
     """
@@ -81,9 +82,9 @@ def write_report(out_dir: str | os.PathLike, result: dict, *, stem: str | None =
     paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md"]
     paths[0].write_text(json.dumps(result, indent=1) + "\n")
     paths[1].write_text(markdown(result))
-    png = out_dir / f"{stem}.png"
-    if plot(result, png):
-        paths.append(png)
+    png_path = out_dir / f"{stem}.png"
+    if png and plot(result, png_path):
+        paths.append(png_path)
     return paths
 
 
