@@ -29,6 +29,7 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     ONE_TILE: tl.constexpr,  # the whole row fits in one BLOCK (kept in registers)
     BLOCK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,  # cdiv(hidden, BLOCK); a constexpr so loop bounds are compile-time
 ):
     """One program per row, fp32 accumulation.
 
@@ -59,8 +60,8 @@ def _rms_norm_kernel(
     else:
         # Pass 1: sum of squares (and the residual add, stored rounded).
         acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, hidden, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
+        for chunk in range(NUM_CHUNKS):
+            offs = chunk * BLOCK + tl.arange(0, BLOCK)
             mask = offs < hidden
             v = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
             if HAS_RESIDUAL:
@@ -74,8 +75,8 @@ def _rms_norm_kernel(
             tl.debug_barrier()  # make pass 1's residual stores visible to every thread of the program
         # Pass 2: normalize. The source is the rounded residual when there is one.
         src_row = res_row if HAS_RESIDUAL else x_row
-        for start in range(0, hidden, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
+        for chunk in range(NUM_CHUNKS):
+            offs = chunk * BLOCK + tl.arange(0, BLOCK)
             mask = offs < hidden
             v = tl.load(src_row + offs, mask=mask, other=0.0).to(tl.float32)
             w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -93,7 +94,8 @@ def _launch(x2d, residual2d, weight, out2d, eps: float) -> None:
         x2d, res, weight, out2d,
         x2d.stride(0), res.stride(0), out2d.stride(0),
         hidden, eps,
-        HAS_RESIDUAL=residual2d is not None, ONE_TILE=one_tile, BLOCK=block, num_warps=num_warps,
+        HAS_RESIDUAL=residual2d is not None, ONE_TILE=one_tile, BLOCK=block,
+        NUM_CHUNKS=triton.cdiv(hidden, block), num_warps=num_warps,
     )
 
 

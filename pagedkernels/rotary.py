@@ -47,6 +47,7 @@ def _rotate_heads(
     IS_NEOX: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HALF_PAD: tl.constexpr,
+    NUM_HEAD_BLOCKS: tl.constexpr,  # cdiv(num_heads, BLOCK_H), compile-time loop bound
 ):
     offs_d = tl.arange(0, HALF_PAD)  # [HALF_PAD]
     if IS_NEOX:  # pairs (d, d + half)
@@ -55,8 +56,8 @@ def _rotate_heads(
     else:  # GPT-J: pairs (2d, 2d + 1)
         offs_1 = 2 * offs_d
         offs_2 = 2 * offs_d + 1
-    for h0 in range(0, num_heads, BLOCK_H):
-        offs_h = h0 + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    for head_block in range(NUM_HEAD_BLOCKS):
+        offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
         mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < half)  # [BLOCK_H, HALF_PAD]
         row = base_ptr + offs_h[:, None] * stride_head
         x1 = tl.load(row + offs_1[None, :], mask=mask, other=0.0)
@@ -87,6 +88,8 @@ def _rotary_kernel(
     HAS_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HALF_PAD: tl.constexpr,  # half padded to a power of two
+    Q_HEAD_BLOCKS: tl.constexpr,  # cdiv(num_q_heads, BLOCK_H)
+    K_HEAD_BLOCKS: tl.constexpr,  # cdiv(num_kv_heads, BLOCK_H)
 ):
     """One program per token; cos/sin are loaded once and applied to every q and k head.
 
@@ -101,10 +104,10 @@ def _rotary_kernel(
     cos = tl.load(cs_row + offs_d, mask=offs_d < half, other=0.0).to(tl.float32)
     sin = tl.load(cs_row + half + offs_d, mask=offs_d < half, other=0.0).to(tl.float32)
     _rotate_heads(q_ptr + token * stride_q_tok, stride_q_head, num_q_heads, cos, sin, half,
-                  IS_NEOX, BLOCK_H, HALF_PAD)
+                  IS_NEOX, BLOCK_H, HALF_PAD, Q_HEAD_BLOCKS)
     if HAS_K:
         _rotate_heads(k_ptr + token * stride_k_tok, stride_k_head, num_kv_heads, cos, sin, half,
-                      IS_NEOX, BLOCK_H, HALF_PAD)
+                      IS_NEOX, BLOCK_H, HALF_PAD, K_HEAD_BLOCKS)
 
 
 def _as_heads(name: str, t: object, num_tokens: int, head_size: int, device: torch.device) -> torch.Tensor:
@@ -183,6 +186,7 @@ def rotary_embedding(
             q3.stride(0), q3.stride(1), k_arg.stride(0), k_arg.stride(1), cos_sin_cache.stride(0),
             q3.shape[1], k_arg.shape[1], half,
             IS_NEOX=bool(is_neox), HAS_K=k3 is not None, BLOCK_H=block_h, HALF_PAD=half_pad,
+            Q_HEAD_BLOCKS=triton.cdiv(q3.shape[1], block_h), K_HEAD_BLOCKS=triton.cdiv(k_arg.shape[1], block_h),
         )
         return
 
