@@ -170,6 +170,8 @@ def _launch_copy_blocks(caches: list[torch.Tensor], block_mapping: torch.Tensor)
     block_numel = first[0].numel()
     tile = min(_COPY_TILE, triton.next_power_of_2(block_numel))
     cache_ptrs = _pointer_table(tuple(c.data_ptr() for c in caches), first.device)
+    # Caches on axis 0, pairs on axis 1 (CUDA allows 65535 there; a step's copy-on-write pairs
+    # are far fewer), tiles of one block on axis 2.
     grid = (len(caches), block_mapping.shape[0], triton.cdiv(block_numel, tile))
     _copy_blocks_kernel[grid](cache_ptrs, first, block_mapping, first.stride(0), block_numel, TILE=tile)
 
