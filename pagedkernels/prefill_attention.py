@@ -245,27 +245,38 @@ def _prefill_attention_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-def _launch_config(head_dim_pad: int, group_pad: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_M, TILE_N, num_warps, num_stages).
+def _launch_config(head_dim_pad: int, group_pad: int, dtype: torch.dtype,
+                   device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_M, TILE_N, num_warps, num_stages), chosen without autotuning.
 
-    GPU: a program holds acc (BLOCK_M x HEAD_DIM_PAD fp32), S/P (BLOCK_M x TILE_N fp32) and Q in
-    registers. With BLOCK_M=128, TILE_N=64, head 128 and 8 warps (256 threads) that is 64 + 32
-    registers per thread for acc and S plus Q in shared memory: the FlashAttention-2 sweet spot on
-    A100/H100. Head 256 doubles acc and Q, so we halve BLOCK_M and TILE_N (64 x 32) to stay clear
-    of spills and keep 2 pipeline stages of K/V (2 x 2 x 32 x 256 x 2 B = 64 KiB) in shared memory.
-    BLOCK_M >= 16 always holds (tl.dot needs >= 16 on every dimension on a GPU).
+    GPU, fp16/bf16: a program keeps acc (BLOCK_M x HEAD_DIM_PAD fp32), Q, S/P (BLOCK_M x TILE_N
+    fp32) and, because K/V are gathered token by token through the block table, two
+    TILE_N x HEAD_DIM_PAD tensors of 64-bit addresses in registers. With 8 warps (256 threads) and
+    head 128: acc 64 + Q 32 + S 16 + addresses 2 x 16 = ~150 registers at BLOCK_M=128,
+    TILE_N=32; TILE_N=64 doubles the address part and spills (ptxas, sm_90: 255 regs + stack).
+    Head <= 64 halves acc, Q and addresses, so TILE_N=64 fits. Head 256 doubles everything:
+    BLOCK_M=64, TILE_N=16. Group size 1 (no row sharing of K/V) compiled to spills at the larger
+    BLOCK_M, hence half of it there. fp32 runs ieee FMA dots (no tensor cores; a correctness
+    dtype, not a serving one) whose operand layouts are register-hungry: 32 x 16 tiles.
+    Each choice was checked to compile for sm_90 without register spills. BLOCK_M >= 16 always
+    (tl.dot needs >= 16 on every dimension on a GPU), and BLOCK_M >= group_pad so a program holds
+    at least one token with all heads of its group.
 
-    Interpreter (CPU): registers do not exist and cost is per program and per op, but tests run
-    tiny shapes; 32 x 32 tiles keep the masked waste low and make modest test lengths cross
-    query-tile and key-tile boundaries.
+    Interpreter (CPU): no registers, cost is per program and per op and tests run tiny shapes; 32 x 32
+    tiles keep the masked waste low and make modest test lengths cross query- and key-tile
+    boundaries.
     """
     if device.type != "cuda":
-        block_m, tile_n, num_warps, num_stages = 32, 32, 4, 1
+        config = (32, 32, 4, 1)
+    elif dtype == torch.float32:
+        config = (32, 16, 8, 2)
+    elif head_dim_pad <= 64:
+        config = (128, 64, 8, 3)
     elif head_dim_pad <= 128:
-        block_m, tile_n, num_warps, num_stages = 128, 64, 8, 3
+        config = (128, 32, 8, 3) if group_pad > 1 else (64, 32, 8, 3)
     else:
-        block_m, tile_n, num_warps, num_stages = 64, 32, 8, 2
-    # A program must hold at least one query token with all heads of its group.
+        config = (64, 16, 8, 2) if group_pad > 1 else (32, 16, 4, 2)
+    block_m, tile_n, num_warps, num_stages = config
     return max(block_m, group_pad), tile_n, num_warps, num_stages
 
 
@@ -279,7 +290,7 @@ def _prefill_attention_triton(q, key_cache, value_cache, block_tables, cu_seqlen
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = triton.next_power_of_2(head_dim)
-    block_m, tile_n, num_warps, num_stages = _launch_config(head_dim_pad, group_pad, q.device)
+    block_m, tile_n, num_warps, num_stages = _launch_config(head_dim_pad, group_pad, q.dtype, q.device)
     block_q = block_m // group_pad
     # Sequence s owns tiles cu[s] // BLOCK_Q + s ... so this bound covers every tile without
     # reading cu_seqlens_q on the host; spare programs return at once.
