@@ -34,11 +34,12 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """logits: [num_seqs, vocab_size], the last position of each sequence in `seqs` (same order).
-        Returns one sampled token per sequence (and logprobs for those that asked)."""
+        """logits: [num_seqs, vocab_size] float32, the last position of each sequence in `seqs` (same order);
+        modified in place (the engine hands over a fresh tensor each step). Returns one sampled token per
+        sequence (and logprobs for those that asked)."""
         if logits.ndim != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits must be [len(seqs)={len(seqs)}, vocab_size], got {tuple(logits.shape)}")
-        logits = logits.to(torch.float32, copy=True)
+        logits = logits.float().contiguous()
         num_seqs, vocab_size = logits.shape
         device = logits.device
         params = [seq.params for seq in seqs]

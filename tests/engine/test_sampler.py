@@ -28,7 +28,7 @@ def empirical(tokens, vocab=VOCAB):
 def test_greedy_rows_take_argmax_next_to_random_rows():
     logits = random_logits(6)
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.5)] * 3
-    out = Sampler(seed=1)(logits, [seq_with(p) for p in params])
+    out = Sampler(seed=1)(logits.clone(), [seq_with(p) for p in params])
     expected = logits.argmax(-1).tolist()
     assert [out.sampled_token_ids[i] for i in (0, 2, 4)] == [expected[i] for i in (0, 2, 4)]
 
@@ -89,7 +89,7 @@ def test_seeded_request_independent_of_batch():
         tokens = []
         for step in range(steps):
             others = batch_builder(step)
-            batch_logits = torch.cat([random_logits(len(others), seed=100 + step), logits]) if others else logits
+            batch_logits = torch.cat([random_logits(len(others), seed=100 + step), logits]) if others else logits.clone()
             tokens.append(sampler(batch_logits, others + [seq]).sampled_token_ids[-1])
         return tokens
 
@@ -100,7 +100,7 @@ def test_seeded_request_independent_of_batch():
     assert len(set(alone)) > 1   # really random, not a constant
     other_seed = seq_with(SamplingParams(temperature=1.0, seed=4321))
     sampler = Sampler(seed=99)
-    assert [sampler(logits, [other_seed]).sampled_token_ids[0] for _ in range(6)] != alone
+    assert [sampler(logits.clone(), [other_seed]).sampled_token_ids[0] for _ in range(6)] != alone
 
 
 def reference_penalties(logits, prompt, output, rep, pres, freq):
@@ -141,14 +141,14 @@ def test_min_tokens_masks_eos_and_stop_token_ids():
     logits[:, 2] = 1.0
     p = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[7])
     seqs = [seq_with(p, output=()), seq_with(p, output=(1, 1)), seq_with(SamplingParams(temperature=0, min_tokens=2, ignore_eos=True))]
-    assert Sampler()(logits, seqs).sampled_token_ids == [2, 11, 11]   # ignore_eos: EOS is an ordinary token
+    assert Sampler()(logits.clone(), seqs).sampled_token_ids == [2, 11, 11]   # ignore_eos: EOS is an ordinary token
 
 
 def test_logprobs_are_raw_log_softmax_and_include_sampled_token():
     logits = random_logits(3, seed=9)
     params = [SamplingParams(temperature=2.0, logprobs=3, repetition_penalty=1.5), SamplingParams(temperature=0),
               SamplingParams(temperature=0.7, logprobs=0, seed=3)]
-    out = Sampler(seed=5)(logits, [seq_with(p) for p in params])
+    out = Sampler(seed=5)(logits.clone(), [seq_with(p) for p in params])
     ref = torch.log_softmax(logits, -1)
     for i in (0, 2):
         token = out.sampled_token_ids[i]
