@@ -124,6 +124,7 @@ class ModelRunner:
     def _bind_kv_cache(self, kv_cache: torch.Tensor | None) -> None:
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for i, layer in enumerate(layers):
+            layer.use_decode_kernel = self.device.type == "cuda"
             layer.key_cache = None if kv_cache is None else kv_cache[0, i]
             layer.value_cache = None if kv_cache is None else kv_cache[1, i]
 
@@ -137,6 +138,9 @@ class ModelRunner:
         starts, query_lens, tables = [], [], []
         for seq, num_new_tokens in scheduled:
             start = seq.num_computed_tokens
+            if num_new_tokens < 1 or start + num_new_tokens > len(seq.token_ids):
+                raise ValueError(f"cannot run tokens [{start}, {start + num_new_tokens}) of a sequence with "
+                                 f"{len(seq.token_ids)} tokens")
             input_ids += seq.token_ids[start:start + num_new_tokens]
             starts.append(start)
             query_lens.append(num_new_tokens)

@@ -18,7 +18,7 @@ class AttentionMetadata:
     block_tables: int32 ``[num_seqs, max_blocks_per_seq]``, entries past a sequence's end unused.
     seq_lens: int32 ``[num_seqs]``, tokens in the cache per sequence once the new ones are written.
     cu_seqlens_q: int32 ``[num_seqs + 1]``, sequence s owns new tokens ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``.
-    is_decode: every sequence has exactly one new token (selects the split-K decode kernel).
+    is_decode: every sequence has exactly one new token.
     """
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
@@ -33,6 +33,11 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
         self.sliding_window = sliding_window
+        # Pure-decode batches take the split-K decode kernel where it runs as Triton (CUDA). On CPU
+        # the prefill op, which serves 1-token rows too, is the faster PyTorch path (per-sequence
+        # SDPA over exactly the cached tokens instead of a padded gather): 2-4x at 48 sequences of
+        # 64-500 tokens. The ModelRunner sets this for its device.
+        self.use_decode_kernel = True
         # [num_blocks, block_size, num_kv_heads, head_dim] each; views into the runner's KV cache,
         # bound by ModelRunner before the first forward.
         self.key_cache: torch.Tensor | None = None
@@ -42,7 +47,7 @@ class Attention(nn.Module):
         """q ``[num_tokens, num_heads, head_dim]``, k/v ``[num_tokens, num_kv_heads, head_dim]`` (strided
         views are fine) -> ``[num_tokens, num_heads * head_dim]``."""
         pk.reshape_and_cache(k, v, self.key_cache, self.value_cache, meta.slot_mapping)
-        if meta.is_decode:
+        if meta.is_decode and self.use_decode_kernel:
             out = pk.paged_decode_attention(q, self.key_cache, self.value_cache, meta.block_tables, meta.seq_lens,
                                             scale=self.scale, sliding_window=self.sliding_window)
         else:
