@@ -327,15 +327,20 @@ def _prefill_attention_torch(q, key_cache, value_cache, block_tables, cu_seqlens
     group = num_q_heads // num_kv_heads
     starts = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
+    # Gather whole blocks as rows of a 2-D view: index_select on it is a plain row copy, orders of
+    # magnitude faster than on the 4-D tensor (or advanced indexing).
+    key_rows = key_cache.flatten(1) if key_cache.is_contiguous() else key_cache
+    value_rows = value_cache.flatten(1) if value_cache.is_contiguous() else value_cache
+    cache_token_shape = (-1, num_kv_heads, head_dim)
     for s, seq_len in enumerate(lens):
         q_start, q_end = starts[s], starts[s + 1]
         q_len = q_end - q_start
         if q_len == 0:
             continue
         blocks = block_tables[s, : -(-seq_len // block_size)]
-        # k, v : [num_kv_heads, seq_len, head_dim] (index_select: far faster than advanced indexing)
-        k = key_cache.index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1).float()
-        v = value_cache.index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1).float()
+        # k, v : [num_kv_heads, seq_len, head_dim]
+        k = key_rows.index_select(0, blocks).view(cache_token_shape)[:seq_len].transpose(0, 1).float()
+        v = value_rows.index_select(0, blocks).view(cache_token_shape)[:seq_len].transpose(0, 1).float()
         k_pos = torch.arange(seq_len, device=q.device)
         chunk = max(1, _TORCH_SCORE_BUDGET // (num_q_heads * max(seq_len, 1)))
         for c_start in range(0, q_len, chunk):
