@@ -1,0 +1,77 @@
+"""The converted SmolLM2 directory: a complete HF model dir, and conversion only when missing."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+import engine.default_model as default_model
+from engine.config import ModelConfig
+
+
+def test_converted_directory_is_complete(smollm2_dir):
+    files = set(os.listdir(smollm2_dir))
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json", "chat_template.jinja"} <= files
+    leftovers = [name for name in os.listdir(os.path.dirname(smollm2_dir))
+                 if name.startswith(f".{default_model.MODEL_NAME}-")]
+    assert not leftovers, f"temporary conversion directories left behind: {leftovers}"
+    with open(os.path.join(smollm2_dir, "config.json")) as f:
+        hf_config = json.load(f)
+    assert "quantization_config" not in hf_config and hf_config["dtype"] == "bfloat16"
+
+    config = ModelConfig.from_pretrained(smollm2_dir, device="cpu")
+    assert config.architecture == "LlamaForCausalLM" and config.num_hidden_layers == 30
+    assert config.vocab_size == 49152 and config.tie_word_embeddings
+    assert config.dtype == torch.float32  # bf16 on disk, float32 on CPU
+    assert config.eos_token_ids == frozenset(default_model.EOS_TOKEN_IDS)
+
+
+def test_tokenizer_and_chat_template(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    assert len(tokenizer) == 49152
+    assert tokenizer.convert_ids_to_tokens(default_model.EOS_TOKEN_IDS) == ["<|im_end|>", "<|endoftext|>"]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi there"}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert text.endswith("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
+    with open(os.path.join(smollm2_dir, "chat_template.jinja")) as f:
+        assert f.read() == tokenizer.chat_template
+
+
+def test_existing_directory_is_not_converted_again(tmp_path, monkeypatch):
+    target = tmp_path / default_model.MODEL_NAME
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
+
+    def fail(*args, **kwargs):
+        raise AssertionError("converted although the directory exists")
+
+    monkeypatch.setattr(default_model, "convert_gguf", fail)
+    monkeypatch.setattr(default_model, "_find_gguf", fail)
+    assert default_model.default_model_path() == str(target)
+
+
+def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch):
+    """Conversion writes into a temporary directory: a failure midway leaves no model directory
+    that a later call would take for a finished one."""
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(default_model, "_find_gguf", lambda work: "unused.gguf")
+
+    def half_convert(gguf_path, out_dir):
+        os.makedirs(out_dir)
+        open(os.path.join(out_dir, "config.json"), "w").close()
+        raise RuntimeError("interrupted")
+
+    monkeypatch.setattr(default_model, "convert_gguf", half_convert)
+    try:
+        default_model.default_model_path()
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("the conversion error was swallowed")
+    assert os.listdir(tmp_path) == []
