@@ -176,6 +176,49 @@ def test_selected_backend_runs(backend, device, monkeypatch):
         assert len(launches) == 1
 
 
+_GPU_COMPILE_SCRIPT = r"""
+import os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pagedkernels import prefill_attention as m
+
+for dtype, torch_dtype, head_dim, group, window, softcap in [
+    ("bf16", torch.bfloat16, 128, 4, 100, True), ("fp32", torch.float32, 96, 3, 0, False)]:
+    group_pad, head_dim_pad = triton.next_power_of_2(group), triton.next_power_of_2(head_dim)
+    block_m, tile_n, num_warps, num_stages = m._launch_config(head_dim_pad, group_pad, torch_dtype, torch.device("cuda"))
+    signature = {name: f"*{dtype}" for name in ("out_ptr", "q_ptr", "key_cache_ptr", "value_cache_ptr")}
+    signature.update({name: "*i32" for name in ("block_tables_ptr", "cu_seqlens_q_ptr", "seq_lens_ptr")})
+    signature.update(qk_scale="fp32", softcap="fp32", num_seqs="i32")
+    signature.update({name: "i64" for name in m._prefill_attention_kernel.arg_names if name.startswith("stride_")})
+    constants = dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=16,
+                     BLOCK_Q=block_m // group_pad, BLOCK_M=block_m, TILE_N=tile_n, SLIDING_WINDOW=window,
+                     USE_SOFTCAP=softcap, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")
+    signature.update({name: "constexpr" for name in constants})
+    triton.compile(ASTSource(fn=m._prefill_attention_kernel, signature=signature, constexprs=constants),
+                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+print("compiled")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the device tests compile and run the kernel")
+def test_triton_kernel_compiles_for_gpu(tmp_path):
+    """The interpreter misses GPU-only compile errors (tl.dot shapes under 16, loop-carried type
+    changes): compile the kernel ahead of time for sm_90 at the GPU launch configurations."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia.compiler", reason="needs Triton's NVIDIA backend")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    result = subprocess.run([sys.executable, "-c", _GPU_COMPILE_SCRIPT], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+
+
 # ---------------------------------------------------------------- argument validation
 
 
