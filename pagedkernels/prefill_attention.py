@@ -380,6 +380,8 @@ def _check_values(q, key_cache, block_tables, cu_seqlens_q, seq_lens) -> None:
         raise ValueError(f"cu_seqlens_q must be non-decreasing, got {cu.tolist()}")
     if cu[-1].item() != q.shape[0]:
         raise ValueError(f"cu_seqlens_q[-1] ({cu[-1].item()}) must equal q.shape[0] ({q.shape[0]})")
+    if (lens < 0).any():
+        raise ValueError(f"seq_lens must be non-negative, got {lens.tolist()}")
     if (q_lens > lens).any():
         s = int(torch.nonzero(q_lens > lens)[0])
         raise ValueError(

@@ -138,6 +138,23 @@ def test_strided_q(backend, device):
         torch.testing.assert_close(result[rows].double().cpu(), expected, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_contiguous_caches(backend, device):
+    # Caches stored [num_blocks, num_kv_heads, block_size, head_dim] and viewed in the API layout:
+    # the kernel must follow the strides, the twin must not assume a plain layout.
+    seq_lens, q_lens = [45, 20], [12, 20]
+    kv, q, cu = _make_batch(seq_lens, q_lens, 16, 2, 2, 64, torch.float16, device, seed=11)
+    key_cache = kv.key_cache.transpose(1, 2).contiguous().transpose(1, 2)
+    value_cache = kv.value_cache.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not key_cache.is_contiguous()
+    with pk.use_backend(backend):
+        result = pk.paged_prefill_attention(q, key_cache, value_cache, kv.block_tables, cu, kv.seq_lens)
+    for s in range(len(seq_lens)):
+        rows = slice(int(cu[s]), int(cu[s + 1]))
+        expected = attention_oracle(q[rows], kv.keys[s], kv.values[s])
+        torch.testing.assert_close(result[rows].double().cpu(), expected, atol=2e-3, rtol=2e-3)
+
+
 @pytest.mark.parametrize("launch_config", [(128, 64, 8, 3), (128, 32, 8, 3), (64, 16, 8, 2), (16, 16, 4, 1)])
 def test_triton_gpu_tile_configs(launch_config, device, monkeypatch):
     """The interpreter normally runs 32 x 32 tiles; the GPU configurations (and the smallest legal
@@ -262,6 +279,10 @@ BAD_CALLS = {
     "cu_seqlens_start": (_replace(cu_seqlens_q=lambda a: a["cu_seqlens_q"] + 1), "cu_seqlens_q"),
     "cu_seqlens_decreasing": (_replace(cu_seqlens_q=lambda a: a["cu_seqlens_q"][[0, 2, 1]]), "cu_seqlens_q"),
     "cu_seqlens_total": (_replace(q=lambda a: a["q"][:-1]), "cu_seqlens_q"),
+    "seq_lens_negative": (_replace(cu_seqlens_q=lambda a: a["cu_seqlens_q"][[0, 0, 2]],
+                                   seq_lens=lambda a: a["seq_lens"] * torch.tensor([-1, 1], dtype=torch.int32,
+                                                                                  device=a["seq_lens"].device)),
+                          "seq_lens must be non-negative"),
     "q_len_over_seq_len": (_replace(seq_lens=lambda a: a["seq_lens"] - torch.tensor([0, 1], dtype=torch.int32,
                                                                                       device=a["seq_lens"].device)),
                            "seq_lens"),
