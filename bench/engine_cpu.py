@@ -1,0 +1,287 @@
+"""Engine vs transformers on this CPU, same weights, float32, same run: ``python -m bench.engine_cpu``.
+
+1. Throughput: ``--num-requests`` (48) requests with prompt and output lengths drawn uniformly from
+   [``--min-len``, ``--max-len``] (16-128; seeded; random token ids, greedy, ``ignore_eos`` so every
+   output has exactly its drawn length). The engine gets them all in one ``LLM.generate`` call.
+   transformers gets the same requests through batched ``generate`` with left padding, in batches of
+   ``--hf-batch-size`` after sorting by output length (its most favourable grouping: a batch runs
+   to its longest request, ``max_new_tokens = min_new_tokens =`` that length, so EOS cannot end it
+   early). Both are credited only the requested output tokens, so transformers' padding and
+   overshoot cost it time but earn nothing. Output tokens/s for both and their ratio (target >= 3.5).
+2. Single stream: one request, a ``--single-prompt-len`` prompt and ``--single-new-tokens`` greedy
+   tokens, best of two runs each. Decode tokens/s = (N - 1) / (t(N tokens) - t(1 token)) removes the
+   prefill and the first token; end-to-end N / t(N) is printed too. Target: decode ratio >= 1.5.
+3. Fraction of the machine's float32 matmul rate, measured in the same run (``torch.matmul`` of
+   ``--matmul-n``^3, best of 5): useful FLOPs / time / rate, with useful FLOPs counted the same for
+   both = 2 x (non-embedding matrix parameters) per token run through the layers + 2 x vocab x hidden
+   per logits row + 4 x heads x head_dim x layers per visible (query, key) pair. A request with P
+   prompt and O output tokens runs P + O - 1 tokens and needs O logits rows.
+
+Figures are printed; ``--out DIR`` also writes ``DIR/<date>-engine-cpu-<cpu>.json``. The machine's
+load average is recorded next to them: on a shared 2-core machine other processes skew both sides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import platform
+import random
+import re
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Request:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+def make_requests(num_requests: int, min_len: int, max_len: int, vocab_size: int, seed: int) -> list[Request]:
+    """Prompt and output lengths uniform in [min_len, max_len]; prompt ids uniform over the vocabulary
+    past its first 1000 ids (keeps clear of special tokens)."""
+    rng = random.Random(seed)
+    low = min(1000, vocab_size // 2)
+    return [Request([rng.randrange(low, vocab_size) for _ in range(rng.randint(min_len, max_len))],
+                    rng.randint(min_len, max_len)) for _ in range(num_requests)]
+
+
+# ------------------------------------------------------------------------------------------------
+# FLOP accounting and the machine's matmul rate
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FlopModel:
+    matrix_params: int  # non-embedding 2-D weights (q/k/v/o, gate/up/down): 2 FLOPs each per token
+    vocab_size: int
+    hidden_size: int
+    attention_width: int  # num_layers * num_q_heads * head_dim
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str) -> "FlopModel":
+        from safetensors import safe_open
+
+        with open(os.path.join(model_dir, "config.json")) as f:
+            config = json.load(f)
+        matrix_params = 0
+        for path in glob.glob(os.path.join(model_dir, "*.safetensors")):
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    shape = f.get_slice(name).get_shape()
+                    if len(shape) == 2 and "embed_tokens" not in name and "lm_head" not in name:
+                        matrix_params += shape[0] * shape[1]
+        hidden = config["hidden_size"]
+        heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or hidden // heads
+        return cls(matrix_params, config["vocab_size"], hidden, config["num_hidden_layers"] * heads * head_dim)
+
+    def request_flops(self, prompt_len: int, output_len: int) -> int:
+        tokens = prompt_len + output_len - 1  # the last sampled token is never run through the model
+        pairs = tokens * (tokens + 1) // 2  # token at position p sees p + 1 keys
+        return (2 * self.matrix_params * tokens + 2 * self.vocab_size * self.hidden_size * output_len
+                + 4 * self.attention_width * pairs)
+
+
+def measure_matmul_gflops(n: int, repeats: int = 5) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    c = torch.empty(n, n)
+    torch.matmul(a, b, out=c)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.matmul(a, b, out=c)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e9
+
+
+# ------------------------------------------------------------------------------------------------
+# the two sides
+# ------------------------------------------------------------------------------------------------
+
+
+class EngineSide:
+    name = "engine"
+
+    def __init__(self, model_dir: str):
+        from engine import LLM, SamplingParams
+
+        self.SamplingParams = SamplingParams
+        self.llm = LLM(model_dir, dtype="float32", device="cpu")
+
+    def generate(self, requests: list[Request]) -> list[list[int]]:
+        params = [self.SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+        prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+class TransformersSide:
+    name = "transformers"
+
+    def __init__(self, model_dir: str, batch_size: int):
+        import transformers
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        transformers.logging.set_verbosity_error()
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        except TypeError:  # transformers 4 spells it torch_dtype
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+        self.model.eval()
+        self.batch_size = batch_size
+
+    @torch.inference_mode()
+    def generate(self, requests: list[Request]) -> list[list[int]]:
+        order = sorted(range(len(requests)), key=lambda i: requests[i].output_len)
+        results: list[list[int]] = [[] for _ in requests]
+        for start in range(0, len(order), self.batch_size):
+            batch = order[start: start + self.batch_size]
+            prompts = [requests[i].prompt_token_ids for i in batch]
+            width = max(len(p) for p in prompts)
+            input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])
+            attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            new_tokens = max(requests[i].output_len for i in batch)
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                                      max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=self.pad_id)
+            for row, i in enumerate(batch):
+                results[i] = out[row, width: width + requests[i].output_len].tolist()
+        return results
+
+
+def timed(fn, *args):
+    start = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - start
+
+
+def single_stream(side, prompt: list[int], new_tokens: int) -> dict:
+    """Best of two runs of N tokens and of 1 token; decode tokens/s excludes the prefill."""
+    t_first = min(timed(side.generate, [Request(prompt, 1)])[1] for _ in range(2))
+    t_full = min(timed(side.generate, [Request(prompt, new_tokens)])[1] for _ in range(2))
+    return {"prompt_len": len(prompt), "new_tokens": new_tokens, "seconds": t_full, "seconds_first_token": t_first,
+            "end_to_end_tokens_per_s": new_tokens / t_full,
+            "decode_tokens_per_s": (new_tokens - 1) / max(t_full - t_first, 1e-9)}
+
+
+def throughput(side, requests: list[Request], flop_model: FlopModel, matmul_gflops: float) -> tuple[dict, list]:
+    outputs, seconds = timed(side.generate, requests)
+    lengths_ok = all(len(o) == r.output_len for o, r in zip(outputs, requests))
+    output_tokens = sum(r.output_len for r in requests)
+    flops = sum(flop_model.request_flops(len(r.prompt_token_ids), r.output_len) for r in requests)
+    return {"seconds": seconds, "output_tokens": output_tokens, "output_tokens_per_s": output_tokens / seconds,
+            "output_lengths_exact": lengths_ok, "useful_gflops": flops / 1e9,
+            "gflops_per_s": flops / seconds / 1e9, "frac_of_matmul": flops / seconds / 1e9 / matmul_gflops}, outputs
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="HF model directory (default: engine.default_model.default_model_path())")
+    parser.add_argument("--num-requests", type=int, default=48)
+    parser.add_argument("--min-len", type=int, default=16)
+    parser.add_argument("--max-len", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--single-prompt-len", type=int, default=32)
+    parser.add_argument("--single-new-tokens", type=int, default=128)
+    parser.add_argument("--matmul-n", type=int, default=2048)
+    parser.add_argument("--skip-transformers", action="store_true", help="engine figures only")
+    parser.add_argument("--out", help="directory for <date>-engine-cpu-<cpu>.json (e.g. bench/results)")
+    args = parser.parse_args(argv)
+
+    if args.model is None:
+        from engine.default_model import default_model_path
+
+        args.model = default_model_path()
+    flop_model = FlopModel.from_model_dir(args.model)
+    requests = make_requests(args.num_requests, args.min_len, args.max_len, flop_model.vocab_size, args.seed)
+    single_prompt = make_requests(1, args.single_prompt_len, args.single_prompt_len, flop_model.vocab_size,
+                                  args.seed + 1)[0].prompt_token_ids
+    load_before = os.getloadavg()
+    matmul_gflops = measure_matmul_gflops(args.matmul_n)
+    print(f"model {args.model}: {flop_model.matrix_params / 1e6:.1f} M matrix parameters; "
+          f"{len(requests)} requests, {sum(len(r.prompt_token_ids) for r in requests)} prompt / "
+          f"{sum(r.output_len for r in requests)} output tokens; torch threads {torch.get_num_threads()}; "
+          f"fp32 matmul {matmul_gflops:.1f} GFLOP/s ({args.matmul_n}^3)", flush=True)
+
+    sides = [EngineSide(args.model)]
+    if not args.skip_transformers:
+        sides.append(TransformersSide(args.model, args.hf_batch_size))
+    results: dict[str, dict] = {}
+    outputs: dict[str, list] = {}
+    for side in sides:
+        side.generate(make_requests(2, 8, 8, flop_model.vocab_size, args.seed + 2))  # warm-up
+        single = single_stream(side, single_prompt, args.single_new_tokens)
+        print(f"{side.name}: single stream {single['decode_tokens_per_s']:.1f} decode tok/s "
+              f"({single['end_to_end_tokens_per_s']:.1f} end to end)", flush=True)
+        batch, outputs[side.name] = throughput(side, requests, flop_model, matmul_gflops)
+        print(f"{side.name}: {batch['output_tokens']} output tokens in {batch['seconds']:.2f} s = "
+              f"{batch['output_tokens_per_s']:.1f} tok/s, {batch['frac_of_matmul']:.3f} of the fp32 matmul rate "
+              f"(exact lengths: {batch['output_lengths_exact']})", flush=True)
+        results[side.name] = {"single_stream": single, "throughput": batch}
+
+    report = {
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "environment": {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                        "torch": torch.__version__, "python": platform.python_version(),
+                        "load_average_before": load_before, "load_average_after": os.getloadavg()},
+        "model": args.model, "dtype": "float32", "matrix_params": flop_model.matrix_params,
+        "requests": {"count": len(requests), "min_len": args.min_len, "max_len": args.max_len, "seed": args.seed,
+                     "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
+                     "output_tokens": sum(r.output_len for r in requests)},
+        "transformers_batching": f"batches of {args.hf_batch_size}, sorted by output length, left padding",
+        "matmul_gflops": matmul_gflops, "matmul_n": args.matmul_n,
+        **results,
+    }
+    if "transformers" in results:
+        eng, hf = results["engine"], results["transformers"]
+        matches = sum(a == b for a, b in zip(outputs["engine"], outputs["transformers"]))
+        report["greedy_outputs_identical"] = f"{matches}/{len(requests)}"
+        report["throughput_ratio"] = eng["throughput"]["output_tokens_per_s"] / hf["throughput"]["output_tokens_per_s"]
+        report["single_stream_decode_ratio"] = (eng["single_stream"]["decode_tokens_per_s"]
+                                                / hf["single_stream"]["decode_tokens_per_s"])
+        report["single_stream_end_to_end_ratio"] = (eng["single_stream"]["end_to_end_tokens_per_s"]
+                                                    / hf["single_stream"]["end_to_end_tokens_per_s"])
+        report["targets"] = [
+            {"target": "throughput >= 3.5x transformers", "value": report["throughput_ratio"],
+             "status": "pass" if report["throughput_ratio"] >= 3.5 else "fail"},
+            {"target": "single-stream decode >= 1.5x transformers", "value": report["single_stream_decode_ratio"],
+             "status": "pass" if report["single_stream_decode_ratio"] >= 1.5 else "fail"},
+        ]
+        print(f"\nthroughput: engine / transformers = {report['throughput_ratio']:.2f}x (target >= 3.5)")
+        print(f"single-stream decode: {report['single_stream_decode_ratio']:.2f}x (target >= 1.5); "
+              f"end to end {report['single_stream_end_to_end_ratio']:.2f}x")
+        print(f"greedy outputs identical: {report['greedy_outputs_identical']} requests")
+    print(f"load average before/after: {load_before} / {report['environment']['load_average_after']}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        slug = re.sub(r"[^a-z0-9]+", "-", cpu_name().lower()).strip("-")
+        path = os.path.join(args.out, f"{datetime.date.today().isoformat()}-engine-cpu-{slug}.json")
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
