@@ -92,23 +92,31 @@ def _attend_kv_tile(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     dim_valid = offs_d < HEAD_DIM
     k_pos = tile_idx * TILE_N + tl.arange(0, TILE_N)  # (TILE_N,)
+    key_valid = k_pos < kv_end
+    # Physical block of every key. Positions >= kv_end are never looked up, so table entries past
+    # a sequence's end are never dereferenced; unmasked tiles lie wholly below kv_end.
+    table_ptrs = block_table_row_ptr + k_pos // BLOCK_SIZE
     if MASKED:
-        key_valid = k_pos < kv_end
+        block_ids = tl.load(table_ptrs, mask=key_valid, other=0).to(tl.int64)
     else:
-        key_valid = k_pos >= 0
-    # Physical block of every key; positions past kv_end are never looked up, so table entries
-    # past a sequence's end are never dereferenced.
-    block_ids = tl.load(block_table_row_ptr + k_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        block_ids = tl.load(table_ptrs).to(tl.int64)
     slots = (k_pos % BLOCK_SIZE).to(tl.int64)
 
-    # K : (HEAD_DIM_PAD, TILE_N)
-    k_offsets = (block_ids[None, :] * stride_k_block + slots[None, :] * stride_k_slot
-                 + kv_head_offset_k + offs_d[:, None])
-    K = tl.load(key_cache_ptr + k_offsets, mask=dim_valid[:, None] & key_valid[None, :], other=0.0)
-    # V : (TILE_N, HEAD_DIM_PAD)
-    v_offsets = (block_ids[:, None] * stride_v_block + slots[:, None] * stride_v_slot
-                 + kv_head_offset_v + offs_d[None, :])
-    V = tl.load(value_cache_ptr + v_offsets, mask=key_valid[:, None] & dim_valid[None, :], other=0.0)
+    # K : (HEAD_DIM_PAD, TILE_N), V : (TILE_N, HEAD_DIM_PAD). The steady-state (unmasked) tiles of
+    # a power-of-two head load without predicates.
+    k_ptrs = key_cache_ptr + (block_ids[None, :] * stride_k_block + slots[None, :] * stride_k_slot
+                              + kv_head_offset_k + offs_d[:, None])
+    v_ptrs = value_cache_ptr + (block_ids[:, None] * stride_v_block + slots[:, None] * stride_v_slot
+                                + kv_head_offset_v + offs_d[None, :])
+    if MASKED:
+        K = tl.load(k_ptrs, mask=dim_valid[:, None] & key_valid[None, :], other=0.0)
+        V = tl.load(v_ptrs, mask=key_valid[:, None] & dim_valid[None, :], other=0.0)
+    elif HEAD_DIM == HEAD_DIM_PAD:
+        K = tl.load(k_ptrs)
+        V = tl.load(v_ptrs)
+    else:
+        K = tl.load(k_ptrs, mask=dim_valid[:, None], other=0.0)
+        V = tl.load(v_ptrs, mask=dim_valid[None, :], other=0.0)
 
     # S : (BLOCK_M, TILE_N), in log2 units so the softmax can use exp2
     S = tl.dot(Q, K, input_precision=DOT_PRECISION)
