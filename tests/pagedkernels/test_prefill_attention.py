@@ -204,7 +204,8 @@ from pagedkernels import prefill_attention as m
 for dtype, torch_dtype, head_dim, group, window, softcap in [
     ("bf16", torch.bfloat16, 128, 4, 100, True), ("fp32", torch.float32, 96, 3, 0, False)]:
     group_pad, head_dim_pad = triton.next_power_of_2(group), triton.next_power_of_2(head_dim)
-    block_m, tile_n, num_warps, num_stages = m._launch_config(head_dim_pad, group_pad, torch_dtype, torch.device("cuda"))
+    block_m, tile_n, num_warps, num_stages = m._launch_config(head_dim_pad, group_pad, torch_dtype,
+                                                              torch.device("cuda"))
     signature = {name: f"*{dtype}" for name in ("out_ptr", "q_ptr", "key_cache_ptr", "value_cache_ptr")}
     signature.update({name: "*i32" for name in ("block_tables_ptr", "cu_seqlens_q_ptr", "seq_lens_ptr")})
     signature.update(qk_scale="fp32", softcap="fp32", num_seqs="i32")
@@ -256,10 +257,11 @@ BAD_CALLS = {
     "cache_dtype": (_replace(key_cache=lambda a: a["key_cache"].half(), value_cache=lambda a: a["value_cache"].half()),
                     "key_cache"),
     "value_cache_shape": (_replace(value_cache=lambda a: a["value_cache"][:-1]), "value_cache"),
-    "cache_device": (_replace(key_cache=lambda a: a["key_cache"].to("meta"), value_cache=lambda a: a["value_cache"].to("meta")),
-                     "key_cache"),
+    "cache_device": (_replace(key_cache=lambda a: a["key_cache"].to("meta"),
+                              value_cache=lambda a: a["value_cache"].to("meta")), "key_cache"),
     "head_dim_mismatch": (_replace(q=lambda a: a["q"].repeat(1, 1, 2)), "head_dim"),
-    "head_size": (_replace(q=lambda a: a["q"][..., :32].contiguous(), key_cache=lambda a: a["key_cache"][..., :32].contiguous(),
+    "head_size": (_replace(q=lambda a: a["q"][..., :32].contiguous(),
+                           key_cache=lambda a: a["key_cache"][..., :32].contiguous(),
                            value_cache=lambda a: a["value_cache"][..., :32].contiguous()), "head size"),
     "gqa_ratio": (_replace(q=lambda a: a["q"][:, :3].contiguous()), "num_q_heads"),
     "block_tables_dtype": (_replace(block_tables=lambda a: a["block_tables"].long()), "block_tables"),
