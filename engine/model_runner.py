@@ -138,9 +138,10 @@ class ModelRunner:
         starts, query_lens, tables = [], [], []
         for seq, num_new_tokens in scheduled:
             start = seq.num_computed_tokens
-            if num_new_tokens < 1 or start + num_new_tokens > len(seq.token_ids):
-                raise ValueError(f"cannot run tokens [{start}, {start + num_new_tokens}) of a sequence with "
-                                 f"{len(seq.token_ids)} tokens")
+            end = start + num_new_tokens
+            if num_new_tokens < 1 or end > len(seq.token_ids) or end > len(seq.block_table) * self.block_size:
+                raise ValueError(f"cannot run tokens [{start}, {end}) of a sequence with {len(seq.token_ids)} "
+                                 f"tokens and {len(seq.block_table)} blocks of {self.block_size}")
             input_ids += seq.token_ids[start:start + num_new_tokens]
             starts.append(start)
             query_lens.append(num_new_tokens)

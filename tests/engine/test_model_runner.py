@@ -167,9 +167,17 @@ def test_triton_kernels_in_interpreter_match_torch_path(tiny_model_dir):
         torch.testing.assert_close(triton_lp, torch_lp, atol=LOGPROB_ATOL, rtol=0)
 
 
-def test_execute_model_empty_batch(tiny_model_dir):
+def test_execute_model_empty_batch_and_bad_entries(tiny_model_dir):
     runner = make_runner(tiny_model_dir("llama"))
     assert runner.execute_model([]).shape == (0, runner.config.vocab_size)
+    seq = Seq(random_token_ids(20, seed=60), block_table=[0])
+    with pytest.raises(ValueError, match="1 blocks of 16"):  # 20 tokens need 2 blocks
+        runner.execute_model([(seq, 20)])
+    seq.block_table = [0, 1]
+    with pytest.raises(ValueError, match="tokens"):  # past the sequence's end
+        runner.execute_model([(seq, 21)])
+    with pytest.raises(ValueError, match="tokens"):
+        runner.execute_model([(seq, 0)])
 
 
 def test_num_kv_blocks_from_memory_is_bounded(tiny_model_dir):
