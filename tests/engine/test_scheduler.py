@@ -2,6 +2,8 @@
 the latest arrival and its exact resumption. Sequences are driven by hand (a fake model: each step appends one
 token to every sequence whose scheduled tokens reached its end)."""
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
@@ -118,3 +120,71 @@ def test_rejects_bad_limits(bad):
     kwargs = dict(max_num_seqs=4, max_num_batched_tokens=16) | bad
     with pytest.raises(ValueError, match=next(iter(bad))):
         Scheduler(BlockManager(4, 4), **kwargs)
+
+
+def next_token_of(token_ids) -> int:
+    """The fake model: the next token is a function of the whole context (like greedy decoding)."""
+    return hash(tuple(token_ids)) % 5 + 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    prompt_lens=st.lists(st.integers(1, 24), min_size=1, max_size=7),
+    max_tokens=st.lists(st.integers(1, 12), min_size=7, max_size=7),
+    shared_prefix=st.integers(0, 16),
+    num_blocks=st.integers(6, 14),
+    budget=st.integers(1, 48),
+    max_num_seqs=st.integers(1, 5),
+    prefix=st.booleans(),
+    arrivals=st.lists(st.integers(0, 6), min_size=7, max_size=7),
+)
+def test_random_workloads_finish_with_reference_tokens(prompt_lens, max_tokens, shared_prefix, num_blocks, budget,
+                                                       max_num_seqs, prefix, arrivals):
+    """Any workload: each step respects the budget and max_num_seqs, every computed token reads correct KV
+    (a shadow cache checks prefix hits, chunking and preemption), each request ends with exactly the tokens the
+    fake model gives it alone, and all blocks are free at the end."""
+    block_size = 4
+    sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+                           max_num_batched_tokens=budget, prefix=prefix)
+    base = [(3 * i) % 11 + 1 for i in range(24)]
+    seqs = []
+    for i, n in enumerate(prompt_lens):
+        prompt = (base[:shared_prefix] + [(i * 7 + j) % 13 + 1 for j in range(n)])[:max(n, 1)]
+        max_tok = max_tokens[i]
+        # The engine rejects requests that could not run alone; so does this workload.
+        if sched.block_manager.num_blocks_for(len(prompt) + max_tok - 1) > num_blocks:
+            continue
+        seq = Sequence(str(i), None, prompt, SamplingParams(max_tokens=max_tok), arrival_time=0.0)
+        seqs.append(seq)
+    pending = sorted(seqs, key=lambda s: arrivals[int(s.request_id)])
+    shadow: dict[tuple[int, int], int] = {}
+    for step in range(2000):
+        while pending and arrivals[int(pending[0].request_id)] <= step:
+            sched.add(pending.pop(0))
+        if not pending and not sched.has_unfinished():
+            break
+        scheduled = sched.schedule()
+        assert sum(n for _, n in scheduled) <= budget and len(sched.running) <= max_num_seqs
+        assert len({s.seq_id for s, _ in scheduled}) == len(scheduled)
+        for seq, n in scheduled:
+            assert n >= 1 and seq.num_computed_tokens + n <= seq.num_tokens
+            assert len(seq.block_table) * block_size >= seq.num_computed_tokens + n
+            for pos in range(seq.num_computed_tokens):   # what attention reads
+                assert shadow[seq.block_table[pos // block_size], pos % block_size] == seq.token_ids[pos]
+            for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):   # what the step writes
+                shadow[seq.block_table[pos // block_size], pos % block_size] = seq.token_ids[pos]
+        sched.update_after_step(scheduled)
+        for seq, _ in scheduled:
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.append_token(next_token_of(seq.token_ids))
+                if seq.num_output_tokens == seq.params.max_tokens:
+                    sched.finish(seq)
+    else:
+        raise AssertionError("workload did not finish")
+    for seq in seqs:
+        expected = list(seq.prompt_token_ids)
+        for _ in range(seq.params.max_tokens):
+            expected.append(next_token_of(expected))
+        assert seq.token_ids == expected
+    bm = sched.block_manager
+    assert bm.num_free_blocks == num_blocks and all(b.ref_count == 0 for b in bm.blocks)
