@@ -6,7 +6,6 @@ The state machine keeps a shadow of the KV cache (which token each slot holds, w
 as a sequence whose computed tokens disagree with the shadow."""
 import random
 
-import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
