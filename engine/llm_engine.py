@@ -169,18 +169,23 @@ class LLMEngine:
         if not scheduled:
             return []
         logits = self.model_runner.execute_model(scheduled)
-        return self._process_outputs(scheduled, logits)
-
-    def _process_outputs(self, scheduled: list[tuple[Sequence, int]], logits: torch.Tensor) -> list[RequestOutput]:
         self.scheduler.update_after_step(scheduled)
-        # Sequences whose scheduled tokens reached their end sample a token; mid-prompt chunks do not.
+        seqs, sampler_output = self._sample(scheduled, logits)
+        return self._process_outputs(seqs, sampler_output)
+
+    def _sample(self, scheduled: list[tuple[Sequence, int]], logits: torch.Tensor
+                ) -> tuple[list[Sequence], SamplerOutput | None]:
+        """Sample for the sequences whose scheduled tokens reached their end (mid-prompt chunks do not sample)."""
         rows = [i for i, (seq, _) in enumerate(scheduled) if seq.num_computed_tokens == seq.num_tokens]
         if not rows:
-            return []
-        seqs = [scheduled[i][0] for i in rows]
+            return [], None
         if len(rows) < len(scheduled):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        sampler_output = self.sampler(logits, seqs)
+        seqs = [scheduled[i][0] for i in rows]
+        return seqs, self.sampler(logits, seqs)
+
+    def _process_outputs(self, seqs: list[Sequence], sampler_output: SamplerOutput | None) -> list[RequestOutput]:
+        """Append the sampled tokens, detokenize, apply the stop conditions, release finished requests."""
         now = time.time()
         outputs = []
         for row, seq in enumerate(seqs):
