@@ -18,7 +18,10 @@
    prompt and O output tokens runs P + O - 1 tokens and needs O logits rows.
 
 Figures are printed; ``--out DIR`` also writes ``DIR/<date>-engine-cpu-<cpu>.json``. The machine's
-load average is recorded next to them: on a shared 2-core machine other processes skew both sides.
+load average is recorded next to them: on a shared 2-core machine other processes skew both sides,
+and badly so with torch's two intra-op threads (a parallel region waits for a descheduled thread:
+measured here under load ~6, transformers single-stream fell from 21 tok/s with 1 thread to 3 with 2).
+Compare runs only at a low load average, or pin ``--threads 1`` for both sides.
 """
 
 from __future__ import annotations
@@ -205,10 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--single-prompt-len", type=int, default=32)
     parser.add_argument("--single-new-tokens", type=int, default=128)
     parser.add_argument("--matmul-n", type=int, default=2048)
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads for both sides (default: torch's)")
     parser.add_argument("--skip-transformers", action="store_true", help="engine figures only")
     parser.add_argument("--out", help="directory for <date>-engine-cpu-<cpu>.json (e.g. bench/results)")
     args = parser.parse_args(argv)
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.model is None:
         from engine.default_model import default_model_path
 

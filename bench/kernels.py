@@ -807,6 +807,11 @@ def run_suite(device: torch.device | str, *, tiny: bool = False, compile: bool =
             f"({time.perf_counter() - start:.1f} s)")
         del case, case_rows
         _free(device)
+        if compile:
+            # Every case compiles FlexAttention afresh (new shapes, new mask closures); without a reset
+            # the recompiles pile up on flex_attention's code object until dynamo's recompile limit
+            # (8) sends it back to eager, which materializes whole score matrices.
+            torch._dynamo.reset()
         if on_progress is not None:
             on_progress(_result(peaks, rows, targets))
     return _result(peaks, rows, targets)
