@@ -232,10 +232,10 @@ def run_case(case: Case, timer: Timer, peaks: Peaks) -> list[Row]:
                     baseline_ms = timer(fn)
                 ratio = baseline_ms / ms if ms else None
                 row_note = "; ".join(x for x in (note, extra) if x)
-            except Skipped as e:
-                row_note = "; ".join(x for x in (note, _first_line(e)) if x)
             except Exception as e:
-                row_note = "; ".join(x for x in (note, f"not available: {_first_line(e)}") if x)
+                why = ("" if isinstance(e, Skipped) else "wrong result, not timed: " if isinstance(e, AssertionError)
+                       else "not available: ") + _first_line(e)
+                row_note = "; ".join(x for x in (note, why) if x)
         rows.append(Row(case.op, case.shape, DTYPE_NAMES[case.dtype], ms, gbps, tflops, frac, peak_name,
                         name, baseline_ms, ratio, check, row_note))
     return rows
