@@ -3,7 +3,7 @@ reproducibility independent of the batch, logprobs of the raw logits."""
 import pytest
 import torch
 
-from engine.sampler import Sampler, apply_penalties, apply_top_k_top_p
+from engine.sampler import Sampler, _top_k_top_p_sorted, apply_penalties, apply_top_k_top_p, sample_inverse_cdf
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -71,12 +71,37 @@ def test_min_p_drops_unlikely_tokens():
 
 def test_top_k_top_p_per_row_in_one_batch():
     logits = random_logits(3, seed=6)
-    out = apply_top_k_top_p(logits.clone(), torch.tensor([2, VOCAB, 5]), torch.tensor([1.0, 0.5, 1.0]))
+    out = apply_top_k_top_p(logits.clone(), [2, 0, 5], [1.0, 0.5, 1.0])
     kept = torch.isfinite(out)
     assert kept[0].sum() == 2 and kept[2].sum() == 5
     probs = torch.softmax(logits[1], -1).sort(descending=True).values
     assert kept[1].sum() == int((probs.cumsum(0) < 0.5).sum()) + 1
     assert torch.equal(out[kept], logits[kept])
+
+
+def test_top_k_top_p_candidate_path_equals_full_sort():
+    """Vocabulary large enough for the topk-candidate path; rows cover: off, top-k only, top-p only (narrow and
+    wider than the candidates, which falls back to the sort), both."""
+    vocab = 6000
+    gen = torch.Generator().manual_seed(10)
+    scales = torch.tensor([3.0, 3.0, 3.0, 0.05, 3.0, 2.0, 0.05, 3.0]).unsqueeze(1)   # 0.05: nearly flat rows
+    logits = torch.randn(8, vocab, generator=gen) * scales
+    top_k = [0, 7, 0, 0, 50, 300, 0, 1]
+    top_p = [1.0, 1.0, 0.9, 0.95, 0.8, 0.99, 0.3, 0.5]
+    fast = apply_top_k_top_p(logits.clone(), top_k, top_p)
+    k = torch.tensor([t if t > 0 else vocab for t in top_k])
+    reference = _top_k_top_p_sorted(logits.clone(), k, torch.tensor(top_p))
+    assert torch.equal(torch.isfinite(fast), torch.isfinite(reference))
+    kept = torch.isfinite(fast).sum(-1).tolist()
+    assert kept[0] == vocab and kept[1] == 7 and kept[7] == 1 and kept[3] > 1024   # row 3 used the fallback
+    assert torch.equal(fast[torch.isfinite(fast)], logits[torch.isfinite(fast)])
+
+
+def test_inverse_cdf_never_picks_zero_probability_tokens():
+    probs = torch.zeros(4, VOCAB)
+    probs[:, 3], probs[:, 7] = 0.25, 0.75
+    uniform = torch.tensor([0.0, 0.2499, 0.25, 1.0 - 2 ** -24])
+    assert sample_inverse_cdf(probs.clone(), uniform).tolist() == [3, 3, 7, 7]
 
 
 def test_seeded_request_independent_of_batch():
