@@ -30,12 +30,12 @@ import dataclasses
 import functools
 import gc
 import json
-import math
 import statistics
 import sys
 import time
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import torch
@@ -713,58 +713,64 @@ def silu_and_mul_case(device, dtype, *, num_tokens: int, intermediate: int, comp
                 check=lambda: assert_close(fn(), _silu_and_mul_reference(x.float()), dtype))
 
 
+OP_OF_CASE = {decode_case: "paged_decode_attention", prefill_case: "paged_prefill_attention",
+              reshape_and_cache_case: "reshape_and_cache", copy_blocks_case: "copy_blocks",
+              swap_blocks_case: "swap_blocks", rms_norm_case: "rms_norm", fused_add_rms_norm_case: "fused_add_rms_norm",
+              rotary_case: "rotary_embedding", silu_and_mul_case: "silu_and_mul"}
+
 # The issue's targets (H100, bf16).
 DECODE_TARGET = Target("decode >= 0.90 of copy BW", "frac_of_peak", 0.90)
 PREFILL_TARGET = Target("prefill >= 0.90 of SDPA-flash TFLOP/s", "ratio:sdpa-flash", 0.90)
 ADD_RMS_TARGET = Target("fused add-RMSNorm >= 0.85 of copy BW", "frac_of_peak", 0.85)
 
 
-def suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False, compile: bool = True) -> list[Callable[[], Case]]:
-    """Case builders, run one at a time so only one case's tensors are alive. ``tiny`` keeps every
-    shape relation (GQA groups, head sizes, targets) at sizes a CPU handles in seconds."""
+def suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False, compile: bool = True) -> list[functools.partial]:
+    """Case builders (partials of the ``*_case`` functions), run one at a time so only one case's
+    tensors are alive. ``tiny`` keeps every shape relation (GQA groups, head sizes, targets) at sizes
+    a CPU handles in seconds."""
     d, c = dict(device=device, dtype=dtype), dict(compile=compile)
     if tiny:
         attn = dict(num_q_heads=4, num_kv_heads=2, head_dim=64)
         return [
-            lambda: decode_case(**d, **c, num_seqs=4, seq_len=64, **attn, target=DECODE_TARGET),
-            lambda: decode_case(**d, **c, num_seqs=1, seq_len=256, **attn),
-            lambda: prefill_case(**d, **c, num_seqs=2, new_tokens=32, **attn, target=PREFILL_TARGET),
-            lambda: prefill_case(**d, **c, num_seqs=2, new_tokens=16, context=48, **attn),
-            lambda: reshape_and_cache_case(**d, num_tokens=64, num_kv_heads=2, head_dim=64),
-            lambda: copy_blocks_case(**d, num_layers=2, num_blocks=16, num_pairs=4, num_kv_heads=2, head_dim=64),
-            lambda: swap_blocks_case(**d, direction="d2h", num_blocks=16, num_pairs=4, num_kv_heads=2, head_dim=64),
-            lambda: rms_norm_case(**d, **c, num_tokens=16, hidden=256),
-            lambda: fused_add_rms_norm_case(**d, **c, num_tokens=16, hidden=256, target=ADD_RMS_TARGET),
-            lambda: rotary_case(**d, **c, num_tokens=16, num_q_heads=4, num_kv_heads=2, head_dim=64, max_position=64),
-            lambda: silu_and_mul_case(**d, **c, num_tokens=16, intermediate=128),
+            partial(decode_case, **d, **c, num_seqs=4, seq_len=64, **attn, target=DECODE_TARGET),
+            partial(decode_case, **d, **c, num_seqs=1, seq_len=256, **attn),
+            partial(prefill_case, **d, **c, num_seqs=2, new_tokens=32, **attn, target=PREFILL_TARGET),
+            partial(prefill_case, **d, **c, num_seqs=2, new_tokens=16, context=48, **attn),
+            partial(reshape_and_cache_case, **d, num_tokens=64, num_kv_heads=2, head_dim=64),
+            partial(copy_blocks_case, **d, num_layers=2, num_blocks=16, num_pairs=4, num_kv_heads=2, head_dim=64),
+            partial(swap_blocks_case, **d, direction="d2h", num_blocks=16, num_pairs=4, num_kv_heads=2, head_dim=64),
+            partial(rms_norm_case, **d, **c, num_tokens=16, hidden=256),
+            partial(fused_add_rms_norm_case, **d, **c, num_tokens=16, hidden=256, target=ADD_RMS_TARGET),
+            partial(rotary_case, **d, **c, num_tokens=16, num_q_heads=4, num_kv_heads=2, head_dim=64, max_position=64),
+            partial(silu_and_mul_case, **d, **c, num_tokens=16, intermediate=128),
         ]
     heads = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
     cache = dict(num_kv_heads=8, head_dim=128)
     return [
         # decode: the target, batch-1 long context (split-K), GQA group 8, head 64, many short sequences
-        lambda: decode_case(**d, **c, num_seqs=64, seq_len=4096, **heads, target=DECODE_TARGET),
-        lambda: decode_case(**d, **c, num_seqs=1, seq_len=32768, **heads),
-        lambda: decode_case(**d, **c, num_seqs=64, seq_len=4096, num_q_heads=64, num_kv_heads=8, head_dim=128),
-        lambda: decode_case(**d, **c, num_seqs=64, seq_len=4096, num_q_heads=32, num_kv_heads=8, head_dim=64),
-        lambda: decode_case(**d, **c, num_seqs=256, seq_len=1024, **heads),
+        partial(decode_case, **d, **c, num_seqs=64, seq_len=4096, **heads, target=DECODE_TARGET),
+        partial(decode_case, **d, **c, num_seqs=1, seq_len=32768, **heads),
+        partial(decode_case, **d, **c, num_seqs=64, seq_len=4096, num_q_heads=64, num_kv_heads=8, head_dim=128),
+        partial(decode_case, **d, **c, num_seqs=64, seq_len=4096, num_q_heads=32, num_kv_heads=8, head_dim=64),
+        partial(decode_case, **d, **c, num_seqs=256, seq_len=1024, **heads),
         # prefill: the target, head 64, GQA group 8, one long prompt, chunked prefill over a cached prefix
-        lambda: prefill_case(**d, **c, num_seqs=8, new_tokens=2048, **heads, target=PREFILL_TARGET),
-        lambda: prefill_case(**d, **c, num_seqs=8, new_tokens=2048, num_q_heads=32, num_kv_heads=8, head_dim=64),
-        lambda: prefill_case(**d, **c, num_seqs=8, new_tokens=2048, num_q_heads=64, num_kv_heads=8, head_dim=128),
-        lambda: prefill_case(**d, **c, num_seqs=1, new_tokens=8192, **heads),
-        lambda: prefill_case(**d, **c, num_seqs=4, new_tokens=512, context=4096, **heads),
+        partial(prefill_case, **d, **c, num_seqs=8, new_tokens=2048, **heads, target=PREFILL_TARGET),
+        partial(prefill_case, **d, **c, num_seqs=8, new_tokens=2048, num_q_heads=32, num_kv_heads=8, head_dim=64),
+        partial(prefill_case, **d, **c, num_seqs=8, new_tokens=2048, num_q_heads=64, num_kv_heads=8, head_dim=128),
+        partial(prefill_case, **d, **c, num_seqs=1, new_tokens=8192, **heads),
+        partial(prefill_case, **d, **c, num_seqs=4, new_tokens=512, context=4096, **heads),
         # cache ops
-        lambda: reshape_and_cache_case(**d, num_tokens=16384, **cache),
-        lambda: reshape_and_cache_case(**d, num_tokens=64, **cache),
-        lambda: copy_blocks_case(**d, num_layers=32, num_blocks=1024, num_pairs=256, **cache),
-        lambda: swap_blocks_case(**d, direction="d2h", num_blocks=2048, num_pairs=512, **cache),
-        lambda: swap_blocks_case(**d, direction="h2d", num_blocks=2048, num_pairs=512, **cache),
+        partial(reshape_and_cache_case, **d, num_tokens=16384, **cache),
+        partial(reshape_and_cache_case, **d, num_tokens=64, **cache),
+        partial(copy_blocks_case, **d, num_layers=32, num_blocks=1024, num_pairs=256, **cache),
+        partial(swap_blocks_case, **d, direction="d2h", num_blocks=2048, num_pairs=512, **cache),
+        partial(swap_blocks_case, **d, direction="h2d", num_blocks=2048, num_pairs=512, **cache),
         # norms, rotary, activation
-        lambda: rms_norm_case(**d, **c, num_tokens=8192, hidden=4096),
-        lambda: fused_add_rms_norm_case(**d, **c, num_tokens=8192, hidden=4096, target=ADD_RMS_TARGET),
-        lambda: fused_add_rms_norm_case(**d, **c, num_tokens=64, hidden=4096),
-        lambda: rotary_case(**d, **c, num_tokens=8192, num_q_heads=32, num_kv_heads=8, head_dim=128),
-        lambda: silu_and_mul_case(**d, **c, num_tokens=8192, intermediate=14336),
+        partial(rms_norm_case, **d, **c, num_tokens=8192, hidden=4096),
+        partial(fused_add_rms_norm_case, **d, **c, num_tokens=8192, hidden=4096, target=ADD_RMS_TARGET),
+        partial(fused_add_rms_norm_case, **d, **c, num_tokens=64, hidden=4096),
+        partial(rotary_case, **d, **c, num_tokens=8192, num_q_heads=32, num_kv_heads=8, head_dim=128),
+        partial(silu_and_mul_case, **d, **c, num_tokens=8192, intermediate=14336),
     ]
 
 
@@ -791,12 +797,12 @@ def run_suite(device: torch.device | str, *, tiny: bool = False, compile: bool =
     rows: list[Row] = []
     targets = []
     for build in suite(device, dtype, tiny=tiny, compile=compile):
+        if only and only not in OP_OF_CASE[build.func]:
+            continue
         try:
             case = build()
         except Exception as e:
-            log(f"  case could not be built: {_first_line(e)}")
-            continue
-        if only and only not in case.op:
+            log(f"  {build.func.__name__}({build.keywords}) could not be built: {_first_line(e)}")
             continue
         start = time.perf_counter()
         case_rows = run_case(case, timer, peaks)
