@@ -1,6 +1,9 @@
 """Loading the tokenizer of a model directory (transformers' fast tokenizer; tokenization only, no model code)."""
 import os
 
+# A directory holds a usable tokenizer when it has one of these (fast, SentencePiece, or BPE vocab files).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer.tiktoken")
+
 
 def get_tokenizer(path: str):
     """The tokenizer stored in `path` (a local directory). A chat template kept in a separate
@@ -8,6 +11,9 @@ def get_tokenizer(path: str):
     directory has no usable tokenizer."""
     from transformers import AutoTokenizer
 
+    # transformers 5 builds an empty one-token tokenizer when the files are missing: refuse that here.
+    if not any(os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES):
+        raise ValueError(f"no tokenizer in {path!r}: expected one of {', '.join(_TOKENIZER_FILES)}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError) as e:

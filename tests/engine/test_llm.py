@@ -364,3 +364,27 @@ def test_model_resolution_errors(monkeypatch):
 def test_bad_engine_arguments(tiny_model_dir, bad):
     with pytest.raises(ValueError, match=next(iter(bad)).split("_")[0]):
         LLM(tiny_model_dir("llama"), **bad)
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("truncate weights", "weight file"), ("remove weights", "no weights"), ("remove config", "config.json"),
+    ("remove tokenizer", "no tokenizer"),
+])
+def test_broken_model_directory_is_a_clear_error(tiny_model_dir, tmp_path, damage, message):
+    import os
+    import shutil
+    model_dir = str(tmp_path / "model")
+    shutil.copytree(tiny_model_dir("qwen3"), model_dir)
+    weights = os.path.join(model_dir, "model.safetensors")
+    if damage == "truncate weights":
+        data = open(weights, "rb").read()
+        open(weights, "wb").write(data[:len(data) // 2])
+    elif damage == "remove weights":
+        os.remove(weights)
+    elif damage == "remove config":
+        os.remove(os.path.join(model_dir, "config.json"))
+    else:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            os.remove(os.path.join(model_dir, name))
+    with pytest.raises(ValueError, match=message):
+        LLM(model_dir, num_kv_blocks=8)
