@@ -1,4 +1,4 @@
-"""The engine loop: requests in, one step = schedule -> run the model -> process outputs, RequestOutputs out."""
+"""The engine loop: requests in; one step = schedule -> run the model -> sample -> process outputs; RequestOutputs out."""
 import os
 import time
 
@@ -15,8 +15,8 @@ from engine.sequence import Sequence
 from engine.tokenizer import get_tokenizer
 
 # Default token budget per step. Chunked prefill is always on, so the budget does not have to hold a whole
-# prompt; 8192 is vLLM v1's offline default on GPUs below the H100 class. On CPU a step of this size keeps
-# the matmuls large (efficient) while bounding the activation memory of one forward pass.
+# prompt; 8192 is vLLM v1's default for its offline LLM class on GPUs under 70 GiB. On CPU a step of this
+# size keeps the matmuls large (efficient) while bounding the activation memory of one forward pass.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 
