@@ -1,4 +1,4 @@
-"""The engine loop: requests in; one step = schedule -> run the model -> sample -> process outputs; RequestOutputs out."""
+"""The engine loop: requests in; a step = schedule -> run the model -> sample -> process outputs; outputs out."""
 import os
 import time
 

@@ -204,7 +204,8 @@ def _top_k_top_p_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     return logits_sort.scatter(dim=-1, index=logits_idx, src=logits_sort)
 
 
-def _gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, num_logprobs: list[int | None]) -> SamplerOutput:
+def _gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor,
+                     num_logprobs: list[int | None]) -> SamplerOutput:
     max_k = max(k for k in num_logprobs if k is not None)
     sampled_lp = raw_logprobs.gather(1, sampled.unsqueeze(1))   # [num_seqs, 1]
     ranks = (raw_logprobs > sampled_lp).sum(dim=-1) + 1

@@ -1,4 +1,5 @@
 """Per-request sampling parameters, validated at construction (vLLM's `SamplingParams` names and meanings)."""
+import math
 from dataclasses import dataclass
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing by them would overflow float32.
@@ -112,7 +113,7 @@ def _check_int(name: str, value, *, minimum: int | None = None) -> None:
 
 
 def _check_float(name: str, value, *, minimum: float | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value in (float("inf"), float("-inf")):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")

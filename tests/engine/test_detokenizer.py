@@ -64,7 +64,8 @@ def test_decodes_bounded_windows_not_the_whole_output(tokenizer):
 
 def test_skip_special_tokens(tokenizer):
     special = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    ids = tokenizer.encode("Hi there", add_special_tokens=False) + [special] + tokenizer.encode(" more", add_special_tokens=False)
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    ids = encode("Hi there") + [special] + encode(" more")
     skipped, _ = stream(Detokenizer(tokenizer), [5], ids, SamplingParams(skip_special_tokens=True))
     kept, _ = stream(Detokenizer(tokenizer), [5], ids, SamplingParams(skip_special_tokens=False))
     assert skipped.output_text == "Hi there more"

@@ -330,7 +330,8 @@ def test_chat_template_from_separate_jinja_file(tiny_model_dir, tmp_path):
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}")
+    template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+    (tmp_path / "chat_template.jinja").write_text(template)
     tokenizer = get_tokenizer(str(tmp_path))
     assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "[user]hi"
 

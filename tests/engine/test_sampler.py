@@ -114,7 +114,9 @@ def test_seeded_request_independent_of_batch():
         tokens = []
         for step in range(steps):
             others = batch_builder(step)
-            batch_logits = torch.cat([random_logits(len(others), seed=100 + step), logits]) if others else logits.clone()
+            batch_logits = logits.clone()
+            if others:
+                batch_logits = torch.cat([random_logits(len(others), seed=100 + step), logits])
             tokens.append(sampler(batch_logits, others + [seq]).sampled_token_ids[-1])
         return tokens
 
@@ -140,7 +142,8 @@ def reference_penalties(logits, prompt, output, rep, pres, freq):
 
 def test_penalties_match_vllm_semantics():
     logits = random_logits(3, seed=8)
-    cases = [((1, 2, 3), (3, 3, 5), 1.3, 0.5, 0.25), ((4, 4), (6,), 0.7, -0.5, 0.0), ((0,), (0, 0, 0, 9), 1.0, 0.0, 1.5)]
+    cases = [((1, 2, 3), (3, 3, 5), 1.3, 0.5, 0.25), ((4, 4), (6,), 0.7, -0.5, 0.0),
+             ((0,), (0, 0, 0, 9), 1.0, 0.0, 1.5)]
     seqs = [seq_with(SamplingParams(repetition_penalty=r, presence_penalty=p, frequency_penalty=f), prompt=pr, output=o)
             for pr, o, r, p, f in cases]
     got = logits.clone()
@@ -165,7 +168,8 @@ def test_min_tokens_masks_eos_and_stop_token_ids():
     logits[:, 7] = 9.0     # a stop token id
     logits[:, 2] = 1.0
     p = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[7])
-    seqs = [seq_with(p, output=()), seq_with(p, output=(1, 1)), seq_with(SamplingParams(temperature=0, min_tokens=2, ignore_eos=True))]
+    seqs = [seq_with(p, output=()), seq_with(p, output=(1, 1)),
+            seq_with(SamplingParams(temperature=0, min_tokens=2, ignore_eos=True))]
     assert Sampler()(logits.clone(), seqs).sampled_token_ids == [2, 11, 11]   # ignore_eos: EOS is an ordinary token
 
 
