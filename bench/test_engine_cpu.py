@@ -1,0 +1,56 @@
+"""bench.engine_cpu end to end on a tiny random-weight model: ``python -m pytest bench/test_engine_cpu.py``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import engine_cpu
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    from tests.engine.models_util import build_tiny_model_dir
+
+    return build_tiny_model_dir("llama", str(tmp_path_factory.mktemp("tiny-llama")))
+
+
+def test_flop_model_counts_matrix_parameters(tiny_llama):
+    flops = engine_cpu.FlopModel.from_model_dir(tiny_llama)
+    with open(f"{tiny_llama}/config.json") as f:
+        config = json.load(f)
+    hidden, inter, heads, kv_heads, head_dim = (config[k] for k in (
+        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"))
+    per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * inter
+    assert flops.matrix_params == config["num_hidden_layers"] * per_layer
+    # 3 prompt + 2 output tokens: 4 tokens run, 2 logits rows, 1 + 2 + 3 + 4 visible pairs.
+    assert flops.request_flops(3, 2) == (2 * flops.matrix_params * 4 + 2 * flops.vocab_size * hidden * 2
+                                         + 4 * flops.attention_width * 10)
+
+
+def test_requests_are_seeded_and_in_range():
+    a = engine_cpu.make_requests(20, 16, 128, 49152, seed=3)
+    assert a == engine_cpu.make_requests(20, 16, 128, 49152, seed=3)
+    assert a != engine_cpu.make_requests(20, 16, 128, 49152, seed=4)
+    assert all(16 <= len(r.prompt_token_ids) <= 128 and 16 <= r.output_len <= 128 for r in a)
+    assert all(1000 <= t < 49152 for r in a for t in r.prompt_token_ids)
+
+
+def test_benchmark_runs_both_sides_and_writes_json(tiny_llama, tmp_path):
+    argv = ["--model", tiny_llama, "--num-requests", "5", "--min-len", "4", "--max-len", "12", "--hf-batch-size", "2",
+            "--single-prompt-len", "6", "--single-new-tokens", "8", "--matmul-n", "256", "--out", str(tmp_path)]
+    assert engine_cpu.main(argv) == 0
+    [path] = tmp_path.glob("*-engine-cpu-*.json")
+    report = json.loads(path.read_text())
+    for side in ("engine", "transformers"):
+        batch = report[side]["throughput"]
+        assert batch["output_lengths_exact"] is True
+        assert batch["output_tokens"] == report["requests"]["output_tokens"]
+        assert 0 < batch["frac_of_matmul"] and batch["output_tokens_per_s"] > 0
+        assert report[side]["single_stream"]["decode_tokens_per_s"] > 0
+    # Same weights, same greedy work: a benchmark of two different computations would be meaningless.
+    assert report["greedy_outputs_identical"] == "5/5"
+    assert report["throughput_ratio"] > 0 and {t["status"] for t in report["targets"]} <= {"pass", "fail"}
