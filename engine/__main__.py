@@ -1,4 +1,5 @@
-"""Command line: `python -m engine generate "prompt"`, `python -m engine chat`, `python -m engine download`.
+"""Command line: `python -m engine generate "prompt"`, `python -m engine chat`, `python -m engine download`,
+`python -m engine serve` (an OpenAI-compatible server; needs the `serve` extra).
 
 The default model is SmolLM2-135M-Instruct, converted on first use (see engine/default_model.py)."""
 import argparse
@@ -37,6 +38,19 @@ def _build(args):
     return llm, params
 
 
+def _add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests")
+    parser.add_argument("--log-level", default="info", help="uvicorn log level")
+
+
 def cmd_generate(args) -> None:
     llm, params = _build(args)
     if args.chat:
@@ -69,6 +83,11 @@ def cmd_download(args) -> None:
     print(default_model_path())
 
 
+def cmd_serve(args) -> None:
+    from engine.entrypoints.openai.api_server import run_server
+    run_server(args)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -83,9 +102,12 @@ def main(argv: list[str] | None = None) -> None:
     # SmolLM2-Instruct's recommended chat sampling.
     _add_sampling_args(chat, temperature=0.2, top_p=0.9)
     sub.add_parser("download", help="fetch and convert the default model; print its directory")
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    _add_model_args(serve)
+    _add_serve_args(serve)
     args = parser.parse_args(argv)
     try:
-        {"generate": cmd_generate, "chat": cmd_chat, "download": cmd_download}[args.command](args)
+        {"generate": cmd_generate, "chat": cmd_chat, "download": cmd_download, "serve": cmd_serve}[args.command](args)
     except ValueError as e:
         parser.exit(2, f"error: {e}\n")
 

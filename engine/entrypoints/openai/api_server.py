@@ -1,0 +1,123 @@
+"""The FastAPI app (`build_app`) and `python -m engine serve` (`run_server`).
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics. Errors
+are OpenAI's JSON: 400 for invalid parameters, malformed JSON and over-long prompts, 401 without the API key
+(when one is set), 404 for an unknown model or route."""
+import argparse
+import socket
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.async_engine import AsyncLLMEngine, EngineDeadError
+from engine.entrypoints.openai.metrics import ServerMetrics
+from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from engine.entrypoints.openai.serving import OpenAIError, OpenAIServing
+
+
+def _error_response(error: OpenAIError) -> JSONResponse:
+    return JSONResponse(error.to_json(), status_code=error.status)
+
+
+def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key: str | None = None) -> FastAPI:
+    """The server app around a (not yet started) AsyncLLMEngine; the step loop starts with the app."""
+    serving = OpenAIServing(engine, served_model_names)
+    metrics = ServerMetrics(served_model_names[0])
+    metrics.attach(engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        await engine.shutdown()
+
+    app = FastAPI(title="engine OpenAI-compatible server", lifespan=lifespan)
+    app.state.engine, app.state.serving, app.state.metrics = engine, serving, metrics
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, error: OpenAIError):
+        return _error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, error: RequestValidationError):
+        first = error.errors()[0] if error.errors() else {}
+        if first.get("type") == "json_invalid":
+            return _error_response(OpenAIError(400, f"malformed JSON body: {first.get('msg', '')}"))
+        location = [str(part) for part in first.get("loc", ()) if part != "body"]
+        param = ".".join(location) or None
+        return _error_response(OpenAIError(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}",
+                                           param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, error: StarletteHTTPException):
+        return _error_response(OpenAIError(error.status_code, str(error.detail),
+                                           type="not_found_error" if error.status_code == 404 else "api_error"))
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, error: EngineDeadError):
+        return _error_response(OpenAIError(500, str(error), type="internal_server_error"))
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        if api_key is not None and request.url.path.startswith("/v1"):
+            if request.headers.get("authorization") != f"Bearer {api_key}":
+                return _error_response(OpenAIError(401, "Incorrect or missing API key.", code="invalid_api_key"))
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        await engine.check_health()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(await metrics.render(engine), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def list_models():
+        return serving.models()
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest):
+        return _respond(await serving.create_completion(request))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest):
+        return _respond(await serving.create_chat_completion(request))
+
+    return app
+
+
+def _respond(result):
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return StreamingResponse(result, media_type="text/event-stream")
+
+
+# -- `python -m engine serve` (arguments: engine/__main__.py) -------------------------------------------------------------------------------
+def engine_from_args(args) -> tuple[AsyncLLMEngine, str]:
+    from engine.default_model import default_model_path
+
+    model = args.model or default_model_path()
+    engine = AsyncLLMEngine.from_args(
+        model, dtype=args.dtype, device=args.device, block_size=args.block_size, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
+        enforce_eager=args.enforce_eager, seed=args.seed)
+    return engine, args.served_model_name or args.model or "SmolLM2-135M-Instruct"
+
+
+def run_server(args) -> None:
+    import uvicorn
+
+    engine, name = engine_from_args(args)
+    app = build_app(engine, served_model_names=[name], api_key=args.api_key)
+    # Bind before announcing, so "serving on" means connections are accepted.
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    print(f"serving {name!r} on http://{args.host}:{sock.getsockname()[1]}", flush=True)
+    uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
