@@ -1,7 +1,7 @@
 """A small vLLM-style offline inference engine on pagedkernels: `LLM(model).generate(prompts, SamplingParams())`."""
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from engine.outputs import CompletionOutput, EngineMetrics, Logprob, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "LLMEngine", "CompletionOutput", "EngineMetrics", "Logprob", "RequestMetrics", "RequestOutput", "SamplingParams"]

@@ -7,7 +7,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import ModelConfig
 from engine.detokenizer import Detokenizer, check_stop_strings
-from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.outputs import CompletionOutput, EngineMetrics, Logprob, RequestOutput
 from engine.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -85,6 +85,7 @@ class LLMEngine:
         self.sampler = Sampler(seed=seed, device=self.device)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Sequence] = {}
+        self.num_generation_tokens = 0
 
     # -- requests --------------------------------------------------------------------------------------------
     def process_prompt(self, prompt) -> tuple[str | None, list[int]]:
@@ -162,6 +163,20 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
+    def get_metrics(self) -> EngineMetrics:
+        """Counts of requests per state, KV-cache usage, prefix-cache hit rate and running totals."""
+        sched, bm = self.scheduler, self.block_manager
+        num_prompt_tokens = sched.num_prompt_tokens
+        return EngineMetrics(
+            num_running=len({s.request_id for s in sched.running}),
+            num_waiting=len({s.request_id for s in sched.waiting}),
+            num_swapped=len(getattr(sched, "swapped", ())),
+            kv_cache_usage=1.0 - bm.num_free_blocks / bm.num_blocks,
+            prefix_cache_hit_rate=sched.num_cached_prompt_tokens / num_prompt_tokens if num_prompt_tokens else 0.0,
+            num_preemptions=sched.num_preemptions,
+            num_generation_tokens=self.num_generation_tokens,
+            num_prompt_tokens=num_prompt_tokens)
+
     # -- the step -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration; returns an output for every request that produced a token (finished or not)."""
@@ -194,6 +209,8 @@ class LLMEngine:
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
             seq.metrics.last_token_time = now
+            seq.metrics.num_output_tokens += 1
+            self.num_generation_tokens += 1
             if seq.logprobs is not None:
                 self._append_logprobs(seq, row, token_id, sampler_output)
             self._check_stop(seq, token_id)

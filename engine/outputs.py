@@ -34,6 +34,33 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    num_output_tokens: int = 0   # tokens sampled for this request (all n sequences together)
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        """Seconds from arrival to the first sampled token (None before it)."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Mean seconds between consecutive sampled tokens after the first (None with fewer than 2 tokens)."""
+        if self.first_token_time is None or self.last_token_time is None or self.num_output_tokens < 2:
+            return None
+        return (self.last_token_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+
+@dataclass(slots=True)
+class EngineMetrics:
+    """A snapshot of the engine for servers and benchmarks (LLMEngine.get_metrics()). Counts are requests
+    (an n > 1 request counts once); totals are since the engine started."""
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_cache_usage: float          # share of KV blocks referenced by some sequence, in [0, 1]
+    prefix_cache_hit_rate: float   # prompt tokens served from the prefix cache / all prompt tokens admitted, [0, 1]
+    num_preemptions: int
+    num_generation_tokens: int
+    num_prompt_tokens: int
 
 
 @dataclass(slots=True)

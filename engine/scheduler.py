@@ -30,6 +30,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # sorted by arrival (seq_id): the last one is the preemption victim
         self.num_preemptions = 0
+        # Prompt tokens at first admission, and how many of them the prefix cache served (for the hit rate).
+        self.num_prompt_tokens = 0
+        self.num_cached_prompt_tokens = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -80,6 +83,8 @@ class Scheduler:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = time.time()
                 seq.num_cached_tokens = seq.num_computed_tokens
+                self.num_prompt_tokens += seq.num_prompt_tokens
+                self.num_cached_prompt_tokens += seq.num_cached_tokens
             self.block_manager.may_append(seq, num_new_tokens)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.seq_id)
