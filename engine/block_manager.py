@@ -11,8 +11,24 @@ pool but keeps its hash: it can still be hit until it is handed out again. The f
 (released blocks go to the tail, allocation takes the head), and a sequence releases its blocks last-first, so
 the tail of a prefix is evicted before its head.
 
+Sharing within a request (parallel sampling, beam search): `fork` gives a child sequence its parent's block
+table, taking one more reference on every block. A block is written only at the sequence's next token slot; when
+that block is shared (ref_count > 1; only a partly filled last block can be, full blocks are never written again)
+`may_append` first gives the writer a private copy (copy-on-write) and records the (src, dst) pair; the engine
+issues one `copy_blocks` call for all pairs of a step before the forward.
+
+Swapping: a CPU swap space of `num_swap_blocks` blocks with its own free list and reference counts.
+`swap_out(seqs)` moves the distinct blocks of a request's sequences to the swap space (a shared block moves once
+and stays shared), `swap_in` moves them back into fresh cache blocks; both record (src, dst) pairs for
+`pagedkernels.swap_blocks`, issued by the engine before the forward.
+
+The block moves of a step are kept in the order they were decided (`pending_ops`): a block released by a swap-out
+or preemption can be handed out again in the same step, so a later move may overwrite what an earlier one reads.
+`take_pending_ops` cuts the list into runs that are safe to issue as one call each (normally one per kind).
+
 Invariants (checked by tests/engine/test_block_manager.py): a block is in the free pool iff its ref_count is 0;
-ref_count equals the number of block tables holding it; every registered hash maps to a block carrying that hash.
+ref_count equals the number of block tables holding it; every registered hash maps to a block carrying that hash;
+the same holds for swap blocks and the tables of swapped sequences.
 """
 from collections import OrderedDict
 
@@ -35,7 +51,8 @@ def compute_block_hash(parent_hash: int, token_ids) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
+                 num_swap_blocks: int = 0):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -46,6 +63,11 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))   # LRU: head first out
         self.hash_to_block_id: dict[int, int] = {}
+        self.pending_ops: list[tuple[str, int, int]] = []   # ("copy" | "swap_out" | "swap_in", src, dst), in order
+        self.num_copies = 0                                # total copy-on-write block copies
+        self.num_swap_blocks = num_swap_blocks
+        self.swap_ref_counts = [0] * num_swap_blocks
+        self.free_swap_block_ids: list[int] = list(range(num_swap_blocks - 1, -1, -1))   # pop() takes the lowest
 
     @property
     def num_free_blocks(self) -> int:
@@ -86,7 +108,20 @@ class BlockManager:
         return hit_block_ids
 
     def num_new_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        return max(self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table), 0)
+        """Fresh blocks for the next `num_new_tokens` tokens, including the private copy when the first block
+        written is shared."""
+        num_new = max(self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table), 0)
+        return num_new + self._needs_copy(seq)
+
+    def _needs_copy(self, seq: Sequence) -> bool:
+        first = seq.num_computed_tokens // self.block_size
+        return first < len(seq.block_table) and self.blocks[seq.block_table[first]].ref_count > 1
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` (a copy of `parent`, see Sequence.fork) now holds every block of the parent too."""
+        child.block_table = list(parent.block_table)
+        for block_id in child.block_table:
+            self.blocks[block_id].ref_count += 1
 
     # -- growth: blocks for the tokens about to be computed ----------------------------------------------------
     def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
@@ -94,8 +129,17 @@ class BlockManager:
         return self.num_new_blocks_needed(seq, num_new_tokens) <= len(self.free_block_ids)
 
     def may_append(self, seq: Sequence, num_new_tokens: int = 1) -> None:
-        """Grow `seq.block_table` so it has slots for tokens up to num_computed_tokens + num_new_tokens."""
-        for _ in range(self.num_new_blocks_needed(seq, num_new_tokens)):
+        """Grow `seq.block_table` so it has slots for tokens up to num_computed_tokens + num_new_tokens; first
+        copy the block about to be written if another sequence shares it."""
+        if self._needs_copy(seq):
+            first = seq.num_computed_tokens // self.block_size
+            src = seq.block_table[first]
+            self.blocks[src].ref_count -= 1   # still >= 1: the other holders keep it
+            dst = self._pop_free_block()
+            seq.block_table[first] = dst
+            self.pending_ops.append(("copy", src, dst))
+            self.num_copies += 1
+        for _ in range(max(self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table), 0)):
             seq.block_table.append(self._pop_free_block())
 
     def _pop_free_block(self) -> int:
@@ -134,10 +178,89 @@ class BlockManager:
     def deallocate(self, seq: Sequence) -> None:
         """Release all blocks of `seq` (finished, aborted or preempted) and reset its computed-token count."""
         for block_id in reversed(seq.block_table):   # tail first: evicted before the shared head of a prefix
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} released more often than taken"
-            if block.ref_count == 0:
-                self.free_block_ids[block_id] = None
+            self._release(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
+
+    # -- swapping ---------------------------------------------------------------------------------------------------
+    @property
+    def num_free_swap_blocks(self) -> int:
+        return len(self.free_swap_block_ids)
+
+    @staticmethod
+    def _distinct_blocks(seqs: list[Sequence]) -> list[int]:
+        return list(dict.fromkeys(b for seq in seqs for b in seq.block_table))
+
+    def can_swap_out(self, seqs: list[Sequence]) -> bool:
+        return len(self._distinct_blocks(seqs)) <= len(self.free_swap_block_ids)
+
+    def swap_out(self, seqs: list[Sequence]) -> None:
+        """Move the blocks of `seqs` (one request) to the swap space; their tables then hold swap block ids.
+        Records the (cache block, swap block) pairs to copy. The cache blocks are released (a cached prefix block
+        stays in the prefix cache until it is handed out again); num_computed_tokens is kept."""
+        mapping = {}
+        for block_id in self._distinct_blocks(seqs):
+            mapping[block_id] = self.free_swap_block_ids.pop()
+        for seq in seqs:
+            for block_id in reversed(seq.block_table):
+                self._release(block_id)
+            seq.block_table = [mapping[b] for b in seq.block_table]
+            for swap_id in seq.block_table:
+                self.swap_ref_counts[swap_id] += 1
+        self.pending_ops += [("swap_out", src, dst) for src, dst in mapping.items()]
+
+    def can_swap_in(self, seqs: list[Sequence], num_headroom_blocks: int = 0) -> bool:
+        return len(self._distinct_blocks(seqs)) + num_headroom_blocks <= len(self.free_block_ids)
+
+    def swap_in(self, seqs: list[Sequence]) -> None:
+        """Move swapped `seqs` back into fresh cache blocks; records the (swap block, cache block) pairs."""
+        mapping = {}
+        for swap_id in self._distinct_blocks(seqs):
+            mapping[swap_id] = self._pop_free_block()
+            self.blocks[mapping[swap_id]].ref_count = 0
+        for seq in seqs:
+            for swap_id in seq.block_table:
+                self._release_swap(swap_id)
+            seq.block_table = [mapping[b] for b in seq.block_table]
+            for block_id in seq.block_table:
+                self.blocks[block_id].ref_count += 1
+        self.pending_ops += [("swap_in", src, dst) for src, dst in mapping.items()]
+
+    def take_pending_ops(self) -> list[tuple[str, list[tuple[int, int]]]]:
+        """This step's block moves as [(kind, [(src, dst), ...])] runs, to be issued in order, and clear them.
+        A run ends where the kind changes or a pair would touch a block already read or written in the run
+        (the pairs of one call must be independent)."""
+        runs: list[tuple[str, list[tuple[int, int]]]] = []
+        reads: set[tuple[str, int]] = set()
+        writes: set[tuple[str, int]] = set()
+        for kind, src, dst in self.pending_ops:
+            src_key = ("cpu" if kind == "swap_in" else "gpu", src)
+            dst_key = ("cpu" if kind == "swap_out" else "gpu", dst)
+            if not runs or runs[-1][0] != kind or src_key in writes or dst_key in reads or dst_key in writes:
+                runs.append((kind, []))
+                reads, writes = set(), set()
+            runs[-1][1].append((src, dst))
+            reads.add(src_key)
+            writes.add(dst_key)
+        self.pending_ops = []
+        return runs
+
+    def free_swapped(self, seq: Sequence) -> None:
+        """Release the swap blocks of a swapped sequence (finished or aborted while swapped)."""
+        for swap_id in seq.block_table:
+            self._release_swap(swap_id)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    def _release_swap(self, swap_id: int) -> None:
+        self.swap_ref_counts[swap_id] -= 1
+        assert self.swap_ref_counts[swap_id] >= 0, f"swap block {swap_id} released more often than taken"
+        if self.swap_ref_counts[swap_id] == 0:
+            self.free_swap_block_ids.append(swap_id)
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} released more often than taken"
+        if block.ref_count == 0:
+            self.free_block_ids[block_id] = None

@@ -28,18 +28,24 @@ class LLM:
         enable_prefix_caching: reuse the KV of full blocks shared with earlier prompts.
         enforce_eager: never capture CUDA graphs.
         seed: seeds the sampler of unseeded requests (seeded requests use their own generator).
+        swap_space: GiB of CPU memory (pinned where CUDA exists) for KV blocks of requests preempted by swapping;
+            allocated only with preemption_mode="swap".
+        preemption_mode: when KV blocks run out, "recompute" frees a preempted request's blocks and recomputes
+            them on resumption; "swap" moves them to the swap space and back (recompute when it is full).
     """
 
     def __init__(self, model: str, *, tokenizer: str | None = None, dtype: str | torch.dtype = "auto",
                  device: str | torch.device = "auto", block_size: int = 16, max_model_len: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, num_kv_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
-                 enforce_eager: bool = False, seed: int = 0):
+                 enforce_eager: bool = False, seed: int = 0, swap_space: float = 4,
+                 preemption_mode: str = "recompute"):
         self.llm_engine = LLMEngine(
             model, tokenizer=tokenizer, dtype=dtype, device=device, block_size=block_size,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed)
+            enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed,
+            swap_space=swap_space, preemption_mode=preemption_mode)
         self.request_counter = itertools.count()
 
     def get_tokenizer(self):

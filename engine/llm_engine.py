@@ -5,13 +5,14 @@ import time
 import torch
 
 from engine.block_manager import BlockManager
+from engine.cache_engine import CacheEngine, num_swap_blocks_for
 from engine.config import ModelConfig
 from engine.detokenizer import Detokenizer, check_stop_strings
 from engine.outputs import CompletionOutput, EngineMetrics, Logprob, RequestOutput
 from engine.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceGroup
 from engine.tokenizer import get_tokenizer
 
 # Default token budget per step. Chunked prefill is always on, so the budget does not have to hold a whole
@@ -53,7 +54,12 @@ class LLMEngine:
                  device: str | torch.device = "auto", block_size: int = 16, max_model_len: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, num_kv_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
-                 enforce_eager: bool = False, seed: int = 0):
+                 enforce_eager: bool = False, seed: int = 0, swap_space: float = 4,
+                 preemption_mode: str = "recompute"):
+        if preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
+        if isinstance(swap_space, bool) or not isinstance(swap_space, (int, float)) or not swap_space >= 0:
+            raise ValueError(f"swap_space must be a number of GiB >= 0, got {swap_space!r}")
         for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -78,13 +84,19 @@ class LLMEngine:
             self.model_config, device=self.device, block_size=block_size, num_kv_blocks=num_kv_blocks,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, enforce_eager=enforce_eager, seed=seed)
+        # The swap space is allocated only when swapping is the preemption mode (it would sit unused otherwise).
+        num_swap_blocks = (num_swap_blocks_for(swap_space, self.model_runner.kv_cache)
+                           if preemption_mode == "swap" else 0)
+        self.cache_engine = CacheEngine(self.model_runner.kv_cache, num_swap_blocks)
         self.block_manager = BlockManager(self.model_runner.num_kv_blocks, block_size,
-                                          enable_prefix_caching=enable_prefix_caching)
+                                          enable_prefix_caching=enable_prefix_caching,
+                                          num_swap_blocks=num_swap_blocks)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=self.max_num_batched_tokens)
+                                   max_num_batched_tokens=self.max_num_batched_tokens,
+                                   preemption_mode=preemption_mode)
         self.sampler = Sampler(seed=seed, device=self.device)
         self.detokenizer = Detokenizer(self.tokenizer)
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, SequenceGroup] = {}
         self.num_generation_tokens = 0
 
     # -- requests --------------------------------------------------------------------------------------------
@@ -133,29 +145,37 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if params.n > self.scheduler.max_num_seqs:
+            raise ValueError(f"n={params.n} is more than max_num_seqs={self.scheduler.max_num_seqs}")
         text, token_ids = self.process_prompt(prompt)
         seq = Sequence(request_id, text, token_ids, params, arrival_time=arrival_time or time.time(),
                        eos_token_ids=self.model_config.eos_token_ids, max_model_len=self.max_model_len,
                        device=self.device)
-        # The longest this request can get must fit in the whole cache, or it could never run alone.
+        # The longest this request can get must fit in the whole cache, or it could never run alone: its
+        # prompt blocks once, plus for each of its n sequences the blocks of its output and a copied last block.
         max_computed = seq.num_prompt_tokens + (seq.max_tokens if seq.max_tokens is not None
                                                 else self.max_model_len) - 1
         needed_blocks = self.block_manager.num_blocks_for(min(max_computed, self.max_model_len))
+        if params.n > 1:
+            num_output_blocks = needed_blocks - seq.num_prompt_tokens // self.block_manager.block_size
+            needed_blocks += (params.n - 1) * (num_output_blocks + 1) + 1
         if needed_blocks > self.block_manager.num_blocks:
             raise ValueError(f"request {request_id!r} may need {needed_blocks} KV-cache blocks but the cache has "
                              f"only {self.block_manager.num_blocks}; lower max_tokens or raise num_kv_blocks")
-        self.requests[request_id] = seq
+        self.requests[request_id] = seq.group
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; returns its final output (finish_reason "abort"), or None for an unknown id."""
-        seq = self.requests.pop(request_id, None)
-        if seq is None:
+        group = self.requests.pop(request_id, None)
+        if group is None:
             return None
-        seq.finish_reason = "abort"
-        self.scheduler.finish(seq)
-        seq.metrics.finished_time = time.time()
-        return self._make_output(seq)
+        for seq in group.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        group.seqs[0].metrics.finished_time = time.time()
+        return self._make_output(group)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -183,26 +203,49 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
+        self._move_blocks()
         logits = self.model_runner.execute_model(scheduled)
         self.scheduler.update_after_step(scheduled)
         seqs, sampler_output = self._sample(scheduled, logits)
         return self._process_outputs(seqs, sampler_output)
 
+    def _move_blocks(self) -> None:
+        """Issue this step's block moves, in the order the scheduler decided them: swap-outs, swap-ins and
+        copy-on-write copies (one call per kind in the usual case)."""
+        for kind, pairs in self.block_manager.take_pending_ops():
+            if kind == "copy":
+                self.model_runner.copy_blocks(pairs)
+            elif kind == "swap_out":
+                self.cache_engine.swap_out(pairs)
+            else:
+                self.cache_engine.swap_in(pairs)
+
     def _sample(self, scheduled: list[tuple[Sequence, int]], logits: torch.Tensor
                 ) -> tuple[list[Sequence], SamplerOutput | None]:
-        """Sample for the sequences whose scheduled tokens reached their end (mid-prompt chunks do not sample)."""
-        rows = [i for i, (seq, _) in enumerate(scheduled) if seq.num_computed_tokens == seq.num_tokens]
+        """Sample for the sequences whose scheduled tokens reached their end (mid-prompt chunks do not sample).
+        An n > 1 request whose prompt was just computed forks here: its n sequences share the prompt's blocks
+        and sample their first tokens from the same logits row, each with its own seed stream."""
+        rows, seqs = [], []
+        for i, (seq, _) in enumerate(scheduled):
+            if seq.num_computed_tokens != seq.num_tokens:
+                continue
+            rows.append(i)
+            seqs.append(seq)
+            if not seq.group.forked:
+                seq.group.forked = True
+                for index in range(1, seq.group.n):
+                    rows.append(i)
+                    seqs.append(self.scheduler.fork(seq, index))
         if not rows:
             return [], None
-        if len(rows) < len(scheduled):
+        if rows != list(range(len(scheduled))):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        seqs = [scheduled[i][0] for i in rows]
         return seqs, self.sampler(logits, seqs)
 
     def _process_outputs(self, seqs: list[Sequence], sampler_output: SamplerOutput | None) -> list[RequestOutput]:
         """Append the sampled tokens, detokenize, apply the stop conditions, release finished requests."""
         now = time.time()
-        outputs = []
+        groups: dict[str, SequenceGroup] = {}
         for row, seq in enumerate(seqs):
             token_id = sampler_output.sampled_token_ids[row]
             seq.append_token(token_id)
@@ -216,10 +259,12 @@ class LLMEngine:
             self._check_stop(seq, token_id)
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
-                del self.requests[seq.request_id]
-                seq.metrics.finished_time = now
-            outputs.append(self._make_output(seq))
-        return outputs
+            groups[seq.request_id] = seq.group
+        for group in groups.values():
+            if group.is_finished:
+                del self.requests[group.request_id]
+                group.seqs[0].metrics.finished_time = now
+        return [self._make_output(group) for group in groups.values()]
 
     def _append_logprobs(self, seq: Sequence, row: int, token_id: int, out: SamplerOutput) -> None:
         decode = self.detokenizer.decode_token
@@ -251,12 +296,15 @@ class LLMEngine:
             seq.finish_reason = "length"
 
     @staticmethod
-    def _make_output(seq: Sequence) -> RequestOutput:
-        completion = CompletionOutput(
-            index=0, text=seq.output_text, token_ids=list(seq.output_token_ids),
+    def _make_output(group: SequenceGroup) -> RequestOutput:
+        completions = [CompletionOutput(
+            index=seq.index, text=seq.output_text, token_ids=list(seq.output_token_ids),
             cumulative_logprob=seq.cumulative_logprob,
             logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
-        return RequestOutput(request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
-                             outputs=[completion], finished=seq.finish_reason is not None,
-                             num_cached_tokens=seq.num_cached_tokens, metrics=seq.metrics)
+            for seq in sorted(group.seqs, key=lambda s: s.index)]
+        first = group.seqs[0]
+        return RequestOutput(request_id=group.request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
+                             outputs=completions, finished=group.is_finished,
+                             num_cached_tokens=first.num_cached_tokens, metrics=first.metrics,
+                             prompt_logprobs=first.prompt_logprobs)

@@ -72,3 +72,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0   # prompt tokens whose KV came from the prefix cache
     metrics: RequestMetrics | None = field(default=None)
+    # With SamplingParams(prompt_logprobs=k): per prompt token, {token_id: Logprob} (the prompt token and the
+    # k most likely); None for the first token, which has no context.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -41,8 +41,6 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, minimum=1)
-        if self.n > 1:
-            raise ValueError(f"n > 1 is not supported yet (got n={self.n}); send the prompt n times instead")
         _check_float("temperature", self.temperature, minimum=0.0)
         _check_float("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:

@@ -11,7 +11,39 @@ from engine.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
+    SWAPPED = enum.auto()   # KV in the CPU swap space: block_table holds swap-space block ids
     FINISHED = enum.auto()
+
+
+# Seed stream of sequence `index` of a seeded request: index 0 uses the seed itself (so n=1 is unchanged),
+# the others an odd-constant (golden ratio) step away, so the n streams differ and do not overlap by accident.
+_SEED_STREAM_STEP = 0x9E3779B97F4A7C15
+
+
+def seed_for_index(seed: int, index: int) -> int:
+    return (seed + index * _SEED_STREAM_STEP) % (1 << 63)
+
+
+class SequenceGroup:
+    """The sequences of one request: a single one until the prompt is computed, then n (parallel sampling) or
+    the live beams (beam search). Forked sequences share the request's metrics and their parent's blocks."""
+
+    __slots__ = ("request_id", "seqs", "n", "forked", "beam")
+
+    def __init__(self, request_id: str, n: int = 1):
+        self.request_id = request_id
+        self.seqs: list["Sequence"] = []
+        self.n = n
+        self.forked = n == 1   # an n > 1 request forks once, when its prompt is computed
+        self.beam = None       # the BeamSearchState of a beam-search request
+
+    @property
+    def unfinished_seqs(self) -> list["Sequence"]:
+        return [s for s in self.seqs if not s.is_finished]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
 
 
 class Sequence:
@@ -27,12 +59,20 @@ class Sequence:
     __slots__ = ("seq_id", "request_id", "prompt", "prompt_token_ids", "output_token_ids", "token_ids",
                  "num_computed_tokens", "num_cached_tokens", "block_table", "status", "params", "generator",
                  "arrival_time", "metrics", "output_text", "prefix_offset", "read_offset", "logprobs",
-                 "cumulative_logprob", "finish_reason", "stop_reason", "stop_token_ids", "max_tokens")
+                 "cumulative_logprob", "finish_reason", "stop_reason", "stop_token_ids", "max_tokens",
+                 "group", "index", "order", "prompt_logprobs")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                  *, arrival_time: float, eos_token_ids: frozenset[int] = frozenset(),
                  max_model_len: int | None = None, device: torch.device | str = "cpu"):
-        self.seq_id = next(Sequence._counter)   # arrival order: preemption victims are the largest seq_id
+        self.seq_id = next(Sequence._counter)
+        # Scheduling order (arrival, then index within the request): preemption victims are the largest; the
+        # sequences of one request sit next to each other, so a request is preempted as a whole.
+        self.order = (self.seq_id, 0)
+        self.group = SequenceGroup(request_id, params.n)
+        self.group.seqs.append(self)
+        self.index = 0   # the completion index within the request
+        self.prompt_logprobs = None
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -88,6 +128,26 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def fork(self, index: int) -> "Sequence":
+        """A copy of this sequence as completion `index` of the same request. It shares every block of this
+        sequence (the caller takes the references in the block manager) and the request's metrics, and draws
+        from its own seed stream."""
+        child = object.__new__(Sequence)
+        for name in Sequence.__slots__:
+            setattr(child, name, getattr(self, name))
+        child.seq_id = next(Sequence._counter)
+        child.order = (self.order[0], index)
+        child.index = index
+        child.output_token_ids = list(self.output_token_ids)
+        child.token_ids = list(self.token_ids)
+        child.block_table = list(self.block_table)
+        child.logprobs = None if self.logprobs is None else list(self.logprobs)
+        if self.generator is not None:
+            child.generator = torch.Generator(device=self.generator.device)
+            child.generator.manual_seed(seed_for_index(self.params.seed, index))
+        self.group.seqs.append(child)
+        return child
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -20,9 +20,10 @@ def test_invalid_field_raises_naming_it(field, value):
         SamplingParams(**{field: value})
 
 
-def test_n_greater_than_one_is_rejected_clearly():
-    with pytest.raises(ValueError, match=r"n > 1 is not supported yet"):
-        SamplingParams(n=2)
+def test_n_must_be_positive():
+    assert SamplingParams(n=3).n == 3
+    with pytest.raises(ValueError, match=r"n must be >= 1"):
+        SamplingParams(n=0)
 
 
 def test_min_tokens_above_max_tokens():
