@@ -90,7 +90,16 @@ def test_abort_ends_the_stream_and_frees_blocks(engine):
 
 
 @pytest.mark.parametrize("how", ["break", "cancel"])
-def test_consumer_leaving_aborts_the_request(engine, how):
+def test_consumer_leaving_aborts_the_request(engine, how, monkeypatch):
+    core = engine.engine
+    aborted = []
+
+    def recording_abort(request_id):
+        output = type(core).abort_request(core, request_id)
+        aborted.append(output)
+        return output
+
+    monkeypatch.setattr(core, "abort_request", recording_abort)
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 
     async def consume(num_outputs):
@@ -122,6 +131,9 @@ def test_consumer_leaving_aborts_the_request(engine, how):
     stats = run(main())
     assert stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
     assert_idle(engine)
+    # Aborted while running, not left to finish its 200 tokens.
+    assert len(aborted) == 1 and aborted[0].outputs[0].finish_reason == "abort"
+    assert len(aborted[0].outputs[0].token_ids) < 200
 
 
 def test_bad_request_raises_and_leaves_others_running(engine, llm):

@@ -224,9 +224,11 @@ class OpenAIServing:
             sampled = entry[token_id]
             tokens.append(sampled.decoded_token)
             token_logprobs.append(sampled.logprob)
-            top = {lp.decoded_token: lp.logprob for lp in sorted(entry.values(), key=lambda lp: lp.rank)
-                   if lp.rank <= k}
-            top.setdefault(sampled.decoded_token, sampled.logprob)
+            # Keyed by text: tokens that decode alike (e.g. partial UTF-8 bytes) keep the likeliest one.
+            top: dict[str, float] = {}
+            for lp in sorted(entry.values(), key=lambda lp: lp.rank):
+                if lp.rank <= k or lp is sampled:
+                    top.setdefault(lp.decoded_token, lp.logprob)
             top_logprobs.append(top)
             text_offsets.append(text_offset)
             text_offset += len(sampled.decoded_token or "")

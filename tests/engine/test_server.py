@@ -1,0 +1,439 @@
+"""The OpenAI-compatible server, driven over loopback HTTP with the official `openai` client (sync and async).
+
+A tiny random-weight Llama (max_model_len 128) serves most tests, with LLM.generate on the same weights as
+the reference; SmolLM2 checks a real chat (EOS stops, streamed == non-streamed)."""
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.async_engine import AsyncLLMEngine  # noqa: E402
+from engine.entrypoints.openai.api_server import ServerThread, build_app  # noqa: E402
+
+MODEL = "tiny"
+MAX_MODEL_LEN = 128
+NUM_KV_BLOCKS = 64
+PROMPTS = ["Once upon a time", "The quick brown fox jumps over", "def main():\n    print(", "Numbers: 0 1 2 3"]
+TIMEOUT_S = 60
+
+
+def _n_supported() -> bool:
+    try:
+        SamplingParams(n=2)
+        return True
+    except ValueError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(model_dir, num_kv_blocks=NUM_KV_BLOCKS, max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    engine = AsyncLLMEngine.from_args(model_dir, num_kv_blocks=NUM_KV_BLOCKS, max_model_len=MAX_MODEL_LEN)
+    with ServerThread(build_app(engine, served_model_names=[MODEL])) as server:
+        server.engine = engine
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def wait_idle(server, timeout_s: float = 10.0) -> None:
+    """Poll /metrics until nothing runs or waits; then every KV block must be free."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = httpx.get(server.url + "/metrics", timeout=TIMEOUT_S).text
+        running = float(re.search(r"^engine_num_requests_running (\S+)$", text, re.M).group(1))
+        waiting = float(re.search(r"^engine_num_requests_waiting (\S+)$", text, re.M).group(1))
+        if running == 0 and waiting == 0:
+            break
+        assert time.monotonic() < deadline, f"still {running} running, {waiting} waiting"
+        time.sleep(0.05)
+    block_manager = server.engine.engine.block_manager
+    assert block_manager.num_free_blocks == block_manager.num_blocks
+    assert "engine_kv_cache_usage_ratio 0.0" in httpx.get(server.url + "/metrics", timeout=TIMEOUT_S).text
+
+
+def post(server, path: str, body, **kwargs) -> httpx.Response:
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return httpx.post(server.url + path, content=content, headers={"content-type": "application/json"},
+                      timeout=TIMEOUT_S, **kwargs)
+
+
+# -- basics -----------------------------------------------------------------------------------------------------
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server.url + "/health", timeout=TIMEOUT_S).status_code == 200
+    client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    text = httpx.get(server.url + "/metrics", timeout=TIMEOUT_S).text
+    for name in ("engine_num_requests_running", "engine_num_requests_waiting", "engine_kv_cache_usage_ratio",
+                 "engine_prefix_cache_hit_ratio"):
+        assert re.search(rf"^{name} \S+$", text, re.M), name
+    for name in ("engine_time_to_first_token_seconds", "engine_time_per_output_token_seconds"):
+        assert float(re.search(rf"^{name}_count (\S+)$", text, re.M).group(1)) >= 1, name
+        assert f"# TYPE {name} histogram" in text
+
+
+def test_greedy_completions_equal_llm_generate(client, llm):
+    expected = llm.generate(PROMPTS, greedy(10), use_tqdm=False)
+    single = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=10, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert single.choices[0].text == expected[0].outputs[0].text
+    assert single.choices[0].finish_reason == "length"
+    assert single.usage.prompt_tokens == len(expected[0].prompt_token_ids)
+    assert single.usage.completion_tokens == 10
+    batch = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=10, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert [c.index for c in batch.choices] == list(range(len(PROMPTS)))
+    assert [c.text for c in batch.choices] == [o.outputs[0].text for o in expected]
+    assert batch.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in expected)
+    assert batch.usage.total_tokens == batch.usage.prompt_tokens + 10 * len(PROMPTS)
+    # Token-id prompts are accepted as they are.
+    by_ids = client.completions.create(model=MODEL, prompt=expected[1].prompt_token_ids, max_tokens=10,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert by_ids.choices[0].text == expected[1].outputs[0].text
+
+
+def test_extra_sampling_fields_match_llm(client, llm):
+    fields = dict(presence_penalty=0.5, frequency_penalty=1.5, repetition_penalty=1.3, min_tokens=3)
+    expected = llm.generate(PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=12, **fields),
+                            use_tqdm=False)[0].outputs[0]
+    got = client.completions.create(
+        model=MODEL, prompt=PROMPTS[3], max_tokens=12, temperature=0, presence_penalty=0.5,
+        frequency_penalty=1.5, extra_body={"repetition_penalty": 1.3, "min_tokens": 3})
+    assert got.choices[0].text == expected.text
+    # top_k=1 and min_p=1 keep only the most likely token: sampling at temperature 1 is then greedy.
+    reference = llm.generate(PROMPTS[2], greedy(8), use_tqdm=False)[0].outputs[0].text
+    for extra in ({"top_k": 1}, {"min_p": 1.0}):
+        got = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=1.0,
+                                        extra_body={"ignore_eos": True, **extra})
+        assert got.choices[0].text == reference, extra
+
+
+def test_logprobs_equal_llm(client, llm):
+    expected = llm.generate(PROMPTS[1], greedy(6, logprobs=3), use_tqdm=False)[0].outputs[0]
+    got = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0, logprobs=3,
+                                    extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert len(got.tokens) == len(got.token_logprobs) == len(got.top_logprobs) == 6
+    for token_id, entry, token, token_logprob, top in zip(expected.token_ids, expected.logprobs, got.tokens,
+                                                          got.token_logprobs, got.top_logprobs):
+        assert token == entry[token_id].decoded_token
+        assert token_logprob == pytest.approx(entry[token_id].logprob, abs=1e-5)
+        # Keyed by decoded text, so tokens that decode alike (partial UTF-8 bytes) share one key.
+        top_expected = {}
+        for lp in sorted(entry.values(), key=lambda lp: lp.rank):
+            if lp.rank <= 3:
+                top_expected.setdefault(lp.decoded_token, lp.logprob)
+        assert top == pytest.approx(top_expected, abs=1e-5)
+        assert max(top.values()) == pytest.approx(token_logprob, abs=1e-5)   # greedy: the sampled one is rank 1
+    assert got.text_offset[0] == 0 and got.text_offset == sorted(got.text_offset)
+
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    expected = llm.chat(messages, greedy(5, logprobs=2), use_tqdm=False)[0].outputs[0]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                          logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5
+    for token_id, entry, item in zip(expected.token_ids, expected.logprobs, content):
+        assert item.logprob == pytest.approx(entry[token_id].logprob, abs=1e-5)
+        assert [t.logprob for t in item.top_logprobs] == pytest.approx(
+            sorted((lp.logprob for lp in entry.values() if lp.rank <= 2), reverse=True), abs=1e-5)
+        assert item.bytes == list(item.token.encode())
+
+
+# -- streaming, stop, seed, n -----------------------------------------------------------------------------------
+def _stream_chat(client, **kwargs) -> tuple[str, str, object]:
+    text, finish_reason, usage = "", None, None
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish_reason = choice.finish_reason or finish_reason
+    return text, finish_reason, usage
+
+
+def test_streamed_chat_equals_non_streamed_and_llm_chat(client, llm):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPTS[0]}]
+    expected = llm.chat(messages, greedy(16), use_tqdm=False)[0].outputs[0].text
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kwargs)
+    assert full.choices[0].message.content == expected and full.choices[0].message.role == "assistant"
+    text, finish_reason, usage = _stream_chat(client, **kwargs)
+    assert (text, finish_reason) == (expected, full.choices[0].finish_reason)
+    assert usage.model_dump() == full.usage.model_dump()
+
+
+def _stream_completion_chunks(client, **kwargs) -> tuple[list[str], str | None]:
+    chunks, finish_reason = [], None
+    for chunk in client.completions.create(stream=True, **kwargs):
+        chunks.append(chunk.choices[0].text)
+        finish_reason = chunk.choices[0].finish_reason or finish_reason
+    return chunks, finish_reason
+
+
+def test_stop_strings_cut_the_text_streamed_or_not(client, llm):
+    kwargs = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    chunks, _ = _stream_completion_chunks(client, **kwargs)
+    reference = "".join(chunks)
+    assert reference == llm.generate(PROMPTS[0], greedy(24), use_tqdm=False)[0].outputs[0].text
+    # A stop string spanning two tokens: its first character streams before the match completes unless the
+    # server holds it back.
+    boundaries = [sum(map(len, chunks[:i])) for i in range(2, len(chunks))]
+    stop = next(reference[b - 1:b + 1] for b in boundaries
+                if 0 < b < len(reference) and reference.index(reference[b - 1:b + 1]) == b - 1)
+    expected = reference[:reference.index(stop)]
+    got = client.completions.create(stop=[stop], **kwargs).choices[0]
+    assert (got.text, got.finish_reason) == (expected, "stop")
+    chunks, finish_reason = _stream_completion_chunks(client, stop=stop, **kwargs)
+    assert ("".join(chunks), finish_reason) == (expected, "stop")
+
+
+def test_seed_reproduces_sampling(client):
+    def sample(seed):
+        return client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=16, temperature=1.0,
+                                         seed=seed, extra_body={"ignore_eos": True}).choices[0].text
+    first = sample(7)
+    assert sample(7) == first
+    assert sample(8) != first
+
+
+def test_n_choices(server, client):
+    if _n_supported():
+        got = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, n=3, seed=5,
+                                        extra_body={"ignore_eos": True})
+        assert sorted(c.index for c in got.choices) == [0, 1, 2]
+        assert got.usage.completion_tokens == 24
+        again = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, n=3,
+                                          seed=5, extra_body={"ignore_eos": True})
+        assert [c.text for c in again.choices] == [c.text for c in got.choices]
+        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
+                                              max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+        assert [c.index for c in chat.choices] == [0, 1]
+        assert chat.choices[0].message.content == chat.choices[1].message.content   # greedy
+    else:
+        with pytest.raises(openai.BadRequestError) as error:
+            client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, n=2)
+        assert error.value.body["param"] == "n" and "n > 1" in error.value.body["message"]
+    wait_idle(server)
+
+
+# -- errors -----------------------------------------------------------------------------------------------------
+BAD_REQUESTS = [
+    ("/v1/completions", '{"model": "tiny", "prompt": "hi", ', 400, None),   # malformed JSON
+    ("/v1/completions", {"model": "tiny"}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_p": 2.0}, 400, "top_p"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_k": -5}, 400, "top_k"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logprobs": 50}, 400, "logprobs"),
+    ("/v1/completions", {"model": "tiny", "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": [100000]}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": "word " * 200}, 400, "prompt"),          # over the context
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "model"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                              "max_completion_tokens": MAX_MODEL_LEN}, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                              "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, 400, "messages"),
+]
+
+
+def _check_error(response: httpx.Response, status: int, param: str | None) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS,
+                         ids=[f"{i}-{s}-{p}" for i, (_, _, s, p) in enumerate(BAD_REQUESTS)])
+def test_errors_are_openai_json(server, path, body, status, param):
+    _check_error(post(server, path, body), status, param)
+
+
+def test_context_errors_through_the_client(client):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=MODEL, prompt="word " * 200, max_tokens=4)
+    assert error.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=500)
+    assert "maximum context length is 128" in error.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_bad_requests_do_not_disturb_requests_in_flight(server, llm):
+    expected = llm.generate(PROMPTS[3], greedy(40), use_tqdm=False)[0].outputs[0].text
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                                      timeout=TIMEOUT_S) as client:
+            async def good():
+                text = ""
+                async for chunk in await client.completions.create(
+                        model=MODEL, prompt=PROMPTS[3], max_tokens=40, temperature=0, stream=True,
+                        extra_body={"ignore_eos": True}):
+                    text += chunk.choices[0].text
+                return text
+
+            async def bad():
+                async with httpx.AsyncClient(timeout=TIMEOUT_S) as http:
+                    for path, body, status, param in BAD_REQUESTS:
+                        content = body if isinstance(body, str) else json.dumps(body)
+                        response = await http.post(server.url + path, content=content,
+                                                   headers={"content-type": "application/json"})
+                        _check_error(response, status, param)
+
+            text, _ = await asyncio.gather(good(), bad())
+            return text
+
+    assert asyncio.run(asyncio.wait_for(main(), TIMEOUT_S)) == expected
+    wait_idle(server)
+
+
+def test_api_key(model_dir):
+    engine = AsyncLLMEngine.from_args(model_dir, num_kv_blocks=16, max_model_len=MAX_MODEL_LEN)
+    with ServerThread(build_app(engine, served_model_names=[MODEL], api_key="sekret")) as server:
+        for key in ("wrong", None):
+            headers = {} if key is None else {"authorization": f"Bearer {key}"}
+            response = httpx.get(server.url + "/v1/models", headers=headers, timeout=TIMEOUT_S)
+            _check_error(response, 401, None)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).completions.create(
+                model=MODEL, prompt="hi", max_tokens=2)
+        good = openai.OpenAI(base_url=server.url + "/v1", api_key="sekret", max_retries=0, timeout=TIMEOUT_S)
+        assert good.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+        assert httpx.get(server.url + "/health", timeout=TIMEOUT_S).status_code == 200   # no key needed
+
+
+# -- load and disconnects ---------------------------------------------------------------------------------------
+def test_many_concurrent_streams_all_complete(server, llm):
+    num_streams, max_tokens = 36, 8
+    expected = {p: o.outputs[0].text for p, o in zip(PROMPTS, llm.generate(PROMPTS, greedy(max_tokens),
+                                                                            use_tqdm=False))}
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                                      timeout=TIMEOUT_S) as client:
+            async def one(i):
+                prompt, text, usage = PROMPTS[i % len(PROMPTS)], "", None
+                if i % 2:
+                    stream = await client.completions.create(
+                        model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                    async for chunk in stream:
+                        usage = chunk.usage or usage
+                        text += chunk.choices[0].text if chunk.choices else ""
+                else:
+                    response = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
+                                                               temperature=0, extra_body={"ignore_eos": True})
+                    text, usage = response.choices[0].text, response.usage
+                return prompt, text, usage
+
+            return await asyncio.gather(*(one(i) for i in range(num_streams)))
+
+    results = asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
+    assert len(results) == num_streams
+    for prompt, text, usage in results:
+        assert text == expected[prompt]
+        assert usage.completion_tokens == max_tokens
+    wait_idle(server)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_client_disconnect_mid_stream_frees_everything(server, path, monkeypatch):
+    core = server.engine.engine
+    aborted = []
+
+    def recording_abort(request_id):
+        output = type(core).abort_request(core, request_id)
+        aborted.append((request_id, output))
+        return output
+
+    monkeypatch.setattr(core, "abort_request", recording_abort)
+    body = {"model": MODEL, "max_tokens": 100, "temperature": 0, "stream": True, "ignore_eos": True}
+    body.update({"prompt": PROMPTS[0]} if "chat" not in path else
+                {"messages": [{"role": "user", "content": PROMPTS[0]}]})
+    with httpx.Client(timeout=TIMEOUT_S) as http:
+        with http.stream("POST", server.url + path, json=body) as response:
+            assert response.status_code == 200
+            lines = []
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                if len(lines) == 3:
+                    break   # leave mid-stream: the connection closes with the context
+    assert "[DONE]" not in "".join(lines)
+    wait_idle(server)
+    # The request was aborted while still running (not left to finish its 100 tokens).
+    assert len(aborted) == 1 and aborted[0][1] is not None
+    assert aborted[0][1].outputs[0].finish_reason == "abort" and len(aborted[0][1].outputs[0].token_ids) < 100
+
+
+# -- the CLI ----------------------------------------------------------------------------------------------------
+def test_cli_serve_subprocess(model_dir):
+    command = [sys.executable, "-m", "engine", "serve", "--model", model_dir, "--port", "0",
+               "--served-model-name", "tiny-cli", "--api-key", "k", "--max-model-len", "64",
+               "--num-kv-blocks", "16", "--no-enable-prefix-caching", "--log-level", "warning"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = ""
+        deadline = time.monotonic() + TIMEOUT_S
+        while "serving" not in line:
+            assert time.monotonic() < deadline and process.poll() is None, line
+            line = process.stdout.readline()
+        url = re.search(r"(http://127\.0\.0\.1:\d+)", line).group(1)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=TIMEOUT_S)
+        assert [m.id for m in client.models.list().data] == ["tiny-cli"]
+        reply = client.chat.completions.create(model="tiny-cli", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+        assert reply.usage.completion_tokens == 3
+        with pytest.raises(openai.BadRequestError):   # --max-model-len 64 reached the engine
+            client.completions.create(model="tiny-cli", prompt="hi", max_tokens=64)
+    finally:
+        process.terminate()
+        process.wait(timeout=TIMEOUT_S)
+
+
+# -- SmolLM2 ----------------------------------------------------------------------------------------------------
+def test_smollm2_chat_streamed_equals_non_streamed(smollm2_dir):
+    engine = AsyncLLMEngine.from_args(smollm2_dir, num_kv_blocks=64, max_model_len=512)
+    with ServerThread(build_app(engine, served_model_names=["smollm2"])) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
+        kwargs = dict(model="smollm2", messages=[{"role": "user", "content": "What is the capital of France?"}],
+                      max_tokens=48, temperature=0)
+        full = client.chat.completions.create(**kwargs)
+        text, finish_reason, usage = _stream_chat(client, **kwargs)
+        assert "Paris" in full.choices[0].message.content
+        assert full.choices[0].finish_reason == "stop"   # the model's own EOS
+        assert (text, finish_reason) == (full.choices[0].message.content, "stop")
+        assert usage.completion_tokens == full.usage.completion_tokens < 48
