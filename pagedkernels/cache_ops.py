@@ -96,8 +96,10 @@ def reshape_and_cache(
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError("key and value must be contiguous in their last (head_dim) dimension")
     check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int64,), device=device, shape=(num_tokens,))
+    has_padding = None  # known only where values are read
     if value_checks_enabled(slot_mapping) and num_tokens > 0:
-        max_slot = int(slot_mapping.max())
+        min_slot, max_slot = (int(x) for x in torch.aminmax(slot_mapping))
+        has_padding = min_slot < 0
         if max_slot >= num_blocks * block_size:
             raise ValueError(
                 f"slot_mapping: slot {max_slot} is out of range for a cache of "
@@ -123,12 +125,19 @@ def reshape_and_cache(
         )
         return
 
-    # Torch twin. Boolean indexing syncs on CUDA; this path is the CPU/reference one.
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    block_ids, offsets = slots // block_size, slots % block_size
-    key_cache[block_ids, offsets] = key[keep]
-    value_cache[block_ids, offsets] = value[keep]
+    # Torch twin: index_copy_ of whole token rows into a [num_slots, num_kv_heads, head_dim] view of
+    # the cache. Padding (negative slots) is dropped first; boolean indexing syncs on CUDA, where
+    # this is the reference path only.
+    if has_padding is None or has_padding:
+        keep = slot_mapping >= 0
+        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+    if key_cache.is_contiguous() and value_cache.is_contiguous():
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    else:
+        block_ids, offsets = slot_mapping // block_size, slot_mapping % block_size
+        key_cache[block_ids, offsets] = key
+        value_cache[block_ids, offsets] = value
 
 
 # ----------------------------------------------------------------------------------------------

@@ -69,6 +69,12 @@ def _check_values(key_cache, block_tables, seq_lens) -> None:
     num_blocks, block_size = key_cache.shape[:2]
     max_blocks_per_seq = block_tables.shape[1]
     lens = seq_lens.long()
+    # One vectorized pass (microseconds on CPU); the messages below are built only on failure.
+    used = torch.arange(max_blocks_per_seq, device=lens.device) * block_size < lens[:, None]
+    bad = ((lens < 0) | (lens > min(num_blocks, max_blocks_per_seq) * block_size)).any() | (
+        used & ((block_tables < 0) | (block_tables >= num_blocks))).any()
+    if not bool(bad):
+        return
     if bool((lens < 0).any()):
         raise ValueError(f"seq_lens must be >= 0, got {seq_lens.tolist()}")
     if bool((lens > num_blocks * block_size).any()):
@@ -79,7 +85,6 @@ def _check_values(key_cache, block_tables, seq_lens) -> None:
             f"block_tables too short: {max_blocks_per_seq} blocks per sequence x block size {block_size} "
             f"cannot hold seq_lens {seq_lens.tolist()}")
     # Only the entries a sequence actually uses must be valid block ids; the rest may be padding.
-    used = torch.arange(max_blocks_per_seq, device=lens.device) * block_size < lens[:, None]
     bad = used & ((block_tables < 0) | (block_tables >= num_blocks))
     if bool(bad.any()):
         seq = int(bad.nonzero()[0, 0])
@@ -140,37 +145,49 @@ def paged_decode_attention(
 
 
 def _decode_torch(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap):
-    """Vectorized PyTorch twin: gather each sequence's whole table width, mask, softmax in fp32."""
+    """Vectorized PyTorch twin: gather the used blocks of every sequence as rows of a 2-D cache view,
+    then two batched matmuls over (sequence, KV head) with the GQA group as the query rows.
+
+    On CPU the table is cut to the longest sequence's blocks (reading seq_lens is free there); on
+    CUDA the whole table width is gathered, keeping the path free of host syncs."""
     num_seqs, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    max_blocks_per_seq = block_tables.shape[1]
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     lens = seq_lens.long()
-    # Table entries past a sequence's end may be garbage: point them at block 0 (in range) and mask.
-    block_used = torch.arange(max_blocks_per_seq, device=q.device) * block_size < lens[:, None]
-    block_ids = torch.where(block_used, block_tables.long(), 0)  # [num_seqs, max_blocks_per_seq]
-    context = max_blocks_per_seq * block_size
-    keys = key_cache[block_ids].reshape(num_seqs, context, num_kv_heads, head_dim)
-    values = value_cache[block_ids].reshape(num_seqs, context, num_kv_heads, head_dim)
+    width = block_tables.shape[1]
+    if not q.is_cuda:
+        width = min(width, max(1, -(-int(lens.max()) // block_size)))
+    context = width * block_size
+    # Table entries past a sequence's end may be garbage: point them at block 0 (in range), mask below.
+    block_used = torch.arange(width, device=q.device) * block_size < lens[:, None]
+    block_ids = torch.where(block_used, block_tables[:, :width], 0).flatten()
+    # keys, values : [num_seqs, context, num_kv_heads, head_dim]; index_select on a 2-D view copies
+    # whole rows (blocks), far faster than advanced indexing of the 4-D tensor.
+    if key_cache.is_contiguous() and value_cache.is_contiguous():
+        keys = key_cache.view(num_blocks, -1).index_select(0, block_ids)
+        values = value_cache.view(num_blocks, -1).index_select(0, block_ids)
+    else:
+        keys, values = key_cache[block_ids], value_cache[block_ids]
+    keys = keys.view(num_seqs, context, num_kv_heads, head_dim).float()
+    values = values.view(num_seqs, context, num_kv_heads, head_dim).float()
     pos = torch.arange(context, device=q.device)
     visible = pos[None, :] < lens[:, None]  # [num_seqs, context]
     if sliding_window is not None:
         visible &= pos[None, :] > lens[:, None] - 1 - sliding_window
-    # Unused slots may hold NaN/inf: zero them, since 0 * NaN would still be NaN.
-    keys = torch.where(visible[:, :, None, None], keys.float(), 0.0)
-    values = torch.where(visible[:, :, None, None], values.float(), 0.0)
+    # Unused slots may hold NaN/inf: a zero weight would still give 0 * NaN = NaN, so clear the values
+    # (the gathered copy is ours); masked scores become -inf whatever the keys held.
+    values.masked_fill_(~visible[:, :, None, None], 0.0)
+    # qg : [num_seqs, num_kv_heads, group, head_dim]; scores : [num_seqs, num_kv_heads, group, context]
     qg = q.float().view(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    scores = torch.einsum("skgd,slkd->skgl", qg, keys) * scale  # [num_seqs, kv, group, context]
+    scores = torch.matmul(qg, keys.permute(0, 2, 3, 1))
+    scores.mul_(scale)
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    scores = torch.where(visible[:, None, None, :], scores, float("-inf"))
-    row_max = scores.amax(dim=-1, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)  # empty rows (seq_len 0)
-    probs = torch.exp(scores - row_max)  # exp(-inf) = 0 on masked keys
-    denom = probs.sum(dim=-1, keepdim=True)
-    outg = torch.einsum("skgl,slkd->skgd", probs, values) / torch.where(denom > 0, denom, 1.0)
-    return outg.reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)
-
-
+    scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    # A sequence with no visible key has an all-NaN softmax row: zero it (its output is zeros).
+    probs.masked_fill_(~visible[:, None, None, :], 0.0)
+    outg = torch.matmul(probs, values.permute(0, 2, 1, 3))  # [num_seqs, num_kv_heads, group, head_dim]
+    return outg.view(num_seqs, num_q_heads, head_dim)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -378,6 +378,20 @@ def _prefill_attention_torch(q, key_cache, value_cache, block_tables, cu_seqlens
 
 
 def _check_values(q, key_cache, block_tables, cu_seqlens_q, seq_lens) -> None:
+    """Value checks: one vectorized pass that costs a few microseconds on CPU; only when it finds
+    something wrong does :func:`_explain_bad_values` look for the first offence to name."""
+    num_blocks, block_size = key_cache.shape[:2]
+    cu, lens, table = cu_seqlens_q.long(), seq_lens.long(), block_tables
+    q_lens = cu[1:] - cu[:-1]
+    blocks_needed = (lens + block_size - 1) // block_size
+    used = torch.arange(table.shape[1], device=table.device) < blocks_needed[:, None]
+    bad = ((cu[0] != 0) | (cu[-1] != q.shape[0]) | (q_lens < 0).any() | (lens < 0).any() | (q_lens > lens).any()
+           | (blocks_needed > table.shape[1]).any() | (used & ((table < 0) | (table >= num_blocks))).any())
+    if bool(bad):
+        _explain_bad_values(q, key_cache, block_tables, cu_seqlens_q, seq_lens)
+
+
+def _explain_bad_values(q, key_cache, block_tables, cu_seqlens_q, seq_lens) -> None:
     num_blocks, block_size = key_cache.shape[:2]
     cu = cu_seqlens_q.cpu().long()
     lens = seq_lens.cpu().long()
