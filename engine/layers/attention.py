@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-import pagedkernels as pk
+from engine.layers import pk_ops
 
 
 @dataclass(slots=True)
@@ -33,10 +33,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
         self.sliding_window = sliding_window
-        # Pure-decode batches take the split-K decode kernel where it runs as Triton (CUDA). On CPU
-        # the prefill op, which serves 1-token rows too, is the faster PyTorch path (per-sequence
-        # SDPA over exactly the cached tokens instead of a padded gather): 2-4x at 48 sequences of
-        # 64-500 tokens. The ModelRunner sets this for its device.
+        # Pure-decode batches take the decode op (split-K Triton kernel on CUDA, batched matmuls over
+        # the used blocks on CPU); mixed batches the prefill op, which serves 1-token rows too.
         self.use_decode_kernel = True
         # [num_blocks, block_size, num_kv_heads, head_dim] each; views into the runner's KV cache,
         # bound by ModelRunner before the first forward.
@@ -46,12 +44,13 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q ``[num_tokens, num_heads, head_dim]``, k/v ``[num_tokens, num_kv_heads, head_dim]`` (strided
         views are fine) -> ``[num_tokens, num_heads * head_dim]``."""
-        pk.reshape_and_cache(k, v, self.key_cache, self.value_cache, meta.slot_mapping)
+        ops = pk_ops()
+        ops.reshape_and_cache(k, v, self.key_cache, self.value_cache, meta.slot_mapping)
         if meta.is_decode and self.use_decode_kernel:
-            out = pk.paged_decode_attention(q, self.key_cache, self.value_cache, meta.block_tables, meta.seq_lens,
-                                            scale=self.scale, sliding_window=self.sliding_window)
+            out = ops.paged_decode_attention(q, self.key_cache, self.value_cache, meta.block_tables, meta.seq_lens,
+                                             scale=self.scale, sliding_window=self.sliding_window)
         else:
-            out = pk.paged_prefill_attention(q, self.key_cache, self.value_cache, meta.block_tables,
-                                             meta.cu_seqlens_q, meta.seq_lens, scale=self.scale,
-                                             sliding_window=self.sliding_window)
+            out = ops.paged_prefill_attention(q, self.key_cache, self.value_cache, meta.block_tables,
+                                              meta.cu_seqlens_q, meta.seq_lens, scale=self.scale,
+                                              sliding_window=self.sliding_window)
         return out.view(-1, self.num_heads * self.head_dim)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import pagedkernels as pk
+from engine.layers import pk_ops
 
 
 class RMSNorm(nn.Module):
@@ -18,5 +18,5 @@ class RMSNorm(nn.Module):
         """``rms_norm(x)``; with ``residual``: ``residual += x`` then ``(rms_norm(residual), residual)``,
         both in place (x's buffer receives the normed output)."""
         if residual is None:
-            return pk.rms_norm(x, self.weight, self.eps)
-        return pk.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return pk_ops().rms_norm(x, self.weight, self.eps)
+        return pk_ops().fused_add_rms_norm(x, residual, self.weight, self.eps)

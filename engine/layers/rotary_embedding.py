@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import pagedkernels as pk
+from engine.layers import pk_ops
 
 
 def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
@@ -52,5 +53,5 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
         """positions int64 ``[num_tokens]``; q ``[num_tokens, num_heads, head_dim]``, k likewise with
         the KV heads (strided views of the fused qkv are fine)."""
-        pk.rotary_embedding(positions, q, k, self.cos_sin_cache, is_neox=True)
+        pk_ops().rotary_embedding(positions, q, k, self.cos_sin_cache, is_neox=True)
 
