@@ -5,15 +5,21 @@ The runner packs all new tokens back to back (input ids, positions, cache slots)
 ``cu_seqlens_q`` / ``seq_lens`` / block tables, runs the model (whose attention layers call
 pagedkernels), and computes logits only for the last new token of each sequence.
 
-CUDA graphs come later: decode batches will be padded up the ``graph_batch_sizes`` ladder and copied
-into the static buffers allocated here, so a captured graph can replay on them. On CPU (and with
-``enforce_eager``) every step runs eagerly.
+Pure-decode batches on CUDA replay CUDA graphs: a batch is padded up the ``graph_batch_sizes``
+ladder (1, 2, 4, 8, then steps of 16 up to ``max_num_seqs``), copied into static input buffers,
+and the graph captured for that size (on first use) replays on them. Padded rows write no K/V
+(slot -1) and attend to nothing (seq_len 0); their outputs are dropped. Batches above the ladder,
+mixed batches, CPU and ``enforce_eager`` run eagerly. The capture/replay mechanics sit behind a
+small graph-runner interface, so a CPU double (:class:`EagerGraphRunner`) exercises the padding,
+buffer reuse and replay logic in tests.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+from typing import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,29 +33,87 @@ from engine.models import get_model_class
 if TYPE_CHECKING:
     from engine.sequence import Sequence
 
+logger = logging.getLogger(__name__)
+
 # Share of the currently available RAM the KV cache may take on CPU.
 _CPU_KV_CACHE_FRACTION = 0.25
+
+
+class CUDAGraphRunner:
+    """One decode forward captured as a CUDA graph: ``capture(fn)`` runs ``fn`` once (warm-up:
+    Triton compiles, allocator settles), then records it; ``replay()`` reruns the recorded kernels on
+    whatever the static buffers hold and returns the same output tensor each time."""
+
+    def __init__(self, pool=None):
+        self.pool = pool
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.output: torch.Tensor | None = None
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> None:
+        fn()
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            self.output = fn()
+        torch.cuda.synchronize()
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.output
+
+
+class EagerGraphRunner:
+    """CPU stand-in for :class:`CUDAGraphRunner` with the same contract: ``capture`` records the
+    callable and its output buffer; ``replay`` calls it again on the static buffers and writes the
+    result into that same buffer."""
+
+    def __init__(self, pool=None):
+        self.fn: Callable[[], torch.Tensor] | None = None
+        self.output: torch.Tensor | None = None
+        self.num_replays = 0
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> None:
+        self.fn = fn
+        self.output = fn().clone()
+
+    def replay(self) -> torch.Tensor:
+        self.num_replays += 1
+        return self.output.copy_(self.fn())
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Padded decode batch sizes graphs are captured for: 1, 2, 4, 8, then multiples of 16 up to
+    ``max_num_seqs``."""
+    return [s for s in (1, 2, 4, 8) if s <= max_num_seqs] + list(range(16, max_num_seqs + 1, 16))
 
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, *, device: torch.device, block_size: int,
                  num_kv_blocks: int | None, gpu_memory_utilization: float, max_num_seqs: int,
-                 max_num_batched_tokens: int, enforce_eager: bool, seed: int):
+                 max_num_batched_tokens: int, enforce_eager: bool, seed: int,
+                 graph_runner_class: type | None = None):
         self.config = model_config
         self.device = torch.device(device)
         self.dtype = model_config.dtype
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.enforce_eager = enforce_eager or self.device.type != "cuda"
+        # CUDA graphs on CUDA; elsewhere only when a graph-runner class is given (tests' CPU double).
+        if graph_runner_class is None and self.device.type == "cuda":
+            graph_runner_class = CUDAGraphRunner
+        self.graph_runner_class = graph_runner_class
+        self.enforce_eager = enforce_eager or graph_runner_class is None
         self.max_blocks_per_seq = math.ceil(model_config.max_model_len / block_size)
         torch.manual_seed(seed)
 
         self.model = self._build_model()
         self.num_kv_blocks = self._decide_num_kv_blocks(num_kv_blocks, gpu_memory_utilization)
         self._allocate_kv_cache()
-        # Decode batch sizes a CUDA graph would be captured for (a batch pads up to the next one).
-        self.graph_batch_sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))
+        # Decode batch sizes a CUDA graph is captured for (a batch pads up to the next one).
+        self.graph_batch_sizes = graph_batch_sizes(max_num_seqs)
+        self.graphs: dict[int, object] = {}  # padded batch size -> captured graph runner
+        if not self.enforce_eager:
+            self._allocate_static_buffers()
 
     # -- setup ------------------------------------------------------------------------------------
 
@@ -84,6 +148,9 @@ class ModelRunner:
         num_blocks = min(useful, int(free // self._block_bytes()))
         if num_blocks < 1:
             raise ValueError(f"not enough memory for a single KV-cache block of {self._block_bytes()} bytes")
+        logger.info("KV cache: %d blocks of %d bytes (%.2f GiB); budget %.2f GiB free for it, %d blocks would "
+                    "hold every sequence at full length", num_blocks, self._block_bytes(),
+                    num_blocks * self._block_bytes() / 2**30, free / 2**30, useful)
         return num_blocks
 
     def _profile_cuda_free_bytes(self, gpu_memory_utilization: float) -> float:
@@ -110,6 +177,9 @@ class ModelRunner:
         self._bind_kv_cache(None)
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(self.device).total_memory
+        logger.info("memory profile: %d-token forward peaks at %.2f GiB of %.2f GiB; KV-cache budget = "
+                    "%.2f x total - peak = %.2f GiB", num_tokens, peak / 2**30, total / 2**30, gpu_memory_utilization,
+                    (gpu_memory_utilization * total - peak) / 2**30)
         return gpu_memory_utilization * total - peak
 
     def _allocate_kv_cache(self) -> None:
@@ -124,9 +194,21 @@ class ModelRunner:
     def _bind_kv_cache(self, kv_cache: torch.Tensor | None) -> None:
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for i, layer in enumerate(layers):
-            layer.use_decode_kernel = self.device.type == "cuda"
             layer.key_cache = None if kv_cache is None else kv_cache[0, i]
             layer.value_cache = None if kv_cache is None else kv_cache[1, i]
+
+    def _allocate_static_buffers(self) -> None:
+        """Inputs of the captured decode graphs, sized for the largest padded batch; a graph for
+        batch size b reads the first b rows."""
+        size = self.graph_batch_sizes[-1]
+        device = self.device
+        self.static_input_ids = torch.zeros(size, dtype=torch.int64, device=device)
+        self.static_positions = torch.zeros(size, dtype=torch.int64, device=device)
+        self.static_slot_mapping = torch.full((size,), -1, dtype=torch.int64, device=device)
+        self.static_seq_lens = torch.zeros(size, dtype=torch.int32, device=device)
+        self.static_block_tables = torch.zeros(size, self.max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.static_cu_seqlens_q = torch.arange(size + 1, dtype=torch.int32, device=device)
+        self.graph_pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
 
     # -- per step ---------------------------------------------------------------------------------
 
@@ -181,8 +263,44 @@ class ModelRunner:
         if not scheduled:
             return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device)
         input_ids, positions, meta, last_token_indices = self.prepare_inputs(scheduled)
-        hidden_states = self.model(input_ids, positions, meta)
+        if meta.is_decode and not self.enforce_eager and len(scheduled) <= self.graph_batch_sizes[-1]:
+            hidden_states = self.run_decode_graph(input_ids, positions, meta)
+        else:
+            hidden_states = self.model(input_ids, positions, meta)
         return self.model.compute_logits(hidden_states.index_select(0, last_token_indices))
+
+    def run_decode_graph(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                         meta: AttentionMetadata) -> torch.Tensor:
+        """A pure-decode batch of n sequences through the graph of the smallest ladder size b >= n:
+        inputs copied into the static buffers' first n rows, rows n..b padding (input id 0 at
+        position 0, slot -1: no K/V written, seq_len 0: no key read). Returns the final hidden
+        states ``[n, hidden_size]`` (a view of the graph's output buffer, valid until the next replay)."""
+        num_seqs = input_ids.shape[0]
+        batch_size = next(size for size in self.graph_batch_sizes if size >= num_seqs)
+        self.static_input_ids[:num_seqs].copy_(input_ids)
+        self.static_input_ids[num_seqs:batch_size].zero_()
+        self.static_positions[:num_seqs].copy_(positions)
+        self.static_positions[num_seqs:batch_size].zero_()
+        self.static_slot_mapping[:num_seqs].copy_(meta.slot_mapping)
+        self.static_slot_mapping[num_seqs:batch_size].fill_(-1)
+        self.static_seq_lens[:num_seqs].copy_(meta.seq_lens)
+        self.static_seq_lens[num_seqs:batch_size].zero_()
+        # Columns past a sequence's last block keep stale ids: never read (its seq_len bounds them).
+        self.static_block_tables[:num_seqs, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        runner = self.graphs.get(batch_size)
+        if runner is None:
+            runner = self.graphs[batch_size] = self._capture_decode_graph(batch_size)
+        return runner.replay()[:num_seqs]
+
+    def _capture_decode_graph(self, batch_size: int):
+        meta = AttentionMetadata(slot_mapping=self.static_slot_mapping[:batch_size],
+                                 block_tables=self.static_block_tables[:batch_size],
+                                 seq_lens=self.static_seq_lens[:batch_size],
+                                 cu_seqlens_q=self.static_cu_seqlens_q[:batch_size + 1], is_decode=True)
+        input_ids, positions = self.static_input_ids[:batch_size], self.static_positions[:batch_size]
+        runner = self.graph_runner_class(self.graph_pool)
+        runner.capture(lambda: self.model(input_ids, positions, meta))
+        return runner
 
     def copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks ``src -> dst`` in every layer (copy-on-write)."""

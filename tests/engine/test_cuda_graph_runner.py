@@ -1,0 +1,122 @@
+"""Decode-graph logic of the ModelRunner on CPU, through the graph-runner test double.
+
+The double (EagerGraphRunner) captures by recording the forward on the static buffers and replays by
+calling it again, so everything but the CUDA graph itself runs here: the padding ladder, the copy
+into static buffers, padded rows that must neither write K/V nor change real rows, capture once per
+size, fallback to eager above the ladder, for mixed batches and with enforce_eager.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import ModelConfig
+from engine.model_runner import EagerGraphRunner, ModelRunner, graph_batch_sizes
+from tests.engine.models_util import random_token_ids
+from tests.engine.test_model_runner import BLOCK_SIZE, Seq, scatter_blocks
+
+NUM_KV_BLOCKS = 64
+
+
+class RecordingGraphRunner(EagerGraphRunner):
+    """Records, at every replay, the padded batch size and what the static buffers held."""
+    replays: list[dict] = []
+
+    def capture(self, fn):
+        super().capture(fn)
+        self.batch_size = self.output.shape[0]
+
+    def replay(self):
+        runner = self.model_runner
+        b = self.batch_size
+        RecordingGraphRunner.replays.append({
+            "batch_size": b, "graph": self,
+            "input_ids_ptr": runner.static_input_ids.data_ptr(),
+            "slot_mapping": runner.static_slot_mapping[:b].clone(),
+            "seq_lens": runner.static_seq_lens[:b].clone(),
+            "positions": runner.static_positions[:b].clone(),
+        })
+        return super().replay()
+
+
+def make_runner(model_dir: str, *, enforce_eager: bool, graph_runner_class=None, max_num_seqs: int = 10):
+    config = ModelConfig.from_pretrained(model_dir, max_model_len=256)
+    runner = ModelRunner(config, device=torch.device("cpu"), block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS,
+                         gpu_memory_utilization=0.9, max_num_seqs=max_num_seqs, max_num_batched_tokens=512,
+                         enforce_eager=enforce_eager, seed=0, graph_runner_class=graph_runner_class)
+    runner.kv_cache.fill_(float("nan"))  # a padded row writing K/V, or any stray read, shows
+    return runner
+
+
+def test_ladder():
+    assert graph_batch_sizes(256) == [1, 2, 4, 8] + list(range(16, 257, 16))
+    assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32]
+    assert graph_batch_sizes(8) == [1, 2, 4, 8]
+    assert graph_batch_sizes(3) == [1, 2]
+
+
+# Step 0 prefills all ten sequences (mixed lengths: eager); then pure-decode batches of 3 (pads to 4),
+# 1, 5 (pads to 8), 10 (above the ladder of max_num_seqs=10: eager), 3 again (replays the size-4 graph).
+PROMPT_LENS = [5, 17, 30, 9, 16, 2, 33, 12, 1, 20]
+DECODE_STEPS = [[0, 1, 2], [3], [4, 5, 6, 7, 8], list(range(10)), [2, 0, 9]]
+
+
+def _run(runner, seqs):
+    logits_per_step = []
+    steps = [[(i, n) for i, n in enumerate(PROMPT_LENS)]] + [[(i, 1) for i in step] for step in DECODE_STEPS]
+    for step in steps:
+        scheduled = [(seqs[i], n) for i, n in step]
+        logits_per_step.append(runner.execute_model(scheduled).clone())
+        for seq, n in scheduled:
+            seq.num_computed_tokens += n
+    return logits_per_step
+
+
+def _sequences(vocab_size):
+    decodes = [sum(i in step for step in DECODE_STEPS) for i in range(len(PROMPT_LENS))]
+    seqs = [Seq(random_token_ids(p + d, vocab_size=vocab_size, seed=30 + i))
+            for i, (p, d) in enumerate(zip(PROMPT_LENS, decodes))]
+    scatter_blocks(seqs, NUM_KV_BLOCKS, seed=3)
+    return seqs
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])  # mistral: sliding window in the decode op
+def test_padded_replay_equals_eager(tiny_model_dir, arch, monkeypatch):
+    model_dir = tiny_model_dir(arch)
+    eager = make_runner(model_dir, enforce_eager=True)
+    graphed = make_runner(model_dir, enforce_eager=False, graph_runner_class=RecordingGraphRunner)
+    monkeypatch.setattr(RecordingGraphRunner, "replays", [])
+    monkeypatch.setattr(RecordingGraphRunner, "model_runner", graphed, raising=False)
+    assert eager.enforce_eager and not hasattr(eager, "static_input_ids")
+    static_ptr = graphed.static_input_ids.data_ptr()
+
+    expected = _run(eager, _sequences(eager.config.vocab_size))
+    got = _run(graphed, _sequences(graphed.config.vocab_size))
+    for step, (a, b) in enumerate(zip(got, expected)):
+        # Padding changes the matmul shapes, hence summation order: float32 rounding differs slightly.
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step}: {m}")
+    # Padded rows wrote nothing: the caches agree slot for slot, NaN poison included.
+    torch.testing.assert_close(graphed.kv_cache, eager.kv_cache, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+    replays = RecordingGraphRunner.replays
+    # Decode steps of 3, 1, 5, 3 sequences replay graphs of 4, 1, 8, 4; the step of 10 ran eagerly.
+    assert [r["batch_size"] for r in replays] == [4, 1, 8, 4]
+    assert sorted(graphed.graphs) == [1, 4, 8]
+    assert replays[0]["graph"] is replays[3]["graph"], "the size-4 graph must be captured once and reused"
+    assert all(r["input_ids_ptr"] == static_ptr for r in replays), "static buffers must never be reallocated"
+    for record, num_real in zip(replays, [3, 1, 5, 3]):
+        assert (record["slot_mapping"][num_real:] == -1).all() and (record["slot_mapping"][:num_real] >= 0).all()
+        assert (record["seq_lens"][num_real:] == 0).all() and (record["seq_lens"][:num_real] > 0).all()
+        assert (record["positions"][num_real:] == 0).all()
+
+
+def test_no_graphs_with_enforce_eager_or_without_a_runner_class(tiny_model_dir, monkeypatch):
+    model_dir = tiny_model_dir("llama")
+    monkeypatch.setattr(RecordingGraphRunner, "replays", [])
+    for runner in (make_runner(model_dir, enforce_eager=True, graph_runner_class=RecordingGraphRunner),
+                   make_runner(model_dir, enforce_eager=False)):  # CPU: no CUDA graphs by default
+        assert runner.enforce_eager
+        _run(runner, _sequences(runner.config.vocab_size))
+        assert runner.graphs == {}
+    assert RecordingGraphRunner.replays == []
