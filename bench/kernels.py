@@ -493,9 +493,9 @@ def prefill_case(device, dtype, *, num_seqs: int, new_tokens: int, context: int 
     shape = f"{num_seqs} x {new_tokens} new tok"
     if context != new_tokens:
         shape += f" over {context} ctx"
-    return Case("paged_prefill_attention", f"{shape}, {_heads(num_q_heads, num_kv_heads, head_dim)}, block {block_size}",
-                dtype, fn, bytes_moved, flops=4 * num_q_heads * head_dim * pairs, bound="matmul",
-                baselines=baselines, check=lambda: reference(fn()), target=target)
+    shape += f", {_heads(num_q_heads, num_kv_heads, head_dim)}, block {block_size}"
+    return Case("paged_prefill_attention", shape, dtype, fn, bytes_moved, flops=4 * num_q_heads * head_dim * pairs,
+                bound="matmul", baselines=baselines, check=lambda: reference(fn()), target=target)
 
 
 def _torch_twin(name: str, call: Callable[[], object]) -> Baseline:
@@ -591,9 +591,14 @@ def swap_blocks_case(device, dtype, *, direction: str, num_blocks: int, num_pair
         return call, "index_select + one transfer + index_copy_"
 
     block_bytes = block_size * num_kv_heads * head_dim * on_device.element_size()
-    bound = direction if device.type == "cuda" else "copy"
-    return Case("swap_blocks", f"{direction}: {num_pairs} of {num_blocks} blocks, block {block_size}x{num_kv_heads}x{head_dim}",
-                dtype, fn, num_pairs * block_bytes * (1 if device.type == "cuda" else 2), bound=bound,
+    # Across PCIe each byte crosses once (measured against the pinned H2D/D2H rate); host to host it
+    # is read and written (measured against the copy bandwidth, which counts both).
+    if device.type == "cuda":
+        bound, bytes_moved = direction, num_pairs * block_bytes
+    else:
+        bound, bytes_moved = "copy", 2 * num_pairs * block_bytes
+    shape_text = f"{direction}: {num_pairs} of {num_blocks} blocks, block {block_size}x{num_kv_heads}x{head_dim}"
+    return Case("swap_blocks", shape_text, dtype, fn, bytes_moved, bound=bound,
                 baselines=[Baseline("torch index_copy", index_copy)], check=check)
 
 
@@ -733,7 +738,8 @@ PREFILL_TARGET = Target("prefill >= 0.90 of SDPA-flash TFLOP/s", "ratio:sdpa-fla
 ADD_RMS_TARGET = Target("fused add-RMSNorm >= 0.85 of copy BW", "frac_of_peak", 0.85)
 
 
-def suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False, compile: bool = True) -> list[functools.partial]:
+def suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False,
+          compile: bool = True) -> list[functools.partial]:
     """Case builders (partials of the ``*_case`` functions), run one at a time so only one case's
     tensors are alive. ``tiny`` keeps every shape relation (GQA groups, head sizes, targets) at sizes
     a CPU handles in seconds."""

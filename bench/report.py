@@ -159,8 +159,8 @@ def plot(result: dict, path: Path) -> bool:
     colors = ["tab:orange" if c["row"]["peak"].endswith("matmul") else "tab:blue" for c in cases.values()]
     ax.barh(y, fracs, color=colors, height=0.6, label="pagedkernels")
     for yi, (key, entry) in zip(y, cases.items()):
-        ax.text(entry["row"]["frac_of_peak"] + 0.01, yi, f"{entry['row']['frac_of_peak']:.2f} of {entry['row']['peak']}",
-                va="center", fontsize=7)
+        row = entry["row"]
+        ax.text(row["frac_of_peak"] + 0.01, yi, f"{row['frac_of_peak']:.2f} of {row['peak']}", va="center", fontsize=7)
         if entry["best"]:
             ax.plot(entry["best"][1], yi, "k|", markersize=14, markeredgewidth=2)
         if key in thresholds:
