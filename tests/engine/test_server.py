@@ -62,15 +62,15 @@ def greedy(max_tokens: int, **kwargs) -> SamplingParams:
 
 
 def wait_idle(server, timeout_s: float = 10.0) -> None:
-    """Poll /metrics until nothing runs or waits; then every KV block must be free."""
+    """Poll /metrics until nothing runs, waits or is swapped out; then every KV block must be free."""
     deadline = time.monotonic() + timeout_s
     while True:
         text = httpx.get(server.url + "/metrics", timeout=TIMEOUT_S).text
-        running = float(re.search(r"^engine_num_requests_running (\S+)$", text, re.M).group(1))
-        waiting = float(re.search(r"^engine_num_requests_waiting (\S+)$", text, re.M).group(1))
-        if running == 0 and waiting == 0:
+        counts = [float(re.search(rf"^engine_num_requests_{state} (\S+)$", text, re.M).group(1))
+                  for state in ("running", "waiting", "swapped")]
+        if counts == [0, 0, 0]:
             break
-        assert time.monotonic() < deadline, f"still {running} running, {waiting} waiting"
+        assert time.monotonic() < deadline, f"still (running, waiting, swapped) = {counts}"
         time.sleep(0.05)
     block_manager = server.engine.engine.block_manager
     assert block_manager.num_free_blocks == block_manager.num_blocks

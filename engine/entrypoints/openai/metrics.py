@@ -54,6 +54,8 @@ class ServerMetrics:
         self.num_running = Gauge("engine_num_requests_running", "Requests in the running batch", registry=registry)
         self.num_waiting = Gauge("engine_num_requests_waiting", "Requests waiting to be scheduled",
                                  registry=registry)
+        self.num_swapped = Gauge("engine_num_requests_swapped", "Requests swapped out to CPU memory",
+                                 registry=registry)
         self.kv_cache_usage = Gauge("engine_kv_cache_usage_ratio", "Share of KV-cache blocks in use (0-1)",
                                     registry=registry)
         self.prefix_hit = Gauge("engine_prefix_cache_hit_ratio",
@@ -87,6 +89,7 @@ class ServerMetrics:
         stats = await engine.get_stats()
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
+        self.num_swapped.set(stats.num_swapped)
         self.kv_cache_usage.set(stats.kv_cache_usage)
         self.prefix_hit.set(stats.prefix_cache_hit_rate)
         for key in self.counters.values:
