@@ -5,6 +5,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -87,6 +88,41 @@ class LLM:
                 engine.abort_request(request_id)
             raise
         return [finished[request_id] for request_id in request_ids]
+
+    def beam_search(self, prompts, params: BeamSearchParams, *, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search for each prompt (see engine/beam_search.py for the rule, transformers' beam search with
+        its `early_stopping` setting); returns per prompt the finished beams, best first. Beams share KV blocks."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        engine = self.llm_engine
+        inputs = []
+        for prompt in prompts:
+            text, token_ids = engine.process_prompt(prompt)
+            inputs.append({"prompt": text, "prompt_token_ids": token_ids})
+        request_ids = [str(next(self.request_counter)) for _ in inputs]
+        try:
+            for request_id, prompt in zip(request_ids, inputs):
+                engine.add_beam_request(request_id, prompt, params)
+            finished = self._run_engine(len(inputs), use_tqdm)
+        except BaseException:
+            for request_id in request_ids:
+                engine.abort_request(request_id)
+            raise
+        results = []
+        for request_id, prompt in zip(request_ids, inputs):
+            out = finished[request_id]
+            prompt_ids = prompt["prompt_token_ids"]
+            sequences = []
+            for c in out.outputs:
+                tokens = prompt_ids + c.token_ids
+                sequences.append(BeamSearchSequence(
+                    tokens=tokens, cum_logprob=c.cumulative_logprob,
+                    score=c.cumulative_logprob / len(c.token_ids) ** params.length_penalty,
+                    text=self.get_tokenizer().decode(tokens, skip_special_tokens=True), finish_reason=c.finish_reason))
+            results.append(BeamSearchOutput(sequences=sequences))
+        return results
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
              use_tqdm: bool = True, chat_template: str | None = None,

@@ -4,6 +4,7 @@ import time
 
 import torch
 
+from engine.beam_search import BeamSearchParams, BeamSearchState
 from engine.block_manager import BlockManager
 from engine.cache_engine import CacheEngine, num_swap_blocks_for
 from engine.config import ModelConfig
@@ -12,7 +13,7 @@ from engine.outputs import CompletionOutput, EngineMetrics, Logprob, RequestOutp
 from engine.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceGroup
+from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.tokenizer import get_tokenizer
 
 # Default token budget per step. Chunked prefill is always on, so the budget does not have to hold a whole
@@ -98,6 +99,7 @@ class LLMEngine:
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, SequenceGroup] = {}
         self.num_generation_tokens = 0
+        self.beam_logprobs: dict[int, torch.Tensor] = {}   # seq_id -> log-softmax row of a beam waiting for its group
 
     # -- requests --------------------------------------------------------------------------------------------
     def process_prompt(self, prompt) -> tuple[str | None, list[int]]:
@@ -165,12 +167,34 @@ class LLMEngine:
         self.requests[request_id] = seq.group
         self.scheduler.add(seq)
 
+    def add_beam_request(self, request_id: str, prompt, params: BeamSearchParams) -> None:
+        """Queue a beam-search request (see engine/beam_search.py); its final RequestOutput holds the finished
+        beams, best first, as completions (cumulative_logprob: the beam's sum of logprobs)."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if params.beam_width > self.scheduler.max_num_seqs:
+            raise ValueError(f"beam_width={params.beam_width} is more than max_num_seqs={self.scheduler.max_num_seqs}")
+        # Each beam runs greedy-free: the beam state decides tokens and stopping, so the sequence itself never stops.
+        seq_params = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True)
+        self.add_request(request_id, prompt, seq_params)
+        group = self.requests[request_id]
+        seq = group.seqs[0]
+        bs = self.block_manager.block_size
+        needed = (seq.num_prompt_tokens // bs + params.beam_width
+                  * (self.block_manager.num_blocks_for(seq.num_prompt_tokens % bs + params.max_tokens) + 1))
+        if needed > self.block_manager.num_blocks:
+            self.abort_request(request_id)
+            raise ValueError(f"beam request {request_id!r} may need {needed} KV-cache blocks but the cache has only "
+                             f"{self.block_manager.num_blocks}")
+        group.beam = BeamSearchState(params, seq.num_prompt_tokens, self.model_config.eos_token_ids)
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; returns its final output (finish_reason "abort"), or None for an unknown id."""
         group = self.requests.pop(request_id, None)
         if group is None:
             return None
         for seq in group.seqs:
+            self.beam_logprobs.pop(seq.seq_id, None)
             if not seq.is_finished:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
@@ -201,13 +225,68 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration; returns an output for every request that produced a token (finished or not)."""
         scheduled = self.scheduler.schedule()
-        if not scheduled:
-            return []
+        if not scheduled:   # beams swapped back in may still be waiting for their group's step
+            return self._advance_beams()
         self._move_blocks()
         logits = self.model_runner.execute_model(scheduled)
         self.scheduler.update_after_step(scheduled)
         seqs, sampler_output = self._sample(scheduled, logits)
-        return self._process_outputs(seqs, sampler_output)
+        return self._process_outputs(seqs, sampler_output) + self._advance_beams()
+
+    def _advance_beams(self) -> list[RequestOutput]:
+        """Move every beam-search request whose live beams all have their next-token logprobs one step on:
+        continue, fork (blocks shared) or free beams as BeamSearchState chose; return the finished ones."""
+        outputs = []
+        for group in [g for g in self.requests.values() if g.beam is not None]:
+            beams = group.unfinished_seqs
+            if not all(s.status is SequenceStatus.RUNNING and s.seq_id in self.beam_logprobs for s in beams):
+                continue
+            state = group.beam
+            logprobs = torch.stack([self.beam_logprobs.pop(s.seq_id) for s in beams])
+            chosen = state.step([s.output_token_ids for s in beams], logprobs)
+            now = time.time()
+            metrics = group.seqs[0].metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            self.num_generation_tokens += len(chosen)
+            if state.done:
+                for seq in beams:
+                    seq.finish_reason = "length"
+                    self.scheduler.finish(seq)
+                del self.requests[group.request_id]
+                metrics.finished_time = now
+                outputs.append(self._make_beam_output(group))
+                continue
+            # Forks first (they copy the parent's tokens before the parent takes its own next token).
+            used: set[int] = set()
+            next_beams = []
+            for parent_pos, token_id in chosen:
+                parent = beams[parent_pos]
+                if parent_pos in used:
+                    child = self.scheduler.fork(parent, state.next_index)
+                    state.next_index += 1
+                else:
+                    used.add(parent_pos)
+                    child = parent
+                next_beams.append((child, token_id))
+            for pos, seq in enumerate(beams):
+                if pos not in used:
+                    self.scheduler.finish(seq)
+            for seq, token_id in next_beams:
+                seq.append_token(token_id)
+            group.seqs = [seq for seq, _ in next_beams]
+        return outputs
+
+    def _make_beam_output(self, group: SequenceGroup) -> RequestOutput:
+        first = group.seqs[0]
+        completions = [CompletionOutput(index=i, text=self.tokenizer.decode(ids, skip_special_tokens=True),
+                                        token_ids=ids, cumulative_logprob=cum_logprob, logprobs=None,
+                                        finish_reason=reason)
+                       for i, (_, cum_logprob, ids, reason) in enumerate(group.beam.finished)]
+        return RequestOutput(request_id=group.request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
+                             outputs=completions, finished=True, num_cached_tokens=first.num_cached_tokens,
+                             metrics=first.metrics)
 
     def _move_blocks(self) -> None:
         """Issue this step's block moves, in the order the scheduler decided them: swap-outs, swap-ins and
@@ -226,8 +305,14 @@ class LLMEngine:
         An n > 1 request whose prompt was just computed forks here: its n sequences share the prompt's blocks
         and sample their first tokens from the same logits row, each with its own seed stream."""
         rows, seqs = [], []
+        beam_rows = [i for i, (seq, _) in enumerate(scheduled)
+                     if seq.group.beam is not None and seq.num_computed_tokens == seq.num_tokens]
+        if beam_rows:
+            beam_logprobs = torch.log_softmax(logits[torch.tensor(beam_rows, device=logits.device)].float(), dim=-1)
+            for row, i in enumerate(beam_rows):
+                self.beam_logprobs[scheduled[i][0].seq_id] = beam_logprobs[row]
         for i, (seq, _) in enumerate(scheduled):
-            if seq.num_computed_tokens != seq.num_tokens:
+            if seq.num_computed_tokens != seq.num_tokens or seq.group.beam is not None:
                 continue
             rows.append(i)
             seqs.append(seq)
