@@ -255,11 +255,16 @@ class ModelRunner:
                 to_device(cu_seqlens_q[1:] - 1))
 
     @torch.inference_mode()
-    def execute_model(self, scheduled: list[tuple["Sequence", int]]) -> torch.Tensor:
+    def execute_model(self, scheduled: list[tuple["Sequence", int]], *,
+                      all_logits_for: list[int] | None = None):
         """Run ``seq.token_ids[seq.num_computed_tokens : + num_new_tokens]`` for each scheduled entry,
         writing their K/V into the slots of ``seq.block_table``. Returns float32 logits
         ``[len(scheduled), vocab_size]`` of each entry's last new token. Does not advance
-        ``seq.num_computed_tokens``."""
+        ``seq.num_computed_tokens``.
+
+        With ``all_logits_for`` (indices into ``scheduled``; prompt logprobs), returns ``(logits, extra)``
+        where ``extra[j]`` is float32 ``[num_new_tokens, vocab_size]``: the logits at every new token of
+        entry ``all_logits_for[j]``."""
         if not scheduled:
             return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device)
         input_ids, positions, meta, last_token_indices = self.prepare_inputs(scheduled)
@@ -267,7 +272,14 @@ class ModelRunner:
             hidden_states = self.run_decode_graph(input_ids, positions, meta)
         else:
             hidden_states = self.model(input_ids, positions, meta)
-        return self.model.compute_logits(hidden_states.index_select(0, last_token_indices))
+        logits = self.model.compute_logits(hidden_states.index_select(0, last_token_indices))
+        if not all_logits_for:
+            return logits
+        starts = [0]
+        for _, num_new_tokens in scheduled:
+            starts.append(starts[-1] + num_new_tokens)
+        extra = [self.model.compute_logits(hidden_states[starts[i]:starts[i + 1]]) for i in all_logits_for]
+        return logits, extra
 
     def run_decode_graph(self, input_ids: torch.Tensor, positions: torch.Tensor,
                          meta: AttentionMetadata) -> torch.Tensor:
