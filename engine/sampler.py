@@ -158,7 +158,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     num_candidates = max(max(top_k), _TOP_P_CANDIDATES if use_top_p else 0)
     k = torch.tensor([t if t > 0 else vocab_size for t in top_k], device=device)
     p = torch.tensor(top_p, dtype=torch.float32, device=device)
-    if num_candidates * 2 >= vocab_size:
+    # On CUDA the full sort is cheap, and the candidate path's overflow check would be a host sync.
+    if num_candidates * 2 >= vocab_size or logits.is_cuda:
         return _top_k_top_p_sorted(logits, k, p)
     no_top_k = torch.tensor([t == 0 for t in top_k], device=device).unsqueeze(1)
     candidates = logits.topk(num_candidates, dim=-1).values                      # [num_seqs, C], descending
@@ -210,9 +211,14 @@ def _gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor,
     sampled_lp = raw_logprobs.gather(1, sampled.unsqueeze(1))   # [num_seqs, 1]
     ranks = (raw_logprobs > sampled_lp).sum(dim=-1) + 1
     topk_lp, topk_ids = raw_logprobs.topk(max_k, dim=-1) if max_k > 0 else (sampled_lp[:, :0], sampled[:, None][:, :0])
-    # One host transfer for the whole batch.
-    sampled_list, sampled_lp_list, ranks_list = sampled.tolist(), sampled_lp.squeeze(1).tolist(), ranks.tolist()
-    topk_lp_list, topk_ids_list = topk_lp.tolist(), topk_ids.tolist()
+    # One host transfer for the whole batch: ids and ranks are exact in float64 (< 2**53).
+    packed = torch.cat([sampled[:, None].double(), sampled_lp.double(), ranks[:, None].double(),
+                        topk_lp.double(), topk_ids.double()], dim=1).tolist()
+    sampled_list = [int(row[0]) for row in packed]
+    sampled_lp_list = [row[1] for row in packed]
+    ranks_list = [int(row[2]) for row in packed]
+    topk_lp_list = [row[3:3 + max_k] for row in packed]
+    topk_ids_list = [[int(t) for t in row[3 + max_k:]] for row in packed]
     out = SamplerOutput(sampled_token_ids=sampled_list, topk_token_ids=[], topk_logprobs=[],
                         sampled_logprobs=[], sampled_ranks=[])
     for i, k in enumerate(num_logprobs):
