@@ -83,7 +83,9 @@ class BlockManager:
         always left to compute, since its logits are needed. Blocks for tokens still to compute come from
         `may_append`."""
         assert not seq.block_table and seq.num_computed_tokens == 0, "allocate() is for sequences without blocks"
-        hit_block_ids = self._lookup_prefix(seq.token_ids)
+        # A request that wants prompt logprobs computes its whole prompt (the cache keeps KV, not logits).
+        wants_prompt_logits = seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0
+        hit_block_ids = [] if wants_prompt_logits else self._lookup_prefix(seq.token_ids)
         for block_id in hit_block_ids:
             block = self.blocks[block_id]
             if block.ref_count == 0:

@@ -228,7 +228,15 @@ class LLMEngine:
         if not scheduled:   # beams swapped back in may still be waiting for their group's step
             return self._advance_beams()
         self._move_blocks()
-        logits = self.model_runner.execute_model(scheduled)
+        # Entries still inside a prompt whose logprobs were asked for need the logits of every position.
+        prompt_rows = [i for i, (seq, _) in enumerate(scheduled)
+                       if seq.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens]
+        if prompt_rows:
+            logits, prompt_logits = self.model_runner.execute_model(scheduled, all_logits_for=prompt_rows)
+            for i, row_logits in zip(prompt_rows, prompt_logits):
+                self._append_prompt_logprobs(*scheduled[i], row_logits)
+        else:
+            logits = self.model_runner.execute_model(scheduled)
         self.scheduler.update_after_step(scheduled)
         seqs, sampler_output = self._sample(scheduled, logits)
         return self._process_outputs(seqs, sampler_output) + self._advance_beams()
@@ -350,6 +358,27 @@ class LLMEngine:
                 del self.requests[group.request_id]
                 group.seqs[0].metrics.finished_time = now
         return [self._make_output(group) for group in groups.values()]
+
+    def _append_prompt_logprobs(self, seq: Sequence, num_new_tokens: int, logits: torch.Tensor) -> None:
+        """logits [num_new_tokens, vocab_size] at positions start.. of seq: position p scores prompt token p + 1."""
+        start = seq.num_computed_tokens
+        num_rows = min(num_new_tokens, seq.num_prompt_tokens - 1 - start)
+        if num_rows <= 0:
+            return
+        logprobs = torch.log_softmax(logits[:num_rows].float(), dim=-1)
+        targets = torch.tensor(seq.prompt_token_ids[start + 1:start + 1 + num_rows], device=logprobs.device)
+        target_lp = logprobs.gather(1, targets[:, None])
+        ranks = (logprobs > target_lp).sum(dim=-1) + 1
+        k = seq.params.prompt_logprobs
+        top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (target_lp[:, :0], targets[:, None][:, :0])
+        decode = self.detokenizer.decode_token
+        for j, (tid, lp, rank, ids, lps) in enumerate(zip(targets.tolist(), target_lp.squeeze(1).tolist(),
+                                                          ranks.tolist(), top_ids.tolist(), top_lp.tolist())):
+            entry = {tid: Logprob(lp, rank, decode(tid))}
+            for r, (other, other_lp) in enumerate(zip(ids, lps), start=1):
+                if other not in entry:
+                    entry[other] = Logprob(other_lp, r, decode(other))
+            seq.prompt_logprobs[start + 1 + j] = entry
 
     def _append_logprobs(self, seq: Sequence, row: int, token_id: int, out: SamplerOutput) -> None:
         decode = self.detokenizer.decode_token

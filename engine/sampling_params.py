@@ -14,7 +14,10 @@ class SamplingParams:
     disables top-k. `stop` strings are searched in the generated text and cut from it unless
     `include_stop_str_in_output`. `logprobs=k` returns, per generated token, the k most likely tokens plus the
     sampled one, taken from the raw model output (before penalties and temperature), like vLLM v1's default
-    "raw_logprobs" mode. Penalties follow vLLM: `repetition_penalty` applies to prompt and output tokens
+    "raw_logprobs" mode. `prompt_logprobs=k` returns, per prompt token after the first, its logprob
+and the k most likely tokens at that position (RequestOutput.prompt_logprobs); such a request does not take
+prefix-cache hits for its prompt (every prompt position is computed, so every logprob exists), though the blocks
+it computes are cached for others. Penalties follow vLLM: `repetition_penalty` applies to prompt and output tokens
     (divides positive logits, multiplies negative ones), `presence_penalty` and `frequency_penalty` to output
     tokens only (subtracted once / once per occurrence). `min_tokens` keeps EOS and `stop_token_ids` from being
     sampled (and stop strings from matching) until that many tokens exist. `max_tokens=None` generates until
@@ -34,6 +37,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -83,6 +87,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
         for name in ("presence_penalty", "frequency_penalty"):
             _check_float(name, getattr(self, name))
             if not -2.0 <= getattr(self, name) <= 2.0:

@@ -72,7 +72,8 @@ class Sequence:
         self.group = SequenceGroup(request_id, params.n)
         self.group.seqs.append(self)
         self.index = 0   # the completion index within the request
-        self.prompt_logprobs = None
+        # With params.prompt_logprobs: one entry per prompt token (None for the first), filled as prefill runs.
+        self.prompt_logprobs = None if params.prompt_logprobs is None else [None] * len(prompt_token_ids)
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
