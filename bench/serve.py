@@ -202,7 +202,9 @@ def machine() -> dict:
             cpu = re.search(r"model name\s*:\s*(.*)", f.read()).group(1)
     except (OSError, AttributeError):
         pass
-    info = {"cpu": cpu, "num_cpus": os.cpu_count(), "python": platform.python_version(), "gpu": None}
+    # The load average tells whether other processes shared the machine during the run.
+    info = {"cpu": cpu, "num_cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0],
+            "python": platform.python_version(), "gpu": None}
     try:
         import torch
 

@@ -17,24 +17,10 @@ aborted, so its blocks return to the pool.
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import EngineMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """A point-in-time view of the engine for /metrics (the fields of issue 4's EngineMetrics)."""
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    kv_cache_usage: float          # share of KV blocks referenced by requests, in [0, 1]
-    prefix_cache_hit_rate: float   # prompt tokens served from the prefix cache / prompt tokens, in [0, 1]
-    num_preemptions: int
-    num_generation_tokens: int
-    num_prompt_tokens: int
 
 
 class EngineDeadError(RuntimeError):
@@ -52,8 +38,6 @@ class AsyncLLMEngine:
         self.dead_error: BaseException | None = None
         # Called (in the event loop) with every finished RequestOutput: the server's metrics hook in here.
         self.finished_callbacks: list[Callable[[RequestOutput], None]] = []
-        # Fallback counters while LLMEngine has no get_metrics().
-        self._num_prompt_tokens = self._num_cached_tokens = self._num_generation_tokens = 0
 
     @classmethod
     def from_args(cls, model: str, **llm_kwargs) -> "AsyncLLMEngine":
@@ -108,9 +92,6 @@ class AsyncLLMEngine:
 
     def _dispatch(self, output: RequestOutput) -> None:
         if output.finished:
-            self._num_prompt_tokens += len(output.prompt_token_ids)
-            self._num_cached_tokens += output.num_cached_tokens
-            self._num_generation_tokens += sum(len(c.token_ids) for c in output.outputs)
             for callback in self.finished_callbacks:
                 callback(output)
         queue = self._streams.get(output.request_id)
@@ -182,23 +163,9 @@ class AsyncLLMEngine:
         if output is not None and queue is not None:
             queue.put_nowait(output)
 
-    async def get_stats(self) -> EngineStats:
-        return await self._call(self._stats)
-
-    def _stats(self) -> EngineStats:
-        engine = self.engine
-        get_metrics = getattr(engine, "get_metrics", None)
-        if get_metrics is not None:
-            m = get_metrics()
-            return EngineStats(m.num_running, m.num_waiting, getattr(m, "num_swapped", 0), m.kv_cache_usage,
-                               m.prefix_cache_hit_rate, m.num_preemptions, m.num_generation_tokens,
-                               m.num_prompt_tokens)
-        scheduler, block_manager = engine.scheduler, engine.block_manager
-        # Free blocks that still carry a prefix-cache hash are reusable: they count as free.
-        usage = 1.0 - block_manager.num_free_blocks / block_manager.num_blocks
-        hit_rate = self._num_cached_tokens / self._num_prompt_tokens if self._num_prompt_tokens else 0.0
-        return EngineStats(len(scheduler.running), len(scheduler.waiting), 0, usage, hit_rate,
-                           scheduler.num_preemptions, self._num_generation_tokens, self._num_prompt_tokens)
+    async def get_metrics(self) -> EngineMetrics:
+        """LLMEngine.get_metrics(), taken between steps."""
+        return await self._call(self.engine.get_metrics)
 
     async def check_health(self) -> None:
         if self.dead_error is not None:

@@ -121,7 +121,7 @@ def test_consumer_leaving_aborts_the_request(engine, how, monkeypatch):
         # A generator left by `break` is closed when garbage-collected (asyncio schedules its aclose), a
         # cancelled one at once; either way its abort is queued on the engine thread.
         for _ in range(100):
-            stats = await engine.get_stats()
+            stats = await engine.get_metrics()
             if stats.num_running == 0:
                 break
             await asyncio.sleep(0.01)

@@ -87,8 +87,12 @@ def post(server, path: str, body, **kwargs) -> httpx.Response:
 def test_models_health_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(server.url + "/health", timeout=TIMEOUT_S).status_code == 200
-    client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    long_prompt = " ".join(PROMPTS)   # several full KV blocks: the second request hits the prefix cache
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=4, temperature=0)
     text = httpx.get(server.url + "/metrics", timeout=TIMEOUT_S).text
+    assert float(re.search(r"^engine_prefix_cache_hit_ratio (\S+)$", text, re.M).group(1)) > 0
+    assert float(re.search(r"^engine_prompt_tokens_total (\S+)$", text, re.M).group(1)) > 0
     for name in ("engine_num_requests_running", "engine_num_requests_waiting", "engine_kv_cache_usage_ratio",
                  "engine_prefix_cache_hit_ratio"):
         assert re.search(rf"^{name} \S+$", text, re.M), name

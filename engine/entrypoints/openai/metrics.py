@@ -20,13 +20,7 @@ def request_latencies(output: RequestOutput) -> tuple[float | None, float | None
     m = output.metrics
     if m is None:
         return None, None, None
-    ttft = getattr(m, "time_to_first_token", None)
-    tpot = getattr(m, "time_per_output_token", None)
-    if ttft is None and m.first_token_time is not None:
-        ttft = m.first_token_time - m.arrival_time
-    num_tokens = max((len(c.token_ids) for c in output.outputs), default=0)
-    if tpot is None and m.first_token_time is not None and m.last_token_time is not None and num_tokens > 1:
-        tpot = (m.last_token_time - m.first_token_time) / (num_tokens - 1)
+    ttft, tpot = m.time_to_first_token, m.time_per_output_token
     e2e = m.finished_time - m.arrival_time if m.finished_time is not None else None
     return ttft, tpot, e2e
 
@@ -86,7 +80,7 @@ class ServerMetrics:
             self.request_success.labels(finished_reason=completion.finish_reason or "abort").inc()
 
     async def render(self, engine: AsyncLLMEngine) -> bytes:
-        stats = await engine.get_stats()
+        stats = await engine.get_metrics()
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
         self.num_swapped.set(stats.num_swapped)
