@@ -115,7 +115,12 @@ class Scheduler:
 
     @staticmethod
     def _num_seqs_after_fork(seq: Sequence) -> int:
-        return 1 if seq.group.forked else seq.group.n
+        """Running slots that admitting `seq` takes: n for a request that will fork, beam_width for a beam search
+        still at its prompt, 1 otherwise."""
+        group = seq.group
+        if group.beam is not None and len(group.seqs) == 1:
+            return group.beam.params.beam_width
+        return 1 if group.forked else group.n
 
     def _schedule_seq(self, seq: Sequence, num_new_tokens: int, scheduled: list[tuple[Sequence, int]]) -> None:
         self.block_manager.may_append(seq, num_new_tokens)

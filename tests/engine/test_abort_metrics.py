@@ -3,7 +3,7 @@ held and returns a final "abort" output; engine metrics and per-request timings;
 add / step / abort (n > 1, swap and recompute preemption, prefix caching) on the real scheduler and block manager
 with a shadow KV cache: every block move lands where the sequence reads it, and nothing leaks."""
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, assume, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -142,9 +142,9 @@ class EngineCoreMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.bm = BlockManager(12, BLOCK_SIZE, enable_prefix_caching=True, num_swap_blocks=6)
+        self.bm = BlockManager(10, BLOCK_SIZE, enable_prefix_caching=True, num_swap_blocks=8)
         self.mode = "swap"
-        self.sched = Scheduler(self.bm, max_num_seqs=6, max_num_batched_tokens=12, preemption_mode=self.mode)
+        self.sched = Scheduler(self.bm, max_num_seqs=6, max_num_batched_tokens=10, preemption_mode=self.mode)
         self.gpu: dict[tuple[int, int], int] = {}
         self.cpu: dict[tuple[int, int], int] = {}
         self.groups = {}
@@ -154,10 +154,12 @@ class EngineCoreMachine(RuleBasedStateMachine):
     def switch_mode(self, mode):
         self.sched.preemption_mode = mode
 
-    @precondition(lambda self: len(self.groups) < 5)
-    @rule(prompt=st.lists(st.integers(0, 3), min_size=1, max_size=10), n=st.integers(1, 3),
-          max_tokens=st.integers(1, 6))
+    @precondition(lambda self: len(self.groups) < 8)
+    @rule(prompt=st.lists(st.integers(0, 3), min_size=1, max_size=12), n=st.integers(1, 3),
+          max_tokens=st.integers(1, 12))
     def add(self, prompt, n, max_tokens):
+        # Requests that fit the cache alone (LLMEngine.add_request rejects the others).
+        assume(-(-(len(prompt) + max_tokens) // BLOCK_SIZE) + (n - 1) * (-(-max_tokens // BLOCK_SIZE) + 1) + 1 <= 10)
         seq = Sequence(str(self.counter), None, prompt, SamplingParams(n=n, max_tokens=max_tokens),
                        arrival_time=0.0)
         self.counter += 1
