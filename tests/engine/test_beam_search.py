@@ -92,3 +92,18 @@ def test_beam_search_params_are_validated():
         BeamSearchParams(beam_width=0, max_tokens=4)
     with pytest.raises(ValueError, match="early_stopping"):
         BeamSearchParams(beam_width=2, max_tokens=4, early_stopping="sometimes")
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_beams_give_identical_results(tiny_model_dir, mode):
+    model_dir = tiny_model_dir("llama")
+    prompts = [{"prompt_token_ids": random_token_ids(37, seed=s)} for s in range(3)]
+    params = BeamSearchParams(beam_width=3, max_tokens=20)
+    reference = LLM(model_dir, max_model_len=256, num_kv_blocks=128).beam_search(prompts, params)
+    llm = LLM(model_dir, max_model_len=256, num_kv_blocks=12, preemption_mode=mode, swap_space=1 / 64)
+    outs = llm.beam_search(prompts, params)
+    assert [[s.tokens for s in o.sequences] for o in outs] == [[s.tokens for s in o.sequences] for o in reference]
+    scheduler = llm.llm_engine.scheduler
+    assert scheduler.num_preemptions >= 2
+    assert scheduler.num_swap_preemptions == (scheduler.num_preemptions if mode == "swap" else 0)
+    assert llm.llm_engine.block_manager.num_free_blocks == 12
