@@ -403,6 +403,29 @@ def test_client_disconnect_mid_stream_frees_everything(server, path, monkeypatch
     assert aborted[0][1].outputs[0].finish_reason == "abort" and len(aborted[0][1].outputs[0].token_ids) < 100
 
 
+def test_client_leaving_a_non_streamed_request_aborts_it(server, monkeypatch):
+    core = server.engine.engine
+    real_step, aborted = core.step, []
+
+    def slow_step():   # 100 tokens take >= 2 s: the client's 0.5 s timeout comes first
+        time.sleep(0.02)
+        return real_step()
+
+    def recording_abort(request_id):
+        output = type(core).abort_request(core, request_id)
+        aborted.append(output)
+        return output
+
+    monkeypatch.setattr(core, "step", slow_step)
+    monkeypatch.setattr(core, "abort_request", recording_abort)
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 100, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
+    wait_idle(server)
+    assert len(aborted) == 1 and aborted[0] is not None
+    assert aborted[0].outputs[0].finish_reason == "abort" and len(aborted[0].outputs[0].token_ids) < 100
+
+
 # -- the CLI ----------------------------------------------------------------------------------------------------
 def test_cli_serve_subprocess(model_dir):
     command = [sys.executable, "-m", "engine", "serve", "--model", model_dir, "--port", "0",

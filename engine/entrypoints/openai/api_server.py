@@ -4,6 +4,7 @@ Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /he
 are OpenAI's JSON: 400 for invalid parameters, malformed JSON and over-long prompts, 401 without the API key
 (when one is set), 404 for an unknown model or route."""
 import argparse
+import asyncio
 import socket
 from contextlib import asynccontextmanager
 
@@ -20,6 +21,22 @@ from engine.entrypoints.openai.serving import OpenAIError, OpenAIServing
 
 def _error_response(error: OpenAIError) -> JSONResponse:
     return JSONResponse(error.to_json(), status_code=error.status)
+
+
+class _APIKeyMiddleware:
+    """401 on /v1 routes without `Authorization: Bearer <api_key>`. A plain ASGI middleware: Starlette's
+    BaseHTTPMiddleware would hide client disconnects from the handlers."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            if dict(scope["headers"]).get(b"authorization") != self.expected:
+                response = _error_response(OpenAIError(401, "Incorrect or missing API key.", code="invalid_api_key"))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key: str | None = None) -> FastAPI:
@@ -60,12 +77,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key:
     async def engine_dead(_: Request, error: EngineDeadError):
         return _error_response(OpenAIError(500, str(error), type="internal_server_error"))
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return _error_response(OpenAIError(401, "Incorrect or missing API key.", code="invalid_api_key"))
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
 
     @app.get("/health")
     async def health():
@@ -81,17 +94,38 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key:
         return serving.models()
 
     @app.post("/v1/completions")
-    async def completions(request: CompletionRequest):
-        return _respond(await serving.create_completion(request))
+    async def completions(request: CompletionRequest, raw_request: Request):
+        return _respond(await _cancel_on_disconnect(raw_request, serving.create_completion(request)))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest):
-        return _respond(await serving.create_chat_completion(request))
+    async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
+        return _respond(await _cancel_on_disconnect(raw_request, serving.create_chat_completion(request)))
 
     return app
 
 
+async def _cancel_on_disconnect(raw_request: Request, coroutine, poll_s: float = 0.25):
+    """Await a handler, cancelling it (which aborts its engine requests) when the client goes away before
+    the response: uvicorn does not cancel a handler on disconnect. A stream, once returned, is cancelled by
+    StreamingResponse itself."""
+    task = asyncio.ensure_future(coroutine)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await raw_request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                return Response(status_code=499)   # nginx's "client closed request"; nobody reads it
+    finally:
+        if not task.done():
+            task.cancel()
+
+
 def _respond(result):
+    if isinstance(result, Response):
+        return result
     if isinstance(result, dict):
         return JSONResponse(result)
     return StreamingResponse(result, media_type="text/event-stream")
