@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", default=None, help="model name in the API (default: the server's first)")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--num-prompts", type=int, default=100)
-    parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
+    parser.add_argument("--request-rate", type=float, default=float("inf"),
+                        help="requests/s (Poisson arrivals); inf: all at once")
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--dataset", choices=("random", "sharegpt-shaped"), default="random")
     parser.add_argument("--random-input-len", type=int, default=128)

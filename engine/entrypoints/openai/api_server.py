@@ -3,7 +3,6 @@
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics. Errors
 are OpenAI's JSON: 400 for invalid parameters, malformed JSON and over-long prompts, 401 without the API key
 (when one is set), 404 for an unknown model or route."""
-import argparse
 import asyncio
 import socket
 from contextlib import asynccontextmanager
@@ -131,7 +130,7 @@ def _respond(result):
     return StreamingResponse(result, media_type="text/event-stream")
 
 
-# -- `python -m engine serve` (arguments: engine/__main__.py) -------------------------------------------------------------------------------
+# -- `python -m engine serve` (its arguments: engine/__main__.py) ---------------------------------------------
 def engine_from_args(args) -> tuple[AsyncLLMEngine, str]:
     from engine.default_model import default_model_path
 
