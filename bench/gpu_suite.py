@@ -8,7 +8,9 @@ issue's targets marked pass/fail), plus ``...-tests.log`` with pytest's full out
 Markdown are rewritten after the tests and after every benchmark case, so a run cut short (the
 device tool's 10-minute limit) still leaves what it measured; the PNG comes at the end.
 On a time-limited machine split the work: ``--skip-tests`` for the benchmarks alone, ``--only OP``
-for one op, ``--no-compile`` to skip the torch.compile / compiled-FlexAttention baselines.
+for one op, ``--no-compile`` to skip the torch.compile / compiled-FlexAttention baselines,
+``--skip-engine`` / ``--engine-only`` for the engine benchmarks (``bench.engine_gpu``, kept under the
+JSON's ``engine`` key).
 
 Without CUDA it stops with a clear message, unless ``--dry-run`` (``--device cpu``): tiny shapes, a
 wall-clock timer and no tests by default, to exercise the reporting code on any machine.
@@ -65,6 +67,10 @@ def run_tests(pytest_args: str, log_path: Path, timeout_s: float) -> dict:
     return result
 
 
+class _SkipKernels(Exception):
+    pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="output directory (default: bench/results)")
@@ -77,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tests-timeout", type=float, default=420.0, help="seconds before the test run is cut")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile baselines")
     parser.add_argument("--only", help="benchmark only ops whose name contains this")
+    parser.add_argument("--skip-engine", action="store_true", help="skip the engine benchmarks (bench.engine_gpu)")
+    parser.add_argument("--engine-only", action="store_true", help="the engine benchmarks alone")
+    parser.add_argument("--engine", action="store_true", help="run the engine benchmarks in a dry run too")
     args = parser.parse_args(argv)
 
     dry_run = args.dry_run or args.device == "cpu"
@@ -114,12 +123,29 @@ def main(argv: list[str] | None = None) -> int:
         report.write_report(out_dir, result, stem=stem, png=False)
 
     try:
+        if args.engine_only:
+            raise _SkipKernels
         bench = kernels.run_suite(device, tiny=dry_run, compile=not args.no_compile, only=args.only,
                                   log=lambda line: print(line, flush=True), on_progress=save_partial)
         result.update(bench)
+    except _SkipKernels:
+        pass
     except Exception as e:  # still write what we have
         result["errors"].append(f"kernel benchmarks: {type(e).__name__}: {e}")
         print(f"kernel benchmarks failed: {type(e).__name__}: {e}", file=sys.stderr)
+
+    if not args.skip_engine and (not dry_run or args.engine or args.engine_only):
+        from bench import engine_gpu
+
+        try:
+            copy_gbps = (result.get("peaks") or {}).get("copy_gbps")
+            result["engine"] = engine_gpu.run(device, tiny=dry_run, models=["qwen3-0.6b", "smollm2"],
+                                              copy_gbps=copy_gbps, log=lambda line: print(line, flush=True))
+            result["engine_targets"] = result["engine"]["targets"]
+        except Exception as e:
+            result["errors"].append(f"engine benchmarks: {type(e).__name__}: {e}")
+            print(f"engine benchmarks failed: {type(e).__name__}: {e}", file=sys.stderr)
+        report.write_report(out_dir, result, stem=stem, png=False)
 
     print()
     print(kernels.format_table(result["rows"]))
