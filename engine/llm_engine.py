@@ -257,6 +257,7 @@ class LLMEngine:
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             metrics.last_token_time = now
+            metrics.num_output_tokens += 1
             self.num_generation_tokens += len(chosen)
             if state.done:
                 for seq in beams:
@@ -345,7 +346,6 @@ class LLMEngine:
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
             seq.metrics.last_token_time = now
-            seq.metrics.num_output_tokens += 1
             self.num_generation_tokens += 1
             if seq.logprobs is not None:
                 self._append_logprobs(seq, row, token_id, sampler_output)
@@ -354,6 +354,7 @@ class LLMEngine:
                 self.scheduler.finish(seq)
             groups[seq.request_id] = seq.group
         for group in groups.values():
+            group.seqs[0].metrics.num_output_tokens += 1   # one token position for all of its sequences
             if group.is_finished:
                 del self.requests[group.request_id]
                 group.seqs[0].metrics.finished_time = now

@@ -34,7 +34,9 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
-    num_output_tokens: int = 0   # tokens sampled for this request (all n sequences together)
+    # Output positions produced so far: a step that gives each of the n sequences (or beams) a token counts once,
+    # so time_per_output_token is the time between consecutive tokens of one sequence.
+    num_output_tokens: int = 0
 
     @property
     def time_to_first_token(self) -> float | None:

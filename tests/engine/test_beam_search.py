@@ -37,7 +37,7 @@ def test_tiny_llama_matches_transformers(tiny_model_dir, early_stopping, length_
     llm = LLM(model_dir, max_model_len=256, num_kv_blocks=64)
     hf = load_hf_model(model_dir)
     prompts = [random_token_ids(20, seed=51), random_token_ids(37, seed=52)]
-    params = BeamSearchParams(beam_width=4, max_tokens=10, length_penalty=length_penalty,
+    params = BeamSearchParams(beam_width=4, max_tokens=8, length_penalty=length_penalty,
                               early_stopping=early_stopping)
     outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
     for prompt, out in zip(prompts, outs):
@@ -58,7 +58,7 @@ def test_smollm2_with_eos_matches_transformers(smollm2, early_stopping):
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                            add_generation_prompt=True, tokenize=False)
     prompt_ids = tokenizer.encode(prompt)
-    params = BeamSearchParams(beam_width=3, max_tokens=16, early_stopping=early_stopping)
+    params = BeamSearchParams(beam_width=3, max_tokens=12, early_stopping=early_stopping)
     out = llm.beam_search({"prompt_token_ids": prompt_ids}, params)[0]
     ref_tokens, ref_scores = hf_beams(hf, prompt_ids, params)
     assert any(seq.finish_reason == "stop" for seq in out.sequences)   # EOS did end beams
@@ -98,7 +98,7 @@ def test_beam_search_params_are_validated():
 def test_preempted_beams_give_identical_results(tiny_model_dir, mode):
     model_dir = tiny_model_dir("llama")
     prompts = [{"prompt_token_ids": random_token_ids(37, seed=s)} for s in range(3)]
-    params = BeamSearchParams(beam_width=3, max_tokens=20)
+    params = BeamSearchParams(beam_width=3, max_tokens=14)
     reference = LLM(model_dir, max_model_len=256, num_kv_blocks=128).beam_search(prompts, params)
     llm = LLM(model_dir, max_model_len=256, num_kv_blocks=12, preemption_mode=mode, swap_space=1 / 64)
     outs = llm.beam_search(prompts, params)

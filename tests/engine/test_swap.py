@@ -8,12 +8,12 @@ from tests.engine.models_util import random_token_ids
 
 PROMPTS = [{"prompt_token_ids": random_token_ids(length, seed=30 + i)} for i, length in enumerate([20, 45, 33, 60, 17, 50])]
 PARAMS = [
-    SamplingParams(temperature=0.0, max_tokens=70, ignore_eos=True),
-    SamplingParams(seed=1, max_tokens=60, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=56, ignore_eos=True),
+    SamplingParams(seed=1, max_tokens=48, ignore_eos=True),
     SamplingParams(n=2, seed=2, max_tokens=30, ignore_eos=True),
-    SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True),
     SamplingParams(n=3, temperature=0.8, top_k=50, seed=3, max_tokens=28, ignore_eos=True),
-    SamplingParams(seed=4, max_tokens=70, ignore_eos=True),
+    SamplingParams(seed=4, max_tokens=56, ignore_eos=True),
 ]
 SMALL_CACHE = 12   # blocks of 16 slots; the batch at full length needs ~45
 
