@@ -147,6 +147,8 @@ def paged_decode_attention(
 def _decode_torch(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap):
     """Vectorized PyTorch twin: gather the used blocks of every sequence as rows of a 2-D cache view,
     then two batched matmuls over (sequence, KV head) with the GQA group as the query rows.
+    (The engine uses the prefill op for decode batches on CPU: its per-sequence SDPA over exactly
+    the cached tokens measured faster there than this padded gather.)
 
     On CPU the table is cut to the longest sequence's blocks (reading seq_lens is free there); on
     CUDA the whole table width is gathered, keeping the path free of host syncs."""
@@ -176,9 +178,13 @@ def _decode_torch(q, key_cache, value_cache, block_tables, seq_lens, scale, slid
     # Unused slots may hold NaN/inf: a zero weight would still give 0 * NaN = NaN, so clear the values
     # (the gathered copy is ours); masked scores become -inf whatever the keys held.
     values.masked_fill_(~visible[:, :, None, None], 0.0)
-    # qg : [num_seqs, num_kv_heads, group, head_dim]; scores : [num_seqs, num_kv_heads, group, context]
-    qg = q.float().view(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    scores = torch.matmul(qg, keys.permute(0, 2, 3, 1))
+    # One batched matmul over (sequence, KV head) pairs, the GQA group as the query rows: K/V made
+    # contiguous per pair first (a strided 4-D matmul takes a far slower path on CPU).
+    group = num_q_heads // num_kv_heads
+    keys = keys.permute(0, 2, 1, 3).reshape(num_seqs * num_kv_heads, context, head_dim)
+    values = values.permute(0, 2, 1, 3).reshape(num_seqs * num_kv_heads, context, head_dim)
+    qg = q.float().reshape(num_seqs * num_kv_heads, group, head_dim)
+    scores = torch.bmm(qg, keys.transpose(1, 2)).view(num_seqs, num_kv_heads, group, context)
     scores.mul_(scale)
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
@@ -186,7 +192,7 @@ def _decode_torch(q, key_cache, value_cache, block_tables, seq_lens, scale, slid
     probs = torch.softmax(scores, dim=-1)
     # A sequence with no visible key has an all-NaN softmax row: zero it (its output is zeros).
     probs.masked_fill_(~visible[:, None, None, :], 0.0)
-    outg = torch.matmul(probs, values.permute(0, 2, 1, 3))  # [num_seqs, num_kv_heads, group, head_dim]
+    outg = torch.bmm(probs.view(num_seqs * num_kv_heads, group, context), values)
     return outg.view(num_seqs, num_q_heads, head_dim)
 
 
