@@ -194,6 +194,9 @@ class ModelRunner:
     def _bind_kv_cache(self, kv_cache: torch.Tensor | None) -> None:
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for i, layer in enumerate(layers):
+            # The decode op on CUDA, and wherever decode graphs run: padded rows (seq_len 0) are
+            # valid decode rows but not prefill ones (a query needs its token in the cache).
+            layer.use_decode_kernel = self.device.type == "cuda" or not self.enforce_eager
             layer.key_cache = None if kv_cache is None else kv_cache[0, i]
             layer.value_cache = None if kv_cache is None else kv_cache[1, i]
 

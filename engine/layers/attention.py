@@ -33,8 +33,10 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
         self.sliding_window = sliding_window
-        # Pure-decode batches take the decode op (split-K Triton kernel on CUDA, batched matmuls over
-        # the used blocks on CPU); mixed batches the prefill op, which serves 1-token rows too.
+        # Pure-decode batches take the split-K decode kernel where it runs as Triton (CUDA). On CPU
+        # the prefill op, which serves 1-token rows too, is the faster PyTorch path (per-sequence
+        # SDPA over exactly the cached tokens instead of a padded gather): ~3x at 48 sequences of
+        # 30-250 tokens, re-measured against the batched-matmul decode twin. The ModelRunner sets this.
         self.use_decode_kernel = True
         # [num_blocks, block_size, num_kv_heads, head_dim] each; views into the runner's KV cache,
         # bound by ModelRunner before the first forward.

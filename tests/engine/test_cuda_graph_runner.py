@@ -20,7 +20,8 @@ NUM_KV_BLOCKS = 64
 
 
 class RecordingGraphRunner(EagerGraphRunner):
-    """Records, at every replay, the padded batch size and what the static buffers held."""
+    """Records, at every replay, the padded batch size and what the static buffers held. (With graphs
+    on, decode batches take the decode op, the eager runner the prefill op on CPU: rounding differs.)"""
     replays: list[dict] = []
 
     def capture(self, fn):
@@ -81,7 +82,7 @@ def _sequences(vocab_size):
     return seqs
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral"])  # mistral: sliding window in the decode op
+@pytest.mark.parametrize("arch", ["llama", "mistral"])  # mistral: a sliding window
 def test_padded_replay_equals_eager(tiny_model_dir, arch, monkeypatch):
     model_dir = tiny_model_dir(arch)
     eager = make_runner(model_dir, enforce_eager=True)
@@ -97,7 +98,7 @@ def test_padded_replay_equals_eager(tiny_model_dir, arch, monkeypatch):
         # Padding changes the matmul shapes, hence summation order: float32 rounding differs slightly.
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step}: {m}")
     # Padded rows wrote nothing: the caches agree slot for slot, NaN poison included.
-    torch.testing.assert_close(graphed.kv_cache, eager.kv_cache, atol=1e-5, rtol=1e-5, equal_nan=True)
+    torch.testing.assert_close(graphed.kv_cache, eager.kv_cache, atol=1e-4, rtol=1e-4, equal_nan=True)
 
     replays = RecordingGraphRunner.replays
     # Decode steps of 3, 1, 5, 3 sequences replay graphs of 4, 1, 8, 4; the step of 10 ran eagerly.
