@@ -73,6 +73,12 @@ def check_kv_caches(key_cache: object, value_cache: object, *, device: torch.dev
     return tuple(key_cache.shape)
 
 
-def check_optional_positive(name: str, value: float | int | None) -> None:
-    if value is not None and not value > 0:
-        raise ValueError(f"{name} must be positive or None, got {value!r}")
+def check_attention_options(scale: object, sliding_window: object, softcap: object) -> None:
+    """The scalar options every attention op takes: ``scale`` and ``softcap`` positive numbers,
+    ``sliding_window`` a positive int; each may be None."""
+    for name, value in (("scale", scale), ("softcap", softcap)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            raise ValueError(f"{name} must be a positive number or None, got {value!r}")
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")

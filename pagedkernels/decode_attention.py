@@ -23,7 +23,7 @@ from ._validate import (
     check_gqa,
     check_head_size,
     check_kv_caches,
-    check_optional_positive,
+    check_attention_options,
     check_same_dtype,
     check_tensor,
 )
@@ -46,14 +46,7 @@ def _validate(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_
     check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), device=q.device,
                  shape=(num_seqs, None))
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=q.device, shape=(num_seqs,))
-    if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
-        raise ValueError(f"scale must be a positive number or None, got {scale!r}")
-    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
-                                       or sliding_window < 1):
-        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
-    if softcap is not None and not isinstance(softcap, (int, float)):
-        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
-    check_optional_positive("softcap", softcap)
+    check_attention_options(scale, sliding_window, softcap)
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                    or num_splits < 1):
         raise ValueError(f"num_splits must be an int >= 1 or None, got {num_splits!r}")

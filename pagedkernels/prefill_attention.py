@@ -30,7 +30,7 @@ from ._validate import (
     check_gqa,
     check_head_size,
     check_kv_caches,
-    check_optional_positive,
+    check_attention_options,
     check_same_dtype,
     check_tensor,
 )
@@ -475,14 +475,7 @@ def paged_prefill_attention(
                  shape=(num_seqs, None))
     check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), device=device,
                  shape=(num_seqs + 1,))
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise ValueError(f"scale must be a float or None, got {type(scale).__name__}")
-    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)):
-        raise ValueError(f"sliding_window must be an int or None, got {sliding_window!r}")
-    check_optional_positive("sliding_window", sliding_window)
-    if softcap is not None and not isinstance(softcap, (int, float)):
-        raise ValueError(f"softcap must be a float or None, got {type(softcap).__name__}")
-    check_optional_positive("softcap", softcap)
+    check_attention_options(scale, sliding_window, softcap)
     if out is not None:
         check_tensor("out", out, dtypes=(q.dtype,), device=device, shape=tuple(q.shape))
         if out.stride(-1) != 1:
