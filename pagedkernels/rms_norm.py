@@ -16,6 +16,19 @@ _CHUNK = 4096
 
 
 @triton.jit
+def _load_row_chunk(x_row, res_row, offs, mask, HAS_RESIDUAL: tl.constexpr):
+    """x[offs] in fp32; with HAS_RESIDUAL, first residual[offs] = x + residual rounded to the
+    residual's dtype (stored back), and that rounded sum is returned."""
+    v = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        summed = v + tl.load(res_row + offs, mask=mask, other=0.0).to(tl.float32)
+        summed = summed.to(res_row.dtype.element_ty)
+        tl.store(res_row + offs, summed, mask=mask)
+        v = summed.to(tl.float32)
+    return v
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,  # [num_rows, hidden]  input; with HAS_RESIDUAL also the output (written in place)
     residual_ptr,  # [num_rows, hidden]  HAS_RESIDUAL only: becomes x + residual
@@ -48,12 +61,7 @@ def _rms_norm_kernel(
     if ONE_TILE:
         offs = tl.arange(0, BLOCK)  # [BLOCK]
         mask = offs < hidden
-        v = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            summed = v + tl.load(res_row + offs, mask=mask, other=0.0).to(tl.float32)
-            summed = summed.to(residual_ptr.dtype.element_ty)
-            tl.store(res_row + offs, summed, mask=mask)
-            v = summed.to(tl.float32)
+        v = _load_row_chunk(x_row, res_row, offs, mask, HAS_RESIDUAL)
         rstd = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / hidden + eps)
         w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_row + offs, (v * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
@@ -63,12 +71,7 @@ def _rms_norm_kernel(
         for chunk in range(NUM_CHUNKS):
             offs = chunk * BLOCK + tl.arange(0, BLOCK)
             mask = offs < hidden
-            v = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-            if HAS_RESIDUAL:
-                summed = v + tl.load(res_row + offs, mask=mask, other=0.0).to(tl.float32)
-                summed = summed.to(residual_ptr.dtype.element_ty)
-                tl.store(res_row + offs, summed, mask=mask)
-                v = summed.to(tl.float32)
+            v = _load_row_chunk(x_row, res_row, offs, mask, HAS_RESIDUAL)
             acc += v * v
         rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / hidden + eps)
         if HAS_RESIDUAL:
