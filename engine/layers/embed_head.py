@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.linear import linear
+
 
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int):
@@ -22,4 +24,4 @@ class LMHead(VocabEmbedding):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[num_seqs, hidden_size]`` -> float32 logits ``[num_seqs, vocab_size]``."""
-        return F.linear(hidden_states, self.weight).float()
+        return linear(hidden_states, self.weight).float()

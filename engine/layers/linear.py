@@ -8,9 +8,37 @@ copy tensors in one by one and report any that never arrived.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def _onednn_linear_op():
+    """``torch.ops.mkldnn._linear_pointwise`` where this torch build has it, else None."""
+    if os.environ.get("ENGINE_CPU_LINEAR", "onednn") != "onednn" or not torch.backends.mkldnn.is_available():
+        return None
+    return getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+
+
+_ONEDNN_LINEAR = _onednn_linear_op()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, except float32 on CPU in eager mode, which goes straight to oneDNN's inner product.
+
+    torch's CPU float32 ``F.linear`` calls the BLAS it was built with (MKL in the PyPI wheels), which
+    takes a slow code path on AMD CPUs; oneDNN's kernels are 1.5-3x faster at the engine's shapes
+    (measured on a 2-core AMD EPYC with torch 2.13: [48, 576] x [576, 1536] 0.38 ms against 0.78 ms,
+    the 49152-row LM head for one token 3.5 ms against 11.4 ms). bf16 ``F.linear`` already uses oneDNN.
+    Under ``torch.compile`` inductor picks its own GEMM, so this stays ``F.linear`` there.
+    ``ENGINE_CPU_LINEAR=torch`` turns the oneDNN path off.
+    """
+    if (_ONEDNN_LINEAR is not None and x.dtype == torch.float32 and x.device.type == "cpu"
+            and weight.dtype == torch.float32 and not torch.compiler.is_compiling()):
+        return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -44,7 +72,7 @@ class Linear(nn.Module):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedLinear(Linear):
