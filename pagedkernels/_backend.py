@@ -1,9 +1,12 @@
 """Backend selection for pagedkernels ops.
 
 Every public op has two implementations with one signature: a Triton kernel and a PyTorch twin.
-``auto`` (the default) runs Triton on CUDA tensors and PyTorch on CPU tensors; ``triton`` forces
-the kernels, which on CPU tensors run in Triton's interpreter; ``torch`` forces the PyTorch path.
-The choice also comes from the ``PAGEDKERNELS_BACKEND`` environment variable.
+The attention ops and ``reshape_and_cache`` also have a native CPU kernel (C, built on first use
+with the system compiler: ``pagedkernels/_native.py``). ``auto`` (the default) runs Triton on CUDA
+tensors and, on CPU tensors, the native kernel where it built (else the PyTorch twin); ``triton``
+forces the kernels, which on CPU tensors run in Triton's interpreter; ``torch`` forces the PyTorch
+path; ``native`` forces the native kernels (CPU tensors only; ops without one take the PyTorch
+path). The choice also comes from the ``PAGEDKERNELS_BACKEND`` environment variable.
 
 Triton decides at *decoration* time whether a ``@triton.jit`` function is interpreted, so on a
 machine without CUDA we switch the interpreter on before any kernel module of this package is
@@ -23,7 +26,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "torch", "native")
 
 
 def _parse_backend(name: str) -> str:
@@ -36,13 +39,13 @@ _backend = _parse_backend(os.environ.get("PAGEDKERNELS_BACKEND", "auto").strip()
 
 
 def set_backend(name: str) -> None:
-    """Select the implementation used by every op: ``"auto"``, ``"triton"`` or ``"torch"``."""
+    """Select the implementation used by every op: ``"auto"``, ``"triton"``, ``"torch"`` or ``"native"``."""
     global _backend
     _backend = _parse_backend(name)
 
 
 def get_backend() -> str:
-    """The backend currently selected (``"auto"``, ``"triton"`` or ``"torch"``)."""
+    """The backend currently selected (``"auto"``, ``"triton"``, ``"torch"`` or ``"native"``)."""
     return _backend
 
 
@@ -63,7 +66,7 @@ def interpreter_active() -> bool:
 
 def use_triton(tensor: torch.Tensor) -> bool:
     """Whether an op whose main operand is ``tensor`` should launch its Triton kernel."""
-    if _backend == "torch":
+    if _backend in ("torch", "native"):
         return False
     if _backend == "auto":
         return tensor.is_cuda
@@ -74,6 +77,24 @@ def use_triton(tensor: torch.Tensor) -> bool:
             "TRITON_INTERPRET=1 before importing pagedkernels (it is set automatically when no "
             "CUDA device is present)"
         )
+    return True
+
+
+def use_native(tensor: torch.Tensor) -> bool:
+    """Whether an op with a native CPU kernel should run it for ``tensor`` (its main operand)."""
+    if _backend in ("torch", "triton"):
+        return False
+    if _backend == "auto":
+        if tensor.device.type != "cpu":
+            return False
+        from . import _native
+        return _native.library() is not None
+    # backend == "native"
+    if tensor.device.type != "cpu":
+        raise RuntimeError(f"pagedkernels backend 'native' runs on CPU tensors only, got a {tensor.device} tensor")
+    from . import _native
+    if _native.library() is None:
+        raise RuntimeError(f"pagedkernels native CPU kernels are unavailable: {_native.build_error()}")
     return True
 
 

@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import use_triton, value_checks_enabled
+from . import _native
+from ._backend import use_native, use_triton, value_checks_enabled
 from ._validate import FLOAT_DTYPES, check_kv_caches, check_same_dtype, check_tensor
 
 # Elements one program copies per step: 2048 fp16 = 4 KiB, enough in-flight bytes per program for
@@ -123,6 +124,9 @@ def reshape_and_cache(
             num_kv_heads, head_dim, block_size,
             BLOCK_H=block_h, BLOCK_D=block_d,
         )
+        return
+    if use_native(key_cache):
+        _native.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
         return
 
     # Torch twin: index_copy_ of whole token rows into a [num_slots, num_kv_heads, head_dim] view of

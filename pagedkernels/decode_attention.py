@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import num_multiprocessors, use_triton, value_checks_enabled
+from . import _native
+from ._backend import num_multiprocessors, use_native, use_triton, value_checks_enabled
 from ._validate import (
     FLOAT_DTYPES,
     check_gqa,
@@ -131,6 +132,9 @@ def paged_decode_attention(
     if use_triton(q):
         _decode_triton(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap,
                        num_splits, out, group)
+    elif use_native(q) and _native.supports(q, head_dim, group):
+        _native.paged_attention(q, key_cache, value_cache, block_tables, None, seq_lens, scale, sliding_window,
+                                softcap, out)
     else:
         out.copy_(_decode_torch(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
                                 softcap))

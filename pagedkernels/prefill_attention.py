@@ -24,7 +24,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._backend import use_triton, value_checks_enabled
+from . import _native
+from ._backend import use_native, use_triton, value_checks_enabled
 from ._validate import (
     FLOAT_DTYPES,
     check_gqa,
@@ -491,6 +492,11 @@ def paged_prefill_attention(
         block_tables = block_tables.contiguous()
     if out is None:
         out = torch.empty_like(q)
-    impl = _prefill_attention_triton if use_triton(q) else _prefill_attention_torch
+    if use_triton(q):
+        impl = _prefill_attention_triton
+    elif use_native(q) and _native.supports(q, head_dim, num_q_heads // num_kv_heads):
+        impl = _native.paged_attention
+    else:
+        impl = _prefill_attention_torch
     impl(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window, softcap, out)
     return out

@@ -13,7 +13,7 @@ import pagedkernels as pk
 
 cache_ops = importlib.import_module("pagedkernels.cache_ops")
 
-BACKENDS = ["triton", "torch"]
+BACKENDS = ["triton", "torch", "native"]
 # bf16 runs through the interpreter too: these kernels only load and store, and the interpreter's
 # bf16 problems are in arithmetic and conversions.
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]

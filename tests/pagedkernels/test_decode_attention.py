@@ -14,7 +14,7 @@ from pagedkernels import decode_attention
 from pagedkernels.decode_attention import MAX_SPLITS, MIN_TILES_PER_SPLIT, TILE_N, decode_num_splits
 from tests.pagedkernels.oracle import ATTENTION_TOLERANCES, attention_oracle, make_paged_kv
 
-BACKENDS = ["triton", "torch"]
+BACKENDS = ["triton", "torch", "native"]
 
 
 def _skip_unsupported(backend, dtype, device):

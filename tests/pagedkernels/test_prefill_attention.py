@@ -15,7 +15,7 @@ import pagedkernels as pk
 from pagedkernels import prefill_attention as prefill_module
 from tests.pagedkernels.oracle import ATTENTION_TOLERANCES, attention_oracle, make_paged_kv
 
-BACKENDS = ["triton", "torch"]
+BACKENDS = ["triton", "torch", "native"]
 BF16_INTERPRETER_SKIP = "bf16 arithmetic is wrong in the Triton interpreter; tested on CUDA"
 
 
@@ -169,13 +169,19 @@ def test_triton_gpu_tile_configs(launch_config, device, monkeypatch):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_selected_backend_runs(backend, device, monkeypatch):
-    """Under backend "triton" the Triton kernel runs (not the twin), and vice versa."""
+    """Each backend runs its own implementation (once) and never another's."""
+    from pagedkernels import _native
+
+    impls = {"triton": (prefill_module, "_prefill_attention_triton"),
+             "torch": (prefill_module, "_prefill_attention_torch"),
+             "native": (_native, "paged_attention")}
     launched = []
-    other = "_prefill_attention_torch" if backend == "triton" else "_prefill_attention_triton"
-    chosen = "_prefill_attention_triton" if backend == "triton" else "_prefill_attention_torch"
-    real = getattr(prefill_module, chosen)
-    monkeypatch.setattr(prefill_module, other, lambda *args: pytest.fail(f"{other} ran under backend {backend!r}"))
-    monkeypatch.setattr(prefill_module, chosen, lambda *args: launched.append(real(*args)))
+    for name, (module, attr) in impls.items():
+        if name == backend:
+            real = getattr(module, attr)
+            monkeypatch.setattr(module, attr, lambda *args, _real=real: launched.append(_real(*args)))
+        else:
+            monkeypatch.setattr(module, attr, lambda *args, _n=attr: pytest.fail(f"{_n} ran under backend {backend!r}"))
     if backend == "triton":
         kernel = prefill_module._prefill_attention_kernel
         launches = []
