@@ -67,6 +67,8 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
             out.copy_(out2d.view(out_shape))
         return out
 
-    gate, up = x[..., :d].float(), x[..., d:].float()
-    out.copy_(torch.nn.functional.silu(gate) * up)
+    gate, up = x[..., :d], x[..., d:]
+    if x.dtype == torch.float32:  # one temporary, product written straight into out
+        return torch.mul(torch.nn.functional.silu(gate), up, out=out)
+    out.copy_(torch.nn.functional.silu(gate.float()) * up.float())
     return out
