@@ -12,13 +12,6 @@ and the graph captured for that size (on first use) replays on them. Padded rows
 mixed batches, CPU and ``enforce_eager`` run eagerly. The capture/replay mechanics sit behind a
 small graph-runner interface, so a CPU double (:class:`EagerGraphRunner`) exercises the padding,
 buffer reuse and replay logic in tests.
-
-``compile_model=True`` (or ``ENGINE_COMPILE=1``) runs the forward under ``torch.compile``
-(inductor, dynamic shapes, fullgraph): pagedkernels' ops are registered custom ops, so the graph
-holds them as opaque nodes; the decode graphs capture the compiled forward. It is OFF by default:
-on CPU (torch 2.13) inductor gets decode steps wrong (it clones the per-layer value-cache views of
-the one KV allocation and attention reads the clone; aot_eager is exact), see the xfail in
-tests/engine/test_cuda_graph_runner.py. Not yet checked on CUDA.
 """
 
 from __future__ import annotations
@@ -98,7 +91,7 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, *, device: torch.device, block_size: int,
                  num_kv_blocks: int | None, gpu_memory_utilization: float, max_num_seqs: int,
                  max_num_batched_tokens: int, enforce_eager: bool, seed: int,
-                 graph_runner_class: type | None = None, compile_model: bool | None = None):
+                 graph_runner_class: type | None = None):
         self.config = model_config
         self.device = torch.device(device)
         self.dtype = model_config.dtype
@@ -114,14 +107,6 @@ class ModelRunner:
         torch.manual_seed(seed)
 
         self.model = self._build_model()
-        if compile_model is None:
-            env = os.environ.get("ENGINE_COMPILE", "").strip()
-            compile_model = bool(env) and env not in ("0", "false", "False")
-        self.compiled = bool(compile_model)
-        # The forward every path calls: the module itself, or its torch.compile wrapper (compiled
-        # lazily, per input signature: prefill/mixed and decode batches, dynamic in the token count).
-        self.forward = (torch.compile(self.model, dynamic=True, fullgraph=True) if self.compiled
-                        else self.model)
         self.num_kv_blocks = self._decide_num_kv_blocks(num_kv_blocks, gpu_memory_utilization)
         self._allocate_kv_cache()
         # Decode batch sizes a CUDA graph is captured for (a batch pads up to the next one).
@@ -186,7 +171,7 @@ class ModelRunner:
                 seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
                 cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
                 is_decode=False)
-            self.model.compute_logits(self.forward(input_ids, positions, meta)[-1:])
+            self.model.compute_logits(self.model(input_ids, positions, meta)[-1:])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         self._bind_kv_cache(None)
@@ -289,7 +274,7 @@ class ModelRunner:
         if meta.is_decode and not self.enforce_eager and len(scheduled) <= self.graph_batch_sizes[-1]:
             hidden_states = self.run_decode_graph(input_ids, positions, meta)
         else:
-            hidden_states = self.forward(input_ids, positions, meta)
+            hidden_states = self.model(input_ids, positions, meta)
         logits = self.model.compute_logits(hidden_states.index_select(0, last_token_indices))
         if not all_logits_for:
             return logits
@@ -329,7 +314,7 @@ class ModelRunner:
                                  cu_seqlens_q=self.static_cu_seqlens_q[:batch_size + 1], is_decode=True)
         input_ids, positions = self.static_input_ids[:batch_size], self.static_positions[:batch_size]
         runner = self.graph_runner_class(self.graph_pool)
-        runner.capture(lambda: self.forward(input_ids, positions, meta))
+        runner.capture(lambda: self.model(input_ids, positions, meta))
         return runner
 
     def copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
