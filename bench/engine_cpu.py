@@ -45,6 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedkernels import _native
+
 
 @dataclass
 class Request:
@@ -227,17 +229,6 @@ def _same_until_eos(engine_ids: list[int], hf_ids: list[int], eos_ids: set[int])
     return len(engine_ids) == len(hf_ids)
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="HF model directory (default: engine.default_model.default_model_path())")
@@ -294,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
 
     report = {
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "environment": {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "environment": {"cpu": _native.cpu_name(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                         "torch": torch.__version__, "python": platform.python_version(),
                         "load_average_before": load_before, "load_average_after": os.getloadavg()},
         "model": args.model, "dtype": "float32", "matrix_params": flop_model.matrix_params,
@@ -330,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average before/after: {load_before} / {report['environment']['load_average_after']}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        slug = re.sub(r"[^a-z0-9]+", "-", cpu_name().lower()).strip("-")
+        slug = re.sub(r"[^a-z0-9]+", "-", _native.cpu_name().lower()).strip("-")
         path = os.path.join(args.out, f"{datetime.date.today().isoformat()}-engine-cpu-{slug}.json")
         with open(path, "w") as f:
             json.dump(report, f, indent=1)

@@ -34,7 +34,8 @@ DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _build_error: str | None = None
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (part of the build cache key; benchmarks label results with it)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -42,7 +43,7 @@ def _cpu_name() -> str:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return platform.processor() or platform.machine() or "cpu"
 
 
 def _compile_command(compiler: str, src: Path, dst: Path) -> list[str]:
@@ -63,7 +64,7 @@ def library() -> ctypes.CDLL | None:
         return None
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join(_compile_command(compiler, Path("s"), Path("d"))).encode()
-                         + _cpu_name().encode() + platform.machine().encode()).hexdigest()[:16]
+                         + cpu_name().encode() + platform.machine().encode()).hexdigest()[:16]
     cache_dir = Path(os.environ.get("PAGEDKERNELS_CACHE_DIR", Path.home() / ".cache" / "pagedkernels"))
     target = cache_dir / f"paged_attention_cpu-{key}.so"
     try:
@@ -102,35 +103,28 @@ def supports(q: torch.Tensor, head_dim: int, group: int) -> bool:
             and group <= MAX_GROUP)
 
 
-def _row_major_last(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def paged_attention(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window,
                     softcap, out) -> None:
     """Both attention ops: ``cu_seqlens_q`` None means decode (row s is sequence s's one query).
-    Arguments were validated by the op; ``out`` is written in place."""
+    Arguments were validated by the op (int32 metadata, caches and ``out`` contiguous in head_dim);
+    ``out`` is written in place."""
     lib = library()
-    q = _row_major_last(q)
-    key_cache, value_cache = _row_major_last(key_cache), _row_major_last(value_cache)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
     block_tables = block_tables.contiguous()
-    seq_lens = seq_lens.to(torch.int32).contiguous()
-    cu = cu_seqlens_q.to(torch.int32).contiguous() if cu_seqlens_q is not None else None
-    target = out if out.stride(-1) == 1 else torch.empty_like(out, memory_format=torch.contiguous_format)
     _, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     rc = lib.pk_paged_attention(
         q.data_ptr(), q.stride(0), q.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.data_ptr(), block_tables.stride(0), cu.data_ptr() if cu is not None else None,
-        seq_lens.data_ptr(), seq_lens.shape[0], num_q_heads, num_kv_heads, head_dim, block_size, float(scale),
-        int(sliding_window or 0), float(softcap or 0.0), target.data_ptr(), target.stride(0), target.stride(1),
+        block_tables.data_ptr(), block_tables.stride(0),
+        cu_seqlens_q.contiguous().data_ptr() if cu_seqlens_q is not None else None,
+        seq_lens.contiguous().data_ptr(), seq_lens.shape[0], num_q_heads, num_kv_heads, head_dim, block_size,
+        float(scale), int(sliding_window or 0), float(softcap or 0.0), out.data_ptr(), out.stride(0), out.stride(1),
         DTYPE_CODES[q.dtype], torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"pagedkernels native attention failed (code {rc})")
-    if target is not out:
-        out.copy_(target)
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
