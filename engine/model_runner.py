@@ -27,6 +27,7 @@ import torch
 import pagedkernels as pk
 from engine.config import ModelConfig
 from engine.layers.attention import Attention, AttentionMetadata
+from engine.layers.linear import prepack_linears
 from engine.loader import load_model
 from engine.models import get_model_class
 
@@ -127,7 +128,12 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(previous_dtype)
         load_model(model, self.config.model_dir)
-        return model.to(self.device).eval()
+        model = model.to(self.device).eval()
+        if self.device.type == "cpu":
+            # float32 CPU linears run oneDNN's inner product; reorder their weights into its layout once
+            # instead of on every call (engine/layers/linear.py). A no-op for other dtypes.
+            prepack_linears(model)
+        return model
 
     def _block_bytes(self) -> int:
         c = self.config

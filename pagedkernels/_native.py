@@ -1,11 +1,17 @@
-"""Native CPU kernels (``csrc/paged_attention_cpu.c``): built with the system C compiler on first use,
-loaded through ctypes.
+"""Native CPU kernels (``csrc/*.c``): built with the system C compiler on first use, loaded through ctypes.
 
 The PyTorch twins are the reference on CPU but pay per-sequence Python and per-op costs: at 48
-decoding sequences the attention twin spends ~100 us per sequence and layer. The native kernel
-walks the block table directly (no gathered copy of K/V) with an online softmax, one OpenMP work
-item per (sequence, KV head, chunk of 16 queries), on torch's own OpenMP runtime (same soname,
-already loaded by torch).
+decoding sequences the attention twin spends ~100 us per sequence and layer, and an RMSNorm or a
+rotary embedding of a decode batch is half a dozen small tensor ops. ``paged_attention_cpu.c`` walks
+the block table directly (no gathered copy of K/V) with an online softmax, one OpenMP work item per
+(sequence, KV head, chunk of 16 queries); ``elementwise_cpu.c`` does RMSNorm (with the residual add),
+rotary embedding and SiLU-and-mul in one pass each. Both run on torch's own OpenMP runtime (same
+soname, already loaded by torch).
+
+The kernels check the metadata values that index memory (block ids, lengths, slots, positions) in
+the same pass that uses them and report a bad one with a return code; the op then runs its Python
+check to raise the ValueError that names it. So the native path costs no separate pass over the
+metadata per call, and no call can read or write outside its tensors.
 
 The shared object is cached under ``$PAGEDKERNELS_CACHE_DIR`` (default ``~/.cache/pagedkernels``),
 keyed by the source, the compiler command and the CPU. Without a working compiler the ``auto``
@@ -27,8 +33,13 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.c"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "elementwise_cpu.c")
+HEADERS = (CSRC / "cpu_common.h",)
 MAX_HEAD_DIM, MAX_GROUP = 256, 64
+MAX_ROTARY_DIM = 512
+# Return codes of the kernels.
+OK, BAD_VALUES, OUT_OF_MEMORY = 0, 1, -2
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 _build_error: str | None = None
@@ -46,9 +57,9 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
-def _compile_command(compiler: str, src: Path, dst: Path) -> list[str]:
-    return [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", str(src), "-o", str(dst),
-            "-lm"]
+def _compile_command(compiler: str, sources: tuple[Path, ...], dst: Path) -> list[str]:
+    return [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", *map(str, sources),
+            "-o", str(dst), "-lm"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,18 +73,18 @@ def library() -> ctypes.CDLL | None:
     if compiler is None:
         _build_error = "no C compiler found (set CC or install gcc)"
         return None
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(_compile_command(compiler, Path("s"), Path("d"))).encode()
+    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
+    key = hashlib.sha256(source + " ".join(_compile_command(compiler, (Path("s"),), Path("d"))).encode()
                          + cpu_name().encode() + platform.machine().encode()).hexdigest()[:16]
     cache_dir = Path(os.environ.get("PAGEDKERNELS_CACHE_DIR", Path.home() / ".cache" / "pagedkernels"))
-    target = cache_dir / f"paged_attention_cpu-{key}.so"
+    target = cache_dir / f"pagedkernels_cpu-{key}.so"
     try:
         if not target.exists():
             cache_dir.mkdir(parents=True, exist_ok=True)
             # Build beside the target and rename: concurrent first uses never load a partial file.
             with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
                 built = Path(tmp) / target.name
-                proc = subprocess.run(_compile_command(compiler, SOURCE, built), capture_output=True, text=True)
+                proc = subprocess.run(_compile_command(compiler, SOURCES, built), capture_output=True, text=True)
                 if proc.returncode != 0:
                     _build_error = f"{compiler} failed:\n{proc.stderr.strip()}"
                     return None
@@ -83,12 +94,19 @@ def library() -> ctypes.CDLL | None:
         _build_error = f"could not build or load {target}: {exc}"
         return None
     i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-    lib.pk_paged_attention.restype = ctypes.c_int
-    lib.pk_paged_attention.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, ptr, i64,
-                                       i32, i32, i32, i32, f32, i32, f32, ptr, i64, i64, i32, i32]
-    lib.pk_reshape_and_cache.restype = None
-    lib.pk_reshape_and_cache.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr,
-                                         i64, i32, i32, i32, i32]
+    signatures = {
+        "pk_paged_attention": [ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, ptr, i64,
+                               i32, i32, i32, i32, f32, i32, f32, ptr, i64, i64, i32, i32, i64, i64, i64],
+        "pk_reshape_and_cache": [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr,
+                                 i64, i32, i32, i32, i32, i64],
+        "pk_rms_norm": [ptr, i64, i32, ptr, i64, i32, ptr, i32, ptr, i64, i32, i64, i64, f32, i32],
+        "pk_rotary_embedding": [ptr, i64, ptr, i64, i64, i32, ptr, i64, i64, i32, i32, ptr, i64, i32, i32, i32,
+                                i64, i32],
+        "pk_silu_and_mul": [ptr, i64, ptr, i64, i64, i64, i32, i32],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = ctypes.c_int, argtypes
     return lib
 
 
@@ -103,17 +121,28 @@ def supports(q: torch.Tensor, head_dim: int, group: int) -> bool:
             and group <= MAX_GROUP)
 
 
+def _check_rc(rc: int, what: str) -> bool:
+    """True for success, False for values out of range (the caller names them); raises otherwise."""
+    if rc == OK:
+        return True
+    if rc == BAD_VALUES:
+        return False
+    reason = "out of memory" if rc == OUT_OF_MEMORY else f"code {rc}"
+    raise RuntimeError(f"pagedkernels native {what} failed ({reason})")
+
+
 def paged_attention(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window,
-                    softcap, out) -> None:
+                    softcap, out) -> bool:
     """Both attention ops: ``cu_seqlens_q`` None means decode (row s is sequence s's one query).
-    Arguments were validated by the op (int32 metadata, caches and ``out`` contiguous in head_dim);
-    ``out`` is written in place."""
+    Arguments were checked by the op except for their values (int32 metadata, caches and ``out``
+    contiguous in head_dim); ``out`` is written in place. Returns False, having written nothing, when
+    the metadata index outside the cache or the tables (the op then raises the ValueError naming it)."""
     lib = library()
     if q.stride(-1) != 1:
         q = q.contiguous()
     block_tables = block_tables.contiguous()
-    _, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     rc = lib.pk_paged_attention(
         q.data_ptr(), q.stride(0), q.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -122,18 +151,55 @@ def paged_attention(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_l
         cu_seqlens_q.contiguous().data_ptr() if cu_seqlens_q is not None else None,
         seq_lens.contiguous().data_ptr(), seq_lens.shape[0], num_q_heads, num_kv_heads, head_dim, block_size,
         float(scale), int(sliding_window or 0), float(softcap or 0.0), out.data_ptr(), out.stride(0), out.stride(1),
-        DTYPE_CODES[q.dtype], torch.get_num_threads())
-    if rc != 0:
-        raise RuntimeError(f"pagedkernels native attention failed (code {rc})")
+        DTYPE_CODES[q.dtype], torch.get_num_threads(), num_blocks, num_tokens, block_tables.shape[1])
+    return _check_rc(rc, "attention")
 
 
-def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
-    """Validated arguments (last dims contiguous, int64 slots); negative slots are skipped."""
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> bool:
+    """Checked arguments (last dims contiguous, int64 slots); negative slots are skipped. Returns False,
+    having written nothing, when a slot is past the cache."""
     lib = library()
     slots = slot_mapping.contiguous()
-    _, block_size, num_kv_heads, head_dim = key_cache.shape
-    lib.pk_reshape_and_cache(
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    rc = lib.pk_reshape_and_cache(
         key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0), value.stride(1),
         key_cache.data_ptr(), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.data_ptr(), value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        slots.data_ptr(), slots.shape[0], num_kv_heads, head_dim, block_size, key.element_size())
+        slots.data_ptr(), slots.shape[0], num_kv_heads, head_dim, block_size, key.element_size(), num_blocks)
+    return _check_rc(rc, "reshape_and_cache")
+
+
+def rms_norm(x2d, residual2d, weight, out2d, eps: float) -> None:
+    """2-D row views (last dim contiguous, any float dtypes); ``residual2d`` None for the plain norm.
+    ``out2d`` may be ``x2d``."""
+    rows, hidden = x2d.shape
+    res = residual2d
+    rc = library().pk_rms_norm(
+        x2d.data_ptr(), x2d.stride(0), DTYPE_CODES[x2d.dtype],
+        None if res is None else res.data_ptr(), 0 if res is None else res.stride(0),
+        0 if res is None else DTYPE_CODES[res.dtype], weight.data_ptr(), DTYPE_CODES[weight.dtype],
+        out2d.data_ptr(), out2d.stride(0), DTYPE_CODES[out2d.dtype], rows, hidden, float(eps),
+        torch.get_num_threads())
+    _check_rc(rc, "rms_norm")
+
+
+def rotary_embedding(positions, q3, k3, cos_sin_cache, is_neox: bool) -> bool:
+    """q3/k3 ``[num_tokens, heads, head_size]`` views (k3 may be None), same dtype, rotated in place;
+    ``positions`` int64. Returns False, having rotated nothing, when a position is outside the cache."""
+    positions = positions.contiguous()
+    max_position, rot_dim = cos_sin_cache.shape
+    rc = library().pk_rotary_embedding(
+        positions.data_ptr(), positions.shape[0], q3.data_ptr(), q3.stride(0), q3.stride(1), q3.shape[1],
+        None if k3 is None else k3.data_ptr(), 0 if k3 is None else k3.stride(0),
+        0 if k3 is None else k3.stride(1), 0 if k3 is None else k3.shape[1], DTYPE_CODES[q3.dtype],
+        cos_sin_cache.data_ptr(), cos_sin_cache.stride(0), DTYPE_CODES[cos_sin_cache.dtype], rot_dim // 2,
+        int(bool(is_neox)), max_position, torch.get_num_threads())
+    return _check_rc(rc, "rotary_embedding")
+
+
+def silu_and_mul(x2d, out2d) -> None:
+    """``[rows, 2d]`` -> ``[rows, d]`` row views of one dtype (last dims contiguous)."""
+    rows, d = out2d.shape
+    rc = library().pk_silu_and_mul(x2d.data_ptr(), x2d.stride(0), out2d.data_ptr(), out2d.stride(0), rows, d,
+                                   DTYPE_CODES[x2d.dtype], torch.get_num_threads())
+    _check_rc(rc, "silu_and_mul")

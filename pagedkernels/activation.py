@@ -6,7 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import use_triton
+from . import _native
+from ._backend import use_native, use_triton
 from ._validate import FLOAT_DTYPES, check_same_dtype, check_tensor
 
 _BLOCK = 1024  # elements per program: 4 warps x 8 contiguous elements per thread (16-byte fp16 accesses)
@@ -55,14 +56,17 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
     if out.numel() == 0:
         return out
 
-    if use_triton(x):
+    if use_triton(x) or use_native(x):
         x2d = x.reshape(-1, 2 * d)  # a view unless x's leading dims cannot be flattened
         try:
             out2d = out.view(-1, d)
         except RuntimeError:
             out2d = torch.empty(x2d.shape[0], d, dtype=x.dtype, device=x.device)
-        grid = (x2d.shape[0], triton.cdiv(d, _BLOCK))
-        _silu_and_mul_kernel[grid](x2d, out2d, x2d.stride(0), out2d.stride(0), d, BLOCK=_BLOCK)
+        if use_triton(x):
+            grid = (x2d.shape[0], triton.cdiv(d, _BLOCK))
+            _silu_and_mul_kernel[grid](x2d, out2d, x2d.stride(0), out2d.stride(0), d, BLOCK=_BLOCK)
+        else:
+            _native.silu_and_mul(x2d, out2d)
         if out2d.untyped_storage().data_ptr() != out.untyped_storage().data_ptr():
             out.copy_(out2d.view(out_shape))
         return out

@@ -97,17 +97,13 @@ def reshape_and_cache(
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError("key and value must be contiguous in their last (head_dim) dimension")
     check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int64,), device=device, shape=(num_tokens,))
-    has_padding = None  # known only where values are read
-    if value_checks_enabled(slot_mapping) and num_tokens > 0:
-        min_slot, max_slot = (int(x) for x in torch.aminmax(slot_mapping))
-        has_padding = min_slot < 0
-        if max_slot >= num_blocks * block_size:
-            raise ValueError(
-                f"slot_mapping: slot {max_slot} is out of range for a cache of "
-                f"{num_blocks} blocks x {block_size} slots"
-            )
     if num_tokens == 0:
         return
+    # The native kernel checks the slots itself, in the pass that writes (nothing written on failure).
+    native = not use_triton(key_cache) and use_native(key_cache)
+    has_padding = None  # known only where values are read
+    if value_checks_enabled(slot_mapping) and not native:
+        has_padding = _check_slots(slot_mapping, num_blocks, block_size)
 
     if use_triton(key_cache):
         block_d = triton.next_power_of_2(head_dim)
@@ -125,8 +121,10 @@ def reshape_and_cache(
             BLOCK_H=block_h, BLOCK_D=block_d,
         )
         return
-    if use_native(key_cache):
-        _native.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    if native:
+        if not _native.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
+            _check_slots(slot_mapping, num_blocks, block_size)
+            raise RuntimeError("pagedkernels native reshape_and_cache rejected slot_mapping the checks accept")
         return
 
     # Torch twin: index_copy_ of whole token rows into a [num_slots, num_kv_heads, head_dim] view of
@@ -142,6 +140,15 @@ def reshape_and_cache(
         block_ids, offsets = slot_mapping // block_size, slot_mapping % block_size
         key_cache[block_ids, offsets] = key
         value_cache[block_ids, offsets] = value
+
+
+def _check_slots(slot_mapping: torch.Tensor, num_blocks: int, block_size: int) -> bool:
+    """Raise if a slot is past the cache; returns whether there is padding (a negative slot)."""
+    min_slot, max_slot = (int(x) for x in torch.aminmax(slot_mapping))
+    if max_slot >= num_blocks * block_size:
+        raise ValueError(
+            f"slot_mapping: slot {max_slot} is out of range for a cache of {num_blocks} blocks x {block_size} slots")
+    return min_slot < 0
 
 
 # ----------------------------------------------------------------------------------------------

@@ -121,20 +121,24 @@ def paged_decode_attention(
     """
     group = _validate(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap,
                       num_splits, out)
-    if value_checks_enabled(q):
-        _check_values(key_cache, block_tables, seq_lens)
     head_dim = q.shape[-1]
+    # The native kernel checks the metadata values itself, before it writes anything.
+    native = not use_triton(q) and use_native(q) and _native.supports(q, head_dim, group)
+    if value_checks_enabled(q) and not native:
+        _check_values(key_cache, block_tables, seq_lens)
     scale = float(head_dim ** -0.5 if scale is None else scale)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if q.shape[0] == 0:
         return out
-    if use_triton(q):
+    if native:
+        if not _native.paged_attention(q, key_cache, value_cache, block_tables, None, seq_lens, scale,
+                                       sliding_window, softcap, out):
+            _check_values(key_cache, block_tables, seq_lens)
+            raise RuntimeError("pagedkernels native decode attention rejected metadata the checks accept")
+    elif use_triton(q):
         _decode_triton(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap,
                        num_splits, out, group)
-    elif use_native(q) and _native.supports(q, head_dim, group):
-        _native.paged_attention(q, key_cache, value_cache, block_tables, None, seq_lens, scale, sliding_window,
-                                softcap, out)
     else:
         out.copy_(_decode_torch(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
                                 softcap))

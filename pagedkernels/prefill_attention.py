@@ -481,7 +481,9 @@ def paged_prefill_attention(
         check_tensor("out", out, dtypes=(q.dtype,), device=device, shape=tuple(q.shape))
         if out.stride(-1) != 1:
             raise ValueError("out must be contiguous in its last (head_dim) dimension")
-    if value_checks_enabled(q):
+    # The native kernel checks the metadata values itself, before it writes anything.
+    native = not use_triton(q) and use_native(q) and _native.supports(q, head_dim, num_q_heads // num_kv_heads)
+    if value_checks_enabled(q) and not native:
         _check_values(q, key_cache, block_tables, cu_seqlens_q, seq_lens)
 
     scale = head_dim ** -0.5 if scale is None else float(scale)
@@ -492,11 +494,12 @@ def paged_prefill_attention(
         block_tables = block_tables.contiguous()
     if out is None:
         out = torch.empty_like(q)
-    if use_triton(q):
-        impl = _prefill_attention_triton
-    elif use_native(q) and _native.supports(q, head_dim, num_q_heads // num_kv_heads):
-        impl = _native.paged_attention
-    else:
-        impl = _prefill_attention_torch
+    if native:
+        if not _native.paged_attention(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                                       sliding_window, softcap, out):
+            _check_values(q, key_cache, block_tables, cu_seqlens_q, seq_lens)
+            raise RuntimeError("pagedkernels native prefill attention rejected metadata the checks accept")
+        return out
+    impl = _prefill_attention_triton if use_triton(q) else _prefill_attention_torch
     impl(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window, softcap, out)
     return out

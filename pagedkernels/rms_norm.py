@@ -6,7 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import use_triton
+from . import _native
+from ._backend import use_native, use_triton
 from ._validate import FLOAT_DTYPES, check_same_dtype, check_tensor
 
 # Largest row kept whole in registers (fp32): 8192 elements over 16 warps is 16 per thread. Longer
@@ -143,9 +144,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Te
     if x.numel() == 0:
         return out
 
-    if use_triton(x):
+    if use_triton(x) or use_native(x):
         out2d = _rows(out)
-        _launch(_rows(x), None, weight, out2d, float(eps))
+        if use_triton(x):
+            _launch(_rows(x), None, weight, out2d, float(eps))
+        else:
+            _native.rms_norm(_rows(x), None, weight, out2d, float(eps))
         if not _same_storage(out2d, out):  # out's leading dims could not be flattened
             out.copy_(out2d.view(out.shape))
         return out
@@ -175,9 +179,12 @@ def fused_add_rms_norm(
     if x.numel() == 0:
         return x, residual
 
-    if use_triton(x):
+    if use_triton(x) or use_native(x):
         x2d, res2d = _rows(x), _rows(residual)
-        _launch(x2d, res2d, weight, x2d, float(eps))
+        if use_triton(x):
+            _launch(x2d, res2d, weight, x2d, float(eps))
+        else:
+            _native.rms_norm(x2d, res2d, weight, x2d, float(eps))
         # _rows copies only when the leading dims cannot be flattened; write results back then.
         if not _same_storage(x2d, x):
             x.copy_(x2d.view(x.shape))

@@ -6,7 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import use_triton, value_checks_enabled
+from . import _native
+from ._backend import use_native, use_triton, value_checks_enabled
 from ._validate import FLOAT_DTYPES, check_tensor
 
 
@@ -127,6 +128,12 @@ def _as_heads(name: str, t: object, num_tokens: int, head_size: int, device: tor
     return t.view(num_tokens, t.shape[1] // head_size, head_size)
 
 
+def _check_positions(positions: torch.Tensor, max_position: int) -> None:
+    lo, hi = int(positions.min()), int(positions.max())
+    if lo < 0 or hi >= max_position:
+        raise ValueError(f"positions must lie in [0, {max_position}), got values in [{lo}, {hi}]")
+
+
 def rotary_embedding(
     positions: torch.Tensor,
     q: torch.Tensor,
@@ -166,11 +173,17 @@ def rotary_embedding(
     k3 = None if k is None else _as_heads("k", k, num_tokens, head_size, device)
     if k3 is not None and k3.dtype != q3.dtype:
         raise ValueError(f"k must have the same dtype as q ({q3.dtype}), got {k3.dtype}")
-    if value_checks_enabled(positions) and num_tokens > 0:
-        lo, hi = int(positions.min()), int(positions.max())
-        if lo < 0 or hi >= max_position:
-            raise ValueError(f"positions must lie in [0, {max_position}), got values in [{lo}, {hi}]")
     if num_tokens == 0:
+        return
+    # The native kernel checks the positions itself, before it rotates anything.
+    native = (not use_triton(q3) and use_native(q3) and rot_dim <= _native.MAX_ROTARY_DIM
+              and q3.dtype in _native.DTYPE_CODES)
+    if value_checks_enabled(positions) and not native:
+        _check_positions(positions, max_position)
+    if native:
+        if not _native.rotary_embedding(positions, q3, k3, cos_sin_cache, is_neox):
+            _check_positions(positions, max_position)
+            raise RuntimeError("pagedkernels native rotary_embedding rejected positions the checks accept")
         return
 
     if use_triton(q3):

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.linear import linear
+from engine.layers.linear import PackableLinearMixin
 
 
 class VocabEmbedding(nn.Module):
@@ -19,9 +19,9 @@ class VocabEmbedding(nn.Module):
         return F.embedding(input_ids, self.weight)
 
 
-class LMHead(VocabEmbedding):
+class LMHead(PackableLinearMixin, VocabEmbedding):
     """Logits of the hidden states it is given (the runner passes only each sequence's last token)."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[num_seqs, hidden_size]`` -> float32 logits ``[num_seqs, vocab_size]``."""
-        return linear(hidden_states, self.weight).float()
+        return self._linear(hidden_states, None).float()

@@ -35,10 +35,60 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Under ``torch.compile`` inductor picks its own GEMM, so this stays ``F.linear`` there.
     ``ENGINE_CPU_LINEAR=torch`` turns the oneDNN path off.
     """
-    if (_ONEDNN_LINEAR is not None and x.dtype == torch.float32 and x.device.type == "cpu"
-            and weight.dtype == torch.float32 and not torch.compiler.is_compiling()):
+    if _onednn_applies(x) and weight.dtype == torch.float32:
         return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def _onednn_applies(x: torch.Tensor) -> bool:
+    return (_ONEDNN_LINEAR is not None and x.dtype == torch.float32 and x.device.type == "cpu"
+            and not torch.compiler.is_compiling())
+
+
+# Batch size oneDNN tunes a prepacked weight's layout for. It matters little (16-128 measured within a
+# few percent of each other at 1-1024 rows); 32 is what vLLM's CPU backend passes.
+PREPACK_BATCH_HINT = 32
+
+
+class PackableLinearMixin:
+    """A float32 CPU weight reordered once into oneDNN's blocked layout (``prepack``), so the inner
+    product does not repack the plain weight on every call: 1.3-2.5x faster at 8-48 rows, the decode
+    batches (measured on a 2-core AMD EPYC: [48, 576] x [576, 3072] 0.44 ms against 0.73 ms, the LM
+    head for one token 2.6 ms against 5.1 ms), equal for single rows and long prefills."""
+
+    packed_weight: torch.Tensor | None = None
+
+    def prepack(self, *, keep_weight: bool) -> bool:
+        """Pack ``self.weight`` if the oneDNN path applies to it (float32, CPU, not disabled); without
+        ``keep_weight`` the plain weight is then freed (as vLLM's CPU backend does) and rebuilt from the
+        packed one only if a call cannot take the packed path. Returns whether it packed."""
+        weight = self.weight
+        if (_ONEDNN_LINEAR is None or weight.dtype != torch.float32 or weight.device.type != "cpu"
+                or weight.dim() != 2 or weight.numel() == 0):
+            return False
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PREPACK_BATCH_HINT)
+        if not keep_weight:
+            self.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
+        return True
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed_weight is None:
+            return linear(x, self.weight, bias)
+        if _onednn_applies(x):
+            return _ONEDNN_LINEAR(x, self.packed_weight, bias, "none", [], "")
+        weight = self.weight if self.weight.numel() else self.packed_weight.to_dense()
+        return linear(x, weight, bias)
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Prepack every packable weight of ``model`` (see :class:`PackableLinearMixin`); weights that
+    another module also uses (a tied LM head's embedding) are kept. Returns how many were packed."""
+    users: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            users[id(param)] = users.get(id(param), 0) + 1
+    return sum(module.prepack(keep_weight=users.get(id(module.weight), 0) > 1)
+               for module in model.modules() if isinstance(module, PackableLinearMixin))
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -54,7 +104,7 @@ def _copy_shard(param: nn.Parameter, loaded: torch.Tensor, offset: int, size: in
     shard.copy_(loaded)
 
 
-class Linear(nn.Module):
+class Linear(PackableLinearMixin, nn.Module):
     """``y = x W^T (+ b)``; W: ``[output_size, input_size]``."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
@@ -72,7 +122,7 @@ class Linear(nn.Module):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self._linear(x, self.bias)
 
 
 class MergedLinear(Linear):

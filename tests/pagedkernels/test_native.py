@@ -22,7 +22,7 @@ def test_auto_backend_uses_native_on_cpu(monkeypatch):
         pytest.skip(f"native kernels unavailable here: {_native.build_error()}")
     calls = []
     real = _native.paged_attention
-    monkeypatch.setattr(_native, "paged_attention", lambda *a: calls.append(real(*a)))
+    monkeypatch.setattr(_native, "paged_attention", lambda *a: calls.append(a) or real(*a))
     q = torch.randn(2, 4, 64)
     cache = torch.randn(4, 16, 2, 64)
     with pk.use_backend("auto"):
@@ -65,3 +65,52 @@ def test_broken_compiler_reports_its_output(tmp_path):
                                "PAGEDKERNELS_CACHE_DIR": str(tmp_path / "cache")})
     assert proc.returncode == 0, proc.stderr
     assert "fatal: no compiler today" in proc.stdout
+
+
+def _native_or_skip():
+    if _native.library() is None:
+        pytest.skip(f"native kernels unavailable here: {_native.build_error()}")
+
+
+def test_native_rejections_name_the_value_and_write_nothing():
+    """The native kernels check the values that index memory themselves (no separate pass in Python);
+    on a bad one they write nothing and the op raises the same ValueError as the other backends."""
+    _native_or_skip()
+    g = torch.Generator().manual_seed(0)
+    with pk.use_backend("native"):
+        # rotary: a position past the cos/sin cache
+        q = torch.randn(3, 2, 64, generator=g)
+        k = torch.randn(3, 1, 64, generator=g)
+        q0, k0 = q.clone(), k.clone()
+        cache = pk.compute_cos_sin_cache(8, 64, 10000.0)
+        with pytest.raises(ValueError, match="positions must lie in"):
+            pk.rotary_embedding(torch.tensor([0, 8, 1]), q, k, cache)
+        assert torch.equal(q, q0) and torch.equal(k, k0)
+        # reshape_and_cache: a slot past the cache
+        kc, vc = torch.zeros(2, 4, 1, 64), torch.zeros(2, 4, 1, 64)
+        with pytest.raises(ValueError, match="slot_mapping: slot 8 is out of range"):
+            pk.reshape_and_cache(k, k, kc, vc, torch.tensor([0, 8, 1]))
+        assert not kc.any() and not vc.any()
+        # prefill attention: a block id past the cache
+        kc, vc = torch.randn(2, 4, 1, 64, generator=g), torch.randn(2, 4, 1, 64, generator=g)
+        out = torch.full((3, 2, 64), 7.0)
+        with pytest.raises(ValueError, match=r"block_tables\[1, 0\] = 2 is out of range"):
+            pk.paged_prefill_attention(q, kc, vc, torch.tensor([[0], [2]], dtype=torch.int32),
+                                       torch.tensor([0, 2, 3], dtype=torch.int32),
+                                       torch.tensor([2, 1], dtype=torch.int32), out=out)
+        assert (out == 7.0).all()
+
+
+def test_native_elementwise_ops_run_under_auto(monkeypatch):
+    _native_or_skip()
+    calls = []
+    for name in ("rms_norm", "rotary_embedding", "silu_and_mul"):
+        real = getattr(_native, name)
+        monkeypatch.setattr(_native, name, lambda *a, _real=real, _n=name: calls.append(_n) or _real(*a))
+    x, w = torch.randn(4, 32), torch.ones(32)
+    with pk.use_backend("auto"):
+        pk.rms_norm(x, w, 1e-6)
+        pk.fused_add_rms_norm(x, torch.randn(4, 32), w, 1e-6)
+        pk.rotary_embedding(torch.arange(4), torch.randn(4, 2, 64), None, pk.compute_cos_sin_cache(4, 64, 1e4))
+        pk.silu_and_mul(torch.randn(4, 64))
+    assert calls == ["rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul"]

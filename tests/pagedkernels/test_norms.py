@@ -1,4 +1,4 @@
-"""rms_norm and fused_add_rms_norm against a float64 reference, both backends."""
+"""rms_norm and fused_add_rms_norm against a float64 reference, every backend."""
 
 import importlib
 
@@ -10,7 +10,7 @@ import pagedkernels as pk
 # The module, not the function of the same name that pagedkernels re-exports.
 rms_norm_module = importlib.import_module("pagedkernels.rms_norm")
 
-BACKENDS = ["triton", "torch"]
+BACKENDS = ["triton", "torch", "native"]
 # (dtype, atol, rtol) for the normalized output vs float64: a few ulps of the output dtype.
 TOLERANCES = [
     (torch.float32, 1e-5, 1e-5),

@@ -179,7 +179,7 @@ def test_selected_backend_runs(backend, device, monkeypatch):
     for name, (module, attr) in impls.items():
         if name == backend:
             real = getattr(module, attr)
-            monkeypatch.setattr(module, attr, lambda *args, _real=real: launched.append(_real(*args)))
+            monkeypatch.setattr(module, attr, lambda *args, _real=real: launched.append(args) or _real(*args))
         else:
             monkeypatch.setattr(module, attr, lambda *args, _n=attr: pytest.fail(f"{_n} ran under backend {backend!r}"))
     if backend == "triton":

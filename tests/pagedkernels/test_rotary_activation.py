@@ -7,7 +7,7 @@ import torch
 
 import pagedkernels as pk
 
-BACKENDS = ["triton", "torch"]
+BACKENDS = ["triton", "torch", "native"]
 # (dtype, atol, rtol) vs float64: a few ulps of the output dtype (computation is fp32).
 TOLERANCES = [
     (torch.float32, 1e-5, 1e-5),

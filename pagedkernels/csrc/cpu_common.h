@@ -1,0 +1,101 @@
+/* Helpers shared by pagedkernels' native CPU kernels: dtype conversion, a vectorizable exp and
+ * 16-float vectors. dtype codes: 0 = float32, 1 = float16, 2 = bfloat16. */
+#ifndef PAGEDKERNELS_CPU_COMMON_H
+#define PAGEDKERNELS_CPU_COMMON_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_float(uint16_t x) {
+    uint32_t u = ((uint32_t)x) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+/* n elements as float32 (for float32 the elements themselves, no copy). */
+static inline const float *load_row(const void *base, int64_t offset, int dtype, int64_t n, float *tmp) {
+    if (dtype == 0) return (const float *)base + offset;
+    if (dtype == 1) {
+        const _Float16 *p = (const _Float16 *)base + offset;
+        for (int64_t d = 0; d < n; d++) tmp[d] = (float)p[d];
+    } else {
+        const uint16_t *p = (const uint16_t *)base + offset;
+        for (int64_t d = 0; d < n; d++) tmp[d] = bf16_to_float(p[d]);
+    }
+    return tmp;
+}
+
+static inline void store_row(void *base, int64_t offset, int dtype, int64_t n, const float *src) {
+    if (dtype == 0) {
+        memcpy((float *)base + offset, src, sizeof(float) * n);
+    } else if (dtype == 1) {
+        _Float16 *p = (_Float16 *)base + offset;
+        for (int64_t d = 0; d < n; d++) p[d] = (_Float16)src[d];
+    } else {
+        uint16_t *p = (uint16_t *)base + offset;
+        for (int64_t d = 0; d < n; d++) p[d] = float_to_bf16(src[d]);
+    }
+}
+
+/* exp(x) for x <= 0 (scores minus their running max), vectorizable: 2^n * p(r) with
+ * x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor polynomial (relative error < 2e-7). x below
+ * -87 (including -inf) gives ~1e-38, which weighs nothing next to the max's weight of 1. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+/* f rounded to the dtype's precision (float32: unchanged). */
+static inline float round_to_dtype(float f, int dtype) {
+    if (dtype == 1) return (float)(_Float16)f;
+    if (dtype == 2) return bf16_to_float(float_to_bf16(f));
+    return f;
+}
+
+/* 16-float vectors (GCC/Clang vector extensions: one AVX-512 register, two AVX2 ones, four NEON). */
+typedef float vf16 __attribute__((vector_size(64)));
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+
+static inline vf16 vload16(const float *p) {
+    vf16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float vsum16(vf16 v) {
+    vf8 lo, hi;
+    memcpy(&lo, &v, sizeof lo);
+    memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
+    const vf8 s8 = lo + hi;
+    vf4 a, b;
+    memcpy(&a, &s8, sizeof a);
+    memcpy(&b, (const char *)&s8 + sizeof a, sizeof b);
+    const vf4 s4 = a + b;
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+#endif
