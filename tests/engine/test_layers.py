@@ -74,3 +74,58 @@ def test_fused_linear_weight_loaders():
     torch.testing.assert_close(gate_up(x), torch.cat([x @ gate.T, x @ up.T], dim=-1))
     with pytest.raises(ValueError, match="shape"):
         qkv.weight.weight_loader(qkv.weight, parts["q"], "k")
+
+
+def _onednn_or_skip():
+    from engine.layers import linear as linear_module
+
+    if linear_module._ONEDNN_LINEAR is None:
+        pytest.skip("this torch build has no oneDNN linear (or ENGINE_CPU_LINEAR=torch)")
+
+
+def test_prepacked_linears_match_plain_and_keep_tied_weights(monkeypatch):
+    """prepack_linears reorders every float32 CPU linear weight once (oneDNN's blocked layout), frees
+    the plain copy unless another module shares it (a tied LM head's embedding), and the packed path
+    computes what F.linear does, for any row count; a call the packed path cannot take (under
+    torch.compile) rebuilds the plain weight instead of failing."""
+    _onednn_or_skip()
+    from torch import nn
+
+    from engine.layers.embed_head import LMHead, VocabEmbedding
+    from engine.layers.linear import Linear, prepack_linears
+
+    g = torch.Generator().manual_seed(0)
+    model = nn.Module()
+    model.proj = Linear(64, 96, bias=True)
+    model.embed = VocabEmbedding(200, 64)
+    model.head = LMHead(200, 64)
+    model.untied_head = LMHead(200, 64)
+    for p in model.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g))
+    model.head.weight = model.embed.weight
+    plain = {name: p.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)}
+
+    assert prepack_linears(model) == 3
+    assert model.proj.weight.numel() == 0 and model.untied_head.weight.numel() == 0
+    assert model.head.weight is model.embed.weight and model.embed.weight.shape == (200, 64)
+    for rows in (1, 7, 48, 300):
+        x = torch.randn(rows, 64, generator=g)
+        torch.testing.assert_close(model.proj(x), torch.nn.functional.linear(x, plain["proj.weight"],
+                                                                             plain["proj.bias"]))
+        torch.testing.assert_close(model.head(x), x @ plain["embed.weight"].T)
+        torch.testing.assert_close(model.untied_head(x), x @ plain["untied_head.weight"].T)
+    from engine.layers import linear as linear_module
+
+    monkeypatch.setattr(linear_module, "_onednn_applies", lambda x: False)
+    x = torch.randn(3, 64, generator=g)
+    torch.testing.assert_close(model.proj(x), torch.nn.functional.linear(x, plain["proj.weight"], plain["proj.bias"]))
+
+
+def test_prepack_skips_what_onednn_does_not_take():
+    """Only float32 weights pack; others keep F.linear's path untouched."""
+    _onednn_or_skip()
+    from engine.layers.linear import Linear, prepack_linears
+
+    layer = Linear(32, 16).to(torch.bfloat16)
+    assert prepack_linears(layer) == 0
+    assert layer.packed_weight is None and layer.weight.shape == (16, 32)
