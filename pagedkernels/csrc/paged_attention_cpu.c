@@ -21,6 +21,7 @@
 #define MAX_GROUP 64
 #define KEY_TILE 32
 #define QUERY_CHUNK 16
+#define PREFETCH_TILES 2 /* how far ahead (in tiles of keys) the first query of a chunk prefetches */
 
 static inline float dot(const float *a, const float *b, int n) {
     float acc = 0.0f;
@@ -59,18 +60,93 @@ static inline void tile_scores(float qf[][MAX_HEAD_DIM], int group, const float 
         for (int g = 0; g < group; g++) scores[g][j] = dot(qf[g], keys[j], head_dim);
 }
 
+/* acc[g] += sum_j scores[g][j] * values[j] over the tile. With head_dim a multiple of 64, slices of 64
+ * dims of up to four query heads stay in registers across the tile (16 vector accumulators) and each
+ * value slice is loaded once for the four; otherwise one head at a time through memory. */
+static inline void tile_values(float acc[][MAX_HEAD_DIM], int group, const float *const *values, int n,
+                               int head_dim, float scores[][KEY_TILE]) {
+    if (head_dim % 64 != 0) {
+        for (int j = 0; j < n; j++)
+            for (int g = 0; g < group; g++) {
+                const float p = scores[g][j];
+                float *a = acc[g];
+                const float *v = values[j];
+#pragma omp simd
+                for (int d = 0; d < head_dim; d++) a[d] += p * v[d];
+            }
+        return;
+    }
+    for (int d = 0; d < head_dim; d += 64) {
+        for (int g0 = 0; g0 < group; g0 += 4) {
+            const int gn = group - g0 < 4 ? group - g0 : 4;
+            vf16 a[4][4];
+            for (int g = 0; g < gn; g++)
+                for (int c = 0; c < 4; c++) a[g][c] = vload16(acc[g0 + g] + d + 16 * c);
+            for (int j = 0; j < n; j++) {
+                const float *v = values[j] + d;
+                const vf16 v0 = vload16(v), v1 = vload16(v + 16), v2 = vload16(v + 32), v3 = vload16(v + 48);
+                for (int g = 0; g < gn; g++) {
+                    const float p = scores[g0 + g][j];
+                    a[g][0] += p * v0;
+                    a[g][1] += p * v1;
+                    a[g][2] += p * v2;
+                    a[g][3] += p * v3;
+                }
+            }
+            for (int g = 0; g < gn; g++)
+                for (int c = 0; c < 4; c++) memcpy(acc[g0 + g] + d + 16 * c, &a[g][c], sizeof(vf16));
+        }
+    }
+}
+
+/* Offsets of the key/value rows of KV head h for positions t0 .. min(t0 + KEY_TILE, pos + 1) - 1;
+ * returns how many. */
+static inline int tile_offsets(const int32_t *table, int t0, int pos, int block_size, int h, int64_t k_s0,
+                               int64_t k_s1, int64_t k_s2, int64_t v_s0, int64_t v_s1, int64_t v_s2, int64_t *k_off,
+                               int64_t *v_off) {
+    const int n = pos + 1 - t0 < KEY_TILE ? pos + 1 - t0 : KEY_TILE;
+    int b = t0 / block_size, o = t0 % block_size;
+    for (int j = 0; j < n; j++) {
+        const int64_t block = table[b];
+        k_off[j] = block * k_s0 + o * k_s1 + h * k_s2;
+        v_off[j] = block * v_s0 + o * v_s1 + h * v_s2;
+        if (++o == block_size) {
+            o = 0;
+            b++;
+        }
+    }
+    return n;
+}
+
+/* Prefetch row_bytes of every key and value row of the tile starting at t0 (nothing past pos). */
+static inline void prefetch_tile(const void *kc, const void *vc, const int32_t *table, int t0, int pos,
+                                 int block_size, int h, int64_t k_s0, int64_t k_s1, int64_t k_s2, int64_t v_s0,
+                                 int64_t v_s1, int64_t v_s2, int row_bytes, int elem_size) {
+    if (t0 > pos) return;
+    int64_t k_off[KEY_TILE], v_off[KEY_TILE];
+    const int n = tile_offsets(table, t0, pos, block_size, h, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, k_off, v_off);
+    for (int j = 0; j < n; j++) {
+        const char *krow = (const char *)kc + k_off[j] * elem_size, *vrow = (const char *)vc + v_off[j] * elem_size;
+        for (int b = 0; b < row_bytes; b += 64) {
+            __builtin_prefetch(krow + b, 0, 3);
+            __builtin_prefetch(vrow + b, 0, 3);
+        }
+    }
+}
+
 /* Queries [q_begin, q_end) of sequence s, KV head h: every query head of h's group. */
 static void attend_chunk(const void *q, int64_t q_s0, int64_t q_s1, const void *kc, const void *vc, int64_t k_s0,
                          int64_t k_s1, int64_t k_s2, int64_t v_s0, int64_t v_s1, int64_t v_s2,
                          const int32_t *table, int block_size, int head_dim, int group, int h, int64_t q_row0,
                          int q_begin, int q_end, int first_pos, float scale, int sliding_window, float softcap,
-                         void *out, int64_t o_s0, int64_t o_s1, int dtype) {
+                         void *out, int64_t o_s0, int64_t o_s1, int dtype, int prefetch_bytes) {
     float qf[MAX_GROUP][MAX_HEAD_DIM];
     float acc[MAX_GROUP][MAX_HEAD_DIM];
     float m[MAX_GROUP], l[MAX_GROUP];
     float scores[MAX_GROUP][KEY_TILE];
     float tmp[MAX_HEAD_DIM];
     float ktile[KEY_TILE][MAX_HEAD_DIM]; /* keys converted to float32 (16-bit caches only) */
+    const int elem_size = dtype == 0 ? 4 : 2;
     for (int i = q_begin; i < q_end; i++) {
         const int64_t row = q_row0 + i;
         const int pos = first_pos + i; /* this query's position: it sees keys lo..pos */
@@ -85,19 +161,23 @@ static void attend_chunk(const void *q, int64_t q_s0, int64_t q_s1, const void *
             m[g] = -INFINITY;
             l[g] = 0.0f;
         }
+        /* Element offsets of a tile's key and value rows (walking the block table), for this tile and
+         * the next: the first query of the chunk prefetches prefetch_bytes from each row of the next
+         * tile while it works on this one (the caller's choice: this head's row, all heads' rows of the
+         * token, or nothing when an earlier head's pass brought them in). Rows sit in blocks scattered
+         * over the cache; without this every row is a DRAM latency the core waits out. */
+        int64_t k_off[KEY_TILE], v_off[KEY_TILE];
+        const int prefetch = i == q_begin && prefetch_bytes > 0;
+        if (prefetch)
+            for (int t = 0; t < PREFETCH_TILES; t++)
+                prefetch_tile(kc, vc, table, lo + t * KEY_TILE, pos, block_size, h, k_s0, k_s1, k_s2, v_s0, v_s1,
+                              v_s2, prefetch_bytes, elem_size);
         for (int t0 = lo; t0 <= pos; t0 += KEY_TILE) {
-            const int n = pos + 1 - t0 < KEY_TILE ? pos + 1 - t0 : KEY_TILE;
-            /* element offsets of this tile's key and value rows, walking the block table */
-            int64_t k_off[KEY_TILE], v_off[KEY_TILE];
-            {
-                int b = t0 / block_size, o = t0 % block_size;
-                for (int j = 0; j < n; j++) {
-                    const int64_t block = table[b];
-                    k_off[j] = block * k_s0 + o * k_s1 + h * k_s2;
-                    v_off[j] = block * v_s0 + o * v_s1 + h * v_s2;
-                    if (++o == block_size) { o = 0; b++; }
-                }
-            }
+            const int n = tile_offsets(table, t0, pos, block_size, h, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, k_off,
+                                       v_off);
+            if (prefetch)
+                prefetch_tile(kc, vc, table, t0 + PREFETCH_TILES * KEY_TILE, pos, block_size, h, k_s0, k_s1, k_s2,
+                              v_s0, v_s1, v_s2, prefetch_bytes, elem_size);
             const float *keys[KEY_TILE];
             for (int j = 0; j < n; j++) keys[j] = load_row(kc, k_off[j], dtype, head_dim, ktile[j]);
             tile_scores(qf, group, keys, n, head_dim, scores);
@@ -124,15 +204,9 @@ static void attend_chunk(const void *q, int64_t q_s0, int64_t q_s1, const void *
                 }
                 l[g] += lsum;
             }
-            for (int j = 0; j < n; j++) {
-                const float *v = load_row(vc, v_off[j], dtype, head_dim, tmp);
-                for (int g = 0; g < group; g++) {
-                    const float p = scores[g][j];
-                    float *a = acc[g];
-#pragma omp simd
-                    for (int d = 0; d < head_dim; d++) a[d] += p * v[d];
-                }
-            }
+            const float *values[KEY_TILE];
+            for (int j = 0; j < n; j++) values[j] = load_row(vc, v_off[j], dtype, head_dim, ktile[j]);
+            tile_values(acc, group, values, n, head_dim, scores);
         }
         for (int g = 0; g < group; g++) {
             const float inv = 1.0f / l[g];
@@ -177,14 +251,27 @@ int pk_paged_attention(const void *q, int64_t q_s0, int64_t q_s1, const void *ke
     if (!metadata_ok(block_tables, table_stride, table_width, cu_seqlens_q, seq_lens, num_seqs, num_tokens,
                      num_blocks, block_size))
         return 1;
-    /* Work items: (sequence, KV head, chunk of QUERY_CHUNK queries); item_start[s] = first item of s. */
+    /* Work items: (sequence, chunk of QUERY_CHUNK queries, KV heads). With enough items for every thread
+     * an item takes all KV heads of its chunk, so it reads whole token rows of each block (all heads are
+     * contiguous there) and prefetches them in its first head's pass; otherwise (few sequences, e.g. one
+     * long decode) each KV head is an item of its own, so the threads share a sequence's heads.
+     * item_start[s] = first item of sequence s. */
     int64_t *item_start = (int64_t *)malloc(sizeof(int64_t) * (num_seqs + 1));
     if (!item_start) return -2;
+    int64_t total_chunks = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t q_len = cu_seqlens_q ? cu_seqlens_q[s + 1] - cu_seqlens_q[s] : 1;
+        total_chunks += seq_lens[s] > 0 ? (q_len + QUERY_CHUNK - 1) / QUERY_CHUNK : 0;
+    }
+    const int elem_size = dtype == 0 ? 4 : 2, row_bytes = head_dim * elem_size;
+    const int heads_contiguous = k_s2 == head_dim && v_s2 == head_dim;
+    const int heads_per_item = total_chunks >= 4 * (int64_t)num_threads && heads_contiguous ? num_kv_heads : 1;
+    const int kv_items = num_kv_heads / heads_per_item;
     item_start[0] = 0;
     for (int64_t s = 0; s < num_seqs; s++) {
         const int64_t q_len = cu_seqlens_q ? cu_seqlens_q[s + 1] - cu_seqlens_q[s] : 1;
         const int64_t chunks = seq_lens[s] > 0 ? (q_len + QUERY_CHUNK - 1) / QUERY_CHUNK : 0;
-        item_start[s + 1] = item_start[s] + chunks * num_kv_heads;
+        item_start[s + 1] = item_start[s] + chunks * kv_items;
     }
     const int64_t num_items = item_start[num_seqs];
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
@@ -195,15 +282,20 @@ int pk_paged_attention(const void *q, int64_t q_s0, int64_t q_s1, const void *ke
             if (item_start[mid] <= item) lo = mid; else hi = mid - 1;
         }
         const int64_t s = lo, local = item - item_start[s];
-        const int h = (int)(local % num_kv_heads);
-        const int chunk = (int)(local / num_kv_heads);
+        const int h0 = (int)(local % kv_items) * heads_per_item;
+        const int chunk = (int)(local / kv_items);
         const int64_t q_row0 = cu_seqlens_q ? cu_seqlens_q[s] : s;
         const int q_len = cu_seqlens_q ? cu_seqlens_q[s + 1] - cu_seqlens_q[s] : 1;
         const int q_begin = chunk * QUERY_CHUNK;
         const int q_end = q_begin + QUERY_CHUNK < q_len ? q_begin + QUERY_CHUNK : q_len;
-        attend_chunk(q, q_s0, q_s1, key_cache, value_cache, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2,
-                     block_tables + s * table_stride, block_size, head_dim, group, h, q_row0, q_begin, q_end,
-                     seq_lens[s] - q_len, scale, sliding_window, softcap, out, o_s0, o_s1, dtype);
+        for (int h = h0; h < h0 + heads_per_item; h++) {
+            /* one head per item: its own rows; all heads: the whole token rows, in head 0's pass */
+            const int prefetch_bytes = heads_per_item == 1 ? row_bytes : h == 0 ? row_bytes * num_kv_heads : 0;
+            attend_chunk(q, q_s0, q_s1, key_cache, value_cache, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2,
+                         block_tables + s * table_stride, block_size, head_dim, group, h, q_row0, q_begin, q_end,
+                         seq_lens[s] - q_len, scale, sliding_window, softcap, out, o_s0, o_s1, dtype,
+                         prefetch_bytes);
+        }
     }
     /* Decode rows of empty sequences (seq_len 0) are zeros. */
     if (!cu_seqlens_q) {

@@ -99,6 +99,10 @@ SHAPES = [
     (256, 16, 16, 1, torch.float32, [2, 48]),
     (128, 8, 3, 1, torch.bfloat16, [3, 41]),
     (64, 32, 16, 1, torch.float16, [64, 1]),
+    # many sequences (the native kernel's whole-sequence work split), SmolLM2's 3 KV heads x 3, and a
+    # group of 5 (query heads in register sets of 4 + 1)
+    (64, 16, 3, 3, torch.float32, [5 + 9 * i for i in range(14)]),
+    (128, 16, 5, 2, torch.float16, [1 + 11 * i for i in range(12)]),
 ]
 
 

@@ -52,12 +52,15 @@ def _check(seq_lens, q_lens, *, block_size, num_kv_heads, group, head_dim, dtype
                                    msg=lambda m: f"sequence {s} (seq_len {seq_lens[s]}, q_len {q_lens[s]}): {m}")
 
 
-# (seq_lens, q_lens): first prefill, prefix hit / chunked prefill, decode rows, mixed.
+# (seq_lens, q_lens): first prefill, prefix hit / chunked prefill, decode rows, mixed, and a batch with
+# many sequences (the native kernel then gives each thread whole sequences, all KV heads, instead of
+# one KV head each: both work splits are covered).
 BATCHES = {
     "first_prefill": ([45, 7], [45, 7]),
     "chunked": ([70, 33], [21, 33]),
     "decode_only": ([1, 17, 40], [1, 1, 1]),
     "mixed": ([37, 1, 66, 9, 24], [37, 1, 19, 1, 5]),
+    "many_sequences": ([3 + 7 * i for i in range(20)] + [30, 41], [1] * 20 + [30, 18]),
 }
 
 
