@@ -22,8 +22,8 @@ class LLM:
         block_size: tokens per KV-cache block.
         max_model_len: longest prompt + output (default: the model's max_position_embeddings).
         max_num_seqs: most sequences in one step.
-        max_num_batched_tokens: token budget of one step (default 8192: chunked prefill is always on, so it
-            need not hold a whole prompt; see engine/llm_engine.py).
+        max_num_batched_tokens: token budget of one step (default 8192 on GPUs, 1024 on CPU: chunked prefill
+            is always on, so it need not hold a whole prompt; see engine/llm_engine.py).
         num_kv_blocks: KV-cache size in blocks; overrides the memory-derived size.
         gpu_memory_utilization: share of GPU memory the engine may use (CUDA only).
         enable_prefix_caching: reuse the KV of full blocks shared with earlier prompts.

@@ -17,9 +17,12 @@ from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.tokenizer import get_tokenizer
 
 # Default token budget per step. Chunked prefill is always on, so the budget does not have to hold a whole
-# prompt; 8192 is vLLM v1's default for its offline LLM class on GPUs under 70 GiB. On CPU a step of this
-# size keeps the matmuls large (efficient) while bounding the activation memory of one forward pass.
+# prompt; 8192 is vLLM v1's default for its offline LLM class on GPUs under 70 GiB. On CPU a smaller step
+# is faster: the activations of a 1024-token step stay in the last-level cache between the matmuls of a
+# layer, those of a few thousand tokens do not (measured with SmolLM2-135M fp32 on a 2-core AMD EPYC with a
+# 32 MiB L3: 48 prompts, 3148 tokens, prefilled in 2.5-3.7 s at 1024 against 4.6-5.6 s in one 8192 step).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+DEFAULT_MAX_NUM_BATCHED_TOKENS_CPU = 1024
 
 
 def resolve_model_path(model: str) -> str:
@@ -80,7 +83,8 @@ class LLMEngine:
                                                         device=self.device)
         self.tokenizer = get_tokenizer(resolve_model_path(tokenizer) if tokenizer else model_dir)
         self.max_model_len = self.model_config.max_model_len
-        self.max_num_batched_tokens = max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        self.max_num_batched_tokens = max_num_batched_tokens or (
+            DEFAULT_MAX_NUM_BATCHED_TOKENS_CPU if self.device.type == "cpu" else DEFAULT_MAX_NUM_BATCHED_TOKENS)
         self.model_runner = ModelRunner(
             self.model_config, device=self.device, block_size=block_size, num_kv_blocks=num_kv_blocks,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
