@@ -12,6 +12,13 @@ and the graph captured for that size (on first use) replays on them. Padded rows
 mixed batches, CPU and ``enforce_eager`` run eagerly. The capture/replay mechanics sit behind a
 small graph-runner interface, so a CPU double (:class:`EagerGraphRunner`) exercises the padding,
 buffer reuse and replay logic in tests.
+
+The forward runs under ``torch.compile`` (inductor, dynamic token count, fullgraph) by default on CUDA
+unless ``enforce_eager``, eagerly on CPU, where the engine's own oneDNN linears and native kernels beat
+inductor's code; ``compile_model=`` or ``ENGINE_COMPILE=1/0`` overrides either. pagedkernels' ops are registered custom
+ops and each attention layer is one (``engine::unified_attention``), so the graph holds them as opaque
+nodes; the decode graphs capture the compiled forward. A compilation that fails is logged and the
+runner goes on eagerly.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import torch
 
 import pagedkernels as pk
 from engine.config import ModelConfig
-from engine.layers.attention import Attention, AttentionMetadata
+from engine.layers.attention import Attention, AttentionMetadata, forward_context
 from engine.layers.linear import prepack_linears
 from engine.loader import load_model
 from engine.models import get_model_class
@@ -92,7 +99,7 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, *, device: torch.device, block_size: int,
                  num_kv_blocks: int | None, gpu_memory_utilization: float, max_num_seqs: int,
                  max_num_batched_tokens: int, enforce_eager: bool, seed: int,
-                 graph_runner_class: type | None = None):
+                 graph_runner_class: type | None = None, compile_model: bool | None = None):
         self.config = model_config
         self.device = torch.device(device)
         self.dtype = model_config.dtype
@@ -107,7 +114,24 @@ class ModelRunner:
         self.max_blocks_per_seq = math.ceil(model_config.max_model_len / block_size)
         torch.manual_seed(seed)
 
+        if compile_model is None:
+            env = os.environ.get("ENGINE_COMPILE", "").strip()
+            # as in vLLM, enforce_eager means no torch.compile either
+            compile_model = (env not in ("0", "false", "False") if env
+                             else self.device.type == "cuda" and not enforce_eager)
+        self.compiled = bool(compile_model)
         self.model = self._build_model()
+        # The forward every path calls: the module itself, or its torch.compile wrapper (compiled lazily per
+        # input signature: mixed and decode batches, dynamic in the token count).
+        self.forward = self.model
+        if self.compiled:
+            # One model compiles to a graph per batch kind (mixed / pure decode, one token / more); engines of
+            # other shapes or architectures in the same process add theirs to the same code's cache, past
+            # dynamo's default of 8 entries, after which it would refuse to compile.
+            config = torch._dynamo.config
+            limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # older torch
+            setattr(config, limit, max(getattr(config, limit), 64))
+            self.forward = torch.compile(self.model, dynamic=True, fullgraph=True)
         self.num_kv_blocks = self._decide_num_kv_blocks(num_kv_blocks, gpu_memory_utilization)
         self._allocate_kv_cache()
         # Decode batch sizes a CUDA graph is captured for (a batch pads up to the next one).
@@ -129,9 +153,10 @@ class ModelRunner:
             torch.set_default_dtype(previous_dtype)
         load_model(model, self.config.model_dir)
         model = model.to(self.device).eval()
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and not self.compiled:
             # float32 CPU linears run oneDNN's inner product; reorder their weights into its layout once
-            # instead of on every call (engine/layers/linear.py). A no-op for other dtypes.
+            # instead of on every call (engine/layers/linear.py). A no-op for other dtypes. Not under
+            # torch.compile: inductor cannot trace oneDNN's opaque weight tensors and brings its own GEMMs.
             prepack_linears(model)
         return model
 
@@ -177,7 +202,7 @@ class ModelRunner:
                 seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
                 cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
                 is_decode=False)
-            self.model.compute_logits(self.model(input_ids, positions, meta)[-1:])
+            self.model.compute_logits(self._forward(input_ids, positions, meta)[-1:])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         self._bind_kv_cache(None)
@@ -198,8 +223,9 @@ class ModelRunner:
         self.value_caches = list(self.kv_cache[1])
 
     def _bind_kv_cache(self, kv_cache: torch.Tensor | None) -> None:
-        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        layers = self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for i, layer in enumerate(layers):
+            layer.layer_index = i
             # The decode op on CUDA, and wherever decode graphs run: padded rows (seq_len 0) are
             # valid decode rows but not prefill ones (a query needs its token in the cache).
             layer.use_decode_kernel = self.device.type == "cuda" or not self.enforce_eager
@@ -280,7 +306,7 @@ class ModelRunner:
         if meta.is_decode and not self.enforce_eager and len(scheduled) <= self.graph_batch_sizes[-1]:
             hidden_states = self.run_decode_graph(input_ids, positions, meta)
         else:
-            hidden_states = self.model(input_ids, positions, meta)
+            hidden_states = self._forward(input_ids, positions, meta)
         logits = self.model.compute_logits(hidden_states.index_select(0, last_token_indices))
         if not all_logits_for:
             return logits
@@ -289,6 +315,20 @@ class ModelRunner:
             starts.append(starts[-1] + num_new_tokens)
         extra = [self.model.compute_logits(hidden_states[starts[i]:starts[i + 1]]) for i in all_logits_for]
         return logits, extra
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.forward is self.model:
+            return self.model(input_ids, positions, meta)
+        try:
+            with forward_context(self.attention_layers):
+                return self.forward(input_ids, positions, meta)
+        except Exception as exc:  # noqa: BLE001 - a compiler failure must not take the engine down
+            if not _is_compile_error(exc):
+                raise
+            logger.warning("torch.compile of the model failed; running eagerly from now on (%s: %s)",
+                           type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            self.forward, self.compiled = self.model, False
+            return self.model(input_ids, positions, meta)
 
     def run_decode_graph(self, input_ids: torch.Tensor, positions: torch.Tensor,
                          meta: AttentionMetadata) -> torch.Tensor:
@@ -320,7 +360,7 @@ class ModelRunner:
                                  cu_seqlens_q=self.static_cu_seqlens_q[:batch_size + 1], is_decode=True)
         input_ids, positions = self.static_input_ids[:batch_size], self.static_positions[:batch_size]
         runner = self.graph_runner_class(self.graph_pool)
-        runner.capture(lambda: self.model(input_ids, positions, meta))
+        runner.capture(lambda: self._forward(input_ids, positions, meta))
         return runner
 
     def copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
@@ -329,6 +369,17 @@ class ModelRunner:
             return
         block_mapping = torch.tensor(mapping, dtype=torch.int64, device=self.device)
         pk.copy_blocks(self.key_caches, self.value_caches, block_mapping)
+
+
+def _is_compile_error(exc: BaseException) -> bool:
+    """Whether an exception comes from dynamo/inductor (not from the model's own checks)."""
+    try:
+        from torch._dynamo.exc import TorchDynamoException
+        from torch._inductor.exc import InductorError
+    except ImportError:  # pragma: no cover - older torch
+        return type(exc).__module__.startswith(("torch._dynamo", "torch._inductor"))
+    return isinstance(exc, (TorchDynamoException, InductorError)) or type(exc).__module__.startswith(
+        ("torch._dynamo", "torch._inductor"))
 
 
 def _available_ram_bytes() -> int:

@@ -1,13 +1,57 @@
-"""Paged attention layer: writes the new tokens' K/V into this layer's cache, then attends over it."""
+"""Paged attention layer: writes the new tokens' K/V into this layer's cache, then attends over it.
+
+Under ``torch.compile`` a layer runs as one custom op, ``engine::unified_attention`` (vLLM's design), which
+finds the layer's KV cache through the forward context (:func:`forward_context`, set by the model runner
+around each forward) by the layer's index instead of taking it as an argument. The K and V caches of
+every layer are views of one allocation; passed into the graph, they would be aliased graph inputs that
+an op mutates, which inductor (torch 2.13, CPU) gets wrong: it wrote the new K/V of decode steps into a
+copy and attention read that copy. Kept out of the graph, the caches are mutated only inside the opaque
+op, and the graph sees q/k/v and the batch metadata in, ``out`` written. The index, not the module, is
+what the graph holds, so another engine's model of the same shape reuses the compiled graph.
+"""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Iterator, Sequence
 
 import torch
 from torch import nn
 
 from engine.layers import pk_ops
+
+# The attention layers of the model whose forward is running (set by forward_context).
+_forward_layers: Sequence["Attention"] | None = None
+
+
+@contextlib.contextmanager
+def forward_context(layers: Sequence["Attention"]) -> Iterator[None]:
+    """Makes ``layers`` (a model's attention layers, in order of ``layer_index``) the ones
+    ``engine::unified_attention`` runs for the duration of a forward pass."""
+    global _forward_layers
+    previous, _forward_layers = _forward_layers, layers
+    try:
+        yield
+    finally:
+        _forward_layers = previous
+
+
+@torch.library.custom_op("engine::unified_attention", mutates_args=("out",))
+def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                      slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                      cu_seqlens_q: torch.Tensor, is_decode: bool, layer_index: int) -> None:
+    """Attention layer ``layer_index`` of the running model on its KV cache: write k/v, attend into ``out``."""
+    if _forward_layers is None:
+        raise RuntimeError("engine::unified_attention ran outside engine.layers.attention.forward_context")
+    meta = AttentionMetadata(slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens,
+                             cu_seqlens_q=cu_seqlens_q, is_decode=is_decode)
+    _forward_layers[layer_index].attend(q, k, v, meta, out=out)
+
+
+@unified_attention.register_fake
+def _(q, k, v, out, slot_mapping, block_tables, seq_lens, cu_seqlens_q, is_decode, layer_index) -> None:
+    return None
 
 
 @dataclass(slots=True)
@@ -42,17 +86,29 @@ class Attention(nn.Module):
         # bound by ModelRunner before the first forward.
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None
+        self.layer_index = 0  # position among the model's attention layers, set with the caches
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q ``[num_tokens, num_heads, head_dim]``, k/v ``[num_tokens, num_kv_heads, head_dim]`` (strided
         views are fine) -> ``[num_tokens, num_heads * head_dim]``."""
+        if torch.compiler.is_compiling():
+            out = q.new_empty(q.shape[0], self.num_heads, self.head_dim)
+            torch.ops.engine.unified_attention(q, k, v, out, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                                               meta.cu_seqlens_q, meta.is_decode, self.layer_index)
+            return out.view(-1, self.num_heads * self.head_dim)
+        return self.attend(q, k, v, meta).view(-1, self.num_heads * self.head_dim)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, *,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's work, eagerly: k/v into the cache, attention -> ``[num_tokens, num_heads, head_dim]``
+        (into ``out`` when given)."""
         ops = pk_ops()
         ops.reshape_and_cache(k, v, self.key_cache, self.value_cache, meta.slot_mapping)
         if meta.is_decode and self.use_decode_kernel:
             out = ops.paged_decode_attention(q, self.key_cache, self.value_cache, meta.block_tables, meta.seq_lens,
-                                             scale=self.scale, sliding_window=self.sliding_window)
+                                             scale=self.scale, sliding_window=self.sliding_window, out=out)
         else:
             out = ops.paged_prefill_attention(q, self.key_cache, self.value_cache, meta.block_tables,
                                               meta.cu_seqlens_q, meta.seq_lens, scale=self.scale,
-                                              sliding_window=self.sliding_window)
-        return out.view(-1, self.num_heads * self.head_dim)
+                                              sliding_window=self.sliding_window, out=out)
+        return out

@@ -41,11 +41,13 @@ class RecordingGraphRunner(EagerGraphRunner):
         return super().replay()
 
 
-def make_runner(model_dir: str, *, enforce_eager: bool, graph_runner_class=None, max_num_seqs: int = 10):
+def make_runner(model_dir: str, *, enforce_eager: bool, graph_runner_class=None, max_num_seqs: int = 10,
+                compile_model: bool | None = None):
     config = ModelConfig.from_pretrained(model_dir, max_model_len=256)
     runner = ModelRunner(config, device=torch.device("cpu"), block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS,
                          gpu_memory_utilization=0.9, max_num_seqs=max_num_seqs, max_num_batched_tokens=512,
-                         enforce_eager=enforce_eager, seed=0, graph_runner_class=graph_runner_class)
+                         enforce_eager=enforce_eager, seed=0, graph_runner_class=graph_runner_class,
+                         compile_model=compile_model)
     runner.kv_cache.fill_(float("nan"))  # a padded row writing K/V, or any stray read, shows
     return runner
 
@@ -82,11 +84,16 @@ def _sequences(vocab_size):
     return seqs
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral"])  # mistral: a sliding window
-def test_padded_replay_equals_eager(tiny_model_dir, arch, monkeypatch):
+@pytest.mark.parametrize("arch,compiled", [("llama", False), ("mistral", False), ("qwen3", True),
+                                           ("mistral", True), ("llama", True)])
+def test_padded_replay_equals_eager(tiny_model_dir, arch, compiled, monkeypatch):
+    """mistral: a sliding window; qwen3: q/k norms. compiled: the graphs capture the torch.compile'd
+    forward, as on CUDA (inductor, fullgraph: a graph break fails), and the mixed batches run it too."""
     model_dir = tiny_model_dir(arch)
-    eager = make_runner(model_dir, enforce_eager=True)
-    graphed = make_runner(model_dir, enforce_eager=False, graph_runner_class=RecordingGraphRunner)
+    eager = make_runner(model_dir, enforce_eager=True, compile_model=False)
+    graphed = make_runner(model_dir, enforce_eager=False, graph_runner_class=RecordingGraphRunner,
+                          compile_model=compiled)
+    assert graphed.compiled == compiled and not eager.compiled
     monkeypatch.setattr(RecordingGraphRunner, "replays", [])
     monkeypatch.setattr(RecordingGraphRunner, "model_runner", graphed, raising=False)
     assert eager.enforce_eager and not hasattr(eager, "static_input_ids")
@@ -103,6 +110,7 @@ def test_padded_replay_equals_eager(tiny_model_dir, arch, monkeypatch):
     replays = RecordingGraphRunner.replays
     # Decode steps of 3, 1, 5, 3 sequences replay graphs of 4, 1, 8, 4; the step of 10 ran eagerly.
     assert [r["batch_size"] for r in replays] == [4, 1, 8, 4]
+    assert graphed.compiled == compiled, "compilation fell back to eager"
     assert sorted(graphed.graphs) == [1, 4, 8]
     assert replays[0]["graph"] is replays[3]["graph"], "the size-4 graph must be captured once and reused"
     assert all(r["input_ids_ptr"] == static_ptr for r in replays), "static buffers must never be reallocated"
@@ -121,3 +129,38 @@ def test_no_graphs_with_enforce_eager_or_without_a_runner_class(tiny_model_dir, 
         _run(runner, _sequences(runner.config.vocab_size))
         assert runner.graphs == {}
     assert RecordingGraphRunner.replays == []
+
+
+def test_compile_choice(tiny_model_dir, monkeypatch):
+    """Eager by default on CPU (compiled by default on CUDA); ENGINE_COMPILE=1/0 or compile_model decide."""
+    model_dir = tiny_model_dir("llama")
+    monkeypatch.delenv("ENGINE_COMPILE", raising=False)
+    runner = make_runner(model_dir, enforce_eager=True)
+    assert not runner.compiled and runner.forward is runner.model
+    monkeypatch.setenv("ENGINE_COMPILE", "1")
+    runner = make_runner(model_dir, enforce_eager=True)
+    assert runner.compiled and runner.forward is not runner.model
+    monkeypatch.setenv("ENGINE_COMPILE", "0")
+    assert not make_runner(model_dir, enforce_eager=True).compiled
+    assert make_runner(model_dir, enforce_eager=True, compile_model=True).compiled
+
+
+def test_failed_compile_falls_back_to_eager(tiny_model_dir, caplog):
+    """A dynamo/inductor failure is logged once and the runner goes on eagerly with the same results."""
+    from torch._dynamo.exc import Unsupported
+
+    model_dir = tiny_model_dir("llama")
+    eager = make_runner(model_dir, enforce_eager=True, compile_model=False)
+    runner = make_runner(model_dir, enforce_eager=True, compile_model=True)
+
+    def broken(*args):
+        raise Unsupported("simulated graph break")
+
+    runner.forward = broken
+    with caplog.at_level("WARNING", logger="engine.model_runner"):
+        got = _run(runner, _sequences(runner.config.vocab_size))
+    assert not runner.compiled and runner.forward is runner.model
+    assert sum("torch.compile of the model failed" in r.getMessage() for r in caplog.records) == 1
+    # (the eager runner's weights are prepacked for oneDNN, the fallen-back one's not: rounding differs)
+    for a, b in zip(got, _run(eager, _sequences(eager.config.vocab_size))):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
