@@ -102,6 +102,19 @@ def test_tiny_greedy_matches_transformers(tiny_llm, hf_refs, arch, config):
     assert_all_blocks_free(llm)
 
 
+@pytest.mark.parametrize("config", ["chunked-prefix", "preempt"])
+def test_tiny_greedy_matches_transformers_compiled(tiny_model_dir, hf_refs, config, monkeypatch):
+    """The forward under torch.compile (the GPU default; ENGINE_COMPILE=1 here on CPU): mixed chunked-prefill
+    steps, prefix hits and preemption give transformers' tokens, and nothing fell back to eager."""
+    monkeypatch.setenv("ENGINE_COMPILE", "1")
+    llm = LLM(tiny_model_dir("llama"), max_model_len=256, **CONFIGS[config])
+    outputs = llm.generate([{"prompt_token_ids": p} for p in TINY_PROMPTS], GREEDY, use_tqdm=False)
+    for i, out in enumerate(outputs):
+        assert out.outputs[0].token_ids == hf_refs("llama", i, TINY_PROMPTS), f"prompt {i}"
+    assert llm.llm_engine.model_runner.compiled
+    assert_all_blocks_free(llm)
+
+
 def test_tiny_logprobs_match_transformers(tiny_llm, tiny_hf):
     llm, hf = tiny_llm("qwen2"), tiny_hf("qwen2")
     params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3),
