@@ -15,7 +15,8 @@ buffer reuse and replay logic in tests.
 
 The forward runs under ``torch.compile`` (inductor, dynamic token count, fullgraph) by default on CUDA
 unless ``enforce_eager``, eagerly on CPU, where the engine's own oneDNN linears and native kernels beat
-inductor's code; ``compile_model=`` or ``ENGINE_COMPILE=1/0`` overrides either. pagedkernels' ops are registered custom
+inductor's code (SmolLM2 fp32, 48 requests, 2-core EPYC: 8.8 s eager, 16.4 s compiled once warm);
+``compile_model=`` or ``ENGINE_COMPILE=1/0`` overrides either. pagedkernels' ops are registered custom
 ops and each attention layer is one (``engine::unified_attention``), so the graph holds them as opaque
 nodes; the decode graphs capture the compiled forward. A compilation that fails is logged and the
 runner goes on eagerly.
