@@ -77,11 +77,7 @@ def measure(workload, *, block_size: int = 16, max_model_len: int = 2048, num_bl
         for seq, _ in scheduled:
             if seq.num_computed_tokens != seq.num_tokens:
                 continue
-            new = [seq]
-            if not seq.group.forked:
-                seq.group.forked = True
-                new += [sched.fork(seq, j) for j in range(1, seq.group.n)]
-            for s in new:
+            for s in sched.forks_on_prompt_done(seq):
                 s.append_token(s.num_tokens % 1000)
                 if s.num_output_tokens >= s.max_tokens:
                     sched.finish(s)

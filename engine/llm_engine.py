@@ -327,13 +327,9 @@ class LLMEngine:
         for i, (seq, _) in enumerate(scheduled):
             if seq.num_computed_tokens != seq.num_tokens or seq.group.beam is not None:
                 continue
-            rows.append(i)
-            seqs.append(seq)
-            if not seq.group.forked:
-                seq.group.forked = True
-                for index in range(1, seq.group.n):
-                    rows.append(i)
-                    seqs.append(self.scheduler.fork(seq, index))
+            sampling = self.scheduler.forks_on_prompt_done(seq)
+            rows += [i] * len(sampling)
+            seqs += sampling
         if not rows:
             return [], None
         if rows != list(range(len(scheduled))):

@@ -374,13 +374,7 @@ class ModelRunner:
 
 def _is_compile_error(exc: BaseException) -> bool:
     """Whether an exception comes from dynamo/inductor (not from the model's own checks)."""
-    try:
-        from torch._dynamo.exc import TorchDynamoException
-        from torch._inductor.exc import InductorError
-    except ImportError:  # pragma: no cover - older torch
-        return type(exc).__module__.startswith(("torch._dynamo", "torch._inductor"))
-    return isinstance(exc, (TorchDynamoException, InductorError)) or type(exc).__module__.startswith(
-        ("torch._dynamo", "torch._inductor"))
+    return type(exc).__module__.startswith(("torch._dynamo", "torch._inductor"))
 
 
 def _available_ram_bytes() -> int:

@@ -163,6 +163,14 @@ class Scheduler:
         bisect.insort(self.running, child, key=lambda s: s.order)
         return child
 
+    def forks_on_prompt_done(self, seq: Sequence) -> list[Sequence]:
+        """``seq``, whose prompt is computed, and, the first time for an n > 1 request, its n - 1 forks
+        (sequences 1..n-1, sharing every block): the sequences that sample from its logits row this step."""
+        if seq.group.forked:
+            return [seq]
+        seq.group.forked = True
+        return [seq] + [self.fork(seq, index) for index in range(1, seq.group.n)]
+
     def update_after_step(self, scheduled: list[tuple[Sequence, int]]) -> None:
         """The model computed the scheduled tokens: advance the counts and register newly full blocks."""
         for seq, num_new_tokens in scheduled:

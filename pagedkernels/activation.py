@@ -56,13 +56,14 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
     if out.numel() == 0:
         return out
 
-    if use_triton(x) or use_native(x):
+    on_triton = use_triton(x)
+    if on_triton or use_native(x):
         x2d = x.reshape(-1, 2 * d)  # a view unless x's leading dims cannot be flattened
         try:
             out2d = out.view(-1, d)
         except RuntimeError:
             out2d = torch.empty(x2d.shape[0], d, dtype=x.dtype, device=x.device)
-        if use_triton(x):
+        if on_triton:
             grid = (x2d.shape[0], triton.cdiv(d, _BLOCK))
             _silu_and_mul_kernel[grid](x2d, out2d, x2d.stride(0), out2d.stride(0), d, BLOCK=_BLOCK)
         else:

@@ -144,9 +144,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Te
     if x.numel() == 0:
         return out
 
-    if use_triton(x) or use_native(x):
+    on_triton = use_triton(x)
+    if on_triton or use_native(x):
         out2d = _rows(out)
-        if use_triton(x):
+        if on_triton:
             _launch(_rows(x), None, weight, out2d, float(eps))
         else:
             _native.rms_norm(_rows(x), None, weight, out2d, float(eps))
@@ -179,9 +180,10 @@ def fused_add_rms_norm(
     if x.numel() == 0:
         return x, residual
 
-    if use_triton(x) or use_native(x):
+    on_triton = use_triton(x)
+    if on_triton or use_native(x):
         x2d, res2d = _rows(x), _rows(residual)
-        if use_triton(x):
+        if on_triton:
             _launch(x2d, res2d, weight, x2d, float(eps))
         else:
             _native.rms_norm(x2d, res2d, weight, x2d, float(eps))

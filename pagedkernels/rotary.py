@@ -176,8 +176,7 @@ def rotary_embedding(
     if num_tokens == 0:
         return
     # The native kernel checks the positions itself, before it rotates anything.
-    native = (not use_triton(q3) and use_native(q3) and rot_dim <= _native.MAX_ROTARY_DIM
-              and q3.dtype in _native.DTYPE_CODES)
+    native = not use_triton(q3) and use_native(q3) and rot_dim <= _native.MAX_ROTARY_DIM
     if value_checks_enabled(positions) and not native:
         _check_positions(positions, max_position)
     if native:

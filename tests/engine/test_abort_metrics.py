@@ -184,11 +184,7 @@ class EngineCoreMachine(RuleBasedStateMachine):
         for seq, _ in scheduled:
             if seq.num_computed_tokens != seq.num_tokens:
                 continue
-            seqs = [seq]
-            if not seq.group.forked:
-                seq.group.forked = True
-                seqs += [self.sched.fork(seq, i) for i in range(1, seq.group.n)]
-            for s in seqs:
+            for s in self.sched.forks_on_prompt_done(seq):
                 s.append_token(next_token(s.token_ids, s.index))
                 if s.num_output_tokens >= s.params.max_tokens:
                     self.sched.finish(s)

@@ -137,11 +137,6 @@ def test_extra_sampling_fields_match_llm(client, llm):
         assert got.choices[0].text == reference, extra
 
 
-# The server's batches differ from the in-process LLM's; under torch.compile (the GPU default) graphs
-# specialized by batch shape round differently in the last bits (measured: 1.0e-5 apart on CPU).
-LOGPROB_ATOL = 1e-4
-
-
 def test_logprobs_equal_llm(client, llm):
     expected = llm.generate(PROMPTS[1], greedy(6, logprobs=3), use_tqdm=False)[0].outputs[0]
     got = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0, logprobs=3,
@@ -150,14 +145,14 @@ def test_logprobs_equal_llm(client, llm):
     for token_id, entry, token, token_logprob, top in zip(expected.token_ids, expected.logprobs, got.tokens,
                                                           got.token_logprobs, got.top_logprobs):
         assert token == entry[token_id].decoded_token
-        assert token_logprob == pytest.approx(entry[token_id].logprob, abs=LOGPROB_ATOL)
+        assert token_logprob == pytest.approx(entry[token_id].logprob, abs=1e-5)
         # Keyed by decoded text, so tokens that decode alike (partial UTF-8 bytes) share one key.
         top_expected = {}
         for lp in sorted(entry.values(), key=lambda lp: lp.rank):
             if lp.rank <= 3:
                 top_expected.setdefault(lp.decoded_token, lp.logprob)
-        assert top == pytest.approx(top_expected, abs=LOGPROB_ATOL)
-        assert max(top.values()) == pytest.approx(token_logprob, abs=LOGPROB_ATOL)   # greedy: the sampled one is rank 1
+        assert top == pytest.approx(top_expected, abs=1e-5)
+        assert max(top.values()) == pytest.approx(token_logprob, abs=1e-5)   # greedy: the sampled one is rank 1
     assert got.text_offset[0] == 0 and got.text_offset == sorted(got.text_offset)
 
     messages = [{"role": "user", "content": PROMPTS[1]}]
@@ -167,9 +162,9 @@ def test_logprobs_equal_llm(client, llm):
     content = chat.choices[0].logprobs.content
     assert len(content) == 5
     for token_id, entry, item in zip(expected.token_ids, expected.logprobs, content):
-        assert item.logprob == pytest.approx(entry[token_id].logprob, abs=LOGPROB_ATOL)
+        assert item.logprob == pytest.approx(entry[token_id].logprob, abs=1e-5)
         assert [t.logprob for t in item.top_logprobs] == pytest.approx(
-            sorted((lp.logprob for lp in entry.values() if lp.rank <= 2), reverse=True), abs=LOGPROB_ATOL)
+            sorted((lp.logprob for lp in entry.values() if lp.rank <= 2), reverse=True), abs=1e-5)
         assert item.bytes == list(item.token.encode())
 
 
