@@ -17,8 +17,24 @@ def test_readme_starts_with_the_two_setup_commands():
     assert "python -m engine generate" in bash_blocks[0]
     assert "python -m pytest" in bash_blocks[1]
     ci = (README.parent / ".ci" / "run").read_text()
-    install, test = bash_blocks[1].strip().split(" && ")
-    assert install.replace("pip install", "") in ci and test in ci
+    *installs, test = bash_blocks[1].strip().split(" && ")
+    for install in installs:
+        assert install.startswith("pip install ") and install.removeprefix("pip install") in ci
+    assert test in ci
+    # Both start from PyTorch's CPU index: PyPI's torch is the CUDA build everywhere.
+    for block in bash_blocks[:2]:
+        assert block.startswith("pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu && ")
+
+
+def test_plain_install_converts_the_default_model():
+    """The main job installs without extras: what the GGUF conversion imports must be a main dependency."""
+    import tomllib
+
+    project = tomllib.loads((README.parent / "pyproject.toml").read_text())["project"]
+    names = {re.split(r"[<>=!~;\[ ]", dep, maxsplit=1)[0].lower() for dep in project["dependencies"]}
+    assert {"gguf", "accelerate", "transformers", "safetensors"} <= names
+    main_job = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)[0]
+    assert "-e . &&" in main_job
 
 
 @pytest.mark.parametrize("index", range(2), ids=["pagedkernels", "engine"])
