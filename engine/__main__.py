@@ -3,16 +3,8 @@
 
 The default model is SmolLM2-135M-Instruct, converted on first use (see engine/default_model.py)."""
 import argparse
+import dataclasses
 import sys
-
-
-def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="model directory or hub id (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--enforce-eager", action="store_true")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, *, temperature: float, top_p: float) -> None:
@@ -22,42 +14,59 @@ def _add_sampling_args(parser: argparse.ArgumentParser, *, temperature: float, t
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    parser.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
 def _build(args):
     from engine import LLM, SamplingParams
-    from engine.default_model import default_model_path
+    from engine.engine_args import EngineArgs
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                            seed=args.seed, stop=args.stop)
-    llm = LLM(args.model or default_model_path(), dtype=args.dtype, device=args.device,
-              max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, enforce_eager=args.enforce_eager)
-    return llm, params
+                            seed=args.sampling_seed, stop=args.stop)
+    engine_args = EngineArgs.from_cli_args(args)
+    # LLM's keyword arguments are EngineArgs' fields.
+    options = {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(engine_args) if f.name != "model"}
+    return LLM(engine_args.resolved_model(), **options), params
 
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests")
-    parser.add_argument("--log-level", default="info", help="uvicorn log level")
+    """Server-only options (vLLM's names); the engine options come from EngineArgs."""
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--served-model-name", default=None, help="model name in the API (default: the model)")
+    group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    group.add_argument("--chat-template", default=None,
+                       help="chat template (a file, or the template itself) instead of the tokenizer's")
+    group.add_argument("--trust-request-chat-template", action="store_true",
+                       help="let requests bring their own chat_template (it runs on the server)")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="tool_choice 'auto': parse tool calls from the output (needs --tool-call-parser)")
+    group.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+                       help="how tool calls are written by the model: hermes (<tool_call>{...}</tool_call>, "
+                            "Qwen2/3) or llama3_json ({\"name\": ..., \"parameters\": ...})")
+    group.add_argument("--reasoning-parser", choices=("qwen3", "deepseek_r1"), default=None,
+                       help="move <think>...</think> text to reasoning_content")
+    group.add_argument("--log-level", default="info", help="uvicorn log level")
+
+
+def _print_stream(llm, prompt, params, *, chat: bool) -> str:
+    pieces = []
+    for piece in llm.stream_text(prompt, params, chat=chat):
+        print(piece, end="", flush=True)
+        pieces.append(piece)
+    print(flush=True)
+    return "".join(pieces)
 
 
 def cmd_generate(args) -> None:
     llm, params = _build(args)
     if args.chat:
-        outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+        _print_stream(llm, [{"role": "user", "content": args.prompt}], params, chat=True)
     else:
-        outputs = llm.generate(args.prompt, params, use_tqdm=False)
-    print(outputs[0].outputs[0].text)
+        _print_stream(llm, args.prompt, params, chat=False)
 
 
 def cmd_chat(args) -> None:
@@ -73,9 +82,8 @@ def cmd_chat(args) -> None:
         if not line.strip():
             continue
         conversation.append({"role": "user", "content": line.rstrip("\n")})
-        reply = llm.chat(conversation, params, use_tqdm=False)[0].outputs[0].text
+        reply = _print_stream(llm, conversation, params, chat=True)
         conversation.append({"role": "assistant", "content": reply})
-        print(reply, flush=True)
 
 
 def cmd_download(args) -> None:
@@ -89,21 +97,23 @@ def cmd_serve(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from engine.engine_args import EngineArgs
+
     parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one prompt and print the completion")
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    _add_model_args(gen)
+    EngineArgs.add_cli_args(gen)
     _add_sampling_args(gen, temperature=0.0, top_p=1.0)
     chat = sub.add_parser("chat", help="interactive chat: one user message per stdin line ('exit' or EOF ends)")
     chat.add_argument("--system", default=None, help="system prompt")
-    _add_model_args(chat)
+    EngineArgs.add_cli_args(chat)
     # SmolLM2-Instruct's recommended chat sampling.
     _add_sampling_args(chat, temperature=0.2, top_p=0.9)
     sub.add_parser("download", help="fetch and convert the default model; print its directory")
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
-    _add_model_args(serve)
+    EngineArgs.add_cli_args(serve, positional_model=True)
     _add_serve_args(serve)
     args = parser.parse_args(argv)
     try:

@@ -3,9 +3,14 @@
 One background task steps the engine while requests exist. `LLMEngine` is not thread-safe, so every call
 into it (step, add_request, abort_request, get_metrics) runs on ONE dedicated worker thread: calls are
 serialized with the step loop by construction (a single-thread executor is a FIFO command queue), and the
-event loop never blocks on a step. Tokenization (and chat templating) runs on a second worker thread, so a
-long prompt does not stall the steps of requests already running; detokenization is incremental inside the
+event loop never blocks on a step. Tokenization (and chat templating) runs on a small pool of tokenizer
+threads, each with its own copy of the tokenizer (HF fast tokenizers release the GIL while encoding, and a
+copy per thread keeps their Rust state from being shared), so a long prompt neither stalls the steps of
+requests already running nor the tokenization of other requests; detokenization is incremental inside the
 step (engine/detokenizer.py) and costs a few short decodes per token.
+
+A step that raises fails the requests it held (their streams end with an error output), is logged, and the
+loop goes on serving; LLMEngine itself finishes the requests of a failed step with `RequestOutput.error`.
 
     engine = AsyncLLMEngine.from_args(model_dir, num_kv_blocks=64)
     async for output in engine.generate("Hello", SamplingParams(max_tokens=8), request_id="r1"):
@@ -15,6 +20,9 @@ A request whose consumer goes away (the generator is closed, garbage-collected o
 aborted, so its blocks return to the pool.
 """
 import asyncio
+import copy
+import logging
+import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,16 +30,24 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import EngineMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
+# Tokenizer threads: two keep one huge prompt from holding up every other request on a 2-core machine
+# without oversubscribing it (the step thread needs a core too).
+NUM_TOKENIZER_THREADS = 2
+
 
 class EngineDeadError(RuntimeError):
     """The step loop raised; the engine can serve no more requests."""
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, *, num_tokenizer_threads: int = NUM_TOKENIZER_THREADS):
         self.engine = engine
         self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
-        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-tokenize")
+        self._tokenizer_pool = ThreadPoolExecutor(max_workers=num_tokenizer_threads,
+                                                  thread_name_prefix="engine-tokenize")
+        self._thread_tokenizers = threading.local()
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop_task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
@@ -41,8 +57,9 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_args(cls, model: str, **llm_kwargs) -> "AsyncLLMEngine":
-        """Build the LLMEngine (same arguments as engine.LLM) and wrap it."""
-        return cls(LLMEngine(model, **llm_kwargs))
+        """Build the LLMEngine (same arguments as engine.LLM, see engine/engine_args.py) and wrap it."""
+        from engine.engine_args import EngineArgs
+        return cls(EngineArgs(model=model, **llm_kwargs).create_engine())
 
     @property
     def tokenizer(self):
@@ -80,14 +97,26 @@ class AsyncLLMEngine:
                     self._dispatch(output)
         except asyncio.CancelledError:
             raise
-        except BaseException as e:   # a failed step: fail every open request, refuse new ones
+        except BaseException as e:   # the loop itself broke (not a step: _step contains those)
+            logger.exception("the engine step loop failed")
             self.dead_error = e
             for queue in self._streams.values():
                 queue.put_nowait(EngineDeadError(f"the engine step loop failed: {type(e).__name__}: {e}"))
             raise
 
     def _step(self) -> tuple[list[RequestOutput], bool]:
-        outputs = self.engine.step()
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            # LLMEngine fails only the requests of a bad step itself; should a step raise anyway, abort every
+            # request in the engine (their state is unknown), fail their streams and keep serving.
+            logger.exception("engine step failed; failing the requests in the engine")
+            outputs = []
+            for request_id in list(self.engine.requests):
+                output = self.engine.abort_request(request_id)
+                if output is not None:
+                    output.error = f"the engine step failed: {type(e).__name__}: {e}"
+                    outputs.append(output)
         return outputs, self.engine.has_unfinished_requests()
 
     def _dispatch(self, output: RequestOutput) -> None:
@@ -103,27 +132,60 @@ class AsyncLLMEngine:
         return await asyncio.get_running_loop().run_in_executor(self._engine_thread, fn, *args)
 
     # -- requests ---------------------------------------------------------------------------------------------
+    def _thread_tokenizer(self):
+        """This tokenizer thread's own copy of the engine's tokenizer."""
+        tokenizer = getattr(self._thread_tokenizers, "tokenizer", None)
+        if tokenizer is None:
+            tokenizer = self._thread_tokenizers.tokenizer = copy.deepcopy(self.engine.tokenizer)
+        return tokenizer
+
+    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text` (on a tokenizer thread), as LLMEngine tokenizes a text prompt."""
+        return self._thread_tokenizer().encode(text, add_special_tokens=add_special_tokens)
+
+    def _process_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        text = prompt if isinstance(prompt, str) else (
+            prompt.get("prompt") if isinstance(prompt, dict) and "prompt_token_ids" not in prompt else None)
+        if isinstance(text, str) and text and (isinstance(prompt, str) or set(prompt) == {"prompt"}):
+            prompt = {"prompt": text, "prompt_token_ids": self._encode(text)}
+        return self.engine.process_prompt(prompt)   # validation only, once the ids exist
+
     async def process_prompt(self, prompt) -> tuple[str | None, list[int]]:
-        """Tokenize and validate a prompt (as LLMEngine.process_prompt) on the tokenizer thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread,
-                                                                self.engine.process_prompt, prompt)
+        """Tokenize and validate a prompt (as LLMEngine.process_prompt) on a tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self._process_prompt, prompt)
+
+    async def run_on_tokenizer_thread(self, fn, *args):
+        """fn(tokenizer, *args) on a tokenizer thread, with that thread's tokenizer (tokenize, detokenize)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer_pool, lambda: fn(self._thread_tokenizer(), *args))
 
     async def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
-                                  chat_template: str | None = None) -> tuple[str, list[int]]:
-        """Render a conversation with the tokenizer's chat template and tokenize it (tokenizer thread).
-        Raises ValueError when the tokenizer has no template or the messages do not render."""
+                                  chat_template: str | None = None, tools: list[dict] | None = None,
+                                  continue_final_message: bool = False,
+                                  chat_template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+        """Render a conversation with the chat template (the tokenizer's unless `chat_template`) and tokenize it
+        (tokenizer thread). tools go to the template as `tools`; chat_template_kwargs are further template
+        variables (e.g. enable_thinking). Raises ValueError when there is no template or the messages do not
+        render."""
         def render():
-            tokenizer = self.engine.tokenizer
+            tokenizer = self._thread_tokenizer()
             if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
                 raise ValueError("the model's tokenizer has no chat template")
+            kwargs = dict(chat_template_kwargs or {})
+            for reserved in ("conversation", "messages", "tokenize", "chat_template", "tools"):
+                kwargs.pop(reserved, None)
             try:
-                text = tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
-                                                     add_generation_prompt=add_generation_prompt)
+                text = tokenizer.apply_chat_template(
+                    messages, chat_template=chat_template, tools=tools, tokenize=False,
+                    add_generation_prompt=add_generation_prompt and not continue_final_message,
+                    continue_final_message=continue_final_message, **kwargs)
             except Exception as e:   # jinja errors (raise_exception in templates, bad roles) are bad input
-                raise ValueError(f"cannot apply the chat template: {e}") from e
+                raise ValueError(f"cannot apply the chat template: {type(e).__name__}: {e}") from e
+            if not isinstance(text, str):
+                raise ValueError("the chat template did not render to a string")
             # The template wrote every special token it wants: no BOS again (as LLM.chat).
             return text, tokenizer.encode(text, add_special_tokens=False)
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, render)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, render)
 
     async def generate(self, prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request (each cumulative; the last has finished=True).
@@ -183,5 +245,5 @@ class AsyncLLMEngine:
         for request_id in list(self._streams):
             await self._call(self.engine.abort_request, request_id)
         self._engine_thread.shutdown(wait=True)
-        self._tokenizer_thread.shutdown(wait=True)
+        self._tokenizer_pool.shutdown(wait=True)
 

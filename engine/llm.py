@@ -1,12 +1,13 @@
 """The user API: `LLM(model).generate(prompts, SamplingParams(...))` and `LLM.chat(messages)`."""
 import itertools
 import time
+from collections.abc import Iterator
 
 import torch
 from tqdm.auto import tqdm
 
 from engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from engine.llm_engine import LLMEngine
+from engine.engine_args import EngineArgs
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -33,6 +34,10 @@ class LLM:
             allocated only with preemption_mode="swap".
         preemption_mode: when KV blocks run out, "recompute" frees a preempted request's blocks and recomputes
             them on resumption; "swap" moves them to the swap space and back (recompute when it is full).
+        generation_config: sampling defaults for requests without SamplingParams: "auto" (the model's
+            generation_config.json), "vllm" (SamplingParams' own defaults) or a directory holding one.
+
+    The options are `engine.engine_args.EngineArgs` (shared with `python -m engine` and the server).
     """
 
     def __init__(self, model: str, *, tokenizer: str | None = None, dtype: str | torch.dtype = "auto",
@@ -40,13 +45,14 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, num_kv_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  enforce_eager: bool = False, seed: int = 0, swap_space: float = 4,
-                 preemption_mode: str = "recompute"):
-        self.llm_engine = LLMEngine(
-            model, tokenizer=tokenizer, dtype=dtype, device=device, block_size=block_size,
+                 preemption_mode: str = "recompute", generation_config: str = "auto"):
+        self.llm_engine = EngineArgs(
+            model=model, tokenizer=tokenizer, dtype=dtype, device=device, block_size=block_size,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed,
-            swap_space=swap_space, preemption_mode=preemption_mode)
+            swap_space=swap_space, preemption_mode=preemption_mode,
+            generation_config=generation_config).create_engine()
         self.request_counter = itertools.count()
 
     def get_tokenizer(self):
@@ -63,8 +69,9 @@ class LLM:
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts must be a str, a dict or a list of them, got {type(prompts).__name__}")
-        if sampling_params is None:
-            sampling_params = SamplingParams()
+        if sampling_params is None:   # the model's defaults (generation_config.json), as vLLM
+            default = getattr(self.llm_engine, "default_sampling_params", None)
+            sampling_params = default() if default is not None else SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
@@ -142,6 +149,47 @@ class LLM:
             # The template already wrote every special token it wants: do not add a BOS again.
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stream_text(self, prompt, sampling_params: SamplingParams | None = None, *,
+                    chat: bool = False) -> Iterator[str]:
+        """Generate one completion and yield its text as it grows (the pieces join to the final text).
+        prompt: as for generate(), or with chat=True a conversation (list of messages). The last
+        len(longest stop string) - 1 characters are held back until the request ends, since a stop string
+        that completes is cut from the text."""
+        engine = self.llm_engine
+        if chat:
+            tokenizer = self.get_tokenizer()
+            if getattr(tokenizer, "chat_template", None) is None:
+                raise ValueError("the tokenizer has no chat template")
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+        if sampling_params is None:
+            default = getattr(engine, "default_sampling_params", None)
+            sampling_params = default() if default is not None else SamplingParams()
+        if sampling_params.n != 1:
+            raise ValueError(f"n must be 1 to stream, got {sampling_params.n}")
+        text, token_ids = engine.process_prompt(prompt)
+        request_id = str(next(self.request_counter))
+        engine.add_request(request_id, {"prompt": text, "prompt_token_ids": token_ids}, sampling_params)
+        holdback = max(sampling_params.max_stop_str_len - 1, 0)
+        num_sent, finished = 0, False
+        try:
+            while not finished and engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.request_id != request_id:
+                        continue
+                    finished = output.finished
+                    error = getattr(output, "error", None)
+                    if error:
+                        raise RuntimeError(f"request failed: {error}")
+                    current = output.outputs[0].text
+                    end = len(current) if finished else max(len(current) - holdback, num_sent)
+                    if end > num_sent:
+                        yield current[num_sent:end]
+                        num_sent = end
+        finally:
+            if not finished:
+                engine.abort_request(request_id)
 
     def _run_engine(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
         engine = self.llm_engine

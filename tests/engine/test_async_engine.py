@@ -28,7 +28,7 @@ def engine(model_dir):
     engine = AsyncLLMEngine.from_args(model_dir, num_kv_blocks=NUM_KV_BLOCKS)
     yield engine
     engine._engine_thread.shutdown(wait=True)
-    engine._tokenizer_thread.shutdown(wait=True)
+    engine._tokenizer_pool.shutdown(wait=True)
 
 
 def run(coro):
@@ -163,19 +163,18 @@ def test_event_loop_stays_responsive_during_slow_steps_and_tokenization(engine, 
     """Steps and tokenization run on worker threads: a ticker on the event loop keeps ticking while a
     (deliberately slowed) step or tokenization is in progress."""
     core = engine.engine
-    real_step, real_process = core.step, core.process_prompt
+    real_step, real_encode = core.step, engine._encode
 
     def slow_step():
         time.sleep(0.05)
         return real_step()
 
-    def slow_process(prompt):
-        if isinstance(prompt, str):
-            time.sleep(0.5)
-        return real_process(prompt)
+    def slow_encode(text, add_special_tokens=True):
+        time.sleep(0.5)
+        return real_encode(text, add_special_tokens)
 
     monkeypatch.setattr(core, "step", slow_step)
-    monkeypatch.setattr(core, "process_prompt", slow_process)
+    monkeypatch.setattr(engine, "_encode", slow_encode)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
     async def main():

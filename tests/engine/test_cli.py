@@ -48,7 +48,7 @@ def test_chat_keeps_the_conversation(model_dir, llm, capsys, monkeypatch):
 
 def test_bad_argument_is_a_clean_error(model_dir, capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["generate", PROMPT, "--model", model_dir, "--max-tokens", "0"])
+        main(["generate", PROMPT, "--model", model_dir, "--max-tokens", "-1"])
     assert exc.value.code == 2 and "max_tokens" in capsys.readouterr().err
 
 

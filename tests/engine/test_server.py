@@ -188,7 +188,9 @@ def test_streamed_chat_equals_non_streamed_and_llm_chat(client, llm):
     assert full.choices[0].message.content == expected and full.choices[0].message.role == "assistant"
     text, finish_reason, usage = _stream_chat(client, **kwargs)
     assert (text, finish_reason) == (expected, full.choices[0].finish_reason)
-    assert usage.model_dump() == full.usage.model_dump()
+    assert (usage.prompt_tokens, usage.completion_tokens) == (full.usage.prompt_tokens, full.usage.completion_tokens)
+    # The second request found the first one's full prompt blocks in the prefix cache.
+    assert usage.prompt_tokens_details.cached_tokens == (full.usage.prompt_tokens // 16) * 16 > 0
 
 
 def _stream_completion_chunks(client, **kwargs) -> tuple[list[str], str | None]:
@@ -251,7 +253,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "tiny"}, 400, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_p": 2.0}, 400, "top_p"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_k": -5}, 400, "top_k"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "logprobs": 50}, 400, "logprobs"),

@@ -1,15 +1,24 @@
 """The FastAPI app (`build_app`) and `python -m engine serve` (`run_server`).
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics. Errors
-are OpenAI's JSON: 400 for invalid parameters, malformed JSON and over-long prompts, 401 without the API key
-(when one is set), 404 for an unknown model or route."""
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id}, POST /tokenize,
+POST /detokenize, GET /version, GET /health, GET /metrics. Errors are OpenAI's JSON: 400 for invalid parameters,
+wrong types, malformed JSON, text that is not valid Unicode (lone surrogates) and over-long prompts, 401 without
+the API key (when one is set), 404 for an unknown model or route, 500 for a request the engine failed (the engine
+goes on serving the others).
+
+Request bodies are parsed here rather than by FastAPI, so that every way a body can be wrong (bytes that are not
+UTF-8, JSON nesting too deep for the parser, strings no encoder takes) ends as a 400 before anything else runs."""
 import asyncio
+import json
+import logging
+import os
 import socket
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import AsyncLLMEngine, EngineDeadError
@@ -17,9 +26,63 @@ from engine.entrypoints.openai.metrics import ServerMetrics
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from engine.entrypoints.openai.serving import OpenAIError, OpenAIServing
 
+logger = logging.getLogger(__name__)
+
 
 def _error_response(error: OpenAIError) -> JSONResponse:
     return JSONResponse(error.to_json(), status_code=error.status)
+
+
+def _check_unicode(value) -> None:
+    """400 for a string that is not valid Unicode (a lone surrogate from a JSON escape such as \\ud800):
+    nothing downstream (tokenizer, UTF-8 encoder) can take it."""
+    stack = [(value, "body")]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise OpenAIError(400, f"{path} holds text that is not valid Unicode (a lone surrogate)",
+                                  param=path.split(".")[1] if "." in path else None,
+                                  code="invalid_unicode") from None
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                stack.append((key, path))
+                stack.append((child, f"{path}.{key}" if path == "body" else path))
+        elif isinstance(item, list):
+            stack.extend((child, path) for child in item)
+
+
+async def parse_body(raw_request: Request, model: type[BaseModel] | None):
+    """The request's JSON body, validated as `model` (a dict when None); every failure is an OpenAIError 400
+    naming the field the client sent."""
+    body = await raw_request.body()
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise OpenAIError(400, f"malformed JSON body: {type(e).__name__}: {str(e)[:200]}") from None
+    _check_unicode(data)
+    if not isinstance(data, dict):
+        raise OpenAIError(400, "the body must be a JSON object")
+    if model is None:
+        return data
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        first = e.errors(include_url=False, include_input=False)[0]
+        location = [str(part) for part in first.get("loc", ())]
+        param = location[0] if location else None
+        raise OpenAIError(400, f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid value')}",
+                          param=param) from None
+    except RecursionError:
+        raise OpenAIError(400, "the body is nested too deeply") from None
+
+
+def _body_schema(model: type[BaseModel]) -> dict:
+    """The OpenAPI requestBody of a route that parses its body itself (parse_body)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema(
+        ref_template="#/components/schemas/{model}")}}}}
 
 
 class _APIKeyMiddleware:
@@ -38,9 +101,20 @@ class _APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key: str | None = None) -> FastAPI:
-    """The server app around a (not yet started) AsyncLLMEngine; the step loop starts with the app."""
-    serving = OpenAIServing(engine, served_model_names)
+def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key: str | None = None,
+              chat_template: str | None = None, trust_request_chat_template: bool = False,
+              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
+    """The server app around a (not yet started) AsyncLLMEngine; the step loop starts with the app.
+
+    chat_template: the template text to use instead of the tokenizer's. trust_request_chat_template: let requests
+    bring their own (it runs on the server). enable_auto_tool_choice with tool_call_parser ("hermes",
+    "llama3_json"): tool_choice "auto" parses tool calls from the output. reasoning_parser ("qwen3",
+    "deepseek_r1"): <think> text goes to reasoning_content."""
+    serving = OpenAIServing(engine, served_model_names, chat_template=chat_template,
+                            trust_request_chat_template=trust_request_chat_template,
+                            enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
+                            reasoning_parser=reasoning_parser)
     metrics = ServerMetrics(served_model_names[0])
     metrics.attach(engine)
 
@@ -88,17 +162,45 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key:
     async def prometheus_metrics():
         return Response(await metrics.render(engine), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, error: Exception):   # a bug, not the client's fault: log it, stay JSON
+        logger.exception("unhandled error in a request")
+        return _error_response(OpenAIError(500, f"internal error: {type(error).__name__}", type="internal_server_error"))
+
+    @app.get("/version")
+    async def version():
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as package_version
+        try:
+            return {"version": package_version("pagedkernels-engine")}
+        except PackageNotFoundError:
+            return {"version": "unknown"}
+
     @app.get("/v1/models")
     async def list_models():
         return serving.models()
 
-    @app.post("/v1/completions")
-    async def completions(request: CompletionRequest, raw_request: Request):
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str):
+        return serving.model(model_id)
+
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
+    async def completions(raw_request: Request):
+        request = await parse_body(raw_request, CompletionRequest)
         return _respond(await _cancel_on_disconnect(raw_request, serving.create_completion(request)))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
+    async def chat_completions(raw_request: Request):
+        request = await parse_body(raw_request, ChatCompletionRequest)
         return _respond(await _cancel_on_disconnect(raw_request, serving.create_chat_completion(request)))
+
+    @app.post("/tokenize")
+    async def tokenize(raw_request: Request):
+        return await serving.tokenize(await parse_body(raw_request, None))
+
+    @app.post("/detokenize")
+    async def detokenize(raw_request: Request):
+        return await serving.detokenize(await parse_body(raw_request, None))
 
     return app
 
@@ -130,24 +232,38 @@ def _respond(result):
     return StreamingResponse(result, media_type="text/event-stream")
 
 
-# -- `python -m engine serve` (its arguments: engine/__main__.py) ---------------------------------------------
+# -- `python -m engine serve` (its arguments: engine/__main__.py and EngineArgs) ------------------------------
 def engine_from_args(args) -> tuple[AsyncLLMEngine, str]:
-    from engine.default_model import default_model_path
+    from engine.engine_args import EngineArgs
 
-    model = args.model or default_model_path()
-    engine = AsyncLLMEngine.from_args(
-        model, dtype=args.dtype, device=args.device, block_size=args.block_size, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
-        enforce_eager=args.enforce_eager, seed=args.seed)
-    return engine, args.served_model_name or args.model or "SmolLM2-135M-Instruct"
+    engine_args = EngineArgs.from_cli_args(args)
+    engine = AsyncLLMEngine(engine_args.create_engine())
+    return engine, args.served_model_name or engine_args.model or "SmolLM2-135M-Instruct"
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file holding the template, or the template itself."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:   # neither a file nor a Jinja template: most likely a mistyped path
+        raise ValueError(f"chat_template {value!r} is neither a file nor a template")
+    return value
 
 
 def run_server(args) -> None:
     import uvicorn
 
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    chat_template = load_chat_template(args.chat_template)
     engine, name = engine_from_args(args)
-    app = build_app(engine, served_model_names=[name], api_key=args.api_key)
+    app = build_app(engine, served_model_names=[name], api_key=args.api_key, chat_template=chat_template,
+                    trust_request_chat_template=args.trust_request_chat_template,
+                    enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                    reasoning_parser=args.reasoning_parser)
     # Bind before announcing, so "serving on" means connections are accepted.
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

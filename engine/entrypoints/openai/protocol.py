@@ -1,61 +1,120 @@
 """Request bodies of the OpenAI API (the fields this server implements), as pydantic models.
 
-Unknown fields are ignored (as OpenAI and vLLM do); the extra sampling fields (`top_k`, `min_p`,
-`repetition_penalty`, `ignore_eos`, `min_tokens`, ...) come from the client's `extra_body`. Range checks
-live in SamplingParams, whose ValueError names the field; the server turns it into a 400."""
-from typing import Any
+Types are strict: `n: "2"`, `stream: "yes"` or `true` as a token id are 400s naming the field, not coerced.
+The extra sampling fields (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `guided_json`,
+...) are vLLM's and come from the client's `extra_body`. Range checks that SamplingParams makes stay there (its
+ValueError names the field; the server turns it into a 400).
+
+Fields OpenAI defines that this server cannot honour are declared and refused with a 400 naming them when set
+(UNSUPPORTED_FIELDS); fields that change nothing here are accepted and ignored (IGNORED_FIELDS: `user`,
+`metadata`, `store`, `service_tier`, `spaces_between_special_tokens`, `guided_decoding_backend`,
+`parallel_tool_calls` true, `modalities` ["text"]). Other unknown fields are ignored, as OpenAI and vLLM do."""
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.sampling_params import SamplingParams
+# OpenAI's seed is an int64; torch's generators take up to 2**64 - 1, and n > 1 derives seed + i.
+Seed = Annotated[int, Field(ge=-(2 ** 63), le=2 ** 63 - 1)]
+TokenId = Annotated[int, Field(ge=0)]
+
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "spaces_between_special_tokens",
+                  "guided_decoding_backend")
 
 
-class StreamOptions(BaseModel):
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
-class _SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class JsonSchemaFormat(_Strict):
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
 
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDefinition(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class _SamplingRequest(_Strict):
     model: str | None = None
-    n: int = 1
+    n: Annotated[int, Field(ge=1)] = 1
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
     # Extra sampling fields (vLLM's names).
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # Structured outputs (OpenAI's response_format, vLLM's guided_*).
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    # OpenAI fields this server cannot honour: a 400 naming them when set (see unsupported_fields()).
+    best_of: Annotated[int, Field(ge=1)] | None = None
+    use_beam_search: bool = False
+    length_penalty: float | None = None
 
-    def sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError (naming the field) for invalid values."""
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
-        defaults = SamplingParams()
-        pick = lambda value, default: default if value is None else value   # noqa: E731
-        return SamplingParams(
-            n=self.n, temperature=pick(self.temperature, 1.0), top_p=pick(self.top_p, 1.0),
-            top_k=pick(self.top_k, 0), min_p=pick(self.min_p, 0.0), seed=self.seed, max_tokens=max_tokens,
-            min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
-            include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
-            logprobs=logprobs, presence_penalty=pick(self.presence_penalty, 0.0),
-            frequency_penalty=pick(self.frequency_penalty, 0.0),
-            repetition_penalty=pick(self.repetition_penalty, defaults.repetition_penalty),
-            skip_special_tokens=self.skip_special_tokens)
+    def unsupported_fields(self) -> list[str]:
+        """Names of the fields set to something this server cannot do."""
+        bad = []
+        if self.best_of is not None and self.best_of != self.n:
+            bad.append("best_of")
+        if self.use_beam_search:
+            bad.append("use_beam_search")
+        if self.length_penalty is not None and self.length_penalty != 1.0:
+            bad.append("length_penalty")
+        return bad
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -64,19 +123,46 @@ class _SamplingRequest(BaseModel):
 
 class CompletionRequest(_SamplingRequest):
     # A string, a list of strings, a list of token ids, or a list of token-id lists.
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+
+    def unsupported_fields(self) -> list[str]:
+        return super().unsupported_fields() + (["suffix"] if self.suffix else [])
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[dict[str, Any]]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    modalities: list[str] | None = None
+    # Chat fields OpenAI has that this server cannot honour (refused when set).
+    functions: list[Any] | None = None
+    function_call: Any = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+
+    def unsupported_fields(self) -> list[str]:
+        bad = super().unsupported_fields()
+        bad += [name for name in ("functions", "function_call", "audio", "prediction", "web_search_options",
+                                  "reasoning_effort", "documents") if getattr(self, name) is not None]
+        if self.echo:
+            bad.append("echo")
+        if self.modalities is not None and self.modalities != ["text"]:
+            bad.append("modalities")
+        return bad

@@ -1,11 +1,18 @@
-"""/v1/completions and /v1/chat/completions on an AsyncLLMEngine: request -> engine requests -> response JSON
-or server-sent events.
+"""/v1/completions, /v1/chat/completions, /tokenize and /detokenize on an AsyncLLMEngine: request -> engine
+requests -> response JSON or server-sent events.
 
 Every check happens before the first engine request is queued, and the engine's own checks (add_request)
 surface before the HTTP response starts (the first output of every engine request is awaited first), so a
-bad request gets a clean 4xx and leaves the requests in flight untouched. Streamed text holds back the last
-len(longest stop string) - 1 characters until the request finishes, because a stop string is cut from the
-text once it completes: streamed and non-streamed outputs are then equal."""
+bad request gets a clean 4xx and leaves the requests in flight untouched. A request the engine failed
+(RequestOutput.error, a step that raised) is a 500 for that request alone, in-band for a stream.
+
+Streamed text holds back the last len(longest stop string) - 1 characters until the request finishes, because a
+stop string is cut from the text once it completes: streamed and non-streamed outputs are then equal. Tool calls
+and reasoning text are split out of the cumulative text by the parsers (tool_parsers.py, reasoning_parsers.py),
+which only ever extend what was streamed.
+
+Sampling fields the client left unset take the model's defaults (generation_config.json, through
+LLMEngine.sampling_defaults) and then OpenAI's, as vLLM does."""
 import asyncio
 import json
 import time
@@ -14,9 +21,19 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from engine.async_engine import AsyncLLMEngine
+from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from engine.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+from engine.entrypoints.openai.tool_parsers import (ToolCall, get_tool_parser, named_tool_schema,
+                                                   parse_required_tool_calls, required_tools_schema)
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+# A prompt (or the text of all messages) longer than this many characters per token of context is refused
+# before tokenizing: no tokenizer makes tokens that long on real text (SmolLM2's run ~4 characters a token),
+# and tokenizing tens of MB would hold a tokenizer thread for seconds.
+MAX_CHARS_PER_TOKEN = 32
+# vLLM's stand-in for top_p=0 (SamplingParams needs (0, 1]): only the most likely token survives top-p.
+_TOP_P_ZERO = 1e-8
 
 
 class OpenAIError(Exception):
@@ -28,26 +45,36 @@ class OpenAIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
     def to_json(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        # Lone surrogates (from a client's JSON) cannot be encoded as UTF-8: escape them in the message.
+        message = self.message.encode("utf-8", "backslashreplace").decode("utf-8")
+        return {"error": {"message": message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, param=param, code=code)
 
 
-def _param_of(error: ValueError) -> str | None:
-    """SamplingParams errors start with the field name ("top_p must be ...")."""
+def _param_of(error: ValueError, renames: dict[str, str] | None = None) -> str | None:
+    """SamplingParams errors start with the field name ("top_p must be ..."); renames maps it to the field the
+    client sent (max_tokens -> max_completion_tokens, guided_decoding -> response_format, ...)."""
     word = str(error).split(" ", 1)[0]
-    return word if word.isidentifier() else None
+    if not word.isidentifier():
+        return None
+    return (renames or {}).get(word, word)
 
 
 @dataclass(slots=True)
 class _ChoiceState:
     """What one streamed choice has sent so far."""
-    num_chars: int = 0
+    num_chars: int = 0          # characters of the (holdback-trimmed) raw text already processed
     num_tokens: int = 0
     sent_role: bool = False
     finished: bool = False
+    num_content_chars: int = 0
+    num_reasoning_chars: int = 0
+    tool_header_sent: bool = False
+    num_argument_chars: int = 0
+    pieces: "TokenPieces | None" = None
 
 
 @dataclass(slots=True)
@@ -55,47 +82,193 @@ class _Prepared:
     request_id: str
     params: SamplingParams
     prompts: list[tuple[str | None, list[int]]]
+    renames: dict[str, str] = field(default_factory=dict)
     streams: list[AsyncIterator[RequestOutput]] = field(default_factory=list)
     firsts: list[RequestOutput] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class _ToolMode:
+    """How a chat request's output becomes tool calls: "none", "auto" (the tool parser), "required" (a guided
+    JSON array of calls) or "named" (guided JSON arguments of `name`)."""
+    kind: str = "none"
+    name: str | None = None
+
+
+class TokenPieces:
+    """The text each output token adds, so that the pieces of all tokens join to the output text (vLLM's
+    incremental detokenization): a token that ends inside a UTF-8 character adds "" and the character comes
+    with the token that completes it."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool):
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
+        self.token_ids: list[int] = []
+        self.prefix_offset = self.read_offset = 0
+        self.num_chars = 0   # characters of the output text the pieces handed out so far cover
+
+    def add(self, token_id: int) -> str:
+        self.token_ids.append(token_id)
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)  # noqa: E731
+        prefix_text = decode(self.token_ids[self.prefix_offset:self.read_offset])
+        new_text = decode(self.token_ids[self.prefix_offset:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+            return new_text[len(prefix_text):]
+        return ""
+
+
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str]):
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], *, chat_template: str | None = None,
+                 trust_request_chat_template: bool = False, enable_auto_tool_choice: bool = False,
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None):
+        if enable_auto_tool_choice and tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
         self.engine = engine
         self.served_model_names = served_model_names
+        self.chat_template = chat_template
+        self.trust_request_chat_template = trust_request_chat_template
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.tool_call_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
+        self.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
 
     # -- shared -------------------------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:
-            raise OpenAIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+            raise OpenAIError(404, f"The model `{model}` does not exist.", type="not_found_error", param="model",
+                              code="model_not_found")
+
+    def model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "engine", "root": name,
+                "max_model_len": self.engine.max_model_len}
 
     def models(self) -> dict:
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "engine", "root": name,
-             "max_model_len": self.engine.max_model_len} for name in self.served_model_names]}
+        return {"object": "list", "data": [self.model_card(name) for name in self.served_model_names]}
 
-    def _max_tokens(self, requested: int | None, num_prompt_tokens: int, param: str) -> int:
-        """The output budget; a request that cannot fit the context is a 400 (not silently shortened)."""
+    def model(self, model_id: str) -> dict:
+        self.check_model(model_id)
+        return self.model_card(model_id)
+
+    @property
+    def sampling_defaults(self) -> dict:
+        """The model's sampling defaults (generation_config.json), {} when it has none."""
+        return dict(getattr(self.engine.engine, "sampling_defaults", None) or {})
+
+    def _check_prompt_size(self, num_chars: int, param: str) -> None:
+        limit = MAX_CHARS_PER_TOKEN * self.engine.max_model_len
+        if num_chars > limit:
+            raise bad_request(f"{param} has {num_chars} characters; this server takes at most {limit} "
+                              f"({MAX_CHARS_PER_TOKEN} per token of its {self.engine.max_model_len}-token context)",
+                              param=param, code="context_length_exceeded")
+
+    def _max_tokens(self, requested: int | None, num_prompt_tokens: int, param: str, prompt_param: str) -> int:
+        """The output budget; a request that cannot fit the context is a 400 (not silently shortened). Unset:
+        what is left of the context, capped by the model's default max_tokens."""
         max_model_len = self.engine.max_model_len
         if requested is None:
             requested = max_model_len - num_prompt_tokens
             if requested < 1:
                 raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, your "
                                   f"prompt has {num_prompt_tokens} tokens, leaving no room for a completion.",
-                                  param="messages", code="context_length_exceeded")
-        elif requested >= 1 and num_prompt_tokens + requested > max_model_len:
+                                  param=prompt_param, code="context_length_exceeded")
+            default = self.sampling_defaults.get("max_tokens")
+            if default is not None:
+                requested = min(requested, default)
+        elif num_prompt_tokens + requested > max_model_len:
             raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, you "
                               f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
                               f"prompt, {requested} in the completion). Please reduce the prompt or {param}.",
                               param=param, code="context_length_exceeded")
         return requested
 
-    async def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+    async def _tokenize(self, prompt, param: str) -> tuple[str | None, list[int]]:
         try:
             return await self.engine.process_prompt(prompt)
         except ValueError as e:
             code = "context_length_exceeded" if "max_model_len" in str(e) else None
-            raise bad_request(str(e), param="prompt", code=code) from e
+            raise bad_request(str(e), param=param, code=code) from e
+
+    def _check_unsupported(self, request) -> None:
+        for name in request.unsupported_fields():
+            raise bad_request(f"{name} is not supported by this server", param=name)
+
+    def _guided_decoding(self, request, tool_schema: dict | None = None) -> tuple[object | None, str | None]:
+        """(GuidedDecodingParams or None, the request field that asked for it)."""
+        specs = []
+        response_format = request.response_format
+        if response_format is not None and response_format.type == "json_object":
+            specs.append(("response_format", {"json_object": True}))
+        elif response_format is not None and response_format.type == "json_schema":
+            if response_format.json_schema is None or response_format.json_schema.json_schema is None:
+                raise bad_request("response_format of type json_schema needs json_schema.schema",
+                                  param="response_format")
+            specs.append(("response_format", {"json": response_format.json_schema.json_schema}))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            if getattr(request, name) is not None:
+                specs.append((name, {key: getattr(request, name)}))
+        if tool_schema is not None:
+            specs.append(("tool_choice", {"json": tool_schema}))
+        if not specs:
+            return None, None
+        if len(specs) > 1:
+            raise bad_request(f"{specs[1][0]} cannot be combined with {specs[0][0]}: one structured output at a time",
+                              param=specs[1][0])
+        field_name, kwargs = specs[0]
+        try:
+            from engine.sampling_params import GuidedDecodingParams
+        except ImportError:
+            raise bad_request("structured outputs are not supported by this engine", param=field_name) from None
+        try:
+            return GuidedDecodingParams(**kwargs), field_name
+        except ValueError as e:
+            raise bad_request(f"{field_name}: {e}", param=field_name) from e
+
+    def _sampling_params(self, request, *, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
+                         guided, renames: dict[str, str]) -> SamplingParams:
+        """SamplingParams of a request: unset fields from the model's defaults, then OpenAI's."""
+        if request.stream_options is not None and not request.stream:
+            raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+        defaults = self.sampling_defaults
+        pick = lambda value, name, default: (  # noqa: E731
+            value if value is not None else defaults.get(name, default))
+        top_p = pick(request.top_p, "top_p", 1.0)
+        if top_p == 0:
+            top_p = _TOP_P_ZERO
+        kwargs = dict(
+            n=request.n, temperature=pick(request.temperature, "temperature", 1.0), top_p=top_p,
+            top_k=pick(request.top_k, "top_k", 0), min_p=pick(request.min_p, "min_p", 0.0), seed=request.seed,
+            max_tokens=max_tokens, min_tokens=request.min_tokens, stop=request.stop,
+            stop_token_ids=request.stop_token_ids, include_stop_str_in_output=request.include_stop_str_in_output,
+            ignore_eos=request.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            presence_penalty=pick(request.presence_penalty, "presence_penalty", 0.0),
+            frequency_penalty=pick(request.frequency_penalty, "frequency_penalty", 0.0),
+            repetition_penalty=pick(request.repetition_penalty, "repetition_penalty", 1.0),
+            skip_special_tokens=request.skip_special_tokens)
+        if request.logit_bias:
+            vocab_size = len(self.engine.tokenizer)
+            logit_bias = {}
+            for key, bias in request.logit_bias.items():
+                try:
+                    token_id = int(key)
+                except ValueError:
+                    raise bad_request(f"logit_bias keys must be token ids, got {key!r:.50}", param="logit_bias") from None
+                if not 0 <= token_id < vocab_size:
+                    raise bad_request(f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})",
+                                      param="logit_bias")
+                logit_bias[token_id] = bias
+            kwargs["logit_bias"] = logit_bias
+        for name in ("allowed_token_ids", "bad_words", "truncate_prompt_tokens"):
+            if getattr(request, name) is not None:
+                kwargs[name] = getattr(request, name)
+        if guided is not None:
+            kwargs["guided_decoding"] = guided
+        try:
+            return SamplingParams(**kwargs)
+        except TypeError as e:   # a field this engine's SamplingParams does not have (yet)
+            name = next((k for k in kwargs if f"'{k}'" in str(e)), None)
+            raise bad_request(f"{name} is not supported by this engine", param=renames.get(name, name)) from e
+        except ValueError as e:
+            raise bad_request(str(e), param=_param_of(e, renames)) from e
 
     async def _start(self, prepared: _Prepared) -> None:
         """Queue one engine request per prompt and wait for each one's first output, so that the engine's
@@ -109,13 +282,16 @@ class OpenAIServing:
         except BaseException as e:
             await _close_all(prepared.streams)
             if isinstance(e, ValueError):
-                raise bad_request(str(e), param=_param_of(e)) from e
+                raise bad_request(str(e), param=_param_of(e, prepared.renames)) from e
             raise
+        for first in prepared.firsts:
+            _raise_if_failed(first)
 
     @staticmethod
     async def _outputs(prepared: _Prepared) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) pairs of all the request's engine requests as they come. Closing this
-        iterator closes the engine streams, which aborts the requests still running."""
+        iterator closes the engine streams, which aborts the requests still running. A failed engine request
+        raises OpenAIError (500)."""
         tasks: list[asyncio.Task] = []
         try:
             for i, first in enumerate(prepared.firsts):
@@ -123,6 +299,7 @@ class OpenAIServing:
             pending = [i for i, first in enumerate(prepared.firsts) if not first.finished]
             if len(pending) == 1:
                 async for output in prepared.streams[pending[0]]:
+                    _raise_if_failed(output)
                     yield pending[0], output
                 return
             queue: asyncio.Queue = asyncio.Queue()
@@ -144,6 +321,7 @@ class OpenAIServing:
                 elif isinstance(item, Exception):
                     raise item
                 else:
+                    _raise_if_failed(item)
                     yield i, item
         finally:
             for task in tasks:
@@ -155,35 +333,79 @@ class OpenAIServing:
     async def create_completion(self, request: CompletionRequest):
         """A response dict, or an async iterator of SSE lines when request.stream."""
         self.check_model(request.model)
-        if request.echo:
-            raise bad_request("echo is not supported", param="echo")
-        if request.suffix:
-            raise bad_request("suffix is not supported", param="suffix")
-        if request.best_of is not None and request.best_of != request.n:
-            raise bad_request("best_of other than n is not supported", param="best_of")
+        self._check_unsupported(request)
         raw = request.prompt
         if isinstance(raw, str) or (raw and all(isinstance(t, int) for t in raw)):
             raw = [raw]
         if not raw:
             raise bad_request("prompt must not be empty", param="prompt")
-        prompts = [await self._tokenize(p if isinstance(p, str) else {"prompt_token_ids": p}) for p in raw]
-        budgets = {self._max_tokens(request.max_tokens, len(ids), "max_tokens") for _, ids in prompts}
+        self._check_prompt_size(sum(len(p) for p in raw if isinstance(p, str)), "prompt")
+        prompts = []
+        for p in raw:
+            if not p:
+                raise bad_request("prompt must not be empty", param="prompt")
+            text, token_ids = await self._tokenize(p if isinstance(p, str) else {"prompt_token_ids": p}, "prompt")
+            if request.truncate_prompt_tokens is not None and len(token_ids) > request.truncate_prompt_tokens:
+                token_ids = token_ids[-request.truncate_prompt_tokens:]   # the left is dropped, as vLLM
+                text = None
+            prompts.append((text, token_ids))
+        budgets = {self._max_tokens(request.max_tokens, len(ids), "max_tokens", "prompt") for _, ids in prompts}
+        guided, guided_field = self._guided_decoding(request)
+        renames = {"guided_decoding": guided_field} if guided_field else {}
+        # echo with logprobs: the prompt's logprobs come first (vLLM, OpenAI's legacy behaviour).
+        prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
+        if request.prompt_logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs or 0, request.prompt_logprobs)
         # One SamplingParams for all prompts: an unset max_tokens resolves per prompt, so take the smallest.
-        params = self._params(request, max_tokens=min(budgets), logprobs=request.logprobs)
-        prepared = _Prepared(f"cmpl-{uuid.uuid4().hex}", params, prompts)
+        params = self._sampling_params(request, max_tokens=min(budgets), logprobs=request.logprobs,
+                                       prompt_logprobs=prompt_logprobs, guided=guided, renames=renames)
+        prepared = _Prepared(f"cmpl-{uuid.uuid4().hex}", params, prompts, renames)
         await self._start(prepared)
         if request.stream:
             return self._stream_completion(request, prepared)
         finals = await _collect(self._outputs(prepared), len(prompts))
         choices = []
         for i, output in enumerate(finals):
+            prompt_text = self._prompt_text(output) if request.echo else ""
             for completion in output.outputs:
-                choices.append({"index": i * params.n + completion.index, "text": completion.text,
-                                "logprobs": self._completion_logprobs(completion, 0, 0, request.logprobs),
-                                "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason})
+                logprobs = self._completion_logprobs(completion, 0, len(prompt_text), request.logprobs)
+                if request.echo and request.logprobs is not None:
+                    logprobs = _join_logprobs(self._prompt_logprobs(output, request.logprobs), logprobs)
+                choice = {"index": i * params.n + completion.index, "text": prompt_text + completion.text,
+                          "logprobs": logprobs, "finish_reason": completion.finish_reason,
+                          "stop_reason": completion.stop_reason}
+                if request.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = _vllm_prompt_logprobs(output)
+                choices.append(choice)
         choices.sort(key=lambda c: c["index"])
         return {"id": prepared.request_id, "object": "text_completion", "created": int(time.time()),
                 "model": self._model_name(request.model), "choices": choices, "usage": _usage(finals)}
+
+    def _prompt_text(self, output: RequestOutput) -> str:
+        if output.prompt is not None:
+            return output.prompt
+        return self.engine.tokenizer.decode(output.prompt_token_ids)
+
+    def _prompt_logprobs(self, output: RequestOutput, k: int) -> dict:
+        """The legacy logprobs object of the prompt tokens (the first has no logprob: None, as OpenAI)."""
+        tokens, token_logprobs, top_logprobs, text_offsets, offset = [], [], [], [], 0
+        entries = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+        for position, token_id in enumerate(output.prompt_token_ids):
+            entry = entries[position] if position < len(entries) else None
+            if entry is None or token_id not in entry:
+                token = self.engine.tokenizer.decode([token_id])
+                tokens.append(token)
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+            else:
+                token = entry[token_id].decoded_token or ""
+                tokens.append(token)
+                token_logprobs.append(entry[token_id].logprob)
+                top_logprobs.append(_top_by_text(entry, token_id, k))
+            text_offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": text_offsets}
 
     async def _stream_completion(self, request: CompletionRequest, prepared: _Prepared) -> AsyncIterator[str]:
         created, model = int(time.time()), self._model_name(request.model)
@@ -196,18 +418,27 @@ class OpenAIServing:
                 if output.finished:
                     finals[i] = output
                 for completion in output.outputs:
-                    state = states.setdefault(i * n + completion.index, _ChoiceState())
+                    index = i * n + completion.index
+                    first = index not in states
+                    state = states.setdefault(index, _ChoiceState())
                     delta, token_range = _advance(state, completion, holdback)
-                    if delta is None:
+                    echo_text = self._prompt_text(output) if request.echo and first else ""
+                    if delta is None and not echo_text:
                         continue
-                    choice = {"index": i * n + completion.index, "text": delta,
-                              "logprobs": self._completion_logprobs(completion, *token_range, request.logprobs),
-                              "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+                    logprobs = self._completion_logprobs(completion, token_range[0], token_range[1],
+                                                         request.logprobs) if delta is not None else None
+                    if echo_text and request.logprobs is not None:
+                        logprobs = _join_logprobs(self._prompt_logprobs(output, request.logprobs), logprobs)
+                    choice = {"index": index, "text": echo_text + (delta or ""), "logprobs": logprobs,
+                              "finish_reason": completion.finish_reason if delta is not None else None,
+                              "stop_reason": completion.stop_reason if delta is not None else None}
                     yield _sse({"id": prepared.request_id, "object": "text_completion", "created": created,
                                 "model": model, "choices": [choice]})
             if request.include_usage_in_stream:
                 yield _sse({"id": prepared.request_id, "object": "text_completion", "created": created,
                             "model": model, "choices": [], "usage": _usage([finals[i] for i in sorted(finals)])})
+        except OpenAIError as e:
+            yield _sse(e.to_json())
         except Exception as e:   # the engine died mid-stream: tell the client in-band
             yield _sse(OpenAIError(500, str(e), type="internal_server_error").to_json())
         finally:
@@ -224,50 +455,132 @@ class OpenAIServing:
             sampled = entry[token_id]
             tokens.append(sampled.decoded_token)
             token_logprobs.append(sampled.logprob)
-            # Keyed by text: tokens that decode alike (e.g. partial UTF-8 bytes) keep the likeliest one.
-            top: dict[str, float] = {}
-            for lp in sorted(entry.values(), key=lambda lp: lp.rank):
-                if lp.rank <= k or lp is sampled:
-                    top.setdefault(lp.decoded_token, lp.logprob)
-            top_logprobs.append(top)
+            top_logprobs.append(_top_by_text(entry, token_id, k))
             text_offsets.append(text_offset)
             text_offset += len(sampled.decoded_token or "")
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": text_offsets}
 
     # -- /v1/chat/completions ---------------------------------------------------------------------------------
+    def _tool_mode(self, request: ChatCompletionRequest) -> _ToolMode:
+        choice, tools = request.tool_choice, request.tools
+        if not tools:
+            if choice in ("required",) or not (choice is None or isinstance(choice, str)):
+                raise bad_request("tool_choice needs tools", param="tool_choice")
+            return _ToolMode()
+        if choice == "none":
+            return _ToolMode()
+        if choice == "required":
+            return _ToolMode("required")
+        if choice is None or choice == "auto":
+            if not self.enable_auto_tool_choice:
+                raise bad_request('"auto" tool choice needs the server to run with --enable-auto-tool-choice and '
+                                  '--tool-call-parser', param="tool_choice")
+            return _ToolMode("auto")
+        names = [tool.function.name for tool in tools]
+        if choice.function.name not in names:
+            raise bad_request(f"tool_choice names {choice.function.name!r}, which is not among the tools {names}",
+                              param="tool_choice")
+        return _ToolMode("named", choice.function.name)
+
     async def create_chat_completion(self, request: ChatCompletionRequest):
         self.check_model(request.model)
-        messages = _chat_messages(request.messages)
-        try:
-            text, token_ids = await self.engine.apply_chat_template(
-                messages, add_generation_prompt=request.add_generation_prompt, chat_template=request.chat_template)
-        except ValueError as e:
-            raise bad_request(str(e), param="messages") from e
-        text, token_ids = await self._tokenize({"prompt": text, "prompt_token_ids": token_ids})
-        if request.max_completion_tokens is not None:
-            max_tokens = self._max_tokens(request.max_completion_tokens, len(token_ids), "max_completion_tokens")
-        else:
-            max_tokens = self._max_tokens(request.max_tokens, len(token_ids), "max_tokens")
+        self._check_unsupported(request)
+        if request.chat_template is not None and not self.trust_request_chat_template:
+            raise bad_request("chat_template from requests is not allowed on this server (start it with "
+                              "--trust-request-chat-template)", param="chat_template")
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+        messages = _chat_messages(request.messages)
+        self._check_prompt_size(_num_chars(messages) + _num_chars(request.chat_template_kwargs)
+                                + (len(json.dumps([t.model_dump(by_alias=True) for t in request.tools]))
+                                   if request.tools else 0), "messages")
+        mode = self._tool_mode(request)
+        tools = ([t.model_dump(by_alias=True, exclude_none=True) for t in request.tools]
+                 if request.tools and mode.kind != "none" else None)
+        try:
+            text, token_ids = await self.engine.apply_chat_template(
+                messages, add_generation_prompt=request.add_generation_prompt,
+                chat_template=request.chat_template or self.chat_template, tools=tools,
+                continue_final_message=request.continue_final_message,
+                chat_template_kwargs=request.chat_template_kwargs)
+        except ValueError as e:
+            raise bad_request(str(e), param="messages") from e
+        text, token_ids = await self._tokenize({"prompt": text, "prompt_token_ids": token_ids}, "messages")
+        if request.truncate_prompt_tokens is not None and len(token_ids) > request.truncate_prompt_tokens:
+            text, token_ids = None, token_ids[-request.truncate_prompt_tokens:]
+        if request.max_completion_tokens is not None:
+            max_tokens = self._max_tokens(request.max_completion_tokens, len(token_ids), "max_completion_tokens",
+                                          "messages")
+        else:
+            max_tokens = self._max_tokens(request.max_tokens, len(token_ids), "max_tokens", "messages")
+        tool_schema = None
+        if mode.kind == "required":
+            tool_schema = required_tools_schema(request.tools, parallel=request.parallel_tool_calls)
+        elif mode.kind == "named":
+            tool_schema = named_tool_schema(next(t for t in request.tools if t.function.name == mode.name))
+        guided, guided_field = self._guided_decoding(request, tool_schema)
+        renames = {"logprobs": "top_logprobs", "prompt_logprobs": "prompt_logprobs"}
+        if request.max_completion_tokens is not None:
+            renames["max_tokens"] = "max_completion_tokens"
+        if guided_field:
+            renames["guided_decoding"] = guided_field
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = self._params(request, max_tokens=max_tokens, logprobs=logprobs)
-        prepared = _Prepared(f"chatcmpl-{uuid.uuid4().hex}", params, [(text, token_ids)])
+        params = self._sampling_params(request, max_tokens=max_tokens, logprobs=logprobs,
+                                       prompt_logprobs=request.prompt_logprobs, guided=guided, renames=renames)
+        prepared = _Prepared(f"chatcmpl-{uuid.uuid4().hex}", params, [(text, token_ids)], renames)
         await self._start(prepared)
         if request.stream:
-            return self._stream_chat(request, prepared)
+            return self._stream_chat(request, prepared, mode)
         (final,) = await _collect(self._outputs(prepared), 1)
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._chat_logprobs(c, 0, logprobs), "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason} for c in sorted(final.outputs, key=lambda c: c.index)]
+        choices = []
+        for c in sorted(final.outputs, key=lambda c: c.index):
+            reasoning, content, calls = self._split_chat_text(c.text, True, mode)
+            message = {"role": "assistant", "content": content}
+            if self.reasoning_parser is not None:
+                message["reasoning_content"] = reasoning
+            if calls:
+                message["tool_calls"] = [call.to_openai() for call in calls]
+                if not (content or "").strip():
+                    message["content"] = None
+            else:
+                message["tool_calls"] = []
+            finish_reason = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": self._chat_logprobs(c, logprobs, params.skip_special_tokens),
+                            "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         return {"id": prepared.request_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self._model_name(request.model), "choices": choices, "usage": _usage([final])}
 
-    async def _stream_chat(self, request: ChatCompletionRequest, prepared: _Prepared) -> AsyncIterator[str]:
+    def _split_chat_text(self, text: str, final: bool, mode: _ToolMode
+                         ) -> tuple[str | None, str, list[ToolCall] | None]:
+        """(reasoning, content, tool calls) of an output's text so far. While not final, every part is a prefix
+        of its final value; tool calls are only parsed once final."""
+        reasoning, content = (self.reasoning_parser.split(text, final) if self.reasoning_parser is not None
+                              else (None, text))
+        if mode.kind == "auto":
+            content, calls = self.tool_call_parser.split(content, final)
+            return reasoning, content, calls
+        if mode.kind == "required":
+            if not final:
+                return reasoning, "", None
+            calls = parse_required_tool_calls(content)
+            return reasoning, ("" if calls else content), calls
+        if mode.kind == "named":
+            if not final:
+                return reasoning, "", None
+            try:
+                valid = isinstance(json.loads(content), dict)
+            except json.JSONDecodeError:
+                valid = False
+            return (reasoning, "", [ToolCall(mode.name, content)]) if valid else (reasoning, content, None)
+        return reasoning, content, None
+
+    async def _stream_chat(self, request: ChatCompletionRequest, prepared: _Prepared, mode: _ToolMode
+                           ) -> AsyncIterator[str]:
         created, model = int(time.time()), self._model_name(request.model)
         holdback = max(prepared.params.max_stop_str_len - 1, 0)
-        logprobs = prepared.params.logprobs
+        logprobs, skip_special = prepared.params.logprobs, prepared.params.skip_special_tokens
         states: dict[int, _ChoiceState] = {}
         final = None
         outputs = self._outputs(prepared)
@@ -278,47 +591,176 @@ class OpenAIServing:
                 final = output if output.finished else final
                 for completion in output.outputs:
                     state = states.setdefault(completion.index, _ChoiceState())
+                    if state.finished:
+                        continue
                     if not state.sent_role:
                         state.sent_role = True
                         yield chunk({"index": completion.index, "delta": {"role": "assistant", "content": ""},
                                      "logprobs": None, "finish_reason": None})
-                    delta, token_range = _advance(state, completion, holdback)
-                    if delta is None:
+                    finished = completion.finish_reason is not None
+                    text = completion.text
+                    end = len(text) if finished else max(len(text) - holdback, state.num_chars)
+                    state.num_chars = end
+                    delta: dict = {}
+                    # Named tool: the output is the tool's arguments; stream them as they come.
+                    if mode.kind == "named":
+                        reasoning, arguments = (self.reasoning_parser.split(text[:end], finished)
+                                                if self.reasoning_parser else (None, text[:end]))
+                        if arguments and not state.tool_header_sent:
+                            state.tool_header_sent = True
+                            call = ToolCall(mode.name, "")
+                            yield chunk({"index": completion.index, "delta": {"tool_calls": [
+                                {"index": 0, **call.to_openai()}]}, "logprobs": None, "finish_reason": None})
+                        calls = None
+                        if len(arguments) > state.num_argument_chars:
+                            delta["tool_calls"] = [{"index": 0, "function": {
+                                "arguments": arguments[state.num_argument_chars:]}}]
+                            state.num_argument_chars = len(arguments)
+                        content = ""
+                    else:
+                        reasoning, content, calls = self._split_chat_text(text[:end], finished, mode)
+                    if reasoning is not None and len(reasoning) > state.num_reasoning_chars:
+                        delta["reasoning_content"] = reasoning[state.num_reasoning_chars:]
+                        state.num_reasoning_chars = len(reasoning)
+                    if len(content) > state.num_content_chars:
+                        delta["content"] = content[state.num_content_chars:]
+                        state.num_content_chars = len(content)
+                    entry_logprobs = None
+                    if logprobs is not None and len(completion.token_ids) > state.num_tokens:
+                        if state.pieces is None:
+                            state.pieces = TokenPieces(self.engine.tokenizer, skip_special)
+                        entry_logprobs = self._chat_logprobs(completion, logprobs, skip_special,
+                                                             start=state.num_tokens, pieces=state.pieces)
+                    state.num_tokens = len(completion.token_ids)
+                    finish_reason = None
+                    if finished:
+                        state.finished = True
+                        finish_reason = completion.finish_reason
+                        if calls:
+                            for position, call in enumerate(calls):
+                                yield chunk({"index": completion.index, "delta": {"tool_calls": [
+                                    {"index": position, "id": call.id, "type": "function",
+                                     "function": {"name": call.name, "arguments": ""}}]},
+                                    "logprobs": None, "finish_reason": None})
+                                yield chunk({"index": completion.index, "delta": {"tool_calls": [
+                                    {"index": position, "function": {"arguments": call.arguments}}]},
+                                    "logprobs": None, "finish_reason": None})
+                        if (calls or state.tool_header_sent) and finish_reason == "stop":
+                            finish_reason = "tool_calls"
+                    if not delta and entry_logprobs is None and not finished:
                         continue
-                    yield chunk({"index": completion.index, "delta": {"content": delta} if delta else {},
-                                 "logprobs": self._chat_logprobs(completion, token_range[0], logprobs),
-                                 "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason})
+                    yield chunk({"index": completion.index, "delta": delta, "logprobs": entry_logprobs,
+                                 "finish_reason": finish_reason,
+                                 "stop_reason": completion.stop_reason if finished else None})
             if request.include_usage_in_stream and final is not None:
                 yield _sse({"id": prepared.request_id, "object": "chat.completion.chunk", "created": created,
                             "model": model, "choices": [], "usage": _usage([final])})
+        except OpenAIError as e:
+            yield _sse(e.to_json())
         except Exception as e:
             yield _sse(OpenAIError(500, str(e), type="internal_server_error").to_json())
         finally:
             await outputs.aclose()
         yield "data: [DONE]\n\n"
 
-    @staticmethod
-    def _chat_logprobs(completion: CompletionOutput, start: int, k: int | None):
+    def _chat_logprobs(self, completion: CompletionOutput, k: int | None, skip_special_tokens: bool, *,
+                       start: int = 0, pieces: TokenPieces | None = None):
+        """Chat logprobs of tokens [start:]. Each entry's token is the text that token adds to the output, so
+        that the tokens join to message.content; past the end of the text (a stop string or EOS cut from it)
+        they are ""."""
         if k is None or completion.logprobs is None:
             return None
+        if pieces is None:
+            pieces = TokenPieces(self.engine.tokenizer, skip_special_tokens)
+            for token_id in completion.token_ids[:start]:
+                pieces.num_chars += len(pieces.add(token_id))
+        text, used = completion.text, pieces.num_chars
         content = []
         for token_id, entry in zip(completion.token_ids[start:], completion.logprobs[start:]):
+            piece = pieces.add(token_id)
+            piece = piece[:max(len(text) - used, 0)]   # text cut at a stop string: the rest is not content
+            used += len(piece)
             sampled = entry[token_id]
             top = [_chat_token(lp.decoded_token, lp.logprob)
                    for lp in sorted(entry.values(), key=lambda lp: lp.rank) if lp.rank <= k]
-            content.append({**_chat_token(sampled.decoded_token, sampled.logprob), "top_logprobs": top})
+            content.append({**_chat_token(piece, sampled.logprob), "top_logprobs": top})
+        pieces.num_chars = used
         return {"content": content}
+
+    # -- /tokenize, /detokenize -----------------------------------------------------------------------------
+    async def tokenize(self, body: dict) -> dict:
+        """vLLM's /tokenize: {"prompt": str} or {"messages": [...]} -> {"count", "max_model_len", "tokens"}."""
+        self.check_model(body.get("model"))
+        add_special_tokens = body.get("add_special_tokens", True)
+        if not isinstance(add_special_tokens, bool):
+            raise bad_request("add_special_tokens must be a bool", param="add_special_tokens")
+        if "messages" in body:
+            messages = _chat_messages(body["messages"] if isinstance(body["messages"], list) else None)
+            self._check_prompt_size(_num_chars(messages), "messages")
+            kwargs = body.get("chat_template_kwargs")
+            if kwargs is not None and not isinstance(kwargs, dict):
+                raise bad_request("chat_template_kwargs must be an object", param="chat_template_kwargs")
+            add_generation_prompt = body.get("add_generation_prompt", True)
+            if not isinstance(add_generation_prompt, bool):
+                raise bad_request("add_generation_prompt must be a bool", param="add_generation_prompt")
+            try:
+                _, tokens = await self.engine.apply_chat_template(
+                    messages, add_generation_prompt=add_generation_prompt, chat_template=self.chat_template,
+                    chat_template_kwargs=kwargs)
+            except ValueError as e:
+                raise bad_request(str(e), param="messages") from e
+        elif isinstance(body.get("prompt"), str):
+            prompt = body["prompt"]
+            self._check_prompt_size(len(prompt), "prompt")
+            tokens = await self.engine.run_on_tokenizer_thread(
+                lambda tokenizer: tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+        else:
+            raise bad_request("give prompt (a string) or messages", param="prompt")
+        return {"count": len(tokens), "max_model_len": self.engine.max_model_len, "tokens": tokens}
+
+    async def detokenize(self, body: dict) -> dict:
+        self.check_model(body.get("model"))
+        tokens = body.get("tokens")
+        vocab_size = len(self.engine.tokenizer)
+        if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab_size for t in tokens):
+            raise bad_request(f"tokens must be a list of token ids in [0, {vocab_size})", param="tokens")
+        if len(tokens) > self.engine.max_model_len * MAX_CHARS_PER_TOKEN:
+            raise bad_request("too many tokens", param="tokens")
+        return {"prompt": await self.engine.run_on_tokenizer_thread(lambda tokenizer: tokenizer.decode(tokens))}
 
     # -- helpers --------------------------------------------------------------------------------------------
     def _model_name(self, requested: str | None) -> str:
         return requested or self.served_model_names[0]
 
-    @staticmethod
-    def _params(request, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        try:
-            return request.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
-        except ValueError as e:
-            raise bad_request(str(e), param=_param_of(e)) from e
+
+def _raise_if_failed(output: RequestOutput) -> None:
+    error = getattr(output, "error", None)
+    if error:
+        raise OpenAIError(500, f"the engine failed this request: {error}", type="internal_server_error")
+
+
+def _top_by_text(entry: dict, sampled_id: int, k: int) -> dict[str, float]:
+    """Top-k of one position keyed by text: tokens that decode alike (partial UTF-8 bytes) keep the likeliest."""
+    top: dict[str, float] = {}
+    for token_id, lp in sorted(entry.items(), key=lambda item: item[1].rank):
+        if lp.rank <= k or token_id == sampled_id:
+            top.setdefault(lp.decoded_token, lp.logprob)
+    return top
+
+
+def _join_logprobs(first: dict, second: dict | None) -> dict:
+    if second is None:
+        return first
+    return {key: first[key] + second[key] for key in first}
+
+
+def _vllm_prompt_logprobs(output: RequestOutput):
+    """vLLM's `prompt_logprobs` field: per prompt token None or {token id: {logprob, rank, decoded_token}}."""
+    if output.prompt_logprobs is None:
+        return None
+    return [None if entry is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                                                 "decoded_token": lp.decoded_token} for t, lp in entry.items()}
+            for entry in output.prompt_logprobs]
 
 
 def _advance(state: _ChoiceState, completion: CompletionOutput, holdback: int
@@ -341,15 +783,33 @@ def _advance(state: _ChoiceState, completion: CompletionOutput, holdback: int
 
 def _chat_token(token: str | None, logprob: float) -> dict:
     token = token or ""
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8", "surrogatepass"))}
 
 
-def _chat_messages(messages: list[dict]) -> list[dict]:
-    """Validate messages; content given as a list of text parts is joined into one string."""
-    if not messages:
-        raise bad_request("messages must not be empty", param="messages")
+def _num_chars(value) -> int:
+    """Characters in all the strings of a JSON value (keys too)."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return total
+
+
+def _chat_messages(messages: list[dict] | None) -> list[dict]:
+    """Validate messages; content given as a list of text parts is joined into one string; the arguments of
+    earlier tool calls (JSON text in the API) become objects, as chat templates expect."""
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty list", param="messages")
     result = []
     for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise bad_request(f"messages[{i}] must be an object", param="messages")
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str):
             raise bad_request(f"messages[{i}] has no role", param="messages")
@@ -365,7 +825,25 @@ def _chat_messages(messages: list[dict]) -> list[dict]:
         elif not isinstance(content, str):
             raise bad_request(f"messages[{i}].content must be a string or a list of text parts",
                               param="messages")
-        result.append({**message, "role": role, "content": content})
+        message = {**message, "role": role, "content": content}
+        tool_calls = message.get("tool_calls")
+        if tool_calls is not None:
+            if not isinstance(tool_calls, list):
+                raise bad_request(f"messages[{i}].tool_calls must be a list", param="messages")
+            converted = []
+            for call in tool_calls:
+                function = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                    raise bad_request(f"messages[{i}].tool_calls entries need function.name", param="messages")
+                arguments = function.get("arguments")
+                if isinstance(arguments, str):
+                    try:
+                        arguments = json.loads(arguments)
+                    except json.JSONDecodeError:
+                        pass
+                converted.append({**call, "function": {**function, "arguments": arguments}})
+            message["tool_calls"] = converted
+        result.append(message)
     return result
 
 
@@ -373,7 +851,8 @@ def _usage(finals: list[RequestOutput]) -> dict:
     prompt_tokens = sum(len(o.prompt_token_ids) for o in finals)
     completion_tokens = sum(len(c.token_ids) for o in finals for c in o.outputs)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in finals)}}
 
 
 async def _collect(outputs: AsyncIterator[tuple[int, RequestOutput]], num_prompts: int) -> list[RequestOutput]:
