@@ -14,8 +14,12 @@ the tail of a prefix is evicted before its head.
 Sharing within a request (parallel sampling, beam search): `fork` gives a child sequence its parent's block
 table, taking one more reference on every block. A block is written only at the sequence's next token slot; when
 that block is shared (ref_count > 1; only a partly filled last block can be, full blocks are never written again)
-`may_append` first gives the writer a private copy (copy-on-write) and records the (src, dst) pair; the engine
+`allocate_slots` first gives the writer a private copy (copy-on-write) and records the (src, dst) pair; the engine
 issues one `copy_blocks` call for all pairs of a step before the forward.
+
+Admission is look, then take: `lookup_prefix` finds a waiting sequence's cache hits without touching anything,
+and `allocate_slots` takes those hits and the blocks for the tokens to compute together, or nothing at all, so a
+sequence that does not fit leaves no trace (no act-then-undo).
 
 Swapping: a CPU swap space of `num_swap_blocks` blocks with its own free list and reference counts.
 `swap_out(seqs)` moves the distinct blocks of a request's sequences to the swap space (a shared block moves once
@@ -76,28 +80,15 @@ class BlockManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    # -- admission: prefix-cache lookup --------------------------------------------------------------------
-    def allocate(self, seq: Sequence) -> None:
-        """Admit a sequence without blocks: take every prefix-cache hit on its leading full blocks and set
-        `num_computed_tokens` (and `num_cached_tokens`) to the tokens they cover. At least the last token is
-        always left to compute, since its logits are needed. Blocks for tokens still to compute come from
-        `may_append`."""
-        assert not seq.block_table and seq.num_computed_tokens == 0, "allocate() is for sequences without blocks"
-        # A request that wants prompt logprobs computes its whole prompt (the cache keeps KV, not logits).
-        wants_prompt_logits = seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0
-        hit_block_ids = [] if wants_prompt_logits else self._lookup_prefix(seq.token_ids)
-        for block_id in hit_block_ids:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self.free_block_ids[block_id]
-            block.ref_count += 1
-        seq.block_table = hit_block_ids
-        seq.num_computed_tokens = len(hit_block_ids) * self.block_size
-
-    def _lookup_prefix(self, token_ids: list[int]) -> list[int]:
-        if not self.enable_prefix_caching:
+    # -- admission and growth ----------------------------------------------------------------------------------
+    def lookup_prefix(self, seq: Sequence) -> list[int]:
+        """The prefix-cache hits of a sequence without blocks: ids of the cached blocks holding its leading full
+        blocks. No side effects (the scheduler may look and then not admit). Hits never cover the last token,
+        whose logits are needed; a request asking for prompt logprobs gets none (the cache holds KV, not logits)."""
+        assert not seq.block_table and seq.num_computed_tokens == 0, "lookup_prefix() is for sequences without blocks"
+        if not self.enable_prefix_caching or (seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0):
             return []
-        # Hits cover at most len - 1 tokens: the last token must run through the model to produce logits.
+        token_ids = seq.token_ids
         num_full_blocks = (len(token_ids) - 1) // self.block_size
         hit_block_ids, parent_hash = [], -1
         for i in range(num_full_blocks):
@@ -109,30 +100,38 @@ class BlockManager:
             hit_block_ids.append(block_id)
         return hit_block_ids
 
-    def num_new_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Fresh blocks for the next `num_new_tokens` tokens, including the private copy when the first block
-        written is shared."""
-        num_new = max(self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table), 0)
-        return num_new + self._needs_copy(seq)
+    def num_new_blocks_needed(self, seq: Sequence, num_new_tokens: int, cached_block_ids: list[int] = ()) -> int:
+        """Blocks `allocate_slots(seq, num_new_tokens, cached_block_ids)` takes out of the free pool: fresh blocks
+        for the tokens, the private copy when the first block written is shared, and the hits still in the pool."""
+        num_computed = seq.num_computed_tokens + len(cached_block_ids) * self.block_size
+        num_held = len(seq.block_table) + len(cached_block_ids)
+        num_fresh = max(self.num_blocks_for(num_computed + num_new_tokens) - num_held, 0)
+        num_hits_in_pool = sum(1 for block_id in cached_block_ids if self.blocks[block_id].ref_count == 0)
+        return num_fresh + num_hits_in_pool + (not cached_block_ids and self._needs_copy(seq))
 
     def _needs_copy(self, seq: Sequence) -> bool:
         first = seq.num_computed_tokens // self.block_size
         return first < len(seq.block_table) and self.blocks[seq.block_table[first]].ref_count > 1
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """`child` (a copy of `parent`, see Sequence.fork) now holds every block of the parent too."""
-        child.block_table = list(parent.block_table)
-        for block_id in child.block_table:
-            self.blocks[block_id].ref_count += 1
-
-    # -- growth: blocks for the tokens about to be computed ----------------------------------------------------
-    def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
-        """Whether the free pool can cover the next `num_new_tokens` tokens of `seq` (a prefill chunk or a decode)."""
-        return self.num_new_blocks_needed(seq, num_new_tokens) <= len(self.free_block_ids)
-
-    def may_append(self, seq: Sequence, num_new_tokens: int = 1) -> None:
-        """Grow `seq.block_table` so it has slots for tokens up to num_computed_tokens + num_new_tokens; first
-        copy the block about to be written if another sequence shares it."""
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached_block_ids: list[int] = ()) -> bool:
+        """All or nothing: give `seq` slots for its next `num_new_tokens` tokens, first taking the prefix-cache
+        hits `cached_block_ids` (from `lookup_prefix`; only for a sequence without blocks, whose
+        `num_computed_tokens` then covers them) and copying the block about to be written if another sequence
+        shares it (copy-on-write, recorded in `pending_ops`). Returns False, and changes nothing, when the free
+        pool cannot cover all of it."""
+        if cached_block_ids:
+            assert not seq.block_table and seq.num_computed_tokens == 0, "cache hits are for sequences without blocks"
+        if self.num_new_blocks_needed(seq, num_new_tokens, cached_block_ids) > len(self.free_block_ids):
+            return False
+        # Hits leave the free pool before any fresh block is popped, so popping can never evict one of them.
+        for block_id in cached_block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_block_ids[block_id]
+            block.ref_count += 1
+        if cached_block_ids:
+            seq.block_table = list(cached_block_ids)
+            seq.num_computed_tokens = len(cached_block_ids) * self.block_size
         if self._needs_copy(seq):
             first = seq.num_computed_tokens // self.block_size
             src = seq.block_table[first]
@@ -143,10 +142,17 @@ class BlockManager:
             self.num_copies += 1
         for _ in range(max(self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table), 0)):
             seq.block_table.append(self._pop_free_block())
+        return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` (a copy of `parent`, see Sequence.fork) now holds every block of the parent too."""
+        child.block_table = list(parent.block_table)
+        for block_id in child.block_table:
+            self.blocks[block_id].ref_count += 1
 
     def _pop_free_block(self) -> int:
         if not self.free_block_ids:
-            raise RuntimeError("no free KV-cache block (the scheduler must check can_append first)")
+            raise RuntimeError("no free KV-cache block (allocate_slots checks the pool before popping)")
         block_id, _ = self.free_block_ids.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash != -1:   # evict its cached content: the block is about to be overwritten

@@ -69,7 +69,8 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:   # preempted earlier in this loop
                 continue
             num_new_tokens = min(seq.num_tokens - seq.num_computed_tokens, self._budget)
-            while seq.status is SequenceStatus.RUNNING and not self.block_manager.can_append(seq, num_new_tokens):
+            while (seq.status is SequenceStatus.RUNNING
+                   and not self.block_manager.allocate_slots(seq, num_new_tokens)):
                 self._preempt(self._pick_victim(scheduled), scheduled)
                 preempted = True
             if seq.status is SequenceStatus.RUNNING:
@@ -90,18 +91,17 @@ class Scheduler:
                 bisect.insort(self.running, seq, key=lambda s: s.order)
             for seq in members:
                 num_new_tokens = min(seq.num_tokens - seq.num_computed_tokens, self._budget)
-                if num_new_tokens > 0 and self.block_manager.can_append(seq, num_new_tokens):
+                if num_new_tokens > 0 and self.block_manager.allocate_slots(seq, num_new_tokens):
                     self._schedule_seq(seq, num_new_tokens, scheduled)
 
         # Waiting sequences, FCFS; none while this step had to preempt (memory is short: let the running finish).
         while (self.waiting and not preempted and not self.swapped and self._budget > 0
                and len(self.running) + self._num_seqs_after_fork(self.waiting[0]) <= self.max_num_seqs):
             seq = self.waiting[0]
-            self.block_manager.allocate(seq)   # prefix-cache hits
-            num_new_tokens = min(seq.num_tokens - seq.num_computed_tokens, self._budget)
-            if not self.block_manager.can_append(seq, num_new_tokens):
-                self.block_manager.deallocate(seq)   # give the hits back; wait for blocks to free up
-                break
+            cached_block_ids = self.block_manager.lookup_prefix(seq)
+            num_new_tokens = min(seq.num_tokens - len(cached_block_ids) * self.block_manager.block_size, self._budget)
+            if not self.block_manager.allocate_slots(seq, num_new_tokens, cached_block_ids):
+                break   # nothing was taken; wait for blocks to free up
             self.waiting.popleft()
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = time.time()
@@ -123,7 +123,7 @@ class Scheduler:
         return 1 if group.forked else group.n
 
     def _schedule_seq(self, seq: Sequence, num_new_tokens: int, scheduled: list[tuple[Sequence, int]]) -> None:
-        self.block_manager.may_append(seq, num_new_tokens)
+        """`seq` has its slots (allocate_slots returned True): put it in the batch."""
         scheduled.append((seq, num_new_tokens))
         self._budget -= num_new_tokens
 

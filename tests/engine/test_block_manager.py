@@ -19,34 +19,43 @@ def make_seq(token_ids, request_id="r"):
     return Sequence(request_id, None, token_ids, SamplingParams(), arrival_time=0.0)
 
 
+def admit(bm: BlockManager, seq: Sequence) -> None:
+    """Take a waiting sequence's prefix-cache hits (and no other block)."""
+    assert bm.allocate_slots(seq, 0, bm.lookup_prefix(seq))
+
+
 def compute(bm: BlockManager, seq: Sequence, num_new_tokens: int) -> None:
     """What the scheduler + model runner do for one step of `seq`."""
-    assert bm.can_append(seq, num_new_tokens)
-    bm.may_append(seq, num_new_tokens)
+    assert bm.allocate_slots(seq, num_new_tokens)
     seq.num_computed_tokens += num_new_tokens
     bm.cache_full_blocks(seq)
+
+
+def snapshot(bm: BlockManager) -> tuple:
+    return (list(bm.free_block_ids), [(b.ref_count, b.hash, b.token_ids) for b in bm.blocks],
+            dict(bm.hash_to_block_id), list(bm.pending_ops))
 
 
 def test_prefix_hit_reuses_full_blocks_and_leaves_last_token():
     bm = BlockManager(num_blocks=8, block_size=4)
     prompt = [random.Random(0).randrange(1000) for _ in range(10)]
     a = make_seq(prompt)
-    bm.allocate(a)
+    admit(bm, a)
     assert a.num_computed_tokens == 0
     compute(bm, a, 10)
     assert len(a.block_table) == 3
 
     b = make_seq(prompt[:8] + [7, 7, 7])   # shares two full blocks
-    bm.allocate(b)
+    admit(bm, b)
     assert b.block_table == a.block_table[:2] and b.num_computed_tokens == 8
     assert [bm.blocks[i].ref_count for i in a.block_table] == [2, 2, 1]
 
     c = make_seq(prompt[:8])   # fully cached prompt: the last block is recomputed for its logits
-    bm.allocate(c)
+    admit(bm, c)
     assert c.num_computed_tokens == 4 and c.block_table == a.block_table[:1]
 
     d = make_seq(prompt[:4] + [5, 5, 5, 5, 5])   # diverges in block 1
-    bm.allocate(d)
+    admit(bm, d)
     assert d.num_computed_tokens == 4
 
     for s in (a, b, c, d):
@@ -57,22 +66,22 @@ def test_prefix_hit_reuses_full_blocks_and_leaves_last_token():
 def test_cached_blocks_survive_free_until_evicted_lru_tail_first():
     bm = BlockManager(num_blocks=4, block_size=2)
     a = make_seq([1, 2, 3, 4, 5, 6, 9])
-    bm.allocate(a)
+    admit(bm, a)
     compute(bm, a, 7)
     table = list(a.block_table)
     bm.deallocate(a)
     # Still cached after free: an equal prompt hits all three full blocks.
     b = make_seq([1, 2, 3, 4, 5, 6, 9])
-    bm.allocate(b)
+    admit(bm, b)
     assert b.block_table == table[:3] and b.num_computed_tokens == 6
     bm.deallocate(b)
     # Freed tail first: the next allocations take the never-hashed block, then the LAST prefix block.
     c = make_seq([42] * 4)
-    bm.allocate(c)
-    bm.may_append(c, 4)
+    admit(bm, c)
+    assert bm.allocate_slots(c, 4)
     assert table[2] in c.block_table and table[0] not in c.block_table
     d = make_seq([1, 2, 3, 4, 5, 6, 9])
-    bm.allocate(d)
+    admit(bm, d)
     assert d.num_computed_tokens == 4   # blocks 0 and 1 of the prefix are still cached
     bm.deallocate(c)
     bm.deallocate(d)
@@ -82,20 +91,56 @@ def test_cached_blocks_survive_free_until_evicted_lru_tail_first():
 def test_prefix_caching_disabled_never_hits():
     bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
     a = make_seq(list(range(12)))
-    bm.allocate(a)
+    admit(bm, a)
     compute(bm, a, 12)
     b = make_seq(list(range(12)))
-    bm.allocate(b)
+    admit(bm, b)
     assert b.num_computed_tokens == 0 and not bm.hash_to_block_id
 
 
-def test_can_append_counts_blocks_of_a_chunk():
+def test_allocate_slots_counts_blocks_of_a_chunk_and_is_all_or_nothing():
     bm = BlockManager(num_blocks=3, block_size=4)
     a = make_seq(list(range(20)))
-    bm.allocate(a)
-    assert bm.can_append(a, 12) and not bm.can_append(a, 13)
+    admit(bm, a)
+    before = snapshot(bm)
+    assert not bm.allocate_slots(a, 13)
+    assert snapshot(bm) == before and a.block_table == [] and a.num_computed_tokens == 0
     compute(bm, a, 5)
-    assert len(a.block_table) == 2 and bm.can_append(a, 7) and not bm.can_append(a, 8)
+    before = snapshot(bm)
+    assert not bm.allocate_slots(a, 8) and snapshot(bm) == before and len(a.block_table) == 2
+    assert bm.allocate_slots(a, 7) and len(a.block_table) == 3
+
+
+def test_lookup_prefix_has_no_side_effects_and_a_failed_admission_leaves_no_trace():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = make_seq([1, 2, 3, 4, 5])
+    admit(bm, a)
+    compute(bm, a, 5)
+    bm.deallocate(a)                      # three blocks cached and free, LRU order: tail of the prefix first
+    b = make_seq([1, 2, 3, 4] + [9] * 7)  # hits two blocks, then needs 4 more: 6 > 4 blocks
+    before = snapshot(bm)
+    hits = bm.lookup_prefix(b)
+    assert len(hits) == 2 and snapshot(bm) == before
+    assert not bm.allocate_slots(b, b.num_tokens - 4, hits)
+    assert snapshot(bm) == before and b.block_table == [] and b.num_computed_tokens == 0
+    # The hits still count as free in the pool: taking them and 1 fresh block fits (3 of 4 blocks).
+    assert bm.num_new_blocks_needed(b, 2, hits) == 3
+    assert bm.allocate_slots(b, 2, hits) and b.num_computed_tokens == 4 and b.block_table[:2] == hits
+
+
+def test_allocate_slots_copies_a_shared_block_before_writing_it():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    parent = make_seq([1, 2, 3, 4, 5, 6])
+    compute(bm, parent, 6)
+    child = parent.fork(1)
+    bm.fork(parent, child)
+    parent.append_token(7)
+    child.append_token(8)
+    assert bm.num_new_blocks_needed(child, 1) == 1   # the shared, partly filled last block is copied
+    assert bm.allocate_slots(child, 1)
+    assert child.block_table[0] == parent.block_table[0] and child.block_table[1] != parent.block_table[1]
+    assert bm.pending_ops == [("copy", parent.block_table[1], child.block_table[1])]
+    assert bm.blocks[parent.block_table[1]].ref_count == 1
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -120,13 +165,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         seq = make_seq(tokens, request_id=str(self.counter))
         self.counter += 1
-        self.bm.allocate(seq)
-        assert seq.num_computed_tokens % 3 == 0 and seq.num_computed_tokens <= len(tokens) - 1
-        num_new = seq.num_tokens - seq.num_computed_tokens
-        if not self.bm.can_append(seq, num_new):
-            self.bm.deallocate(seq)
+        hits = self.bm.lookup_prefix(seq)
+        num_new = seq.num_tokens - len(hits) * 3
+        if not self.bm.allocate_slots(seq, num_new, hits):
+            assert seq.block_table == [] and seq.num_computed_tokens == 0
             return
-        self.bm.may_append(seq, num_new)
+        assert seq.num_computed_tokens % 3 == 0 and seq.num_computed_tokens <= len(tokens) - 1
         self._write_shadow(seq, seq.num_computed_tokens, seq.num_tokens)
         seq.num_computed_tokens = seq.num_tokens
         self.bm.cache_full_blocks(seq)
@@ -137,10 +181,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def decode(self, data, token):
         seq = data.draw(st.sampled_from(self.running))
         seq.append_token(token)
-        if not self.bm.can_append(seq, 1):
+        if not self.bm.allocate_slots(seq, 1):
             self.preempt_seq(seq)
             return
-        self.bm.may_append(seq, 1)
         self._write_shadow(seq, seq.num_computed_tokens, seq.num_tokens)
         seq.num_computed_tokens += 1
         self.bm.cache_full_blocks(seq)
