@@ -3,37 +3,41 @@
 Reads both key styles transformers has written: version 4 (``rope_theta`` + ``rope_scaling``,
 ``torch_dtype``) and version 5 (``rope_parameters`` holding ``rope_theta`` and the scaling keys,
 ``dtype``). Nothing from transformers is imported: the engine runs on its own modules.
+
+The per-architecture part of the mapping lives with each model (``config_from_hf`` of the model class,
+engine/models/); this module reads what all architectures share and holds the helpers they use.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
 
 import torch
 
-from engine.models import check_architecture
+from engine.models import architecture_of_model_type, get_model_class
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
-# model_type -> architecture, for configs that lack an "architectures" list.
-_MODEL_TYPE_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-}
-_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass
 class ModelConfig:
+    """What the engine needs to know about a model.
+
+    ``from_pretrained`` reads the fields every architecture has the same way (sizes, vocabulary, dtype,
+    special tokens); the architecture's own model class maps the rest of its config.json (which keys mean
+    what, their defaults, what it rejects) through its ``config_from_hf`` classmethod, into the fields
+    below the line. Fields an architecture has no use for keep their defaults.
+    """
     model_dir: str
     architecture: str
     hidden_size: int
-    intermediate_size: int
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
@@ -41,20 +45,29 @@ class ModelConfig:
     vocab_size: int
     max_position_embeddings: int
     max_model_len: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None  # None, or {"rope_type": "linear" | "llama3", ...its parameters}
-    sliding_window: int | None
     tie_word_embeddings: bool
-    attention_bias: bool  # bias on q/k/v (Qwen2 always; Llama/Qwen3 when the config says so)
     dtype: torch.dtype
     eos_token_ids: frozenset[int]
     bos_token_id: int | None
     pad_token_id: int | None
-    # Per layer: the sliding window of that layer (None = full attention). Mistral slides in every
-    # layer; Qwen2/Qwen3 only in the layers their config marks "sliding_attention".
+    # -- mapped by the model class (config_from_hf) --------------------------------------------------------
+    intermediate_size: int = 0
+    norm_eps: float = 1e-6  # RMSNorm's eps, or LayerNorm's (OPT)
+    hidden_act: str = "silu"  # transformers' activation name (gated for the Llama family and Gemma 2)
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # None, or {"rope_type": "linear" | "llama3" | "longrope", ...parameters}
+    partial_rotary_factor: float = 1.0  # share of each head's dims that rotate
+    sliding_window: int | None = None
+    # Per layer: the sliding window of that layer (None = full attention). Mistral and Phi-3 slide in every
+    # layer; Qwen2/Qwen3 only in the layers their config marks "sliding_attention"; Gemma 2 in every other.
     layer_sliding_windows: tuple[int | None, ...] = ()
+    attention_bias: bool = False  # bias on q/k/v (Qwen2 always; Llama/Qwen3 when the config says so)
     mlp_bias: bool = False
+    attention_scale: float | None = None  # scale of q @ k^T; None = head_dim ** -0.5
+    attn_logit_softcap: float | None = None  # scores -> softcap * tanh(score / softcap)
+    final_logit_softcap: float | None = None  # logits -> softcap * tanh(logit / softcap)
+    layer_norm_before: bool = True  # OPT: pre-LN (True) or post-LN blocks
+    word_embed_proj_dim: int | None = None  # OPT: embedding width, projected in/out when not hidden_size
     hf_config: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -75,64 +88,105 @@ class ModelConfig:
         text = hf.get("text_config", hf)
 
         architecture = _architecture(hf)
-        check_architecture(architecture)
+        model_class = get_model_class(architecture)
 
-        def need(key):
-            if text.get(key) is None:
-                raise ValueError(f"config.json in {model_dir} has no {key!r}")
-            return text[key]
-
-        hidden_size = int(need("hidden_size"))
-        num_heads = int(need("num_attention_heads"))
+        hidden_size = int(need(text, "hidden_size", model_dir))
+        num_heads = int(need(text, "num_attention_heads", model_dir))
         num_kv_heads = int(text.get("num_key_value_heads") or num_heads)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads={num_heads} is not a multiple of "
                              f"num_key_value_heads={num_kv_heads} in {model_dir}/config.json")
-        head_dim = int(text.get("head_dim") or hidden_size // num_heads)
-        num_layers = int(need("num_hidden_layers"))
-        hidden_act = text.get("hidden_act", "silu")
-        if hidden_act not in ("silu", "swish"):
-            raise ValueError(f"hidden_act={hidden_act!r} is not supported (only 'silu')")
-
-        rope_theta, rope_scaling = _rope(text)
+        num_layers = int(need(text, "num_hidden_layers", model_dir))
         max_pos = int(text.get("max_position_embeddings") or 2048)
         if max_model_len is None:
             max_model_len = max_pos
         elif not isinstance(max_model_len, int) or max_model_len < 1 or max_model_len > max_pos:
             raise ValueError(f"max_model_len must be an int in [1, {max_pos}] "
                              f"(max_position_embeddings of {model_dir}), got {max_model_len!r}")
+        # Each architecture's default for tied embeddings differs (transformers' config classes); the
+        # model class names its own.
+        tie_default = getattr(model_class, "tie_word_embeddings_default", False)
 
-        sliding_window, layer_windows = _sliding_windows(architecture, text, num_layers)
-        # Qwen2's q/k/v always carry a bias (and o_proj never); the others follow attention_bias.
-        attention_bias = True if architecture == "Qwen2ForCausalLM" else bool(text.get("attention_bias", False))
-
-        return cls(
+        config = cls(
             model_dir=model_dir,
             architecture=architecture,
             hidden_size=hidden_size,
-            intermediate_size=int(need("intermediate_size")),
             num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
-            head_dim=head_dim,
-            vocab_size=int(need("vocab_size")),
+            head_dim=int(text.get("head_dim") or hidden_size // num_heads),
+            vocab_size=int(need(text, "vocab_size", model_dir)),
             max_position_embeddings=max_pos,
             max_model_len=max_model_len,
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            sliding_window=sliding_window,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-            attention_bias=attention_bias,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", text.get("tie_word_embeddings", tie_default))),
             dtype=resolve_dtype(dtype, hf.get("dtype", hf.get("torch_dtype", text.get("dtype", text.get("torch_dtype")))),
                                 device),
             eos_token_ids=frozenset(_ids(text.get("eos_token_id", hf.get("eos_token_id"))) | _ids(gen.get("eos_token_id"))),
             bos_token_id=_first(gen.get("bos_token_id", text.get("bos_token_id"))),
             pad_token_id=_first(gen.get("pad_token_id", text.get("pad_token_id"))),
-            layer_sliding_windows=layer_windows,
-            mlp_bias=bool(text.get("mlp_bias", False)),
             hf_config=hf,
         )
+        try:
+            fields = model_class.config_from_hf(text, config)
+        except ValueError as e:
+            raise ValueError(f"{model_dir}/config.json: {e}") from e
+        unknown = set(fields) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:  # a model mapping a key to a field that does not exist is a bug, not a config problem
+            raise TypeError(f"{model_class.__name__}.config_from_hf returned unknown fields {sorted(unknown)}")
+        return dataclasses.replace(config, **fields)
+
+
+def need(text: dict, key: str, model_dir: str = "the model directory"):
+    """``text[key]``, or a ValueError naming the key when config.json lacks it."""
+    if text.get(key) is None:
+        raise ValueError(f"config.json in {model_dir} has no {key!r}")
+    return text[key]
+
+
+def read_rope(text: dict, supported: tuple[str, ...]) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from either key style, for an architecture supporting the rope types
+    ``supported`` ("default" always). transformers 5 puts rope_theta and the scaling keys together in
+    rope_parameters; transformers 4 has rope_theta plus rope_scaling (whose type key is "rope_type", or
+    "type" in older files). rope_scaling is None for plain rope, else ``{"rope_type": ..., **parameters}``
+    with the parameters its type needs checked present. ``partial_rotary_factor`` (which transformers 5 also
+    keeps in rope_parameters) is left out: see :func:`read_partial_rotary_factor`."""
+    params = dict(text.get("rope_parameters") or {})
+    scaling = dict(text.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", text.get("rope_theta", 10000.0))
+    scaling = {**scaling, **params}
+    scaling.pop("partial_rotary_factor", None)
+    rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
+    if rope_type not in ("default", *supported):
+        raise ValueError(f"rope type {rope_type!r} is not supported (supported: "
+                         f"{', '.join(('default', *supported))})")
+    if rope_type == "default":
+        return float(theta), None
+    required = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                "longrope": ("short_factor", "long_factor", "original_max_position_embeddings")}.get(
+                    rope_type, ("factor",))
+    missing = [k for k in required if k not in scaling]
+    if missing:
+        raise ValueError(f"{rope_type} rope scaling needs {missing} in config.json")
+    return float(theta), {"rope_type": rope_type, **scaling}
+
+
+def read_partial_rotary_factor(text: dict) -> float:
+    """Share of each head's dims that rotate: ``partial_rotary_factor`` at the top level (transformers 4)
+    or in rope_parameters (5); 1.0 when neither has it."""
+    factor = (text.get("rope_parameters") or {}).get("partial_rotary_factor", text.get("partial_rotary_factor"))
+    factor = 1.0 if factor is None else float(factor)
+    if not 0.0 < factor <= 1.0:
+        raise ValueError(f"partial_rotary_factor must be in (0, 1], got {factor}")
+    return factor
+
+
+def read_layer_types(text: dict, num_layers: int) -> list[str] | None:
+    """transformers 5's per-layer ``layer_types`` ("full_attention" / "sliding_attention"), checked against
+    the layer count; None when the config has none."""
+    layer_types = text.get("layer_types")
+    if layer_types is not None and len(layer_types) != num_layers:
+        raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+    return layer_types
 
 
 def resolve_dtype(requested: str | torch.dtype, checkpoint: str | None,
@@ -169,49 +223,7 @@ def _architecture(hf: dict) -> str:
     architectures = hf.get("architectures") or []
     if architectures:
         return architectures[0]
-    return _MODEL_TYPE_ARCHITECTURES.get(hf.get("model_type"), f"<model_type {hf.get('model_type')!r}>")
-
-
-def _rope(text: dict) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from either key style. transformers 5 puts rope_theta and the
-    scaling keys together in rope_parameters; transformers 4 has rope_theta plus rope_scaling
-    (whose type key is "rope_type", or "type" in older files)."""
-    params = dict(text.get("rope_parameters") or {})
-    scaling = dict(text.get("rope_scaling") or {})
-    theta = params.pop("rope_theta", text.get("rope_theta", 10000.0))
-    scaling = {**scaling, **params}
-    rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
-    if rope_type not in _ROPE_TYPES:
-        raise ValueError(f"rope type {rope_type!r} is not supported (supported: {', '.join(_ROPE_TYPES)})")
-    if rope_type == "default":
-        return float(theta), None
-    if rope_type == "llama3":
-        missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-                   if k not in scaling]
-        if missing:
-            raise ValueError(f"llama3 rope scaling needs {missing} in config.json")
-    elif "factor" not in scaling:
-        raise ValueError(f"{rope_type} rope scaling needs 'factor' in config.json")
-    return float(theta), {"rope_type": rope_type, **scaling}
-
-
-def _sliding_windows(architecture: str, text: dict, num_layers: int) -> tuple[int | None, tuple[int | None, ...]]:
-    window = text.get("sliding_window")
-    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not text.get("use_sliding_window", False):
-        window = None
-    if architecture == "LlamaForCausalLM" or not window:
-        return None, (None,) * num_layers
-    window = int(window)
-    layer_types = text.get("layer_types")
-    if layer_types is None and architecture != "MistralForCausalLM":
-        # transformers 4 Qwen2/Qwen3: layers from max_window_layers on slide.
-        first = int(text.get("max_window_layers", num_layers))
-        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
-    if layer_types is None:
-        return window, (window,) * num_layers
-    if len(layer_types) != num_layers:
-        raise ValueError(f"config.json layer_types has {len(layer_types)} entries for {num_layers} layers")
-    return window, tuple(window if t == "sliding_attention" else None for t in layer_types)
+    return architecture_of_model_type(hf.get("model_type"))
 
 
 def _ids(value) -> frozenset[int]:

@@ -3,8 +3,11 @@
 Parameter by parameter, as nano-vllm does: each checkpoint tensor is read from ``safe_open`` and
 handed to its parameter's ``weight_loader``; names of fused projections are rewritten through the
 model's ``packed_modules_mapping`` (``q_proj`` -> ``qkv_proj`` shard "q", ``gate_proj`` ->
-``gate_up_proj`` shard 0, ...). Afterwards every parameter shard must have been loaded exactly once;
-a missing file, a missing tensor, a wrong shape or an unreadable file is a ValueError naming it.
+``gate_up_proj`` shard 0, ...), and leading prefixes through its ``checkpoint_prefix_mapping`` (OPT's
+own checkpoints say ``decoder.`` for ``model.decoder.``). A checkpoint that already stores a fused
+projection (Phi-3's ``qkv_proj``, ``gate_up_proj``) loads into it whole (shard id None), which the
+parameter's loader splits into its shards. Afterwards every parameter shard must have been loaded; a
+missing file, a missing tensor, a wrong shape or an unreadable file is a ValueError naming it.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ def weight_files(model_dir: str) -> list[str]:
 def load_model(model: nn.Module, model_dir: str) -> None:
     """Copy every checkpoint tensor of ``model_dir`` into ``model``'s parameters (any dtype/device)."""
     packed = getattr(model, "packed_modules_mapping", {})
+    prefixes = getattr(model, "checkpoint_prefix_mapping", {})
     params = dict(model.named_parameters())  # tied weights appear once, under their first name
     expected = {(name, shard) for name, p in params.items() for shard in getattr(p, "shard_ids", (None,))}
     loaded: set[tuple[str, object]] = set()
@@ -52,7 +56,7 @@ def load_model(model: nn.Module, model_dir: str) -> None:
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for ckpt_name in f.keys():
-                    target = _target(ckpt_name, packed)
+                    target = _target(ckpt_name, packed, prefixes)
                     if target is None:
                         continue
                     param_name, shard_id = target
@@ -71,7 +75,10 @@ def load_model(model: nn.Module, model_dir: str) -> None:
                             loader(param, tensor, shard_id)
                     except ValueError as e:
                         raise ValueError(f"{path}: tensor {ckpt_name!r}: {e}") from e
-                    loaded.add((param_name, shard_id))
+                    if shard_id is None:  # a whole parameter, fused projections included: all its shards
+                        loaded.update((param_name, shard) for shard in getattr(param, "shard_ids", (None,)))
+                    else:
+                        loaded.add((param_name, shard_id))
         except ValueError:
             raise
         except Exception as e:  # safetensors raises its own error types for corrupt files
@@ -83,10 +90,14 @@ def load_model(model: nn.Module, model_dir: str) -> None:
                          + (f" and {len(names) - 10} more" if len(names) > 10 else ""))
 
 
-def _target(ckpt_name: str, packed: dict) -> tuple[str, object] | None:
+def _target(ckpt_name: str, packed: dict, prefixes: dict) -> tuple[str, object] | None:
     """(parameter name, shard id) a checkpoint tensor loads into; None for tensors to skip."""
     if ckpt_name.endswith(_IGNORED_SUFFIXES):
         return None
+    for prefix, replacement in prefixes.items():
+        if ckpt_name.startswith(prefix):
+            ckpt_name = replacement + ckpt_name[len(prefix):]
+            break
     for fragment, (fused, shard_id) in packed.items():
         if f".{fragment}." in ckpt_name:
             return ckpt_name.replace(f".{fragment}.", f".{fused}."), shard_id

@@ -72,11 +72,29 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *, sliding_window: int | None = None):
+    """Causal attention of the new tokens over their sequences' cached ones.
+
+    The per-model knobs go straight to the pagedkernels ops: ``scale`` multiplies ``q @ k^T`` (default
+    ``head_dim ** -0.5``; Gemma 2 uses ``query_pre_attn_scalar ** -0.5``), ``softcap`` then maps each score
+    to ``softcap * tanh(score / softcap)`` (Gemma 2's attn_logit_softcapping), and ``sliding_window=W`` lets
+    a query at position p see keys ``p - W < k <= p`` (Mistral, Gemma 2's alternate layers, Phi-3).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *, scale: float | None = None,
+                 sliding_window: int | None = None, softcap: float | None = None):
         super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        if scale is not None and not scale > 0:
+            raise ValueError(f"scale must be positive, got {scale!r}")
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"softcap must be positive, got {softcap!r}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive int, got {sliding_window!r}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else float(scale)
         self.sliding_window = sliding_window
+        self.softcap = None if softcap is None else float(softcap)
         # Pure-decode batches take the split-K decode kernel where it runs as Triton (CUDA). On CPU
         # the prefill op, which serves 1-token rows too, is the faster PyTorch path (per-sequence
         # SDPA over exactly the cached tokens instead of a padded gather): ~3x at 48 sequences of
@@ -106,9 +124,10 @@ class Attention(nn.Module):
         ops.reshape_and_cache(k, v, self.key_cache, self.value_cache, meta.slot_mapping)
         if meta.is_decode and self.use_decode_kernel:
             out = ops.paged_decode_attention(q, self.key_cache, self.value_cache, meta.block_tables, meta.seq_lens,
-                                             scale=self.scale, sliding_window=self.sliding_window, out=out)
+                                             scale=self.scale, sliding_window=self.sliding_window,
+                                             softcap=self.softcap, out=out)
         else:
             out = ops.paged_prefill_attention(q, self.key_cache, self.value_cache, meta.block_tables,
                                               meta.cu_seqlens_q, meta.seq_lens, scale=self.scale,
-                                              sliding_window=self.sliding_window, out=out)
+                                              sliding_window=self.sliding_window, softcap=self.softcap, out=out)
         return out

@@ -3,7 +3,9 @@
 Fused projections keep one weight for several checkpoint tensors: ``QKVLinear`` holds q/k/v
 stacked along the output dimension, ``MergedLinear`` holds gate/up. Each parameter carries a
 ``weight_loader(param, loaded, shard_id)`` and the ``shard_ids`` it expects, so the loader can
-copy tensors in one by one and report any that never arrived.
+copy tensors in one by one and report any that never arrived. A checkpoint that stores the fused
+tensor itself (Phi-3) passes ``shard_id=None``; the loader still copies it shard by shard, so a
+sharded (tensor-parallel) parameter only has to change where each shard goes.
 """
 
 from __future__ import annotations
@@ -104,6 +106,18 @@ def _copy_shard(param: nn.Parameter, loaded: torch.Tensor, offset: int, size: in
     shard.copy_(loaded)
 
 
+def _load_shards(param: nn.Parameter, loaded: torch.Tensor, shard_id, shards: dict) -> None:
+    """Copy one checkpoint shard (``shards[shard_id]`` = (offset, size) along dim 0) or, with shard_id
+    None, a whole fused tensor, shard by shard."""
+    if shard_id is not None:
+        _copy_shard(param, loaded, *shards[shard_id])
+        return
+    if loaded.shape != param.shape:
+        raise ValueError(f"shape {tuple(loaded.shape)} does not match fused parameter shape {tuple(param.shape)}")
+    for offset, size in shards.values():
+        _copy_shard(param, loaded.narrow(0, offset, size), offset, size)
+
+
 class Linear(PackableLinearMixin, nn.Module):
     """``y = x W^T (+ b)``; W: ``[output_size, input_size]``."""
 
@@ -135,8 +149,9 @@ class MergedLinear(Linear):
         for param in self.parameters():
             param.shard_ids = tuple(range(len(output_sizes)))
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
-        _copy_shard(param, loaded, sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id])
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None) -> None:
+        shards = {i: (sum(self.output_sizes[:i]), size) for i, size in enumerate(self.output_sizes)}
+        _load_shards(param, loaded, shard_id, shards)
 
 
 class QKVLinear(Linear):
@@ -148,7 +163,7 @@ class QKVLinear(Linear):
         for param in self.parameters():
             param.shard_ids = ("q", "k", "v")
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
-        offsets = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
-                   "v": (self.q_size + self.kv_size, self.kv_size)}
-        _copy_shard(param, loaded, *offsets[shard_id])
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None) -> None:
+        shards = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
+                  "v": (self.q_size + self.kv_size, self.kv_size)}
+        _load_shards(param, loaded, shard_id, shards)

@@ -1,4 +1,9 @@
-"""Model registry: HF ``architectures`` name -> engine model class (imported on first use)."""
+"""Model registry: HF ``architectures`` name -> engine model class (imported on first use).
+
+Each model class owns its config mapping: ``config_from_hf(hf_text_config, common) -> dict`` (a classmethod)
+turns its config.json keys into ModelConfig fields, so ModelConfig.from_pretrained asks the model's module
+what a key means instead of knowing every architecture itself.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +15,23 @@ _MODELS = {
     "MistralForCausalLM": ("engine.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("engine.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("engine.models.qwen3", "Qwen3ForCausalLM"),
+    "OPTForCausalLM": ("engine.models.opt", "OPTForCausalLM"),
+    "Gemma2ForCausalLM": ("engine.models.gemma2", "Gemma2ForCausalLM"),
+    "Phi3ForCausalLM": ("engine.models.phi3", "Phi3ForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
+# model_type -> architecture, for configs that lack an "architectures" list.
+_MODEL_TYPE_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "opt": "OPTForCausalLM", "gemma2": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM",
+}
+
+
+def architecture_of_model_type(model_type: str | None) -> str:
+    """The architecture a config.json without "architectures" means by its ``model_type`` (an unsupported
+    placeholder naming the model_type when there is none)."""
+    return _MODEL_TYPE_ARCHITECTURES.get(model_type, f"<model_type {model_type!r}>")
 
 
 def check_architecture(architecture: str) -> None:

@@ -1,7 +1,8 @@
 """Llama family decoder (Llama incl. Llama-3 rope scaling; Mistral = Llama with a sliding window).
 
 Qwen2 and Qwen3 are the same network with q/k/v biases or per-head q/k RMSNorm; their classes
-(qwen2.py, qwen3.py) only switch the class attributes below.
+(qwen2.py, qwen3.py) only switch the class attributes below and their config mapping. Phi-3 (phi3.py) is
+this network too, with q/k/v and gate/up fused in its checkpoints, partial rotary and LongRoPE.
 """
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.layers.activation import SiluAndMul
+from engine.config import ModelConfig, need, read_layer_types, read_rope
+from engine.layers.activation import gated_activation
 from engine.layers.attention import Attention, AttentionMetadata
 from engine.layers.embed_head import LMHead, VocabEmbedding
 from engine.layers.layernorm import RMSNorm
@@ -29,12 +30,13 @@ class LlamaAttention(nn.Module):
                                   bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
         if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, config.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.norm_eps)
         self.qk_norm = qk_norm
         self.rotary_emb = rotary_emb
         window = config.layer_sliding_windows[layer_idx] if config.layer_sliding_windows else config.sliding_window
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, sliding_window=window)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=config.attention_scale,
+                              sliding_window=window, softcap=config.attn_logit_softcap)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
@@ -54,7 +56,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-        self.act_fn = SiluAndMul()
+        self.act_fn = gated_activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -66,8 +68,8 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, rotary_emb, o_bias=o_bias, qk_norm=qk_norm)
         self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,13 +89,16 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         # One cos/sin table (max_model_len positions) shared by every layer.
-        rotary_emb = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling)
+        self.rotary_emb = rotary_emb = RotaryEmbedding(
+            config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling,
+            rotary_dim=int(config.head_dim * config.partial_rotary_factor))
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, rotary_emb, o_bias=o_bias, qk_norm=qk_norm)
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
+        positions = self.rotary_emb.cache_positions(positions, meta.seq_lens, meta.cu_seqlens_q)
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual, meta)
         hidden_states, _ = self.norm(hidden_states, residual)
@@ -111,6 +116,40 @@ class LlamaForCausalLM(nn.Module):
     }
     o_bias_follows_attention_bias = True  # Llama: o_proj has a bias iff attention_bias
     qk_norm = False
+    rope_types = ("linear", "llama3")
+
+    @classmethod
+    def config_from_hf(cls, text: dict, common: ModelConfig) -> dict:
+        """ModelConfig fields from a Llama/Mistral config.json (``text``: its language-model part).
+        Mistral slides in every layer when its config names a window; Llama never does."""
+        hidden_act = text.get("hidden_act", "silu")
+        if hidden_act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act={hidden_act!r} is not supported (only 'silu')")
+        rope_theta, rope_scaling = read_rope(text, cls.rope_types)
+        sliding_window, layer_windows = cls._sliding_windows(text, common)
+        return dict(
+            intermediate_size=int(need(text, "intermediate_size", common.model_dir)),
+            norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            hidden_act="silu",
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            sliding_window=sliding_window,
+            layer_sliding_windows=layer_windows,
+            attention_bias=bool(text.get("attention_bias", False)),
+            mlp_bias=bool(text.get("mlp_bias", False)),
+        )
+
+    @classmethod
+    def _sliding_windows(cls, text: dict, common: ModelConfig) -> tuple[int | None, tuple[int | None, ...]]:
+        num_layers = common.num_hidden_layers
+        window = text.get("sliding_window")
+        if common.architecture == "LlamaForCausalLM" or not window:
+            return None, (None,) * num_layers
+        window = int(window)
+        layer_types = read_layer_types(text, num_layers)
+        if layer_types is None:
+            return window, (window,) * num_layers
+        return window, tuple(window if t == "sliding_attention" else None for t in layer_types)
 
     def __init__(self, config: ModelConfig):
         super().__init__()

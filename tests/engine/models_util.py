@@ -8,9 +8,19 @@ with a ChatML chat template, and a generation_config. Each architecture exercise
 - ``mistral``: sliding window of 12 tokens in every layer (prompts in tests are longer than that).
 - ``qwen2``:  bias on q/k/v, tied embeddings.
 - ``qwen3``:  q/k RMSNorm per head, tied embeddings.
+- ``opt``:    learned positions (offset 2), pre-LN LayerNorms with biases, ReLU MLP, biases on every linear,
+  tied embeddings, no rotary; 2 heads, no GQA.
+- ``gemma2``: sliding window of 8 tokens in layer 0 (full attention in layer 1), attention scale
+  ``query_pre_attn_scalar ** -0.5`` with a scalar unlike head_dim, Gemma 2's softcaps (50 on the scores, 30
+  on the logits), which bend here: the scores reach ~100-200 and the top logits ~40-50 (turning either cap
+  off moves log-probabilities by 17 and 40 nats), (1 + w) norms, GeGLU, scaled embeddings.
+- ``phi3``:   fused qkv_proj / gate_up_proj checkpoints, half the head dims rotating (partial rotary),
+  LongRoPE with short factors (original context 128: the LongRoPE attention factor applies, the long
+  factors only past 128 tokens, longer than the shared tests' sequences, see test_models_phi3.py), a
+  sliding window of 40 in every layer.
 
-All use GQA (4 query heads on 2 KV heads), head_dim 64 (a pagedkernels head size) and a 512-token
-vocabulary. The weights are drawn with a larger spread than transformers' default init so that the
+All but OPT use GQA (4 query heads on 2 KV heads); all use head_dim 64 (a pagedkernels head size) and a
+512-token vocabulary. The weights are drawn with a larger spread than transformers' default init so that the
 next-token distributions are peaked: greedy ties (which would make token-for-token parity depend on
 rounding) are then vanishingly rare. The special tokens' output rows are scaled down, so greedy
 generation rarely ends early on EOS (tests that need EOS pass stop_token_ids or use SmolLM2).
@@ -22,11 +32,18 @@ import os
 
 import torch
 
-TINY_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+TINY_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "opt", "gemma2", "phi3")
 TINY_VOCAB_SIZE = 512
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
 EOS_TOKEN_IDS = [2, 0]  # generation_config lists both; config.json names only 0
 MISTRAL_SLIDING_WINDOW = 12
+GEMMA2_SLIDING_WINDOW = 8
+GEMMA2_QUERY_PRE_ATTN_SCALAR = 40
+GEMMA2_ATTN_SOFTCAP = 50.0
+GEMMA2_FINAL_SOFTCAP = 30.0
+PHI3_ORIGINAL_MAX_POSITIONS = 128
+PHI3_SLIDING_WINDOW = 40
+PHI3_PARTIAL_ROTARY_FACTOR = 0.5
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -48,7 +65,8 @@ Die Katze schläft auf dem Sofa. Le café est très chaud. 東京は日本の首
 
 def tiny_config(arch: str, **overrides):
     """A small transformers config of architecture ``arch`` (see module docstring)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (Gemma2Config, LlamaConfig, MistralConfig, OPTConfig, Phi3Config, Qwen2Config,
+                              Qwen3Config)
 
     if arch not in TINY_ARCHITECTURES:
         raise ValueError(f"arch must be one of {TINY_ARCHITECTURES}, got {arch!r}")
@@ -67,8 +85,31 @@ def tiny_config(arch: str, **overrides):
                                rope_theta=1e6)
     elif arch == "qwen2":
         config = Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1e6)
-    else:
+    elif arch == "qwen3":
         config = Qwen3Config(**common, tie_word_embeddings=True, rope_theta=1e6)
+    elif arch == "opt":
+        config = OPTConfig(vocab_size=TINY_VOCAB_SIZE, hidden_size=128, ffn_dim=256, num_hidden_layers=2,
+                           num_attention_heads=2, max_position_embeddings=1024, word_embed_proj_dim=128,
+                           do_layer_norm_before=True, activation_function="relu", enable_bias=True,
+                           init_std=0.25, bos_token_id=1, eos_token_id=0, pad_token_id=2, dtype="float32",
+                           tie_word_embeddings=True)
+    elif arch == "gemma2":
+        config = Gemma2Config(**common, tie_word_embeddings=True, rope_theta=10000.0,
+                              sliding_window=GEMMA2_SLIDING_WINDOW, query_pre_attn_scalar=GEMMA2_QUERY_PRE_ATTN_SCALAR,
+                              attn_logit_softcapping=GEMMA2_ATTN_SOFTCAP, final_logit_softcapping=GEMMA2_FINAL_SOFTCAP,
+                              hidden_activation="gelu_pytorch_tanh")
+    else:
+        rotary_dim = int(64 * PHI3_PARTIAL_ROTARY_FACTOR)
+        generator = torch.Generator().manual_seed(1234)
+        short_factor = (1.0 + torch.rand(rotary_dim // 2, generator=generator)).tolist()
+        long_factor = (1.0 + 7.0 * torch.rand(rotary_dim // 2, generator=generator)).tolist()
+        # Phi-3 has no head_dim key: it is hidden_size / num_attention_heads = 256 / 4 = 64.
+        phi3 = {key: value for key, value in common.items() if key != "head_dim"} | {"hidden_size": 256}
+        config = Phi3Config(**phi3, tie_word_embeddings=False, sliding_window=PHI3_SLIDING_WINDOW,
+                            original_max_position_embeddings=PHI3_ORIGINAL_MAX_POSITIONS,
+                            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                             "partial_rotary_factor": PHI3_PARTIAL_ROTARY_FACTOR,
+                                             "short_factor": short_factor, "long_factor": long_factor})
     for key, value in overrides.items():
         setattr(config, key, value)
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
