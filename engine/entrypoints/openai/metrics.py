@@ -1,7 +1,9 @@
 """Prometheus metrics of the server (GET /metrics), on a registry of its own (one per app).
 
-Gauges are read from the engine when scraped (`await ServerMetrics.refresh(engine)`); latency histograms are
-observed as requests finish (AsyncLLMEngine.finished_callbacks). Names follow vLLM's with an `engine_` prefix."""
+Gauges are read from the engine when scraped (`await ServerMetrics.render(engine)`); latency histograms are
+observed as requests finish (AsyncLLMEngine.finished_callbacks). Every metric is exported twice: under this
+project's `engine_` names (unlabelled) and under vLLM's `vllm:` names with a `model_name` label, so dashboards and
+tools written for vLLM (Grafana boards, benchmark scrapers) read this server unchanged."""
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
@@ -12,6 +14,7 @@ from engine.outputs import RequestOutput
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
 
 
@@ -26,18 +29,28 @@ def request_latencies(output: RequestOutput) -> tuple[float | None, float | None
 
 
 class _EngineCounters:
-    """Cumulative engine counters, exported from the last snapshot as Prometheus counters."""
+    """Cumulative engine counters, exported from the last snapshot as Prometheus counters (both names)."""
 
-    def __init__(self):
-        self.values = {"num_preemptions": 0, "num_prompt_tokens": 0, "num_generation_tokens": 0}
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.values = {"num_preemptions": 0, "num_prompt_tokens": 0, "num_generation_tokens": 0,
+                       "prefix_cache_queries": 0, "prefix_cache_hits": 0}
 
     def collect(self):
-        for name, help_text, key in (
-                ("engine_num_preemptions", "Preemptions (by recomputation) so far", "num_preemptions"),
-                ("engine_prompt_tokens", "Prompt tokens of finished requests", "num_prompt_tokens"),
-                ("engine_generation_tokens", "Generated tokens of finished requests", "num_generation_tokens")):
-            family = CounterMetricFamily(name, help_text)
-            family.add_metric([], self.values[key])
+        for name, vllm_name, help_text, key in (
+                ("engine_num_preemptions", "vllm:num_preemptions", "Preemptions so far", "num_preemptions"),
+                ("engine_prompt_tokens", "vllm:prompt_tokens", "Prompt tokens admitted", "num_prompt_tokens"),
+                ("engine_generation_tokens", "vllm:generation_tokens", "Generated tokens",
+                 "num_generation_tokens"),
+                (None, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                 "prefix_cache_queries"),
+                (None, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", "prefix_cache_hits")):
+            if name is not None:
+                family = CounterMetricFamily(name, help_text)
+                family.add_metric([], self.values[key])
+                yield family
+            family = CounterMetricFamily(vllm_name, help_text, labels=["model_name"])
+            family.add_metric([self.model_name], self.values[key])
             yield family
 
 
@@ -62,7 +75,30 @@ class ServerMetrics:
                              buckets=E2E_BUCKETS, registry=registry)
         self.request_success = Counter("engine_request_success", "Finished requests by finish reason",
                                        ["finished_reason"], registry=registry)
-        self.counters = _EngineCounters()
+        # vLLM's names, labelled with the served model.
+        label = ["model_name"]
+        self.vllm_running = Gauge("vllm:num_requests_running", "Requests in the running batch", label,
+                                  registry=registry)
+        self.vllm_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", label,
+                                  registry=registry)
+        self.vllm_swapped = Gauge("vllm:num_requests_swapped", "Requests swapped out to CPU memory", label,
+                                  registry=registry)
+        self.vllm_kv_cache_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage (1 means 100 percent)", label,
+                                         registry=registry)
+        self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", label,
+                                   buckets=TTFT_BUCKETS, registry=registry)
+        self.vllm_tpot = Histogram("vllm:time_per_output_token_seconds", "Time per output token after the first",
+                                   label, buckets=TPOT_BUCKETS, registry=registry)
+        self.vllm_e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", label,
+                                  buckets=E2E_BUCKETS, registry=registry)
+        self.vllm_request_success = Counter("vllm:request_success", "Finished requests by finish reason",
+                                            ["model_name", "finished_reason"], registry=registry)
+        self.vllm_prompt_tokens_hist = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request", label,
+                                                 buckets=_TOKEN_BUCKETS, registry=registry)
+        self.vllm_generation_tokens_hist = Histogram("vllm:request_generation_tokens",
+                                                     "Generated tokens per request", label, buckets=_TOKEN_BUCKETS,
+                                                     registry=registry)
+        self.counters = _EngineCounters(model_name)
         registry.register(self.counters)
 
     def attach(self, engine: AsyncLLMEngine) -> None:
@@ -70,14 +106,19 @@ class ServerMetrics:
 
     def observe_finished(self, output: RequestOutput) -> None:
         ttft, tpot, e2e = request_latencies(output)
-        if ttft is not None:
-            self.ttft.observe(ttft)
-        if tpot is not None:
-            self.tpot.observe(tpot)
-        if e2e is not None:
-            self.e2e.observe(e2e)
+        model = self.model_name
+        for value, ours, theirs in ((ttft, self.ttft, self.vllm_ttft), (tpot, self.tpot, self.vllm_tpot),
+                                    (e2e, self.e2e, self.vllm_e2e)):
+            if value is not None:
+                ours.observe(value)
+                theirs.labels(model_name=model).observe(value)
+        self.vllm_prompt_tokens_hist.labels(model_name=model).observe(len(output.prompt_token_ids))
+        self.vllm_generation_tokens_hist.labels(model_name=model).observe(
+            sum(len(c.token_ids) for c in output.outputs))
         for completion in output.outputs:
-            self.request_success.labels(finished_reason=completion.finish_reason or "abort").inc()
+            reason = completion.finish_reason or "abort"
+            self.request_success.labels(finished_reason=reason).inc()
+            self.vllm_request_success.labels(model_name=model, finished_reason=reason).inc()
 
     async def render(self, engine: AsyncLLMEngine) -> bytes:
         stats = await engine.get_metrics()
@@ -86,6 +127,14 @@ class ServerMetrics:
         self.num_swapped.set(stats.num_swapped)
         self.kv_cache_usage.set(stats.kv_cache_usage)
         self.prefix_hit.set(stats.prefix_cache_hit_rate)
-        for key in self.counters.values:
+        model = self.model_name
+        self.vllm_running.labels(model_name=model).set(stats.num_running)
+        self.vllm_waiting.labels(model_name=model).set(stats.num_waiting)
+        self.vllm_swapped.labels(model_name=model).set(stats.num_swapped)
+        self.vllm_kv_cache_usage.labels(model_name=model).set(stats.kv_cache_usage)
+        for key in ("num_preemptions", "num_prompt_tokens", "num_generation_tokens"):
             self.counters.values[key] = getattr(stats, key)
+        # Token counts of the prefix cache: lookups are the prompt tokens admitted, hits the ones found cached.
+        self.counters.values["prefix_cache_queries"] = stats.num_prompt_tokens
+        self.counters.values["prefix_cache_hits"] = round(stats.prefix_cache_hit_rate * stats.num_prompt_tokens)
         return generate_latest(self.registry)
