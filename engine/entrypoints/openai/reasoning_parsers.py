@@ -19,11 +19,11 @@ class ThinkReasoningParser:
     def split(self, text: str, final: bool) -> tuple[str | None, str]:
         """(reasoning or None, content) of the output so far."""
         body = text.lstrip()
+        if not final and START.startswith(body):   # may still become "<think>"
+            return (None if not self.start_optional else ""), ""
         if body.startswith(START):
             body = body[len(START):]
         elif not self.start_optional:
-            if not final and START.startswith(body):   # may still become "<think>"
-                return None, ""
             return None, text
         body = body.lstrip("\n")   # left strips only: they keep each part's streamed text a prefix of its final one
         end = body.find(END)
