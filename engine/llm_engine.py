@@ -1,4 +1,10 @@
-"""The engine loop: requests in; a step = schedule -> run the model -> sample -> process outputs; outputs out."""
+"""The engine loop: requests in; a step = schedule -> run the model -> sample -> process outputs; outputs out.
+
+A step that raises (model forward, block moves, sampler, grammar, detokenizer, a bug) fails only the requests
+it was working on: they finish with finish_reason "error" and RequestOutput.error, their blocks are freed, and
+the engine keeps serving the others (see LLMEngine._fail_step).
+"""
+import logging
 import os
 import time
 
@@ -9,12 +15,15 @@ from engine.block_manager import BlockManager
 from engine.cache_engine import CacheEngine, num_swap_blocks_for
 from engine.config import ModelConfig
 from engine.detokenizer import Detokenizer, check_stop_strings
+from engine.generation_config import load_sampling_defaults
 from engine.outputs import CompletionOutput, EngineMetrics, Logprob, RequestOutput
 from engine.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.tokenizer import get_tokenizer
+
+logger = logging.getLogger("engine")
 
 # Default token budget per step. Chunked prefill is always on, so the budget does not have to hold a whole
 # prompt; 8192 is vLLM v1's default for its offline LLM class on GPUs under 70 GiB. On CPU a smaller step
@@ -59,7 +68,7 @@ class LLMEngine:
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, num_kv_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  enforce_eager: bool = False, seed: int = 0, swap_space: float = 4,
-                 preemption_mode: str = "recompute"):
+                 preemption_mode: str = "recompute", generation_config: str = "auto"):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
         if isinstance(swap_space, bool) or not isinstance(swap_space, (int, float)) or not swap_space >= 0:
@@ -81,6 +90,13 @@ class LLMEngine:
         model_dir = resolve_model_path(model)
         self.model_config = ModelConfig.from_pretrained(model_dir, dtype=dtype, max_model_len=max_model_len,
                                                         device=self.device)
+        # Request fields a request leaves unset take these (the model's generation_config.json, like vLLM's
+        # --generation-config auto); a server merges request fields over this dict.
+        self.sampling_defaults: dict = load_sampling_defaults(generation_config, model_dir)
+        SamplingParams(**self.sampling_defaults)   # a bad value in the file fails here, not in every request
+        if self.sampling_defaults:
+            logger.info("default sampling parameters from %s's generation_config.json: %s",
+                        model_dir if generation_config == "auto" else generation_config, self.sampling_defaults)
         self.tokenizer = get_tokenizer(resolve_model_path(tokenizer) if tokenizer else model_dir)
         self.max_model_len = self.model_config.max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens or (
@@ -92,6 +108,7 @@ class LLMEngine:
         # The swap space is allocated only when swapping is the preemption mode (it would sit unused otherwise).
         num_swap_blocks = (num_swap_blocks_for(swap_space, self.model_runner.kv_cache)
                            if preemption_mode == "swap" else 0)
+        self._fit_max_model_len_to_cache(block_size, user_max_model_len=max_model_len)
         self.cache_engine = CacheEngine(self.model_runner.kv_cache, num_swap_blocks)
         self.block_manager = BlockManager(self.model_runner.num_kv_blocks, block_size,
                                           enable_prefix_caching=enable_prefix_caching,
@@ -104,11 +121,37 @@ class LLMEngine:
         self.requests: dict[str, SequenceGroup] = {}
         self.num_generation_tokens = 0
         self.beam_logprobs: dict[int, torch.Tensor] = {}   # seq_id -> log-softmax row of a beam waiting for its group
+        self.guided_decoding = None   # engine/guided_decoding.py GuidedDecoding, built for the first guided request
+        # The requests the current step works on (request_id -> group): the ones failed if the step raises.
+        self._step_groups: dict[str, SequenceGroup] = {}
+        self._moving_blocks = False   # the step is issuing block moves (a failure there spoils their targets)
+        self._step_block_moves: list[tuple[str, list[tuple[int, int]]]] = []
+
+    def _fit_max_model_len_to_cache(self, block_size: int, *, user_max_model_len: int | None) -> None:
+        """A sequence of max_model_len tokens must fit in the KV cache alone. When it does not, cap
+        max_model_len to what the cache holds (with a warning), or refuse to start if the user asked for that
+        max_model_len (as vLLM does)."""
+        cache_tokens = self.model_runner.num_kv_blocks * block_size
+        if cache_tokens >= self.max_model_len:
+            return
+        if user_max_model_len is not None:
+            raise ValueError(f"max_model_len={user_max_model_len} does not fit in the KV cache, which holds "
+                             f"{cache_tokens} tokens ({self.model_runner.num_kv_blocks} blocks of {block_size}); "
+                             f"lower max_model_len or give the cache more blocks (num_kv_blocks / "
+                             f"gpu_memory_utilization)")
+        logger.warning("the KV cache holds %d tokens, less than the model's max_model_len=%d: max_model_len "
+                       "is capped to %d", cache_tokens, self.max_model_len, cache_tokens)
+        self.max_model_len = self.model_config.max_model_len = cache_tokens
+
+    def default_sampling_params(self) -> SamplingParams:
+        """A fresh SamplingParams with the model's defaults (`sampling_defaults`) over vLLM's."""
+        return SamplingParams(**self.sampling_defaults)
 
     # -- requests --------------------------------------------------------------------------------------------
-    def process_prompt(self, prompt) -> tuple[str | None, list[int]]:
+    def process_prompt(self, prompt, truncate_prompt_tokens: int | None = None) -> tuple[str | None, list[int]]:
         """Validate a prompt (str, {"prompt": str} or {"prompt_token_ids": [...]}, optionally with "prompt"
-        as its text) and return (text, token ids). Raises ValueError on bad input."""
+        as its text) and return (text, token ids). With truncate_prompt_tokens=k only the last k tokens are
+        kept (before the length check; the text is then theirs). Raises ValueError on bad input."""
         if isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt", "prompt_token_ids"}
             if unknown or not prompt:
@@ -127,6 +170,9 @@ class LLMEngine:
             text, token_ids = self._tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt is empty (no tokens)")
+        if truncate_prompt_tokens is not None and len(token_ids) > truncate_prompt_tokens:
+            token_ids = token_ids[-truncate_prompt_tokens:]
+            text = None if text is None else self.detokenizer.decode(token_ids, skip_special_tokens=False)
         vocab_size = self.model_config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
@@ -148,15 +194,20 @@ class LLMEngine:
         (and the requests already in it) untouched."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
-        params = SamplingParams() if params is None else params
+        params = self.default_sampling_params() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if params.n > self.scheduler.max_num_seqs:
             raise ValueError(f"n={params.n} is more than max_num_seqs={self.scheduler.max_num_seqs}")
-        text, token_ids = self.process_prompt(prompt)
+        self._check_token_ids(params)
+        text, token_ids = self.process_prompt(prompt, params.truncate_prompt_tokens)
         seq = Sequence(request_id, text, token_ids, params, arrival_time=arrival_time or time.time(),
                        eos_token_ids=self.model_config.eos_token_ids, max_model_len=self.max_model_len,
                        device=self.device)
+        if params.bad_words:
+            seq.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+        if params.guided_decoding is not None:
+            seq.guided = self._guided_decoding().new_state(params.guided_decoding)   # ValueError on a bad spec
         # The longest this request can get must fit in the whole cache, or it could never run alone: its
         # prompt blocks once, plus for each of its n sequences the blocks of its output and a copied last block.
         max_computed = seq.num_prompt_tokens + (seq.max_tokens if seq.max_tokens is not None
@@ -170,6 +221,35 @@ class LLMEngine:
                              f"only {self.block_manager.num_blocks}; lower max_tokens or raise num_kv_blocks")
         self.requests[request_id] = seq.group
         self.scheduler.add(seq)
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        vocab_size = self.model_config.vocab_size
+        for name in ("logit_bias", "allowed_token_ids"):
+            ids = getattr(params, name)
+            bad = [t for t in (ids or ()) if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} has token id {bad[0]}, outside the vocabulary [0, {vocab_size})")
+
+    def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """vLLM's rule: each word's tokens, and those of " " + word when that is a different first token of
+        the same length (the word in the middle of a text)."""
+        vocab_size = self.model_config.vocab_size
+        token_ids = []
+        for word in bad_words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            for ids in (plain, spaced) if spaced and plain and spaced[0] != plain[0] \
+                    and len(spaced) == len(plain) else (plain,):
+                if ids and all(t < vocab_size for t in ids):
+                    token_ids.append(ids)
+        return token_ids
+
+    def _guided_decoding(self):
+        if self.guided_decoding is None:
+            from engine.guided_decoding import GuidedDecoding   # imports xgrammar: only for guided requests
+            self.guided_decoding = GuidedDecoding(self.tokenizer, self.model_config.vocab_size,
+                                                  self.model_config.eos_token_ids)
+        return self.guided_decoding
 
     def add_beam_request(self, request_id: str, prompt, params: BeamSearchParams) -> None:
         """Queue a beam-search request (see engine/beam_search.py); its final RequestOutput holds the finished
@@ -227,11 +307,24 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One iteration; returns an output for every request that produced a token (finished or not)."""
+        """One iteration; returns an output for every request that produced a token (finished or not).
+        If anything after scheduling raises, the requests of this step fail alone (see _fail_step)."""
         scheduled = self.scheduler.schedule()
+        self._step_groups = {seq.request_id: seq.group for seq, _ in scheduled}
+        self._moving_blocks = False
+        try:
+            return self._run_step(scheduled)
+        except Exception as error:
+            return self._fail_step(error)
+        finally:
+            self._step_groups = {}
+
+    def _run_step(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
         if not scheduled:   # beams swapped back in may still be waiting for their group's step
             return self._advance_beams()
+        self._moving_blocks = True
         self._move_blocks()
+        self._moving_blocks = False
         # Entries still inside a prompt whose logprobs were asked for need the logits of every position.
         prompt_rows = [i for i, (seq, _) in enumerate(scheduled)
                        if seq.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens]
@@ -241,9 +334,55 @@ class LLMEngine:
                 self._append_prompt_logprobs(*scheduled[i], row_logits)
         else:
             logits = self.model_runner.execute_model(scheduled)
+        # Only now is the KV of the scheduled tokens written: a failure before this line registers none of
+        # their blocks in the prefix cache (a failed step's blocks are then freed unregistered).
         self.scheduler.update_after_step(scheduled)
-        seqs, sampler_output = self._sample(scheduled, logits)
-        return self._process_outputs(seqs, sampler_output) + self._advance_beams()
+        seqs, sampler_output, done_without_sampling = self._sample(scheduled, logits)
+        return self._process_outputs(seqs, sampler_output, done_without_sampling) + self._advance_beams()
+
+    def _fail_step(self, error: Exception) -> list[RequestOutput]:
+        """Fail the requests the step was working on: log the traceback, finish each of their sequences with
+        finish_reason "error" (freeing every block), and return their final outputs with `error` set. When the
+        failure hit the block moves, the requests whose blocks those moves were writing fail too (their KV
+        is unknown). The prefix cache stays sound: blocks are registered only after a forward completed
+        (update_after_step), and freed blocks keep only such registrations."""
+        failed = dict(self._step_groups)
+        if self._moving_blocks:
+            failed.update(self._groups_written_by(self._step_block_moves))
+        logger.error("engine step failed; failing its %d request(s): %s", len(failed),
+                     ", ".join(failed) or "none", exc_info=error)
+        message = f"internal error in engine step: {type(error).__name__}: {error}"
+        now = time.time()
+        outputs = []
+        for request_id, group in failed.items():
+            group.error = message
+            for seq in group.seqs:
+                self.beam_logprobs.pop(seq.seq_id, None)
+                seq.finish_reason, seq.stop_reason = "error", None
+                if not seq.is_finished:
+                    try:
+                        self.scheduler.finish(seq)
+                    except Exception:   # keep failing the others; this sequence's state was already broken
+                        logger.exception("could not free the blocks of failed request %r", request_id)
+                        seq.status = SequenceStatus.FINISHED
+            self.requests.pop(request_id, None)
+            group.seqs[0].metrics.finished_time = now
+            outputs.append(self._make_output(group))
+        self.block_manager.pending_ops = []
+        return outputs
+
+    def _groups_written_by(self, moves: list[tuple[str, list[tuple[int, int]]]]) -> dict[str, SequenceGroup]:
+        """The requests holding a destination block of `moves` (cache blocks of copies and swap-ins, swap-space
+        blocks of swap-outs)."""
+        cache_dsts = {dst for kind, pairs in moves if kind != "swap_out" for _, dst in pairs}
+        swap_dsts = {dst for kind, pairs in moves if kind == "swap_out" for _, dst in pairs}
+        groups = {}
+        for request_id, group in self.requests.items():
+            for seq in group.seqs:
+                dsts = swap_dsts if seq.status is SequenceStatus.SWAPPED else cache_dsts
+                if not seq.is_finished and dsts.intersection(seq.block_table):
+                    groups[request_id] = group
+        return groups
 
     def _advance_beams(self) -> list[RequestOutput]:
         """Move every beam-search request whose live beams all have their next-token logprobs one step on:
@@ -253,6 +392,7 @@ class LLMEngine:
             beams = group.unfinished_seqs
             if not all(s.status is SequenceStatus.RUNNING and s.seq_id in self.beam_logprobs for s in beams):
                 continue
+            self._step_groups[group.request_id] = group
             state = group.beam
             logprobs = torch.stack([self.beam_logprobs.pop(s.seq_id) for s in beams])
             chosen = state.step([s.output_token_ids for s in beams], logprobs)
@@ -304,7 +444,8 @@ class LLMEngine:
     def _move_blocks(self) -> None:
         """Issue this step's block moves, in the order the scheduler decided them: swap-outs, swap-ins and
         copy-on-write copies (one call per kind in the usual case)."""
-        for kind, pairs in self.block_manager.take_pending_ops():
+        self._step_block_moves = self.block_manager.take_pending_ops()
+        for kind, pairs in self._step_block_moves:
             if kind == "copy":
                 self.model_runner.copy_blocks(pairs)
             elif kind == "swap_out":
@@ -313,11 +454,13 @@ class LLMEngine:
                 self.cache_engine.swap_in(pairs)
 
     def _sample(self, scheduled: list[tuple[Sequence, int]], logits: torch.Tensor
-                ) -> tuple[list[Sequence], SamplerOutput | None]:
+                ) -> tuple[list[Sequence], SamplerOutput | None, list[Sequence]]:
         """Sample for the sequences whose scheduled tokens reached their end (mid-prompt chunks do not sample).
         An n > 1 request whose prompt was just computed forks here: its n sequences share the prompt's blocks
-        and sample their first tokens from the same logits row, each with its own seed stream."""
-        rows, seqs = [], []
+        and sample their first tokens from the same logits row, each with its own seed stream. A max_tokens=0
+        request finishes here instead ("length"), its prompt (and prompt logprobs) computed; those sequences
+        are returned third."""
+        rows, seqs, done_without_sampling = [], [], []
         beam_rows = [i for i, (seq, _) in enumerate(scheduled)
                      if seq.group.beam is not None and seq.num_computed_tokens == seq.num_tokens]
         if beam_rows:
@@ -328,21 +471,38 @@ class LLMEngine:
             if seq.num_computed_tokens != seq.num_tokens or seq.group.beam is not None:
                 continue
             sampling = self.scheduler.forks_on_prompt_done(seq)
+            if seq.max_tokens == 0:
+                done_without_sampling += sampling
+                continue
             rows += [i] * len(sampling)
             seqs += sampling
         if not rows:
-            return [], None
+            return [], None, done_without_sampling
         if rows != list(range(len(scheduled))):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        return seqs, self.sampler(logits, seqs)
+        return seqs, self.sampler(logits, seqs), done_without_sampling
 
-    def _process_outputs(self, seqs: list[Sequence], sampler_output: SamplerOutput | None) -> list[RequestOutput]:
+    def _process_outputs(self, seqs: list[Sequence], sampler_output: SamplerOutput | None,
+                         done_without_sampling: list[Sequence] = ()) -> list[RequestOutput]:
         """Append the sampled tokens, detokenize, apply the stop conditions, release finished requests."""
         now = time.time()
         groups: dict[str, SequenceGroup] = {}
+        with_new_token: set[str] = set()
+        for seq in done_without_sampling:
+            seq.finish_reason = "length"
+            self.scheduler.finish(seq)
+            groups[seq.request_id] = seq.group
         for row, seq in enumerate(seqs):
             token_id = sampler_output.sampled_token_ids[row]
+            if seq.guided is not None and not seq.guided.accept(token_id):
+                # Only the sampler's last-resort fallback can pick a token the grammar forbids (see sampler.py).
+                seq.finish_reason = "error"
+                seq.group.error = f"guided decoding: the grammar does not allow the sampled token {token_id}"
+                self.scheduler.finish(seq)
+                groups[seq.request_id] = seq.group
+                continue
             seq.append_token(token_id)
+            with_new_token.add(seq.request_id)
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
             seq.metrics.last_token_time = now
@@ -350,11 +510,14 @@ class LLMEngine:
             if seq.logprobs is not None:
                 self._append_logprobs(seq, row, token_id, sampler_output)
             self._check_stop(seq, token_id)
+            if seq.finish_reason is None and seq.guided is not None and seq.guided.is_terminated:
+                seq.finish_reason = "stop"   # the grammar is complete: nothing more may follow
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
             groups[seq.request_id] = seq.group
         for group in groups.values():
-            group.seqs[0].metrics.num_output_tokens += 1   # one token position for all of its sequences
+            if group.request_id in with_new_token:
+                group.seqs[0].metrics.num_output_tokens += 1   # one token position for all of its sequences
             if group.is_finished:
                 del self.requests[group.request_id]
                 group.seqs[0].metrics.finished_time = now
@@ -422,4 +585,4 @@ class LLMEngine:
         return RequestOutput(request_id=group.request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
                              outputs=completions, finished=group.is_finished,
                              num_cached_tokens=first.num_cached_tokens, metrics=first.metrics,
-                             prompt_logprobs=first.prompt_logprobs)
+                             prompt_logprobs=first.prompt_logprobs, error=group.error)

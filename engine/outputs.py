@@ -18,7 +18,7 @@ class CompletionOutput:
     cumulative_logprob: float | None
     # One dict per generated token: {token_id: Logprob}, always including the sampled token.
     logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None = None   # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None   # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None   # the stop string or stop token id that ended it; None for EOS
 
     def finished(self) -> bool:
@@ -77,3 +77,6 @@ class RequestOutput:
     # With SamplingParams(prompt_logprobs=k): per prompt token, {token_id: Logprob} (the prompt token and the
     # k most likely); None for the first token, which has no context.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # Set when the engine failed this request (every completion then has finish_reason "error"): a short
+    # message, "internal error in engine step: <ExcType>: <msg>". The engine logs the traceback.
+    error: str | None = None

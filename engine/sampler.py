@@ -1,9 +1,19 @@
 """Next-token sampling for a whole batch at once, in float32.
 
-Per step, in vLLM v1's order: raw logprobs (if asked) -> min_tokens mask -> penalties -> greedy argmax ->
-temperature -> min-p -> top-k / top-p -> random draw -> greedy and random rows merged. Every stage is one
-tensor op over [num_seqs, vocab_size]; stages nobody in the batch uses are skipped. The only Python loops are
-over requests (gathering their parameters) and over the seeded requests' generators.
+Per step, in vLLM v1's order: sanitize -> raw logprobs (if asked) -> logit_bias -> grammar mask (guided
+decoding) -> allowed_token_ids / bad_words / min_tokens masks -> penalties -> greedy argmax -> temperature ->
+min-p -> top-k / top-p -> random draw -> greedy and random rows merged. Every stage is one tensor op over
+[num_seqs, vocab_size]; stages nobody in the batch uses are skipped. The only Python loops are over requests
+(gathering their parameters, filling their grammar masks) and over the seeded requests' generators.
+
+Whatever the parameters and the logits, every sampled id is in [0, vocab_size):
+- NaN logits count as -inf (never sampled) and +inf as the largest float32, before anything else; penalties,
+  the only stage that can overflow again (a tiny repetition_penalty divides by almost 0), are followed by the
+  same clamp. Temperature divides logits minus the row maximum, so the largest logit is 0 and softmax is exact.
+- A row with every token at -inf (the grammar, allowed_token_ids, bad_words and min_tokens masks leave nothing,
+  or the model gave only NaN/-inf) falls back, in this order, to: the argmax of the row before the
+  allowed_token_ids / bad_words / min_tokens masks (so a grammar stays satisfied); the first token the grammar
+  allows; token 0.
 
 Random rows are sampled by inverse CDF: one uniform number per row, the first token whose cumulative
 probability exceeds it. A seeded request draws its number from its own torch.Generator, so its tokens do not
@@ -16,6 +26,11 @@ from dataclasses import dataclass
 import torch
 
 from engine.sequence import Sequence
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+# Repetition penalties are clamped to this range so that 1 / penalty stays finite in float32.
+_MIN_REPETITION_PENALTY = torch.finfo(torch.float32).tiny
+_MAX_REPETITION_PENALTY = 1.0 / torch.finfo(torch.float32).tiny
 
 
 @dataclass(slots=True)
@@ -38,50 +53,69 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """logits: [num_seqs, vocab_size] float32, the last position of each sequence in `seqs` (same order);
         modified in place (the engine hands over a fresh tensor each step). Returns one sampled token per
-        sequence (and logprobs for those that asked)."""
+        sequence, each in [0, vocab_size) (and logprobs for those that asked)."""
         if logits.ndim != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits must be [len(seqs)={len(seqs)}, vocab_size], got {tuple(logits.shape)}")
         logits = logits.float().contiguous()
         num_seqs, vocab_size = logits.shape
         device = logits.device
         params = [seq.params for seq in seqs]
+        _sanitize(logits)
 
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
-        # min_tokens: EOS and stop tokens cannot be sampled before the request has min_tokens outputs.
-        rows, cols = [], []
-        for i, seq in enumerate(seqs):
-            if seq.num_output_tokens < seq.params.min_tokens:
-                ids = [t for t in seq.stop_token_ids if t < vocab_size]
-                rows += [i] * len(ids)
-                cols += ids
-        if rows:
-            logits[rows, cols] = float("-inf")
+        if any(p.logit_bias for p in params):
+            apply_logit_bias(logits, params)
+
+        guided_rows = [i for i, seq in enumerate(seqs) if seq.guided is not None]
+        grammar_bitmask = None
+        if guided_rows:
+            from engine.guided_decoding import apply_grammar_bitmask   # imports xgrammar: only when used
+            grammar_bitmask = apply_grammar_bitmask(logits, [seqs[i].guided for i in guided_rows], guided_rows)
+
+        # Token masks the request asked for; the rows they touch keep an unmasked copy for the fallback.
+        mask_rows = [i for i, seq in enumerate(seqs)
+                     if seq.params.allowed_token_ids is not None or seq.bad_words_token_ids
+                     or seq.num_output_tokens < seq.params.min_tokens]
+        unmasked = None
+        if mask_rows:
+            unmasked = logits[torch.tensor(mask_rows, device=device)]
+            apply_token_masks(logits, seqs, mask_rows)
 
         if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
             apply_penalties(logits, seqs)
+            _sanitize(logits)
 
-        sampled = logits.argmax(dim=-1)
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        row_max, sampled = logits.max(dim=-1)
+        dead = row_max == float("-inf")
+        dead_rows = dead.nonzero().squeeze(1).tolist() if bool(dead.any()) else []
+        if dead_rows:
+            sampled[dead_rows] = torch.tensor(
+                _fallback_tokens(dead_rows, mask_rows, unmasked, guided_rows, grammar_bitmask, vocab_size),
+                device=device)
+        dead_set = set(dead_rows)
+        random_rows = [i for i, p in enumerate(params) if not p.greedy and i not in dead_set]
         if random_rows:
             if len(random_rows) < num_seqs:
                 rows = torch.tensor(random_rows, device=device)
-                sampled[rows] = self._sample_random(logits[rows], [seqs[i] for i in random_rows])
+                sampled[rows] = self._sample_random(logits[rows], row_max[rows], [seqs[i] for i in random_rows])
             else:
-                sampled = self._sample_random(logits, seqs)
+                sampled = self._sample_random(logits, row_max, seqs)
 
         if raw_logprobs is None:
             return SamplerOutput(sampled_token_ids=sampled.tolist())
         return _gather_logprobs(raw_logprobs, sampled, [p.logprobs for p in params])
 
-
-    def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """logits [num_seqs, vocab_size] of non-greedy sequences (modified in place) -> sampled ids [num_seqs]."""
+    def _sample_random(self, logits: torch.Tensor, row_max: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """logits [num_seqs, vocab_size] of non-greedy sequences (modified in place; each row has a finite
+        maximum row_max [num_seqs]) -> sampled ids [num_seqs]."""
         device = logits.device
         params = [seq.params for seq in seqs]
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-        logits.div_(temperature.unsqueeze(1))
+        # Shifted so the row maximum is exactly 0: dividing by a tiny temperature cannot overflow to +inf, and
+        # a huge one (clamped to the float32 range) flattens the row instead of making -inf / inf = NaN.
+        logits.sub_(row_max.unsqueeze(1)).div_(temperature.clamp_(max=_FLOAT32_MAX).unsqueeze(1))
         if any(p.min_p > 0.0 for p in params):
             apply_min_p(logits, torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device))
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
@@ -92,6 +126,80 @@ class Sampler:
             if seq.generator is not None:
                 uniform[i:i + 1].uniform_(generator=seq.generator)
         return sample_inverse_cdf(torch.softmax(logits, dim=-1), uniform)
+
+
+def _sanitize(logits: torch.Tensor) -> None:
+    """In place: NaN -> -inf (such a token is never chosen), +inf -> the largest float32 (so that shifting
+    by the row maximum stays finite)."""
+    torch.nan_to_num_(logits, nan=float("-inf"), posinf=_FLOAT32_MAX, neginf=float("-inf"))
+
+
+def _fallback_tokens(dead_rows: list[int], mask_rows: list[int], unmasked: torch.Tensor | None,
+                     guided_rows: list[int], grammar_bitmask: torch.Tensor | None, vocab_size: int) -> list[int]:
+    """The token of each row with nothing left to sample (see the module docstring for the order)."""
+    tokens = []
+    for row in dead_rows:
+        if row in mask_rows:
+            before_masks = unmasked[mask_rows.index(row)]
+            if bool(before_masks.amax() > float("-inf")):
+                tokens.append(int(before_masks.argmax()))
+                continue
+        if row in guided_rows:
+            words = grammar_bitmask[row].to(torch.int64) & 0xFFFFFFFF
+            bits = (words.unsqueeze(1) >> torch.arange(32, device=words.device)) & 1   # [num_words, 32]
+            allowed = bits.flatten()[:vocab_size].nonzero()
+            if allowed.numel():
+                tokens.append(int(allowed[0]))
+                continue
+        tokens.append(0)
+    return tokens
+
+
+def apply_logit_bias(logits: torch.Tensor, params: list) -> None:
+    """In place on logits [num_seqs, vocab_size]: add each row's logit_bias {token id: bias} (ids were checked
+    against the vocabulary when the request was added)."""
+    rows, cols, values = [], [], []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            rows += [i] * len(p.logit_bias)
+            cols += p.logit_bias.keys()
+            values += p.logit_bias.values()
+    device = logits.device
+    logits.index_put_((torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+                      torch.tensor(values, dtype=torch.float32, device=device), accumulate=True)
+
+
+def apply_token_masks(logits: torch.Tensor, seqs: list[Sequence], mask_rows: list[int]) -> None:
+    """In place on logits [num_seqs, vocab_size], for the rows in mask_rows: everything outside
+    allowed_token_ids, the last token of each bad word whose other tokens end the output, and (before
+    min_tokens outputs) EOS and stop_token_ids -> -inf."""
+    num_seqs, vocab_size = logits.shape
+    device = logits.device
+    allowed_rows = [i for i in mask_rows if seqs[i].params.allowed_token_ids is not None]
+    if allowed_rows:
+        keep = torch.zeros(len(allowed_rows), vocab_size, dtype=torch.bool, device=device)
+        rows, cols = [], []
+        for j, i in enumerate(allowed_rows):
+            ids = seqs[i].params.allowed_token_ids
+            rows += [j] * len(ids)
+            cols += ids
+        keep[rows, cols] = True
+        index = torch.tensor(allowed_rows, device=device)
+        logits[index] = logits[index].masked_fill_(~keep, float("-inf"))
+    rows, cols = [], []
+    for i in mask_rows:
+        seq = seqs[i]
+        banned = [t for t in seq.stop_token_ids if t < vocab_size] \
+            if seq.num_output_tokens < seq.params.min_tokens else []
+        for word in seq.bad_words_token_ids:
+            prefix_len = len(word) - 1
+            if prefix_len == 0 or (seq.num_output_tokens >= prefix_len
+                                   and seq.output_token_ids[-prefix_len:] == word[:-1]):
+                banned.append(word[-1])
+        rows += [i] * len(banned)
+        cols += banned
+    if rows:
+        logits[rows, cols] = float("-inf")
 
 
 def sample_inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -115,6 +223,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     output_counts = _bin_counts([seq.output_token_ids for seq in seqs], vocab_size, device)
     output_mask = output_counts > 0
     rep = torch.tensor([seq.params.repetition_penalty for seq in seqs], dtype=torch.float32, device=device)
+    rep.clamp_(_MIN_REPETITION_PENALTY, _MAX_REPETITION_PENALTY)   # 1 / rep finite; the caller clamps overflow
     freq = torch.tensor([seq.params.frequency_penalty for seq in seqs], dtype=torch.float32, device=device)
     pres = torch.tensor([seq.params.presence_penalty for seq in seqs], dtype=torch.float32, device=device)
     penalties = torch.where((prompt_counts > 0) | output_mask, rep.unsqueeze(1), 1.0)

@@ -1,9 +1,65 @@
 """Per-request sampling parameters, validated at construction (vLLM's `SamplingParams` names and meanings)."""
+import json
 import math
 from dataclasses import dataclass
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing by them would overflow float32.
 _SAMPLING_EPS = 1e-5
+# OpenAI's range for logit_bias values; a bias of +-100 already bans or forces a token.
+_MAX_LOGIT_BIAS = 100.0
+
+
+@dataclass(slots=True)
+class GuidedDecodingParams:
+    """Structured output: constrain the generated text to a grammar (vLLM's GuidedDecodingParams). Exactly one
+    field is set: `json` (a JSON schema, as a dict or as JSON text), `regex`, `choice` (the output is one of
+    these strings), `grammar` (EBNF in xgrammar's GBNF dialect, root rule `root`) or `json_object=True` (any
+    JSON object). Compiled by engine/guided_decoding.py when the request is added."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object is not False:
+            if self.json_object is not True:
+                raise ValueError(f"guided_decoding json_object must be a bool, got {self.json_object!r}")
+            kinds.append("json_object")
+        if len(kinds) != 1:
+            raise ValueError(f"guided_decoding must set exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {kinds or 'none'}")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    schema = json.loads(self.json)
+                except ValueError as e:
+                    raise ValueError(f"guided_decoding json is not valid JSON: {e}") from None
+            else:
+                schema = self.json
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"guided_decoding json must be a JSON schema (an object), got {type(schema).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"guided_decoding {name} must be a non-empty str, got {value!r:.100}")
+        if self.choice is not None:
+            if isinstance(self.choice, tuple):
+                self.choice = list(self.choice)
+            if (not isinstance(self.choice, list) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError(f"guided_decoding choice must be a non-empty list of non-empty str, "
+                                 f"got {self.choice!r:.100}")
+
+    @property
+    def kind(self) -> str:
+        """Which field is set: "json", "regex", "choice", "grammar" or "json_object"."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
 
 
 @dataclass(slots=True)
@@ -17,11 +73,20 @@ class SamplingParams:
     "raw_logprobs" mode. `prompt_logprobs=k` returns, per prompt token after the first, its logprob
 and the k most likely tokens at that position (RequestOutput.prompt_logprobs); such a request does not take
 prefix-cache hits for its prompt (every prompt position is computed, so every logprob exists), though the blocks
-it computes are cached for others. Penalties follow vLLM: `repetition_penalty` applies to prompt and output tokens
+it computes are cached for others. `max_tokens=0` computes the prompt (and its logprobs) and finishes with no
+output (finish_reason "length"). Penalties follow vLLM: `repetition_penalty` applies to prompt and output tokens
     (divides positive logits, multiplies negative ones), `presence_penalty` and `frequency_penalty` to output
     tokens only (subtracted once / once per occurrence). `min_tokens` keeps EOS and `stop_token_ids` from being
     sampled (and stop strings from matching) until that many tokens exist. `max_tokens=None` generates until
     the model's max_model_len.
+
+    Token constraints, vLLM semantics: `logit_bias` {token id: bias} is added to the raw logits before the
+    penalties (values clamped to [-100, 100]); `allowed_token_ids` keeps only those ids; `bad_words` bans each
+    word's token sequence (with and without a leading space: its last token is masked when the output ends
+    with the others); `guided_decoding` constrains the output to a grammar (see GuidedDecodingParams).
+    Token ids are checked against the model's vocabulary when the request is added. `truncate_prompt_tokens=k`
+    keeps only the last k prompt tokens. A row whose every token is masked by these constraints gets a
+    defined fallback (see engine/sampler.py), never an invalid id.
     """
 
     n: int = 1
@@ -42,6 +107,11 @@ it computes are cached for others. Penalties follow vLLM: `repetition_penalty` a
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    guided_decoding: GuidedDecodingParams | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, minimum=1)
@@ -58,7 +128,7 @@ it computes are cached for others. Penalties follow vLLM: `repetition_penalty` a
         if self.seed is not None:
             _check_int("seed", self.seed)
         if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, minimum=1)
+            _check_int("max_tokens", self.max_tokens, minimum=0)
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
@@ -96,6 +166,38 @@ it computes are cached for others. Penalties follow vLLM: `repetition_penalty` a
         _check_float("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0.0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
+            clamped = {}
+            for token_id, bias in self.logit_bias.items():
+                if isinstance(token_id, str) and token_id.isdigit():   # JSON object keys are strings
+                    token_id = int(token_id)
+                _check_int("logit_bias", token_id, minimum=0)
+                _check_float("logit_bias", bias)
+                clamped[token_id] = float(min(max(bias, -_MAX_LOGIT_BIAS), _MAX_LOGIT_BIAS))
+            self.logit_bias = clamped or None
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple, set, frozenset)) or not self.allowed_token_ids:
+                raise ValueError(f"allowed_token_ids must be a non-empty list of int, got {self.allowed_token_ids!r:.100}")
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            for t in self.allowed_token_ids:
+                _check_int("allowed_token_ids", t, minimum=0)
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str) or not isinstance(self.bad_words, (list, tuple)):
+                raise ValueError(f"bad_words must be a list of str, got {type(self.bad_words).__name__}")
+            self.bad_words = list(self.bad_words)
+            for word in self.bad_words:
+                if not isinstance(word, str) or not word.strip():
+                    raise ValueError(f"bad_words must contain only non-blank strings, got {word!r}")
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=1)
+        if self.guided_decoding is not None:
+            if isinstance(self.guided_decoding, dict):
+                self.guided_decoding = GuidedDecodingParams(**self.guided_decoding)
+            if not isinstance(self.guided_decoding, GuidedDecodingParams):
+                raise ValueError(f"guided_decoding must be a GuidedDecodingParams, "
+                                 f"got {type(self.guided_decoding).__name__}")
         if self.temperature < _SAMPLING_EPS:
             # Greedy: the filters cannot change the argmax, so drop them (as vLLM does).
             self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, 0, 0.0

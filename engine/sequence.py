@@ -28,7 +28,7 @@ class SequenceGroup:
     """The sequences of one request: a single one until the prompt is computed, then n (parallel sampling) or
     the live beams (beam search). Forked sequences share the request's metrics and their parent's blocks."""
 
-    __slots__ = ("request_id", "seqs", "n", "forked", "beam")
+    __slots__ = ("request_id", "seqs", "n", "forked", "beam", "error")
 
     def __init__(self, request_id: str, n: int = 1):
         self.request_id = request_id
@@ -36,6 +36,7 @@ class SequenceGroup:
         self.n = n
         self.forked = n == 1   # an n > 1 request forks once, when its prompt is computed
         self.beam = None       # the BeamSearchState of a beam-search request
+        self.error: str | None = None   # why the engine failed this request (RequestOutput.error)
 
     @property
     def unfinished_seqs(self) -> list["Sequence"]:
@@ -60,7 +61,7 @@ class Sequence:
                  "num_computed_tokens", "num_cached_tokens", "block_table", "status", "params", "generator",
                  "arrival_time", "metrics", "output_text", "prefix_offset", "read_offset", "logprobs",
                  "cumulative_logprob", "finish_reason", "stop_reason", "stop_token_ids", "max_tokens",
-                 "group", "index", "order", "prompt_logprobs")
+                 "group", "index", "order", "prompt_logprobs", "bad_words_token_ids", "guided")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                  *, arrival_time: float, eos_token_ids: frozenset[int] = frozenset(),
@@ -106,6 +107,12 @@ class Sequence:
         if max_model_len is not None:
             limit = min(limit, max(max_model_len - len(prompt_token_ids), 1))
         self.max_tokens = int(limit) if limit != float("inf") else None
+        # Token sequences of params.bad_words (set by the engine, which has the tokenizer): when the output ends
+        # with all but the last token of one, that last token is masked.
+        self.bad_words_token_ids: list[list[int]] = []
+        # Guided decoding: this sequence's grammar matcher (engine/guided_decoding.py GrammarState), which has
+        # accepted exactly output_token_ids.
+        self.guided = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -144,6 +151,8 @@ class Sequence:
         child.token_ids = list(self.token_ids)
         child.block_table = list(self.block_table)
         child.logprobs = None if self.logprobs is None else list(self.logprobs)
+        # The child continues from the parent's grammar state (it has the parent's output tokens).
+        child.guided = None if self.guided is None else self.guided.fork()
         if self.generator is not None:
             child.generator = torch.Generator(device=self.generator.device)
             child.generator.manual_seed(seed_for_index(self.params.seed, index))

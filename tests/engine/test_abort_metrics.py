@@ -45,7 +45,7 @@ def test_abort_in_every_state_frees_everything(llama_dir, when):
         engine.add_request("r", {"prompt_token_ids": PROMPT_40[:45] + PROMPT_70[:5]},
                            SamplingParams(n=3, seed=0, max_tokens=40, ignore_eos=True))
     else:
-        engine = LLMEngine(llama_dir, max_model_len=256, num_kv_blocks=14, max_num_batched_tokens=32)
+        engine = LLMEngine(llama_dir, max_model_len=224, num_kv_blocks=14, max_num_batched_tokens=32)
         engine.add_request("other", {"prompt_token_ids": PROMPT_40},
                            SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
         engine.add_request("r", {"prompt_token_ids": PROMPT_70},

@@ -100,7 +100,7 @@ def test_preempted_beams_give_identical_results(tiny_model_dir, mode):
     prompts = [{"prompt_token_ids": random_token_ids(37, seed=s)} for s in range(3)]
     params = BeamSearchParams(beam_width=3, max_tokens=14)
     reference = LLM(model_dir, max_model_len=256, num_kv_blocks=128).beam_search(prompts, params)
-    llm = LLM(model_dir, max_model_len=256, num_kv_blocks=12, preemption_mode=mode, swap_space=1 / 64)
+    llm = LLM(model_dir, max_model_len=192, num_kv_blocks=12, preemption_mode=mode, swap_space=1 / 64)
     outs = llm.beam_search(prompts, params)
     assert [[s.tokens for s in o.sequences] for o in outs] == [[s.tokens for s in o.sequences] for o in reference]
     scheduler = llm.llm_engine.scheduler

@@ -20,11 +20,12 @@ TINY_SHARED = [_LONG[:64] + random_token_ids(9, seed=3), _LONG[:80] + random_tok
 
 # name -> LLM keyword arguments. "chunked": a 24-token step budget cuts every long prompt into chunks and
 # mixes them with decodes. "preempt": 10 blocks of 16 slots cannot hold the batch (the 110-token prompt alone
-# needs 8), so running requests are preempted and recomputed.
+# needs 8), so running requests are preempted and recomputed; its max_model_len is what the cache holds (the
+# engine refuses a max_model_len the cache cannot hold).
 CONFIGS = {
-    "chunked-prefix": dict(max_num_batched_tokens=24, enable_prefix_caching=True, num_kv_blocks=64),
-    "no-prefix": dict(max_num_batched_tokens=512, enable_prefix_caching=False, num_kv_blocks=64),
-    "preempt": dict(max_num_batched_tokens=64, enable_prefix_caching=True, num_kv_blocks=10),
+    "chunked-prefix": dict(max_num_batched_tokens=24, enable_prefix_caching=True, num_kv_blocks=64, max_model_len=256),
+    "no-prefix": dict(max_num_batched_tokens=512, enable_prefix_caching=False, num_kv_blocks=64, max_model_len=256),
+    "preempt": dict(max_num_batched_tokens=64, enable_prefix_caching=True, num_kv_blocks=10, max_model_len=160),
 }
 
 
@@ -63,7 +64,7 @@ def tiny_llm(tiny_model_dir):
 
     def get(arch, config="chunked-prefix"):
         if (arch, config) not in cache:
-            cache[arch, config] = LLM(tiny_model_dir(arch), max_model_len=256, **CONFIGS[config])
+            cache[arch, config] = LLM(tiny_model_dir(arch), **CONFIGS[config])
         return cache[arch, config]
     return get
 
@@ -107,7 +108,7 @@ def test_tiny_greedy_matches_transformers_compiled(tiny_model_dir, hf_refs, conf
     """The forward under torch.compile (the GPU default; ENGINE_COMPILE=1 here on CPU): mixed chunked-prefill
     steps, prefix hits and preemption give transformers' tokens, and nothing fell back to eager."""
     monkeypatch.setenv("ENGINE_COMPILE", "1")
-    llm = LLM(tiny_model_dir("llama"), max_model_len=256, **CONFIGS[config])
+    llm = LLM(tiny_model_dir("llama"), **CONFIGS[config])
     outputs = llm.generate([{"prompt_token_ids": p} for p in TINY_PROMPTS], GREEDY, use_tqdm=False)
     for i, out in enumerate(outputs):
         assert out.outputs[0].token_ids == hf_refs("llama", i, TINY_PROMPTS), f"prompt {i}"
@@ -305,9 +306,11 @@ def test_bad_inputs_rejected_while_others_run(tiny_llm):
 
 
 def test_request_larger_than_the_cache_is_rejected(tiny_llm):
-    llm = tiny_llm("llama", "preempt")   # 10 blocks of 16
+    # 10 blocks of 16 and max_model_len 160: one sequence always fits, the two of an n=2 request of 150+ do not.
+    llm = tiny_llm("llama", "preempt")
     with pytest.raises(ValueError, match="KV-cache blocks"):
-        greedy_run(llm, random_token_ids(150, seed=3), max_tokens=20)
+        llm.generate({"prompt_token_ids": random_token_ids(150, seed=3)},
+                     SamplingParams(n=2, max_tokens=20, ignore_eos=True), use_tqdm=False)
 
 
 def test_abort_frees_everything(tiny_llm):

@@ -40,7 +40,7 @@ def reference(tiny_model_dir):
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_outputs_identical_under_many_preemptions(tiny_model_dir, reference, mode):
-    llm = LLM(tiny_model_dir("llama"), max_model_len=256, num_kv_blocks=SMALL_CACHE, max_num_batched_tokens=64,
+    llm = LLM(tiny_model_dir("llama"), max_model_len=SMALL_CACHE * 16, num_kv_blocks=SMALL_CACHE, max_num_batched_tokens=64,
               preemption_mode=mode, swap_space=1 / 64)
     assert run(llm) == reference
     scheduler = llm.llm_engine.scheduler
@@ -52,9 +52,9 @@ def test_outputs_identical_under_many_preemptions(tiny_model_dir, reference, mod
 
 
 def test_full_swap_space_falls_back_to_recompute(tiny_model_dir, reference):
-    llm = LLM(tiny_model_dir("llama"), max_model_len=256, num_kv_blocks=SMALL_CACHE, max_num_batched_tokens=64,
+    llm = LLM(tiny_model_dir("llama"), max_model_len=SMALL_CACHE * 16, num_kv_blocks=SMALL_CACHE, max_num_batched_tokens=64,
               preemption_mode="swap", swap_space=0)
-    llm = LLM(tiny_model_dir("llama"), max_model_len=256, num_kv_blocks=SMALL_CACHE, max_num_batched_tokens=64,
+    llm = LLM(tiny_model_dir("llama"), max_model_len=SMALL_CACHE * 16, num_kv_blocks=SMALL_CACHE, max_num_batched_tokens=64,
               preemption_mode="swap", swap_space=5 * block_bytes(llm) / (1 << 30))   # room for 5 blocks
     assert llm.llm_engine.block_manager.num_swap_blocks == 5
     assert run(llm) == reference

@@ -1,0 +1,141 @@
+"""Structured outputs (guided decoding) with xgrammar: the output follows a JSON schema, a regex, a list of
+choices or an EBNF grammar.
+
+One `GuidedDecoding` per engine holds xgrammar's GrammarCompiler, built from the tokenizer with the MODEL's
+vocabulary size (the embedding can be padded past the tokenizer: those ids are never allowed), and an LRU of
+compiled grammars keyed by their spec, so a schema used by many requests compiles once. Compilation happens in
+add_request: a bad schema/regex/grammar is a ValueError naming guided_decoding before the request is queued.
+
+Each guided sequence owns a `GrammarState` (an xgrammar GrammarMatcher that has accepted exactly its output
+tokens). Per step, the sampler fills one token bitmask for all guided rows and applies it before penalties,
+greedy and top-k/top-p (vLLM's order); the engine then feeds each sampled token to its matcher, and a matcher
+that has accepted the grammar's end (a stop token) finishes its sequence with finish_reason "stop".
+The matcher only depends on the output tokens, which recompute- and swap-preemption keep, so preempted
+requests resume in the right grammar state; a forked sequence (n > 1) gets a fork of its parent's matcher.
+
+JSON schemas and json_object compile without free whitespace (compact JSON): with any whitespace allowed, small
+models tend to emit whitespace until max_tokens (the reason vLLM has --disable-any-whitespace).
+"""
+import json
+import re
+import threading
+from collections import OrderedDict
+
+import torch
+
+from engine.sampling_params import GuidedDecodingParams
+
+# Compiled grammars kept per engine (a JSON schema's compiled form is a few hundred KiB to a few MiB).
+DEFAULT_GRAMMAR_CACHE_SIZE = 64
+
+
+def _ebnf_string(text: str) -> str:
+    """`text` as a double-quoted EBNF (GBNF) string literal."""
+    escaped = (text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
+               .replace("\t", "\\t"))
+    return f'"{escaped}"'
+
+
+def grammar_key(params: GuidedDecodingParams) -> tuple[str, str]:
+    """The cache key of a spec: its kind and a canonical text (JSON schemas with sorted keys)."""
+    kind = params.kind
+    if kind == "json":
+        schema = json.loads(params.json) if isinstance(params.json, str) else params.json
+        return kind, json.dumps(schema, sort_keys=True)
+    if kind == "choice":
+        return kind, json.dumps(params.choice)
+    if kind == "json_object":
+        return kind, ""
+    return kind, getattr(params, kind)
+
+
+class GrammarState:
+    """One sequence's grammar matcher."""
+
+    __slots__ = ("matcher",)
+
+    def __init__(self, matcher):
+        self.matcher = matcher
+
+    def fork(self) -> "GrammarState":
+        """An independent copy in the same state (for a forked sequence)."""
+        return GrammarState(self.matcher.fork())
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one sampled token; False if the grammar does not allow it (the state is then unchanged)."""
+        return self.matcher.accept_token(token_id)
+
+    @property
+    def is_terminated(self) -> bool:
+        """The matcher accepted the grammar's end (a stop token): nothing more may be generated."""
+        return self.matcher.is_terminated()
+
+
+class GuidedDecoding:
+    """The grammar compiler of one engine and its cache of compiled grammars."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, *,
+                 cache_size: int = DEFAULT_GRAMMAR_CACHE_SIZE, max_threads: int = 2):
+        import xgrammar
+
+        self._xgr = xgrammar
+        self.vocab_size = vocab_size
+        tokenizer_info = xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids) or None)
+        # xgrammar's own cache is off: the LRU below is the one cache, bounded by entries.
+        self.compiler = xgrammar.GrammarCompiler(tokenizer_info, max_threads=max_threads, cache_enabled=False)
+        self.cache_size = cache_size
+        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._lock = threading.Lock()   # compile() may be called from a server's worker threads
+
+    def compile(self, params: GuidedDecodingParams):
+        """The xgrammar CompiledGrammar of `params` (cached). Raises ValueError naming guided_decoding when the
+        schema, regex or grammar is invalid or unsupported."""
+        key = grammar_key(params)
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                return compiled
+        kind, spec = key
+        try:
+            if kind == "json":
+                compiled = self.compiler.compile_json_schema(spec, any_whitespace=False)
+            elif kind == "json_object":
+                compiled = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            elif kind == "regex":
+                compiled = self.compiler.compile_regex(spec)
+            elif kind == "choice":
+                compiled = self.compiler.compile_grammar(
+                    "root ::= " + " | ".join(_ebnf_string(choice) for choice in params.choice))
+            else:
+                compiled = self.compiler.compile_grammar(spec)
+        except Exception as e:   # xgrammar raises RuntimeError/ValueError/its own types for invalid specs
+            message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            message = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", message)   # xgrammar's "[time] file.cc:line: " prefix
+            raise ValueError(f"guided_decoding {kind} is invalid: {message}") from e
+        with self._lock:
+            self._cache[key] = compiled
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def new_state(self, params: GuidedDecodingParams) -> GrammarState:
+        """A fresh matcher for one sequence (at the start of its output)."""
+        return GrammarState(self._xgr.GrammarMatcher(self.compile(params)))
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, states: list[GrammarState], rows: list[int]) -> torch.Tensor:
+    """In place: for each row `rows[j]` of logits [num_seqs, vocab_size], the tokens that `states[j]` does not
+    allow next -> -inf. Returns the int32 bitmask [num_seqs, ceil(vocab_size / 32)] (bit set = allowed; rows
+    not in `rows` are all ones), on the CPU."""
+    import xgrammar
+
+    num_seqs, vocab_size = logits.shape
+    bitmask = xgrammar.allocate_token_bitmask(num_seqs, vocab_size)
+    for state, row in zip(states, rows):
+        state.matcher.fill_next_token_bitmask(bitmask, row)
+    device_bitmask = bitmask.to(logits.device, non_blocking=True) if logits.is_cuda else bitmask
+    xgrammar.apply_token_bitmask_inplace(logits, device_bitmask, vocab_size=vocab_size, indices=rows)
+    return bitmask
