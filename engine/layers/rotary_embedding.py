@@ -67,14 +67,17 @@ def longrope_inv_freqs(rotary_dim: int, base: float, rope_scaling: dict) -> tupl
 
 class RotaryEmbedding(nn.Module):
     """Rotates the first ``rotary_dim`` dims of each q and k head in place by position (neox halves);
-    the cos/sin table covers ``max_position`` positions.
+    the cos/sin table covers ``max_position`` positions (the engine's max_model_len).
 
-    LongRoPE (``rope_scaling["rope_type"] == "longrope"``) keeps two tables, short factors then long ones,
-    both scaled by the attention factor. transformers picks the set per forward pass: the long one when the
-    sequence is longer than ``original_max_position_embeddings`` once the pass's tokens are in. The engine
-    makes the same choice per sequence and step (see :meth:`cache_positions`): a prompt prefilled in one
-    step and every decode step rotate exactly as transformers' ``generate``; keys cached by earlier steps
-    keep the rotation they were written with, as in transformers' cache.
+    LongRoPE (``rope_scaling["rope_type"] == "longrope"``) uses one factor set for every token: the long one
+    when the table reaches past ``original_max_position_embeddings`` (max_model_len above it), else the short
+    one, both with the attention factor on cos and sin. transformers rotates a whole sequence with the long
+    set once it is longer than the original context and the short one before (its Phi-3 ``generate`` drops
+    the KV cache and recomputes the sequence at the crossing). A paged cache cannot recompute a sequence's
+    blocks (they may be shared through the prefix cache), so the set is chosen per engine, as vLLM does:
+    every sequence matches transformers exactly when max_model_len <= the original context (all short) and
+    every sequence longer than the original context matches it in a long-context engine; only shorter
+    sequences in a long-context engine rotate by the long set where transformers would use the short one.
     """
 
     def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None, *,
@@ -83,39 +86,19 @@ class RotaryEmbedding(nn.Module):
         rotary_dim = head_dim if rotary_dim is None else rotary_dim
         if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
             raise ValueError(f"rotary_dim must be even and in [2, head_dim={head_dim}], got {rotary_dim}")
-        self.max_position = max_position
-        self.longrope_threshold: int | None = None
-        # [max_position, rotary_dim] = cat(cos, sin) (LongRoPE: [2 * max_position, ...], short rows first);
-        # a buffer so it follows the module's device. float32 whatever the model dtype: the kernels rotate
-        # in fp32.
+        self.uses_long_factors = False
         if rope_scaling is not None and rope_scaling["rope_type"] == "longrope":
             short, long, attention_factor = longrope_inv_freqs(rotary_dim, base, rope_scaling)
-            cache = torch.cat([pk.compute_cos_sin_cache(max_position, rotary_dim, base, inv_freq=inv_freq,
-                                                        dtype=torch.float64) for inv_freq in (short, long)])
-            cache = (cache * attention_factor).float()
-            self.longrope_threshold = int(rope_scaling["original_max_position_embeddings"])
+            self.uses_long_factors = max_position > int(rope_scaling["original_max_position_embeddings"])
+            inv_freq = long if self.uses_long_factors else short
         else:
-            inv_freq = rope_inv_freq(rotary_dim, base, rope_scaling)
-            cache = pk.compute_cos_sin_cache(max_position, rotary_dim, base, inv_freq=inv_freq, dtype=torch.float32)
-        self.register_buffer("cos_sin_cache", cache, persistent=False)
-
-    def cache_positions(self, positions: torch.Tensor, seq_lens: torch.Tensor,
-                        cu_seqlens_q: torch.Tensor) -> torch.Tensor:
-        """The cos/sin rows the batch's tokens rotate by: ``positions`` itself, except with LongRoPE, where a
-        token of a sequence holding more than ``original_max_position_embeddings`` tokens after this step
-        reads the long table (``position + max_position``). Computed once per forward, for all layers.
-
-        positions int64 ``[num_tokens]``; seq_lens int32 ``[num_seqs]``, cu_seqlens_q int32 ``[num_seqs + 1]``
-        (the attention metadata) -> int64 ``[num_tokens]``."""
-        if self.longrope_threshold is None:
-            return positions
-        num_new_tokens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
-        token_seq_lens = torch.repeat_interleave(seq_lens.long(), num_new_tokens, output_size=positions.shape[0])
-        return positions + (token_seq_lens > self.longrope_threshold).long() * self.max_position
+            inv_freq, attention_factor = rope_inv_freq(rotary_dim, base, rope_scaling), 1.0
+        # [max_position, rotary_dim] = cat(cos, sin); a buffer so it follows the module's device. float32
+        # whatever the model dtype: the kernels rotate in fp32.
+        cache = pk.compute_cos_sin_cache(max_position, rotary_dim, base, inv_freq=inv_freq, dtype=torch.float64)
+        self.register_buffer("cos_sin_cache", (cache * attention_factor).float(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
-        """positions int64 ``[num_tokens]`` (rows of the cos/sin table: :meth:`cache_positions`); q
-        ``[num_tokens, num_heads, head_dim]``, k likewise with the KV heads (strided views of the fused qkv
-        are fine)."""
+        """positions int64 ``[num_tokens]``; q ``[num_tokens, num_heads, head_dim]``, k likewise with the KV
+        heads (strided views of the fused qkv are fine)."""
         pk_ops().rotary_embedding(positions, q, k, self.cos_sin_cache, is_neox=True)
-

@@ -89,7 +89,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         # One cos/sin table (max_model_len positions) shared by every layer.
-        self.rotary_emb = rotary_emb = RotaryEmbedding(
+        rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling,
             rotary_dim=int(config.head_dim * config.partial_rotary_factor))
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, rotary_emb, o_bias=o_bias, qk_norm=qk_norm)
@@ -98,7 +98,6 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
-        positions = self.rotary_emb.cache_positions(positions, meta.seq_lens, meta.cu_seqlens_q)
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual, meta)
         hidden_states, _ = self.norm(hidden_states, residual)

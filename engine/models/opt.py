@@ -131,8 +131,8 @@ class OPTForCausalLM(nn.Module):
         if text.get("_remove_final_layer_norm", False):
             raise ValueError("_remove_final_layer_norm=True is not supported")
         if common.num_key_value_heads != common.num_attention_heads:
-            raise ValueError(f"num_key_value_heads={common.num_key_value_heads} must equal num_attention_heads "
-                             f"for OPT, got {common.num_attention_heads}")
+            raise ValueError(f"OPT has no grouped-query attention: num_key_value_heads={common.num_key_value_heads} "
+                             f"differs from num_attention_heads={common.num_attention_heads}")
         if common.head_dim * common.num_attention_heads != common.hidden_size:
             raise ValueError(f"head_dim={common.head_dim} times num_attention_heads={common.num_attention_heads} "
                              f"must be hidden_size={common.hidden_size} for OPT")

@@ -19,7 +19,7 @@ def smollm2_dir() -> str:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """Factory: ``tiny_model_dir(arch)`` -> path of a random-weight float32 model directory of
-    ``arch`` in ("llama", "mistral", "qwen2", "qwen3"), built once per session."""
+    ``arch`` in ``TINY_ARCHITECTURES``, built once per session."""
     built: dict[str, str] = {}
 
     def get(arch: str) -> str:
@@ -35,6 +35,6 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(params=TINY_ARCHITECTURES)
 def tiny_arch(request) -> str:
-    """Parametrizes a test over the four tiny architectures."""
+    """Parametrizes a test over the tiny architectures (``TINY_ARCHITECTURES``)."""
     return request.param
 

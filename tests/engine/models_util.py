@@ -15,11 +15,11 @@ with a ChatML chat template, and a generation_config. Each architecture exercise
   on the logits), which bend here: the scores reach ~100-200 and the top logits ~40-50 (turning either cap
   off moves log-probabilities by 17 and 40 nats), (1 + w) norms, GeGLU, scaled embeddings.
 - ``phi3``:   fused qkv_proj / gate_up_proj checkpoints, half the head dims rotating (partial rotary),
-  LongRoPE with short factors (original context 128: the LongRoPE attention factor applies, the long
-  factors only past 128 tokens, longer than the shared tests' sequences, see test_models_phi3.py), a
-  sliding window of 40 in every layer.
+  LongRoPE (original context 256 of 1024: the attention factor applies; engines of max_model_len <= 256, as
+  in the shared tests, rotate by the short factors, longer ones by the long factors: test_models_phi3.py),
+  a sliding window of 40 in every layer.
 
-All but OPT use GQA (4 query heads on 2 KV heads); all use head_dim 64 (a pagedkernels head size) and a
+All but OPT and Phi-3 use GQA with 4 query heads on 2 KV heads (Phi-3: 2 on 1, OPT: none); all use head_dim 64 (a pagedkernels head size) and a
 512-token vocabulary. The weights are drawn with a larger spread than transformers' default init so that the
 next-token distributions are peaked: greedy ties (which would make token-for-token parity depend on
 rounding) are then vanishingly rare. The special tokens' output rows are scaled down, so greedy
@@ -41,7 +41,7 @@ GEMMA2_SLIDING_WINDOW = 8
 GEMMA2_QUERY_PRE_ATTN_SCALAR = 40
 GEMMA2_ATTN_SOFTCAP = 50.0
 GEMMA2_FINAL_SOFTCAP = 30.0
-PHI3_ORIGINAL_MAX_POSITIONS = 128
+PHI3_ORIGINAL_MAX_POSITIONS = 256
 PHI3_SLIDING_WINDOW = 40
 PHI3_PARTIAL_ROTARY_FACTOR = 0.5
 
@@ -103,8 +103,9 @@ def tiny_config(arch: str, **overrides):
         generator = torch.Generator().manual_seed(1234)
         short_factor = (1.0 + torch.rand(rotary_dim // 2, generator=generator)).tolist()
         long_factor = (1.0 + 7.0 * torch.rand(rotary_dim // 2, generator=generator)).tolist()
-        # Phi-3 has no head_dim key: it is hidden_size / num_attention_heads = 256 / 4 = 64.
-        phi3 = {key: value for key, value in common.items() if key != "head_dim"} | {"hidden_size": 256}
+        # Phi-3 has no head_dim key: it is hidden_size / num_attention_heads = 128 / 2 = 64 (GQA 2 on 1).
+        phi3 = ({key: value for key, value in common.items() if key != "head_dim"}
+                | {"num_attention_heads": 2, "num_key_value_heads": 1})
         config = Phi3Config(**phi3, tie_word_embeddings=False, sliding_window=PHI3_SLIDING_WINDOW,
                             original_max_position_embeddings=PHI3_ORIGINAL_MAX_POSITIONS,
                             rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,

@@ -132,3 +132,89 @@ def test_bad_arguments_and_files(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         ModelConfig.from_pretrained(model_dir)
+
+
+# -- each model's own mapping ----------------------------------------------------------------------------------
+
+
+def test_gemma2_mapping_and_defaults(tmp_path):
+    """transformers 5 layer_types, else Gemma 2's default: even layers slide; scale from query_pre_attn_scalar;
+    softcaps (default 50 / 30, null turns one off); embeddings tied unless the config says otherwise."""
+    base = {"architectures": ["Gemma2ForCausalLM"], "head_dim": 64, "query_pre_attn_scalar": 144,
+            "sliding_window": 16, "hidden_activation": "gelu_pytorch_tanh"}
+    config = ModelConfig.from_pretrained(write_config(tmp_path, base))
+    assert config.layer_sliding_windows == (16, None, 16)
+    assert config.attention_scale == pytest.approx(1 / 12)
+    assert (config.attn_logit_softcap, config.final_logit_softcap) == (50.0, 30.0)
+    assert config.tie_word_embeddings and config.hidden_act == "gelu_pytorch_tanh" and config.head_dim == 64
+    config = ModelConfig.from_pretrained(write_config(tmp_path, {
+        **base, "layer_types": ["full_attention", "sliding_attention", "full_attention"],
+        "final_logit_softcapping": None, "tie_word_embeddings": False}))
+    assert config.layer_sliding_windows == (None, 16, None)
+    assert config.final_logit_softcap is None and not config.tie_word_embeddings
+    with pytest.raises(ValueError, match="layer_types has 2 entries for 3 layers"):
+        ModelConfig.from_pretrained(write_config(tmp_path, {**base, "layer_types": ["full_attention"] * 2}))
+    with pytest.raises(ValueError, match="hidden_act='relu'"):
+        ModelConfig.from_pretrained(write_config(tmp_path, {**base, "hidden_activation": "relu"}))
+
+
+def test_phi3_longrope_from_either_key_style(tmp_path):
+    """Microsoft's files: rope_scaling type "su" (or "longrope") with original_max_position_embeddings at the
+    top level; transformers 5: all of it in rope_parameters. factor = max positions / original ones."""
+    short, long = [1.0] * 16, [2.0] * 16
+    base = {"architectures": ["Phi3ForCausalLM"], "max_position_embeddings": 4096,
+            "original_max_position_embeddings": 1024, "sliding_window": 2047, "partial_rotary_factor": 0.5}
+    v4 = ModelConfig.from_pretrained(write_config(tmp_path, {
+        **base, "rope_scaling": {"type": "su", "short_factor": short, "long_factor": long}}))
+    v5 = ModelConfig.from_pretrained(write_config(tmp_path, {
+        "architectures": ["Phi3ForCausalLM"], "max_position_embeddings": 4096, "sliding_window": 2047,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                            "short_factor": short, "long_factor": long, "original_max_position_embeddings": 1024}}))
+    for config in (v4, v5):
+        assert config.rope_scaling == {"rope_type": "longrope", "short_factor": short, "long_factor": long,
+                                       "original_max_position_embeddings": 1024, "factor": 4.0}
+        assert config.partial_rotary_factor == 0.5 and config.norm_eps == 1e-5
+        assert config.layer_sliding_windows == (2047,) * 3
+    plain = ModelConfig.from_pretrained(write_config(tmp_path, {"architectures": ["Phi3ForCausalLM"]}))
+    assert plain.rope_scaling is None and plain.sliding_window is None and plain.layer_sliding_windows == (None,) * 3
+    with pytest.raises(ValueError, match="long_factor"):
+        ModelConfig.from_pretrained(write_config(tmp_path, {**base, "rope_scaling": {"type": "longrope",
+                                                                                     "short_factor": short}}))
+
+
+def test_opt_mapping_and_rejections(tmp_path):
+    base = {"architectures": ["OPTForCausalLM"], "hidden_size": 256, "num_attention_heads": 4,
+            "num_key_value_heads": None, "ffn_dim": 1024, "intermediate_size": None}
+    config = ModelConfig.from_pretrained(write_config(tmp_path, base))
+    assert (config.intermediate_size, config.norm_eps, config.hidden_act) == (1024, 1e-5, "relu")
+    assert config.attention_bias and config.mlp_bias and config.layer_norm_before and config.tie_word_embeddings
+    assert config.word_embed_proj_dim == 256 and config.num_key_value_heads == 4 and config.head_dim == 64
+    post_ln = ModelConfig.from_pretrained(write_config(tmp_path, {**base, "do_layer_norm_before": False,
+                                                                  "word_embed_proj_dim": 128, "enable_bias": False}))
+    assert not post_ln.layer_norm_before and post_ln.word_embed_proj_dim == 128 and not post_ln.attention_bias
+    for change, match in (({"activation_function": "swiglu"}, "swiglu"),
+                          ({"layer_norm_elementwise_affine": False}, "layer_norm_elementwise_affine"),
+                          ({"ffn_dim": None}, "ffn_dim")):
+        with pytest.raises(ValueError, match=match):
+            ModelConfig.from_pretrained(write_config(tmp_path, {**base, **change}))
+
+
+def test_model_type_without_architectures(tmp_path):
+    for model_type, architecture in (("opt", "OPTForCausalLM"), ("gemma2", "Gemma2ForCausalLM"),
+                                     ("phi3", "Phi3ForCausalLM")):
+        config = ModelConfig.from_pretrained(write_config(tmp_path, {"architectures": None, "model_type": model_type,
+                                                                     "ffn_dim": 64, "num_key_value_heads": None}))
+        assert config.architecture == architecture
+
+
+def test_tiny_new_architectures(tiny_model_dir):
+    from tests.engine.models_util import GEMMA2_SLIDING_WINDOW, PHI3_ORIGINAL_MAX_POSITIONS, PHI3_SLIDING_WINDOW
+
+    gemma2 = ModelConfig.from_pretrained(tiny_model_dir("gemma2"))
+    assert gemma2.layer_sliding_windows == (GEMMA2_SLIDING_WINDOW, None)
+    phi3 = ModelConfig.from_pretrained(tiny_model_dir("phi3"))
+    assert phi3.rope_scaling["rope_type"] == "longrope" and phi3.partial_rotary_factor == 0.5
+    assert phi3.rope_scaling["original_max_position_embeddings"] == PHI3_ORIGINAL_MAX_POSITIONS
+    assert phi3.layer_sliding_windows == (PHI3_SLIDING_WINDOW,) * 2
+    opt = ModelConfig.from_pretrained(tiny_model_dir("opt"))
+    assert opt.tie_word_embeddings and opt.layer_norm_before and opt.num_key_value_heads == 2

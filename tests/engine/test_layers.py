@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -129,3 +131,169 @@ def test_prepack_skips_what_onednn_does_not_take():
     layer = Linear(32, 16).to(torch.bfloat16)
     assert prepack_linears(layer) == 0
     assert layer.packed_weight is None and layer.weight.shape == (16, 32)
+
+
+# -- the per-model knobs ---------------------------------------------------------------------------------------
+
+
+def test_longrope_inv_freqs_and_attention_factor_match_transformers():
+    """Both LongRoPE frequency sets (partial rotary: 32 of 64 dims) and the cos/sin factor, against
+    transformers' longrope init (short set below the original context, long set past it)."""
+    from transformers import Phi3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from engine.layers.rotary_embedding import longrope_inv_freqs
+
+    g = torch.Generator().manual_seed(2)
+    short, long = (1 + torch.rand(16, generator=g)).tolist(), (1 + 7 * torch.rand(16, generator=g)).tolist()
+    parameters = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                  "short_factor": short, "long_factor": long, "original_max_position_embeddings": 512}
+    config = Phi3Config(hidden_size=256, num_attention_heads=4, max_position_embeddings=4096,
+                        original_max_position_embeddings=512, rope_parameters=parameters)
+    expected_short, factor_short = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=512)
+    expected_long, factor_long = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=513)
+    short_inv, long_inv, attention_factor = longrope_inv_freqs(
+        32, 10000.0, {**parameters, "factor": 4096 / 512})
+    torch.testing.assert_close(short_inv.float(), expected_short, rtol=1e-6, atol=0)
+    torch.testing.assert_close(long_inv.float(), expected_long, rtol=1e-6, atol=0)
+    assert attention_factor == pytest.approx(factor_short) and factor_short == factor_long > 1.1
+    with pytest.raises(ValueError, match="short_factor has 16 entries"):
+        longrope_inv_freqs(64, 10000.0, {**parameters, "factor": 8.0})  # 16 factors for 32 frequencies
+
+
+def test_longrope_table_is_long_past_the_original_context():
+    """One factor set per engine: the long one when the table (max_model_len) reaches past the original
+    context, else the short one; cos and sin both carry the attention factor."""
+    from engine.layers.rotary_embedding import longrope_inv_freqs
+
+    parameters = {"rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [4.0] * 16,
+                  "original_max_position_embeddings": 32, "factor": 4.0}
+    short, long, attention_factor = longrope_inv_freqs(32, 10000.0, parameters)
+    assert attention_factor == pytest.approx((1 + math.log(4.0) / math.log(32.0)) ** 0.5)
+    for max_position, inv_freq in ((32, short), (33, long)):
+        rope = RotaryEmbedding(64, max_position, 10000.0, parameters, rotary_dim=32)
+        assert rope.uses_long_factors == (max_position > 32) and rope.cos_sin_cache.shape == (max_position, 32)
+        angles = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq
+        expected = torch.cat([angles.cos(), angles.sin()], dim=-1) * attention_factor
+        torch.testing.assert_close(rope.cos_sin_cache.double(), expected, rtol=0, atol=1e-6)
+
+
+def test_partial_rotary_leaves_the_other_dims():
+    head_dim, g = 64, torch.Generator().manual_seed(3)
+    rope = RotaryEmbedding(head_dim, max_position=64, base=10000.0, rotary_dim=16)
+    q, k = torch.randn(4, 2, head_dim, generator=g), torch.randn(4, 1, head_dim, generator=g)
+    q_rot, k_rot = q.clone(), k.clone()
+    rope(torch.tensor([1, 7, 20, 63]), q_rot, k_rot)
+    torch.testing.assert_close(q_rot[..., 16:], q[..., 16:], rtol=0, atol=0)
+    torch.testing.assert_close(k_rot[..., 16:], k[..., 16:], rtol=0, atol=0)
+    assert not torch.allclose(q_rot[..., :16], q[..., :16])
+    with pytest.raises(ValueError, match="rotary_dim"):
+        RotaryEmbedding(head_dim, 64, 10000.0, rotary_dim=80)
+
+
+def test_rms_norm_offset_is_added_once_at_load():
+    """Gemma's (1 + w): the loaded weight is stored as 1 + w, and the norm equals transformers' Gemma2RMSNorm."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+
+    from engine.layers.layernorm import RMSNorm
+
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(96, generator=g) * 0.3
+    norm = RMSNorm(96, 1e-6, offset=1.0)
+    norm.weight.weight_loader(norm.weight, w)
+    torch.testing.assert_close(norm.weight.data, w + 1)
+    reference = Gemma2RMSNorm(96, eps=1e-6)
+    reference.weight.data.copy_(w)
+    x, residual = torch.randn(5, 96, generator=g), torch.randn(5, 96, generator=g)
+    with torch.no_grad():
+        torch.testing.assert_close(norm(x.clone()), reference(x))
+        out, new_residual = norm(x.clone(), residual.clone())
+        torch.testing.assert_close(new_residual, x + residual)
+        torch.testing.assert_close(out, reference(x + residual))
+    with pytest.raises(ValueError, match="shape"):
+        norm.weight.weight_loader(norm.weight, w[:95])
+
+
+def test_layer_norm_with_residual():
+    from engine.layers.layernorm import LayerNorm
+
+    g = torch.Generator().manual_seed(5)
+    norm = LayerNorm(48, 1e-5)
+    norm.weight.data.copy_(torch.rand(48, generator=g) + 0.5)
+    norm.bias.data.copy_(torch.randn(48, generator=g))
+    x, residual = torch.randn(3, 48, generator=g), torch.randn(3, 48, generator=g)
+    reference = torch.nn.functional.layer_norm(x + residual, (48,), norm.weight, norm.bias, 1e-5)
+    out, new_residual = norm(x, residual.clone())
+    torch.testing.assert_close(out, reference)
+    torch.testing.assert_close(new_residual, x + residual)
+    torch.testing.assert_close(norm(x), torch.nn.functional.layer_norm(x, (48,), norm.weight, norm.bias, 1e-5))
+
+
+@pytest.mark.parametrize("name", ["gelu_pytorch_tanh", "gelu", "silu"])
+def test_gated_activations_match_transformers(name):
+    from transformers.activations import ACT2FN
+
+    from engine.layers.activation import gated_activation
+
+    x = torch.randn(7, 2 * 40, generator=torch.Generator().manual_seed(6)) * 3
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(gated_activation(name)(x), ACT2FN[name](gate) * up)
+    with pytest.raises(ValueError, match="hidden_act='relu2'"):
+        gated_activation("relu2")
+
+
+def test_scaled_embedding_and_softcapped_head():
+    """Gemma: embeddings times sqrt(hidden) rounded to the model dtype; logits -> cap * tanh(logit / cap)."""
+    from engine.layers.embed_head import LMHead, PositionEmbedding, VocabEmbedding
+
+    g = torch.Generator().manual_seed(7)
+    with torch.device("cpu"):
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            embed = VocabEmbedding(50, 3072, scale=3072 ** 0.5)
+        finally:
+            torch.set_default_dtype(previous)
+    embed.weight.data.copy_(torch.randn(50, 3072, generator=g))
+    ids = torch.tensor([3, 0, 49])
+    assert embed.scale.dtype == torch.bfloat16 and embed.scale.item() == 55.5  # sqrt(3072) = 55.43 rounded
+    expected = embed.weight[ids] * torch.tensor(3072 ** 0.5, dtype=torch.bfloat16)
+    torch.testing.assert_close(embed(ids), expected, rtol=0, atol=0)
+
+    head = LMHead(50, 16, softcap=5.0)
+    head.weight.data.copy_(torch.randn(50, 16, generator=g))
+    h = torch.randn(4, 16, generator=g) * 4
+    logits = h @ head.weight.T
+    assert logits.abs().max() > 10  # the cap bends these
+    torch.testing.assert_close(head(h), 5.0 * torch.tanh(logits / 5.0))
+
+    positions = PositionEmbedding(10, 8, offset=2)
+    positions.weight.data.copy_(torch.randn(12, 8, generator=g))
+    torch.testing.assert_close(positions(torch.tensor([0, 9])), positions.weight[[2, 11]])
+
+
+def test_attention_rejects_bad_knobs():
+    from engine.layers.attention import Attention
+
+    for kwargs, match in (({"softcap": 0.0}, "softcap"), ({"scale": -1.0}, "scale"),
+                          ({"sliding_window": 0}, "sliding_window")):
+        with pytest.raises(ValueError, match=match):
+            Attention(4, 2, 64, **kwargs)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        Attention(4, 3, 64)
+
+
+def test_fused_checkpoint_tensor_loads_whole():
+    """Phi-3 stores qkv_proj / gate_up_proj fused: shard_id None loads the whole tensor (split into its
+    shards on the way), a wrong shape is a ValueError."""
+    g = torch.Generator().manual_seed(8)
+    qkv = QKVLinear(hidden_size=32, head_dim=8, num_heads=4, num_kv_heads=2)
+    fused = torch.randn(64, 32, generator=g)
+    qkv.weight.weight_loader(qkv.weight, fused, None)
+    torch.testing.assert_close(qkv.weight.data, fused, rtol=0, atol=0)
+    gate_up = MergedLinear(32, [48, 48])
+    fused = torch.randn(96, 32, generator=g)
+    gate_up.weight.weight_loader(gate_up.weight, fused, None)
+    torch.testing.assert_close(gate_up.weight.data, fused, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="fused parameter shape"):
+        qkv.weight.weight_loader(qkv.weight, fused, None)
