@@ -8,7 +8,7 @@ tensors).
 
 from ._backend import get_backend, set_backend, use_backend  # noqa: F401  (must come first)
 
-from .decode_attention import paged_decode_attention  # noqa: F401
+from .decode_attention import decode_workspace, decode_workspace_numel, paged_decode_attention  # noqa: F401
 from .prefill_attention import paged_prefill_attention  # noqa: F401
 from .cache_ops import copy_blocks, reshape_and_cache, swap_blocks  # noqa: F401
 from .activation import silu_and_mul  # noqa: F401

@@ -38,6 +38,32 @@ def _parse_backend(name: str) -> str:
 
 _backend = _parse_backend(os.environ.get("PAGEDKERNELS_BACKEND", "auto").strip().lower() or "auto")
 
+# SM count of the CUDA device whose launches are being simulated, or None. Set only inside
+# simulate_cuda_launches (pagedkernels._aot records launches that way on any machine): the wrappers
+# then take their Triton path for CPU tensors and choose every launch config as on that device.
+_simulated_cuda_sms: int | None = None
+
+
+@contextlib.contextmanager
+def simulate_cuda_launches(num_multiprocessors: int = 132) -> Iterator[None]:
+    """For its body, ops on CPU tensors choose Triton launches as on a CUDA device with
+    ``num_multiprocessors`` SMs (132: an H100 SXM). Only for recording launches through a hook that
+    stands in for the kernels (see ``pagedkernels._aot``): nothing here can run a CUDA kernel."""
+    global _simulated_cuda_sms
+    previous = _simulated_cuda_sms
+    _simulated_cuda_sms = num_multiprocessors
+    try:
+        yield
+    finally:
+        _simulated_cuda_sms = previous
+
+
+def launch_device_kind(device: torch.device) -> str:
+    """``"cuda"`` when launch configs must suit a GPU (CUDA tensors, or a simulated CUDA device),
+    else the device type (``"cpu"``: the interpreter). The launch heuristics take this, not the
+    device, so their CUDA choice can be asked for on any machine."""
+    return "cuda" if device.type == "cuda" or _simulated_cuda_sms is not None else device.type
+
 
 def set_backend(name: str) -> None:
     """Select the implementation used by every op: ``"auto"``, ``"triton"``, ``"torch"`` or ``"native"``."""
@@ -67,6 +93,8 @@ def interpreter_active() -> bool:
 
 def use_triton(tensor: torch.Tensor) -> bool:
     """Whether an op whose main operand is ``tensor`` should launch its Triton kernel."""
+    if _simulated_cuda_sms is not None:
+        return True
     if _backend in ("torch", "native"):
         return False
     if _backend == "auto":
@@ -83,6 +111,8 @@ def use_triton(tensor: torch.Tensor) -> bool:
 
 def use_native(tensor: torch.Tensor) -> bool:
     """Whether an op with a native CPU kernel should run it for ``tensor`` (its main operand)."""
+    if _simulated_cuda_sms is not None:
+        return False
     if _backend in ("torch", "triton"):
         return False
     if _backend == "auto":
@@ -107,10 +137,17 @@ def value_checks_enabled(tensor: torch.Tensor) -> bool:
     return os.environ.get("PAGEDKERNELS_DEBUG", "0") not in ("", "0")
 
 
-@functools.lru_cache(maxsize=None)
 def num_multiprocessors(device: torch.device) -> int:
-    """Streaming-multiprocessor count of a CUDA device. For CPU tensors (interpreter) we return a
-    small fixed number so heuristics still exercise their split logic deterministically."""
+    """Streaming-multiprocessor count of a CUDA device (of the simulated one inside
+    :func:`simulate_cuda_launches`). For CPU tensors (interpreter) we return a small fixed number so
+    heuristics still exercise their split logic deterministically."""
+    if _simulated_cuda_sms is not None:
+        return _simulated_cuda_sms
+    return _device_multiprocessors(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_multiprocessors(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 8

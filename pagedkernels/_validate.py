@@ -8,7 +8,12 @@ from typing import Iterable, Sequence
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-ATTENTION_HEAD_SIZES = (64, 80, 96, 128, 256)
+# Attention head sizes: every multiple of 16 from 32 to 256. The Triton kernels pad the head
+# dimension of their tiles to the next power of two and mask the rest (tl.dot needs power-of-two
+# tiles of >= 16); the PyTorch and native kernels take any size and accept the same set, so every
+# backend serves the same models.
+MIN_HEAD_SIZE, MAX_HEAD_SIZE, HEAD_SIZE_MULTIPLE = 32, 256, 16
+ATTENTION_HEAD_SIZES = tuple(range(MIN_HEAD_SIZE, MAX_HEAD_SIZE + 1, HEAD_SIZE_MULTIPLE))
 
 
 def check_tensor(
@@ -49,7 +54,8 @@ def check_same_dtype(name: str, tensor: torch.Tensor, like_name: str, like: torc
 
 def check_head_size(name: str, head_size: int) -> None:
     if head_size not in ATTENTION_HEAD_SIZES:
-        raise ValueError(f"{name}: head size {head_size} is not supported; supported: {ATTENTION_HEAD_SIZES}")
+        raise ValueError(f"{name}: head size {head_size} is not supported; supported: multiples of "
+                         f"{HEAD_SIZE_MULTIPLE} from {MIN_HEAD_SIZE} to {MAX_HEAD_SIZE}")
 
 
 def check_gqa(num_q_heads: int, num_kv_heads: int) -> int:

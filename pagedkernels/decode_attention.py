@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from . import _native
-from ._backend import num_multiprocessors, use_native, use_triton, value_checks_enabled
+from ._backend import launch_device_kind, num_multiprocessors, use_native, use_triton, value_checks_enabled
 from ._validate import (
     FLOAT_DTYPES,
     check_gqa,
@@ -29,11 +29,11 @@ from ._validate import (
     check_tensor,
 )
 
-__all__ = ["paged_decode_attention", "decode_num_splits"]
+__all__ = ["paged_decode_attention", "decode_num_splits", "decode_workspace", "decode_workspace_numel"]
 
 
 def _validate(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap,
-              num_splits, out) -> int:
+              num_splits, out, workspace) -> int:
     """All shape/dtype/device checks (no tensor values read). Returns the GQA group size."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     num_seqs, num_q_heads, head_dim = q.shape
@@ -55,6 +55,15 @@ def _validate(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_
         check_tensor("out", out, dtypes=(q.dtype,), device=q.device, shape=tuple(q.shape))
         if out.stride(-1) != 1:
             raise ValueError("out must be contiguous in its last (head_dim) dimension")
+    if workspace is not None:
+        check_tensor("workspace", workspace, ndim=1, dtypes=(torch.float32,), device=q.device)
+        if not workspace.is_contiguous():
+            raise ValueError("workspace must be contiguous")
+        if num_splits is not None and num_splits > 1:
+            needed = decode_workspace_numel(num_seqs, num_q_heads, head_dim, num_splits)
+            if workspace.numel() < needed:
+                raise ValueError(f"workspace holds {workspace.numel()} floats; num_splits={num_splits} needs "
+                                 f"{needed} (decode_workspace_numel)")
     return group
 
 
@@ -98,11 +107,12 @@ def paged_decode_attention(
     softcap: float | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged KV cache (flash-decoding split-K).
 
     Args:
-        q: ``[num_seqs, num_q_heads, head_dim]`` fp16/bf16/fp32; head_dim in (64, 80, 96, 128, 256).
+        q: ``[num_seqs, num_q_heads, head_dim]`` fp16/bf16/fp32; head_dim a multiple of 16 in [32, 256].
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, q's dtype;
             num_q_heads must be a multiple of num_kv_heads (GQA).
         block_tables: int32 ``[num_seqs, max_blocks_per_seq]``; entries past a sequence's last block
@@ -113,14 +123,22 @@ def paged_decode_attention(
         sliding_window: W; the query at p sees keys k with ``p - W < k <= p``.
         softcap: scores become ``softcap * tanh(score / softcap)`` after scaling.
         num_splits: force the number of context partitions (>= 1); default from
-            :func:`decode_num_splits` (shape-only, no host sync, CUDA-graph capturable).
+            :func:`decode_num_splits` (shape-only, no host sync, CUDA-graph capturable), capped
+            to what ``workspace`` holds when one is given.
         out: optional ``[num_seqs, num_q_heads, head_dim]`` output in q's dtype.
+        workspace: optional float32 1-D contiguous buffer on q's device for the split-K partial
+            results (see :func:`decode_workspace`), so that a launch allocates nothing (CUDA-graph
+            capture). ``num_splits`` partitions of ``num_seqs`` sequences use its first
+            :func:`decode_workspace_numel` floats; a forced ``num_splits`` that does not fit is a
+            ValueError. Without it the op allocates that scratch per call. Unused by the PyTorch and
+            native backends (validated all the same). Calls that run one after another on a stream
+            (the layers of a model) may share one workspace.
 
     Returns:
         ``[num_seqs, num_q_heads, head_dim]`` in q's dtype (``out`` when given).
     """
     group = _validate(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap,
-                      num_splits, out)
+                      num_splits, out, workspace)
     head_dim = q.shape[-1]
     # The native kernel checks the metadata values itself, before it writes anything.
     native = not use_triton(q) and use_native(q) and _native.supports(q, head_dim, group)
@@ -138,7 +156,7 @@ def paged_decode_attention(
             raise RuntimeError("pagedkernels native decode attention rejected metadata the checks accept")
     elif use_triton(q):
         _decode_triton(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap,
-                       num_splits, out, group)
+                       num_splits, out, group, workspace)
     else:
         out.copy_(_decode_torch(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
                                 softcap))
@@ -227,6 +245,61 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_mu
     wanted = -(-2 * num_multiprocessors // programs)
     by_length = max_context // (MIN_TILES_PER_SPLIT * tile_n)
     return max(1, min(wanted, by_length, max_splits))
+
+
+def decode_workspace_numel(num_seqs: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
+    """Floats of workspace a decode launch with ``num_splits`` partitions uses: the partial outputs
+    ``[num_seqs, num_q_heads, num_splits, next_power_of_2(head_dim)]`` then the partial
+    log-sum-exps ``[num_seqs, num_q_heads, num_splits]``, both float32, back to back. One split
+    writes the output directly and uses none."""
+    if num_splits <= 1:
+        return 0
+    return num_seqs * num_q_heads * num_splits * (triton.next_power_of_2(head_dim) + 1)
+
+
+def decode_workspace(max_num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int, *,
+                     device: torch.device | str, max_context: int | None = None) -> torch.Tensor:
+    """A workspace for :func:`paged_decode_attention` that never caps the default split count of
+    any batch of up to ``max_num_seqs`` sequences on ``device``: the largest
+    :func:`decode_workspace_numel` over batch sizes 1..max_num_seqs at the splits
+    :func:`decode_num_splits` picks for them (with ``max_context`` tokens per sequence, default
+    unbounded). Splits shrink as batches grow, so this stays small: about 1 MB for 32 query heads
+    of 128 over 8 KV heads on an H100, whatever ``max_num_seqs``. Allocate it once (e.g. before
+    capturing CUDA graphs) and pass it to every decode call.
+
+    Returns a float32 ``[numel]`` tensor (uninitialized; every launch writes before it reads).
+    """
+    for name, value in (("max_num_seqs", max_num_seqs), ("num_q_heads", num_q_heads),
+                        ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    check_head_size("head_dim", head_dim)
+    check_gqa(num_q_heads, num_kv_heads)
+    device = torch.device(device)
+    sms = num_multiprocessors(device)
+    # Unbounded length: any context this long already allows MAX_SPLITS splits.
+    context = MAX_SPLITS * MIN_TILES_PER_SPLIT * TILE_N if max_context is None else max_context
+    numel = max(decode_workspace_numel(n, num_q_heads, head_dim, decode_num_splits(n, num_kv_heads, context, sms))
+                for n in range(1, max_num_seqs + 1))
+    return torch.empty(numel, dtype=torch.float32, device=device)
+
+
+def launch_config(dtype: torch.dtype, device_kind: str) -> int:
+    """num_warps of the split kernel, from the dtype and the device kind (``"cuda"`` or ``"cpu"``,
+    see ``_backend.launch_device_kind``) only, so the CUDA choice can be compiled ahead of time on
+    any machine (``pagedkernels._aot``).
+
+    A program holds Q (BLOCK_H x HEAD_PAD), a K and a V tile (TILE_N x HEAD_PAD), S/P
+    (BLOCK_H x TILE_N) and acc (BLOCK_H x HEAD_PAD, fp32). 16-bit inputs feed tensor-core dots:
+    4 warps keep it at <= 170 registers up to head 256 without spills (sm_90 and sm_80, Triton 3.6
+    and 3.9). fp32 inputs run ieee FMA dots (exact; a correctness dtype, not a serving one) whose
+    operand layouts keep long K rows per thread: at 4 warps Triton 3.6's sm_90 build of heads 80 to
+    256 spilled (255 registers + 0.5 KB, or a 32-register allocation with 10 KB of spills); 8 warps
+    halve each thread's share: ~60 registers at head 128, ~110 at 256, no spills. The interpreter
+    ignores warps."""
+    if device_kind == "cuda" and dtype == torch.float32:
+        return 8
+    return 4
 
 
 @triton.jit
@@ -389,7 +462,7 @@ def _decode_reduce_kernel(
 
 
 def _decode_triton(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap,
-                   num_splits, out, group):
+                   num_splits, out, group, workspace):
     num_seqs, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     if q.stride(-1) != 1:
@@ -401,10 +474,16 @@ def _decode_triton(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
         if sliding_window is not None:  # a window spans at most W + TILE_N - 1 tokens of tiles
             max_context = min(max_context, sliding_window + TILE_N)
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_context, num_multiprocessors(q.device))
+        if workspace is not None:  # as many splits as the caller's workspace holds (shapes only)
+            per_split = decode_workspace_numel(num_seqs, num_q_heads, head_dim, 2) // 2
+            num_splits = max(1, min(num_splits, workspace.numel() // per_split))
     head_pad = triton.next_power_of_2(head_dim)
     if num_splits > 1:
-        partial_out = torch.empty(num_seqs, num_q_heads, num_splits, head_pad, dtype=torch.float32, device=q.device)
-        partial_lse = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
+        rows = num_seqs * num_q_heads * num_splits
+        if workspace is None:
+            workspace = torch.empty(rows * (head_pad + 1), dtype=torch.float32, device=q.device)
+        partial_out = workspace[: rows * head_pad].view(num_seqs, num_q_heads, num_splits, head_pad)
+        partial_lse = workspace[rows * head_pad: rows * (head_pad + 1)].view(num_seqs, num_q_heads, num_splits)
     else:  # the split kernel writes `out` directly; the scratch arguments are unused
         partial_out = partial_lse = out
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
@@ -424,7 +503,7 @@ def _decode_triton(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
         SLIDING_WINDOW=sliding_window or 0,
         USE_SOFTCAP=softcap is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,  # None: the default for 16-bit
-        num_warps=4,
+        num_warps=launch_config(q.dtype, launch_device_kind(q.device)),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](

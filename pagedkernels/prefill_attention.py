@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from . import _native
-from ._backend import use_native, use_triton, value_checks_enabled
+from ._backend import launch_device_kind, use_native, use_triton, value_checks_enabled
 from ._validate import (
     FLOAT_DTYPES,
     check_gqa,
@@ -254,9 +254,11 @@ def _prefill_attention_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-def _launch_config(head_dim_pad: int, group_pad: int, dtype: torch.dtype,
-                   device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_M, TILE_N, num_warps, num_stages), chosen without autotuning.
+def launch_config(head_dim_pad: int, group_pad: int, dtype: torch.dtype,
+                  device_kind: str) -> tuple[int, int, int, int]:
+    """(BLOCK_M, TILE_N, num_warps, num_stages), chosen without autotuning, from shapes, dtype and
+    the device kind (``"cuda"`` or ``"cpu"``, see ``_backend.launch_device_kind``) only, so the
+    CUDA choice can be asked for (and compiled ahead of time) on any machine.
 
     GPU, fp16/bf16: a program keeps acc (BLOCK_M x HEAD_DIM_PAD fp32), Q, S/P (BLOCK_M x TILE_N
     fp32) and, because K/V are gathered token by token through the block table, two
@@ -265,17 +267,20 @@ def _launch_config(head_dim_pad: int, group_pad: int, dtype: torch.dtype,
     TILE_N=32; TILE_N=64 doubles the address part and spills (ptxas, sm_90: 255 regs + stack).
     Head <= 64 halves acc, Q and addresses, so TILE_N=64 fits. Head 256 doubles everything:
     BLOCK_M=64, TILE_N=16. Group size 1 (no row sharing of K/V) compiled to spills at the larger
-    BLOCK_M, hence half of it there. fp32 runs ieee FMA dots (no tensor cores; a correctness
-    dtype, not a serving one) whose operand layouts are register-hungry: 32 x 16 tiles.
-    Each choice was checked to compile for sm_90 without register spills. BLOCK_M >= 16 always
-    (tl.dot needs >= 16 on every dimension on a GPU), and BLOCK_M >= group_pad so a program holds
-    at least one token with all heads of its group.
+    BLOCK_M, hence half of it there; at head 256 it also drops the second pipeline stage (with
+    two, Triton 3.6's sm_90 build spilled 36 B at 168 registers; with one: 180 registers, none).
+    fp32 runs ieee FMA dots (no tensor cores; a correctness dtype, not a serving one) whose operand
+    layouts are register-hungry: 32 x 16 tiles. Each choice compiles without register spills for
+    sm_90 and sm_80 with Triton 3.6 and 3.9 (``python -m pagedkernels._aot``; the test
+    tests/pagedkernels/test_aot_compile.py keeps it so). BLOCK_M >= 16 always (tl.dot needs >= 16
+    on every dimension on a GPU), and BLOCK_M >= group_pad so a program holds at least one token
+    with all heads of its group.
 
     Interpreter (CPU): no registers, cost is per program and per op and tests run tiny shapes; 32 x 32
     tiles keep the masked waste low and make modest test lengths cross query- and key-tile
     boundaries.
     """
-    if device.type != "cuda":
+    if device_kind != "cuda":
         config = (32, 32, 4, 1)
     elif dtype == torch.float32:
         config = (32, 16, 8, 2)
@@ -284,7 +289,7 @@ def _launch_config(head_dim_pad: int, group_pad: int, dtype: torch.dtype,
     elif head_dim_pad <= 128:
         config = (128, 32, 8, 3) if group_pad > 1 else (64, 32, 8, 3)
     else:
-        config = (64, 16, 8, 2) if group_pad > 1 else (32, 16, 4, 2)
+        config = (64, 16, 8, 2) if group_pad > 1 else (32, 16, 4, 1)
     block_m, tile_n, num_warps, num_stages = config
     return max(block_m, group_pad), tile_n, num_warps, num_stages
 
@@ -299,7 +304,8 @@ def _prefill_attention_triton(q, key_cache, value_cache, block_tables, cu_seqlen
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = triton.next_power_of_2(head_dim)
-    block_m, tile_n, num_warps, num_stages = _launch_config(head_dim_pad, group_pad, q.dtype, q.device)
+    block_m, tile_n, num_warps, num_stages = launch_config(head_dim_pad, group_pad, q.dtype,
+                                                           launch_device_kind(q.device))
     block_q = block_m // group_pad
     # Sequence s owns tiles cu[s] // BLOCK_Q + s ... so this bound covers every tile without
     # reading cu_seqlens_q on the host; spare programs return at once.
@@ -441,7 +447,7 @@ def paged_prefill_attention(
 
     Args:
         q: ``[num_tokens, num_q_heads, head_dim]`` fp16/bf16/fp32, the new tokens of all sequences
-            packed back to back; head_dim in (64, 80, 96, 128, 256).
+            packed back to back; head_dim a multiple of 16 in [32, 256].
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, q's dtype;
             the new tokens are already written (``reshape_and_cache``). num_q_heads must be a
             multiple of num_kv_heads (GQA).

@@ -45,17 +45,20 @@ def _(key, value, key_cache, value_cache, slot_mapping) -> None:
 # -- attention ----------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("pagedkernels::paged_decode_attention", mutates_args=())
+@torch.library.custom_op("pagedkernels::paged_decode_attention", mutates_args=("workspace",))
 def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None,
-                           sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-    """See :func:`pagedkernels.paged_decode_attention`; returns a new ``[num_seqs, num_q_heads, head_dim]``."""
+                           sliding_window: int | None = None, softcap: float | None = None,
+                           workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """See :func:`pagedkernels.paged_decode_attention`; returns a new ``[num_seqs, num_q_heads, head_dim]``.
+    ``workspace`` is scratch the op overwrites (declared mutated)."""
     return _paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale=scale,
-                                   sliding_window=sliding_window, softcap=softcap)
+                                   sliding_window=sliding_window, softcap=softcap, workspace=workspace)
 
 
 @paged_decode_attention.register_fake
-def _(q, key_cache, value_cache, block_tables, seq_lens, scale=None, sliding_window=None, softcap=None):
+def _(q, key_cache, value_cache, block_tables, seq_lens, scale=None, sliding_window=None, softcap=None,
+      workspace=None):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 

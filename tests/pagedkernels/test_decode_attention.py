@@ -11,7 +11,13 @@ import torch
 
 import pagedkernels as pk
 from pagedkernels import decode_attention
-from pagedkernels.decode_attention import MAX_SPLITS, MIN_TILES_PER_SPLIT, TILE_N, decode_num_splits
+from pagedkernels.decode_attention import (
+    MAX_SPLITS,
+    MIN_TILES_PER_SPLIT,
+    TILE_N,
+    decode_num_splits,
+    decode_workspace_numel,
+)
 from tests.pagedkernels.oracle import ATTENTION_TOLERANCES, attention_oracle, make_paged_kv
 
 BACKENDS = ["triton", "torch", "native"]
@@ -103,6 +109,11 @@ SHAPES = [
     # group of 5 (query heads in register sets of 4 + 1)
     (64, 16, 3, 3, torch.float32, [5 + 9 * i for i in range(14)]),
     (128, 16, 5, 2, torch.float16, [1 + 11 * i for i in range(12)]),
+    # head sizes whose tiles are padded to the next power of two (masked head dimension)
+    (48, 16, 2, 2, torch.float32, [1, 33, 70]),
+    (112, 8, 4, 1, torch.float16, [9, 40]),
+    (160, 32, 1, 2, torch.float32, [32, 65]),
+    (32, 16, 3, 1, torch.float16, [17, 50]),
 ]
 
 
@@ -230,6 +241,73 @@ def test_default_splits_come_from_the_heuristic(device, launches, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
+# caller-provided split-K workspace
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_workspace_gives_the_same_result(backend, num_splits, device, launches):
+    """With and without a workspace, forced or default splits: both match the oracle. The Triton path
+    writes its partial results into the workspace (NaN-poisoned: every float a launch uses is
+    written before it is read) and leaves the rest of it alone."""
+    q, kv = _case([1, 40, 70], num_kv_heads=2, group=3, head_dim=80, device=device, seed=13)
+    allocated = _run_and_check(backend, q, kv, num_splits=num_splits)
+    workspace = torch.full((decode_workspace_numel(3, 6, 80, 3) + 100,), float("nan"), device=device)
+    given = _run_and_check(backend, q, kv, num_splits=num_splits, workspace=workspace)
+    torch.testing.assert_close(given, allocated, atol=0, rtol=0)
+    if backend == "triton":
+        splits = launches[0].grids[-1][2]
+        used = decode_workspace_numel(3, 6, 80, splits)
+        assert not torch.isnan(workspace[:used]).any()
+        assert torch.isnan(workspace[used:]).all()
+    else:  # the PyTorch and native backends need no scratch
+        assert torch.isnan(workspace).all()
+
+
+def test_workspace_caps_the_default_splits(device, launches, monkeypatch):
+    """The heuristic's split count is capped to what the workspace holds (a shape-only choice, so
+    graph capture stays sync-free); one split needs no workspace at all."""
+    monkeypatch.setattr(decode_attention, "decode_num_splits", lambda *args, **kwargs: 5)
+    q, kv = _case([3, 70], num_kv_heads=2, group=2, device=device, seed=17)
+    for floats, splits in ((decode_workspace_numel(2, 4, 64, 2), 2), (decode_workspace_numel(2, 4, 64, 4) + 5, 4),
+                           (0, 1), (10**5, 5)):
+        workspace = torch.full((floats,), float("nan"), device=device)
+        reductions = len(launches[1].grids)
+        _run_and_check("triton", q, kv, workspace=workspace)
+        assert launches[0].grids[-1] == (2, 2, splits)
+        assert len(launches[1].grids) - reductions == (splits > 1)
+
+
+def test_decode_workspace_never_caps_the_heuristic():
+    """pk.decode_workspace holds the default split count of every batch size up to max_num_seqs, and
+    is no bigger than the largest of them needs."""
+    for max_num_seqs, num_q_heads, num_kv_heads, head_dim in ((1, 8, 8, 64), (64, 32, 8, 128), (300, 12, 4, 160)):
+        workspace = pk.decode_workspace(max_num_seqs, num_q_heads, num_kv_heads, head_dim, device="cpu")
+        assert workspace.dtype == torch.float32 and workspace.dim() == 1
+        sms = 8  # the CPU stand-in of pagedkernels._backend.num_multiprocessors
+        needs = [decode_workspace_numel(n, num_q_heads, head_dim,
+                                        decode_num_splits(n, num_kv_heads, 1 << 20, sms))
+                 for n in range(1, max_num_seqs + 1)]
+        assert workspace.numel() == max(needs)
+    # a bounded context splits less, so it needs less
+    short = pk.decode_workspace(4, 8, 2, 128, device="cpu", max_context=256)
+    assert short.numel() < pk.decode_workspace(4, 8, 2, 128, device="cpu").numel()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(num_q_heads=6, num_kv_heads=4), "num_q_heads"),
+    (dict(head_dim=72), "head size"),
+    (dict(num_kv_heads=2.0), "num_kv_heads"),
+])
+def test_decode_workspace_bad_arguments(kwargs, match):
+    args = dict(max_num_seqs=8, num_q_heads=8, num_kv_heads=2, head_dim=64, device="cpu")
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        pk.decode_workspace(**args)
+
+
+# ---------------------------------------------------------------------------------------------
 # the split heuristic
 # ---------------------------------------------------------------------------------------------
 
@@ -284,8 +362,12 @@ BAD_ARGUMENTS = [
     ("value_cache", dict(value_cache=torch.randn(6, 16, 2, 64).half())),
     ("value_cache", dict(value_cache=torch.randn(6, 8, 2, 64))),
     ("key_cache", dict(q=torch.randn(2, 4, 128))),  # head_dim differs from the caches'
-    ("head size", dict(q=torch.randn(2, 4, 32), key_cache=torch.randn(6, 16, 2, 32),
-                       value_cache=torch.randn(6, 16, 2, 32))),
+    ("head size", dict(q=torch.randn(2, 4, 40), key_cache=torch.randn(6, 16, 2, 40),
+                       value_cache=torch.randn(6, 16, 2, 40))),  # not a multiple of 16
+    ("head size", dict(q=torch.randn(2, 4, 16), key_cache=torch.randn(6, 16, 2, 16),
+                       value_cache=torch.randn(6, 16, 2, 16))),  # under 32
+    ("head size", dict(q=torch.randn(2, 4, 272), key_cache=torch.randn(6, 16, 2, 272),
+                       value_cache=torch.randn(6, 16, 2, 272))),  # over 256
     ("num_q_heads", dict(q=torch.randn(2, 3, 64))),  # 3 query heads over 2 KV heads
     ("block_tables", dict(block_tables=torch.zeros(2, 3, dtype=torch.int64))),
     ("block_tables", dict(block_tables=torch.zeros(3, 3, dtype=torch.int32))),
@@ -307,6 +389,13 @@ BAD_ARGUMENTS = [
     ("out", dict(out=torch.empty(2, 4, 64, dtype=torch.float16))),
     ("out", dict(out=torch.empty(2, 4, 64, device="meta"))),
     ("out", dict(out=torch.empty(2, 4, 128)[..., ::2])),
+    ("workspace", dict(workspace=torch.empty(8192, dtype=torch.float16))),
+    ("workspace", dict(workspace=torch.empty(2, 4096))),
+    ("workspace", dict(workspace=torch.empty(8192, device="meta"))),
+    ("workspace", dict(workspace=torch.empty(16384)[::2])),
+    ("workspace", dict(workspace=[0.0] * 8192)),
+    # 3 splits of 2 sequences x 4 heads x (64 + 1) floats need 1560
+    ("workspace", dict(workspace=torch.empty(1559), num_splits=3)),
 ]
 
 
