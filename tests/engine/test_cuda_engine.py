@@ -32,10 +32,12 @@ def _hf_greedy(model_dir: str) -> list[list[int]]:
     return refs
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "opt", "gemma2", "phi3"])
 def test_cuda_graphs_and_compile_match_transformers(tiny_model_dir, arch, monkeypatch):
     """float32, so transformers is an exact reference: the default GPU path (compiled, decode graphs) and
-    enforce_eager give transformers' greedy tokens, with every block free afterwards."""
+    enforce_eager give transformers' greedy tokens, with every block free afterwards. opt, gemma2 and phi3
+    bring learned positions and LayerNorm, the Triton kernels' softcap and sliding window, partial rotary
+    and LongRoPE (short factors: max_model_len 256 is the tiny Phi-3's original context)."""
     monkeypatch.delenv("ENGINE_COMPILE", raising=False)
     model_dir = tiny_model_dir(arch)
     refs = _hf_greedy(model_dir)
