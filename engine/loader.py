@@ -85,7 +85,8 @@ def load_model(model: nn.Module, model_dir: str) -> None:
             raise ValueError(f"cannot read weight file {path}: {e}") from e
     missing = sorted(expected - loaded, key=str)
     if missing:
-        names = [_checkpoint_name(name, shard, packed) for name, shard in missing]
+        # A fused checkpoint tensor (Phi-3) is missing once, not once per shard.
+        names = list(dict.fromkeys(_checkpoint_name(name, shard, packed) for name, shard in missing))
         raise ValueError(f"weights missing from {model_dir}: {', '.join(names[:10])}"
                          + (f" and {len(names) - 10} more" if len(names) > 10 else ""))
 

@@ -49,17 +49,23 @@ def gated_activation(name: str) -> nn.Module:
     return _GATED[name]()
 
 
+PLAIN_ACTIVATIONS = ("relu", "gelu", "gelu_new", "gelu_pytorch_tanh")
+
+
+def check_plain_activation(name: str) -> str:
+    """``name`` if :class:`Activation` supports it, else a ValueError naming it."""
+    if name not in PLAIN_ACTIVATIONS:
+        raise ValueError(f"activation {name!r} is not supported (supported: {', '.join(PLAIN_ACTIVATIONS)})")
+    return name
+
+
 class Activation(nn.Module):
     """A plain elementwise activation, in place on its input (the output of the linear before it, which
     nothing else reads): ``relu``, ``gelu`` (erf), ``gelu_new`` / ``gelu_pytorch_tanh`` (tanh form)."""
 
-    _NAMES = ("relu", "gelu", "gelu_new", "gelu_pytorch_tanh")
-
     def __init__(self, name: str):
         super().__init__()
-        if name not in self._NAMES:
-            raise ValueError(f"activation {name!r} is not supported (supported: {', '.join(self._NAMES)})")
-        self.name = name
+        self.name = check_plain_activation(name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.name == "relu":

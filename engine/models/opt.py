@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig, need
-from engine.layers.activation import Activation
+from engine.layers.activation import Activation, check_plain_activation
 from engine.layers.attention import Attention, AttentionMetadata
 from engine.layers.embed_head import LMHead, PositionEmbedding, VocabEmbedding
 from engine.layers.layernorm import LayerNorm
@@ -140,7 +140,7 @@ class OPTForCausalLM(nn.Module):
         return dict(
             intermediate_size=int(need(text, "ffn_dim", common.model_dir)),
             norm_eps=LAYER_NORM_EPS,
-            hidden_act=Activation(activation).name,  # ValueError naming it when unsupported
+            hidden_act=check_plain_activation(activation),
             attention_bias=enable_bias,
             mlp_bias=enable_bias,
             layer_norm_before=bool(text.get("do_layer_norm_before", True)),

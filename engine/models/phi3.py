@@ -25,12 +25,16 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             raise ValueError(f"hidden_act={hidden_act!r} is not supported (only 'silu')")
         rope_text = dict(text)
         for key in ("rope_scaling", "rope_parameters"):
-            if isinstance(rope_text.get(key), dict) and rope_text[key].get("type", rope_text[key].get("rope_type")) == "su":
-                rope_text[key] = {**rope_text[key], "rope_type": "longrope"}
-                rope_text[key].pop("type", None)
-            if isinstance(rope_text.get(key), dict) and "original_max_position_embeddings" in text:
-                rope_text[key] = {"original_max_position_embeddings": text["original_max_position_embeddings"],
-                                  **rope_text[key]}
+            if not isinstance(text.get(key), dict):
+                continue
+            scaling = dict(text[key])
+            # transformers reads Phi-3's older type names "su" and "yarn" as "longrope".
+            if scaling.get("rope_type", scaling.get("type")) in ("su", "yarn"):
+                scaling.pop("type", None)
+                scaling["rope_type"] = "longrope"
+            if "original_max_position_embeddings" in text:
+                scaling.setdefault("original_max_position_embeddings", text["original_max_position_embeddings"])
+            rope_text[key] = scaling
         rope_theta, rope_scaling = read_rope(rope_text, cls.rope_types)
         if rope_scaling is not None and rope_scaling.get("factor") is None:
             rope_scaling["factor"] = common.max_position_embeddings / float(

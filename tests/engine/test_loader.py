@@ -143,3 +143,20 @@ def test_corrupt_safetensors(tiny_model_dir, tmp_path, damage):
         match = "index"
     with pytest.raises(ValueError, match=match):
         build_engine_model(model_dir)
+
+
+def test_fused_checkpoint_loads_whole_and_names_what_is_missing(tiny_model_dir, tmp_path):
+    """Phi-3's qkv_proj / gate_up_proj tensors load straight into the fused parameters; a fused tensor
+    missing from the checkpoint is reported by its own name."""
+    model_dir = tiny_model_dir("phi3")
+    tensors = checkpoint_tensors(model_dir)
+    assert "model.layers.0.self_attn.qkv_proj.weight" in tensors
+    model = build_engine_model(model_dir)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.data, tensors[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    del tensors["model.layers.1.mlp.gate_up_proj.weight"]
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"weights missing from \S+: model\.layers\.1\.mlp\.gate_up_proj\.weight$"):
+        build_engine_model(str(broken))
