@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -9,6 +10,8 @@ from torch import nn
 
 import pagedkernels as pk
 from engine.layers import pk_ops
+
+logger = logging.getLogger(__name__)
 
 
 def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
@@ -89,8 +92,14 @@ class RotaryEmbedding(nn.Module):
         self.uses_long_factors = False
         if rope_scaling is not None and rope_scaling["rope_type"] == "longrope":
             short, long, attention_factor = longrope_inv_freqs(rotary_dim, base, rope_scaling)
-            self.uses_long_factors = max_position > int(rope_scaling["original_max_position_embeddings"])
+            original = int(rope_scaling["original_max_position_embeddings"])
+            self.uses_long_factors = max_position > original
             inv_freq = long if self.uses_long_factors else short
+            if self.uses_long_factors:
+                logger.warning("LongRoPE: max_model_len %d is past the original context %d, so every sequence "
+                               "rotates by the long factors (transformers uses the short ones for sequences of "
+                               "at most %d tokens); max_model_len <= %d keeps the short ones",
+                               max_position, original, original, original)
         else:
             inv_freq, attention_factor = rope_inv_freq(rotary_dim, base, rope_scaling), 1.0
         # [max_position, rotary_dim] = cat(cos, sin); a buffer so it follows the module's device. float32
