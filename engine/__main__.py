@@ -1,5 +1,7 @@
 """Command line: `python -m engine generate "prompt"`, `python -m engine chat`, `python -m engine download`,
-`python -m engine serve` (an OpenAI-compatible server; needs the `serve` extra).
+`python -m engine serve [MODEL]` (an OpenAI-compatible server; needs the `serve` extra). The engine options
+(--model, --max-model-len, --gpu-memory-utilization, ...) are EngineArgs' (engine/engine_args.py), the same for
+every command and for `engine.LLM`. generate and chat print the text as the engine produces it.
 
 The default model is SmolLM2-135M-Instruct, converted on first use (see engine/default_model.py)."""
 import argparse
@@ -16,6 +18,7 @@ def _add_sampling_args(parser: argparse.ArgumentParser, *, temperature: float, t
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
 
 
 def _build(args):
@@ -24,7 +27,7 @@ def _build(args):
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                            seed=args.sampling_seed, stop=args.stop)
+                            seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos)
     engine_args = EngineArgs.from_cli_args(args)
     # LLM's keyword arguments are EngineArgs' fields.
     options = {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(engine_args) if f.name != "model"}
@@ -96,7 +99,7 @@ def cmd_serve(args) -> None:
     run_server(args)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     from engine.engine_args import EngineArgs
 
     parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__.splitlines()[0])
@@ -115,6 +118,11 @@ def main(argv: list[str] | None = None) -> None:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     EngineArgs.add_cli_args(serve, positional_model=True)
     _add_serve_args(serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         {"generate": cmd_generate, "chat": cmd_chat, "download": cmd_download, "serve": cmd_serve}[args.command](args)

@@ -62,3 +62,65 @@ def test_download_prints_the_default_model_dir(monkeypatch, capsys):
 def test_module_entry_point():
     result = subprocess.run([sys.executable, "-m", "engine", "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and all(cmd in result.stdout for cmd in ("generate", "chat", "download"))
+
+
+def test_generate_streams_text_as_the_engine_produces_it(model_dir, llm, monkeypatch):
+    """Each engine step's new text is printed (and flushed) before the next step runs, not all at the end."""
+    from engine.llm_engine import LLMEngine
+
+    steps, writes = [0], []
+    real_step = LLMEngine.step
+
+    def counting_step(self):
+        steps[0] += 1
+        return real_step(self)
+
+    class RecordingStdout(io.StringIO):
+        def write(self, text):
+            writes.append((steps[0], text))
+            return super().write(text)
+
+    monkeypatch.setattr(LLMEngine, "step", counting_step)
+    monkeypatch.setattr(sys, "stdout", RecordingStdout())
+    main(["generate", PROMPT, "--model", model_dir, "--max-tokens", "12", "--num-kv-blocks", "32",
+          "--sampling-seed", "3", "--temperature", "1.0", "--ignore-eos"])
+    expected = llm.generate(PROMPT, SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].text
+    assert "".join(text for _, text in writes) == expected + "\n"
+    pieces = [(step, text) for step, text in writes if text and text != "\n"]
+    assert len({step for step, _ in pieces}) > 3   # printed over many steps
+    assert pieces[0][0] < steps[0]
+
+
+def test_engine_options_are_one_definition():
+    """EngineArgs' fields are LLMEngine's and LLM's keyword arguments, and every command takes them by
+    vLLM's flag names; serve also takes the model positionally."""
+    import dataclasses
+    import inspect
+
+    from engine.__main__ import build_parser
+    from engine.engine_args import EngineArgs
+    from engine.llm_engine import LLMEngine
+
+    fields = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+    for cls in (LLMEngine, LLM):
+        parameters = inspect.signature(cls.__init__).parameters
+        kwargs = {name: p.default for name, p in parameters.items() if name not in ("self",)}
+        assert set(kwargs) == set(fields), cls
+        assert {k: v for k, v in kwargs.items() if k != "model"} == {k: v for k, v in fields.items()
+                                                                     if k != "model"}, cls
+    parser = build_parser()
+    flags = ["--tokenizer", "/tok", "--gpu-memory-utilization", "0.5", "--swap-space", "2", "--preemption-mode",
+             "swap", "--generation-config", "vllm", "--max-model-len", "64", "--enforce-eager",
+             "--no-enable-prefix-caching", "--block-size", "32", "--max-num-seqs", "8", "--seed", "5"]
+    expected = EngineArgs(model="/m", tokenizer="/tok", gpu_memory_utilization=0.5, swap_space=2.0,
+                          preemption_mode="swap", generation_config="vllm", max_model_len=64, enforce_eager=True,
+                          enable_prefix_caching=False, block_size=32, max_num_seqs=8, seed=5)
+    serve = parser.parse_args(["serve", "/m", *flags, "--chat-template", "t.jinja", "--tool-call-parser", "hermes",
+                               "--enable-auto-tool-choice", "--reasoning-parser", "qwen3",
+                               "--trust-request-chat-template"])
+    assert EngineArgs.from_cli_args(serve) == expected
+    assert (serve.chat_template, serve.tool_call_parser, serve.reasoning_parser) == ("t.jinja", "hermes", "qwen3")
+    assert EngineArgs.from_cli_args(parser.parse_args(["serve", "--model", "/m", *flags])) == expected
+    assert EngineArgs.from_cli_args(parser.parse_args(["generate", "hi", "--model", "/m", *flags])) == expected
+    assert EngineArgs.from_cli_args(parser.parse_args(["chat", "--model", "/m", *flags])) == expected

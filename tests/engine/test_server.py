@@ -430,7 +430,7 @@ def test_client_leaving_a_non_streamed_request_aborts_it(server, monkeypatch):
 
 # -- the CLI ----------------------------------------------------------------------------------------------------
 def test_cli_serve_subprocess(model_dir):
-    command = [sys.executable, "-m", "engine", "serve", "--model", model_dir, "--port", "0",
+    command = [sys.executable, "-m", "engine", "serve", model_dir, "--port", "0",
                "--served-model-name", "tiny-cli", "--api-key", "k", "--max-model-len", "64",
                "--num-kv-blocks", "16", "--no-enable-prefix-caching", "--log-level", "warning"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
