@@ -229,3 +229,26 @@ def test_langchain_bind_tools_and_structured_output(server):
     assert isinstance(city, City) and city.name
     city = chat.with_structured_output(City, method="function_calling").invoke("Name the capital of France.")
     assert isinstance(city, City)
+
+
+def test_chat_logprobs_join_to_the_content_across_partial_utf8_and_stop_strings(client):
+    """Emoji and accented letters are several byte-level tokens each, and a stop string is cut from the text:
+    the logprob tokens still join to exactly message.content, streamed or not."""
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Say something about summer."}],
+                  max_tokens=40, temperature=0, logprobs=True, top_logprobs=2, stop=["Paris"],
+                  extra_body={"guided_regex": "🌞🎉 L'été à Paris, c'est très beau"})
+    reply = client.chat.completions.create(**kwargs)
+    choice = reply.choices[0]
+    assert choice.message.content == "🌞🎉 L'été à " and choice.finish_reason == "stop"
+    tokens = [item.token for item in choice.logprobs.content]
+    assert "".join(tokens) == choice.message.content
+    assert len(tokens) == reply.usage.completion_tokens > len(choice.message.content.encode()) // 4
+    assert any(token == "" for token in tokens)   # a token ending inside a character adds nothing by itself
+    for item in choice.logprobs.content:
+        assert item.bytes == list(item.token.encode())
+    streamed_tokens, streamed_text = [], ""
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for streamed in chunk.choices:
+            streamed_text += streamed.delta.content or ""
+            streamed_tokens += [item.token for item in (streamed.logprobs.content if streamed.logprobs else [])]
+    assert streamed_text == choice.message.content and "".join(streamed_tokens) == streamed_text
