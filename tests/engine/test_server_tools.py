@@ -252,3 +252,17 @@ def test_chat_logprobs_join_to_the_content_across_partial_utf8_and_stop_strings(
             streamed_text += streamed.delta.content or ""
             streamed_tokens += [item.token for item in (streamed.logprobs.content if streamed.logprobs else [])]
     assert streamed_text == choice.message.content and "".join(streamed_tokens) == streamed_text
+
+
+def test_readme_server_example_runs(server, capsys):
+    """README's server example, pointed at this loopback server."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("## Server"):]
+    block = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+    block = block.replace("http://127.0.0.1:8000/v1", server.url + "/v1").replace("SmolLM2-135M-Instruct", MODEL)
+    namespace: dict = {}
+    exec(compile(block, "README.md[server example]", "exec"), namespace)
+    assert "city" in json.loads(namespace["reply"].choices[0].message.content)
+    assert capsys.readouterr().out
