@@ -150,7 +150,7 @@ def test_bad_request_raises_and_leaves_others_running(engine, llm):
         await asyncio.sleep(0)
         await bad("", params)                                  # empty prompt
         await bad({"prompt_token_ids": [10**6]}, params)       # outside the vocabulary
-        await bad(PROMPTS[0], SamplingParams(max_tokens=NUM_KV_BLOCKS * 16 + 1, ignore_eos=True))  # > the cache
+        await bad(PROMPTS[0], SamplingParams(n=257, max_tokens=4))   # more sequences than max_num_seqs
         outputs = await good
         await engine.shutdown()
         return outputs
@@ -205,4 +205,33 @@ def test_event_loop_stays_responsive_during_slow_steps_and_tokenization(engine, 
     assert first_outputs[-1].outputs[0].finish_reason == "length"
     assert lag > 0.0   # the text request was still tokenizing when the token-id request had finished
     assert max(gaps) < 0.04, f"event loop blocked for {max(gaps):.3f} s"
+    assert_idle(engine)
+
+
+def test_a_step_that_raises_fails_its_requests_and_the_loop_goes_on(engine, llm, monkeypatch):
+    """Should LLMEngine.step itself raise (its own isolation bypassed), the requests in the engine end with an
+    error output, the engine is not dead, and the next request runs as LLM.generate does."""
+    core = engine.engine
+    real_step, raised = core.step, []
+
+    def step_raising_once():
+        if not raised and core.requests:
+            raised.append(True)
+            raise RuntimeError("injected step failure")
+        return real_step()
+
+    monkeypatch.setattr(core, "step", step_raising_once)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    expected = llm.generate(PROMPTS[1], params, use_tqdm=False)[0].outputs[0].token_ids
+
+    async def main():
+        failed = await _drain(engine, PROMPTS[0], params, "victim")
+        await engine.check_health()
+        after = await _drain(engine, PROMPTS[1], params, "after")
+        await engine.shutdown()
+        return failed, after
+
+    failed, after = run(main())
+    assert raised and failed[-1].finished and "injected step failure" in failed[-1].error
+    assert after[-1].error is None and after[-1].outputs[0].token_ids == expected
     assert_idle(engine)
