@@ -7,9 +7,10 @@ min-p -> top-k / top-p -> random draw -> greedy and random rows merged. Every st
 (gathering their parameters, filling their grammar masks) and over the seeded requests' generators.
 
 Whatever the parameters and the logits, every sampled id is in [0, vocab_size):
-- NaN logits count as -inf (never sampled) and +inf as the largest float32, before anything else; penalties,
-  the only stage that can overflow again (a tiny repetition_penalty divides by almost 0), are followed by the
-  same clamp. Temperature divides logits minus the row maximum, so the largest logit is 0 and softmax is exact.
+- NaN logits count as -inf (never sampled) and +inf as the largest float32, before anything else. Penalties,
+  the only stage that can overflow (a tiny repetition_penalty divides by almost 0), saturate at the float32
+  range, so a finite logit stays finite and a masked one stays -inf. Temperature divides logits minus the row
+  maximum, so the largest logit is 0 and softmax is exact.
 - A row with every token at -inf (the grammar, allowed_token_ids, bad_words and min_tokens masks leave nothing,
   or the model gave only NaN/-inf) falls back, in this order, to: the argmax of the row before the
   allowed_token_ids / bad_words / min_tokens masks (so a grammar stays satisfied); the first token the grammar
@@ -85,7 +86,6 @@ class Sampler:
 
         if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
             apply_penalties(logits, seqs)
-            _sanitize(logits)
 
         row_max, sampled = logits.max(dim=-1)
         dead = row_max == float("-inf")
@@ -130,7 +130,10 @@ class Sampler:
 
 def _sanitize(logits: torch.Tensor) -> None:
     """In place: NaN -> -inf (such a token is never chosen), +inf -> the largest float32 (so that shifting
-    by the row maximum stays finite)."""
+    by the row maximum stays finite). On CPU, a finite sum (one fast reduction, ~10x cheaper than nan_to_num
+    on a [48, 49152] batch) proves there is nothing to replace, and the rewrite is skipped."""
+    if not logits.is_cuda and bool(torch.isfinite(logits.sum())):
+        return
     torch.nan_to_num_(logits, nan=float("-inf"), posinf=_FLOAT32_MAX, neginf=float("-inf"))
 
 
@@ -214,9 +217,10 @@ def sample_inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tens
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """In place on logits [num_seqs, vocab_size], vLLM semantics: repetition_penalty on tokens seen in the prompt
-    or the output (positive logits divided, negative multiplied); frequency_penalty * count and presence_penalty
-    * (count > 0) subtracted for output tokens."""
+    """In place on logits [num_seqs, vocab_size] (no NaN or +inf), vLLM semantics: repetition_penalty on tokens
+    seen in the prompt or the output (positive logits divided, negative multiplied); frequency_penalty * count and
+    presence_penalty * (count > 0) subtracted for output tokens. Finite logits stay finite (saturating at the
+    float32 range), -inf ones stay -inf."""
     num_seqs, vocab_size = logits.shape
     device = logits.device
     prompt_counts = _bin_counts([seq.prompt_token_ids for seq in seqs], vocab_size, device)
@@ -227,7 +231,9 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     freq = torch.tensor([seq.params.frequency_penalty for seq in seqs], dtype=torch.float32, device=device)
     pres = torch.tensor([seq.params.presence_penalty for seq in seqs], dtype=torch.float32, device=device)
     penalties = torch.where((prompt_counts > 0) | output_mask, rep.unsqueeze(1), 1.0)
-    logits.mul_(torch.where(logits > 0, 1.0 / penalties, penalties))
+    penalized = logits * torch.where(logits > 0, 1.0 / penalties, penalties)
+    penalized.clamp_(-_FLOAT32_MAX, _FLOAT32_MAX).masked_fill_(logits == float("-inf"), float("-inf"))
+    logits.copy_(penalized)
     logits.sub_(freq.unsqueeze(1) * output_counts)
     logits.sub_(pres.unsqueeze(1) * output_mask)
 
@@ -320,6 +326,8 @@ def _gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor,
     sampled_lp = raw_logprobs.gather(1, sampled.unsqueeze(1))   # [num_seqs, 1]
     ranks = (raw_logprobs > sampled_lp).sum(dim=-1) + 1
     topk_lp, topk_ids = raw_logprobs.topk(max_k, dim=-1) if max_k > 0 else (sampled_lp[:, :0], sampled[:, None][:, :0])
+    # A row of the model output with no finite logit has NaN logprobs: report its tokens as impossible (-inf).
+    sampled_lp, topk_lp = sampled_lp.nan_to_num(nan=float("-inf")), topk_lp.nan_to_num(nan=float("-inf"))
     # One host transfer for the whole batch: ids and ranks are exact in float64 (< 2**53).
     packed = torch.cat([sampled[:, None].double(), sampled_lp.double(), ranks[:, None].double(),
                         topk_lp.double(), topk_ids.double()], dim=1).tolist()

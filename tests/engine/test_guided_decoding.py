@@ -1,0 +1,122 @@
+"""Structured outputs with xgrammar on SmolLM2: JSON schema, json_object, regex, choice and EBNF outputs obey
+their grammar, batched next to unguided requests, with n=2, under preemption (recompute and swap: the same
+tokens as without it), with constraints that conflict with the grammar, and bad specs are rejected up front."""
+import json
+import re
+
+import pytest
+
+from engine import LLM, LLMEngine, SamplingParams
+from engine.sampling_params import GuidedDecodingParams
+
+pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (the project's dev dependencies have it)")
+jsonschema = pytest.importorskip("jsonschema", reason="schema validation of the outputs uses jsonschema")
+
+PERSON = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 16},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                         "pets": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 2}},
+          "required": ["name", "age"], "additionalProperties": False}
+PHONE = r"\d{3}-\d{3}-\d{4}"
+CHOICES = ["yes", "no", "it depends"]
+NUMBER_LIST = 'root ::= "[" num ("," num)* "]"\nnum ::= [1-9] [0-9]?'
+
+
+def chat(llm: LLM, text: str) -> dict:
+    tokenizer = llm.get_tokenizer()
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                           tokenize=False)
+    return {"prompt_token_ids": tokenizer.encode(prompt, add_special_tokens=False)}
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_dir):
+    return LLM(smollm2_dir, max_model_len=512, num_kv_blocks=96)
+
+
+def guided_requests(llm: LLM) -> list[tuple[dict, SamplingParams]]:
+    return [
+        (chat(llm, "Describe Alice, 31, who has a cat, as JSON."),
+         SamplingParams(temperature=0.0, max_tokens=64, guided_decoding=GuidedDecodingParams(json=PERSON))),
+        (chat(llm, "Give me any JSON object about the weather."),
+         SamplingParams(temperature=0.0, max_tokens=64, guided_decoding=GuidedDecodingParams(json_object=True))),
+        (chat(llm, "What is the phone number of the office?"),
+         SamplingParams(temperature=0.7, seed=1, max_tokens=24, guided_decoding=GuidedDecodingParams(regex=PHONE))),
+        (chat(llm, "Is the sky green?"),
+         SamplingParams(temperature=0.0, max_tokens=16, guided_decoding=GuidedDecodingParams(choice=CHOICES))),
+        (chat(llm, "List some small numbers."),
+         SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=32,
+                        guided_decoding=GuidedDecodingParams(grammar=NUMBER_LIST))),
+        (chat(llm, "Tell me a story."), SamplingParams(temperature=0.0, max_tokens=12)),
+    ]
+
+
+def check_guided_outputs(outputs) -> None:
+    person, any_object, phone, choice, numbers, unguided = outputs
+    jsonschema.validate(json.loads(person.outputs[0].text), PERSON)
+    assert isinstance(json.loads(any_object.outputs[0].text), dict)
+    assert re.fullmatch(PHONE, phone.outputs[0].text)
+    assert choice.outputs[0].text in CHOICES
+    assert len(numbers.outputs) == 2
+    for completion in numbers.outputs:
+        assert re.fullmatch(r"\[[1-9][0-9]?(,[1-9][0-9]?)*\]", completion.text), completion.text
+    for out in (person, any_object, phone, choice, numbers):
+        assert all(c.finish_reason == "stop" for c in out.outputs), [c.finish_reason for c in out.outputs]
+    assert unguided.outputs[0].finish_reason == "length" and len(unguided.outputs[0].token_ids) == 12
+
+
+@pytest.fixture(scope="module")
+def batch_outputs(llm):
+    requests = guided_requests(llm)
+    return llm.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=False)
+
+
+def test_guided_batch_with_unguided_request(llm, batch_outputs):
+    requests, outputs = guided_requests(llm), batch_outputs
+    check_guided_outputs(outputs)
+    # The unguided request is unaffected by its guided neighbours: same tokens alone.
+    alone = llm.generate(requests[-1][0], requests[-1][1], use_tqdm=False)[0]
+    assert alone.outputs[0].token_ids == outputs[-1].outputs[0].token_ids
+    bm = llm.llm_engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_guided_requests_survive_preemption(llm, smollm2_dir, batch_outputs, mode):
+    """A 6-block cache cannot hold both requests: one is preempted mid-output, and since the grammar state
+    follows the kept output tokens, both finish with the same (greedy and seeded) tokens as without preemption."""
+    picked = [0, 2]   # the JSON schema and the (seeded) regex requests
+    requests = [guided_requests(llm)[i] for i in picked]
+    small = LLM(smollm2_dir, max_model_len=96, num_kv_blocks=6, preemption_mode=mode, swap_space=1 / 32)
+    outputs = small.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=False)
+    assert small.llm_engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outputs] == [batch_outputs[i].outputs[0].token_ids for i in picked]
+
+
+def test_grammar_wins_over_conflicting_constraints(llm):
+    """allowed_token_ids that the choice grammar never allows leave a row with nothing to sample: the sampler
+    falls back to the best token the grammar allows, so the output is still one of the choices."""
+    tokenizer = llm.get_tokenizer()
+    unrelated = tokenizer.encode(" banana", add_special_tokens=False)
+    params = SamplingParams(temperature=0.0, max_tokens=16, allowed_token_ids=unrelated,
+                            guided_decoding=GuidedDecodingParams(choice=CHOICES))
+    out = llm.generate(chat(llm, "Is the sky green?"), params, use_tqdm=False)[0].outputs[0]
+    assert out.text in CHOICES and out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("spec", [dict(json={"type": "object", "properties": {"a": {"type": "nonsense"}}}),
+                                  dict(regex="(unclosed"), dict(grammar="root ::= ")])
+def test_bad_spec_is_rejected_before_queueing(llm, spec):
+    engine: LLMEngine = llm.llm_engine
+    with pytest.raises(ValueError, match=r"^guided_decoding "):
+        engine.add_request("bad", "hello", SamplingParams(guided_decoding=GuidedDecodingParams(**spec)))
+    assert not engine.requests and not engine.has_unfinished_requests()
+
+
+def test_compiled_grammars_are_cached_by_spec(llm):
+    guided = llm.llm_engine._guided_decoding()
+    first = guided.compile(GuidedDecodingParams(json=json.dumps(PERSON)))
+    # The same schema as a dict with its keys in another order is the same grammar.
+    reordered = dict(reversed(list(PERSON.items())))
+    assert guided.compile(GuidedDecodingParams(json=reordered)) is first
+    assert guided.compile(GuidedDecodingParams(regex=PHONE)) is not first
