@@ -270,11 +270,12 @@ def launch_config(head_dim_pad: int, group_pad: int, dtype: torch.dtype,
     BLOCK_M, hence half of it there; at head 256 it also drops the second pipeline stage (with
     two, Triton 3.6's sm_90 build spilled 36 B at 168 registers; with one: 180 registers, none).
     fp32 runs ieee FMA dots (no tensor cores; a correctness dtype, not a serving one) whose operand
-    layouts are register-hungry: 32 x 16 tiles. Each choice compiles without register spills for
-    sm_90 and sm_80 with Triton 3.6 and 3.9 (``python -m pagedkernels._aot``; the test
-    tests/pagedkernels/test_aot_compile.py keeps it so). BLOCK_M >= 16 always (tl.dot needs >= 16
-    on every dimension on a GPU), and BLOCK_M >= group_pad so a program holds at least one token
-    with all heads of its group.
+    layouts are register-hungry: 32 x 16 tiles; 32 x 32 at head <= 64, where 32 x 16 drew a
+    64-register allocation with a 12 B spill from ptxas for sm_80 under Triton 3.9. Each choice
+    compiles without register spills for sm_90 and sm_80 with Triton 3.6 and 3.9 (``python -m
+    pagedkernels._aot``; the test tests/pagedkernels/test_aot_compile.py keeps it so). BLOCK_M >= 16
+    always (tl.dot needs >= 16 on every dimension on a GPU), and BLOCK_M >= group_pad so a program
+    holds at least one token with all heads of its group.
 
     Interpreter (CPU): no registers, cost is per program and per op and tests run tiny shapes; 32 x 32
     tiles keep the masked waste low and make modest test lengths cross query- and key-tile
@@ -283,7 +284,7 @@ def launch_config(head_dim_pad: int, group_pad: int, dtype: torch.dtype,
     if device_kind != "cuda":
         config = (32, 32, 4, 1)
     elif dtype == torch.float32:
-        config = (32, 16, 8, 2)
+        config = (32, 32, 8, 2) if head_dim_pad <= 64 else (32, 16, 8, 2)
     elif head_dim_pad <= 64:
         config = (128, 64, 8, 3)
     elif head_dim_pad <= 128:

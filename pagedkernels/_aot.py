@@ -1,0 +1,650 @@
+"""Ahead-of-time compile of every Triton launch the pagedkernels wrappers make, for GPUs this machine
+need not have (Hopper sm_90 and Ampere sm_80 by default), with the resources ptxas reports.
+
+    python -m pagedkernels._aot [--targets 90,80] [--triton 3.6.0] [--jobs N] [--out report.json] [--md report.md]
+
+1. Record: every public op runs over :func:`launch_matrix` (dtypes, head sizes, GQA groups, page
+   sizes, window, softcap, forced splits, norms, rotary, cache ops) on small CPU tensors inside
+   ``_backend.simulate_cuda_launches()``: the wrappers choose their launch configs exactly as on an
+   H100, and each ``kernel[grid](...)`` is caught by a :class:`_Recorder` instead of launched.
+   Nothing runs, so recording the whole matrix takes a second or two.
+2. Specialize: each recorded launch goes through Triton's own binder for the target, which gives
+   the signature a real launch would compile (pointer dtypes, divisibility by 16, ints equal to 1,
+   constexprs, num_warps / num_stages). Launches with the same specialization compile once.
+3. Compile each distinct specialization for every target with ``triton.compile(ASTSource(...),
+   target=GPUTarget("cuda", cc, 32))`` and read ptxas' ``-v`` report (Triton prints it with
+   ``TRITON_DUMP_PTXAS_LOG=1``): registers, spill stores / loads, stack frame; shared memory is
+   Triton's allocation (``metadata.shared``) plus ptxas' static smem.
+
+:func:`problems` lists what would fail on the device: a compile error, a spill in a hot kernel
+(:data:`HOT_KERNELS`), more shared memory than a block may have (:data:`SHARED_MEMORY_LIMITS`) or
+a grid dimension past CUDA's limits. The CLI exits 1 when there are any.
+
+The kernels must be real ``JITFunction``s, not the interpreter's stand-ins, so ``TRITON_INTERPRET``
+must be off before pagedkernels is imported; the CLI re-executes itself that way when needed, and
+with ``--triton VERSION`` puts that Triton (installed on first use into
+``$PAGEDKERNELS_CACHE_DIR/triton-VERSION`` with ``pip install --no-deps --target``) first on the
+path. The two Triton versions share these entry points (``create_function_from_signature``,
+``JITFunction._pack_args``, ``ASTSource``, ``triton.compile``); :func:`_specialize` is the small
+compatibility layer between them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+KERNEL_MODULES = ("decode_attention", "prefill_attention", "cache_ops", "rms_norm", "rotary", "activation")
+# Kernels on the per-token path of every model step: a register spill there is a failure.
+HOT_KERNELS = frozenset({"_decode_split_kernel", "_decode_reduce_kernel", "_prefill_attention_kernel",
+                         "_reshape_and_cache_kernel", "_rms_norm_kernel"})
+# Shared memory one block may use (opt-in maximum), bytes: sm_90 (H100) 227 KiB, sm_80 (A100) 163 KiB.
+SHARED_MEMORY_LIMITS = {90: 227 * 1024, 80: 163 * 1024}
+DEFAULT_TARGETS = (90, 80)
+# CUDA's grid limits: x up to 2**31 - 1, y and z up to 65535.
+GRID_LIMITS = (2**31 - 1, 65535, 65535)
+# The SM count the recorded launch configs are chosen for (H100 SXM).
+SIMULATED_SMS = 132
+_RESULT_FIELDS = ("registers", "spill_stores", "spill_loads", "stack", "shared", "compile_s", "error")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PAGEDKERNELS_CACHE_DIR", Path.home() / ".cache" / "pagedkernels"))
+
+
+def triton_dir(version: str) -> Path:
+    """Where ``--triton VERSION`` lives: a plain ``pip install --target`` tree."""
+    return cache_dir() / f"triton-{version}"
+
+
+def ensure_triton(version: str) -> Path:
+    """Install Triton ``version`` (no dependencies) into :func:`triton_dir` unless it is there.
+    Raises RuntimeError with pip's output when that fails (e.g. no network)."""
+    target = triton_dir(version)
+    marker = target / f"triton-{version}.dist-info"
+    if marker.is_dir() and (target / "triton" / "__init__.py").is_file():
+        return target
+    partial = target.with_name(target.name + f".partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    command = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
+               "--target", str(partial), f"triton=={version}"]
+    proc = subprocess.run(command, capture_output=True, text=True)
+    if proc.returncode != 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise RuntimeError(f"pip could not install triton=={version}: {(proc.stdout + proc.stderr).strip()[-2000:]}")
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)  # atomic: a concurrent or interrupted install never leaves half a tree
+    return target
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. record
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Launch:
+    """One ``kernel[grid](*args, **kwargs)`` a wrapper made, and the matrix case that made it."""
+    kernel: Any  # triton JITFunction
+    grid: tuple[int, ...]
+    args: tuple
+    kwargs: dict
+    case: str
+
+
+class _Recorder:
+    """Stands in for a kernel in its module while recording: ``kernel[grid](...)`` appends a Launch."""
+
+    def __init__(self, kernel: Any, launches: list[Launch], case: list[str]):
+        self.kernel, self.launches, self.case = kernel, launches, case
+
+    def __getitem__(self, grid):
+        def record(*args, **kwargs):
+            self.launches.append(Launch(self.kernel, tuple(int(g) for g in grid), args, dict(kwargs), self.case[0]))
+        return record
+
+
+def launched_kernels() -> dict[str, tuple[Any, str]]:
+    """Every kernel a wrapper launches (``@triton.jit`` functions named ``*_kernel`` in the op
+    modules; the ``@triton.jit`` helpers they call are compiled into them): name -> (kernel, module).
+    Under the interpreter these are its stand-ins: they record like kernels but cannot compile."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    found = {}
+    for name in KERNEL_MODULES:
+        module = importlib.import_module(f"pagedkernels.{name}")
+        for attr, value in vars(module).items():
+            if attr.endswith("_kernel") and isinstance(value, (JITFunction, InterpretedFunction)):
+                found[attr] = (value, module.__name__)
+    return found
+
+
+@contextlib.contextmanager
+def record_launches() -> Iterator[tuple[list[Launch], list[str]]]:
+    """Swap every launched kernel for a recorder and simulate a CUDA device for the body. Yields the
+    list the launches go to and a one-item list holding the current case label (set it per case).
+    Nothing is launched, so this works under the interpreter too (compiling needs it off)."""
+    from . import _backend
+
+    launches: list[Launch] = []
+    case = [""]
+    originals = []
+    for attr, (kernel, module_name) in launched_kernels().items():
+        module = sys.modules[module_name]
+        originals.append((module, attr, kernel))
+        setattr(module, attr, _Recorder(kernel, launches, case))
+    try:
+        with _backend.simulate_cuda_launches(SIMULATED_SMS):
+            yield launches, case
+    finally:
+        for module, attr, kernel in originals:
+            setattr(module, attr, kernel)
+
+
+def _randn(*shape, dtype, generator):
+    return torch.randn(*shape, generator=generator).to(dtype)
+
+
+def _paged_inputs(num_seqs: int, seq_len: int, num_kv_heads: int, head_dim: int, block_size: int,
+                  dtype: torch.dtype, generator: torch.Generator, *, table_width: int | None = None):
+    """KV caches ``[num_blocks, block_size, num_kv_heads, head_dim]`` with each of ``num_seqs``
+    sequences owning its own blocks, its table padded to ``table_width`` columns."""
+    blocks_per_seq = -(-seq_len // block_size)
+    width = max(blocks_per_seq, table_width or 0)
+    num_blocks = num_seqs * blocks_per_seq
+    key_cache = _randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, generator=generator)
+    value_cache = _randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, generator=generator)
+    block_tables = torch.zeros(num_seqs, width, dtype=torch.int32)
+    block_tables[:, :blocks_per_seq] = torch.arange(num_blocks, dtype=torch.int32).view(num_seqs, blocks_per_seq)
+    seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
+    return key_cache, value_cache, block_tables, seq_lens
+
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Head sizes: the common ones, then odd multiples of 16 whose tiles are padded (48 -> 64, 112 -> 128,
+# 160 -> 256). Each padded width (64, 128, 256) has at least two, so the alternation below gives
+# every width both feature sets under both group classes.
+HEAD_SIZES = (64, 48, 128, 80, 96, 112, 256, 160)
+
+
+def _attention_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
+    """Decode and prefill for every dtype x head size, twice: once without GQA (group 1: the prefill
+    tiles differ) and once with a group of 4 or 8; one of the two with sliding window + softcap (the
+    most live values), alternating with the head size. Page sizes 16 and 32, and the split counts,
+    vary along with them: each changes a constexpr, not the tile shapes."""
+    import pagedkernels as pk
+
+    num_kv_heads = 2
+    for dtype in DTYPES:
+        for i, head_dim in enumerate(HEAD_SIZES):
+            for group, block_size, capped in ((1, 16, i % 2 == 0), (4 + 4 * (i // 2 % 2), 32, i % 2 == 1)):
+                window, softcap = (100, 30.0) if capped else (None, None)
+                label = (f"{str(dtype).replace('torch.', '')} head={head_dim} group={group} block={block_size}"
+                         f"{' window+softcap' if capped else ''}")
+
+                def decode(gen, dtype=dtype, head_dim=head_dim, group=group, block_size=block_size, window=window,
+                           softcap=softcap, capped=capped, i=i):
+                    # Capped: a forced split count (under a 100-token window the H100 heuristic would
+                    # not split). Plain: one sequence with a 4096-token table, which the heuristic
+                    # splits 32 ways, then a batch that fills the GPU unsplit.
+                    calls = ((3, 8, 2 + i % 3),) if capped else ((1, 4096 // block_size, None), (80, 8, None))
+                    for num_seqs, width, forced in calls:
+                        k, v, table, lens = _paged_inputs(num_seqs, 40, num_kv_heads, head_dim, block_size, dtype,
+                                                          gen, table_width=width)
+                        q = _randn(num_seqs, num_kv_heads * group, head_dim, dtype=dtype, generator=gen)
+                        pk.paged_decode_attention(q, k, v, table, lens, sliding_window=window, softcap=softcap,
+                                                  num_splits=forced)
+
+                def prefill(gen, dtype=dtype, head_dim=head_dim, group=group, block_size=block_size, window=window,
+                            softcap=softcap):
+                    # Three sequences: a first prefill, a chunk after a cached prefix, a decode row.
+                    q_lens, seq_lens = [37, 20, 1], [37, 60, 45]
+                    k, v, table, _ = _paged_inputs(3, max(seq_lens), num_kv_heads, head_dim, block_size, dtype, gen)
+                    lens = torch.tensor(seq_lens, dtype=torch.int32)
+                    cu = torch.tensor([0, 37, 57, 58], dtype=torch.int32)
+                    q = _randn(sum(q_lens), num_kv_heads * group, head_dim, dtype=dtype, generator=gen)
+                    pk.paged_prefill_attention(q, k, v, table, cu, lens, sliding_window=window, softcap=softcap)
+
+                yield f"decode {label}", decode
+                yield f"prefill {label}", prefill
+
+
+def _cache_op_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
+    import pagedkernels as pk
+
+    for d, dtype in enumerate(DTYPES):
+        name = str(dtype).replace("torch.", "")
+        # (num_kv_heads, head_dim): Llama-8B, SmolLM2 (3 x 64), one wide head, a padded head.
+        for num_kv_heads, head_dim in ((8, 128), (3, 64), (1, 256), (4, 80)):
+            def reshape(gen, dtype=dtype, num_kv_heads=num_kv_heads, head_dim=head_dim):
+                k, v, _, _ = _paged_inputs(2, 32, num_kv_heads, head_dim, 16, dtype, gen)
+                # key/value as strided views of a fused qkv projection, the engine's layout
+                qkv = _randn(5, (2 * num_kv_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, generator=gen)
+                key = qkv[:, : num_kv_heads * head_dim].view(5, num_kv_heads, head_dim)
+                value = qkv[:, num_kv_heads * head_dim: 2 * num_kv_heads * head_dim].view(5, num_kv_heads, head_dim)
+                pk.reshape_and_cache(key, value, k, v, torch.tensor([0, 17, 33, -1, 63]))
+            yield f"reshape_and_cache {name} kv_heads={num_kv_heads} head={head_dim}", reshape
+        for num_kv_heads, head_dim in ((8, 128), (1, 64)):
+            def copy(gen, dtype=dtype, num_kv_heads=num_kv_heads, head_dim=head_dim):
+                caches = [_paged_inputs(1, 64, num_kv_heads, head_dim, 16, dtype, gen)[0] for _ in range(4)]
+                pk.copy_blocks(caches[:2], caches[2:], torch.tensor([[0, 1], [2, 3]]))
+            yield f"copy_blocks {name} kv_heads={num_kv_heads} head={head_dim}", copy
+
+
+def _elementwise_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
+    import pagedkernels as pk
+
+    for d, dtype in enumerate(DTYPES):
+        name = str(dtype).replace("torch.", "")
+        # hidden sizes: SmolLM2 (576), Llama-8B (4096), the largest one-tile row (8192), a chunked row.
+        for j, hidden in enumerate((576, 4096, 8192, 12288)):
+            def norm(gen, dtype=dtype, hidden=hidden):
+                x = _randn(3, hidden, dtype=dtype, generator=gen)
+                weight = _randn(hidden, dtype=dtype, generator=gen)
+                pk.rms_norm(x, weight, 1e-6)
+                pk.fused_add_rms_norm(x, _randn(3, hidden, dtype=dtype, generator=gen), weight, 1e-6)
+            yield f"rms_norm {name} hidden={hidden}", norm
+        # An fp32 residual stream under 16-bit activations.
+        if dtype != torch.float32:
+            def mixed_norm(gen, dtype=dtype):
+                x = _randn(3, 4096, dtype=dtype, generator=gen)
+                pk.fused_add_rms_norm(x, _randn(3, 4096, dtype=torch.float32, generator=gen),
+                                      _randn(4096, dtype=dtype, generator=gen), 1e-6)
+            yield f"fused_add_rms_norm {name} residual=float32", mixed_norm
+        # (num_q_heads, num_kv_heads, head_size, rot_dim, is_neox): Llama, SmolLM2, partial GPT-J rotary.
+        for num_q_heads, num_kv_heads, head_size, rot_dim, is_neox in ((32, 8, 128, 128, True), (9, 3, 64, 64, True),
+                                                                        (16, 16, 256, 64, False)):
+            def rotary(gen, dtype=dtype, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                       rot_dim=rot_dim, is_neox=is_neox):
+                cos_sin = pk.compute_cos_sin_cache(64, rot_dim, 10000.0, dtype=dtype)
+                positions = torch.tensor([0, 5, 63])
+                qkv = _randn(3, (num_q_heads + 2 * num_kv_heads) * head_size, dtype=dtype, generator=gen)
+                q = qkv[:, : num_q_heads * head_size]
+                k = qkv[:, num_q_heads * head_size: (num_q_heads + num_kv_heads) * head_size]
+                pk.rotary_embedding(positions, q, k, cos_sin, is_neox=is_neox, head_size=head_size)
+                pk.rotary_embedding(positions, q, None, cos_sin, is_neox=is_neox, head_size=head_size)
+            yield (f"rotary {name} heads={num_q_heads}/{num_kv_heads} head={head_size} rot={rot_dim} "
+                   f"{'neox' if is_neox else 'gptj'}"), rotary
+        def silu(gen, dtype=dtype):
+            pk.silu_and_mul(_randn(3, 2 * 1536, dtype=dtype, generator=gen))
+        yield f"silu_and_mul {name}", silu
+
+
+def launch_matrix() -> list[tuple[str, Callable[[torch.Generator], None]]]:
+    """(label, call) for every case: each call runs public ops on small CPU tensors."""
+    return [*_attention_cases(), *_cache_op_cases(), *_elementwise_cases()]
+
+
+def record_matrix() -> list[Launch]:
+    """Every launch the wrappers make over :func:`launch_matrix`, configured as on an H100."""
+    generator = torch.Generator().manual_seed(0)
+    with record_launches() as (launches, case):
+        for label, call in launch_matrix():
+            case[0] = label
+            before = len(launches)
+            call(generator)
+            if len(launches) == before:
+                raise RuntimeError(f"matrix case {label!r} launched no kernel")
+    return launches
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. specialize
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Variant:
+    """One distinct specialization of a kernel: what one compile produces."""
+    kernel: Any
+    signature: dict
+    constexprs: dict  # {(arg index,): value}
+    attrs: dict
+    option_kwargs: dict  # the launch's compile options as the wrapper passed them (num_warps, ...)
+    options: dict  # all backend options as Triton parsed them for the first target (for the report)
+    key: str
+    cases: list[str]
+    grids: list[tuple[int, ...]]
+
+    def describe(self) -> dict:
+        names = self.kernel.arg_names
+        return {
+            "kernel": self.kernel.__name__,
+            "constexprs": {names[path[0]]: _jsonable(value) for path, value in sorted(self.constexprs.items())
+                           if not (isinstance(value, int) and not isinstance(value, bool) and value == 1
+                                   and names[path[0]].startswith("stride"))},
+            "pointer_dtypes": sorted({t for t in self.signature.values() if t.startswith("*")}),
+            "num_warps": self.options.get("num_warps"),
+            "num_stages": self.options.get("num_stages"),
+        }
+
+
+def _jsonable(value):
+    return value if isinstance(value, (bool, int, float, str, type(None))) else str(value)
+
+
+def _specialize(launch: Launch, target) -> tuple[dict, dict, dict, Any]:
+    """(signature, constexprs, attrs, options) that ``launch`` would compile on ``target``: Triton's
+    own binder (the code its launcher runs) applied to the recorded arguments. The same calls exist
+    in Triton 3.6 and 3.9; 3.9's launcher adds options 3.6 lacks (``fpsan_homomorphic_casts``),
+    which we never pass, so both take the defaults."""
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    kernel = launch.kernel
+    if not isinstance(kernel, JITFunction):
+        raise RuntimeError("AOT compilation needs TRITON_INTERPRET=0 before pagedkernels is imported")
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    kwargs = dict(launch.kwargs)
+    bound_args, specialization, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
+    return signature, constexprs, attrs, options
+
+
+def distinct_variants(launches: list[Launch], target) -> list[Variant]:
+    """Launches grouped by their specialization on ``target``, first-seen order."""
+    variants: dict[str, Variant] = {}
+    for launch in launches:
+        signature, constexprs, attrs, options = _specialize(launch, target)
+        option_values = {k: _jsonable(v) for k, v in sorted(vars(options).items())}
+        key = repr((launch.kernel.__name__, sorted(signature.items()), sorted(constexprs.items(), key=repr),
+                    sorted(attrs.items(), key=repr), sorted(option_values.items())))
+        variant = variants.get(key)
+        if variant is None:
+            option_kwargs = {k: v for k, v in launch.kwargs.items() if k not in launch.kernel.arg_names}
+            variant = variants[key] = Variant(launch.kernel, signature, constexprs, attrs, option_kwargs,
+                                              option_values, key, [], [])
+        if launch.case not in variant.cases:
+            variant.cases.append(launch.case)
+        variant.grids.append(launch.grid)
+    return list(variants.values())
+
+
+# Constexprs that only change values inside code of the same shape (a bound, a mask limit, a scalar,
+# an optional path): variants that differ only in these share their tile shapes, so their register
+# and shared-memory needs differ only by what the optional paths add. With ``representatives_only``
+# one variant per class is compiled: the one with the most of these set (window, softcap, splits,
+# padded head, GQA), i.e. the most live values.
+VALUE_CONSTEXPRS = {
+    "_decode_split_kernel": ("NUM_QUERIES_PER_KV", "HEAD_DIM", "BLOCK_SIZE", "NUM_SPLITS", "SLIDING_WINDOW",
+                             "USE_SOFTCAP"),
+    "_decode_reduce_kernel": ("HEAD_DIM", "NUM_SPLITS"),
+    "_prefill_attention_kernel": ("GROUP", "GROUP_PAD", "HEAD_DIM", "BLOCK_SIZE", "BLOCK_Q", "SLIDING_WINDOW",
+                                  "USE_SOFTCAP"),
+    "_rotary_kernel": ("Q_HEAD_BLOCKS", "K_HEAD_BLOCKS"),
+}
+# fp16 and bf16 pointers also fall in one class: the configs never tell them apart, and every
+# kernel compiled to the same registers and shared memory for both (Triton 3.6 and 3.9, sm_90 and
+# sm_80, in the full run). bf16 represents them: the interpreter cannot check its numerics.
+_SIXTEEN_BIT = {"*fp16": "*16bit", "*bf16": "*16bit"}
+
+
+def _is_set(name: str, value: Any, constexprs: dict[str, Any]) -> bool:
+    if name == "HEAD_DIM":  # a padded head is the masked (costlier) path
+        return value != constexprs.get("HEAD_PAD", constexprs.get("HEAD_DIM_PAD", value))
+    return value not in (0, 1, False, None)
+
+
+def representatives(variants: list[Variant]) -> list[Variant]:
+    """One variant per class: same kernel, pointer types (fp16 = bf16), options and constexprs but
+    those of :data:`VALUE_CONSTEXPRS`; the specialization attributes (divisibility of strides) are
+    ignored too."""
+    chosen: dict[str, tuple[tuple[int, bool], Variant]] = {}
+    for variant in variants:
+        name = variant.kernel.__name__
+        collapsed = VALUE_CONSTEXPRS.get(name, ())
+        constexprs = {variant.kernel.arg_names[path[0]]: value for path, value in variant.constexprs.items()}
+        shape = sorted((k, repr(v)) for k, v in constexprs.items() if k not in collapsed)
+        types = sorted((k, _SIXTEEN_BIT.get(t, t)) for k, t in variant.signature.items())
+        key = repr((name, types, shape, sorted(variant.options.items())))
+        score = (sum(_is_set(k, constexprs[k], constexprs) for k in collapsed if k in constexprs),
+                 "*bf16" in variant.signature.values())
+        if key not in chosen or score > chosen[key][0]:
+            chosen[key] = (score, variant)
+    return [variant for _, variant in chosen.values()]
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. compile
+# ------------------------------------------------------------------------------------------------
+
+_PTXAS_PATTERNS = {
+    "registers": re.compile(r"Used (\d+) registers"),
+    "spill_stores": re.compile(r"(\d+) bytes spill stores"),
+    "spill_loads": re.compile(r"(\d+) bytes spill loads"),
+    "stack": re.compile(r"(\d+) bytes stack frame"),
+    "static_smem": re.compile(r"(\d+) bytes smem"),
+}
+
+
+def parse_ptxas_log(log: str) -> dict[str, int | None]:
+    """Resource counts from ptxas' ``-v`` output for one kernel (None where a line is missing;
+    static smem 0 when ptxas prints none)."""
+    values = {}
+    for name, pattern in _PTXAS_PATTERNS.items():
+        match = pattern.search(log)
+        values[name] = int(match.group(1)) if match else (0 if name == "static_smem" else None)
+    return values
+
+
+def compile_variant(variant: Variant, capability: int) -> dict:
+    """Compile for ``sm_<capability>``; returns the resource fields of :data:`_RESULT_FIELDS`."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from triton.compiler import make_backend
+
+    target = GPUTarget("cuda", capability, 32)
+    # The variant was specialized for one target; the specialization rules (divisibility, dtypes)
+    # do not depend on the NVIDIA architecture, but option defaults do, so they are parsed again.
+    options = make_backend(target).parse_options(dict(variant.option_kwargs))
+    log = io.StringIO()
+    start = time.perf_counter()
+    try:
+        with contextlib.redirect_stdout(log):
+            compiled = triton.compile(ASTSource(variant.kernel, variant.signature, variant.constexprs, variant.attrs),
+                                      target=target, options=options.__dict__)
+    except Exception as e:  # noqa: BLE001  (any compile failure is a finding, reported per variant)
+        message = f"{type(e).__name__}: {e}"
+        return {"error": message[-1500:], "compile_s": round(time.perf_counter() - start, 2)}
+    resources = parse_ptxas_log(log.getvalue())
+    return {
+        "registers": resources["registers"],
+        "spill_stores": resources["spill_stores"],
+        "spill_loads": resources["spill_loads"],
+        "stack": resources["stack"],
+        "shared": int(compiled.metadata.shared) + resources["static_smem"],
+        "compile_s": round(time.perf_counter() - start, 2),
+        "error": None,
+    }
+
+
+_POOL_VARIANTS: list[Variant] = []
+
+
+def _compile_job(job: tuple[int, int]) -> tuple[int, int, dict]:
+    index, capability = job
+    return index, capability, compile_variant(_POOL_VARIANTS[index], capability)
+
+
+def compile_all(variants: list[Variant], targets: tuple[int, ...], jobs: int) -> dict[tuple[int, int], dict]:
+    """{(variant index, capability): result}, over a pool of ``jobs`` forked processes (compiles
+    are CPU-bound and independent). Longest first: attention kernels take seconds, the rest less."""
+    global _POOL_VARIANTS
+    _POOL_VARIANTS = variants
+    weight = {"_prefill_attention_kernel": 0, "_decode_split_kernel": 1}
+    work = sorted(((i, cc) for i in range(len(variants)) for cc in targets),
+                  key=lambda job: weight.get(variants[job[0]].kernel.__name__, 2))
+    if jobs <= 1:
+        return {(i, cc): result for i, cc, result in map(_compile_job, work)}
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(jobs) as pool:
+        return {(i, cc): result for i, cc, result in pool.imap_unordered(_compile_job, work)}
+
+
+def problems(rows: list[dict]) -> list[str]:
+    """What would fail on the device, one line each (see the module docstring)."""
+    found = []
+    for row in rows:
+        where = f"{row['kernel']} sm_{row['target']} triton {row['triton']} {row['constexprs']}"
+        if row["error"]:
+            found.append(f"compile error: {where}: {row['error']}")
+            continue
+        spilled = (row["spill_stores"] or 0) + (row["spill_loads"] or 0)
+        if row["hot"] and (spilled or row["spill_stores"] is None):
+            found.append(f"spills in a hot kernel: {where}: {row['spill_stores']} B stored, "
+                         f"{row['spill_loads']} B loaded, {row['registers']} registers")
+        limit = SHARED_MEMORY_LIMITS.get(row["target"])
+        if limit is not None and row["shared"] > limit:
+            found.append(f"shared memory over the sm_{row['target']} limit: {where}: {row['shared']} B > {limit} B")
+        for grid in row["grids"]:
+            if any(g > lim for g, lim in zip(grid, GRID_LIMITS)):
+                found.append(f"grid {grid} past CUDA's limits {GRID_LIMITS}: {where}")
+                break
+    return found
+
+
+def run(targets: tuple[int, ...] = DEFAULT_TARGETS, jobs: int = 1, representatives_only: bool = False) -> dict:
+    """Record, specialize and compile (every distinct variant, or with ``representatives_only`` one
+    per class of :data:`VALUE_CONSTEXPRS`); returns the report (see :func:`main` for its use)."""
+    import triton
+
+    start = time.perf_counter()
+    launches = record_matrix()
+    recorded = time.perf_counter()
+    from triton.backends.compiler import GPUTarget
+
+    distinct = distinct_variants(launches, GPUTarget("cuda", targets[0], 32))
+    variants = representatives(distinct) if representatives_only else distinct
+    results = compile_all(variants, targets, jobs)
+    rows = []
+    for i, variant in enumerate(variants):
+        for cc in targets:
+            rows.append({**variant.describe(), "target": cc, "triton": triton.__version__,
+                         "hot": variant.kernel.__name__ in HOT_KERNELS, "cases": variant.cases,
+                         "grids": sorted(set(variant.grids)), **results[(i, cc)]})
+    report = {
+        "triton": triton.__version__,
+        "targets": list(targets),
+        "simulated_sms": SIMULATED_SMS,
+        "cases": len(launch_matrix()),
+        "launches": len(launches),
+        "distinct_variants": len(distinct),
+        "variants": len(variants),
+        "representatives_only": representatives_only,
+        "kernels_recorded": sorted({v.kernel.__name__ for v in distinct}),
+        "kernels_launchable": sorted(launched_kernels()),
+        "record_s": round(recorded - start, 2),
+        "total_s": round(time.perf_counter() - start, 2),
+        "rows": rows,
+    }
+    report["problems"] = problems(rows)
+    return report
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """One line per (variant, target, Triton): kernel, the constexprs that tell variants apart,
+    warps/stages, registers, spill bytes, stack and shared memory."""
+    lines = ["| kernel | triton | sm | constexprs | dtypes | warps/stages | regs | spill st/ld B | stack B "
+             "| shared B | compile s |", "|" + "---|" * 11]
+    for row in sorted(rows, key=lambda r: (r["kernel"], r["triton"], -r["target"])):
+        constexprs = " ".join(f"{k}={v}" for k, v in row["constexprs"].items())
+        dtypes = ",".join(t.lstrip("*") for t in row["pointer_dtypes"])
+        if row["error"]:
+            resources = "| compile error | | | |"
+        else:
+            resources = (f"| {row['registers']} | {row['spill_stores']}/{row['spill_loads']} | {row['stack']} "
+                         f"| {row['shared']} |")
+        lines.append(f"| {row['kernel']} | {row['triton']} | {row['target']} | {constexprs} | {dtypes} "
+                     f"| {row['num_warps']}/{row['num_stages']} {resources} {row['compile_s']} |")
+    return "\n".join(lines) + "\n"
+
+
+def summary(report: dict) -> str:
+    rows = [r for r in report["rows"] if not r["error"]]
+    by_kernel: dict[str, list[dict]] = {}
+    for row in rows:
+        by_kernel.setdefault(row["kernel"], []).append(row)
+    compiled = "representatives" if report["representatives_only"] else "all"
+    lines = [f"triton {report['triton']}: {report['cases']} cases, {report['launches']} launches, "
+             f"{report['distinct_variants']} distinct variants, {report['variants']} compiled ({compiled}) "
+             f"x sm_{'/sm_'.join(map(str, report['targets']))} in {report['total_s']} s"]
+    for kernel, krows in sorted(by_kernel.items()):
+        spills = sum(1 for r in krows if (r["spill_stores"] or 0) + (r["spill_loads"] or 0))
+        lines.append(f"  {kernel}: {len(krows)} compiles, registers {min(r['registers'] for r in krows)}-"
+                     f"{max(r['registers'] for r in krows)}, max shared {max(r['shared'] for r in krows)} B, "
+                     f"{spills} with spills")
+    lines += [f"  PROBLEM {p}" for p in report["problems"]]
+    return "\n".join(lines)
+
+
+def _reexec_if_needed(triton_path: Path | None) -> None:
+    """Run again in a fresh interpreter when kernels were decorated for the interpreter or when
+    another Triton must come first on the path (both are fixed at import time)."""
+    import triton
+
+    from . import _backend
+
+    wrong_triton = triton_path is not None and Path(triton.__file__).resolve().parents[1] != triton_path.resolve()
+    if not (_backend.interpreter_active() or wrong_triton):
+        return
+    if os.environ.get("_PAGEDKERNELS_AOT_REEXEC"):
+        raise RuntimeError(f"could not switch to Triton at {triton_path} with the interpreter off")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "_PAGEDKERNELS_AOT_REEXEC": "1"}
+    if triton_path is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(triton_path), env.get("PYTHONPATH", "")) if p)
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "pagedkernels._aot", *sys.argv[1:]], env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pagedkernels._aot", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--targets", default=",".join(map(str, DEFAULT_TARGETS)),
+                        help="compute capabilities, comma-separated (default 90,80)")
+    parser.add_argument("--triton", metavar="VERSION",
+                        help="compile with this Triton (pip-installed on first use under the cache dir)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes")
+    parser.add_argument("--representatives", action="store_true",
+                        help="compile one variant per class of VALUE_CONSTEXPRS (the CI test's tier)")
+    parser.add_argument("--out", type=Path, help="write the JSON report here")
+    parser.add_argument("--md", type=Path, help="write the Markdown table here")
+    args = parser.parse_args(argv)
+    targets = tuple(int(t) for t in args.targets.split(","))
+    triton_path = ensure_triton(args.triton) if args.triton else None
+    _reexec_if_needed(triton_path)
+
+    # A private Triton cache: every variant is compiled (so ptxas prints its report), and nothing
+    # compiled here mixes with the user's cache.
+    with tempfile.TemporaryDirectory(prefix="pagedkernels-aot-") as triton_cache:
+        os.environ["TRITON_CACHE_DIR"] = triton_cache
+        os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
+        report = run(targets, max(1, args.jobs), args.representatives)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    if args.md:
+        args.md.write_text(markdown_table(report["rows"]))
+    print(summary(report))
+    return 1 if report["problems"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""Every Triton launch the pagedkernels wrappers make, compiled ahead of time for Hopper (sm_90) and
+Ampere (sm_80) without a GPU, with this machine's Triton and with Triton 3.6 (the GPU image's):
+no compile errors, no register spills in a hot kernel, shared memory within each target's limit
+(``pagedkernels._aot`` does the work; see its docstring).
+
+The recording tests run in this process (recording launches nothing, so the interpreter does not
+matter); the compile test runs ``python -m pagedkernels._aot`` once per Triton version, both at
+once, each on half the cores, and writes the combined table to its tmp dir (``aot_report.md``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+from pagedkernels import _aot, _backend, decode_attention, prefill_attention
+
+pytest.importorskip("triton.backends.nvidia.compiler", reason="needs Triton's NVIDIA backend to compile for CUDA")
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# The Triton of the GPU image (its torch wheel's pin): kernels must compile with it too.
+GPU_IMAGE_TRITON = "3.6.0"
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    return _aot.record_matrix()
+
+
+def _constexprs(launch) -> dict:
+    return {k: v for k, v in launch.kwargs.items() if k in launch.kernel.arg_names}
+
+
+def _dtype(launch, arg: str) -> torch.dtype:
+    return launch.args[launch.kernel.arg_names.index(arg)].dtype
+
+
+# ---------------------------------------------------------------------------------------------
+# recording
+# ---------------------------------------------------------------------------------------------
+
+def test_every_kernel_is_recorded_for_every_dtype(recorded):
+    kernels = {launch.kernel.__name__ for launch in recorded}
+    assert kernels == set(_aot.launched_kernels())
+    for name, arg in (("_decode_split_kernel", "q_ptr"), ("_prefill_attention_kernel", "q_ptr"),
+                      ("_reshape_and_cache_kernel", "key_ptr"), ("_rms_norm_kernel", "x_ptr"),
+                      ("_rotary_kernel", "q_ptr"), ("_silu_and_mul_kernel", "x_ptr"), ("_copy_blocks_kernel", "typed_ptr")):
+        dtypes = {_dtype(launch, arg) for launch in recorded if launch.kernel.__name__ == name}
+        assert dtypes == set(_aot.DTYPES), name
+
+
+def test_recorded_configs_are_the_cuda_choice(recorded):
+    """The wrappers chose as on an H100 (132 SMs), not as for the interpreter: the prefill tiles are
+    launch_config(..., "cuda"), fp32 decode runs 8 warps, and one long sequence splits 32 ways
+    (8 ways with the CPU's stand-in of 8 SMs)."""
+    prefill = [launch for launch in recorded if launch.kernel.__name__ == "_prefill_attention_kernel"]
+    for launch in prefill:
+        c = _constexprs(launch)
+        expected = prefill_attention.launch_config(c["HEAD_DIM_PAD"], c["GROUP_PAD"], _dtype(launch, "q_ptr"), "cuda")
+        got = (c["BLOCK_M"], c["TILE_N"], launch.kwargs["num_warps"], launch.kwargs["num_stages"])
+        assert got == expected
+        assert c["BLOCK_M"] == c["BLOCK_Q"] * c["GROUP_PAD"]
+    interpreter_configs = {prefill_attention.launch_config(c["HEAD_DIM_PAD"], c["GROUP_PAD"], torch.float16, "cpu")
+                           for c in map(_constexprs, prefill)}
+    assert {(c["BLOCK_M"], c["TILE_N"], launch.kwargs["num_warps"], launch.kwargs["num_stages"])
+            for launch, c in zip(prefill, map(_constexprs, prefill))} - interpreter_configs
+    splits = []
+    for launch in recorded:
+        if launch.kernel.__name__ == "_decode_split_kernel":
+            c = _constexprs(launch)
+            assert launch.kwargs["num_warps"] == decode_attention.launch_config(_dtype(launch, "q_ptr"), "cuda")
+            assert launch.grid[2] == c["NUM_SPLITS"] <= decode_attention.MAX_SPLITS
+            splits.append(c["NUM_SPLITS"])
+    assert max(splits) == decode_attention.MAX_SPLITS and 1 in splits
+    assert {launch.kwargs["num_warps"] for launch in recorded if launch.kernel.__name__ == "_decode_split_kernel"} == {4, 8}
+
+
+def test_recording_leaves_the_ops_as_they_were(recorded):
+    """After recording, the modules hold their kernels again and CPU tensors choose CPU configs."""
+    for name, (kernel, module_name) in _aot.launched_kernels().items():
+        assert getattr(sys.modules[module_name], name) is kernel
+        assert not isinstance(kernel, _aot._Recorder)
+    assert _backend.launch_device_kind(torch.device("cpu")) == "cpu"
+    assert _backend.num_multiprocessors(torch.device("cpu")) != _aot.SIMULATED_SMS
+
+
+def test_dot_tiles_are_at_least_16(recorded):
+    """tl.dot needs >= 16 in every dimension on a GPU (the interpreter accepts less): every dot
+    operand of the recorded configs (the compile below proves it again)."""
+    for launch in recorded:
+        c = _constexprs(launch)
+        if launch.kernel.__name__ == "_decode_split_kernel":  # (BLOCK_H x HEAD_PAD) @ (HEAD_PAD x TILE_N) ...
+            assert min(c["BLOCK_H"], c["HEAD_PAD"], c["TILE_N"]) >= 16
+        elif launch.kernel.__name__ == "_prefill_attention_kernel":  # (BLOCK_M x HEAD_DIM_PAD) @ (.. x TILE_N)
+            assert min(c["BLOCK_M"], c["HEAD_DIM_PAD"], c["TILE_N"]) >= 16
+
+
+# ---------------------------------------------------------------------------------------------
+# the report's parts
+# ---------------------------------------------------------------------------------------------
+
+# ptxas -v as Triton 3.9 (ptxas-blackwell) and 3.6 (ptxas) print it.
+PTXAS_LOGS = {
+    "3.9": """ptxas-blackwell info    : 28 bytes gmem
+ptxas-blackwell info    : Compiling entry function '_rms_norm_kernel' for 'sm_90a'
+ptxas-blackwell info    : Function properties for _rms_norm_kernel
+    48 bytes stack frame, 44 bytes spill stores, 40 bytes spill loads
+ptxas-blackwell info    : Used 255 registers, used 1 barriers, 1024 bytes smem
+ptxas-blackwell info    : Compile time = 38.700 ms
+""",
+    "3.6": """ptxas info    : 11 bytes gmem
+ptxas info    : Compiling entry function '_decode_split_kernel' for 'sm_80'
+ptxas info    : Function properties for _decode_split_kernel
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 106 registers, used 1 barriers
+""",
+}
+
+
+def test_parse_ptxas_log():
+    assert _aot.parse_ptxas_log(PTXAS_LOGS["3.9"]) == dict(registers=255, spill_stores=44, spill_loads=40, stack=48,
+                                                           static_smem=1024)
+    assert _aot.parse_ptxas_log(PTXAS_LOGS["3.6"]) == dict(registers=106, spill_stores=0, spill_loads=0, stack=0,
+                                                           static_smem=0)
+    assert _aot.parse_ptxas_log("")["registers"] is None
+
+
+def _row(**changes):
+    row = dict(kernel="_rms_norm_kernel", target=90, triton="x", constexprs={}, hot=True, error=None, registers=64,
+               spill_stores=0, spill_loads=0, stack=0, shared=1024, grids=[(8, 1, 1)])
+    row.update(changes)
+    return row
+
+
+def test_problems_flag_what_fails_on_the_device():
+    assert _aot.problems([_row(), _row(kernel="_rotary_kernel", hot=False, spill_stores=8, spill_loads=8)]) == []
+    flagged = {
+        "spills": _row(spill_stores=4, spill_loads=4),
+        "unparsed ptxas report": _row(spill_stores=None, spill_loads=None),
+        "compile error": _row(error="CompilationError: dot shape"),
+        "shared memory": _row(target=80, shared=200 * 1024),
+        "grid": _row(grids=[(1, 70000, 1)]),
+    }
+    for reason, row in flagged.items():
+        assert len(_aot.problems([row])) == 1, reason
+    assert _aot.problems([_row(target=90, shared=200 * 1024)]) == []  # fits an H100, not an A100
+
+
+# ---------------------------------------------------------------------------------------------
+# the compile
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gpu_image_triton() -> Path | None:
+    """Triton 3.6's install dir (None when this machine's Triton is that version). Installed on first
+    use; in CI a failure to get it fails the test, elsewhere (e.g. offline) it skips."""
+    if triton.__version__ == GPU_IMAGE_TRITON:
+        return None
+    try:
+        return _aot.ensure_triton(GPU_IMAGE_TRITON)
+    except RuntimeError as e:
+        if _in_ci():
+            pytest.fail(f"CI must compile with Triton {GPU_IMAGE_TRITON}: {e}")
+        pytest.skip(f"Triton {GPU_IMAGE_TRITON} is not installable here (pip, no network?): {e}")
+
+
+@pytest.mark.slow
+def test_every_launch_compiles_for_sm90_and_sm80(tmp_path, gpu_image_triton):
+    versions = [None] + ([GPU_IMAGE_TRITON] if gpu_image_triton is not None else [])
+    jobs = max(1, (os.cpu_count() or 2) // len(versions))
+    env = {**os.environ, "TRITON_INTERPRET": "0",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    running = {}
+    for version in versions:
+        name = version or "local"
+        command = [sys.executable, "-m", "pagedkernels._aot", "--representatives", "--jobs", str(jobs),
+                   "--targets", "90,80", "--out", str(tmp_path / f"{name}.json"), "--md", str(tmp_path / f"{name}.md")]
+        if version:
+            command += ["--triton", version]
+        running[name] = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True)
+    reports, outputs = {}, {}
+    for name, proc in running.items():
+        outputs[name], _ = proc.communicate(timeout=900)
+        # exit 1 = problems found (asserted on below, with the list); anything else is a crash
+        assert proc.returncode in (0, 1) and (tmp_path / f"{name}.json").exists(), outputs[name][-4000:]
+        reports[name] = json.loads((tmp_path / f"{name}.json").read_text())
+
+    rows = [row for report in reports.values() for row in report["rows"]]
+    table = tmp_path / "aot_report.md"
+    table.write_text("\n".join(f"{_aot.summary(r)}\n" for r in reports.values()) + "\n" + _aot.markdown_table(rows))
+    print(f"\nAOT compile report: {table}")
+    for report in reports.values():
+        print(_aot.summary(report))
+
+    assert reports["local"]["triton"] == triton.__version__
+    if gpu_image_triton is not None:
+        assert reports[GPU_IMAGE_TRITON]["triton"] == GPU_IMAGE_TRITON  # that Triton, not this machine's
+    for report in reports.values():
+        assert report["targets"] == [90, 80]
+        assert report["kernels_recorded"] == report["kernels_launchable"]
+        assert 0 < report["variants"] <= report["distinct_variants"] <= report["launches"]
+        assert len(report["rows"]) == 2 * report["variants"]
+        assert {row["kernel"] for row in report["rows"]} == set(report["kernels_launchable"])
+        # ptxas' report was read for every compile (registers are only there)
+        assert all(row["error"] or row["registers"] for row in report["rows"])
+    problems = [p for report in reports.values() for p in report["problems"]]
+    assert not problems, "\n".join(problems)
