@@ -431,13 +431,16 @@ def decode_case(device, dtype, *, num_seqs: int, seq_len: int, num_q_heads: int,
     kv = random_paged_kv([seq_len] * num_seqs, num_kv_heads, head_dim, block_size, dtype, device, gen)
     q = _randn(num_seqs, num_q_heads, head_dim, dtype=dtype, device=device, gen=gen)
     out = torch.empty_like(q)
+    # The split-K scratch comes from the caller, as in the engine: the timed call allocates nothing.
+    workspace = pk.decode_workspace(num_seqs, num_q_heads, num_kv_heads, head_dim, device=device)
     k_dense = dense_kv(kv.key_cache, kv.block_tables, seq_len)  # [B, Hkv, L, D]
     v_dense = dense_kv(kv.value_cache, kv.block_tables, seq_len)
     q_dense = q.unsqueeze(2)  # [B, Hq, 1, D]
     reference = _checker(lambda: reference_attention(q_dense, k_dense, v_dense).squeeze(2), dtype, "decode")
 
     def fn():
-        return pk.paged_decode_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, out=out)
+        return pk.paged_decode_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, out=out,
+                                         workspace=workspace)
 
     item = q.element_size()
     tokens = num_seqs * seq_len
