@@ -1,7 +1,8 @@
 """Ahead-of-time compile of every Triton launch the pagedkernels wrappers make, for GPUs this machine
 need not have (Hopper sm_90 and Ampere sm_80 by default), with the resources ptxas reports.
 
-    python -m pagedkernels._aot [--targets 90,80] [--triton 3.6.0] [--jobs N] [--out report.json] [--md report.md]
+    python -m pagedkernels._aot [--targets 90,80] [--triton 3.6.0] [--jobs N] [--representatives]
+                                [--out report.json] [--md report.md]
 
 1. Record: every public op runs over :func:`launch_matrix` (dtypes, head sizes, GQA groups, page
    sizes, window, softcap, forced splits, norms, rotary, cache ops) on small CPU tensors inside
@@ -10,7 +11,8 @@ need not have (Hopper sm_90 and Ampere sm_80 by default), with the resources ptx
    Nothing runs, so recording the whole matrix takes a second or two.
 2. Specialize: each recorded launch goes through Triton's own binder for the target, which gives
    the signature a real launch would compile (pointer dtypes, divisibility by 16, ints equal to 1,
-   constexprs, num_warps / num_stages). Launches with the same specialization compile once.
+   constexprs, num_warps / num_stages). Launches with the same specialization compile once; with
+   ``--representatives`` (the CI test) only one per tile class (:func:`representatives`).
 3. Compile each distinct specialization for every target with ``triton.compile(ASTSource(...),
    target=GPUTarget("cuda", cc, 32))`` and read ptxas' ``-v`` report (Triton prints it with
    ``TRITON_DUMP_PTXAS_LOG=1``): registers, spill stores / loads, stack frame; shared memory is
@@ -60,7 +62,6 @@ DEFAULT_TARGETS = (90, 80)
 GRID_LIMITS = (2**31 - 1, 65535, 65535)
 # The SM count the recorded launch configs are chosen for (H100 SXM).
 SIMULATED_SMS = 132
-_RESULT_FIELDS = ("registers", "spill_stores", "spill_loads", "stack", "shared", "compile_s", "error")
 
 
 def cache_dir() -> Path:
@@ -323,12 +324,13 @@ class Variant:
     grids: list[tuple[int, ...]]
 
     def describe(self) -> dict:
+        """The report's view: the kernel's own constexprs (not the strides Triton specialized to 1),
+        pointer dtypes and launch options."""
         names = self.kernel.arg_names
         return {
             "kernel": self.kernel.__name__,
             "constexprs": {names[path[0]]: _jsonable(value) for path, value in sorted(self.constexprs.items())
-                           if not (isinstance(value, int) and not isinstance(value, bool) and value == 1
-                                   and names[path[0]].startswith("stride"))},
+                           if not names[path[0]].startswith("stride")},
             "pointer_dtypes": sorted({t for t in self.signature.values() if t.startswith("*")}),
             "num_warps": self.options.get("num_warps"),
             "num_stages": self.options.get("num_stages"),
@@ -445,7 +447,8 @@ def parse_ptxas_log(log: str) -> dict[str, int | None]:
 
 
 def compile_variant(variant: Variant, capability: int) -> dict:
-    """Compile for ``sm_<capability>``; returns the resource fields of :data:`_RESULT_FIELDS`."""
+    """Compile for ``sm_<capability>``; returns registers, spill_stores, spill_loads, stack, shared
+    (bytes), compile_s and error (None, or the compiler's message: then no resource fields)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

@@ -447,20 +447,24 @@ def test_bad_values_raise(backend, match, overrides, device, monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_capture_and_replay(monkeypatch):
-    """No host sync and a shape-only grid: the launch captures, and replays follow new seq_lens."""
+    """No host sync and a shape-only grid: the launch captures, and replays follow new seq_lens. With
+    ``out`` and the split-K workspace from the caller, the captured launch allocates nothing."""
     monkeypatch.delenv("PAGEDKERNELS_DEBUG", raising=False)
     q, kv = _case([5, 40, 70], num_kv_heads=2, group=4, dtype=torch.float16, device="cuda")
     out = torch.empty_like(q)
+    workspace = pk.decode_workspace(3, 8, 2, 64, device="cuda")
     call = lambda: pk.paged_decode_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
-                                             num_splits=3, out=out)
+                                             num_splits=3, out=out, workspace=workspace)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         call()  # compile outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
+    allocated = torch.cuda.memory_allocated()
     with torch.cuda.graph(graph):
         call()
+    assert torch.cuda.memory_allocated() == allocated
     atol, rtol = ATTENTION_TOLERANCES[torch.float16]
     for lens in ([5, 40, 70], [1, 17, 64]):
         kv.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
