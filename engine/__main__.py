@@ -5,7 +5,6 @@ every command and for `engine.LLM`. generate and chat print the text as the engi
 
 The default model is SmolLM2-135M-Instruct, converted on first use (see engine/default_model.py)."""
 import argparse
-import dataclasses
 import sys
 
 
@@ -29,9 +28,7 @@ def _build(args):
                             top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                             seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos)
     engine_args = EngineArgs.from_cli_args(args)
-    # LLM's keyword arguments are EngineArgs' fields.
-    options = {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(engine_args) if f.name != "model"}
-    return LLM(engine_args.resolved_model(), **options), params
+    return LLM(engine_args.resolved_model(), **engine_args.engine_kwargs()), params   # LLM's kwargs are the fields
 
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:

@@ -4,11 +4,10 @@
     args = EngineArgs.from_cli_args(parser.parse_args())   # after EngineArgs.add_cli_args(parser)
     engine = args.create_engine()                          # an LLMEngine
 
-The fields are exactly LLMEngine's constructor arguments with its defaults; a field LLMEngine does not take
-(yet) is not passed, so an older engine keeps working with a newer options list."""
+The fields are exactly LLMEngine's (and LLM's) keyword arguments with their defaults (tests/engine/test_cli.py
+checks that they stay so)."""
 import argparse
 import dataclasses
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -80,12 +79,8 @@ class EngineArgs:
         return default_model_path()
 
     def engine_kwargs(self) -> dict:
-        """LLMEngine's keyword arguments (all but the model), limited to those it accepts."""
-        from engine.llm_engine import LLMEngine
-
-        accepted = inspect.signature(LLMEngine.__init__).parameters
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name != "model" and f.name in accepted}
+        """LLMEngine's keyword arguments: every field but the model."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "model"}
 
     def create_engine(self):
         """The LLMEngine these options describe."""

@@ -124,3 +124,15 @@ def test_engine_options_are_one_definition():
     assert EngineArgs.from_cli_args(parser.parse_args(["serve", "--model", "/m", *flags])) == expected
     assert EngineArgs.from_cli_args(parser.parse_args(["generate", "hi", "--model", "/m", *flags])) == expected
     assert EngineArgs.from_cli_args(parser.parse_args(["chat", "--model", "/m", *flags])) == expected
+
+
+def test_serve_chat_template_option(tmp_path):
+    from engine.entrypoints.openai.api_server import load_chat_template
+
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    path = tmp_path / "template.jinja"
+    path.write_text(template)
+    assert load_chat_template(str(path)) == template == load_chat_template(template)
+    assert load_chat_template(None) is None
+    with pytest.raises(ValueError, match="chat_template"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
