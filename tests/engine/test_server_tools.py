@@ -235,11 +235,12 @@ def test_chat_logprobs_join_to_the_content_across_partial_utf8_and_stop_strings(
     """Emoji and accented letters are several byte-level tokens each, and a stop string is cut from the text:
     the logprob tokens still join to exactly message.content, streamed or not."""
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Say something about summer."}],
-                  max_tokens=40, temperature=0, logprobs=True, top_logprobs=2, stop=["Paris"],
+                  max_tokens=40, temperature=0, logprobs=True, top_logprobs=2, stop=["st tr"],
                   extra_body={"guided_regex": "🌞🎉 L'été à Paris, c'est très beau"})
     reply = client.chat.completions.create(**kwargs)
     choice = reply.choices[0]
-    assert choice.message.content == "🌞🎉 L'été à " and choice.finish_reason == "stop"
+    # The stop string spans tokens ("est", " tr..."): the first of them is partly content, partly cut.
+    assert choice.message.content == "🌞🎉 L'été à Paris, c'e" and choice.finish_reason == "stop"
     tokens = [item.token for item in choice.logprobs.content]
     assert "".join(tokens) == choice.message.content
     assert len(tokens) == reply.usage.completion_tokens > len(choice.message.content.encode()) // 4

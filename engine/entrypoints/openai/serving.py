@@ -105,6 +105,7 @@ class TokenPieces:
         self.token_ids: list[int] = []
         self.prefix_offset = self.read_offset = 0
         self.num_chars = 0   # characters of the output text the pieces handed out so far cover
+        self.pending: list[tuple[str, int, dict]] = []   # tokens not handed out yet (see release)
 
     def add(self, token_id: int) -> str:
         self.token_ids.append(token_id)
@@ -115,6 +116,24 @@ class TokenPieces:
             self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
             return new_text[len(prefix_text):]
         return ""
+
+    def release(self, token_ids: list[int], entries: list, visible_chars: int, final: bool) -> list[tuple[str, int, dict]]:
+        """Queue the new tokens (ids and their logprob entries) and hand out (piece, token id, entry) for those
+        whose text lies within the first `visible_chars` characters of the output (all of them once final, cut
+        to the final text: a stop string removed from the text is not content). A streamed token whose text
+        may still be cut waits, so the streamed pieces join to the streamed content."""
+        self.pending.extend((self.add(token_id), token_id, entry) for token_id, entry in zip(token_ids, entries))
+        released = []
+        while self.pending:
+            piece, token_id, entry = self.pending[0]
+            room = visible_chars - self.num_chars
+            if not final and len(piece) > room:
+                break
+            piece = piece[:max(room, 0)]
+            self.num_chars += len(piece)
+            released.append((piece, token_id, entry))
+            self.pending.pop(0)
+        return released
 
 
 class OpenAIServing:
@@ -547,7 +566,9 @@ class OpenAIServing:
                 message["tool_calls"] = []
             finish_reason = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
             choices.append({"index": c.index, "message": message,
-                            "logprobs": self._chat_logprobs(c, logprobs, params.skip_special_tokens),
+                            "logprobs": self._chat_logprobs(
+                                c, logprobs, TokenPieces(self.engine.tokenizer, params.skip_special_tokens),
+                                start=0, visible_chars=len(c.text), final=True),
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         return {"id": prepared.request_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self._model_name(request.model), "choices": choices, "usage": _usage([final])}
@@ -626,11 +647,12 @@ class OpenAIServing:
                         delta["content"] = content[state.num_content_chars:]
                         state.num_content_chars = len(content)
                     entry_logprobs = None
-                    if logprobs is not None and len(completion.token_ids) > state.num_tokens:
+                    if logprobs is not None and (len(completion.token_ids) > state.num_tokens or finished):
                         if state.pieces is None:
                             state.pieces = TokenPieces(self.engine.tokenizer, skip_special)
-                        entry_logprobs = self._chat_logprobs(completion, logprobs, skip_special,
-                                                             start=state.num_tokens, pieces=state.pieces)
+                        entry_logprobs = self._chat_logprobs(completion, logprobs, state.pieces,
+                                                             start=state.num_tokens, visible_chars=end,
+                                                             final=finished)
                     state.num_tokens = len(completion.token_ids)
                     finish_reason = None
                     if finished:
@@ -663,28 +685,21 @@ class OpenAIServing:
             await outputs.aclose()
         yield "data: [DONE]\n\n"
 
-    def _chat_logprobs(self, completion: CompletionOutput, k: int | None, skip_special_tokens: bool, *,
-                       start: int = 0, pieces: TokenPieces | None = None):
-        """Chat logprobs of tokens [start:]. Each entry's token is the text that token adds to the output, so
-        that the tokens join to message.content; past the end of the text (a stop string or EOS cut from it)
-        they are ""."""
+    @staticmethod
+    def _chat_logprobs(completion: CompletionOutput, k: int | None, pieces: TokenPieces, *, start: int,
+                       visible_chars: int, final: bool):
+        """Chat logprobs of the tokens [start:] of a completion that `pieces` releases (see TokenPieces.release).
+        Each entry's token is the text that token adds to the output, so the tokens join to message.content."""
         if k is None or completion.logprobs is None:
             return None
-        if pieces is None:
-            pieces = TokenPieces(self.engine.tokenizer, skip_special_tokens)
-            for token_id in completion.token_ids[:start]:
-                pieces.num_chars += len(pieces.add(token_id))
-        text, used = completion.text, pieces.num_chars
+        released = pieces.release(completion.token_ids[start:], completion.logprobs[start:], visible_chars, final)
+        if not released:
+            return None
         content = []
-        for token_id, entry in zip(completion.token_ids[start:], completion.logprobs[start:]):
-            piece = pieces.add(token_id)
-            piece = piece[:max(len(text) - used, 0)]   # text cut at a stop string: the rest is not content
-            used += len(piece)
-            sampled = entry[token_id]
+        for piece, token_id, entry in released:
             top = [_chat_token(lp.decoded_token, lp.logprob)
                    for lp in sorted(entry.values(), key=lambda lp: lp.rank) if lp.rank <= k]
-            content.append({**_chat_token(piece, sampled.logprob), "top_logprobs": top})
-        pieces.num_chars = used
+            content.append({**_chat_token(piece, entry[token_id].logprob), "top_logprobs": top})
         return {"content": content}
 
     # -- /tokenize, /detokenize -----------------------------------------------------------------------------
