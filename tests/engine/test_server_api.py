@@ -254,6 +254,10 @@ def test_oversized_prompt_is_refused_before_tokenizing(server, monkeypatch):
     check_error(post(server, "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": huge}]}),
                 400, "messages")
     assert calls == []
+    # A body far past any prompt this server takes is refused unread.
+    from engine.entrypoints.openai.api_server import max_body_bytes
+    response = post(server, "/v1/completions", b'{"prompt": "' + b"x" * max_body_bytes(MAX_MODEL_LEN) + b'"}')
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
 
 
 def test_a_slow_tokenization_does_not_hold_up_other_requests(server, monkeypatch):

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.async_engine import AsyncLLMEngine, EngineDeadError
 from engine.entrypoints.openai.metrics import ServerMetrics
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from engine.entrypoints.openai.serving import OpenAIError, OpenAIServing
+from engine.entrypoints.openai.serving import MAX_CHARS_PER_TOKEN, OpenAIError, OpenAIServing
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +54,28 @@ def _check_unicode(value) -> None:
             stack.extend((child, path) for child in item)
 
 
-async def parse_body(raw_request: Request, model: type[BaseModel] | None):
+def max_body_bytes(max_model_len: int) -> int:
+    """Largest request body read: room for a prompt at the size limit (MAX_CHARS_PER_TOKEN characters per token
+    of context, up to 4 UTF-8 bytes each, more with JSON escapes) plus 1 MiB of other fields. Past it the
+    body is refused unread, before the JSON parser (which holds the event loop) sees it."""
+    return 8 * MAX_CHARS_PER_TOKEN * max_model_len + (1 << 20)
+
+
+async def parse_body(raw_request: Request, model: type[BaseModel] | None, max_bytes: int):
     """The request's JSON body, validated as `model` (a dict when None); every failure is an OpenAIError 400
-    naming the field the client sent."""
-    body = await raw_request.body()
+    (413 for a body over max_bytes) naming the field the client sent."""
+    too_large = OpenAIError(413, f"the request body is larger than this server takes ({max_bytes} bytes)",
+                            code="request_too_large")
+    declared = raw_request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in raw_request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large
+        chunks.append(chunk)
+    body = b"".join(chunks)
     try:
         data = json.loads(body)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -116,6 +134,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key:
                             enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
                             reasoning_parser=reasoning_parser)
     metrics = ServerMetrics(served_model_names[0])
+    body_limit = max_body_bytes(engine.max_model_len)
     metrics.attach(engine)
 
     @asynccontextmanager
@@ -186,21 +205,21 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key:
 
     @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(raw_request: Request):
-        request = await parse_body(raw_request, CompletionRequest)
+        request = await parse_body(raw_request, CompletionRequest, body_limit)
         return _respond(await _cancel_on_disconnect(raw_request, serving.create_completion(request)))
 
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(raw_request: Request):
-        request = await parse_body(raw_request, ChatCompletionRequest)
+        request = await parse_body(raw_request, ChatCompletionRequest, body_limit)
         return _respond(await _cancel_on_disconnect(raw_request, serving.create_chat_completion(request)))
 
     @app.post("/tokenize")
     async def tokenize(raw_request: Request):
-        return await serving.tokenize(await parse_body(raw_request, None))
+        return await serving.tokenize(await parse_body(raw_request, None, body_limit))
 
     @app.post("/detokenize")
     async def detokenize(raw_request: Request):
-        return await serving.detokenize(await parse_body(raw_request, None))
+        return await serving.detokenize(await parse_body(raw_request, None, body_limit))
 
     return app
 
