@@ -5,7 +5,6 @@ weights, the extra endpoints, vLLM metric names, sampling defaults from generati
 rules and the tokenizer pool, and a failing engine step that fails only its requests."""
 import asyncio
 import json
-import os
 import re
 import shutil
 import time

@@ -3,8 +3,8 @@
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id}, POST /tokenize,
 POST /detokenize, GET /version, GET /health, GET /metrics. Errors are OpenAI's JSON: 400 for invalid parameters,
 wrong types, malformed JSON, text that is not valid Unicode (lone surrogates) and over-long prompts, 401 without
-the API key (when one is set), 404 for an unknown model or route, 500 for a request the engine failed (the engine
-goes on serving the others).
+the API key (when one is set), 404 for an unknown model or route, 413 for a body far past any prompt the server
+takes, 500 for a request the engine failed (the engine goes on serving the others).
 
 Request bodies are parsed here rather than by FastAPI, so that every way a body can be wrong (bytes that are not
 UTF-8, JSON nesting too deep for the parser, strings no encoder takes) ends as a 400 before anything else runs."""
