@@ -211,6 +211,14 @@ def test_endpoints(server, client):
         client.models.retrieve("nope")
     assert error.value.body["param"] == "model"
     assert httpx.get(server.url + "/version", timeout=TIMEOUT_S).json()["version"]
+    # The OpenAPI document describes the request bodies (schema-driven clients and fuzzers read it).
+    document = httpx.get(server.url + "/openapi.json", timeout=TIMEOUT_S).json()
+    schemas = document["components"]["schemas"]
+    body = document["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/ChatCompletionRequest"}
+    assert {"messages", "tools", "response_format"} <= set(schemas["ChatCompletionRequest"]["properties"])
+    refs = re.findall(r'"#/components/schemas/([^"]+)"', json.dumps(document))
+    assert refs and set(refs) <= set(schemas)
     tokens = post(server, "/tokenize", {"prompt": PROMPT}).json()
     assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == MAX_MODEL_LEN
     assert post(server, "/detokenize", {"tokens": tokens["tokens"]}).json()["prompt"] == PROMPT

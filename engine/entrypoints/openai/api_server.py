@@ -98,9 +98,27 @@ async def parse_body(raw_request: Request, model: type[BaseModel] | None, max_by
 
 
 def _body_schema(model: type[BaseModel]) -> dict:
-    """The OpenAPI requestBody of a route that parses its body itself (parse_body)."""
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema(
-        ref_template="#/components/schemas/{model}")}}}}
+    """The OpenAPI requestBody of a route that parses its body itself (parse_body); the models it refers to are
+    added to the document's components by _openapi_with_request_models."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+        "$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _openapi_with_request_models(app: FastAPI, models: list[type[BaseModel]]):
+    """app.openapi, with the request models (and the models they nest) under components/schemas."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            document = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schemas = document.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(schema.pop("$defs", {}))
+                schemas[model.__name__] = schema
+            app.openapi_schema = document
+        return app.openapi_schema
+    return openapi
 
 
 class _APIKeyMiddleware:
@@ -212,6 +230,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key:
     async def chat_completions(raw_request: Request):
         request = await parse_body(raw_request, ChatCompletionRequest, body_limit)
         return _respond(await _cancel_on_disconnect(raw_request, serving.create_chat_completion(request)))
+
+    app.openapi = _openapi_with_request_models(app, [CompletionRequest, ChatCompletionRequest])
 
     @app.post("/tokenize")
     async def tokenize(raw_request: Request):
