@@ -93,7 +93,11 @@ class LLMEngine:
         # Request fields a request leaves unset take these (the model's generation_config.json, like vLLM's
         # --generation-config auto); a server merges request fields over this dict.
         self.sampling_defaults: dict = load_sampling_defaults(generation_config, model_dir)
-        SamplingParams(**self.sampling_defaults)   # a bad value in the file fails here, not in every request
+        try:   # a bad value in the file fails here, not in every request
+            SamplingParams(**self.sampling_defaults)
+        except ValueError as e:
+            raise ValueError(f"generation_config: the model's sampling defaults {self.sampling_defaults} are "
+                             f"invalid: {e}") from e
         if self.sampling_defaults:
             logger.info("default sampling parameters from %s's generation_config.json: %s",
                         model_dir if generation_config == "auto" else generation_config, self.sampling_defaults)
@@ -247,6 +251,10 @@ class LLMEngine:
     def _guided_decoding(self):
         if self.guided_decoding is None:
             from engine.guided_decoding import GuidedDecoding   # imports xgrammar: only for guided requests
+            try:
+                import xgrammar  # noqa: F401
+            except ImportError as e:
+                raise ValueError(f"guided_decoding needs the xgrammar package (pip install xgrammar): {e}") from e
             self.guided_decoding = GuidedDecoding(self.tokenizer, self.model_config.vocab_size,
                                                   self.model_config.eos_token_ids)
         return self.guided_decoding
