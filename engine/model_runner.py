@@ -34,6 +34,7 @@ import torch
 
 import pagedkernels as pk
 from engine.config import ModelConfig
+from engine.distributed.parallel_state import num_kv_heads_per_rank
 from engine.layers.attention import Attention, AttentionMetadata, forward_context
 from engine.layers.linear import prepack_linears
 from engine.loader import load_model
@@ -113,6 +114,8 @@ class ModelRunner:
         self.graph_runner_class = graph_runner_class
         self.enforce_eager = enforce_eager or graph_runner_class is None
         self.max_blocks_per_seq = math.ceil(model_config.max_model_len / block_size)
+        # KV heads of this rank's cache (all of them without tensor parallelism).
+        self.num_kv_heads = num_kv_heads_per_rank(model_config.num_key_value_heads)
         torch.manual_seed(seed)
 
         if compile_model is None:
@@ -164,7 +167,7 @@ class ModelRunner:
     def _block_bytes(self) -> int:
         c = self.config
         element_size = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim * element_size
+        return 2 * c.num_hidden_layers * self.block_size * self.num_kv_heads * c.head_dim * element_size
 
     def _decide_num_kv_blocks(self, num_kv_blocks: int | None, gpu_memory_utilization: float) -> int:
         if num_kv_blocks is not None:
@@ -192,7 +195,7 @@ class ModelRunner:
         num_tokens = min(self.max_num_batched_tokens, self.config.max_model_len)
         num_blocks = math.ceil(num_tokens / self.block_size)
         self._bind_kv_cache(torch.empty(2, self.config.num_hidden_layers, num_blocks, self.block_size,
-                                        self.config.num_key_value_heads, self.config.head_dim,
+                                        self.num_kv_heads, self.config.head_dim,
                                         dtype=self.dtype, device=self.device))
         with torch.inference_mode():
             input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
@@ -218,7 +221,7 @@ class ModelRunner:
         c = self.config
         # One allocation for all layers: [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim].
         self.kv_cache = torch.empty(2, c.num_hidden_layers, self.num_kv_blocks, self.block_size,
-                                    c.num_key_value_heads, c.head_dim, dtype=self.dtype, device=self.device)
+                                    self.num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device)
         self._bind_kv_cache(self.kv_cache)
         self.key_caches = list(self.kv_cache[0])
         self.value_caches = list(self.kv_cache[1])
@@ -300,7 +303,8 @@ class ModelRunner:
 
         With ``all_logits_for`` (indices into ``scheduled``; prompt logprobs), returns ``(logits, extra)``
         where ``extra[j]`` is float32 ``[num_new_tokens, vocab_size]``: the logits at every new token of
-        entry ``all_logits_for[j]``."""
+        entry ``all_logits_for[j]``. Under tensor parallelism every rank runs the forward and only rank 0, which
+        samples, gets logits: the others get None (and a list of None for ``extra``)."""
         if not scheduled:
             return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device)
         input_ids, positions, meta, last_token_indices = self.prepare_inputs(scheduled)

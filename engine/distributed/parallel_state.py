@@ -72,6 +72,12 @@ def get_tp_rank() -> int:
     return dist.get_rank() if is_distributed_initialized() else 0
 
 
+def num_kv_heads_per_rank(num_kv_heads: int, tp_size: int | None = None) -> int:
+    """KV heads one rank holds: its share, or one (replicated) when there are fewer KV heads than ranks."""
+    tp_size = get_tp_world_size() if tp_size is None else tp_size
+    return num_kv_heads // tp_size if num_kv_heads >= tp_size else 1
+
+
 def destroy_distributed_environment() -> None:
     """Leave the process group (no-op when there is none)."""
     global _CPU_GROUP

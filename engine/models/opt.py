@@ -29,10 +29,13 @@ LAYER_NORM_EPS = 1e-5
 class OPTAttention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.head_dim = config.head_dim
         bias = config.attention_bias
-        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_heads, bias=bias)
-        self.out_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                  config.num_attention_heads, bias=bias)
+        self.num_heads = self.qkv_proj.num_heads   # this rank's heads
+        self.out_proj = Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias,
+                               parallel="row")
         # transformers multiplies q by head_dim ** -0.5 and attends with scale 1; the kernel scales the scores.
         self.attn = Attention(self.num_heads, self.num_heads, self.head_dim)
 
@@ -48,9 +51,9 @@ class OPTDecoderLayer(nn.Module):
         self.layer_norm_before = config.layer_norm_before
         self.self_attn = OPTAttention(config)
         self.self_attn_layer_norm = LayerNorm(config.hidden_size, config.norm_eps)
-        self.fc1 = Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.fc1 = Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias, parallel="column")
         self.activation_fn = Activation(config.hidden_act)
-        self.fc2 = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.fc2 = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias, parallel="row")
         self.final_layer_norm = LayerNorm(config.hidden_size, config.norm_eps)
 
     def mlp(self, hidden_states: torch.Tensor) -> torch.Tensor:
