@@ -139,3 +139,14 @@ def apply_grammar_bitmask(logits: torch.Tensor, states: list[GrammarState], rows
     device_bitmask = bitmask.to(logits.device, non_blocking=True) if logits.is_cuda else bitmask
     xgrammar.apply_token_bitmask_inplace(logits, device_bitmask, vocab_size=vocab_size, indices=rows)
     return bitmask
+
+
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bitmask int32 [num_rows, ceil(vocab_size / 32)] (bit j of word w: token 32 * w + j) -> bool
+    [num_rows, vocab_size], True where the token is allowed. For the sampler's fallback on a few rows; the
+    masking itself uses xgrammar's kernel, several times faster than these tensor ops."""
+    bits = (bitmask.unsqueeze(-1) >> _BIT_SHIFTS.to(bitmask.device)) & 1   # arithmetic shift: bit 31 still 0/1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()

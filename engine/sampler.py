@@ -148,9 +148,8 @@ def _fallback_tokens(dead_rows: list[int], mask_rows: list[int], unmasked: torch
                 tokens.append(int(before_masks.argmax()))
                 continue
         if row in guided_rows:
-            words = grammar_bitmask[row].to(torch.int64) & 0xFFFFFFFF
-            bits = (words.unsqueeze(1) >> torch.arange(32, device=words.device)) & 1   # [num_words, 32]
-            allowed = bits.flatten()[:vocab_size].nonzero()
+            from engine.guided_decoding import unpack_bitmask
+            allowed = unpack_bitmask(grammar_bitmask[row:row + 1], vocab_size)[0].nonzero()
             if allowed.numel():
                 tokens.append(int(allowed[0]))
                 continue
