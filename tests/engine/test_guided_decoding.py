@@ -120,3 +120,22 @@ def test_compiled_grammars_are_cached_by_spec(llm):
     reordered = dict(reversed(list(PERSON.items())))
     assert guided.compile(GuidedDecodingParams(json=reordered)) is first
     assert guided.compile(GuidedDecodingParams(regex=PHONE)) is not first
+
+
+def test_unpack_bitmask_matches_xgrammar_kernel():
+    """The sampler's fallback reads allowed tokens with unpack_bitmask: it must agree with xgrammar's own masking
+    (bit 31 included, an odd vocabulary size, a subset of rows)."""
+    import torch
+    import xgrammar
+
+    from engine.guided_decoding import unpack_bitmask
+
+    vocab_size, generator = 101, torch.Generator().manual_seed(5)
+    bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (4, (vocab_size + 31) // 32), dtype=torch.int32, generator=generator)
+    logits = torch.randn(4, vocab_size, generator=generator)
+    expected = logits.clone()
+    xgrammar.apply_token_bitmask_inplace(expected, bitmask, vocab_size=vocab_size, indices=[0, 2, 3])
+    allowed = unpack_bitmask(bitmask, vocab_size)
+    got = logits.clone()
+    got[[0, 2, 3]] = got[[0, 2, 3]].masked_fill(~allowed[[0, 2, 3]], float("-inf"))
+    assert torch.equal(got, expected) and not allowed.all() and allowed.any()
