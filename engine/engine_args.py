@@ -32,6 +32,7 @@ class EngineArgs:
     swap_space: float = 4
     preemption_mode: str = "recompute"
     generation_config: str = "auto"
+    tensor_parallel_size: int = 1
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, *, positional_model: bool = False) -> argparse.ArgumentParser:
@@ -63,6 +64,8 @@ class EngineArgs:
         group.add_argument("--generation-config", default="auto",
                            help="sampling defaults: 'auto' (the model's generation_config.json), 'vllm' (none), "
                                 "or a directory holding a generation_config.json")
+        group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                           help="processes (one GPU each, or a share of the CPU cores) the model is sharded over")
         return parser
 
     @classmethod

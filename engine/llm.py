@@ -36,6 +36,8 @@ class LLM:
             them on resumption; "swap" moves them to the swap space and back (recompute when it is full).
         generation_config: sampling defaults for requests without SamplingParams: "auto" (the model's
             generation_config.json), "vllm" (SamplingParams' own defaults) or a directory holding one.
+        tensor_parallel_size: shard the model over this many processes (Megatron-style tensor parallelism on
+            torch.distributed: one GPU each, or a share of the CPU cores); this process is rank 0.
 
     The options are `engine.engine_args.EngineArgs` (shared with `python -m engine` and the server).
     """
@@ -45,14 +47,15 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, num_kv_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  enforce_eager: bool = False, seed: int = 0, swap_space: float = 4,
-                 preemption_mode: str = "recompute", generation_config: str = "auto"):
+                 preemption_mode: str = "recompute", generation_config: str = "auto",
+                 tensor_parallel_size: int = 1):
         self.llm_engine = EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, device=device, block_size=block_size,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed,
             swap_space=swap_space, preemption_mode=preemption_mode,
-            generation_config=generation_config).create_engine()
+            generation_config=generation_config, tensor_parallel_size=tensor_parallel_size).create_engine()
         self.request_counter = itertools.count()
 
     def get_tokenizer(self):

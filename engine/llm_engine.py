@@ -12,7 +12,7 @@ import torch
 
 from engine.beam_search import BeamSearchParams, BeamSearchState
 from engine.block_manager import BlockManager
-from engine.cache_engine import CacheEngine, num_swap_blocks_for
+from engine.executor import MultiprocExecutor, UniprocExecutor, WorkerDiedError
 from engine.config import ModelConfig
 from engine.detokenizer import Detokenizer, check_stop_strings
 from engine.generation_config import load_sampling_defaults
@@ -68,7 +68,8 @@ class LLMEngine:
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, num_kv_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  enforce_eager: bool = False, seed: int = 0, swap_space: float = 4,
-                 preemption_mode: str = "recompute", generation_config: str = "auto"):
+                 preemption_mode: str = "recompute", generation_config: str = "auto",
+                 tensor_parallel_size: int = 1):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
         if isinstance(swap_space, bool) or not isinstance(swap_space, (int, float)) or not swap_space >= 0:
@@ -84,7 +85,9 @@ class LLMEngine:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}")
-        from engine.model_runner import ModelRunner   # late import: pulls in the model code and pagedkernels
+        if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) \
+                or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
 
         self.device = resolve_device(device)
         model_dir = resolve_model_path(model)
@@ -105,16 +108,23 @@ class LLMEngine:
         self.max_model_len = self.model_config.max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens or (
             DEFAULT_MAX_NUM_BATCHED_TOKENS_CPU if self.device.type == "cpu" else DEFAULT_MAX_NUM_BATCHED_TOKENS)
-        self.model_runner = ModelRunner(
-            self.model_config, device=self.device, block_size=block_size, num_kv_blocks=num_kv_blocks,
-            gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens, enforce_eager=enforce_eager, seed=seed)
+        runner_kwargs = dict(device=self.device, block_size=block_size, num_kv_blocks=num_kv_blocks,
+                             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
+                             max_num_batched_tokens=self.max_num_batched_tokens, enforce_eager=enforce_eager,
+                             seed=seed)
         # The swap space is allocated only when swapping is the preemption mode (it would sit unused otherwise).
-        num_swap_blocks = (num_swap_blocks_for(swap_space, self.model_runner.kv_cache)
-                           if preemption_mode == "swap" else 0)
+        swap_space_gib = swap_space if preemption_mode == "swap" else 0
+        self.tensor_parallel_size = tensor_parallel_size
+        if tensor_parallel_size == 1:
+            self.executor = UniprocExecutor(self.model_config, runner_kwargs, swap_space_gib=swap_space_gib)
+        else:
+            self.executor = MultiprocExecutor(self.model_config, runner_kwargs, swap_space_gib=swap_space_gib,
+                                              tensor_parallel_size=tensor_parallel_size)
+        # Rank 0's runner and swap space (this process's share of the model).
+        self.model_runner, self.cache_engine = self.executor.model_runner, self.executor.cache_engine
+        num_swap_blocks = self.executor.num_swap_blocks
         self._fit_max_model_len_to_cache(block_size, user_max_model_len=max_model_len)
-        self.cache_engine = CacheEngine(self.model_runner.kv_cache, num_swap_blocks)
-        self.block_manager = BlockManager(self.model_runner.num_kv_blocks, block_size,
+        self.block_manager = BlockManager(self.executor.num_kv_blocks, block_size,
                                           enable_prefix_caching=enable_prefix_caching,
                                           num_swap_blocks=num_swap_blocks)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
@@ -135,7 +145,7 @@ class LLMEngine:
         """A sequence of max_model_len tokens must fit in the KV cache alone. When it does not, cap
         max_model_len to what the cache holds (with a warning), or refuse to start if the user asked for that
         max_model_len (as vLLM does)."""
-        cache_tokens = self.model_runner.num_kv_blocks * block_size
+        cache_tokens = self.executor.num_kv_blocks * block_size
         if cache_tokens >= self.max_model_len:
             return
         if user_max_model_len is not None:
@@ -146,6 +156,10 @@ class LLMEngine:
         logger.warning("the KV cache holds %d tokens, less than the model's max_model_len=%d: max_model_len "
                        "is capped to %d", cache_tokens, self.max_model_len, cache_tokens)
         self.max_model_len = self.model_config.max_model_len = cache_tokens
+
+    def shutdown(self) -> None:
+        """Stop the executor's worker processes (tensor parallelism); the engine runs no more steps after it."""
+        self.executor.shutdown()
 
     def default_sampling_params(self) -> SamplingParams:
         """A fresh SamplingParams with the model's defaults (`sampling_defaults`) over vLLM's."""
@@ -322,6 +336,8 @@ class LLMEngine:
         self._moving_blocks = False
         try:
             return self._run_step(scheduled)
+        except WorkerDiedError:
+            raise   # not one failed step: the model is gone, the engine cannot go on
         except Exception as error:
             return self._fail_step(error)
         finally:
@@ -337,11 +353,11 @@ class LLMEngine:
         prompt_rows = [i for i, (seq, _) in enumerate(scheduled)
                        if seq.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens]
         if prompt_rows:
-            logits, prompt_logits = self.model_runner.execute_model(scheduled, all_logits_for=prompt_rows)
+            logits, prompt_logits = self.executor.execute_model(scheduled, all_logits_for=prompt_rows)
             for i, row_logits in zip(prompt_rows, prompt_logits):
                 self._append_prompt_logprobs(*scheduled[i], row_logits)
         else:
-            logits = self.model_runner.execute_model(scheduled)
+            logits = self.executor.execute_model(scheduled)
         # Only now is the KV of the scheduled tokens written: a failure before this line registers none of
         # their blocks in the prefix cache (a failed step's blocks are then freed unregistered).
         self.scheduler.update_after_step(scheduled)
@@ -455,11 +471,11 @@ class LLMEngine:
         self._step_block_moves = self.block_manager.take_pending_ops()
         for kind, pairs in self._step_block_moves:
             if kind == "copy":
-                self.model_runner.copy_blocks(pairs)
+                self.executor.copy_blocks(pairs)
             elif kind == "swap_out":
-                self.cache_engine.swap_out(pairs)
+                self.executor.swap_out(pairs)
             else:
-                self.cache_engine.swap_in(pairs)
+                self.executor.swap_in(pairs)
 
     def _sample(self, scheduled: list[tuple[Sequence, int]], logits: torch.Tensor
                 ) -> tuple[list[Sequence], SamplerOutput | None, list[Sequence]]:

@@ -34,7 +34,8 @@ import torch
 
 import pagedkernels as pk
 from engine.config import ModelConfig
-from engine.distributed.parallel_state import num_kv_heads_per_rank
+from engine.distributed.communication import min_over_ranks
+from engine.distributed.parallel_state import get_tp_world_size, num_kv_heads_per_rank
 from engine.layers.attention import Attention, AttentionMetadata, forward_context
 from engine.layers.linear import prepack_linears
 from engine.loader import load_model
@@ -181,6 +182,8 @@ class ModelRunner:
         else:
             free = _CPU_KV_CACHE_FRACTION * _available_ram_bytes()
         num_blocks = min(useful, int(free // self._block_bytes()))
+        if get_tp_world_size() > 1:   # every rank holds the same block ids: the smallest budget decides
+            num_blocks = min_over_ranks(num_blocks)
         if num_blocks < 1:
             raise ValueError(f"not enough memory for a single KV-cache block of {self._block_bytes()} bytes")
         logger.info("KV cache: %d blocks of %d bytes (%.2f GiB); budget %.2f GiB free for it, %d blocks would "

@@ -80,3 +80,12 @@ def broadcast_object(obj=None, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=get_cpu_group())
     return box[0]
+
+
+def min_over_ranks(value: int) -> int:
+    """The smallest of every rank's `value` (e.g. the KV blocks each rank's memory allows), on every rank."""
+    if get_tp_world_size() == 1:
+        return value
+    box = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(box, op=dist.ReduceOp.MIN, group=get_cpu_group())
+    return int(box.item())

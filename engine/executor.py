@@ -1,0 +1,226 @@
+"""Executors: the engine's one door to the model. `execute_model`, `copy_blocks`, `swap_out`, `swap_in` — the
+engine decides, the executor runs it on every device that holds part of the model.
+
+- `UniprocExecutor`: one ModelRunner (and its swap space) in this process.
+- `MultiprocExecutor`: tensor parallelism over `tensor_parallel_size` processes on torch.distributed. This process
+  is rank 0 (it holds a shard like the others, and is the one that gets logits and samples); ranks 1..N-1 are
+  worker processes it starts (spawn). Each call is sent to the workers first as plain, picklable records (the
+  new token ids, computed-token count and block table of each scheduled entry; block-id pairs), broadcast over
+  the gloo group, then run on every rank, the collectives inside the forward lining the ranks up. Tensors only
+  ever move through torch.distributed's collectives (NCCL on GPUs, gloo on CPU).
+
+A worker that dies (or raises) stops the engine: the executor checks its workers before every call and turns a
+collective that fails because a peer is gone into `WorkerDiedError`, which the engine does not treat as one
+failed step but as the end (never a hang: gloo notices a closed peer at once; NCCL jobs are bounded by the group's
+timeout).
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing
+import os
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from engine.cache_engine import CacheEngine, num_swap_blocks_for
+from engine.config import ModelConfig
+from engine.distributed import broadcast_object, destroy_distributed_environment, init_distributed_environment
+from engine.distributed.parallel_state import free_port
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker process is gone; the engine cannot run the model any more."""
+
+
+@dataclass(slots=True)
+class ScheduledEntry:
+    """What a worker needs of one scheduled sequence: its new tokens and where their KV goes. It stands in for a
+    Sequence in ModelRunner.execute_model: `token_ids[num_computed_tokens:]` are exactly the new tokens."""
+    new_token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]
+
+    @property
+    def token_ids(self) -> "_TokenWindow":
+        return _TokenWindow(self.num_computed_tokens, self.new_token_ids)
+
+
+class _TokenWindow:
+    """The tail of a token list that starts at `start` (the runner slices only the new tokens and takes len)."""
+    __slots__ = ("start", "ids")
+
+    def __init__(self, start: int, ids: list[int]):
+        self.start, self.ids = start, ids
+
+    def __len__(self) -> int:
+        return self.start + len(self.ids)
+
+    def __getitem__(self, index: slice) -> list[int]:
+        if not isinstance(index, slice) or index.step is not None or (index.start or 0) < self.start:
+            raise IndexError(f"only the new tokens [{self.start}:] of a scheduled entry are sent to the workers")
+        stop = len(self) if index.stop is None else index.stop
+        return self.ids[index.start - self.start:stop - self.start]
+
+
+def to_entries(scheduled) -> list[tuple[ScheduledEntry, int]]:
+    """(Sequence, num_new_tokens) pairs -> the picklable records the workers run."""
+    return [(ScheduledEntry(seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + n],
+                            seq.num_computed_tokens, list(seq.block_table)), n) for seq, n in scheduled]
+
+
+class UniprocExecutor:
+    """The model in this process."""
+
+    def __init__(self, model_config: ModelConfig, runner_kwargs: dict, *, swap_space_gib: float):
+        from engine.model_runner import ModelRunner   # pulls in the model code and pagedkernels
+
+        self.model_runner = ModelRunner(model_config, **runner_kwargs)
+        self.cache_engine = CacheEngine(self.model_runner.kv_cache,
+                                        num_swap_blocks_for(swap_space_gib, self.model_runner.kv_cache))
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.model_runner.num_kv_blocks
+
+    @property
+    def num_swap_blocks(self) -> int:
+        return self.cache_engine.swap_cache.shape[2]
+
+    def execute_model(self, scheduled, all_logits_for: list[int] | None = None):
+        if all_logits_for:
+            return self.model_runner.execute_model(scheduled, all_logits_for=all_logits_for)
+        return self.model_runner.execute_model(scheduled)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        self.model_runner.copy_blocks(pairs)
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        self.cache_engine.swap_out(pairs)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        self.cache_engine.swap_in(pairs)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _worker_main(rank: int, world_size: int, init_method: str, model_config: ModelConfig, runner_kwargs: dict,
+                 swap_space_gib: float, num_threads: int | None) -> None:
+    """A worker process: join the group, build this rank's shard, then run what rank 0 broadcasts until it says
+    "shutdown". An exception ends the process (rank 0 sees a dead peer)."""
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    device = torch.device(runner_kwargs["device"])
+    if device.type == "cuda":   # one GPU per rank
+        runner_kwargs = {**runner_kwargs, "device": torch.device("cuda", rank % torch.cuda.device_count())}
+    init_distributed_environment(world_size, rank, init_method=init_method)
+    try:
+        executor = UniprocExecutor(model_config, runner_kwargs, swap_space_gib=swap_space_gib)
+        with torch.inference_mode():
+            while True:
+                method, args = broadcast_object(None)
+                if method == "shutdown":
+                    break
+                getattr(executor, method)(*args)
+    finally:
+        destroy_distributed_environment()
+
+
+class MultiprocExecutor:
+    """Tensor parallelism over `tensor_parallel_size` processes: this one (rank 0) and the workers it spawns."""
+
+    def __init__(self, model_config: ModelConfig, runner_kwargs: dict, *, swap_space_gib: float,
+                 tensor_parallel_size: int, init_method: str | None = None):
+        device = torch.device(runner_kwargs["device"])
+        if device.type == "cuda" and torch.cuda.device_count() < tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs as many GPUs, "
+                             f"{torch.cuda.device_count()} visible")
+        worker_threads = None
+        self._threads_before = torch.get_num_threads()
+        if device.type == "cpu":
+            # One share of the cores per rank (this process included): N ranks each using every core would
+            # oversubscribe the machine N times over.
+            worker_threads = max(1, (os.cpu_count() or 1) // tensor_parallel_size)
+            torch.set_num_threads(worker_threads)
+            logger.info("tensor parallelism on CPU: %d ranks, %d threads each", tensor_parallel_size, worker_threads)
+        self.tensor_parallel_size = tensor_parallel_size
+        init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
+        context = multiprocessing.get_context("spawn")
+        self.workers = [context.Process(target=_worker_main, name=f"engine-tp-worker-{rank}", daemon=True,
+                                        args=(rank, tensor_parallel_size, init_method, model_config, runner_kwargs,
+                                              swap_space_gib, worker_threads))
+                        for rank in range(1, tensor_parallel_size)]
+        for worker in self.workers:
+            worker.start()
+        self._closed = False
+        # Workers must not outlive the engine, however it ends.
+        self._finalizer = weakref.finalize(self, MultiprocExecutor._stop_workers, self.workers)
+        atexit.register(self._finalizer)
+        init_distributed_environment(tensor_parallel_size, 0, init_method=init_method)
+        self.local = UniprocExecutor(model_config, runner_kwargs, swap_space_gib=swap_space_gib)
+        self.model_runner, self.cache_engine = self.local.model_runner, self.local.cache_engine
+        self.num_kv_blocks, self.num_swap_blocks = self.local.num_kv_blocks, self.local.num_swap_blocks
+        # Time rank 0 spends sending each step's records (the driver's overhead per step).
+        self.broadcast_seconds = 0.0
+        self.num_broadcasts = 0
+
+    def _call(self, method: str, args: tuple, send_args: tuple | None = None):
+        if self._closed:
+            raise WorkerDiedError("the tensor-parallel executor is shut down")
+        dead = [w for w in self.workers if not w.is_alive()]
+        if dead:
+            self._closed = True
+            raise WorkerDiedError(f"tensor-parallel worker {dead[0].name} died (exit code {dead[0].exitcode}); "
+                                  f"the engine has stopped")
+        try:
+            start = time.perf_counter()
+            broadcast_object((method, args if send_args is None else send_args))
+            self.broadcast_seconds += time.perf_counter() - start
+            self.num_broadcasts += 1
+            return getattr(self.local, method)(*args)
+        except RuntimeError as e:   # a collective whose peer went away
+            if isinstance(e, WorkerDiedError) or all(w.is_alive() for w in self.workers):
+                raise
+            self._closed = True
+            dead = next(w for w in self.workers if not w.is_alive())
+            raise WorkerDiedError(f"tensor-parallel worker {dead.name} died (exit code {dead.exitcode}) during "
+                                  f"{method}; the engine has stopped") from e
+
+    def execute_model(self, scheduled, all_logits_for: list[int] | None = None):
+        entries = to_entries(scheduled)
+        return self._call("execute_model", (scheduled, all_logits_for), send_args=(entries, all_logits_for))
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        self._call("copy_blocks", (pairs,))
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        self._call("swap_out", (pairs,))
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        self._call("swap_in", (pairs,))
+
+    def shutdown(self) -> None:
+        """Stop the workers and leave the process group (idempotent)."""
+        if not self._closed and all(w.is_alive() for w in self.workers):
+            try:
+                broadcast_object(("shutdown", ()))
+            except RuntimeError:
+                pass
+        self._closed = True
+        self._finalizer()
+        destroy_distributed_environment()
+        torch.set_num_threads(self._threads_before)
+
+    @staticmethod
+    def _stop_workers(workers) -> None:
+        for worker in workers:
+            worker.join(timeout=10)
+            if worker.is_alive():
+                worker.terminate()
+                worker.join(timeout=5)
