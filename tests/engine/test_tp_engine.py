@@ -85,3 +85,17 @@ def test_abort_frees_every_block_and_dead_worker_stops_the_engine(tiny_model_dir
             engine.step()
     finally:
         engine.shutdown()
+
+
+def test_smollm2_tp3_equals_tp1(smollm2_dir):
+    """SmolLM2-135M has 9 query heads and 3 KV heads: 3 ranks (one KV head each) is its smallest split."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "The best way to learn"]
+    params = SamplingParams(temperature=0, max_tokens=16)
+    results = []
+    for tensor_parallel_size in (3, 1):
+        llm = LLM(smollm2_dir, max_model_len=512, tensor_parallel_size=tensor_parallel_size)
+        try:
+            results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        finally:
+            llm.llm_engine.shutdown()
+    assert results[0] == results[1]
