@@ -19,7 +19,7 @@ from engine.layers.attention import AttentionMetadata
 from engine.layers.embed_head import LMHead, VocabEmbedding
 from engine.layers.layernorm import RMSNorm
 from engine.layers.rotary_embedding import RotaryEmbedding
-from engine.models.llama import LlamaAttention, LlamaMLP
+from engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
 
 # Gemma's RMSNorm scales by (1 + weight); the checkpoint stores weight.
 NORM_OFFSET = 1.0
@@ -51,32 +51,20 @@ class Gemma2DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(hidden_states)), residual
 
 
-class Gemma2Model(nn.Module):
+class Gemma2Model(LlamaModel):
+    """Llama's forward over Gemma 2's layers, scaled embeddings and (1+w) final norm."""
+
     def __init__(self, config: ModelConfig):
-        super().__init__()
+        nn.Module.__init__(self)   # not Llama's layers
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, scale=config.hidden_size ** 0.5)
         self.rotary_emb = rotary_emb = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta,
                                                        config.rope_scaling)
         self.layers = nn.ModuleList(Gemma2DecoderLayer(config, i, rotary_emb) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps, offset=NORM_OFFSET)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        hidden_states, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual, meta)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
 
-
-class Gemma2ForCausalLM(nn.Module):
-    # checkpoint name fragment -> (fused parameter fragment, shard id)
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    """Llama's checkpoint mapping, forward and logits; its own layers, config mapping and softcapped head."""
     tie_word_embeddings_default = True
 
     @classmethod
@@ -108,16 +96,8 @@ class Gemma2ForCausalLM(nn.Module):
         )
 
     def __init__(self, config: ModelConfig):
-        super().__init__()
+        nn.Module.__init__(self)   # not Llama's layers
         self.model = Gemma2Model(config)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, softcap=config.final_logit_softcap)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions int64 ``[num_tokens]`` -> final hidden states ``[num_tokens, hidden_size]``."""
-        return self.model(input_ids, positions, meta)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[num_seqs, hidden_size]`` -> float32 soft-capped logits ``[num_seqs, vocab_size]``."""
-        return self.lm_head(hidden_states)
