@@ -71,16 +71,11 @@ def measure(workload, *, block_size: int = 16, max_model_len: int = 2048, num_bl
     excess = -10**9
     steps = 0
     while sched.has_unfinished():
-        scheduled = sched.schedule()
-        bm.take_pending_ops()
-        sched.update_after_step(scheduled)
-        for seq, _ in scheduled:
-            if seq.num_computed_tokens != seq.num_tokens:
-                continue
-            for s in sched.forks_on_prompt_done(seq):
-                s.append_token(s.num_tokens % 1000)
-                if s.num_output_tokens >= s.max_tokens:
-                    sched.finish(s)
+        output = sched.schedule()   # its block moves matter only to a real cache
+        for _, s in sched.update_from_output(output):
+            s.append_token(s.num_tokens % 1000)
+            if s.num_output_tokens >= s.max_tokens:
+                sched.finish(s)
         used = paged = contiguous = 0
         for group in groups:
             live = [s for s in group.seqs if s.block_table]

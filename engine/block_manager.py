@@ -26,9 +26,10 @@ Swapping: a CPU swap space of `num_swap_blocks` blocks with its own free list an
 and stays shared), `swap_in` moves them back into fresh cache blocks; both record (src, dst) pairs for
 `pagedkernels.swap_blocks`, issued by the engine before the forward.
 
-The block moves of a step are kept in the order they were decided (`pending_ops`): a block released by a swap-out
-or preemption can be handed out again in the same step, so a later move may overwrite what an earlier one reads.
-`take_pending_ops` cuts the list into runs that are safe to issue as one call each (normally one per kind).
+The block manager keeps no list of moves: each verb that decides one (a copy-on-write, a swap) appends it to the
+`moves` list its caller passes, the scheduler's list for the step, in the order decided. A block released by a
+swap-out or preemption can be handed out again in the same step, so a later move may overwrite what an earlier one
+reads; `group_block_moves` cuts the list into runs that are safe to issue as one call each (normally one per kind).
 
 Invariants (checked by tests/engine/test_block_manager.py): a block is in the free pool iff its ref_count is 0;
 ref_count equals the number of block tables holding it; every registered hash maps to a block carrying that hash;
@@ -67,7 +68,6 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))   # LRU: head first out
         self.hash_to_block_id: dict[int, int] = {}
-        self.pending_ops: list[tuple[str, int, int]] = []   # ("copy" | "swap_out" | "swap_in", src, dst), in order
         self.num_copies = 0                                # total copy-on-write block copies
         self.num_swap_blocks = num_swap_blocks
         self.swap_ref_counts = [0] * num_swap_blocks
@@ -113,12 +113,13 @@ class BlockManager:
         first = seq.num_computed_tokens // self.block_size
         return first < len(seq.block_table) and self.blocks[seq.block_table[first]].ref_count > 1
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached_block_ids: list[int] = ()) -> bool:
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached_block_ids: list[int] = (), *,
+                       moves: list[tuple[str, int, int]] | None = None) -> bool:
         """All or nothing: give `seq` slots for its next `num_new_tokens` tokens, first taking the prefix-cache
         hits `cached_block_ids` (from `lookup_prefix`; only for a sequence without blocks, whose
         `num_computed_tokens` then covers them) and copying the block about to be written if another sequence
-        shares it (copy-on-write, recorded in `pending_ops`). Returns False, and changes nothing, when the free
-        pool cannot cover all of it."""
+        shares it (copy-on-write: ("copy", src, dst) appended to `moves`, which must then be given). Returns False,
+        and changes nothing, when the free pool cannot cover all of it."""
         if cached_block_ids:
             assert not seq.block_table and seq.num_computed_tokens == 0, "cache hits are for sequences without blocks"
         if self.num_new_blocks_needed(seq, num_new_tokens, cached_block_ids) > len(self.free_block_ids):
@@ -133,12 +134,14 @@ class BlockManager:
             seq.block_table = list(cached_block_ids)
             seq.num_computed_tokens = len(cached_block_ids) * self.block_size
         if self._needs_copy(seq):
+            if moves is None:
+                raise ValueError("allocate_slots needs a moves list: the block to write is shared (copy-on-write)")
             first = seq.num_computed_tokens // self.block_size
             src = seq.block_table[first]
             self.blocks[src].ref_count -= 1   # still >= 1: the other holders keep it
             dst = self._pop_free_block()
             seq.block_table[first] = dst
-            self.pending_ops.append(("copy", src, dst))
+            moves.append(("copy", src, dst))
             self.num_copies += 1
         for _ in range(max(self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table), 0)):
             seq.block_table.append(self._pop_free_block())
@@ -202,9 +205,9 @@ class BlockManager:
     def can_swap_out(self, seqs: list[Sequence]) -> bool:
         return len(self._distinct_blocks(seqs)) <= len(self.free_swap_block_ids)
 
-    def swap_out(self, seqs: list[Sequence]) -> None:
+    def swap_out(self, seqs: list[Sequence], moves: list[tuple[str, int, int]]) -> None:
         """Move the blocks of `seqs` (one request) to the swap space; their tables then hold swap block ids.
-        Records the (cache block, swap block) pairs to copy. The cache blocks are released (a cached prefix block
+        Appends the ("swap_out", cache block, swap block) copies to `moves`. The cache blocks are released (a cached prefix block
         stays in the prefix cache until it is handed out again); num_computed_tokens is kept."""
         mapping = {}
         for block_id in self._distinct_blocks(seqs):
@@ -215,13 +218,14 @@ class BlockManager:
             seq.block_table = [mapping[b] for b in seq.block_table]
             for swap_id in seq.block_table:
                 self.swap_ref_counts[swap_id] += 1
-        self.pending_ops += [("swap_out", src, dst) for src, dst in mapping.items()]
+        moves += [("swap_out", src, dst) for src, dst in mapping.items()]
 
     def can_swap_in(self, seqs: list[Sequence], num_headroom_blocks: int = 0) -> bool:
         return len(self._distinct_blocks(seqs)) + num_headroom_blocks <= len(self.free_block_ids)
 
-    def swap_in(self, seqs: list[Sequence]) -> None:
-        """Move swapped `seqs` back into fresh cache blocks; records the (swap block, cache block) pairs."""
+    def swap_in(self, seqs: list[Sequence], moves: list[tuple[str, int, int]]) -> None:
+        """Move swapped `seqs` back into fresh cache blocks; appends the ("swap_in", swap block, cache block) copies
+        to `moves`."""
         mapping = {}
         for swap_id in self._distinct_blocks(seqs):
             mapping[swap_id] = self._pop_free_block()
@@ -232,26 +236,7 @@ class BlockManager:
             seq.block_table = [mapping[b] for b in seq.block_table]
             for block_id in seq.block_table:
                 self.blocks[block_id].ref_count += 1
-        self.pending_ops += [("swap_in", src, dst) for src, dst in mapping.items()]
-
-    def take_pending_ops(self) -> list[tuple[str, list[tuple[int, int]]]]:
-        """This step's block moves as [(kind, [(src, dst), ...])] runs, to be issued in order, and clear them.
-        A run ends where the kind changes or a pair would touch a block already read or written in the run
-        (the pairs of one call must be independent)."""
-        runs: list[tuple[str, list[tuple[int, int]]]] = []
-        reads: set[tuple[str, int]] = set()
-        writes: set[tuple[str, int]] = set()
-        for kind, src, dst in self.pending_ops:
-            src_key = ("cpu" if kind == "swap_in" else "gpu", src)
-            dst_key = ("cpu" if kind == "swap_out" else "gpu", dst)
-            if not runs or runs[-1][0] != kind or src_key in writes or dst_key in reads or dst_key in writes:
-                runs.append((kind, []))
-                reads, writes = set(), set()
-            runs[-1][1].append((src, dst))
-            reads.add(src_key)
-            writes.add(dst_key)
-        self.pending_ops = []
-        return runs
+        moves += [("swap_in", src, dst) for src, dst in mapping.items()]
 
     def free_swapped(self, seq: Sequence) -> None:
         """Release the swap blocks of a swapped sequence (finished or aborted while swapped)."""
@@ -272,3 +257,22 @@ class BlockManager:
         assert block.ref_count >= 0, f"block {block_id} released more often than taken"
         if block.ref_count == 0:
             self.free_block_ids[block_id] = None
+
+
+def group_block_moves(moves: list[tuple[str, int, int]]) -> list[tuple[str, list[tuple[int, int]]]]:
+    """A step's block moves [(kind, src, dst)], in decision order, as [(kind, [(src, dst), ...])] runs to issue in
+    order. A run ends where the kind changes or a pair would touch a block already read or written in the run (the
+    pairs of one call must be independent)."""
+    runs: list[tuple[str, list[tuple[int, int]]]] = []
+    reads: set[tuple[str, int]] = set()
+    writes: set[tuple[str, int]] = set()
+    for kind, src, dst in moves:
+        src_key = ("cpu" if kind == "swap_in" else "gpu", src)
+        dst_key = ("cpu" if kind == "swap_out" else "gpu", dst)
+        if not runs or runs[-1][0] != kind or src_key in writes or dst_key in reads or dst_key in writes:
+            runs.append((kind, []))
+            reads, writes = set(), set()
+        runs[-1][1].append((src, dst))
+        reads.add(src_key)
+        writes.add(dst_key)
+    return runs

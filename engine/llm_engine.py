@@ -19,7 +19,7 @@ from engine.generation_config import load_sampling_defaults
 from engine.outputs import CompletionOutput, EngineMetrics, Logprob, RequestOutput
 from engine.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.tokenizer import get_tokenizer
 
@@ -331,11 +331,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration; returns an output for every request that produced a token (finished or not).
         If anything after scheduling raises, the requests of this step fail alone (see _fail_step)."""
-        scheduled = self.scheduler.schedule()
-        self._step_groups = {seq.request_id: seq.group for seq, _ in scheduled}
+        scheduler_output = self.scheduler.schedule()
+        self._step_groups = {seq.request_id: seq.group for seq, _ in scheduler_output.scheduled}
+        self._step_block_moves = scheduler_output.block_moves
         self._moving_blocks = False
         try:
-            return self._run_step(scheduled)
+            return self._run_step(scheduler_output)
         except WorkerDiedError:
             raise   # not one failed step: the model is gone, the engine cannot go on
         except Exception as error:
@@ -343,11 +344,14 @@ class LLMEngine:
         finally:
             self._step_groups = {}
 
-    def _run_step(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
+    def _run_step(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
+        """schedule (done) -> block moves and the forward on the executor -> update_from_output -> sample ->
+        process outputs."""
+        scheduled = scheduler_output.scheduled
         if not scheduled:   # beams swapped back in may still be waiting for their group's step
             return self._advance_beams()
         self._moving_blocks = True
-        self._move_blocks()
+        self._move_blocks(scheduler_output.block_moves)
         self._moving_blocks = False
         # Entries still inside a prompt whose logprobs were asked for need the logits of every position.
         prompt_rows = [i for i, (seq, _) in enumerate(scheduled)
@@ -360,8 +364,8 @@ class LLMEngine:
             logits = self.executor.execute_model(scheduled)
         # Only now is the KV of the scheduled tokens written: a failure before this line registers none of
         # their blocks in the prefix cache (a failed step's blocks are then freed unregistered).
-        self.scheduler.update_after_step(scheduled)
-        seqs, sampler_output, done_without_sampling = self._sample(scheduled, logits)
+        sampling = self.scheduler.update_from_output(scheduler_output)
+        seqs, sampler_output, done_without_sampling = self._sample(sampling, logits)
         return self._process_outputs(seqs, sampler_output, done_without_sampling) + self._advance_beams()
 
     def _fail_step(self, error: Exception) -> list[RequestOutput]:
@@ -369,7 +373,7 @@ class LLMEngine:
         finish_reason "error" (freeing every block), and return their final outputs with `error` set. When the
         failure hit the block moves, the requests whose blocks those moves were writing fail too (their KV
         is unknown). The prefix cache stays sound: blocks are registered only after a forward completed
-        (update_after_step), and freed blocks keep only such registrations."""
+        (update_from_output), and freed blocks keep only such registrations."""
         failed = dict(self._step_groups)
         if self._moving_blocks:
             failed.update(self._groups_written_by(self._step_block_moves))
@@ -392,7 +396,6 @@ class LLMEngine:
             self.requests.pop(request_id, None)
             group.seqs[0].metrics.finished_time = now
             outputs.append(self._make_output(group))
-        self.block_manager.pending_ops = []
         return outputs
 
     def _groups_written_by(self, moves: list[tuple[str, list[tuple[int, int]]]]) -> dict[str, SequenceGroup]:
@@ -465,11 +468,10 @@ class LLMEngine:
                              outputs=completions, finished=True, num_cached_tokens=first.num_cached_tokens,
                              metrics=first.metrics)
 
-    def _move_blocks(self) -> None:
+    def _move_blocks(self, block_moves: list[tuple[str, list[tuple[int, int]]]]) -> None:
         """Issue this step's block moves, in the order the scheduler decided them: swap-outs, swap-ins and
         copy-on-write copies (one call per kind in the usual case)."""
-        self._step_block_moves = self.block_manager.take_pending_ops()
-        for kind, pairs in self._step_block_moves:
+        for kind, pairs in block_moves:
             if kind == "copy":
                 self.executor.copy_blocks(pairs)
             elif kind == "swap_out":
@@ -477,32 +479,30 @@ class LLMEngine:
             else:
                 self.executor.swap_in(pairs)
 
-    def _sample(self, scheduled: list[tuple[Sequence, int]], logits: torch.Tensor
+    def _sample(self, sampling: list[tuple[int, Sequence]], logits: torch.Tensor
                 ) -> tuple[list[Sequence], SamplerOutput | None, list[Sequence]]:
-        """Sample for the sequences whose scheduled tokens reached their end (mid-prompt chunks do not sample).
-        An n > 1 request whose prompt was just computed forks here: its n sequences share the prompt's blocks
-        and sample their first tokens from the same logits row, each with its own seed stream. A max_tokens=0
-        request finishes here instead ("length"), its prompt (and prompt logprobs) computed; those sequences
-        are returned third."""
+        """Sample for the (logits row, sequence) pairs of update_from_output: an n > 1 request's forks share
+        their parent's row, each drawing with its own seed stream. Beams only keep their log-softmax row for
+        their group's step (_advance_beams). A max_tokens=0 request finishes instead ("length"), its prompt
+        (and prompt logprobs) computed; those sequences are returned third."""
         rows, seqs, done_without_sampling = [], [], []
-        beam_rows = [i for i, (seq, _) in enumerate(scheduled)
-                     if seq.group.beam is not None and seq.num_computed_tokens == seq.num_tokens]
+        beam_rows = [(row, seq) for row, seq in sampling if seq.group.beam is not None]
         if beam_rows:
-            beam_logprobs = torch.log_softmax(logits[torch.tensor(beam_rows, device=logits.device)].float(), dim=-1)
-            for row, i in enumerate(beam_rows):
-                self.beam_logprobs[scheduled[i][0].seq_id] = beam_logprobs[row]
-        for i, (seq, _) in enumerate(scheduled):
-            if seq.num_computed_tokens != seq.num_tokens or seq.group.beam is not None:
+            index = torch.tensor([row for row, _ in beam_rows], device=logits.device)
+            beam_logprobs = torch.log_softmax(logits[index].float(), dim=-1)
+            for i, (_, seq) in enumerate(beam_rows):
+                self.beam_logprobs[seq.seq_id] = beam_logprobs[i]
+        for row, seq in sampling:
+            if seq.group.beam is not None:
                 continue
-            sampling = self.scheduler.forks_on_prompt_done(seq)
             if seq.max_tokens == 0:
-                done_without_sampling += sampling
+                done_without_sampling.append(seq)
                 continue
-            rows += [i] * len(sampling)
-            seqs += sampling
+            rows.append(row)
+            seqs.append(seq)
         if not rows:
             return [], None, done_without_sampling
-        if rows != list(range(len(scheduled))):
+        if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]
         return seqs, self.sampler(logits, seqs), done_without_sampling
 

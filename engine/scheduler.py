@@ -18,9 +18,19 @@ already scheduled this step are taken back out of the batch):
 import bisect
 import time
 from collections import deque
+from dataclasses import dataclass
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, group_block_moves
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's decisions, everything the executor needs to run it."""
+    # (sequence, number of its tokens to compute now); blocks for them are allocated.
+    scheduled: list[tuple[Sequence, int]]
+    # Block moves to issue before the forward, in order: [("swap_out" | "swap_in" | "copy", [(src, dst), ...])].
+    block_moves: list[tuple[str, list[tuple[int, int]]]]
 
 
 class Scheduler:
@@ -52,11 +62,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def schedule(self) -> list[tuple[Sequence, int]]:
-        """Pick this step's batch: a list of (sequence, number of its tokens to compute now). Blocks covering
-        those tokens are allocated on return; the block moves this needs (copy-on-write, swap) are in
-        `block_manager.pending_ops`."""
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's batch: (sequence, number of its tokens to compute now) entries, with blocks covering
+        those tokens allocated, and the block moves this needs (copy-on-write, swap) in the order decided."""
         self._budget = self.max_num_batched_tokens
+        self._moves: list[tuple[str, int, int]] = []
         scheduled: list[tuple[Sequence, int]] = []
         preempted = False
 
@@ -70,7 +80,7 @@ class Scheduler:
                 continue
             num_new_tokens = min(seq.num_tokens - seq.num_computed_tokens, self._budget)
             while (seq.status is SequenceStatus.RUNNING
-                   and not self.block_manager.allocate_slots(seq, num_new_tokens)):
+                   and not self.block_manager.allocate_slots(seq, num_new_tokens, moves=self._moves)):
                 self._preempt(self._pick_victim(scheduled), scheduled)
                 preempted = True
             if seq.status is SequenceStatus.RUNNING:
@@ -85,13 +95,13 @@ class Scheduler:
             if not self.block_manager.can_swap_in(members, num_headroom_blocks=len(members)):
                 break
             self.swapped.popleft()
-            self.block_manager.swap_in(members)
+            self.block_manager.swap_in(members, self._moves)
             for seq in members:
                 seq.status = SequenceStatus.RUNNING
                 bisect.insort(self.running, seq, key=lambda s: s.order)
             for seq in members:
                 num_new_tokens = min(seq.num_tokens - seq.num_computed_tokens, self._budget)
-                if num_new_tokens > 0 and self.block_manager.allocate_slots(seq, num_new_tokens):
+                if num_new_tokens > 0 and self.block_manager.allocate_slots(seq, num_new_tokens, moves=self._moves):
                     self._schedule_seq(seq, num_new_tokens, scheduled)
 
         # Waiting sequences, FCFS; none while this step had to preempt (memory is short: let the running finish).
@@ -100,7 +110,7 @@ class Scheduler:
             seq = self.waiting[0]
             cached_block_ids = self.block_manager.lookup_prefix(seq)
             num_new_tokens = min(seq.num_tokens - len(cached_block_ids) * self.block_manager.block_size, self._budget)
-            if not self.block_manager.allocate_slots(seq, num_new_tokens, cached_block_ids):
+            if not self.block_manager.allocate_slots(seq, num_new_tokens, cached_block_ids, moves=self._moves):
                 break   # nothing was taken; wait for blocks to free up
             self.waiting.popleft()
             if seq.metrics.first_scheduled_time is None:
@@ -111,7 +121,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.order)
             self._schedule_seq(seq, num_new_tokens, scheduled)
-        return scheduled
+        return SchedulerOutput(scheduled, group_block_moves(self._moves))
 
     @staticmethod
     def _num_seqs_after_fork(seq: Sequence) -> int:
@@ -143,7 +153,7 @@ class Scheduler:
         for seq in members:
             self.running.remove(seq)
         if self.preemption_mode == "swap" and self.block_manager.can_swap_out(members):
-            self.block_manager.swap_out(members)
+            self.block_manager.swap_out(members, self._moves)
             for seq in members:
                 seq.status = SequenceStatus.SWAPPED
             self.swapped.append(group)
@@ -163,7 +173,7 @@ class Scheduler:
         bisect.insort(self.running, child, key=lambda s: s.order)
         return child
 
-    def forks_on_prompt_done(self, seq: Sequence) -> list[Sequence]:
+    def _forks_on_prompt_done(self, seq: Sequence) -> list[Sequence]:
         """``seq``, whose prompt is computed, and, the first time for an n > 1 request, its n - 1 forks
         (sequences 1..n-1, sharing every block): the sequences that sample from its logits row this step."""
         if seq.group.forked:
@@ -171,11 +181,22 @@ class Scheduler:
         seq.group.forked = True
         return [seq] + [self.fork(seq, index) for index in range(1, seq.group.n)]
 
-    def update_after_step(self, scheduled: list[tuple[Sequence, int]]) -> None:
-        """The model computed the scheduled tokens: advance the counts and register newly full blocks."""
-        for seq, num_new_tokens in scheduled:
+    def update_from_output(self, output: SchedulerOutput) -> list[tuple[int, Sequence]]:
+        """The model computed the scheduled tokens: advance the counts, register newly full blocks, and return the
+        sequences that take a next token from this step's logits, as (row of `output.scheduled`, sequence) pairs:
+        every entry that reached its end (mid-prompt chunks do not), and, the first time for an n > 1 request,
+        its n - 1 forks (sequences 1..n-1, sharing every block), on their parent's row. A beam search forks in
+        its own step (engine/beam_search.py), so its entries are returned unforked."""
+        for seq, num_new_tokens in output.scheduled:
             seq.num_computed_tokens += num_new_tokens
             self.block_manager.cache_full_blocks(seq)
+        sampling = []
+        for row, (seq, _) in enumerate(output.scheduled):
+            if seq.num_computed_tokens != seq.num_tokens:
+                continue
+            for member in ([seq] if seq.group.beam is not None else self._forks_on_prompt_done(seq)):
+                sampling.append((row, member))
+        return sampling
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence (running, waiting or swapped) and free its blocks."""

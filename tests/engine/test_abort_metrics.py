@@ -168,26 +168,22 @@ class EngineCoreMachine(RuleBasedStateMachine):
 
     @rule()
     def step(self):
-        scheduled = self.sched.schedule()
-        for kind, pairs in self.bm.take_pending_ops():
+        output = self.sched.schedule()
+        for kind, pairs in output.block_moves:
             src, dst = {"copy": (self.gpu, self.gpu), "swap_out": (self.gpu, self.cpu),
                         "swap_in": (self.cpu, self.gpu)}[kind]
             moved = {(d, i): src.get((s, i)) for s, d in pairs for i in range(BLOCK_SIZE)}
             dst.update(moved)
-        for seq, num_new in scheduled:
+        for seq, num_new in output.scheduled:
             for pos in range(seq.num_computed_tokens):   # the context this step attends to
                 block = seq.block_table[pos // BLOCK_SIZE]
                 assert self.gpu.get((block, pos % BLOCK_SIZE)) == seq.token_ids[pos], (seq, pos)
             for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + num_new):
                 self.gpu[seq.block_table[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = seq.token_ids[pos]
-        self.sched.update_after_step(scheduled)
-        for seq, _ in scheduled:
-            if seq.num_computed_tokens != seq.num_tokens:
-                continue
-            for s in self.sched.forks_on_prompt_done(seq):
-                s.append_token(next_token(s.token_ids, s.index))
-                if s.num_output_tokens >= s.params.max_tokens:
-                    self.sched.finish(s)
+        for _, s in self.sched.update_from_output(output):
+            s.append_token(next_token(s.token_ids, s.index))
+            if s.num_output_tokens >= s.params.max_tokens:
+                self.sched.finish(s)
         for request_id in [r for r, g in self.groups.items() if g.is_finished]:
             self._check_reference(self.groups.pop(request_id))
 

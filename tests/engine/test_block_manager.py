@@ -6,6 +6,8 @@ The state machine keeps a shadow of the KV cache (which token each slot holds, w
 as a sequence whose computed tokens disagree with the shadow."""
 import random
 
+import pytest
+
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -33,7 +35,7 @@ def compute(bm: BlockManager, seq: Sequence, num_new_tokens: int) -> None:
 
 def snapshot(bm: BlockManager) -> tuple:
     return (list(bm.free_block_ids), [(b.ref_count, b.hash, b.token_ids) for b in bm.blocks],
-            dict(bm.hash_to_block_id), list(bm.pending_ops))
+            dict(bm.hash_to_block_id))
 
 
 def test_prefix_hit_reuses_full_blocks_and_leaves_last_token():
@@ -137,9 +139,12 @@ def test_allocate_slots_copies_a_shared_block_before_writing_it():
     parent.append_token(7)
     child.append_token(8)
     assert bm.num_new_blocks_needed(child, 1) == 1   # the shared, partly filled last block is copied
-    assert bm.allocate_slots(child, 1)
+    with pytest.raises(ValueError, match="moves list"):
+        bm.allocate_slots(child, 1)
+    moves = []
+    assert bm.allocate_slots(child, 1, moves=moves)
     assert child.block_table[0] == parent.block_table[0] and child.block_table[1] != parent.block_table[1]
-    assert bm.pending_ops == [("copy", parent.block_table[1], child.block_table[1])]
+    assert moves == [("copy", parent.block_table[1], child.block_table[1])]
     assert bm.blocks[parent.block_table[1]].ref_count == 1
 
 

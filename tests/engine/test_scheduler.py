@@ -16,12 +16,10 @@ def make_seq(num_prompt_tokens, request_id, first_token=0):
     return Sequence(request_id, None, tokens, SamplingParams(), arrival_time=0.0)
 
 
-def fake_step(scheduler: Scheduler, scheduled, next_token=5):
+def fake_step(scheduler: Scheduler, output, next_token=5):
     """Advance like the engine: count the computed tokens, then sample for sequences that reached their end."""
-    scheduler.update_after_step(scheduled)
-    for seq, _ in scheduled:
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.append_token(next_token)
+    for _, seq in scheduler.update_from_output(output):
+        seq.append_token(next_token)
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, prefix=True):
@@ -35,16 +33,16 @@ def test_budget_chunks_long_prompt_and_mixes_decodes_first():
     sched.add(a)
     sched.add(b)
     step1 = sched.schedule()
-    assert [(s.request_id, n) for s, n in step1] == [("a", 6), ("b", 4)]   # b chunked to the remaining budget
+    assert [(s.request_id, n) for s, n in step1.scheduled] == [("a", 6), ("b", 4)]   # b chunked to the remaining budget
     fake_step(sched, step1)
     step2 = sched.schedule()
-    assert [(s.request_id, n) for s, n in step2] == [("a", 1), ("b", 9)]   # a decodes first
+    assert [(s.request_id, n) for s, n in step2.scheduled] == [("a", 1), ("b", 9)]   # a decodes first
     fake_step(sched, step2)
     assert b.num_computed_tokens == 13 and b.num_output_tokens == 0 and a.num_output_tokens == 2
     for _ in range(2):
         fake_step(sched, sched.schedule())
     assert b.num_computed_tokens == 25 and b.num_output_tokens == 1
-    assert sum(n for _, n in sched.schedule()) == 2   # two decodes
+    assert sum(n for _, n in sched.schedule().scheduled) == 2   # two decodes
 
 
 def test_max_num_seqs_and_fcfs():
@@ -53,12 +51,12 @@ def test_max_num_seqs_and_fcfs():
     for s in seqs:
         sched.add(s)
     step = sched.schedule()
-    assert [s.request_id for s, _ in step] == ["0", "1"]
+    assert [s.request_id for s, _ in step.scheduled] == ["0", "1"]
     assert [s.request_id for s in sched.waiting] == ["2", "3"]
     sched.finish(seqs[0])
     fake_step(sched, step)
     step = sched.schedule()
-    assert [s.request_id for s, _ in step] == ["1", "2"]
+    assert [s.request_id for s, _ in step.scheduled] == ["1", "2"]
 
 
 def test_prefix_hit_reduces_scheduled_tokens():
@@ -69,7 +67,7 @@ def test_prefix_hit_reduces_scheduled_tokens():
     b = Sequence("b", None, a.prompt_token_ids[:8] + [900, 901, 902], SamplingParams(), arrival_time=0.0)
     sched.add(b)
     step = sched.schedule()
-    assert ("b", 3) in [(s.request_id, n) for s, n in step]
+    assert ("b", 3) in [(s.request_id, n) for s, n in step.scheduled]
     assert b.num_cached_tokens == 8
 
 
@@ -111,7 +109,7 @@ def test_no_admission_when_blocks_short():
     sched.add(a)
     sched.add(b)
     step = sched.schedule()
-    assert [s.request_id for s, _ in step] == ["a"]   # b needs 2 blocks, 0 left
+    assert [s.request_id for s, _ in step.scheduled] == ["a"]   # b needs 2 blocks, 0 left
     assert sched.block_manager.num_free_blocks == 0 and list(sched.waiting) == [b]
 
 
@@ -163,7 +161,8 @@ def test_random_workloads_finish_with_reference_tokens(prompt_lens, max_tokens, 
             sched.add(pending.pop(0))
         if not pending and not sched.has_unfinished():
             break
-        scheduled = sched.schedule()
+        output = sched.schedule()
+        scheduled = output.scheduled
         assert sum(n for _, n in scheduled) <= budget and len(sched.running) <= max_num_seqs
         assert len({s.seq_id for s, _ in scheduled}) == len(scheduled)
         for seq, n in scheduled:
@@ -173,12 +172,10 @@ def test_random_workloads_finish_with_reference_tokens(prompt_lens, max_tokens, 
                 assert shadow[seq.block_table[pos // block_size], pos % block_size] == seq.token_ids[pos]
             for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):   # what the step writes
                 shadow[seq.block_table[pos // block_size], pos % block_size] = seq.token_ids[pos]
-        sched.update_after_step(scheduled)
-        for seq, _ in scheduled:
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.append_token(next_token_of(seq.token_ids))
-                if seq.num_output_tokens == seq.params.max_tokens:
-                    sched.finish(seq)
+        for _, seq in sched.update_from_output(output):
+            seq.append_token(next_token_of(seq.token_ids))
+            if seq.num_output_tokens == seq.params.max_tokens:
+                sched.finish(seq)
     else:
         raise AssertionError("workload did not finish")
     for seq in seqs:
