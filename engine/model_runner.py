@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from typing import Callable
 from typing import TYPE_CHECKING
 
@@ -102,7 +103,8 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, *, device: torch.device, block_size: int,
                  num_kv_blocks: int | None, gpu_memory_utilization: float, max_num_seqs: int,
                  max_num_batched_tokens: int, enforce_eager: bool, seed: int,
-                 graph_runner_class: type | None = None, compile_model: bool | None = None):
+                 graph_runner_class: type | None = None, compile_model: bool | None = None,
+                 capture_graphs_at_startup: bool | None = None):
         self.config = model_config
         self.device = torch.device(device)
         self.dtype = model_config.dtype
@@ -144,6 +146,14 @@ class ModelRunner:
         self.graphs: dict[int, object] = {}  # padded batch size -> captured graph runner
         if not self.enforce_eager:
             self._allocate_static_buffers()
+            # On CUDA every graph of the ladder is captured now (largest first, so the smaller ones reuse its
+            # memory pool), as vLLM does: the first decode steps then do not pay for compilation and capture,
+            # and the memory the graphs take is known before serving. The CPU double captures on first use
+            # unless asked.
+            if capture_graphs_at_startup is None:
+                capture_graphs_at_startup = graph_runner_class is CUDAGraphRunner
+            if capture_graphs_at_startup:
+                self.capture_all_graphs()
 
     # -- setup ------------------------------------------------------------------------------------
 
@@ -360,6 +370,17 @@ class ModelRunner:
         if runner is None:
             runner = self.graphs[batch_size] = self._capture_decode_graph(batch_size)
         return runner.replay()[:num_seqs]
+
+    def capture_all_graphs(self) -> None:
+        """Capture the decode graph of every ladder size not captured yet, largest first. The static buffers hold
+        padding rows (slot -1, seq_len 0) while capturing: nothing is written to or read from the KV cache."""
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for batch_size in reversed(self.graph_batch_sizes):
+                if batch_size not in self.graphs:
+                    self.graphs[batch_size] = self._capture_decode_graph(batch_size)
+        logger.info("captured %d decode graphs (batch sizes %s) in %.1f s", len(self.graph_batch_sizes),
+                    self.graph_batch_sizes, time.perf_counter() - start)
 
     def _capture_decode_graph(self, batch_size: int):
         meta = AttentionMetadata(slot_mapping=self.static_slot_mapping[:batch_size],

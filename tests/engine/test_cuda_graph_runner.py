@@ -42,12 +42,12 @@ class RecordingGraphRunner(EagerGraphRunner):
 
 
 def make_runner(model_dir: str, *, enforce_eager: bool, graph_runner_class=None, max_num_seqs: int = 10,
-                compile_model: bool | None = None):
+                compile_model: bool | None = None, capture_graphs_at_startup: bool | None = None):
     config = ModelConfig.from_pretrained(model_dir, max_model_len=256)
     runner = ModelRunner(config, device=torch.device("cpu"), block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS,
                          gpu_memory_utilization=0.9, max_num_seqs=max_num_seqs, max_num_batched_tokens=512,
                          enforce_eager=enforce_eager, seed=0, graph_runner_class=graph_runner_class,
-                         compile_model=compile_model)
+                         compile_model=compile_model, capture_graphs_at_startup=capture_graphs_at_startup)
     runner.kv_cache.fill_(float("nan"))  # a padded row writing K/V, or any stray read, shows
     return runner
 
@@ -122,6 +122,28 @@ def test_padded_replay_equals_eager(tiny_model_dir, arch, compiled, monkeypatch)
         assert (record["slot_mapping"][num_real:] == -1).all() and (record["slot_mapping"][:num_real] >= 0).all()
         assert (record["seq_lens"][num_real:] == 0).all() and (record["seq_lens"][:num_real] > 0).all()
         assert (record["positions"][num_real:] == 0).all()
+
+
+def test_graphs_captured_at_startup_for_the_whole_ladder(tiny_model_dir, monkeypatch):
+    """What CUDA does by default: every ladder size captured in the constructor (largest first), so decode steps
+    only replay, with the eager runner's results."""
+    model_dir = tiny_model_dir("llama")
+    captured = []
+    monkeypatch.setattr(RecordingGraphRunner, "replays", [])
+    monkeypatch.setattr(RecordingGraphRunner, "capture",
+                        lambda self, fn: (captured.append(self), EagerGraphRunner.capture(self, fn),
+                                          setattr(self, "batch_size", self.output.shape[0]))[-1])
+    graphed = make_runner(model_dir, enforce_eager=False, graph_runner_class=RecordingGraphRunner,
+                          capture_graphs_at_startup=True)
+    assert sorted(graphed.graphs) == graph_batch_sizes(10) == [1, 2, 4, 8]
+    assert [g.batch_size for g in captured] == [8, 4, 2, 1]
+    monkeypatch.setattr(RecordingGraphRunner, "model_runner", graphed, raising=False)
+    eager = make_runner(model_dir, enforce_eager=True)
+    got = _run(graphed, _sequences(graphed.config.vocab_size))
+    for step, (a, b) in enumerate(zip(got, _run(eager, _sequences(eager.config.vocab_size)))):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step}: {m}")
+    assert len(captured) == 4, "decode steps must replay the start-up graphs, not capture new ones"
+    assert [r["batch_size"] for r in RecordingGraphRunner.replays] == [4, 1, 8, 4]
 
 
 def test_no_graphs_with_enforce_eager_or_without_a_runner_class(tiny_model_dir, monkeypatch):
