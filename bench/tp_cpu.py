@@ -1,0 +1,104 @@
+"""Tensor parallelism on this CPU: the engine with ``--tensor-parallel-size N`` (N processes, the cores split
+between them) against the same engine in one process (all cores), same run, same 48-request workload as
+``bench.engine_cpu`` (prompt and output lengths uniform in 16-128, greedy, ignore_eos):
+``python -m bench.tp_cpu [--model DIR] [--tensor-parallel-size N]``.
+
+Reports output tokens/s of both and their ratio, whether the greedy outputs are identical, and the driver's
+per-step overhead of sending the step records to the workers (mean broadcast time per call). The default model is
+SmolLM2-135M, whose 9 query heads / 3 KV heads divide by 3, not 2; ``--model`` takes any local HF directory. On a
+machine with fewer cores than ranks the ranks share cores (the report records both numbers).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+from bench.engine_cpu import make_requests
+from pagedkernels import _native
+
+
+def run(model_dir: str, requests, tensor_parallel_size: int) -> dict:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model_dir, dtype="float32", device="cpu", tensor_parallel_size=tensor_parallel_size)
+    try:
+        warm = make_requests(2, 8, 8, llm.llm_engine.model_config.vocab_size, 99)
+        params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+        prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+        llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in warm],
+                     SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+        executor = llm.llm_engine.executor
+        broadcasts_before = getattr(executor, "num_broadcasts", 0), getattr(executor, "broadcast_seconds", 0.0)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        result = {"tensor_parallel_size": tensor_parallel_size, "seconds": seconds,
+                  "output_tokens_per_s": sum(r.output_len for r in requests) / seconds,
+                  "torch_threads_per_rank": torch.get_num_threads(),
+                  "outputs": [list(o.outputs[0].token_ids) for o in outputs]}
+        if tensor_parallel_size > 1:
+            calls = executor.num_broadcasts - broadcasts_before[0]
+            result["broadcast_calls"] = calls
+            result["broadcast_ms_per_call"] = 1e3 * (executor.broadcast_seconds - broadcasts_before[1]) / max(calls, 1)
+        return result
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="HF model directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=3)
+    parser.add_argument("--num-requests", type=int, default=48)
+    parser.add_argument("--min-len", type=int, default=16)
+    parser.add_argument("--max-len", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", help="directory for <date>-tp-cpu-<cpu>.json (e.g. bench/results)")
+    args = parser.parse_args(argv)
+    if args.model is None:
+        from engine.default_model import default_model_path
+
+        args.model = default_model_path()
+    from engine.config import ModelConfig
+
+    vocab_size = ModelConfig.from_pretrained(args.model).vocab_size
+    requests = make_requests(args.num_requests, args.min_len, args.max_len, vocab_size, args.seed)
+    load_before = os.getloadavg()
+    single = run(args.model, requests, 1)
+    sharded = run(args.model, requests, args.tensor_parallel_size)
+    identical = sum(a == b for a, b in zip(single.pop("outputs"), sharded.pop("outputs")))
+    ratio = sharded["output_tokens_per_s"] / single["output_tokens_per_s"]
+    report = {
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "environment": {"cpu": _native.cpu_name(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+                        "python": platform.python_version(), "load_average_before": load_before,
+                        "load_average_after": os.getloadavg()},
+        "model": args.model, "dtype": "float32",
+        "requests": {"count": len(requests), "min_len": args.min_len, "max_len": args.max_len, "seed": args.seed},
+        "tp1": single, f"tp{args.tensor_parallel_size}": sharded, "throughput_ratio": ratio,
+        "greedy_outputs_identical": f"{identical}/{len(requests)}",
+    }
+    print(f"TP=1: {single['output_tokens_per_s']:.1f} tok/s ({single['seconds']:.2f} s); "
+          f"TP={args.tensor_parallel_size}: {sharded['output_tokens_per_s']:.1f} tok/s ({sharded['seconds']:.2f} s), "
+          f"{sharded['torch_threads_per_rank']} thread(s) per rank on {os.cpu_count()} cores; ratio {ratio:.2f}x; "
+          f"step records {sharded.get('broadcast_ms_per_call', 0):.2f} ms per broadcast; "
+          f"greedy outputs identical {report['greedy_outputs_identical']}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        slug = "-".join(filter(None, "".join(c if c.isalnum() else "-" for c in _native.cpu_name().lower()).split("-")))
+        path = os.path.join(args.out, f"{datetime.date.today().isoformat()}-tp-cpu-{slug}.json")
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
