@@ -248,6 +248,15 @@ class ModelRunner:
             layer.use_decode_kernel = self.device.type == "cuda" or not self.enforce_eager
             layer.key_cache = None if kv_cache is None else kv_cache[0, i]
             layer.value_cache = None if kv_cache is None else kv_cache[1, i]
+        if layers and self.device.type == "cuda":
+            # The split-K scratch of the decode op, allocated once and shared by every layer (they run one
+            # after another on one stream): a decode launch, captured in a graph or not, allocates nothing.
+            first = layers[0]
+            self.decode_workspace = pk.decode_workspace(
+                self.max_num_seqs, first.num_heads, first.num_kv_heads, first.head_dim, device=self.device,
+                max_context=self.config.max_model_len)
+            for layer in layers:
+                layer.decode_workspace = self.decode_workspace
 
     def _allocate_static_buffers(self) -> None:
         """Inputs of the captured decode graphs, sized for the largest padded batch; a graph for

@@ -105,6 +105,9 @@ class Attention(nn.Module):
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None
         self.layer_index = 0  # position among the model's attention layers, set with the caches
+        # Split-K scratch for the decode op (pagedkernels.decode_workspace), shared by the layers; set by the
+        # ModelRunner on CUDA so graph capture sees no allocation. None: the op allocates its own.
+        self.decode_workspace: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q ``[num_tokens, num_heads, head_dim]``, k/v ``[num_tokens, num_kv_heads, head_dim]`` (strided
@@ -125,7 +128,7 @@ class Attention(nn.Module):
         if meta.is_decode and self.use_decode_kernel:
             out = ops.paged_decode_attention(q, self.key_cache, self.value_cache, meta.block_tables, meta.seq_lens,
                                              scale=self.scale, sliding_window=self.sliding_window,
-                                             softcap=self.softcap, out=out)
+                                             softcap=self.softcap, out=out, workspace=self.decode_workspace)
         else:
             out = ops.paged_prefill_attention(q, self.key_cache, self.value_cache, meta.block_tables,
                                               meta.cu_seqlens_q, meta.seq_lens, scale=self.scale,
