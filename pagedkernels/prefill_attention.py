@@ -267,15 +267,16 @@ def launch_config(head_dim_pad: int, group_pad: int, dtype: torch.dtype,
     TILE_N=32; TILE_N=64 doubles the address part and spills (ptxas, sm_90: 255 regs + stack).
     Head <= 64 halves acc, Q and addresses, so TILE_N=64 fits. Head 256 doubles everything:
     BLOCK_M=64, TILE_N=16. Group size 1 (no row sharing of K/V) compiled to spills at the larger
-    BLOCK_M, hence half of it there; at head 256 it also drops the second pipeline stage (with
-    two, Triton 3.6's sm_90 build spilled 36 B at 168 registers; with one: 180 registers, none).
-    fp32 runs ieee FMA dots (no tensor cores; a correctness dtype, not a serving one) whose operand
-    layouts are register-hungry: 32 x 16 tiles; 32 x 32 at head <= 64, where 32 x 16 drew a
-    64-register allocation with a 12 B spill from ptxas for sm_80 under Triton 3.9. Each choice
-    compiles without register spills for sm_90 and sm_80 with Triton 3.6 and 3.9 (``python -m
-    pagedkernels._aot``; the test tests/pagedkernels/test_aot_compile.py keeps it so). BLOCK_M >= 16
-    always (tl.dot needs >= 16 on every dimension on a GPU), and BLOCK_M >= group_pad so a program
-    holds at least one token with all heads of its group.
+    BLOCK_M at head 128, hence half of it there (at head 256, 32 x 16 tiles at 4 warps spilled 12 to
+    36 B under Triton 3.6 on sm_90 or sm_80 depending on the stage count; 64 x 16 at 8 warps does
+    not). fp32 runs ieee FMA dots (no tensor cores; a correctness dtype, not a serving one) whose
+    operand layouts are register-hungry: 32 x 16 tiles; 32 x 32 at head <= 64, where 32 x 16 drew a
+    64-register allocation with a 12 B spill from ptxas for sm_80 under Triton 3.9; 16 x 16 at 4
+    warps for head 256 without GQA, where 8 warps drew 128-register allocations with 60 B spills.
+    Each choice compiles without register spills for sm_90 and sm_80 with Triton 3.6 and 3.9
+    (``python -m pagedkernels._aot``; the test tests/pagedkernels/test_aot_compile.py keeps it
+    so). BLOCK_M >= 16 always (tl.dot needs >= 16 on every dimension on a GPU), and BLOCK_M >=
+    group_pad so a program holds at least one token with all heads of its group.
 
     Interpreter (CPU): no registers, cost is per program and per op and tests run tiny shapes; 32 x 32
     tiles keep the masked waste low and make modest test lengths cross query- and key-tile
@@ -284,13 +285,18 @@ def launch_config(head_dim_pad: int, group_pad: int, dtype: torch.dtype,
     if device_kind != "cuda":
         config = (32, 32, 4, 1)
     elif dtype == torch.float32:
-        config = (32, 32, 8, 2) if head_dim_pad <= 64 else (32, 16, 8, 2)
+        if head_dim_pad <= 64:
+            config = (32, 32, 8, 2)
+        elif head_dim_pad <= 128 or group_pad > 1:
+            config = (32, 16, 8, 2)
+        else:
+            config = (16, 16, 4, 2)
     elif head_dim_pad <= 64:
         config = (128, 64, 8, 3)
     elif head_dim_pad <= 128:
         config = (128, 32, 8, 3) if group_pad > 1 else (64, 32, 8, 3)
     else:
-        config = (64, 16, 8, 2) if group_pad > 1 else (32, 16, 4, 1)
+        config = (64, 16, 8, 2)
     block_m, tile_n, num_warps, num_stages = config
     return max(block_m, group_pad), tile_n, num_warps, num_stages
 
