@@ -93,9 +93,13 @@ class UniprocExecutor:
         return self.cache_engine.swap_cache.shape[2]
 
     def execute_model(self, scheduled, all_logits_for: list[int] | None = None):
+        """Run the scheduled (Sequence, num_new_tokens) entries: the runner sees only their plain records."""
+        return self.execute_entries(to_entries(scheduled), all_logits_for)
+
+    def execute_entries(self, entries: list[tuple[ScheduledEntry, int]], all_logits_for: list[int] | None = None):
         if all_logits_for:
-            return self.model_runner.execute_model(scheduled, all_logits_for=all_logits_for)
-        return self.model_runner.execute_model(scheduled)
+            return self.model_runner.execute_model(entries, all_logits_for=all_logits_for)
+        return self.model_runner.execute_model(entries)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self.model_runner.copy_blocks(pairs)
@@ -170,7 +174,7 @@ class MultiprocExecutor:
         self.broadcast_seconds = 0.0
         self.num_broadcasts = 0
 
-    def _call(self, method: str, args: tuple, send_args: tuple | None = None):
+    def _call(self, method: str, args: tuple):
         if self._closed:
             raise WorkerDiedError("the tensor-parallel executor is shut down")
         dead = [w for w in self.workers if not w.is_alive()]
@@ -180,7 +184,7 @@ class MultiprocExecutor:
                                   f"the engine has stopped")
         try:
             start = time.perf_counter()
-            broadcast_object((method, args if send_args is None else send_args))
+            broadcast_object((method, args))
             self.broadcast_seconds += time.perf_counter() - start
             self.num_broadcasts += 1
             return getattr(self.local, method)(*args)
@@ -193,8 +197,7 @@ class MultiprocExecutor:
                                   f"{method}; the engine has stopped") from e
 
     def execute_model(self, scheduled, all_logits_for: list[int] | None = None):
-        entries = to_entries(scheduled)
-        return self._call("execute_model", (scheduled, all_logits_for), send_args=(entries, all_logits_for))
+        return self._call("execute_entries", (to_entries(scheduled), all_logits_for))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self._call("copy_blocks", (pairs,))
