@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.platform import DevicePolicy
+
 from engine.models import architecture_of_model_type, get_model_class
 
 _DTYPES = {
@@ -204,7 +206,7 @@ def resolve_dtype(requested: str | torch.dtype, checkpoint: str | None,
     dtype = _DTYPES.get(str(checkpoint).replace("torch.", "").lower(), torch.float32)
     device_type = torch.device(device).type if device is not None else (
         "cuda" if torch.cuda.is_available() else "cpu")
-    return torch.float32 if device_type == "cpu" else dtype
+    return torch.float32 if DevicePolicy.for_device(device_type).upcast_half_precision else dtype
 
 
 def _read_json(path: str, *, required: bool) -> dict | None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import atexit
 import logging
 import multiprocessing
-import os
 import time
 import weakref
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from engine.cache_engine import CacheEngine, num_swap_blocks_for
 from engine.config import ModelConfig
 from engine.distributed import broadcast_object, destroy_distributed_environment, init_distributed_environment
 from engine.distributed.parallel_state import free_port
+from engine.platform import DevicePolicy
 
 logger = logging.getLogger(__name__)
 
@@ -145,12 +145,9 @@ class MultiprocExecutor:
         if device.type == "cuda" and torch.cuda.device_count() < tensor_parallel_size:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs as many GPUs, "
                              f"{torch.cuda.device_count()} visible")
-        worker_threads = None
         self._threads_before = torch.get_num_threads()
-        if device.type == "cpu":
-            # One share of the cores per rank (this process included): N ranks each using every core would
-            # oversubscribe the machine N times over.
-            worker_threads = max(1, (os.cpu_count() or 1) // tensor_parallel_size)
+        worker_threads = DevicePolicy.for_device(device).threads_per_rank(tensor_parallel_size)
+        if worker_threads is not None:   # this process is a rank too
             torch.set_num_threads(worker_threads)
             logger.info("tensor parallelism on CPU: %d ranks, %d threads each", tensor_parallel_size, worker_threads)
         self.tensor_parallel_size = tensor_parallel_size

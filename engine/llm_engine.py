@@ -16,6 +16,7 @@ from engine.executor import MultiprocExecutor, UniprocExecutor, WorkerDiedError
 from engine.config import ModelConfig
 from engine.detokenizer import Detokenizer, check_stop_strings
 from engine.generation_config import load_sampling_defaults
+from engine.platform import DevicePolicy, resolve_device
 from engine.outputs import CompletionOutput, EngineMetrics, Logprob, RequestOutput
 from engine.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
@@ -25,13 +26,6 @@ from engine.tokenizer import get_tokenizer
 
 logger = logging.getLogger("engine")
 
-# Default token budget per step. Chunked prefill is always on, so the budget does not have to hold a whole
-# prompt; 8192 is vLLM v1's default for its offline LLM class on GPUs under 70 GiB. On CPU a smaller step
-# is faster: the activations of a 1024-token step stay in the last-level cache between the matmuls of a
-# layer, those of a few thousand tokens do not (measured with SmolLM2-135M fp32 on a 2-core AMD EPYC with a
-# 32 MiB L3: 48 prompts, 3148 tokens, prefilled in 2.5-3.7 s at 1024 against 4.6-5.6 s in one 8192 step).
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-DEFAULT_MAX_NUM_BATCHED_TOKENS_CPU = 1024
 
 
 def resolve_model_path(model: str) -> str:
@@ -44,20 +38,6 @@ def resolve_model_path(model: str) -> str:
     except Exception as e:   # offline, unknown repo, invalid id: all mean "no such model here"
         raise ValueError(f"model {model!r} is not a local directory and could not be fetched from the "
                          f"Hugging Face hub ({type(e).__name__}: {e})") from e
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}") from e
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device} requested but CUDA is not available")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
-    return device
 
 
 class LLMEngine:
@@ -90,6 +70,7 @@ class LLMEngine:
             raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
 
         self.device = resolve_device(device)
+        self.device_policy = DevicePolicy.for_device(self.device)
         model_dir = resolve_model_path(model)
         self.model_config = ModelConfig.from_pretrained(model_dir, dtype=dtype, max_model_len=max_model_len,
                                                         device=self.device)
@@ -106,8 +87,7 @@ class LLMEngine:
                         model_dir if generation_config == "auto" else generation_config, self.sampling_defaults)
         self.tokenizer = get_tokenizer(resolve_model_path(tokenizer) if tokenizer else model_dir)
         self.max_model_len = self.model_config.max_model_len
-        self.max_num_batched_tokens = max_num_batched_tokens or (
-            DEFAULT_MAX_NUM_BATCHED_TOKENS_CPU if self.device.type == "cpu" else DEFAULT_MAX_NUM_BATCHED_TOKENS)
+        self.max_num_batched_tokens = max_num_batched_tokens or self.device_policy.default_max_num_batched_tokens
         runner_kwargs = dict(device=self.device, block_size=block_size, num_kv_blocks=num_kv_blocks,
                              gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=self.max_num_batched_tokens, enforce_eager=enforce_eager,

@@ -40,6 +40,7 @@ from engine.distributed.parallel_state import get_tp_world_size, num_kv_heads_pe
 from engine.layers.attention import Attention, AttentionMetadata, forward_context
 from engine.layers.linear import prepack_linears
 from engine.loader import load_model
+from engine.platform import DevicePolicy
 from engine.models import get_model_class
 
 if TYPE_CHECKING:
@@ -47,8 +48,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Share of the currently available RAM the KV cache may take on CPU.
-_CPU_KV_CACHE_FRACTION = 0.25
 
 
 class CUDAGraphRunner:
@@ -111,8 +110,9 @@ class ModelRunner:
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = DevicePolicy.for_device(self.device)
         # CUDA graphs on CUDA; elsewhere only when a graph-runner class is given (tests' CPU double).
-        if graph_runner_class is None and self.device.type == "cuda":
+        if graph_runner_class is None and self.policy.cuda_graphs:
             graph_runner_class = CUDAGraphRunner
         self.graph_runner_class = graph_runner_class
         self.enforce_eager = enforce_eager or graph_runner_class is None
@@ -125,7 +125,7 @@ class ModelRunner:
             env = os.environ.get("ENGINE_COMPILE", "").strip()
             # as in vLLM, enforce_eager means no torch.compile either
             compile_model = (env not in ("0", "false", "False") if env
-                             else self.device.type == "cuda" and not enforce_eager)
+                             else self.policy.compile_by_default and not enforce_eager)
         self.compiled = bool(compile_model)
         self.model = self._build_model()
         # The forward every path calls: the module itself, or its torch.compile wrapper (compiled lazily per
@@ -168,7 +168,7 @@ class ModelRunner:
             torch.set_default_dtype(previous_dtype)
         load_model(model, self.config.model_dir)
         model = model.to(self.device).eval()
-        if self.device.type == "cpu" and not self.compiled:
+        if self.policy.prepack_linears and not self.compiled:
             # float32 CPU linears run oneDNN's inner product; reorder their weights into its layout once
             # instead of on every call (engine/layers/linear.py). A no-op for other dtypes. Not under
             # torch.compile: inductor cannot trace oneDNN's opaque weight tensors and brings its own GEMMs.
@@ -187,10 +187,10 @@ class ModelRunner:
             return num_kv_blocks
         # More blocks than every sequence at full length could use would be wasted memory.
         useful = self.max_num_seqs * self.max_blocks_per_seq
-        if self.device.type == "cuda":
+        if self.policy.profile_gpu_memory:
             free = self._profile_cuda_free_bytes(gpu_memory_utilization)
         else:
-            free = _CPU_KV_CACHE_FRACTION * _available_ram_bytes()
+            free = self.policy.cpu_kv_cache_bytes()
         num_blocks = min(useful, int(free // self._block_bytes()))
         if get_tp_world_size() > 1:   # every rank holds the same block ids: the smallest budget decides
             num_blocks = min_over_ranks(num_blocks)
@@ -245,7 +245,7 @@ class ModelRunner:
             layer.layer_index = i
             # The decode op on CUDA, and wherever decode graphs run: padded rows (seq_len 0) are
             # valid decode rows but not prefill ones (a query needs its token in the cache).
-            layer.use_decode_kernel = self.device.type == "cuda" or not self.enforce_eager
+            layer.use_decode_kernel = self.policy.decode_kernel_in_eager() or not self.enforce_eager
             layer.key_cache = None if kv_cache is None else kv_cache[0, i]
             layer.value_cache = None if kv_cache is None else kv_cache[1, i]
         if layers and self.device.type == "cuda":
@@ -412,14 +412,3 @@ class ModelRunner:
 def _is_compile_error(exc: BaseException) -> bool:
     """Whether an exception comes from dynamo/inductor (not from the model's own checks)."""
     return type(exc).__module__.startswith(("torch._dynamo", "torch._inductor"))
-
-
-def _available_ram_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
