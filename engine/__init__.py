@@ -2,6 +2,7 @@
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, EngineMetrics, Logprob, RequestMetrics, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import GuidedDecodingParams, SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "CompletionOutput", "EngineMetrics", "Logprob", "RequestMetrics", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "LLMEngine", "CompletionOutput", "EngineMetrics", "GuidedDecodingParams", "Logprob", "RequestMetrics",
+           "RequestOutput", "SamplingParams"]

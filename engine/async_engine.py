@@ -143,16 +143,17 @@ class AsyncLLMEngine:
         """Token ids of `text` (on a tokenizer thread), as LLMEngine tokenizes a text prompt."""
         return self._thread_tokenizer().encode(text, add_special_tokens=add_special_tokens)
 
-    def _process_prompt(self, prompt) -> tuple[str | None, list[int]]:
+    def _process_prompt(self, prompt, truncate_prompt_tokens: int | None = None) -> tuple[str | None, list[int]]:
         text = prompt if isinstance(prompt, str) else (
             prompt.get("prompt") if isinstance(prompt, dict) and "prompt_token_ids" not in prompt else None)
         if isinstance(text, str) and text and (isinstance(prompt, str) or set(prompt) == {"prompt"}):
             prompt = {"prompt": text, "prompt_token_ids": self._encode(text)}
-        return self.engine.process_prompt(prompt)   # validation only, once the ids exist
+        return self.engine.process_prompt(prompt, truncate_prompt_tokens)   # validation only, once the ids exist
 
-    async def process_prompt(self, prompt) -> tuple[str | None, list[int]]:
+    async def process_prompt(self, prompt, truncate_prompt_tokens: int | None = None) -> tuple[str | None, list[int]]:
         """Tokenize and validate a prompt (as LLMEngine.process_prompt) on a tokenizer thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self._process_prompt, prompt)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self._process_prompt, prompt,
+                                                                truncate_prompt_tokens)
 
     async def run_on_tokenizer_thread(self, fn, *args):
         """fn(tokenizer, *args) on a tokenizer thread, with that thread's tokenizer (tokenize, detokenize)."""
@@ -195,7 +196,7 @@ class AsyncLLMEngine:
         self.start()
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already running")
-        text, token_ids = await self.process_prompt(prompt)
+        text, token_ids = await self.process_prompt(prompt, None if params is None else params.truncate_prompt_tokens)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         finished = False

@@ -86,7 +86,7 @@ class LLM:
         for prompt, params in zip(prompts, params_list):
             if not isinstance(params, SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-            text, token_ids = engine.process_prompt(prompt)
+            text, token_ids = engine.process_prompt(prompt, params.truncate_prompt_tokens)
             inputs.append({"prompt": text, "prompt_token_ids": token_ids})
         request_ids = [str(next(self.request_counter)) for _ in inputs]
         try:

@@ -55,6 +55,10 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
     truncated = llm.generate(text_prompt, params, use_tqdm=False)[0]
     assert len(truncated.prompt_token_ids) == 20 and truncated.prompt == engine.detokenizer.decode(
         truncated.prompt_token_ids, skip_special_tokens=False)
+    # Through LLM.generate too: the prompt is truncated before the length check, not rejected by it.
+    through_llm = llm.generate({"prompt_token_ids": long_prompt}, params, use_tqdm=False)[0]
+    assert through_llm.prompt_token_ids == long_prompt[-20:]
+    assert through_llm.outputs[0].token_ids == plain.outputs[0].token_ids
     with pytest.raises(ValueError, match="max_model_len"):
         engine.add_request("long", {"prompt_token_ids": long_prompt}, SamplingParams())
     assert_all_free(llm)
