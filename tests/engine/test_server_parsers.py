@@ -98,3 +98,19 @@ def test_required_tool_schema_and_its_parse():
     assert _calls(parse_required_tool_calls(json.dumps(good))) == [("get_weather", {"city": "Oslo"}), ("now", {})]
     assert parse_required_tool_calls("[]") is None and parse_required_tool_calls("{") is None
     assert required_tools_schema(tools, parallel=False)["maxItems"] == 1
+
+
+def test_non_finite_logprobs_become_valid_json():
+    """A model row without a finite value gives -inf (or NaN) logprobs; responses and stream events carry
+    vLLM's -9999.0 instead, since JSON has no infinities (json.dumps would write -Infinity, which clients reject)."""
+    import json
+
+    from engine.entrypoints.openai.serving import NON_FINITE_LOGPROB, _sse, json_safe
+
+    body = {"choices": [{"logprobs": {"token_logprobs": [-0.5, float("-inf"), float("nan")],
+                                      "top_logprobs": [{"a": float("-inf")}]}, "index": 0}], "n": 2}
+    safe = json_safe(body)
+    assert safe["choices"][0]["logprobs"]["token_logprobs"] == [-0.5, NON_FINITE_LOGPROB, NON_FINITE_LOGPROB]
+    assert safe["choices"][0]["logprobs"]["top_logprobs"] == [{"a": NON_FINITE_LOGPROB}] and safe["n"] == 2
+    event = _sse(body)
+    assert json.loads(event.removeprefix("data: ")) == safe

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.async_engine import AsyncLLMEngine, EngineDeadError
 from engine.entrypoints.openai.metrics import ServerMetrics
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from engine.entrypoints.openai.serving import MAX_CHARS_PER_TOKEN, OpenAIError, OpenAIServing
+from engine.entrypoints.openai.serving import json_safe, MAX_CHARS_PER_TOKEN, OpenAIError, OpenAIServing
 
 logger = logging.getLogger(__name__)
 
@@ -267,7 +267,7 @@ def _respond(result):
     if isinstance(result, Response):
         return result
     if isinstance(result, dict):
-        return JSONResponse(result)
+        return JSONResponse(json_safe(result))
     return StreamingResponse(result, media_type="text/event-stream")
 
 

@@ -15,6 +15,7 @@ Sampling fields the client left unset take the model's defaults (generation_conf
 LLMEngine.sampling_defaults) and then OpenAI's, as vLLM does."""
 import asyncio
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -883,5 +884,22 @@ async def _close_all(streams) -> None:
         await stream.aclose()
 
 
+# What a logprob of -inf (or NaN: a model row without a finite value) is sent as; JSON has no infinities, and
+# vLLM sends this number.
+NON_FINITE_LOGPROB = -9999.0
+
+
+def json_safe(obj):
+    """`obj` with every non-finite float replaced by NON_FINITE_LOGPROB (only logprobs can be non-finite), so the
+    body is valid JSON; the same object when there is none."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else NON_FINITE_LOGPROB
+    if isinstance(obj, dict):
+        return {key: json_safe(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(value) for value in obj]
+    return obj
+
+
 def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(json_safe(payload), ensure_ascii=False, allow_nan=False)}\n\n"
