@@ -14,10 +14,10 @@ import argparse
 import random
 from dataclasses import dataclass
 
-from engine.block_manager import BlockManager
+from engine.core.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence
 
 
 @dataclass(slots=True)

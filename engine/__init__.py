@@ -1,6 +1,6 @@
 """A small vLLM-style offline inference engine on pagedkernels: `LLM(model).generate(prompts, SamplingParams())`."""
 from engine.llm import LLM
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, EngineMetrics, Logprob, RequestMetrics, RequestOutput
 from engine.sampling_params import GuidedDecodingParams, SamplingParams
 

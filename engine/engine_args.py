@@ -87,5 +87,5 @@ class EngineArgs:
 
     def create_engine(self):
         """The LLMEngine these options describe."""
-        from engine.llm_engine import LLMEngine
+        from engine.core.llm_engine import LLMEngine
         return LLMEngine(self.resolved_model(), **self.engine_kwargs())

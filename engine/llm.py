@@ -6,7 +6,7 @@ from collections.abc import Iterator
 import torch
 from tqdm.auto import tqdm
 
-from engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from engine.core.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine.engine_args import EngineArgs
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -24,7 +24,7 @@ class LLM:
         max_model_len: longest prompt + output (default: the model's max_position_embeddings).
         max_num_seqs: most sequences in one step.
         max_num_batched_tokens: token budget of one step (default 8192 on GPUs, 1024 on CPU: chunked prefill
-            is always on, so it need not hold a whole prompt; see engine/llm_engine.py).
+            is always on, so it need not hold a whole prompt; see engine/core/llm_engine.py).
         num_kv_blocks: KV-cache size in blocks; overrides the memory-derived size.
         gpu_memory_utilization: share of GPU memory the engine may use (CUDA only).
         enable_prefix_caching: reuse the KV of full blocks shared with earlier prompts.
@@ -100,7 +100,7 @@ class LLM:
         return [finished[request_id] for request_id in request_ids]
 
     def beam_search(self, prompts, params: BeamSearchParams, *, use_tqdm: bool = False) -> list[BeamSearchOutput]:
-        """Beam search for each prompt (see engine/beam_search.py for the rule, transformers' beam search with
+        """Beam search for each prompt (see engine/core/beam_search.py for the rule, transformers' beam search with
         its `early_stopping` setting); returns per prompt the finished beams, best first. Beams share KV blocks."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]

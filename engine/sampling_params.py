@@ -14,7 +14,7 @@ class GuidedDecodingParams:
     """Structured output: constrain the generated text to a grammar (vLLM's GuidedDecodingParams). Exactly one
     field is set: `json` (a JSON schema, as a dict or as JSON text), `regex`, `choice` (the output is one of
     these strings), `grammar` (EBNF in xgrammar's GBNF dialect, root rule `root`) or `json_object=True` (any
-    JSON object). Compiled by engine/guided_decoding.py when the request is added."""
+    JSON object). Compiled by engine/core/guided_decoding.py when the request is added."""
 
     json: dict | str | None = None
     regex: str | None = None
@@ -86,7 +86,7 @@ output (finish_reason "length"). Penalties follow vLLM: `repetition_penalty` app
     with the others); `guided_decoding` constrains the output to a grammar (see GuidedDecodingParams).
     Token ids are checked against the model's vocabulary when the request is added. `truncate_prompt_tokens=k`
     keeps only the last k prompt tokens. A row whose every token is masked by these constraints gets a
-    defined fallback (see engine/sampler.py), never an invalid id.
+    defined fallback (see engine/worker/sampler.py), never an invalid id.
     """
 
     n: int = 1

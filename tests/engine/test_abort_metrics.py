@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine import LLMEngine, SamplingParams
-from engine.block_manager import BlockManager
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from engine.core.block_manager import BlockManager
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence, SequenceStatus
 from tests.engine.models_util import random_token_ids
 
 PROMPT_70 = random_token_ids(70, seed=41)
@@ -23,7 +23,7 @@ def llama_dir(tiny_model_dir):
 
 
 def assert_everything_free(engine: LLMEngine) -> None:
-    bm = engine.block_manager
+    bm = engine.core.block_manager
     assert not engine.requests and not engine.has_unfinished_requests()
     assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
     assert bm.num_free_swap_blocks == bm.num_swap_blocks and not any(bm.swap_ref_counts)

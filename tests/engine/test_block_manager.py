@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.block_manager import BlockManager
+from engine.core.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 
 def make_seq(token_ids, request_id="r"):

@@ -66,7 +66,7 @@ def test_module_entry_point():
 
 def test_generate_streams_text_as_the_engine_produces_it(model_dir, llm, monkeypatch):
     """Each engine step's new text is printed (and flushed) before the next step runs, not all at the end."""
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
 
     steps, writes = [0], []
     real_step = LLMEngine.step
@@ -100,7 +100,7 @@ def test_engine_options_are_one_definition():
 
     from engine.__main__ import build_parser
     from engine.engine_args import EngineArgs
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
 
     fields = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
     for cls in (LLMEngine, LLM):

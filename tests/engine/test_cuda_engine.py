@@ -61,7 +61,7 @@ def test_cuda_kv_cache_sized_from_profile(tiny_model_dir, caplog):
     and the block count is that budget over the block size (capped at what every sequence at full length
     could use)."""
     model_dir = tiny_model_dir("llama")
-    with caplog.at_level("INFO", logger="engine.model_runner"):
+    with caplog.at_level("INFO", logger="engine.worker.model_runner"):
         llm = LLM(model_dir, dtype="float32", device="cuda", max_model_len=256, max_num_seqs=4,
                   gpu_memory_utilization=0.3, enforce_eager=True)
     assert any("memory profile" in r.getMessage() for r in caplog.records)

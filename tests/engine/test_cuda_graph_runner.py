@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.config import ModelConfig
-from engine.model_runner import EagerGraphRunner, ModelRunner, graph_batch_sizes
+from engine.worker.model_runner import EagerGraphRunner, ModelRunner, graph_batch_sizes
 from tests.engine.models_util import random_token_ids
 from tests.engine.test_model_runner import BLOCK_SIZE, Seq, scatter_blocks
 
@@ -183,7 +183,7 @@ def test_failed_compile_falls_back_to_eager(tiny_model_dir, caplog):
         raise Unsupported("simulated graph break")
 
     runner.forward = broken
-    with caplog.at_level("WARNING", logger="engine.model_runner"):
+    with caplog.at_level("WARNING", logger="engine.worker.model_runner"):
         got = _run(runner, _sequences(runner.config.vocab_size))
     assert not runner.compiled and runner.forward is runner.model
     assert sum("torch.compile of the model failed" in r.getMessage() for r in caplog.records) == 1

@@ -2,9 +2,9 @@
 honours skip_special_tokens; stop strings found across token boundaries and cut."""
 import pytest
 
-from engine.detokenizer import Detokenizer, check_stop_strings
+from engine.core.detokenizer import Detokenizer, check_stop_strings
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 from tests.engine.models_util import make_tokenizer
 
 TEXTS = [

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.llm_engine import resolve_model_path
+from engine.core.llm_engine import resolve_model_path
 from engine.tokenizer import get_tokenizer
 from tests.engine.models_util import TINY_ARCHITECTURES, hf_log_softmax, load_hf_model, random_token_ids
 
@@ -32,7 +32,7 @@ CONFIGS = {
 def assert_all_blocks_free(llm: LLM) -> None:
     engine = llm.llm_engine
     assert not engine.has_unfinished_requests() and not engine.requests
-    bm = engine.block_manager
+    bm = engine.core.block_manager
     assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
 
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.config import ModelConfig
-from engine.loader import load_model, weight_files
+from engine.worker.loader import load_model, weight_files
 from engine.models import get_model_class
 from tests.engine.models_util import build_tiny_model_dir
 

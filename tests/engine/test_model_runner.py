@@ -16,7 +16,7 @@ import torch
 import pagedkernels as pk
 from engine.config import ModelConfig
 from engine.layers.attention import Attention
-from engine.model_runner import ModelRunner
+from engine.worker.model_runner import ModelRunner
 from tests.engine.models_util import hf_log_softmax, load_hf_model, random_token_ids
 
 LOGPROB_ATOL = 1e-4

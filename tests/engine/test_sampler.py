@@ -3,9 +3,9 @@ reproducibility independent of the batch, logprobs of the raw logits."""
 import pytest
 import torch
 
-from engine.sampler import Sampler, _top_k_top_p_sorted, apply_penalties, apply_top_k_top_p, sample_inverse_cdf
+from engine.worker.sampler import Sampler, _top_k_top_p_sorted, apply_penalties, apply_top_k_top_p, sample_inverse_cdf
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 VOCAB = 12
 

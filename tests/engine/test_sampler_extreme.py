@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import LLM
-from engine.sampler import Sampler, _fallback_tokens
+from engine.worker.sampler import Sampler, _fallback_tokens
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 from tests.engine.models_util import random_token_ids
 
 VOCAB = 40

@@ -26,7 +26,7 @@ def block_bytes(llm: LLM) -> int:
 def run(llm: LLM):
     outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     engine = llm.llm_engine
-    bm = engine.block_manager
+    bm = engine.core.block_manager
     assert not engine.has_unfinished_requests()
     assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
     assert bm.num_free_swap_blocks == bm.num_swap_blocks and not any(bm.swap_ref_counts)
@@ -64,7 +64,7 @@ def test_full_swap_space_falls_back_to_recompute(tiny_model_dir, reference):
 
 def test_swapped_request_keeps_its_tokens_and_n_group_swaps_whole(tiny_model_dir):
     from engine import LLMEngine
-    from engine.sequence import SequenceStatus
+    from engine.core.sequence import SequenceStatus
 
     engine = LLMEngine(tiny_model_dir("llama"), max_model_len=256, num_kv_blocks=18,
                        preemption_mode="swap", swap_space=1 / 64)
@@ -73,8 +73,8 @@ def test_swapped_request_keeps_its_tokens_and_n_group_swaps_whole(tiny_model_dir
     seen_swapped = False
     while engine.has_unfinished_requests() and not seen_swapped:
         engine.step()
-        if engine.scheduler.swapped:
-            group = engine.scheduler.swapped[0]
+        if engine.core.scheduler.swapped:
+            group = engine.core.scheduler.swapped[0]
             assert group.request_id == "b" and len(group.seqs) == 3
             assert all(s.status is SequenceStatus.SWAPPED and s.num_output_tokens > 0 for s in group.seqs)
             assert engine.get_metrics().num_swapped == 1
@@ -82,7 +82,7 @@ def test_swapped_request_keeps_its_tokens_and_n_group_swaps_whole(tiny_model_dir
     assert seen_swapped
     for request_id in ("a", "b"):
         engine.abort_request(request_id)
-    bm = engine.block_manager
+    bm = engine.core.block_manager
     assert bm.num_free_blocks == bm.num_blocks and bm.num_free_swap_blocks == bm.num_swap_blocks
 
 

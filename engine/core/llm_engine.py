@@ -10,18 +10,18 @@ import time
 
 import torch
 
-from engine.beam_search import BeamSearchParams, BeamSearchState
-from engine.block_manager import BlockManager
+from engine.core.beam_search import BeamSearchParams, BeamSearchState
+from engine.core.block_manager import BlockManager
 from engine.executor import MultiprocExecutor, UniprocExecutor, WorkerDiedError
 from engine.config import ModelConfig
-from engine.detokenizer import Detokenizer, check_stop_strings
-from engine.generation_config import load_sampling_defaults
+from engine.core.detokenizer import Detokenizer, check_stop_strings
+from engine.core.generation_config import load_sampling_defaults
 from engine.platform import DevicePolicy, resolve_device
 from engine.outputs import CompletionOutput, EngineMetrics, Logprob, RequestOutput
-from engine.sampler import Sampler, SamplerOutput
+from engine.worker.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.tokenizer import get_tokenizer
 
 logger = logging.getLogger("engine")
@@ -115,7 +115,7 @@ class LLMEngine:
         self.requests: dict[str, SequenceGroup] = {}
         self.num_generation_tokens = 0
         self.beam_logprobs: dict[int, torch.Tensor] = {}   # seq_id -> log-softmax row of a beam waiting for its group
-        self.guided_decoding = None   # engine/guided_decoding.py GuidedDecoding, built for the first guided request
+        self.guided_decoding = None   # engine/core/guided_decoding.py GuidedDecoding, built for the first guided request
         # The requests the current step works on (request_id -> group): the ones failed if the step raises.
         self._step_groups: dict[str, SequenceGroup] = {}
         self._moving_blocks = False   # the step is issuing block moves (a failure there spoils their targets)
@@ -244,7 +244,7 @@ class LLMEngine:
 
     def _guided_decoding(self):
         if self.guided_decoding is None:
-            from engine.guided_decoding import GuidedDecoding   # imports xgrammar: only for guided requests
+            from engine.core.guided_decoding import GuidedDecoding   # imports xgrammar: only for guided requests
             try:
                 import xgrammar  # noqa: F401
             except ImportError as e:
@@ -254,7 +254,7 @@ class LLMEngine:
         return self.guided_decoding
 
     def add_beam_request(self, request_id: str, prompt, params: BeamSearchParams) -> None:
-        """Queue a beam-search request (see engine/beam_search.py); its final RequestOutput holds the finished
+        """Queue a beam-search request (see engine/core/beam_search.py); its final RequestOutput holds the finished
         beams, best first, as completions (cumulative_logprob: the beam's sum of logprobs)."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")

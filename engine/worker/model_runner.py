@@ -39,12 +39,12 @@ from engine.distributed.communication import min_over_ranks
 from engine.distributed.parallel_state import get_tp_world_size, num_kv_heads_per_rank
 from engine.layers.attention import Attention, AttentionMetadata, forward_context
 from engine.layers.linear import prepack_linears
-from engine.loader import load_model
+from engine.worker.loader import load_model
 from engine.platform import DevicePolicy
 from engine.models import get_model_class
 
 if TYPE_CHECKING:
-    from engine.sequence import Sequence
+    from engine.core.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from engine.block_manager import BlockManager, group_block_moves
-from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.core.block_manager import BlockManager, group_block_moves
+from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 @dataclass(slots=True)
@@ -186,7 +186,7 @@ class Scheduler:
         sequences that take a next token from this step's logits, as (row of `output.scheduled`, sequence) pairs:
         every entry that reached its end (mid-prompt chunks do not), and, the first time for an n > 1 request,
         its n - 1 forks (sequences 1..n-1, sharing every block), on their parent's row. A beam search forks in
-        its own step (engine/beam_search.py), so its entries are returned unforked."""
+        its own step (engine/core/beam_search.py), so its entries are returned unforked."""
         for seq, num_new_tokens in output.scheduled:
             seq.num_computed_tokens += num_new_tokens
             self.block_manager.cache_full_blocks(seq)

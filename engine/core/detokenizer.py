@@ -8,7 +8,7 @@ two short windows of ids, `token_ids[prefix_offset:read_offset]` (already emitte
 sequence) nothing is emitted and the offsets stay, so the character comes out whole once its last byte
 arrives. The windows start on the last 5 prompt tokens so the first output token has its context.
 """
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 _REPLACEMENT_CHAR = "\ufffd"
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cache_engine import CacheEngine, num_swap_blocks_for
+from engine.worker.cache_engine import CacheEngine, num_swap_blocks_for
 from engine.config import ModelConfig
 from engine.distributed import broadcast_object, destroy_distributed_environment, init_distributed_environment
 from engine.distributed.parallel_state import free_port
@@ -78,7 +78,7 @@ class UniprocExecutor:
     """The model in this process."""
 
     def __init__(self, model_config: ModelConfig, runner_kwargs: dict, *, swap_space_gib: float):
-        from engine.model_runner import ModelRunner   # pulls in the model code and pagedkernels
+        from engine.worker.model_runner import ModelRunner   # pulls in the model code and pagedkernels
 
         self.model_runner = ModelRunner(model_config, **runner_kwargs)
         self.cache_engine = CacheEngine(self.model_runner.kv_cache,

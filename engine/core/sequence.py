@@ -92,7 +92,7 @@ class Sequence:
             self.generator.manual_seed(params.seed)
         self.arrival_time = arrival_time
         self.metrics = RequestMetrics(arrival_time=arrival_time)
-        # Incremental detokenizer state (see engine/detokenizer.py): offsets index into token_ids.
+        # Incremental detokenizer state (see engine/core/detokenizer.py): offsets index into token_ids.
         self.output_text = ""
         self.read_offset = len(prompt_token_ids)
         self.prefix_offset = max(self.read_offset - 5, 0)
@@ -110,7 +110,7 @@ class Sequence:
         # Token sequences of params.bad_words (set by the engine, which has the tokenizer): when the output ends
         # with all but the last token of one, that last token is masked.
         self.bad_words_token_ids: list[list[int]] = []
-        # Guided decoding: this sequence's grammar matcher (engine/guided_decoding.py GrammarState), which has
+        # Guided decoding: this sequence's grammar matcher (engine/core/guided_decoding.py GrammarState), which has
         # accepted exactly output_token_ids.
         self.guided = None
 

@@ -37,7 +37,7 @@ the same holds for swap blocks and the tables of swapped sequences.
 """
 from collections import OrderedDict
 
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 
 class Block:

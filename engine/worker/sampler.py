@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 # Repetition penalties are clamped to this range so that 1 / penalty stays finite in float32.
@@ -71,7 +71,7 @@ class Sampler:
         guided_rows = [i for i, seq in enumerate(seqs) if seq.guided is not None]
         grammar_bitmask = None
         if guided_rows:
-            from engine.guided_decoding import apply_grammar_bitmask   # imports xgrammar: only when used
+            from engine.core.guided_decoding import apply_grammar_bitmask   # imports xgrammar: only when used
             grammar_bitmask = apply_grammar_bitmask(logits, [seqs[i].guided for i in guided_rows], guided_rows)
 
         # Token masks the request asked for; the rows they touch keep an unmasked copy for the fallback.
@@ -156,7 +156,7 @@ def _fallback_tokens(dead_rows: list[int], mask_rows: list[int], unmasked: torch
                 tokens.append(int(before_masks.argmax()))
                 continue
         if row in guided_rows:
-            from engine.guided_decoding import unpack_bitmask
+            from engine.core.guided_decoding import unpack_bitmask
             allowed = unpack_bitmask(grammar_bitmask[row:row + 1], vocab_size)[0].nonzero()
             if allowed.numel():
                 tokens.append(int(allowed[0]))
