@@ -333,15 +333,10 @@ class LLMEngine:
         self._moving_blocks = True
         self._move_blocks(scheduler_output.block_moves)
         self._moving_blocks = False
-        # Entries still inside a prompt whose logprobs were asked for need the logits of every position.
-        prompt_rows = [i for i, (seq, _) in enumerate(scheduled)
-                       if seq.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens]
-        if prompt_rows:
-            logits, prompt_logits = self.executor.execute_model(scheduled, all_logits_for=prompt_rows)
-            for i, row_logits in zip(prompt_rows, prompt_logits):
-                self._append_prompt_logprobs(*scheduled[i], row_logits)
-        else:
-            logits = self.executor.execute_model(scheduled)
+        runner_output = self.executor.execute_model(scheduler_output)
+        for i, row_logits in runner_output.prompt_logits.items():
+            self._append_prompt_logprobs(*scheduled[i], row_logits)
+        logits = runner_output.logits
         # Only now is the KV of the scheduled tokens written: a failure before this line registers none of
         # their blocks in the prefix cache (a failed step's blocks are then freed unregistered).
         sampling = self.scheduler.update_from_output(scheduler_output)

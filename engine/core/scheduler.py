@@ -32,6 +32,12 @@ class SchedulerOutput:
     # Block moves to issue before the forward, in order: [("swap_out" | "swap_in" | "copy", [(src, dst), ...])].
     block_moves: list[tuple[str, list[tuple[int, int]]]]
 
+    @property
+    def prompt_logits_rows(self) -> list[int]:
+        """Entries still inside a prompt whose logprobs were asked for: they need the logits of every position."""
+        return [i for i, (seq, _) in enumerate(self.scheduled)
+                if seq.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens]
+
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,

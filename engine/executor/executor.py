@@ -68,6 +68,13 @@ class _TokenWindow:
         return self.ids[index.start - self.start:stop - self.start]
 
 
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """What a step's forward gives the engine (rank 0; the other ranks return None)."""
+    logits: torch.Tensor                   # float32 [num_scheduled, vocab_size], each entry's last new token
+    prompt_logits: dict[int, torch.Tensor]  # entry row -> float32 [num_new_tokens, vocab_size] (prompt logprobs)
+
+
 def to_entries(scheduled) -> list[tuple[ScheduledEntry, int]]:
     """(Sequence, num_new_tokens) pairs -> the picklable records the workers run."""
     return [(ScheduledEntry(seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + n],
@@ -92,14 +99,18 @@ class UniprocExecutor:
     def num_swap_blocks(self) -> int:
         return self.cache_engine.swap_cache.shape[2]
 
-    def execute_model(self, scheduled, all_logits_for: list[int] | None = None):
-        """Run the scheduled (Sequence, num_new_tokens) entries: the runner sees only their plain records."""
-        return self.execute_entries(to_entries(scheduled), all_logits_for)
+    def execute_model(self, scheduler_output) -> ModelRunnerOutput:
+        """Run a SchedulerOutput's batch (its block moves are issued before, by the engine): the runner sees only
+        the entries' plain records."""
+        return self.execute_entries(to_entries(scheduler_output.scheduled), scheduler_output.prompt_logits_rows)
 
-    def execute_entries(self, entries: list[tuple[ScheduledEntry, int]], all_logits_for: list[int] | None = None):
-        if all_logits_for:
-            return self.model_runner.execute_model(entries, all_logits_for=all_logits_for)
-        return self.model_runner.execute_model(entries)
+    def execute_entries(self, entries: list[tuple[ScheduledEntry, int]],
+                        prompt_logits_rows: list[int]) -> ModelRunnerOutput | None:
+        if not prompt_logits_rows:
+            logits = self.model_runner.execute_model(entries)
+            return None if logits is None else ModelRunnerOutput(logits, {})
+        logits, extra = self.model_runner.execute_model(entries, all_logits_for=prompt_logits_rows)
+        return None if logits is None else ModelRunnerOutput(logits, dict(zip(prompt_logits_rows, extra)))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self.model_runner.copy_blocks(pairs)
@@ -193,8 +204,9 @@ class MultiprocExecutor:
             raise WorkerDiedError(f"tensor-parallel worker {dead.name} died (exit code {dead.exitcode}) during "
                                   f"{method}; the engine has stopped") from e
 
-    def execute_model(self, scheduled, all_logits_for: list[int] | None = None):
-        return self._call("execute_entries", (to_entries(scheduled), all_logits_for))
+    def execute_model(self, scheduler_output) -> ModelRunnerOutput:
+        return self._call("execute_entries", (to_entries(scheduler_output.scheduled),
+                                              scheduler_output.prompt_logits_rows))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self._call("copy_blocks", (pairs,))

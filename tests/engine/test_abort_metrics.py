@@ -23,7 +23,7 @@ def llama_dir(tiny_model_dir):
 
 
 def assert_everything_free(engine: LLMEngine) -> None:
-    bm = engine.core.block_manager
+    bm = engine.block_manager
     assert not engine.requests and not engine.has_unfinished_requests()
     assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
     assert bm.num_free_swap_blocks == bm.num_swap_blocks and not any(bm.swap_ref_counts)

@@ -72,7 +72,7 @@ def test_forked_beams_share_blocks(tiny_model_dir):
     from engine import LLMEngine
 
     engine = LLMEngine(tiny_model_dir("llama"), max_model_len=256, num_kv_blocks=64)
-    bm = engine.core.block_manager
+    bm = engine.block_manager
     prompt = random_token_ids(40, seed=53)   # 2 full blocks + 8 tokens
     engine.add_beam_request("r", {"prompt_token_ids": prompt}, BeamSearchParams(beam_width=4, max_tokens=6,
                                                                                 ignore_eos=True))

@@ -32,7 +32,7 @@ CONFIGS = {
 def assert_all_blocks_free(llm: LLM) -> None:
     engine = llm.llm_engine
     assert not engine.has_unfinished_requests() and not engine.requests
-    bm = engine.core.block_manager
+    bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
 
 

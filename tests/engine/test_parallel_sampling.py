@@ -26,12 +26,12 @@ def make_engine(model_dir, **kwargs) -> LLMEngine:
 
 
 def used_blocks(engine: LLMEngine) -> int:
-    return engine.core.block_manager.num_blocks - engine.core.block_manager.num_free_blocks
+    return engine.block_manager.num_blocks - engine.block_manager.num_free_blocks
 
 
 def test_forked_sequences_share_prompt_blocks_and_copy_on_first_write(llama_dir):
     engine = make_engine(llama_dir, enable_prefix_caching=False)
-    bm = engine.core.block_manager
+    bm = engine.block_manager
     engine.add_request("r", {"prompt_token_ids": PROMPT_37}, SamplingParams(n=4, seed=0, max_tokens=30))
     engine.step()   # the whole prompt, then the fork
     seqs = engine.requests["r"].seqs
@@ -58,8 +58,8 @@ def test_block_aligned_prompt_needs_no_copy(llama_dir):
     engine.add_request("r", {"prompt_token_ids": PROMPT_32}, SamplingParams(n=3, seed=1, max_tokens=4))
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.core.block_manager.num_copies == 0
-    assert engine.core.block_manager.num_free_blocks == engine.core.block_manager.num_blocks
+    assert engine.block_manager.num_copies == 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 def test_seeded_n_is_reproducible_and_each_stream_differs(llm):

@@ -53,7 +53,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
     assert out.outputs[0].token_ids == plain.outputs[0].token_ids
     text_prompt = llm.get_tokenizer().decode(random_token_ids(60, seed=9))
     truncated = llm.generate(text_prompt, params, use_tqdm=False)[0]
-    assert len(truncated.prompt_token_ids) == 20 and truncated.prompt == engine.core.detokenizer.decode(
+    assert len(truncated.prompt_token_ids) == 20 and truncated.prompt == engine.detokenizer.decode(
         truncated.prompt_token_ids, skip_special_tokens=False)
     # Through LLM.generate too: the prompt is truncated before the length check, not rejected by it.
     through_llm = llm.generate({"prompt_token_ids": long_prompt}, params, use_tqdm=False)[0]

@@ -56,7 +56,7 @@ def fail_once(obj, name: str, on_call: int, before=None):
 
 
 def assert_all_free(engine: LLMEngine) -> None:
-    bm = engine.core.block_manager
+    bm = engine.block_manager
     assert not engine.has_unfinished_requests() and not engine.requests
     assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
 
@@ -66,11 +66,11 @@ def test_failed_step_fails_only_its_requests(llama_dir, reference, where, caplog
     # max_num_seqs=2: r2 waits while r0 and r1 run, so the failure leaves it untouched.
     engine = make_engine(llama_dir, max_num_seqs=2)
     if where == "model":
-        fail_once(engine.worker.model_runner, "execute_model", on_call=3)
+        fail_once(engine.model_runner, "execute_model", on_call=3)
     elif where == "sampler":
-        engine.worker.sampler = _FailOnceSampler(engine.worker.sampler)
+        engine.sampler = _FailOnceSampler(engine.sampler)
     else:
-        fail_once(engine.core.detokenizer, "update", on_call=4)   # mid-way through a step's outputs
+        fail_once(engine.detokenizer, "update", on_call=4)   # mid-way through a step's outputs
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, GREEDY)
     failed, finished = {}, {}
@@ -116,12 +116,12 @@ def test_kv_of_a_failed_forward_is_not_served_from_the_prefix_cache(llama_dir, r
 
     def poison(scheduled, **kwargs):
         for seq, _ in scheduled:
-            engine.worker.model_runner.kv_cache[:, :, seq.block_table] = float("nan")
-    fail_once(engine.worker.model_runner, "execute_model", on_call=1, before=poison)
+            engine.model_runner.kv_cache[:, :, seq.block_table] = float("nan")
+    fail_once(engine.model_runner, "execute_model", on_call=1, before=poison)
     engine.add_request("first", {"prompt_token_ids": PROMPTS[0]}, GREEDY)
     outs = engine.step()
     assert [o.request_id for o in outs] == ["first"] and outs[0].error is not None
-    assert not engine.core.block_manager.hash_to_block_id
+    assert not engine.block_manager.hash_to_block_id
     engine.add_request("second", {"prompt_token_ids": PROMPTS[0]}, GREEDY)
     out = run_all(engine)["second"]
     assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == reference["r0"]
@@ -132,7 +132,7 @@ def test_failed_copy_on_write_fails_the_forked_request(llama_dir):
     """n=2 forks share the prompt's last partial block; the first decode copies it (copy-on-write). A failure
     of that copy fails the request (its copied block's KV is unknown) and frees every block."""
     engine = make_engine(llama_dir)
-    calls = fail_once(engine.worker.model_runner, "copy_blocks", on_call=1)
+    calls = fail_once(engine.model_runner, "copy_blocks", on_call=1)
     engine.add_request("n2", {"prompt_token_ids": PROMPTS[1][:21]},
                        SamplingParams(n=2, seed=3, max_tokens=5, ignore_eos=True))
     outputs = run_all(engine)
@@ -146,7 +146,7 @@ def test_beam_search_failure_is_isolated(llama_dir):
     from engine.core.beam_search import BeamSearchParams
 
     engine = make_engine(llama_dir)
-    fail_once(engine.worker.model_runner, "execute_model", on_call=3)
+    fail_once(engine.model_runner, "execute_model", on_call=3)
     engine.add_beam_request("beam", {"prompt_token_ids": PROMPTS[2][:20]}, BeamSearchParams(beam_width=2, max_tokens=4))
     outputs = run_all(engine)
     assert outputs["beam"].error is not None

@@ -26,7 +26,7 @@ def block_bytes(llm: LLM) -> int:
 def run(llm: LLM):
     outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     engine = llm.llm_engine
-    bm = engine.core.block_manager
+    bm = engine.block_manager
     assert not engine.has_unfinished_requests()
     assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
     assert bm.num_free_swap_blocks == bm.num_swap_blocks and not any(bm.swap_ref_counts)
@@ -73,8 +73,8 @@ def test_swapped_request_keeps_its_tokens_and_n_group_swaps_whole(tiny_model_dir
     seen_swapped = False
     while engine.has_unfinished_requests() and not seen_swapped:
         engine.step()
-        if engine.core.scheduler.swapped:
-            group = engine.core.scheduler.swapped[0]
+        if engine.scheduler.swapped:
+            group = engine.scheduler.swapped[0]
             assert group.request_id == "b" and len(group.seqs) == 3
             assert all(s.status is SequenceStatus.SWAPPED and s.num_output_tokens > 0 for s in group.seqs)
             assert engine.get_metrics().num_swapped == 1
@@ -82,7 +82,7 @@ def test_swapped_request_keeps_its_tokens_and_n_group_swaps_whole(tiny_model_dir
     assert seen_swapped
     for request_id in ("a", "b"):
         engine.abort_request(request_id)
-    bm = engine.core.block_manager
+    bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and bm.num_free_swap_blocks == bm.num_swap_blocks
 
 

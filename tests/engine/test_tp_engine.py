@@ -1,6 +1,7 @@
 """The engine with tensor_parallel_size=2 (rank 0 here, one spawned worker, gloo on CPU) against the same engine
 in one process: greedy tokens equal token for token with chunked prefill, prefix-cache hits, n > 1 and both
-preemption modes; abort frees every block; a dead worker stops the engine with a clear error."""
+preemption modes, on every architecture; abort frees every block; a dead worker stops the engine with a clear
+error."""
 import os
 import signal
 import time
@@ -30,8 +31,8 @@ def _generate(model_dir: str, tensor_parallel_size: int, **kwargs):
         first = llm.generate(prompts[:1], params[:1], use_tqdm=False)   # cached: the others hit its prefix blocks
         outputs = first + llm.generate(prompts[1:], params[1:], use_tqdm=False)
         engine = llm.llm_engine
-        assert engine.core.block_manager.num_free_blocks == engine.core.block_manager.num_blocks
-        return [[c.token_ids for c in o.outputs] for o in outputs], engine.core.scheduler.num_preemptions, \
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        return [[c.token_ids for c in o.outputs] for o in outputs], engine.scheduler.num_preemptions, \
             engine.get_metrics().prefix_cache_hit_rate
     finally:
         llm.llm_engine.shutdown()
@@ -39,6 +40,8 @@ def _generate(model_dir: str, tensor_parallel_size: int, **kwargs):
 
 @pytest.mark.parametrize("arch, kwargs", [
     ("llama", dict(num_kv_blocks=64)),
+    ("mistral", dict(num_kv_blocks=64)),
+    ("qwen2", dict(num_kv_blocks=64)),
     ("qwen3", dict(num_kv_blocks=64)),
     ("phi3", dict(num_kv_blocks=64)),
     ("opt", dict(num_kv_blocks=12, max_model_len=192, preemption_mode="recompute")),
@@ -66,11 +69,11 @@ def test_abort_frees_every_block_and_dead_worker_stops_the_engine(tiny_model_dir
                            SamplingParams(n=3, temperature=1.0, max_tokens=50, ignore_eos=True))
         for _ in range(4):
             engine.step()
-        assert engine.core.block_manager.num_free_blocks < engine.core.block_manager.num_blocks
+        assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
         engine.abort_request("a")
         engine.abort_request("b")
         # The driver's block manager is the only bookkeeping: the ranks hold KV in the blocks it hands out.
-        assert engine.core.block_manager.num_free_blocks == engine.core.block_manager.num_blocks
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
         assert engine.executor.num_broadcasts > 0
 
         worker = engine.executor.workers[0]
