@@ -21,6 +21,7 @@ import time
 import torch
 
 from bench.engine_cpu import make_requests
+from bench.report import device_slug
 from pagedkernels import _native
 
 
@@ -92,8 +93,7 @@ def main(argv: list[str] | None = None) -> int:
           f"greedy outputs identical {report['greedy_outputs_identical']}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        slug = "-".join(filter(None, "".join(c if c.isalnum() else "-" for c in _native.cpu_name().lower()).split("-")))
-        path = os.path.join(args.out, f"{datetime.date.today().isoformat()}-tp-cpu-{slug}.json")
+        path = os.path.join(args.out, f"{datetime.date.today().isoformat()}-tp-cpu-{device_slug(_native.cpu_name())}.json")
         with open(path, "w") as f:
             json.dump(report, f, indent=1)
         print(f"wrote {path}")
