@@ -29,7 +29,10 @@ def test_post_layer_norm_with_projections_matches_transformers(opt_350m_like_dir
     assert runner.model.model.decoder.final_layer_norm is None
     seqs = mixed_sequences(config.vocab_size, seed=80)
     scatter_blocks(seqs, runner.num_kv_blocks, seed=6)
-    assert_matches_hf(opt_350m_like_dir, seqs, run_schedule(runner, seqs, MIXED_SCHEDULE))
+    # Post-LN with no final LayerNorm gives large logits: log-probs reach -48 here, so fp32 summation-order
+    # differences from transformers (about 3e-6 relative) exceed the shared 1e-4 absolute tolerance at a few
+    # positions. A real fault (wrong position, block or projection) is off by whole units.
+    assert_matches_hf(opt_350m_like_dir, seqs, run_schedule(runner, seqs, MIXED_SCHEDULE), atol=5e-4)
 
 
 def test_facebook_checkpoint_names_load(tiny_model_dir, tmp_path):
