@@ -18,3 +18,17 @@ def test_tp_benchmark_report(tmp_path):
     assert report["greedy_outputs_identical"] == "4/4"
     assert report["tp2"]["broadcast_calls"] > 0 and report["tp2"]["broadcast_ms_per_call"] > 0
     assert report["throughput_ratio"] > 0 and report["tp1"]["tensor_parallel_size"] == 1
+    assert set(report["gloo_all_reduce_us"]) == {"1x128", "48x128", "512x128"}
+    assert all(us > 0 for us in report["gloo_all_reduce_us"].values()) and report["all_reduces_per_step"] == 4
+
+
+def test_random_model_like_splits_heads(tmp_path):
+    from tests.engine.models_util import build_tiny_model_dir
+    from engine.config import ModelConfig
+
+    model_dir = build_tiny_model_dir("llama", str(tmp_path / "tiny-llama"))
+    source = ModelConfig.from_pretrained(model_dir)
+    copy = ModelConfig.from_pretrained(tp_cpu.random_model_like(model_dir, 2, 1, str(tmp_path / "copy")))
+    assert (copy.num_attention_heads, copy.num_key_value_heads) == (2, 1)
+    assert copy.head_dim * 2 == copy.hidden_size == source.hidden_size
+    assert copy.num_hidden_layers == source.num_hidden_layers and copy.vocab_size == source.vocab_size

@@ -5,8 +5,10 @@ between them) against the same engine in one process (all cores), same run, same
 
 Reports output tokens/s of both and their ratio, whether the greedy outputs are identical, and the driver's
 per-step overhead of sending the step records to the workers (mean broadcast time per call). The default model is
-SmolLM2-135M, whose 9 query heads / 3 KV heads divide by 3, not 2; ``--model`` takes any local HF directory. On a
-machine with fewer cores than ranks the ranks share cores (the report records both numbers).
+SmolLM2-135M, whose 9 query heads / 3 KV heads divide by 3, not 2; ``--model`` takes any local HF directory, and
+``--heads 12:4`` measures a random-weight model of the same shape and size with its 576 hidden units split into
+other head counts (12 heads of 48, 4 KV heads: divisible by 2). On a machine with fewer cores than ranks the
+ranks share cores (the report records both numbers).
 """
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import sys
+import tempfile
 import time
 
 import torch
@@ -53,10 +57,65 @@ def run(model_dir: str, requests, tensor_parallel_size: int) -> dict:
         llm.llm_engine.shutdown()
 
 
+def _all_reduce_worker(rank: int, world_size: int, init_method: str, rows: list[int], hidden: int, results) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    try:
+        for n in rows:
+            x = torch.randn(n, hidden)
+            for _ in range(20):
+                dist.all_reduce(x)
+            start = time.perf_counter()
+            for _ in range(200):
+                dist.all_reduce(x)
+            if rank == 0:
+                results.put((n, 1e6 * (time.perf_counter() - start) / 200))
+    finally:
+        dist.destroy_process_group()
+
+
+def all_reduce_latency_us(world_size: int, hidden: int, rows=(1, 48, 512)) -> dict[str, float]:
+    """Mean gloo all-reduce time of an fp32 [rows, hidden] tensor between ``world_size`` spawned processes
+    (one thread each), the collective a tensor-parallel layer runs twice per decoder layer."""
+    import torch.multiprocessing as mp
+
+    from engine.distributed.parallel_state import free_port
+
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    mp.start_processes(_all_reduce_worker, args=(world_size, f"tcp://127.0.0.1:{free_port()}", list(rows), hidden,
+                                                 results), nprocs=world_size, start_method="spawn")
+    return {f"{n}x{hidden}": us for n, us in (results.get() for _ in rows)}
+
+
+def random_model_like(model_dir: str, num_heads: int, num_kv_heads: int, out_dir: str) -> str:
+    """A random-weight float32 copy of ``model_dir``'s architecture and size with its hidden units split into
+    ``num_heads`` query heads (``num_kv_heads`` KV heads); tokenizer files are copied."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    if config.hidden_size % num_heads or num_heads % num_kv_heads or (config.hidden_size // num_heads) % 16:
+        raise SystemExit(f"--heads {num_heads}:{num_kv_heads}: hidden size {config.hidden_size} must split into "
+                         f"heads of a multiple of 16, and the KV heads must divide the query heads")
+    config.num_attention_heads, config.num_key_value_heads = num_heads, num_kv_heads
+    config.head_dim = config.hidden_size // num_heads
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    for name in os.listdir(model_dir):
+        if name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template", "generation_config")):
+            shutil.copy(os.path.join(model_dir, name), out_dir)
+    return out_dir
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="HF model directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--tensor-parallel-size", type=int, default=3)
+    parser.add_argument("--heads", metavar="Q:KV",
+                        help="measure a random-weight model of --model's shape with Q query / KV key-value heads")
     parser.add_argument("--num-requests", type=int, default=48)
     parser.add_argument("--min-len", type=int, default=16)
     parser.add_argument("--max-len", type=int, default=128)
@@ -69,31 +128,47 @@ def main(argv: list[str] | None = None) -> int:
         args.model = default_model_path()
     from engine.config import ModelConfig
 
-    vocab_size = ModelConfig.from_pretrained(args.model).vocab_size
-    requests = make_requests(args.num_requests, args.min_len, args.max_len, vocab_size, args.seed)
+    model_name, scratch = os.path.basename(os.path.normpath(args.model)), None
+    if args.heads:
+        num_heads, num_kv_heads = (int(n) for n in args.heads.split(":"))
+        scratch = tempfile.mkdtemp(prefix="tp-bench-")
+        args.model = random_model_like(args.model, num_heads, num_kv_heads, scratch)
+        model_name += f"-random-{num_heads}h{num_kv_heads}kv"
+    config = ModelConfig.from_pretrained(args.model)
+    requests = make_requests(args.num_requests, args.min_len, args.max_len, config.vocab_size, args.seed)
     load_before = os.getloadavg()
-    single = run(args.model, requests, 1)
-    sharded = run(args.model, requests, args.tensor_parallel_size)
+    try:
+        single = run(args.model, requests, 1)
+        sharded = run(args.model, requests, args.tensor_parallel_size)
+    finally:
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
     identical = sum(a == b for a, b in zip(single.pop("outputs"), sharded.pop("outputs")))
     ratio = sharded["output_tokens_per_s"] / single["output_tokens_per_s"]
+    collective = all_reduce_latency_us(args.tensor_parallel_size, config.hidden_size)
     report = {
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "environment": {"cpu": _native.cpu_name(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
                         "python": platform.python_version(), "load_average_before": load_before,
                         "load_average_after": os.getloadavg()},
-        "model": args.model, "dtype": "float32",
+        "model": model_name, "random_weights": bool(args.heads), "dtype": "float32",
         "requests": {"count": len(requests), "min_len": args.min_len, "max_len": args.max_len, "seed": args.seed},
         "tp1": single, f"tp{args.tensor_parallel_size}": sharded, "throughput_ratio": ratio,
         "greedy_outputs_identical": f"{identical}/{len(requests)}",
+        "gloo_all_reduce_us": collective,
+        "all_reduces_per_step": 2 * config.num_hidden_layers,
     }
     print(f"TP=1: {single['output_tokens_per_s']:.1f} tok/s ({single['seconds']:.2f} s); "
           f"TP={args.tensor_parallel_size}: {sharded['output_tokens_per_s']:.1f} tok/s ({sharded['seconds']:.2f} s), "
           f"{sharded['torch_threads_per_rank']} thread(s) per rank on {os.cpu_count()} cores; ratio {ratio:.2f}x; "
           f"step records {sharded.get('broadcast_ms_per_call', 0):.2f} ms per broadcast; "
-          f"greedy outputs identical {report['greedy_outputs_identical']}")
+          f"greedy outputs identical {report['greedy_outputs_identical']}; gloo all-reduce "
+          + ", ".join(f"{shape}: {us:.0f} us" for shape, us in collective.items())
+          + f" ({report['all_reduces_per_step']} per step)")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"{datetime.date.today().isoformat()}-tp-cpu-{device_slug(_native.cpu_name())}.json")
+        path = os.path.join(args.out, f"{datetime.date.today().isoformat()}-tp{args.tensor_parallel_size}-cpu-"
+                            f"{device_slug(model_name)}-{device_slug(_native.cpu_name())}.json")
         with open(path, "w") as f:
             json.dump(report, f, indent=1)
         print(f"wrote {path}")
