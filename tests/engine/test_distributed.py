@@ -82,3 +82,57 @@ def test_single_process_needs_no_group():
 def test_bad_arguments_are_rejected_before_joining(kwargs, message):
     with pytest.raises(ValueError, match=message):
         engine_dist.init_distributed_environment(**kwargs)
+
+
+def _nccl_world_of_one(rank: int, init_method: str, out_dir: str) -> None:
+    """The NCCL path at world size 1 (one GPU): the collective ops themselves, which the layers skip at world
+    size 1, eager, inside a fullgraph inductor compile and captured in a CUDA graph."""
+    from engine.distributed.parallel_state import get_cpu_group
+
+    engine_dist.init_distributed_environment(1, 0, init_method=init_method, backend="nccl")
+    try:
+        torch.manual_seed(0)
+        x, weight = torch.randn(5, 6, device="cuda"), torch.randn(4, 6, device="cuda")
+
+        def row_parallel(x, weight):
+            return torch.ops.engine.tp_all_reduce(x @ weight.t()) * 2.0
+
+        expected = (x @ weight.t()) * 2.0
+        compiled = torch.compile(row_parallel, fullgraph=True)(x, weight)
+        static_x = x.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                row_parallel(static_x, weight)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = row_parallel(static_x, weight)
+        static_x.copy_(3 * x)
+        graph.replay()
+        torch.cuda.synchronize()
+        gathered = torch.ops.engine.tp_all_gather(x, 1)
+        results = {
+            "backend": torch.distributed.get_backend(), "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+            "cpu_group_backend": torch.distributed.get_backend(get_cpu_group()),
+            "eager": (torch.ops.engine.tp_all_reduce(x) - x).abs().max().item(),
+            "compiled": (compiled - expected).abs().max().item(),
+            "graph_replay": (static_out - 3 * expected).abs().max().item(),
+            "all_gather": (gathered[0] - x).abs().max().item(), "all_gather_shape": list(gathered.shape),
+        }
+        with open(os.path.join(out_dir, "nccl.json"), "w") as f:
+            json.dump(results, f)
+    finally:
+        engine_dist.destroy_distributed_environment()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs CUDA (run by the GPU suite)")
+def test_nccl_collectives_at_world_size_one(tmp_path):
+    mp.spawn(_nccl_world_of_one, args=(f"tcp://127.0.0.1:{free_port()}", str(tmp_path)), nprocs=1, join=True)
+    with open(tmp_path / "nccl.json") as f:
+        results = json.load(f)
+    print("NCCL world size 1:", results)
+    assert results["backend"] == "nccl" and results["cpu_group_backend"] == "gloo"
+    assert results["eager"] == 0 and results["all_gather"] == 0 and results["all_gather_shape"] == [1, 5, 6]
+    assert results["compiled"] < 1e-4 and results["graph_replay"] < 1e-4
