@@ -270,9 +270,9 @@ def launch_config(head_dim_pad: int, group_pad: int, dtype: torch.dtype,
     BLOCK_M at head 128, hence half of it there (at head 256, 32 x 16 tiles at 4 warps spilled 12 to
     36 B under Triton 3.6 on sm_90 or sm_80 depending on the stage count; 64 x 16 at 8 warps does
     not). fp32 runs ieee FMA dots (no tensor cores; a correctness dtype, not a serving one) whose
-    operand layouts are register-hungry: 32 x 16 tiles; 32 x 32 at head <= 64, where 32 x 16 drew a
-    64-register allocation with a 12 B spill from ptxas for sm_80 under Triton 3.9; 16 x 16 at 4
-    warps for head 256 without GQA, where 8 warps drew 128-register allocations with 60 B spills.
+    operand layouts are register-hungry: 32 x 32 tiles at head <= 64, 16 x 16 above (32-wide key
+    tiles spilled hundreds of bytes at any warp count), 4 warps up to head 128 and 8 beyond, all
+    with ``max_registers`` (see there).
     Each choice compiles without register spills for sm_90 and sm_80 with Triton 3.6 and 3.9
     (``python -m pagedkernels._aot``; the test tests/pagedkernels/test_aot_compile.py keeps it
     so). BLOCK_M >= 16 always (tl.dot needs >= 16 on every dimension on a GPU), and BLOCK_M >=
@@ -287,10 +287,10 @@ def launch_config(head_dim_pad: int, group_pad: int, dtype: torch.dtype,
     elif dtype == torch.float32:
         if head_dim_pad <= 64:
             config = (32, 32, 8, 2)
-        elif head_dim_pad <= 128 or group_pad > 1:
-            config = (32, 16, 8, 2)
-        else:
+        elif head_dim_pad <= 128:
             config = (16, 16, 4, 2)
+        else:
+            config = (16, 16, 8, 1)
     elif head_dim_pad <= 64:
         config = (128, 64, 8, 3)
     elif head_dim_pad <= 128:
@@ -299,6 +299,18 @@ def launch_config(head_dim_pad: int, group_pad: int, dtype: torch.dtype,
         config = (64, 16, 8, 2)
     block_m, tile_n, num_warps, num_stages = config
     return max(block_m, group_pad), tile_n, num_warps, num_stages
+
+
+def max_registers(dtype: torch.dtype, device_kind: str) -> int | None:
+    """The ``maxnreg`` the prefill kernel is compiled with, or None for ptxas' own choice.
+
+    fp32 on CUDA: 255, the most a thread may have. Left to itself, ptxas gives the fp32 variants
+    (masked heads 80/96/112/160 and head 256 without GQA in particular) allocations of 64 to 168
+    registers that buy occupancy with 4 to 40 B of spills, differently for sm_80 and sm_90 and for
+    Triton 3.6 and 3.9; with the limit stated, every fp32 variant of the launch matrix compiles without
+    spills on both targets with both Tritons (``python -m pagedkernels._aot``). 16-bit dtypes compile
+    spill-free without it."""
+    return 255 if device_kind == "cuda" and dtype == torch.float32 else None
 
 
 def _prefill_attention_triton(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
@@ -314,6 +326,8 @@ def _prefill_attention_triton(q, key_cache, value_cache, block_tables, cu_seqlen
     block_m, tile_n, num_warps, num_stages = launch_config(head_dim_pad, group_pad, q.dtype,
                                                            launch_device_kind(q.device))
     block_q = block_m // group_pad
+    maxnreg = max_registers(q.dtype, launch_device_kind(q.device))
+    register_limit = {} if maxnreg is None else {"maxnreg": maxnreg}
     # Sequence s owns tiles cu[s] // BLOCK_Q + s ... so this bound covers every tile without
     # reading cu_seqlens_q on the host; spare programs return at once.
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
@@ -331,7 +345,7 @@ def _prefill_attention_triton(q, key_cache, value_cache, block_tables, cu_seqlen
         SLIDING_WINDOW=sliding_window or 0, USE_SOFTCAP=use_softcap,
         # fp32 inputs: exact fp32 products (tl.dot would default to tf32 on a GPU)
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **register_limit,
     )
 
 
