@@ -13,6 +13,7 @@ import torch
 from engine.core.beam_search import BeamSearchParams, BeamSearchState
 from engine.core.block_manager import BlockManager
 from engine.executor import MultiprocExecutor, UniprocExecutor, WorkerDiedError
+from engine.executor.executor import launched_rank, run_launched_worker
 from engine.config import ModelConfig
 from engine.core.detokenizer import Detokenizer, check_stop_strings
 from engine.core.generation_config import load_sampling_defaults
@@ -95,6 +96,10 @@ class LLMEngine:
         # The swap space is allocated only when swapping is the preemption mode (it would sit unused otherwise).
         swap_space_gib = swap_space if preemption_mode == "swap" else 0
         self.tensor_parallel_size = tensor_parallel_size
+        rank = launched_rank(tensor_parallel_size) if tensor_parallel_size > 1 else None
+        if rank:   # torchrun rank > 0: this process is a worker of rank 0's engine, then it is done
+            run_launched_worker(rank, tensor_parallel_size, self.model_config, runner_kwargs, swap_space_gib)
+            raise SystemExit(0)
         if tensor_parallel_size == 1:
             self.executor = UniprocExecutor(self.model_config, runner_kwargs, swap_space_gib=swap_space_gib)
         else:

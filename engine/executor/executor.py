@@ -9,6 +9,11 @@ engine decides, the executor runs it on every device that holds part of the mode
   the gloo group, then run on every rank, the collectives inside the forward lining the ranks up. Tensors only
   ever move through torch.distributed's collectives (NCCL on GPUs, gloo on CPU).
 
+Under torchrun (or any env:// launcher: RANK, WORLD_SIZE, MASTER_ADDR/PORT set), one node or several, nothing is
+spawned: every rank runs the same script, joins the job's group through env://, and `LLM(...)` on a rank other
+than 0 becomes that rank's worker (`run_launched_worker`), which serves rank 0's broadcasts and then ends its
+process with status 0 when rank 0's engine shuts down; only rank 0's script goes on past `LLM(...)`.
+
 A worker that dies (or raises) stops the engine: the executor checks its workers before every call and turns a
 collective that fails because a peer is gone into `WorkerDiedError`, which the engine does not treat as one
 failed step but as the end (never a hang: gloo notices a closed peer at once; NCCL jobs are bounded by the group's
@@ -19,6 +24,7 @@ from __future__ import annotations
 import atexit
 import logging
 import multiprocessing
+import os
 import time
 import weakref
 from dataclasses import dataclass
@@ -28,7 +34,7 @@ import torch
 from engine.worker.cache_engine import CacheEngine, num_swap_blocks_for
 from engine.config import ModelConfig
 from engine.distributed import broadcast_object, destroy_distributed_environment, init_distributed_environment
-from engine.distributed.parallel_state import free_port
+from engine.distributed.parallel_state import env_rank_and_world_size, free_port
 from engine.platform import DevicePolicy
 
 logger = logging.getLogger(__name__)
@@ -125,16 +131,31 @@ class UniprocExecutor:
         pass
 
 
+def _launcher_local_rank(rank: int) -> int:
+    """This process's index on its node under torchrun (LOCAL_RANK), else its rank."""
+    return int(os.environ.get("LOCAL_RANK", rank))
+
+
+def _rank_device(runner_kwargs: dict, local_rank: int) -> dict:
+    """runner_kwargs with the device of the rank whose index on its node is `local_rank`: one GPU per rank;
+    CPU as is."""
+    device = torch.device(runner_kwargs["device"])
+    if device.type != "cuda":
+        return runner_kwargs
+    return {**runner_kwargs, "device": torch.device("cuda", local_rank % torch.cuda.device_count())}
+
+
 def _worker_main(rank: int, world_size: int, init_method: str, model_config: ModelConfig, runner_kwargs: dict,
-                 swap_space_gib: float, num_threads: int | None) -> None:
+                 swap_space_gib: float, num_threads: int | None, local_rank: int | None = None) -> None:
     """A worker process: join the group, build this rank's shard, then run what rank 0 broadcasts until it says
-    "shutdown". An exception ends the process (rank 0 sees a dead peer)."""
+    "shutdown". An exception ends the process (rank 0 sees a dead peer). `local_rank`: its GPU index on the
+    node (default: the rank, one node)."""
     if num_threads:
         torch.set_num_threads(num_threads)
+    runner_kwargs = _rank_device(runner_kwargs, rank if local_rank is None else local_rank)
     device = torch.device(runner_kwargs["device"])
-    if device.type == "cuda":   # one GPU per rank
-        runner_kwargs = {**runner_kwargs, "device": torch.device("cuda", rank % torch.cuda.device_count())}
-    init_distributed_environment(world_size, rank, init_method=init_method)
+    init_distributed_environment(world_size, rank, init_method=init_method,
+                                 local_rank=device.index if device.type == "cuda" else None)
     try:
         executor = UniprocExecutor(model_config, runner_kwargs, swap_space_gib=swap_space_gib)
         with torch.inference_mode():
@@ -147,34 +168,69 @@ def _worker_main(rank: int, world_size: int, init_method: str, model_config: Mod
         destroy_distributed_environment()
 
 
+def launched_rank(tensor_parallel_size: int) -> int | None:
+    """This process's rank when an env:// launcher (torchrun) started the job, else None (the executor spawns
+    its workers). The launcher's world must be exactly the tensor-parallel group."""
+    launched = env_rank_and_world_size()
+    if launched is None:
+        return None
+    rank, world_size = launched
+    if world_size != tensor_parallel_size:
+        raise ValueError(f"this process was started by an env:// launcher (torchrun) with WORLD_SIZE={world_size}, "
+                         f"but tensor_parallel_size={tensor_parallel_size}: they must be equal (one rank per shard)")
+    return rank
+
+
+def run_launched_worker(rank: int, world_size: int, model_config: ModelConfig, runner_kwargs: dict,
+                        swap_space_gib: float) -> None:
+    """Rank `rank` (> 0) of a torchrun job: this rank's worker loop, in this process, until rank 0 shuts down."""
+    logger.info("rank %d of %d (env:// launcher): serving as a tensor-parallel worker until rank 0 shuts down",
+                rank, world_size)
+    _worker_main(rank, world_size, "env://", model_config, runner_kwargs, swap_space_gib, None,
+                 local_rank=_launcher_local_rank(rank))
+
+
 class MultiprocExecutor:
-    """Tensor parallelism over `tensor_parallel_size` processes: this one (rank 0) and the workers it spawns."""
+    """Tensor parallelism over `tensor_parallel_size` processes: this one (rank 0) and the workers it spawns, or
+    under torchrun the job's other ranks (which run `run_launched_worker`)."""
 
     def __init__(self, model_config: ModelConfig, runner_kwargs: dict, *, swap_space_gib: float,
                  tensor_parallel_size: int, init_method: str | None = None):
+        launched = launched_rank(tensor_parallel_size) is not None
         device = torch.device(runner_kwargs["device"])
-        if device.type == "cuda" and torch.cuda.device_count() < tensor_parallel_size:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs as many GPUs, "
+        gpus_needed = int(os.environ.get("LOCAL_WORLD_SIZE", tensor_parallel_size)) if launched else tensor_parallel_size
+        if device.type == "cuda" and torch.cuda.device_count() < gpus_needed:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs {gpus_needed} GPUs on this node, "
                              f"{torch.cuda.device_count()} visible")
         self._threads_before = torch.get_num_threads()
-        worker_threads = DevicePolicy.for_device(device).threads_per_rank(tensor_parallel_size)
+        # Under a launcher the threads are the launcher's business (torchrun sets OMP_NUM_THREADS).
+        worker_threads = None if launched else DevicePolicy.for_device(device).threads_per_rank(tensor_parallel_size)
         if worker_threads is not None:   # this process is a rank too
             torch.set_num_threads(worker_threads)
             logger.info("tensor parallelism on CPU: %d ranks, %d threads each", tensor_parallel_size, worker_threads)
         self.tensor_parallel_size = tensor_parallel_size
-        init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
-        context = multiprocessing.get_context("spawn")
-        self.workers = [context.Process(target=_worker_main, name=f"engine-tp-worker-{rank}", daemon=True,
-                                        args=(rank, tensor_parallel_size, init_method, model_config, runner_kwargs,
-                                              swap_space_gib, worker_threads))
-                        for rank in range(1, tensor_parallel_size)]
-        for worker in self.workers:
-            worker.start()
+        self.launched = launched
+        if launched:
+            init_method, self.workers = "env://", []
+        else:
+            init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
+            context = multiprocessing.get_context("spawn")
+            self.workers = [context.Process(target=_worker_main, name=f"engine-tp-worker-{rank}", daemon=True,
+                                            args=(rank, tensor_parallel_size, init_method, model_config,
+                                                  runner_kwargs, swap_space_gib, worker_threads))
+                            for rank in range(1, tensor_parallel_size)]
+            for worker in self.workers:
+                worker.start()
         self._closed = False
-        # Workers must not outlive the engine, however it ends.
+        # Workers must not outlive the engine, however it ends; launched ones are told to stop at exit.
         self._finalizer = weakref.finalize(self, MultiprocExecutor._stop_workers, self.workers)
         atexit.register(self._finalizer)
-        init_distributed_environment(tensor_parallel_size, 0, init_method=init_method)
+        if launched:
+            atexit.register(self.shutdown)
+        runner_kwargs = _rank_device(runner_kwargs, _launcher_local_rank(0) if launched else 0)
+        rank_device = torch.device(runner_kwargs["device"])
+        init_distributed_environment(tensor_parallel_size, 0, init_method=init_method,
+                                     local_rank=rank_device.index if rank_device.type == "cuda" else None)
         self.local = UniprocExecutor(model_config, runner_kwargs, swap_space_gib=swap_space_gib)
         self.model_runner, self.cache_engine = self.local.model_runner, self.local.cache_engine
         self.num_kv_blocks, self.num_swap_blocks = self.local.num_kv_blocks, self.local.num_swap_blocks
@@ -192,7 +248,13 @@ class MultiprocExecutor:
                                   f"the engine has stopped")
         try:
             start = time.perf_counter()
-            broadcast_object((method, args))
+            try:
+                broadcast_object((method, args))
+            except RuntimeError as e:
+                if self.launched:   # no process handles to look at: a failed send means a rank is gone
+                    self._closed = True
+                    raise WorkerDiedError(f"a tensor-parallel rank is unreachable ({e}); the engine has stopped") from e
+                raise
             self.broadcast_seconds += time.perf_counter() - start
             self.num_broadcasts += 1
             return getattr(self.local, method)(*args)

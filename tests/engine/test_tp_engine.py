@@ -102,3 +102,58 @@ def test_smollm2_tp3_equals_tp1(smollm2_dir):
         finally:
             llm.llm_engine.shutdown()
     assert results[0] == results[1]
+
+
+_TORCHRUN_SCRIPT = '''
+import json, sys
+from engine import LLM, SamplingParams
+from tests.engine.test_tp_engine import _requests
+
+model_dir, out_path, marker = sys.argv[1:4]
+llm = LLM(model_dir, max_num_batched_tokens=32, tensor_parallel_size=2, num_kv_blocks=64, max_model_len=256)
+# Only rank 0 gets here: on rank 1, LLM(...) served as the worker and ended the process.
+prompts, params = _requests()
+outputs = llm.generate(prompts, params, use_tqdm=False)
+with open(marker, "a") as f:
+    f.write("continued\\n")
+with open(out_path, "w") as f:
+    json.dump([[list(c.token_ids) for c in o.outputs] for o in outputs], f)
+'''
+
+
+def test_torchrun_launch_equals_tp1(tiny_model_dir, tmp_path):
+    """Launched by torchrun (env:// rendezvous, nothing spawned): every rank runs the same script, rank 1's
+    LLM(...) serves as its worker and exits 0 when rank 0 is done, and the outputs equal TP=1's."""
+    import json
+    import subprocess
+    import sys
+
+    from engine.distributed.parallel_state import free_port
+
+    model_dir = tiny_model_dir("llama")
+    script, out_path, marker = tmp_path / "generate.py", tmp_path / "out.json", tmp_path / "continued"
+    script.write_text(_TORCHRUN_SCRIPT)
+    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (repo_root, os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                           str(script), model_dir, str(out_path), str(marker)],
+                          cwd=repo_root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert marker.read_text() == "continued\n", "exactly one rank (0) goes on past LLM(...)"
+    llm = LLM(model_dir, max_num_batched_tokens=32, num_kv_blocks=64, max_model_len=256)
+    prompts, params = _requests()
+    expected = [[list(c.token_ids) for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert json.loads(out_path.read_text()) == expected
+
+
+def test_launcher_world_must_match_tensor_parallel_size(monkeypatch):
+    from engine.executor.executor import launched_rank
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="WORLD_SIZE=4.*tensor_parallel_size=2"):
+        launched_rank(2)
+    assert launched_rank(4) == 0
+    monkeypatch.delenv("RANK")
+    assert launched_rank(2) is None
