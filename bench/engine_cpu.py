@@ -38,13 +38,13 @@ import json
 import os
 import platform
 import random
-import re
 import sys
 import time
 from dataclasses import dataclass
 
 import torch
 
+from bench.report import write_cpu_report
 from pagedkernels import _native
 
 
@@ -320,12 +320,7 @@ def main(argv: list[str] | None = None) -> int:
               "requests (float32 near-ties may flip an argmax in a different batch shape)")
     print(f"load average before/after: {load_before} / {report['environment']['load_average_after']}")
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        slug = re.sub(r"[^a-z0-9]+", "-", _native.cpu_name().lower()).strip("-")
-        path = os.path.join(args.out, f"{datetime.date.today().isoformat()}-engine-cpu-{slug}.json")
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
-        print(f"wrote {path}")
+        print(f"wrote {write_cpu_report(args.out, 'engine-cpu', report)}")
     return 0
 
 

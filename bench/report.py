@@ -62,6 +62,18 @@ def device_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
 
 
+def write_cpu_report(out_dir: str | os.PathLike, kind: str, report: dict, *, model: str | None = None) -> Path:
+    """Write a CPU benchmark's ``<date>-<kind>[-<model>]-<cpu>.json`` into ``out_dir`` (created) and
+    return its path (bench.engine_cpu, bench.tp_cpu)."""
+    from pagedkernels import _native
+
+    parts = [datetime.date.today().isoformat(), kind] + ([device_slug(model)] if model else [])
+    path = Path(out_dir) / ("-".join(parts + [device_slug(_native.cpu_name())]) + ".json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    return path
+
+
 def report_stem(env: dict, date: datetime.date | None = None) -> str:
     date = date or datetime.datetime.now(datetime.timezone.utc).date()
     slug = device_slug(env["device_name"])

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import shutil
@@ -25,7 +24,7 @@ import time
 import torch
 
 from bench.engine_cpu import make_requests
-from bench.report import device_slug
+from bench.report import write_cpu_report
 from pagedkernels import _native
 
 
@@ -166,12 +165,7 @@ def main(argv: list[str] | None = None) -> int:
           + ", ".join(f"{shape}: {us:.0f} us" for shape, us in collective.items())
           + f" ({report['all_reduces_per_step']} per step)")
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"{datetime.date.today().isoformat()}-tp{args.tensor_parallel_size}-cpu-"
-                            f"{device_slug(model_name)}-{device_slug(_native.cpu_name())}.json")
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
-        print(f"wrote {path}")
+        print(f"wrote {write_cpu_report(args.out, f'tp{args.tensor_parallel_size}-cpu', report, model=model_name)}")
     return 0
 
 
