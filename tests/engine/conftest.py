@@ -33,6 +33,12 @@ def tiny_model_dir(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def llama_dir(tiny_model_dir) -> str:
+    """The tiny random-weight Llama directory (the default model of the engine-behaviour tests)."""
+    return tiny_model_dir("llama")
+
+
 @pytest.fixture(params=TINY_ARCHITECTURES)
 def tiny_arch(request) -> str:
     """Parametrizes a test over the tiny architectures (``TINY_ARCHITECTURES``)."""

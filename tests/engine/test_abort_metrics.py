@@ -17,11 +17,6 @@ PROMPT_70 = random_token_ids(70, seed=41)
 PROMPT_40 = random_token_ids(40, seed=42)
 
 
-@pytest.fixture(scope="module")
-def llama_dir(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
 def assert_everything_free(engine: LLMEngine) -> None:
     bm = engine.block_manager
     assert not engine.requests and not engine.has_unfinished_requests()

@@ -12,11 +12,6 @@ PROMPT_32 = random_token_ids(32, seed=22)   # exactly 2 full blocks: the first w
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
 def llm(llama_dir):
     return LLM(llama_dir, max_model_len=256, num_kv_blocks=64)
 

@@ -11,11 +11,6 @@ from tests.engine.models_util import TINY_VOCAB_SIZE, random_token_ids
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
 def llm(llama_dir):
     return LLM(llama_dir, max_model_len=256, num_kv_blocks=64)
 
