@@ -23,17 +23,21 @@ def compute_cos_sin_cache(
     """``[max_position, rot_dim]`` = ``cat(cos, sin, dim=-1)`` with angle ``pos * inv_freq[i]``.
 
     inv_freq defaults to ``base ** (-arange(0, rot_dim, 2) / rot_dim)``; pass your own
-    ``[rot_dim // 2]`` tensor to apply a scaling scheme (Llama-3, YaRN, ...). Computed in float64.
+    ``[rot_dim // 2]`` tensor to apply a scaling scheme (Llama-3, YaRN, ...). Computed in float64 on the CPU
+    whatever ``with torch.device(...)`` block the call is in, then moved to ``device`` (default: torch's
+    default device, which such a block sets).
     """
     if not isinstance(rot_dim, int) or rot_dim <= 0 or rot_dim % 2:
         raise ValueError(f"rot_dim must be a positive even integer, got {rot_dim!r}")
     if not isinstance(max_position, int) or max_position <= 0:
         raise ValueError(f"max_position must be a positive integer, got {max_position!r}")
     if inv_freq is None:
-        inv_freq = base ** (-torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim)
+        inv_freq = base ** (-torch.arange(0, rot_dim, 2, dtype=torch.float64, device="cpu") / rot_dim)
     else:
         check_tensor("inv_freq", inv_freq, ndim=1, shape=(rot_dim // 2,))
-    angles = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq.double().cpu())
+    angles = torch.outer(torch.arange(max_position, dtype=torch.float64, device="cpu"),
+                         inv_freq.to(dtype=torch.float64, device="cpu"))
+    device = torch.get_default_device() if device is None else device
     return torch.cat([angles.cos(), angles.sin()], dim=-1).to(dtype=dtype, device=device)
 
 

@@ -12,8 +12,8 @@ import torch
 
 from engine.core.beam_search import BeamSearchParams, BeamSearchState
 from engine.core.block_manager import BlockManager
-from engine.executor import MultiprocExecutor, UniprocExecutor, WorkerDiedError
-from engine.executor.executor import launched_rank, run_launched_worker
+from engine.executor import WorkerDiedError
+from engine.executor.executor import launched_rank, make_executor, run_launched_worker
 from engine.config import ModelConfig
 from engine.core.detokenizer import Detokenizer, check_stop_strings
 from engine.core.generation_config import load_sampling_defaults
@@ -100,15 +100,16 @@ class LLMEngine:
         if rank:   # torchrun rank > 0: this process is a worker of rank 0's engine, then it is done
             run_launched_worker(rank, tensor_parallel_size, self.model_config, runner_kwargs, swap_space_gib)
             raise SystemExit(0)
-        if tensor_parallel_size == 1:
-            self.executor = UniprocExecutor(self.model_config, runner_kwargs, swap_space_gib=swap_space_gib)
-        else:
-            self.executor = MultiprocExecutor(self.model_config, runner_kwargs, swap_space_gib=swap_space_gib,
-                                              tensor_parallel_size=tensor_parallel_size)
-        # Rank 0's runner and swap space (this process's share of the model).
-        self.model_runner, self.cache_engine = self.executor.model_runner, self.executor.cache_engine
+        self.executor = make_executor(self.model_config, runner_kwargs, swap_space_gib=swap_space_gib,
+                                      tensor_parallel_size=tensor_parallel_size)
+        try:
+            # Rank 0's runner and swap space (this process's share of the model).
+            self.model_runner, self.cache_engine = self.executor.model_runner, self.executor.cache_engine
+            self._fit_max_model_len_to_cache(block_size, user_max_model_len=max_model_len)
+        except BaseException:   # a refused engine leaves no worker process or process group behind
+            self.executor.shutdown()
+            raise
         num_swap_blocks = self.executor.num_swap_blocks
-        self._fit_max_model_len_to_cache(block_size, user_max_model_len=max_model_len)
         self.block_manager = BlockManager(self.executor.num_kv_blocks, block_size,
                                           enable_prefix_caching=enable_prefix_caching,
                                           num_swap_blocks=num_swap_blocks)

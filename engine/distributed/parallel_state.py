@@ -6,18 +6,37 @@ MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE; multi-node works the same way) or an ex
 carries tensors between GPUs, gloo between CPU processes. Step metadata (Python objects, small) goes over a
 second, gloo group, so a GPU job never moves pickles through NCCL.
 
-Without an initialized group every query answers as a single rank (world size 1, rank 0), so the layers run
-unchanged in a single process.
+The engine's own record of the group (`_STATE`) is what the layers ask: without it every query answers as a
+single rank (world size 1, rank 0), so the layers run unchanged in a single process, even in a process where the
+user initialized torch.distributed for something else. `destroy_distributed_environment` leaves the process as
+`init_distributed_environment` found it: it destroys only what it created.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-_CPU_GROUP = None   # gloo group over the same ranks, for objects (step metadata); the default group when gloo
+# Workers wait for rank 0's next step record in a broadcast on the object group; a server with no requests
+# keeps them waiting there indefinitely, so that group's timeout is "never" in practice (gloo still notices a
+# peer that is gone at once). The tensor collectives, which every rank enters together, keep `timeout_s`.
+_OBJECT_GROUP_TIMEOUT = datetime.timedelta(days=365)
+
+
+@dataclass(slots=True)
+class _GroupState:
+    world_size: int
+    rank: int
+    cpu_group: object          # gloo group over the same ranks, for objects (step metadata)
+    owns_world: bool           # init_distributed_environment created the default group (and destroys it)
+
+
+_STATE: _GroupState | None = None
+_PLANNED: tuple[int, int] | None = None   # (world_size, rank) answered by planned_layout, without a group
 
 
 def init_distributed_environment(world_size: int, rank: int, *, init_method: str = "env://",
@@ -26,7 +45,10 @@ def init_distributed_environment(world_size: int, rank: int, *, init_method: str
     """Join the job's process group (blocking until all `world_size` ranks joined or `timeout_s` passed).
 
     backend: "nccl" for CUDA, "gloo" for CPU; None picks by whether CUDA is available. With NCCL the process's
-    CUDA device becomes `local_rank` (default: rank modulo the visible devices)."""
+    CUDA device becomes `local_rank` (default: rank modulo the visible devices). When torch.distributed is
+    already initialized (by the caller, e.g. under torchrun), its default group is used as is and left in place
+    by `destroy_distributed_environment`; its rank and world size must be these."""
+    global _STATE
     for name, value in (("world_size", world_size), ("rank", rank)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{name} must be an int, got {value!r}")
@@ -36,7 +58,11 @@ def init_distributed_environment(world_size: int, rank: int, *, init_method: str
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
-    if dist.is_initialized():
+    if _STATE is not None:
+        raise ValueError(f"this process is already rank {_STATE.rank} of a tensor-parallel group of "
+                         f"{_STATE.world_size}; call destroy_distributed_environment() first")
+    owns_world = not dist.is_initialized()
+    if not owns_world:
         if dist.get_world_size() != world_size or dist.get_rank() != rank:
             raise ValueError(f"torch.distributed is already initialized as rank {dist.get_rank()} of "
                              f"{dist.get_world_size()}, not rank {rank} of {world_size}")
@@ -46,30 +72,53 @@ def init_distributed_environment(world_size: int, rank: int, *, init_method: str
             torch.cuda.set_device(local_rank)
         dist.init_process_group(backend=backend, init_method=init_method, world_size=world_size, rank=rank,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-    global _CPU_GROUP
-    _CPU_GROUP = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    try:
+        cpu_group = dist.new_group(backend="gloo", timeout=_OBJECT_GROUP_TIMEOUT)
+    except BaseException:
+        if owns_world:
+            dist.destroy_process_group()
+        raise
+    _STATE = _GroupState(world_size=world_size, rank=rank, cpu_group=cpu_group, owns_world=owns_world)
 
 
 def is_distributed_initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    """Whether this process is a rank of the engine's tensor-parallel group."""
+    return _STATE is not None
 
 
 def get_tp_group():
     """The tensor-parallel process group (None in a single process)."""
-    return dist.group.WORLD if is_distributed_initialized() else None
+    return dist.group.WORLD if _STATE is not None else None
 
 
 def get_cpu_group():
     """The gloo group over the tensor-parallel ranks, for Python objects (None in a single process)."""
-    return _CPU_GROUP if is_distributed_initialized() else None
+    return _STATE.cpu_group if _STATE is not None else None
 
 
 def get_tp_world_size() -> int:
-    return dist.get_world_size() if is_distributed_initialized() else 1
+    if _PLANNED is not None:
+        return _PLANNED[0]
+    return _STATE.world_size if _STATE is not None else 1
 
 
 def get_tp_rank() -> int:
-    return dist.get_rank() if is_distributed_initialized() else 0
+    if _PLANNED is not None:
+        return _PLANNED[1]
+    return _STATE.rank if _STATE is not None else 0
+
+
+@contextlib.contextmanager
+def planned_layout(world_size: int, rank: int = 0):
+    """Inside, the layers see rank `rank` of `world_size` without any process group: to build a model on the
+    meta device and find out whether its shapes shard before a process is started or a group joined. No
+    collective may run inside."""
+    global _PLANNED
+    previous, _PLANNED = _PLANNED, (world_size, rank)
+    try:
+        yield
+    finally:
+        _PLANNED = previous
 
 
 def num_kv_heads_per_rank(num_kv_heads: int, tp_size: int | None = None) -> int:
@@ -79,11 +128,16 @@ def num_kv_heads_per_rank(num_kv_heads: int, tp_size: int | None = None) -> int:
 
 
 def destroy_distributed_environment() -> None:
-    """Leave the process group (no-op when there is none)."""
-    global _CPU_GROUP
-    if is_distributed_initialized():
-        dist.destroy_process_group()
-    _CPU_GROUP = None
+    """Leave the tensor-parallel group (no-op when there is none): the object group, and the default group when
+    init_distributed_environment created it."""
+    global _STATE
+    state, _STATE = _STATE, None
+    if state is None or not dist.is_initialized():
+        return
+    if state.owns_world:
+        dist.destroy_process_group()     # every group, the object group included
+    else:
+        dist.destroy_process_group(state.cpu_group)
 
 
 def free_port() -> int:

@@ -22,6 +22,7 @@ timeout).
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import multiprocessing
 import os
@@ -34,7 +35,8 @@ import torch
 from engine.worker.cache_engine import CacheEngine, num_swap_blocks_for
 from engine.config import ModelConfig
 from engine.distributed import broadcast_object, destroy_distributed_environment, init_distributed_environment
-from engine.distributed.parallel_state import env_rank_and_world_size, free_port
+from engine.distributed.parallel_state import (env_rank_and_world_size, free_port, is_distributed_initialized,
+                                               planned_layout)
 from engine.platform import DevicePolicy
 
 logger = logging.getLogger(__name__)
@@ -146,10 +148,15 @@ def _rank_device(runner_kwargs: dict, local_rank: int) -> dict:
 
 
 def _worker_main(rank: int, world_size: int, init_method: str, model_config: ModelConfig, runner_kwargs: dict,
-                 swap_space_gib: float, num_threads: int | None, local_rank: int | None = None) -> None:
+                 swap_space_gib: float, num_threads: int | None, local_rank: int | None = None,
+                 started=None) -> None:
     """A worker process: join the group, build this rank's shard, then run what rank 0 broadcasts until it says
     "shutdown". An exception ends the process (rank 0 sees a dead peer). `local_rank`: its GPU index on the
-    node (default: the rank, one node)."""
+    node (default: the rank, one node). `started`: an event set once the process runs this function, before it
+    joins the group (rank 0 waits for it, watching the process, so a worker that dies on start-up fails rank 0
+    at once instead of leaving it in the rendezvous)."""
+    if started is not None:
+        started.set()
     if num_threads:
         torch.set_num_threads(num_threads)
     runner_kwargs = _rank_device(runner_kwargs, rank if local_rank is None else local_rank)
@@ -190,9 +197,85 @@ def run_launched_worker(rank: int, world_size: int, model_config: ModelConfig, r
                  local_rank=_launcher_local_rank(rank))
 
 
+def check_tensor_parallel_shapes(model_config: ModelConfig, tensor_parallel_size: int) -> None:
+    """Raise the ValueError a rank would raise building its shard (heads, KV heads, MLP width not dividing by
+    `tensor_parallel_size`), before any process is started or group joined: the model is built on the meta
+    device as rank 0 of the planned group, with the layers' own checks."""
+    from engine.models import get_model_class
+
+    with planned_layout(tensor_parallel_size, 0), torch.device("meta"):
+        get_model_class(model_config.architecture)(model_config)
+
+
+def check_no_engine_holds_the_group() -> None:
+    """An engine in this process that holds the tensor-parallel group (the layers of every engine here would
+    see its world size) must be shut down before another engine starts. One dropped without shutdown() (`del`,
+    or garbage in a reference cycle) releases the group when it is collected: collect it now."""
+    if is_distributed_initialized():
+        gc.collect()
+    if is_distributed_initialized():
+        from engine.distributed import get_tp_world_size
+        raise ValueError(f"another engine in this process holds a tensor-parallel group of "
+                         f"{get_tp_world_size()} ranks: shut it down (llm.llm_engine.shutdown()) before "
+                         f"starting a new engine")
+
+
+def make_executor(model_config: ModelConfig, runner_kwargs: dict, *, swap_space_gib: float,
+                  tensor_parallel_size: int):
+    """The executor for `tensor_parallel_size` ranks: the model in this process, or tensor parallelism."""
+    check_no_engine_holds_the_group()
+    if tensor_parallel_size == 1:
+        return UniprocExecutor(model_config, runner_kwargs, swap_space_gib=swap_space_gib)
+    return MultiprocExecutor(model_config, runner_kwargs, swap_space_gib=swap_space_gib,
+                             tensor_parallel_size=tensor_parallel_size)
+
+
+class _ProcessResources:
+    """What a MultiprocExecutor changes in its process (worker processes, the process group, torch's thread
+    count), released by `release` however the executor ends: shutdown(), a failed start, garbage collection or
+    interpreter exit. Holds no reference to the executor, so the executor's finalizer can call it."""
+
+    def __init__(self) -> None:
+        self.threads_before = torch.get_num_threads()
+        self.workers: list = []
+        self.joined = False          # this process is in the group
+        self.ready = False           # every rank built its shard: workers wait for broadcasts
+        self.released = False
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        if self.ready and all(w.is_alive() for w in self.workers):
+            try:   # a clean stop: each worker leaves its loop, destroys its group and exits
+                broadcast_object(("shutdown", ()))
+            except RuntimeError:
+                pass
+        elif self.joined:
+            # The start failed part-way: workers may be inside any collective, so no message is safe. Leaving
+            # the group closes the connections, which ends their pending collective with an error.
+            destroy_distributed_environment()
+        for worker in self.workers:
+            if self.ready:   # stopping on their own after the shutdown message (or the group's end)
+                worker.join(timeout=10)
+            if worker.is_alive():
+                worker.terminate()
+                worker.join(timeout=5)
+        if self.joined:
+            destroy_distributed_environment()
+        torch.set_num_threads(self.threads_before)
+
+
 class MultiprocExecutor:
     """Tensor parallelism over `tensor_parallel_size` processes: this one (rank 0) and the workers it spawns, or
-    under torchrun the job's other ranks (which run `run_launched_worker`)."""
+    under torchrun the job's other ranks (which run `run_launched_worker`).
+
+    A refused or failed start leaves the process as it found it (no worker, no group, torch's thread count);
+    so do shutdown() and the garbage collection of an engine dropped without it."""
+
+    # Longest a spawned worker may take to start running (import torch and the engine); it ends sooner when
+    # the process dies.
+    worker_start_timeout_s = 300.0
 
     def __init__(self, model_config: ModelConfig, runner_kwargs: dict, *, swap_space_gib: float,
                  tensor_parallel_size: int, init_method: str | None = None):
@@ -202,41 +285,80 @@ class MultiprocExecutor:
         if device.type == "cuda" and torch.cuda.device_count() < gpus_needed:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs {gpus_needed} GPUs on this node, "
                              f"{torch.cuda.device_count()} visible")
-        self._threads_before = torch.get_num_threads()
+        check_tensor_parallel_shapes(model_config, tensor_parallel_size)
+        self.tensor_parallel_size = tensor_parallel_size
+        self.launched = launched
+        self._closed = False
+        self._resources = resources = _ProcessResources()
+        self.workers = resources.workers
+        # Runs on shutdown(), on garbage collection and at interpreter exit, whichever comes first.
+        self._finalizer = weakref.finalize(self, _ProcessResources.release, resources)
+        try:
+            self._start(model_config, runner_kwargs, swap_space_gib, init_method)
+        except BaseException as e:
+            dead = [w for w in self.workers if w.exitcode is not None]
+            self._closed = True
+            self._finalizer()
+            if dead and isinstance(e, RuntimeError) and not isinstance(e, WorkerDiedError):
+                raise WorkerDiedError(f"tensor-parallel worker {dead[0].name} died (exit code {dead[0].exitcode}) "
+                                      f"while the engine started") from e
+            raise
+        resources.ready = True
+        if launched:   # the other ranks are told to stop when this process ends
+            atexit.register(self.shutdown)
+        # Time rank 0 spends sending each step's records (the driver's overhead per step).
+        self.broadcast_seconds = 0.0
+        self.num_broadcasts = 0
+
+    def _start(self, model_config: ModelConfig, runner_kwargs: dict, swap_space_gib: float,
+               init_method: str | None) -> None:
+        tensor_parallel_size, resources = self.tensor_parallel_size, self._resources
+        device = torch.device(runner_kwargs["device"])
         # Under a launcher the threads are the launcher's business (torchrun sets OMP_NUM_THREADS).
-        worker_threads = None if launched else DevicePolicy.for_device(device).threads_per_rank(tensor_parallel_size)
+        worker_threads = None if self.launched else \
+            DevicePolicy.for_device(device).threads_per_rank(tensor_parallel_size)
         if worker_threads is not None:   # this process is a rank too
             torch.set_num_threads(worker_threads)
             logger.info("tensor parallelism on CPU: %d ranks, %d threads each", tensor_parallel_size, worker_threads)
-        self.tensor_parallel_size = tensor_parallel_size
-        self.launched = launched
-        if launched:
-            init_method, self.workers = "env://", []
+        if self.launched:
+            init_method = "env://"
         else:
             init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
             context = multiprocessing.get_context("spawn")
-            self.workers = [context.Process(target=_worker_main, name=f"engine-tp-worker-{rank}", daemon=True,
-                                            args=(rank, tensor_parallel_size, init_method, model_config,
-                                                  runner_kwargs, swap_space_gib, worker_threads))
-                            for rank in range(1, tensor_parallel_size)]
-            for worker in self.workers:
+            started = [context.Event() for _ in range(1, tensor_parallel_size)]
+            for rank in range(1, tensor_parallel_size):
+                resources.workers.append(context.Process(
+                    target=_worker_main, name=f"engine-tp-worker-{rank}", daemon=True,
+                    args=(rank, tensor_parallel_size, init_method, model_config, runner_kwargs, swap_space_gib,
+                          worker_threads), kwargs={"started": started[rank - 1]}))
+            for worker in resources.workers:
                 worker.start()
-        self._closed = False
-        # Workers must not outlive the engine, however it ends; launched ones are told to stop at exit.
-        self._finalizer = weakref.finalize(self, MultiprocExecutor._stop_workers, self.workers)
-        atexit.register(self._finalizer)
-        if launched:
-            atexit.register(self.shutdown)
-        runner_kwargs = _rank_device(runner_kwargs, _launcher_local_rank(0) if launched else 0)
+            self._wait_for_workers_to_start(started)
+        runner_kwargs = _rank_device(runner_kwargs, _launcher_local_rank(0) if self.launched else 0)
         rank_device = torch.device(runner_kwargs["device"])
+        resources.joined = True   # from here on the group may exist: release() leaves it
         init_distributed_environment(tensor_parallel_size, 0, init_method=init_method,
                                      local_rank=rank_device.index if rank_device.type == "cuda" else None)
         self.local = UniprocExecutor(model_config, runner_kwargs, swap_space_gib=swap_space_gib)
         self.model_runner, self.cache_engine = self.local.model_runner, self.local.cache_engine
         self.num_kv_blocks, self.num_swap_blocks = self.local.num_kv_blocks, self.local.num_swap_blocks
-        # Time rank 0 spends sending each step's records (the driver's overhead per step).
-        self.broadcast_seconds = 0.0
-        self.num_broadcasts = 0
+
+    def _wait_for_workers_to_start(self, started: list) -> None:
+        """Until every spawned worker runs `_worker_main`; a worker that exits first (an exception while its
+        process starts, e.g. a script without the `__main__` guard) is a WorkerDiedError within a fraction of a
+        second, not a rendezvous that waits out its timeout."""
+        deadline = time.monotonic() + self.worker_start_timeout_s
+        while not all(event.is_set() for event in started):
+            for worker, event in zip(self.workers, started):
+                if not event.is_set() and not worker.is_alive():
+                    raise WorkerDiedError(
+                        f"tensor-parallel worker {worker.name} exited with code {worker.exitcode} while starting "
+                        f"(its error is printed above). Workers are started with multiprocessing's spawn, which "
+                        f"imports the main script again: a script that creates a tensor-parallel LLM needs the "
+                        f"`if __name__ == \"__main__\":` guard around it")
+            if time.monotonic() > deadline:
+                raise WorkerDiedError(f"tensor-parallel workers did not start within {self.worker_start_timeout_s:.0f} s")
+            time.sleep(0.02)
 
     def _call(self, method: str, args: tuple):
         if self._closed:
@@ -281,20 +403,5 @@ class MultiprocExecutor:
 
     def shutdown(self) -> None:
         """Stop the workers and leave the process group (idempotent)."""
-        if not self._closed and all(w.is_alive() for w in self.workers):
-            try:
-                broadcast_object(("shutdown", ()))
-            except RuntimeError:
-                pass
         self._closed = True
         self._finalizer()
-        destroy_distributed_environment()
-        torch.set_num_threads(self._threads_before)
-
-    @staticmethod
-    def _stop_workers(workers) -> None:
-        for worker in workers:
-            worker.join(timeout=10)
-            if worker.is_alive():
-                worker.terminate()
-                worker.join(timeout=5)

@@ -15,7 +15,7 @@ logger = logging.getLogger(__name__)
 
 
 def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
-    """float64 ``[head_dim // 2]`` inverse frequencies ``base ** (-2i / head_dim)``, scaled:
+    """float64 ``[head_dim // 2]`` inverse frequencies (on the CPU, whatever the default device) ``base ** (-2i / head_dim)``, scaled:
 
     - ``linear``: all divided by ``factor``.
     - ``llama3`` (Llama 3.1): with wavelength ``2 pi / f`` and ``L = original_max_position_embeddings``,
@@ -24,7 +24,7 @@ def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torc
       ``s = (L / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)``:
       ``f' = (1 - s) f / factor + s f``.
     """
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
     if rope_scaling is None:
         return inv_freq
     rope_type = rope_scaling["rope_type"]
@@ -57,10 +57,10 @@ def longrope_inv_freqs(rotary_dim: int, base: float, rope_scaling: dict) -> tupl
     attention_factor = rope_scaling.get("attention_factor")
     if attention_factor is None:
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    plain = base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    plain = base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64, device="cpu") / rotary_dim)
     inv_freqs = []
     for key in ("short_factor", "long_factor"):
-        ext = torch.tensor(rope_scaling[key], dtype=torch.float64)
+        ext = torch.tensor(rope_scaling[key], dtype=torch.float64, device="cpu")
         if ext.shape != plain.shape:
             raise ValueError(f"rope_scaling {key} has {ext.numel()} entries, expected rotary_dim // 2 = "
                              f"{plain.numel()}")
@@ -102,10 +102,13 @@ class RotaryEmbedding(nn.Module):
                                max_position, original, original, original)
         else:
             inv_freq, attention_factor = rope_inv_freq(rotary_dim, base, rope_scaling), 1.0
-        # [max_position, rotary_dim] = cat(cos, sin); a buffer so it follows the module's device. float32
-        # whatever the model dtype: the kernels rotate in fp32.
-        cache = pk.compute_cos_sin_cache(max_position, rotary_dim, base, inv_freq=inv_freq, dtype=torch.float64)
-        self.register_buffer("cos_sin_cache", (cache * attention_factor).float(), persistent=False)
+        # [max_position, rotary_dim] = cat(cos, sin), computed in float64 on the CPU; a buffer on the device the
+        # module is built on (torch's default device), so it follows the module. float32 whatever the model
+        # dtype: the kernels rotate in fp32.
+        cache = pk.compute_cos_sin_cache(max_position, rotary_dim, base, inv_freq=inv_freq, dtype=torch.float64,
+                                         device="cpu")
+        self.register_buffer("cos_sin_cache", (cache * attention_factor).float().to(torch.get_default_device()),
+                             persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
         """positions int64 ``[num_tokens]``; q ``[num_tokens, num_heads, head_dim]``, k likewise with the KV

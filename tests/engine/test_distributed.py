@@ -73,6 +73,47 @@ def test_single_process_needs_no_group():
     assert engine_dist.broadcast_object({"a": 1}) == {"a": 1}
 
 
+def _idle_worker(rank: int, init_method: str, out_dir: str) -> None:
+    """Rank 1 waits in the object broadcast (where a TP worker waits for the next step) longer than the group's
+    timeout, as the workers of an idle server do."""
+    import time
+
+    engine_dist.init_distributed_environment(2, rank, init_method=init_method, backend="gloo", timeout_s=1.0)
+    try:
+        if rank == 0:
+            time.sleep(3.0)
+        received = engine_dist.broadcast_object("step" if rank == 0 else None)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(received, f)
+    finally:
+        engine_dist.destroy_distributed_environment()
+
+
+def test_workers_wait_for_the_next_step_past_the_group_timeout(tmp_path):
+    mp.spawn(_idle_worker, args=(f"tcp://127.0.0.1:{free_port()}", str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == "step"
+
+
+def test_a_group_the_caller_made_is_used_and_left_in_place():
+    """torch.distributed initialized by the caller (world size 1 here): the engine's layers still see one rank
+    until the engine joins, which uses that group and leaves it initialized when it leaves."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0)
+    try:
+        assert not engine_dist.is_distributed_initialized() and engine_dist.get_tp_world_size() == 1
+        engine_dist.init_distributed_environment(1, 0, backend="gloo")
+        assert engine_dist.is_distributed_initialized()
+        with pytest.raises(ValueError, match="already rank 0 of a tensor-parallel group of 1"):
+            engine_dist.init_distributed_environment(1, 0, backend="gloo")
+        engine_dist.destroy_distributed_environment()
+        assert dist.is_initialized() and not engine_dist.is_distributed_initialized()
+    finally:
+        engine_dist.destroy_distributed_environment()
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(world_size=2, rank=2), "rank must be in"),
     (dict(world_size=0, rank=0), "rank must be in"),

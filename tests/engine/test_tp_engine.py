@@ -157,3 +157,81 @@ def test_launcher_world_must_match_tensor_parallel_size(monkeypatch):
     assert launched_rank(4) == 0
     monkeypatch.delenv("RANK")
     assert launched_rank(2) is None
+
+
+def _process_state():
+    """What an engine may change in its process: the engine's group, the default group, worker processes, threads."""
+    import multiprocessing
+
+    import torch
+
+    from engine.distributed import is_distributed_initialized
+    return (is_distributed_initialized(), torch.distributed.is_initialized(), multiprocessing.active_children(),
+            torch.get_num_threads())
+
+
+_NO_GUARD_SCRIPT = '''
+from engine import LLM
+LLM({model_dir!r}, tensor_parallel_size=2, num_kv_blocks=32, max_model_len=128)
+'''
+
+
+def test_worker_dying_on_start_fails_the_engine_within_seconds(tiny_model_dir, tmp_path):
+    """A script without the __main__ guard: the spawned worker dies importing it; rank 0 must not wait out the
+    rendezvous (600 s) but fail at once, saying why."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_guard.py"
+    script.write_text(_NO_GUARD_SCRIPT.format(model_dir=tiny_model_dir("llama")))
+    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (repo_root, os.environ.get("PYTHONPATH")) if p)}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "WorkerDiedError" in proc.stderr and '__name__ == "__main__"' in proc.stderr, proc.stderr[-2000:]
+    assert elapsed < 60, f"took {elapsed:.0f} s"
+
+
+def test_refused_engine_leaves_the_process_as_it_found_it(tiny_model_dir):
+    """OPT's 2 heads do not split over 3 ranks: refused before any worker starts; a refusal after the workers
+    started (max_model_len past the cache) leaves nothing either; the next engine (TP=1 or TP=2) works."""
+    before = _process_state()
+    with pytest.raises(ValueError, match="num_heads=2 is not divisible by tensor_parallel_size=3"):
+        LLM(tiny_model_dir("opt"), tensor_parallel_size=3, num_kv_blocks=32, max_model_len=128)
+    assert _process_state() == before
+    with pytest.raises(ValueError, match="max_model_len=256 does not fit in the KV cache"):
+        LLM(tiny_model_dir("llama"), tensor_parallel_size=2, num_kv_blocks=4, max_model_len=256)
+    assert _process_state() == before
+    llm = LLM(tiny_model_dir("opt"), num_kv_blocks=32, max_model_len=128)
+    out = llm.generate({"prompt_token_ids": random_token_ids(8, seed=1)},
+                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_dropped_engine_releases_its_group(tiny_model_dir):
+    """A TP engine dropped without shutdown() (del) releases its workers and group: a second TP engine in the
+    same process generates what the first did. While one holds the group, another engine is refused clearly."""
+    import gc
+
+    model_dir = tiny_model_dir("llama")
+    before = _process_state()
+    prompt = {"prompt_token_ids": random_token_ids(12, seed=4)}
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    first = LLM(model_dir, tensor_parallel_size=2, num_kv_blocks=32, max_model_len=128)
+    expected = first.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(expected) == 6
+    with pytest.raises(ValueError, match="another engine in this process holds a tensor-parallel group"):
+        LLM(model_dir, num_kv_blocks=32, max_model_len=128)
+    worker = first.llm_engine.executor.workers[0]
+    del first
+    gc.collect()
+    assert not worker.is_alive() and _process_state() == before
+    second = LLM(model_dir, tensor_parallel_size=2, num_kv_blocks=32, max_model_len=128)
+    try:
+        assert second.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == expected
+    finally:
+        second.llm_engine.shutdown()
+    assert _process_state() == before
