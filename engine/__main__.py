@@ -5,7 +5,17 @@ every command and for `engine.LLM`. generate and chat print the text as the engi
 
 The default model is SmolLM2-135M-Instruct, converted on first use (see engine/default_model.py)."""
 import argparse
+import importlib
+import signal
 import sys
+
+# What `serve` imports beyond the main dependencies (the `serve` extra; openai there is for clients only).
+SERVE_MODULES = ("pydantic", "fastapi", "uvicorn", "prometheus_client")
+SERVE_INSTALL = 'pip install -c .ci/constraints.txt -e ".[serve]"'
+
+
+class MissingExtraError(Exception):
+    """A command needs an optional extra that is not installed; the message says what to install."""
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, *, temperature: float, top_p: float) -> None:
@@ -52,11 +62,36 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--log-level", default="info", help="uvicorn log level")
 
 
-def _print_stream(llm, prompt, params, *, chat: bool) -> str:
+class _DeferredInterrupt:
+    """While active, Ctrl-C (SIGINT) only sets `.requested`: the reply loop stops between two engine steps and
+    aborts its request, instead of a KeyboardInterrupt landing in the middle of a step (which would leave the
+    scheduler's state half-updated)."""
+
+    def __enter__(self) -> "_DeferredInterrupt":
+        self.requested = False
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+
+def _print_stream(llm, prompt, params, *, chat: bool, interrupt: _DeferredInterrupt | None = None) -> str:
+    """Print the completion as it grows; return the text printed. With `interrupt`, a Ctrl-C stops the reply
+    after the current step (the request is aborted)."""
     pieces = []
-    for piece in llm.stream_text(prompt, params, chat=chat):
-        print(piece, end="", flush=True)
-        pieces.append(piece)
+    stream = llm.stream_text(prompt, params, chat=chat)
+    try:
+        for piece in stream:
+            print(piece, end="", flush=True)
+            pieces.append(piece)
+            if interrupt is not None and interrupt.requested:
+                break
+    finally:
+        stream.close()   # aborts the request when it has not finished
     print(flush=True)
     return "".join(pieces)
 
@@ -70,20 +105,30 @@ def cmd_generate(args) -> None:
 
 
 def cmd_chat(args) -> None:
+    """One user message per stdin line. Ctrl-C during a reply stops that reply and the chat goes on; Ctrl-C or
+    EOF at the prompt (or "exit", "quit") ends the chat."""
     llm, params = _build(args)
     conversation = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
-    while True:
-        if interactive:
-            print("> ", end="", flush=True)
-        line = sys.stdin.readline()
-        if not line or line.strip() in ("exit", "quit"):
-            break
-        if not line.strip():
-            continue
-        conversation.append({"role": "user", "content": line.rstrip("\n")})
-        reply = _print_stream(llm, conversation, params, chat=True)
-        conversation.append({"role": "assistant", "content": reply})
+    try:
+        while True:
+            if interactive:
+                print("> ", end="", flush=True)
+            line = sys.stdin.readline()
+            if not line or line.strip() in ("exit", "quit"):
+                break
+            if not line.strip():
+                continue
+            conversation.append({"role": "user", "content": line.rstrip("\n")})
+            with _DeferredInterrupt() as interrupt:
+                reply = _print_stream(llm, conversation, params, chat=True, interrupt=interrupt)
+            # A stopped reply stays in the conversation as far as it was shown (as vLLM-style chat CLIs do): the
+            # model's context is then what the user saw, and the next message can refer to it.
+            conversation.append({"role": "assistant", "content": reply})
+            if interrupt.requested:
+                print("[reply stopped; Ctrl-C at the prompt ends the chat]", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:   # Ctrl-C at the prompt: end the chat like EOF
+        print(flush=True)
 
 
 def cmd_download(args) -> None:
@@ -92,6 +137,13 @@ def cmd_download(args) -> None:
 
 
 def cmd_serve(args) -> None:
+    for name in SERVE_MODULES:   # before any model is loaded
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            missing = e.name if isinstance(e, ModuleNotFoundError) and e.name else None
+            why = f"{missing.split('.')[0]} is not installed" if missing else f"importing {name} failed: {e}"
+            raise MissingExtraError(f"`serve` needs the serve extra ({why}); install it with: {SERVE_INSTALL}") from None
     from engine.entrypoints.openai.api_server import run_server
     run_server(args)
 
@@ -106,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     EngineArgs.add_cli_args(gen)
     _add_sampling_args(gen, temperature=0.0, top_p=1.0)
-    chat = sub.add_parser("chat", help="interactive chat: one user message per stdin line ('exit' or EOF ends)")
+    chat = sub.add_parser("chat", help="interactive chat: one user message per stdin line (Ctrl-C stops a "
+                                           "reply; 'exit', EOF or Ctrl-C at the prompt ends)")
     chat.add_argument("--system", default=None, help="system prompt")
     EngineArgs.add_cli_args(chat)
     # SmolLM2-Instruct's recommended chat sampling.
@@ -123,8 +176,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         {"generate": cmd_generate, "chat": cmd_chat, "download": cmd_download, "serve": cmd_serve}[args.command](args)
-    except ValueError as e:
+    except (ValueError, MissingExtraError) as e:
         parser.exit(2, f"error: {e}\n")
+    except KeyboardInterrupt:   # Ctrl-C while loading or generating: no traceback (130 = killed by SIGINT)
+        print(file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

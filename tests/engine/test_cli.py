@@ -7,6 +7,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.__main__ import main
+from tests.extras import require_serve_extra
 
 PROMPT = "Once upon a time"
 
@@ -127,6 +128,7 @@ def test_engine_options_are_one_definition():
 
 
 def test_serve_chat_template_option(tmp_path):
+    require_serve_extra()
     from engine.entrypoints.openai.api_server import load_chat_template
 
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -136,3 +138,135 @@ def test_serve_chat_template_option(tmp_path):
     assert load_chat_template(None) is None
     with pytest.raises(ValueError, match="chat_template"):
         load_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def test_chat_ctrl_c_stops_the_reply_and_keeps_the_conversation(model_dir, monkeypatch, capsys):
+    """Ctrl-C during a reply (SIGINT, delivered while the reply streams) stops it: its request is aborted, what was
+    shown stays in the conversation as the assistant's turn, and the next message gets a reply; EOF ends the chat."""
+    import copy
+    import os
+    import signal
+
+    import engine.__main__ as cli
+
+    conversations, built = [], []
+    real_build, real_stream = cli._build, LLM.stream_text
+
+    def build(args):
+        llm, params = real_build(args)
+        built.append(llm)
+        return llm, params
+
+    def stream_text(self, prompt, params, *, chat):
+        conversations.append(copy.deepcopy(prompt))
+        inner = real_stream(self, prompt, params, chat=chat)
+        try:
+            for i, piece in enumerate(inner):
+                yield piece
+                if len(conversations) == 1 and i == 0:
+                    os.kill(os.getpid(), signal.SIGINT)   # Ctrl-C while the first reply streams
+        finally:
+            inner.close()
+
+    monkeypatch.setattr(cli, "_build", build)
+    monkeypatch.setattr(LLM, "stream_text", stream_text)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello there\nTell me more\n"))
+
+    def not_handled(signum, frame):   # the chat did not take the Ctrl-C: fail this test, not the whole session
+        raise AssertionError("the Ctrl-C during the reply reached the default handler")
+
+    previous_handler = signal.signal(signal.SIGINT, not_handled)
+    try:
+        main(["chat", "--model", model_dir, "--max-tokens", "24", "--ignore-eos", "--temperature", "0",
+              "--num-kv-blocks", "32"])
+        assert signal.getsignal(signal.SIGINT) is not_handled   # restored after each reply
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
+    out, err = capsys.readouterr()
+    assert "reply stopped" in err
+    assert len(conversations) == 2
+    partial = conversations[1][1]["content"]
+    assert conversations[1] == [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": partial},
+                                {"role": "user", "content": "Tell me more"}]
+    llm = built[0]
+    full = llm.chat(conversations[0], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                    use_tqdm=False)[0].outputs[0]
+    assert partial and full.text.startswith(partial) and len(partial) < len(full.text)   # stopped early
+    second = out.split("\n", 1)[1]
+    assert out.startswith(partial + "\n") and second.strip()   # the second turn got its reply
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+class _Reader:
+    """Collects what a pipe delivers on a thread, so a test can wait for output without blocking on it."""
+
+    def __init__(self, pipe):
+        import threading
+
+        self.data = b""
+        self._thread = threading.Thread(target=self._read, args=(pipe,), daemon=True)
+        self._thread.start()
+
+    def _read(self, pipe):
+        import os
+
+        while chunk := os.read(pipe.fileno(), 4096):
+            self.data += chunk
+
+    @property
+    def text(self) -> str:
+        return self.data.decode("utf-8", "replace")
+
+    def wait_for(self, predicate, process, timeout_s: float = 120.0) -> None:
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while not predicate(self.text):
+            assert process.poll() is None, f"exited with {process.returncode}"
+            assert time.monotonic() < deadline, self.text[-2000:]
+            time.sleep(0.02)
+
+
+def test_chat_ctrl_c_in_a_real_terminal_session(model_dir):
+    """`python -m engine chat` as a process: Ctrl-C during a reply stops it and the next message is answered;
+    Ctrl-C at the prompt ends the chat with status 0 and no traceback."""
+    import signal
+
+    process = subprocess.Popen(
+        [sys.executable, "-m", "engine", "chat", "--model", model_dir, "--max-tokens", "500", "--ignore-eos",
+         "--max-model-len", "1024", "--num-kv-blocks", "80"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = _Reader(process.stdout), _Reader(process.stderr)
+    try:
+        for turn, message in enumerate([b"Hello there\n", b"Tell me more\n"], start=1):
+            shown = len(out.text)
+            process.stdin.write(message)
+            process.stdin.flush()
+            out.wait_for(lambda text: text[shown:].strip(), process)        # the reply is streaming
+            process.send_signal(signal.SIGINT)
+            err.wait_for(lambda text: text.count("reply stopped") == turn, process)
+        process.send_signal(signal.SIGINT)                                   # at the prompt
+        process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, err.text[-2000:]
+    assert "Traceback" not in err.text, err.text[-2000:]
+
+
+@pytest.mark.parametrize("missing", ["fastapi", "uvicorn", "pydantic"])
+def test_serve_without_the_serve_extra_says_what_to_install(missing, tmp_path):
+    """A module of the serve extra that does not import (None in sys.modules) is a one-line error naming the
+    extra's install command, exit status 2, before any model is loaded."""
+    code = ("import runpy, sys\n"
+            f"sys.modules[{missing!r}] = None\n"
+            f"sys.argv = ['engine', 'serve', {str(tmp_path / 'no-such-model')!r}]\n"
+            "runpy.run_module('engine', run_name='__main__', alter_sys=True)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"{missing} is not installed" in result.stderr
+    assert 'pip install -c .ci/constraints.txt -e ".[serve]"' in result.stderr

@@ -5,15 +5,18 @@ the reference; SmolLM2 checks a real chat (EOS stops, streamed == non-streamed).
 import asyncio
 import json
 import re
+import shutil
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-openai = pytest.importorskip("openai")
-httpx = pytest.importorskip("httpx")
-pytest.importorskip("fastapi")
+from tests.extras import require_serve_extra  # noqa: E402
+
+openai, httpx = require_serve_extra("openai", "httpx")
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.async_engine import AsyncLLMEngine  # noqa: E402
@@ -430,9 +433,11 @@ def test_client_leaving_a_non_streamed_request_aborts_it(server, monkeypatch):
 
 # -- the CLI ----------------------------------------------------------------------------------------------------
 def test_cli_serve_subprocess(model_dir):
+    """`python -m engine serve` serves its options; Ctrl-C (SIGINT) shuts it down cleanly: the app's shutdown (which
+    stops the engine) completes, no traceback, exit status 0 (as the uvicorn command)."""
     command = [sys.executable, "-m", "engine", "serve", model_dir, "--port", "0",
                "--served-model-name", "tiny-cli", "--api-key", "k", "--max-model-len", "64",
-               "--num-kv-blocks", "16", "--no-enable-prefix-caching", "--log-level", "warning"]
+               "--num-kv-blocks", "16", "--no-enable-prefix-caching", "--log-level", "info"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         line = ""
@@ -448,9 +453,29 @@ def test_cli_serve_subprocess(model_dir):
         assert reply.usage.completion_tokens == 3
         with pytest.raises(openai.BadRequestError):   # --max-model-len 64 reached the engine
             client.completions.create(model="tiny-cli", prompt="hi", max_tokens=64)
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=TIMEOUT_S)
     finally:
-        process.terminate()
-        process.wait(timeout=TIMEOUT_S)
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=TIMEOUT_S)
+    assert process.returncode == 0, output
+    assert "Traceback" not in output and "Application shutdown complete" in output, output
+
+
+def test_readme_curl_example(server):
+    """README's curl example, pointed at this loopback server."""
+    curl = shutil.which("curl")
+    if curl is None:
+        pytest.skip("curl is not installed")
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    (block,) = [b for b in re.findall(r"```bash\n(.*?)```", readme, flags=re.S) if b.startswith("curl ")]
+    block = block.replace("http://127.0.0.1:8000", server.url).replace("SmolLM2-135M-Instruct", MODEL)
+    result = subprocess.run(["bash", "-c", block], capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert result.returncode == 0, result.stderr
+    reply = json.loads(result.stdout)
+    assert reply["model"] == MODEL and reply["choices"][0]["message"]["role"] == "assistant", reply
+    assert 1 <= reply["usage"]["completion_tokens"] <= 32, reply
 
 
 # -- SmolLM2 ----------------------------------------------------------------------------------------------------

@@ -277,7 +277,16 @@ def engine_from_args(args) -> tuple[AsyncLLMEngine, str]:
 
     engine_args = EngineArgs.from_cli_args(args)
     engine = AsyncLLMEngine(engine_args.create_engine())
-    return engine, args.served_model_name or engine_args.model or "SmolLM2-135M-Instruct"
+    return engine, served_model_name(args)
+
+
+def served_model_name(args) -> str:
+    """The model's name in the API: --served-model-name, else the model as given (a path stays a path), else the
+    default model's name."""
+    from engine.default_model import MODEL_NAME
+    from engine.engine_args import EngineArgs
+
+    return args.served_model_name or EngineArgs.from_cli_args(args).model or MODEL_NAME
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -308,7 +317,12 @@ def run_server(args) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
     print(f"serving {name!r} on http://{args.host}:{sock.getsockname()[1]}", flush=True)
-    uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
+    try:
+        uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
+    except KeyboardInterrupt:
+        # Ctrl-C: uvicorn has shut down gracefully (the app's lifespan stopped the engine), then re-raises the
+        # signal it captured; end with status 0, as the uvicorn command does.
+        pass
 
 
 class ServerThread:
