@@ -9,8 +9,10 @@ import pytest
 from engine import LLM, LLMEngine, SamplingParams
 from engine.sampling_params import GuidedDecodingParams
 
-pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (the project's dev dependencies have it)")
-jsonschema = pytest.importorskip("jsonschema", reason="schema validation of the outputs uses jsonschema")
+from tests.extras import require, require_xgrammar  # noqa: E402
+
+require_xgrammar()
+jsonschema = require("jsonschema", "schema validation of the outputs")
 
 PERSON = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 16},

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-openai = pytest.importorskip("openai")
-httpx = pytest.importorskip("httpx")
-pytest.importorskip("fastapi")
+from tests.extras import require_serve_extra  # noqa: E402
+
+openai, httpx = require_serve_extra("openai", "httpx")
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.async_engine import AsyncLLMEngine  # noqa: E402

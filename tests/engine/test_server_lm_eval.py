@@ -5,8 +5,9 @@ import json
 
 import pytest
 
-lm_eval = pytest.importorskip("lm_eval")
-pytest.importorskip("fastapi")
+from tests.extras import require_serve_extra  # noqa: E402
+
+(lm_eval,) = require_serve_extra("lm_eval")
 
 from engine.async_engine import AsyncLLMEngine  # noqa: E402
 from engine.entrypoints.openai.api_server import ServerThread, build_app  # noqa: E402

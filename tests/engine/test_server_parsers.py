@@ -8,7 +8,7 @@ import pytest
 from engine.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from engine.entrypoints.openai.tool_parsers import (get_tool_parser, parse_required_tool_calls,
                                                    required_tools_schema)
-from engine.entrypoints.openai.protocol import ChatTool
+from tests.extras import require, require_serve_extra
 
 HERMES_CASES = [
     # (output, expected content, expected [(name, arguments)] or None)
@@ -84,7 +84,10 @@ def test_reasoning_parsers(name, text, reasoning, content):
 
 
 def test_required_tool_schema_and_its_parse():
-    jsonschema = pytest.importorskip("jsonschema")
+    require_serve_extra()   # the request models (pydantic)
+    jsonschema = require("jsonschema")
+    from engine.entrypoints.openai.protocol import ChatTool
+
     tools = [ChatTool.model_validate({"type": "function", "function": {
         "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                               "required": ["city"]}}}),
@@ -103,8 +106,7 @@ def test_required_tool_schema_and_its_parse():
 def test_non_finite_logprobs_become_valid_json():
     """A model row without a finite value gives -inf (or NaN) logprobs; responses and stream events carry
     vLLM's -9999.0 instead, since JSON has no infinities (json.dumps would write -Infinity, which clients reject)."""
-    import json
-
+    require_serve_extra()
     from engine.entrypoints.openai.serving import NON_FINITE_LOGPROB, _sse, json_safe
 
     body = {"choices": [{"logprobs": {"token_logprobs": [-0.5, float("-inf"), float("nan")],

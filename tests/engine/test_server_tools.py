@@ -11,10 +11,10 @@ import re
 
 import pytest
 
-openai = pytest.importorskip("openai")
-pytest.importorskip("fastapi")
-pytest.importorskip("xgrammar")
-jsonschema = pytest.importorskip("jsonschema")
+from tests.extras import require_serve_extra, require_xgrammar  # noqa: E402
+
+openai, jsonschema = require_serve_extra("openai", "jsonschema")
+require_xgrammar()
 
 from engine.async_engine import AsyncLLMEngine  # noqa: E402
 from engine.entrypoints.openai.api_server import ServerThread, build_app  # noqa: E402
