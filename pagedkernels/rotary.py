@@ -37,8 +37,10 @@ def compute_cos_sin_cache(
         check_tensor("inv_freq", inv_freq, ndim=1, shape=(rot_dim // 2,))
     angles = torch.outer(torch.arange(max_position, dtype=torch.float64, device="cpu"),
                          inv_freq.to(dtype=torch.float64, device="cpu"))
-    device = torch.get_default_device() if device is None else device
-    return torch.cat([angles.cos(), angles.sin()], dim=-1).to(dtype=dtype, device=device)
+    table = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    if device is None:   # the default device (a factory function follows `with torch.device(...)`)
+        return torch.empty(table.shape, dtype=dtype).copy_(table)
+    return table.to(dtype=dtype, device=device)
 
 
 @triton.jit

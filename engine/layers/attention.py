@@ -125,12 +125,12 @@ class Attention(nn.Module):
         (into ``out`` when given)."""
         ops = pk_ops()
         ops.reshape_and_cache(k, v, self.key_cache, self.value_cache, meta.slot_mapping)
+        # `out` only when given: the custom ops (pk_ops under a fake mode) return a new tensor instead.
+        into = {} if out is None else {"out": out}
         if meta.is_decode and self.use_decode_kernel:
-            out = ops.paged_decode_attention(q, self.key_cache, self.value_cache, meta.block_tables, meta.seq_lens,
-                                             scale=self.scale, sliding_window=self.sliding_window,
-                                             softcap=self.softcap, out=out, workspace=self.decode_workspace)
-        else:
-            out = ops.paged_prefill_attention(q, self.key_cache, self.value_cache, meta.block_tables,
-                                              meta.cu_seqlens_q, meta.seq_lens, scale=self.scale,
-                                              sliding_window=self.sliding_window, softcap=self.softcap, out=out)
-        return out
+            return ops.paged_decode_attention(q, self.key_cache, self.value_cache, meta.block_tables, meta.seq_lens,
+                                              scale=self.scale, sliding_window=self.sliding_window,
+                                              softcap=self.softcap, workspace=self.decode_workspace, **into)
+        return ops.paged_prefill_attention(q, self.key_cache, self.value_cache, meta.block_tables,
+                                           meta.cu_seqlens_q, meta.seq_lens, scale=self.scale,
+                                           sliding_window=self.sliding_window, softcap=self.softcap, **into)

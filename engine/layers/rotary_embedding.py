@@ -107,8 +107,8 @@ class RotaryEmbedding(nn.Module):
         # dtype: the kernels rotate in fp32.
         cache = pk.compute_cos_sin_cache(max_position, rotary_dim, base, inv_freq=inv_freq, dtype=torch.float64,
                                          device="cpu")
-        self.register_buffer("cos_sin_cache", (cache * attention_factor).float().to(torch.get_default_device()),
-                             persistent=False)
+        table = torch.empty(cache.shape, dtype=torch.float32)   # on the default device
+        self.register_buffer("cos_sin_cache", table.copy_(cache * attention_factor), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
         """positions int64 ``[num_tokens]``; q ``[num_tokens, num_heads, head_dim]``, k likewise with the KV

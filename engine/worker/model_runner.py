@@ -28,6 +28,7 @@ import logging
 import math
 import os
 import time
+from dataclasses import dataclass
 from typing import Callable
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,9 @@ from engine.distributed.parallel_state import get_tp_world_size, num_kv_heads_pe
 from engine.layers.attention import Attention, AttentionMetadata, forward_context
 from engine.layers.linear import prepack_linears
 from engine.worker.loader import load_model
+from engine.worker import memory as gpu_memory
+from engine.worker.memory import MemorySnapshot, check_free_memory, kv_cache_budget
+from engine.worker.sampler import sampler_dummy_run
 from engine.platform import DevicePolicy
 from engine.models import get_model_class
 
@@ -59,6 +63,11 @@ class CUDAGraphRunner:
         self.pool = pool
         self.graph: torch.cuda.CUDAGraph | None = None
         self.output: torch.Tensor | None = None
+
+    @staticmethod
+    def new_pool(device: torch.device):
+        """A memory pool the graphs of one runner share (the smaller ones reuse the largest's memory)."""
+        return torch.cuda.graph_pool_handle()
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> None:
         fn()
@@ -83,6 +92,10 @@ class EagerGraphRunner:
         self.output: torch.Tensor | None = None
         self.num_replays = 0
 
+    @staticmethod
+    def new_pool(device: torch.device):
+        return None
+
     def capture(self, fn: Callable[[], torch.Tensor]) -> None:
         self.fn = fn
         self.output = fn().clone()
@@ -98,12 +111,20 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return [s for s in (1, 2, 4, 8) if s <= max_num_seqs] + list(range(16, max_num_seqs + 1, 16))
 
 
+@dataclass(slots=True)
+class _ProfileEntry:
+    """A scheduled entry of the profile step: all its tokens new, in its own blocks."""
+    token_ids: list[int]
+    block_table: list[int]
+    num_computed_tokens: int = 0
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, *, device: torch.device, block_size: int,
                  num_kv_blocks: int | None, gpu_memory_utilization: float, max_num_seqs: int,
                  max_num_batched_tokens: int, enforce_eager: bool, seed: int,
                  graph_runner_class: type | None = None, compile_model: bool | None = None,
-                 capture_graphs_at_startup: bool | None = None):
+                 capture_graphs_at_startup: bool | None = None, memory=None):
         self.config = model_config
         self.device = torch.device(device)
         self.dtype = model_config.dtype
@@ -127,6 +148,14 @@ class ModelRunner:
             compile_model = (env not in ("0", "false", "False") if env
                              else self.policy.compile_by_default and not enforce_eager)
         self.compiled = bool(compile_model)
+        # The KV cache's budget on a GPU is measured (engine/worker/memory.py): counters from before the weights.
+        # `memory`: the counters to use instead of the device's (a test double; it turns profiling on anywhere).
+        self.memory = None
+        if num_kv_blocks is None and (self.policy.profile_gpu_memory or memory is not None):
+            self.memory = gpu_memory.device_memory(self.device) if memory is None else memory
+            self._memory_at_start = MemorySnapshot.take(self.memory)
+            check_free_memory(self._memory_at_start, gpu_memory_utilization)
+            self.memory.reset_peak_memory_stats()
         self.model = self._build_model()
         # The forward every path calls: the module itself, or its torch.compile wrapper (compiled lazily per
         # input signature: mixed and decode batches, dynamic in the token count).
@@ -167,7 +196,13 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(previous_dtype)
         load_model(model, self.config.model_dir)
-        model = model.to(self.device).eval()
+        # Built under `torch.device(self.device)`: a parameter or buffer elsewhere is a tensor made on an explicit
+        # other device (a CPU-only assumption), which would fail in the first forward.
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if tensor.device != self.device and not (self.device.index is None
+                                                      and tensor.device.type == self.device.type):
+                raise RuntimeError(f"{type(model).__name__}.{name} is on {tensor.device}, not on {self.device}")
+        model.eval()
         if self.policy.prepack_linears and not self.compiled:
             # float32 CPU linears run oneDNN's inner product; reorder their weights into its layout once
             # instead of on every call (engine/layers/linear.py). A no-op for other dtypes. Not under
@@ -187,11 +222,11 @@ class ModelRunner:
             return num_kv_blocks
         # More blocks than every sequence at full length could use would be wasted memory.
         useful = self.max_num_seqs * self.max_blocks_per_seq
-        if self.policy.profile_gpu_memory:
-            free = self._profile_cuda_free_bytes(gpu_memory_utilization)
+        if self.memory is not None:
+            free = self._profile_kv_cache_bytes(gpu_memory_utilization)
         else:
             free = self.policy.cpu_kv_cache_bytes()
-        num_blocks = min(useful, int(free // self._block_bytes()))
+        num_blocks = min(useful, max(0, int(free // self._block_bytes())))
         if get_tp_world_size() > 1:   # every rank holds the same block ids: the smallest budget decides
             num_blocks = min_over_ranks(num_blocks)
         if num_blocks < 1:
@@ -201,34 +236,45 @@ class ModelRunner:
                     num_blocks * self._block_bytes() / 2**30, free / 2**30, useful)
         return num_blocks
 
-    def _profile_cuda_free_bytes(self, gpu_memory_utilization: float) -> float:
-        """(utilization * total - peak of a max-size forward) bytes, the budget of the KV cache."""
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        num_tokens = min(self.max_num_batched_tokens, self.config.max_model_len)
-        num_blocks = math.ceil(num_tokens / self.block_size)
-        self._bind_kv_cache(torch.empty(2, self.config.num_hidden_layers, num_blocks, self.block_size,
-                                        self.num_kv_heads, self.config.head_dim,
-                                        dtype=self.dtype, device=self.device))
-        with torch.inference_mode():
-            input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-            positions = torch.arange(num_tokens, device=self.device)
-            meta = AttentionMetadata(
-                slot_mapping=positions.clone(),
-                block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None],
-                seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
-                cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
-                is_decode=False)
-            self.model.compute_logits(self._forward(input_ids, positions, meta)[-1:])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
+    def _profile_kv_cache_bytes(self, gpu_memory_utilization: float) -> float:
+        """The KV cache's budget in bytes (engine/worker/memory.py): run the profile step, then
+        gpu_memory_utilization * total - torch's peak since the start - memory taken outside torch."""
+        self._profile_run()
+        peak = self.memory.max_memory_allocated()
+        after = MemorySnapshot.take(self.memory)
+        budget = kv_cache_budget(self._memory_at_start, after, peak, gpu_memory_utilization)
+        self.memory.empty_cache()
+        logger.info("memory profile: %.2f GiB of %.2f GiB for the engine (gpu_memory_utilization=%s); weights and "
+                    "the largest step peak at %.2f GiB in torch, %.2f GiB more used outside torch; KV-cache budget "
+                    "%.2f GiB", budget.requested / 2**30, self._memory_at_start.total / 2**30,
+                    gpu_memory_utilization, budget.torch_peak / 2**30, budget.non_torch / 2**30,
+                    budget.kv_cache / 2**30)
+        return budget.kv_cache
+
+    @torch.inference_mode()
+    def _profile_run(self) -> None:
+        """The largest step the engine runs, on a temporary KV cache of just its blocks: max_num_batched_tokens
+        tokens over min(max_num_seqs, tokens) sequences (each within max_model_len), the logits of every token
+        (a step whose whole chunk asks for prompt logprobs) with their log-softmax, and the sampler with every
+        stage on over the sequences' last tokens."""
+        max_len = self.config.max_model_len
+        num_seqs = min(self.max_num_seqs, self.max_num_batched_tokens)
+        num_tokens = min(self.max_num_batched_tokens, num_seqs * max_len)
+        lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+        entries, next_block = [], 0
+        for length in lens:
+            num_blocks = -(-length // self.block_size)
+            entries.append((_ProfileEntry([0] * length, list(range(next_block, next_block + num_blocks))), length))
+            next_block += num_blocks
+        self._bind_kv_cache(torch.empty(2, self.config.num_hidden_layers, next_block, self.block_size,
+                                        self.num_kv_heads, self.config.head_dim, dtype=self.dtype, device=self.device))
+        input_ids, positions, meta, last_token_indices = self.prepare_inputs(entries)
+        hidden_states = self._forward(input_ids, positions, meta)
+        logits = self.model.compute_logits(hidden_states.index_select(0, last_token_indices))
+        prompt_logprobs = torch.log_softmax(self.model.compute_logits(hidden_states), dim=-1)
+        sampler_dummy_run(logits)
+        del hidden_states, logits, prompt_logprobs
         self._bind_kv_cache(None)
-        torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        logger.info("memory profile: %d-token forward peaks at %.2f GiB of %.2f GiB; KV-cache budget = "
-                    "%.2f x total - peak = %.2f GiB", num_tokens, peak / 2**30, total / 2**30, gpu_memory_utilization,
-                    (gpu_memory_utilization * total - peak) / 2**30)
-        return gpu_memory_utilization * total - peak
 
     def _allocate_kv_cache(self) -> None:
         c = self.config
@@ -269,7 +315,7 @@ class ModelRunner:
         self.static_seq_lens = torch.zeros(size, dtype=torch.int32, device=device)
         self.static_block_tables = torch.zeros(size, self.max_blocks_per_seq, dtype=torch.int32, device=device)
         self.static_cu_seqlens_q = torch.arange(size + 1, dtype=torch.int32, device=device)
-        self.graph_pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        self.graph_pool = self.graph_runner_class.new_pool(device)
 
     # -- per step ---------------------------------------------------------------------------------
 
@@ -290,13 +336,14 @@ class ModelRunner:
             query_lens.append(num_new_tokens)
             tables.append(seq.block_table)
         num_seqs = len(scheduled)
+        # Sizes from the Python lists, not read back from tensors (no value read anywhere: a fake device has none).
+        num_tokens = len(input_ids)
+        # Only the table columns this batch can touch; the rest of each row is padding, never read.
+        width = max(1, -(-max(s + q for s, q in zip(starts, query_lens)) // self.block_size))
         query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
         seq_lens_t = torch.tensor(starts, dtype=torch.int64) + query_lens_t
         cu_seqlens_q = torch.zeros(num_seqs + 1, dtype=torch.int64)
         torch.cumsum(query_lens_t, 0, out=cu_seqlens_q[1:])
-        num_tokens = int(cu_seqlens_q[-1])
-        # Only the table columns this batch can touch; the rest of each row is padding, never read.
-        width = max(1, -(-int(seq_lens_t.max()) // self.block_size))
         block_tables = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], dtype=torch.int32)
         # positions: token i of sequence s sits at starts[s] + (i - cu_seqlens_q[s]).
         seq_index = torch.repeat_interleave(torch.arange(num_seqs), query_lens_t, output_size=num_tokens)

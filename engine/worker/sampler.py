@@ -139,6 +139,26 @@ class Sampler:
         return sample_inverse_cdf(torch.softmax(logits, dim=-1), uniform)
 
 
+def sampler_dummy_run(logits: torch.Tensor, num_logprobs: int = 20) -> torch.Tensor:
+    """The sampler's largest footprint on logits [num_seqs, vocab_size], for the memory profile: raw logprobs,
+    penalties, min-p, top-k/top-p by the full sort, the draw and the top logprobs, all on, with no value read
+    back to the host. Returns the sampled ids [num_seqs] (on the logits' device)."""
+    from types import SimpleNamespace
+
+    logits = logits.float().clone()
+    num_seqs, vocab_size = logits.shape
+    device = logits.device
+    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    params = SimpleNamespace(repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.1)
+    apply_penalties(logits, [SimpleNamespace(prompt_token_ids=[0], output_token_ids=[0], params=params)] * num_seqs)
+    apply_min_p(logits, torch.full((num_seqs,), 0.05, device=device))
+    logits = _top_k_top_p_sorted(logits, torch.full((num_seqs,), 50, device=device),
+                                 torch.full((num_seqs,), 0.9, device=device))
+    sampled = sample_inverse_cdf(torch.softmax(logits, dim=-1), torch.rand(num_seqs, device=device))
+    raw_logprobs.topk(min(num_logprobs, vocab_size), dim=-1)
+    return sampled
+
+
 def _sanitize(logits: torch.Tensor) -> None:
     """In place: NaN -> -inf (such a token is never chosen), +inf -> the largest float32 (so that shifting
     by the row maximum stays finite)."""

@@ -1,0 +1,194 @@
+"""The CUDA code paths without a GPU (tests/engine/fake_cuda.py): every architecture builds on a fake cuda
+device, the runner sizes its KV cache from the (scripted) memory counters after the profile step, prepares a
+mixed batch and runs it through the ops' fake implementations, and captures the whole decode-graph ladder with
+no host sync. The tier's own checks are shown to catch what they are for: a tensor on the wrong device, a host
+sync inside capture, a CPU-only assumption.
+
+Also here: the KV-cache arithmetic through the memory double on a real CPU forward (engine/worker/memory.py)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
+
+from engine.config import ModelConfig
+from engine.worker import memory as gpu_memory
+from engine.worker.model_runner import ModelRunner, graph_batch_sizes
+from tests.engine.fake_cuda import GiB, FakeCudaMemory, FakeGraphRunner, HostSyncError, fake_cuda
+from tests.engine.models_util import TINY_ARCHITECTURES, random_token_ids
+
+BLOCK_SIZE = 16
+MAX_NUM_SEQS = 20
+MAX_NUM_BATCHED_TOKENS = 96
+MAX_MODEL_LEN = 128
+
+
+@dataclass(eq=False)
+class Entry:
+    """The fields of a scheduled entry the runner reads."""
+    token_ids: list[int]
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+
+
+def _runner(model_dir: str, *, num_kv_blocks=None, gpu_memory_utilization=0.9, **kwargs) -> ModelRunner:
+    """A runner as the engine builds one on CUDA (graphs captured at start-up; eager, as inductor cannot compile
+    for a fake device), on the fake cuda device."""
+    config = ModelConfig.from_pretrained(model_dir, device="cuda", max_model_len=MAX_MODEL_LEN)
+    kwargs = {"capture_graphs_at_startup": True, **kwargs}
+    return ModelRunner(config, device=torch.device("cuda"), block_size=BLOCK_SIZE, num_kv_blocks=num_kv_blocks,
+                       gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=MAX_NUM_SEQS,
+                       max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, enforce_eager=False, seed=0,
+                       graph_runner_class=FakeGraphRunner, compile_model=False, **kwargs)
+
+
+def _mixed_batch() -> list[tuple[Entry, int]]:
+    """A prefill chunk, a later chunk of a long prompt, and two decodes, on scattered blocks."""
+    prefill = Entry(random_token_ids(37, seed=1), 0, [5, 9, 2])
+    chunk = Entry(random_token_ids(70, seed=2), 32, [7, 1, 3, 11, 4])
+    decode_a = Entry(random_token_ids(20, seed=3), 19, [8, 6])
+    decode_b = Entry(random_token_ids(1, seed=4), 0, [10])
+    return [(prefill, 37), (chunk, 38), (decode_a, 1), (decode_b, 1)]
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_every_architecture_runs_the_cuda_paths(tiny_model_dir, arch):
+    model_dir = tiny_model_dir(arch)
+    FakeGraphRunner.captured_batch_sizes = []
+    # A budget small enough to show in the block count: 1 GiB for the engine, 0.25 GiB peak, 0.25 GiB outside.
+    memory = FakeCudaMemory(total=80 * GiB, free=79 * GiB, peak_bytes=GiB // 4, non_torch_bytes=GiB // 4)
+    batch = _mixed_batch()
+    decodes = [(Entry(random_token_ids(n + 1, seed=n), n, list(range(n // BLOCK_SIZE + 1))), 1) for n in (3, 40, 90)]
+    with fake_cuda(memory):
+        runner = _runner(model_dir, gpu_memory_utilization=1.5 / 80)
+        config = runner.config
+        budget = 1.5 * GiB - GiB // 4 - GiB // 4
+        useful = MAX_NUM_SEQS * math.ceil(MAX_MODEL_LEN / BLOCK_SIZE)
+        assert runner.num_kv_blocks == min(useful, int(budget // runner._block_bytes()))
+        assert runner.kv_cache.device.type == "cuda" and runner.kv_cache.shape[2] == runner.num_kv_blocks
+        assert all(p.device.type == "cuda" for p in runner.model.parameters())
+        assert sorted(FakeGraphRunner.captured_batch_sizes) == graph_batch_sizes(MAX_NUM_SEQS)
+
+        input_ids, positions, meta, last = runner.prepare_inputs(batch)
+        for tensor in (input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                       meta.cu_seqlens_q, last):
+            assert tensor.device.type == "cuda"
+        assert input_ids.shape == (77,) and meta.block_tables.shape == (4, 5) and not meta.is_decode
+        logits = runner.execute_model(batch)
+        assert logits.shape == (4, config.vocab_size) and logits.device.type == "cuda"
+        logits, extra = runner.execute_model(batch, all_logits_for=[1])
+        assert extra[0].shape == (38, config.vocab_size)
+
+        logits = runner.execute_model(decodes)   # pads to the graph of 4
+        assert logits.shape == (3, config.vocab_size) and logits.device.type == "cuda"
+
+
+def test_kv_sizing_refuses_more_than_is_free(tiny_model_dir):
+    model_dir = tiny_model_dir("llama")   # made before fake mode (the directory is written for real)
+    with fake_cuda(FakeCudaMemory(total=80 * GiB, free=40 * GiB)):
+        with pytest.raises(ValueError, match="gpu_memory_utilization=0.9 asks for 72.00 GiB.*only 40.00 GiB is free"):
+            _runner(model_dir)
+
+
+def test_the_tier_catches_a_tensor_on_the_wrong_device(tiny_model_dir, monkeypatch):
+    """The rotary table as it was first written (its angles mixed a CPU operand with a tensor made under
+    `with torch.device(cuda)`): every model with rotary failed to build on CUDA."""
+    import pagedkernels.rotary
+
+    def table_mixing_devices(max_position, rot_dim, base, *, dtype=torch.float32, inv_freq=None, device=None):
+        angles = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq.double().cpu())
+        return torch.cat([angles.cos(), angles.sin()], dim=-1).to(dtype=dtype, device=device)
+
+    model_dir = tiny_model_dir("llama")
+    monkeypatch.setattr(pagedkernels.rotary, "compute_cos_sin_cache", table_mixing_devices)
+    monkeypatch.setattr("pagedkernels.compute_cos_sin_cache", table_mixing_devices)
+    with fake_cuda(), pytest.raises(FakeTensorDeviceMismatchError):
+        _runner(model_dir, num_kv_blocks=32)
+
+
+def test_the_tier_catches_a_cpu_tensor_in_the_forward(tiny_model_dir, monkeypatch):
+    """A tensor made without a device inside the forward lands on the CPU on a real GPU too."""
+    from engine.layers.layernorm import RMSNorm
+
+    forward = RMSNorm.forward
+
+    def forward_with_cpu_tensor(self, x, residual=None):
+        out = forward(self, x, residual)
+        scale = torch.ones(x.shape[-1])   # no device: the CPU
+        return (out[0] * scale, out[1]) if isinstance(out, tuple) else out * scale
+
+    model_dir = tiny_model_dir("llama")
+    monkeypatch.setattr(RMSNorm, "forward", forward_with_cpu_tensor)
+    with fake_cuda(), pytest.raises(FakeTensorDeviceMismatchError):
+        _runner(model_dir, num_kv_blocks=32)
+
+
+@pytest.mark.parametrize("sync", ["item", "tolist", "to_cpu", "synchronize"])
+def test_the_tier_catches_a_host_sync_inside_capture(tiny_model_dir, monkeypatch, sync):
+    from engine.layers.layernorm import RMSNorm
+
+    forward = RMSNorm.forward
+
+    def forward_with_sync(self, x, residual=None):
+        if sync == "item":
+            x[0, 0].item()
+        elif sync == "tolist":
+            x[0].tolist()
+        elif sync == "to_cpu":
+            x.cpu()
+        else:
+            torch.cuda.synchronize()
+        return forward(self, x, residual)
+
+    model_dir = tiny_model_dir("llama")
+    with fake_cuda():
+        runner = _runner(model_dir, num_kv_blocks=32, capture_graphs_at_startup=False)
+        monkeypatch.setattr(RMSNorm, "forward", forward_with_sync)
+        with pytest.raises(HostSyncError):
+            runner.capture_all_graphs()
+
+
+def test_kv_budget_arithmetic():
+    start = gpu_memory.MemorySnapshot(free=70 * GiB, total=80 * GiB, allocated=GiB, reserved=2 * GiB)
+    # Torch allocated up to 9 GiB (1 GiB was there before), reserved 6 GiB more, free fell by 8 GiB: 2 GiB
+    # went outside torch.
+    after = gpu_memory.MemorySnapshot(free=62 * GiB, total=80 * GiB, allocated=GiB, reserved=8 * GiB)
+    budget = gpu_memory.kv_cache_budget(start, after, peak_allocated=9 * GiB, gpu_memory_utilization=0.5)
+    assert (budget.requested, budget.torch_peak, budget.non_torch) == (40 * GiB, 8 * GiB, 2 * GiB)
+    assert budget.kv_cache == 30 * GiB
+    gpu_memory.check_free_memory(start, 0.875)
+    with pytest.raises(ValueError, match="gpu_memory_utilization=0.9"):
+        gpu_memory.check_free_memory(start, 0.9)
+
+
+def test_profile_step_through_the_cpu_double(tiny_model_dir, monkeypatch):
+    """On a real CPU forward with scripted counters: the profile step runs max_num_batched_tokens tokens over
+    min(max_num_seqs, tokens) sequences, the logits of every token (the most prompt logprobs a step can ask
+    for) and the sampler over the sequences' last tokens; the block count follows the arithmetic."""
+    import engine.worker.model_runner as model_runner_module
+
+    model_dir = tiny_model_dir("qwen3")
+    config = ModelConfig.from_pretrained(model_dir, max_model_len=MAX_MODEL_LEN)
+    logits_rows, sampled_rows = [], []
+    dummy_run = model_runner_module.sampler_dummy_run
+    monkeypatch.setattr(model_runner_module, "sampler_dummy_run",
+                        lambda logits: sampled_rows.append(tuple(logits.shape)) or dummy_run(logits))
+    memory = FakeCudaMemory(total=16 * GiB, free=15 * GiB, peak_bytes=GiB, non_torch_bytes=GiB // 2)
+    runner = ModelRunner(config, device=torch.device("cpu"), block_size=BLOCK_SIZE, num_kv_blocks=None,
+                         gpu_memory_utilization=0.125, max_num_seqs=4, max_num_batched_tokens=200,
+                         enforce_eager=True, seed=0, memory=memory)
+    compute_logits = runner.model.compute_logits
+    # Free memory read and peak reset before the weights load; the peak read after the profile step.
+    reset = memory.calls.index("reset_peak_memory_stats")
+    assert "mem_get_info" in memory.calls[:reset] and memory.calls.index("max_memory_allocated") > reset
+    # The profile ran inside the constructor; run it again with the spy on to see its shapes.
+    monkeypatch.setattr(runner.model, "compute_logits",
+                        lambda hidden: logits_rows.append(hidden.shape[0]) or compute_logits(hidden))
+    runner._profile_run()
+    assert sorted(logits_rows) == [4, 200] and sampled_rows[-1] == (4, config.vocab_size)
+    budget = 0.125 * 16 * GiB - GiB - GiB // 2
+    useful = 4 * math.ceil(MAX_MODEL_LEN / BLOCK_SIZE)
+    assert runner.num_kv_blocks == min(useful, int(budget // runner._block_bytes()))
