@@ -23,6 +23,7 @@ import os
 from typing import Iterator
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -127,6 +128,18 @@ def use_native(tensor: torch.Tensor) -> bool:
     if _native.library() is None:
         raise RuntimeError(f"pagedkernels native CPU kernels are unavailable: {_native.build_error()}")
     return True
+
+
+def has_no_data(*tensors: torch.Tensor | None) -> bool:
+    """Whether any of ``tensors`` (None entries ignored) holds no data: a meta tensor, or a fake one
+    (``FakeTensorMode``, which ``torch.compile`` traces with and which makes CUDA tensors even on a
+    CPU-only torch). The public ops check their arguments, then, on such tensors, only allocate
+    their outputs: that is their fake implementation (``pagedkernels.torch_ops`` registers it), and
+    it keeps a meta or fake call from reaching a kernel."""
+    for t in tensors:
+        if t is not None and (t.is_meta or isinstance(t, FakeTensor)):
+            return True
+    return False
 
 
 def value_checks_enabled(tensor: torch.Tensor) -> bool:

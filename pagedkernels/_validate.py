@@ -1,5 +1,12 @@
 """Argument checks shared by the ops. Every failure is a ValueError naming the argument and what
-was wrong with it, raised before any kernel launch."""
+was wrong with it, raised before any kernel launch.
+
+Each public op has one function that checks all its arguments from their metadata alone (type,
+rank, dtype, device, shape, strides; never a tensor's values): the op calls it first, and so does its
+fake implementation (``pagedkernels.torch_ops``), which is the public op itself on fake tensors (see
+:func:`pagedkernels._backend.has_no_data`). A call that fails on the device fails in the same way
+under ``FakeTensorMode`` or while ``torch.compile`` traces it. Checks that read values (block ids,
+sequence lengths, slots) are separate, per op, and run only where there are values to read."""
 
 from __future__ import annotations
 
@@ -23,10 +30,12 @@ def check_tensor(
     ndim: int | None = None,
     dtypes: Iterable[torch.dtype] | None = None,
     device: torch.device | None = None,
+    like: tuple[str, torch.Tensor] | None = None,
     shape: Sequence[int | None] | None = None,
 ) -> torch.Tensor:
     """Check type, rank, dtype, device and (partially given) shape. ``None`` in ``shape`` is a
-    wildcard. Returns the tensor for chaining."""
+    wildcard. ``like=(other_name, other)``: on ``other``'s device (every tensor argument of an op
+    shares one device; the message names both). Returns the tensor for chaining."""
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if ndim is not None and tensor.dim() != ndim:
@@ -38,6 +47,9 @@ def check_tensor(
             raise ValueError(f"{name} must have dtype in ({allowed}), got {str(tensor.dtype).replace('torch.', '')}")
     if device is not None and tensor.device != device:
         raise ValueError(f"{name} must be on device {device}, got {tensor.device}")
+    if like is not None and tensor.device != like[1].device:
+        raise ValueError(f"{name} is on {tensor.device} but {like[0]} is on {like[1].device}: the tensor "
+                         f"arguments must all be on one device")
     if shape is not None:
         if tensor.dim() != len(shape) or any(
             want is not None and want != got for want, got in zip(shape, tensor.shape)
@@ -67,11 +79,12 @@ def check_gqa(num_q_heads: int, num_kv_heads: int) -> int:
     return num_q_heads // num_kv_heads
 
 
-def check_kv_caches(key_cache: object, value_cache: object, *, device: torch.device | None = None) -> tuple[int, int, int, int]:
+def check_kv_caches(key_cache: object, value_cache: object, *,
+                    like: tuple[str, torch.Tensor] | None = None) -> tuple[int, int, int, int]:
     """key_cache/value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, same dtype and
-    device. Returns their shape."""
-    check_tensor("key_cache", key_cache, ndim=4, dtypes=FLOAT_DTYPES, device=device)
-    check_tensor("value_cache", value_cache, ndim=4, dtypes=FLOAT_DTYPES, device=key_cache.device,
+    device (``like``'s, when given). Returns their shape."""
+    check_tensor("key_cache", key_cache, ndim=4, dtypes=FLOAT_DTYPES, like=like)
+    check_tensor("value_cache", value_cache, ndim=4, dtypes=FLOAT_DTYPES, like=("key_cache", key_cache),
                  shape=tuple(key_cache.shape))
     check_same_dtype("value_cache", value_cache, "key_cache", key_cache)
     if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from . import _native
-from ._backend import use_native, use_triton
+from ._backend import has_no_data, use_native, use_triton
 from ._validate import FLOAT_DTYPES, check_same_dtype, check_tensor
 
 _BLOCK = 1024  # elements per program: 4 warps x 8 contiguous elements per thread (16-byte fp16 accesses)
@@ -33,28 +33,35 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + row * stride_out_row + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def check_silu_and_mul_args(x, out=None) -> tuple[int, ...]:
+    """Every check of :func:`silu_and_mul`'s arguments that reads no tensor value, shared with its fake
+    implementation. Returns the output's shape."""
+    check_tensor("x", x, dtypes=FLOAT_DTYPES)
+    if x.dim() < 1 or x.shape[-1] % 2:
+        raise ValueError(f"x must have shape [..., 2 * d], got {list(x.shape)}")
+    if x.stride(-1) != 1:
+        raise ValueError("x must be contiguous in its last dimension")
+    out_shape = (*x.shape[:-1], x.shape[-1] // 2)
+    if out is not None:
+        check_tensor("out", out, like=("x", x), shape=out_shape)
+        check_same_dtype("out", out, "x", x)
+        if out.stride(-1) != 1:
+            raise ValueError("out must be contiguous in its last dimension")
+    return out_shape
+
+
 def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(x[..., :d]) * x[..., d:]``.
 
     x: ``[..., 2 * d]`` fp16/bf16/fp32 (last dim contiguous). out: optional ``[..., d]`` of x's
     dtype. Returns ``[..., d]`` in x's dtype; computed in fp32.
     """
-    check_tensor("x", x, dtypes=FLOAT_DTYPES)
-    if x.dim() < 1 or x.shape[-1] % 2:
-        raise ValueError(f"x must have shape [..., 2 * d], got {list(x.shape)}")
-    if x.stride(-1) != 1:
-        raise ValueError("x must be contiguous in its last dimension")
-    d = x.shape[-1] // 2
-    out_shape = (*x.shape[:-1], d)
+    out_shape = check_silu_and_mul_args(x, out)
+    d = out_shape[-1]
     if out is None:
         out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
-    else:
-        check_tensor("out", out, device=x.device, shape=out_shape)
-        check_same_dtype("out", out, "x", x)
-        if out.stride(-1) != 1:
-            raise ValueError("out must be contiguous in its last dimension")
-    if out.numel() == 0:
-        return out
+    if has_no_data(x, out) or out.numel() == 0:
+        return out  # nothing to compute (meta or fake tensors: checked only, the fake implementation)
 
     on_triton = use_triton(x)
     if on_triton or use_native(x):

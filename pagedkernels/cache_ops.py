@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from . import _native
-from ._backend import use_native, use_triton, value_checks_enabled
+from ._backend import has_no_data, use_native, use_triton, value_checks_enabled
 from ._validate import FLOAT_DTYPES, check_kv_caches, check_same_dtype, check_tensor
 
 # Elements one program copies per step: 2048 fp16 = 4 KiB, enough in-flight bytes per program for
@@ -72,6 +72,23 @@ def _reshape_and_cache_kernel(
     tl.store(dst_v, tl.load(src_v, mask=mask), mask=mask)
 
 
+def check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping) -> tuple[int, int, int, int]:
+    """Every check of :func:`reshape_and_cache`'s arguments that reads no tensor value, shared with its
+    fake implementation. Returns the caches' shape."""
+    check_tensor("key", key, ndim=3)
+    on_key = ("key", key)
+    num_blocks, block_size, num_kv_heads, head_dim = check_kv_caches(key_cache, value_cache, like=on_key)
+    check_tensor("key", key, shape=(None, num_kv_heads, head_dim))
+    num_tokens = key.shape[0]
+    check_tensor("value", value, like=on_key, shape=(num_tokens, num_kv_heads, head_dim))
+    check_same_dtype("key", key, "key_cache", key_cache)
+    check_same_dtype("value", value, "value_cache", value_cache)
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError("key and value must be contiguous in their last (head_dim) dimension")
+    check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int64,), like=on_key, shape=(num_tokens,))
+    return num_blocks, block_size, num_kv_heads, head_dim
+
+
 def reshape_and_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -87,18 +104,11 @@ def reshape_and_cache(
     slot_mapping: int64 ``[num_tokens]``; slot = ``block_id * block_size + offset``; a negative
         slot skips the token (padding).
     """
-    num_blocks, block_size, num_kv_heads, head_dim = check_kv_caches(key_cache, value_cache)
-    device = key_cache.device
-    check_tensor("key", key, ndim=3, device=device, shape=(None, num_kv_heads, head_dim))
+    num_blocks, block_size, num_kv_heads, head_dim = check_reshape_and_cache_args(key, value, key_cache,
+                                                                                  value_cache, slot_mapping)
     num_tokens = key.shape[0]
-    check_tensor("value", value, device=device, shape=(num_tokens, num_kv_heads, head_dim))
-    check_same_dtype("key", key, "key_cache", key_cache)
-    check_same_dtype("value", value, "value_cache", value_cache)
-    if key.stride(-1) != 1 or value.stride(-1) != 1:
-        raise ValueError("key and value must be contiguous in their last (head_dim) dimension")
-    check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int64,), device=device, shape=(num_tokens,))
-    if num_tokens == 0:
-        return
+    if has_no_data(key, value, key_cache, value_cache, slot_mapping) or num_tokens == 0:
+        return  # nothing to write (meta or fake tensors: checked only, the fake implementation)
     # The native kernel checks the slots itself, in the pass that writes (nothing written on failure).
     native = not use_triton(key_cache) and use_native(key_cache)
     has_padding = None  # known only where values are read
@@ -196,6 +206,24 @@ def _launch_copy_blocks(caches: list[torch.Tensor], block_mapping: torch.Tensor)
     _copy_blocks_kernel[grid](cache_ptrs, first, block_mapping, first.stride(0), block_numel, TILE=tile)
 
 
+def check_copy_blocks_args(key_caches, value_caches, block_mapping) -> None:
+    """Every check of :func:`copy_blocks`'s arguments that reads no tensor value."""
+    if not isinstance(key_caches, (list, tuple)) or len(key_caches) == 0:
+        raise ValueError("key_caches must be a non-empty list of tensors")
+    if not isinstance(value_caches, (list, tuple)) or len(value_caches) != len(key_caches):
+        raise ValueError(f"value_caches must be a list with one tensor per layer ({len(key_caches)})")
+    first = check_tensor("key_caches[0]", key_caches[0], ndim=4, dtypes=FLOAT_DTYPES)
+    on_first = ("key_caches[0]", first)
+    for kind, caches in (("key_caches", key_caches), ("value_caches", value_caches)):
+        for layer, cache in enumerate(caches):
+            name = f"{kind}[{layer}]"
+            check_tensor(name, cache, like=on_first, shape=tuple(first.shape))
+            check_same_dtype(name, cache, "key_caches[0]", first)
+            if not cache.is_contiguous():
+                raise ValueError(f"{name} must be contiguous")
+    check_tensor("block_mapping", block_mapping, dtypes=(torch.int64,), like=on_first, shape=(None, 2))
+
+
 def copy_blocks(
     key_caches: list[torch.Tensor],
     value_caches: list[torch.Tensor],
@@ -208,20 +236,11 @@ def copy_blocks(
     block_mapping: int64 ``[num_pairs, 2]`` of (src, dst) block ids, on the caches' device.
         Destinations must be distinct and must not be sources (so pairs are independent).
     """
-    if not isinstance(key_caches, (list, tuple)) or len(key_caches) == 0:
-        raise ValueError("key_caches must be a non-empty list of tensors")
-    if not isinstance(value_caches, (list, tuple)) or len(value_caches) != len(key_caches):
-        raise ValueError(f"value_caches must be a list with one tensor per layer ({len(key_caches)})")
-    first = check_tensor("key_caches[0]", key_caches[0], ndim=4, dtypes=FLOAT_DTYPES)
-    for kind, caches in (("key_caches", key_caches), ("value_caches", value_caches)):
-        for layer, cache in enumerate(caches):
-            name = f"{kind}[{layer}]"
-            check_tensor(name, cache, device=first.device, shape=tuple(first.shape))
-            check_same_dtype(name, cache, "key_caches[0]", first)
-            if not cache.is_contiguous():
-                raise ValueError(f"{name} must be contiguous")
+    check_copy_blocks_args(key_caches, value_caches, block_mapping)
+    first = key_caches[0]
+    if has_no_data(first, block_mapping, *key_caches, *value_caches):
+        return  # meta or fake tensors: checked, nothing to copy
     num_blocks = first.shape[0]
-    check_tensor("block_mapping", block_mapping, dtypes=(torch.int64,), device=first.device, shape=(None, 2))
     num_pairs = block_mapping.shape[0]
     if value_checks_enabled(block_mapping) and num_pairs > 0:
         if int(block_mapping.min()) < 0 or int(block_mapping.max()) >= num_blocks:
@@ -247,6 +266,19 @@ def copy_blocks(
 # ----------------------------------------------------------------------------------------------
 
 
+def check_swap_blocks_args(src, dst, block_mapping) -> None:
+    """Every check of :func:`swap_blocks`'s arguments that reads no tensor value."""
+    check_tensor("src", src, dtypes=FLOAT_DTYPES)
+    if src.dim() < 1:
+        raise ValueError("src must have a leading num_blocks dimension")
+    if not isinstance(dst, torch.Tensor) or dst.dim() < 1 or tuple(dst.shape[1:]) != tuple(src.shape[1:]):
+        got = list(dst.shape) if isinstance(dst, torch.Tensor) else type(dst).__name__
+        raise ValueError(f"dst must have the same per-block shape as src {list(src.shape[1:])}, got {got}")
+    check_same_dtype("dst", dst, "src", src)
+    check_tensor("block_mapping", block_mapping, dtypes=(torch.int64,), device=torch.device("cpu"),
+                 shape=(None, 2))
+
+
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
     """Copy whole blocks ``src[s] -> dst[d]`` for each (s, d) row of ``block_mapping``.
 
@@ -261,17 +293,9 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     side is CUDA and the host side is pinned the copies are ``non_blocking`` (enqueued on the
     current stream): synchronize that stream before reading a CPU destination.
     """
-    check_tensor("src", src, dtypes=FLOAT_DTYPES)
-    if src.dim() < 1:
-        raise ValueError("src must have a leading num_blocks dimension")
-    if not isinstance(dst, torch.Tensor) or dst.dim() < 1 or tuple(dst.shape[1:]) != tuple(src.shape[1:]):
-        got = list(dst.shape) if isinstance(dst, torch.Tensor) else type(dst).__name__
-        raise ValueError(f"dst must have the same per-block shape as src {list(src.shape[1:])}, got {got}")
-    check_same_dtype("dst", dst, "src", src)
-    check_tensor("block_mapping", block_mapping, dtypes=(torch.int64,), device=torch.device("cpu"),
-                 shape=(None, 2))
-    if block_mapping.shape[0] == 0:
-        return
+    check_swap_blocks_args(src, dst, block_mapping)
+    if has_no_data(src, dst, block_mapping) or block_mapping.shape[0] == 0:
+        return  # nothing to copy (meta or fake tensors: checked only)
     if int(block_mapping[:, 0].min()) < 0 or int(block_mapping[:, 0].max()) >= src.shape[0]:
         raise ValueError(f"block_mapping: source block ids must lie in [0, {src.shape[0]})")
     if int(block_mapping[:, 1].min()) < 0 or int(block_mapping[:, 1].max()) >= dst.shape[0]:

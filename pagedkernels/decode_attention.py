@@ -18,7 +18,14 @@ import triton
 import triton.language as tl
 
 from . import _native
-from ._backend import launch_device_kind, num_multiprocessors, use_native, use_triton, value_checks_enabled
+from ._backend import (
+    has_no_data,
+    launch_device_kind,
+    num_multiprocessors,
+    use_native,
+    use_triton,
+    value_checks_enabled,
+)
 from ._validate import (
     FLOAT_DTYPES,
     check_gqa,
@@ -29,34 +36,37 @@ from ._validate import (
     check_tensor,
 )
 
-__all__ = ["paged_decode_attention", "decode_num_splits", "decode_workspace", "decode_workspace_numel"]
+__all__ = ["paged_decode_attention", "check_decode_args", "decode_num_splits", "decode_workspace",
+           "decode_workspace_numel"]
 
 
-def _validate(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap,
-              num_splits, out, workspace) -> int:
-    """All shape/dtype/device checks (no tensor values read). Returns the GQA group size."""
+def check_decode_args(q, key_cache, value_cache, block_tables, seq_lens, scale=None, sliding_window=None,
+                      softcap=None, num_splits=None, out=None, workspace=None) -> int:
+    """Every check of :func:`paged_decode_attention`'s arguments that reads no tensor value (types,
+    ranks, dtypes, one device, shapes, strides, the options), shared with its fake implementation.
+    Returns the GQA group size."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     num_seqs, num_q_heads, head_dim = q.shape
-    check_kv_caches(key_cache, value_cache, device=q.device)
+    on_q = ("q", q)
+    check_kv_caches(key_cache, value_cache, like=on_q)
     check_same_dtype("key_cache", key_cache, "q", q)
     num_blocks, block_size, num_kv_heads, cache_head_dim = key_cache.shape
     if cache_head_dim != head_dim:
         raise ValueError(f"key_cache: head_dim {cache_head_dim} differs from q's head_dim {head_dim}")
     check_head_size("q", head_dim)
     group = check_gqa(num_q_heads, num_kv_heads)
-    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), device=q.device,
-                 shape=(num_seqs, None))
-    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=q.device, shape=(num_seqs,))
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), like=on_q, shape=(num_seqs, None))
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), like=on_q, shape=(num_seqs,))
     check_attention_options(scale, sliding_window, softcap)
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                    or num_splits < 1):
         raise ValueError(f"num_splits must be an int >= 1 or None, got {num_splits!r}")
     if out is not None:
-        check_tensor("out", out, dtypes=(q.dtype,), device=q.device, shape=tuple(q.shape))
+        check_tensor("out", out, dtypes=(q.dtype,), like=on_q, shape=tuple(q.shape))
         if out.stride(-1) != 1:
             raise ValueError("out must be contiguous in its last (head_dim) dimension")
     if workspace is not None:
-        check_tensor("workspace", workspace, ndim=1, dtypes=(torch.float32,), device=q.device)
+        check_tensor("workspace", workspace, ndim=1, dtypes=(torch.float32,), like=on_q)
         if not workspace.is_contiguous():
             raise ValueError("workspace must be contiguous")
         if num_splits is not None and num_splits > 1:
@@ -137,16 +147,18 @@ def paged_decode_attention(
     Returns:
         ``[num_seqs, num_q_heads, head_dim]`` in q's dtype (``out`` when given).
     """
-    group = _validate(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap,
-                      num_splits, out, workspace)
+    group = check_decode_args(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap,
+                              num_splits, out, workspace)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if has_no_data(q, key_cache, value_cache, block_tables, seq_lens, out, workspace):
+        return out  # meta or fake tensors: checked, nothing to compute (the fake implementation)
     head_dim = q.shape[-1]
     # The native kernel checks the metadata values itself, before it writes anything.
     native = not use_triton(q) and use_native(q) and _native.supports(q, head_dim, group)
     if value_checks_enabled(q) and not native:
         _check_values(key_cache, block_tables, seq_lens)
     scale = float(head_dim ** -0.5 if scale is None else scale)
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if q.shape[0] == 0:
         return out
     if native:

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from . import _native
-from ._backend import launch_device_kind, use_native, use_triton, value_checks_enabled
+from ._backend import has_no_data, launch_device_kind, use_native, use_triton, value_checks_enabled
 from ._validate import (
     FLOAT_DTYPES,
     check_gqa,
@@ -451,6 +451,33 @@ def _explain_bad_values(q, key_cache, block_tables, cu_seqlens_q, seq_lens) -> N
         raise ValueError(f"block_tables[{s}, {j}] = {table[s, j].item()} is out of range [0, {num_blocks})")
 
 
+def check_prefill_args(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale=None,
+                       sliding_window=None, softcap=None, out=None) -> int:
+    """Every check of :func:`paged_prefill_attention`'s arguments that reads no tensor value (types,
+    ranks, dtypes, one device, shapes, strides, the options), shared with its fake implementation.
+    Returns the GQA group size."""
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    on_q = ("q", q)
+    check_kv_caches(key_cache, value_cache, like=on_q)
+    check_same_dtype("key_cache", key_cache, "q", q)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    if cache_head_dim != head_dim:
+        raise ValueError(f"key_cache: head_dim ({cache_head_dim}) must equal q's head_dim ({head_dim})")
+    check_head_size("q", head_dim)
+    group = check_gqa(num_q_heads, num_kv_heads)
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), like=on_q)
+    num_seqs = seq_lens.shape[0]
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), like=on_q, shape=(num_seqs, None))
+    check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), like=on_q, shape=(num_seqs + 1,))
+    check_attention_options(scale, sliding_window, softcap)
+    if out is not None:
+        check_tensor("out", out, dtypes=(q.dtype,), like=on_q, shape=tuple(q.shape))
+        if out.stride(-1) != 1:
+            raise ValueError("out must be contiguous in its last (head_dim) dimension")
+    return group
+
+
 def paged_prefill_attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -487,29 +514,15 @@ def paged_prefill_attention(
     where value checks run (CPU tensors, ``PAGEDKERNELS_DEBUG=1``); otherwise rows of ``out`` past
     ``cu_seqlens_q[-1]`` are left untouched.
     """
-    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
-    device = q.device
-    check_kv_caches(key_cache, value_cache, device=device)
-    check_same_dtype("key_cache", key_cache, "q", q)
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, cache_head_dim = key_cache.shape
-    if cache_head_dim != head_dim:
-        raise ValueError(f"key_cache: head_dim ({cache_head_dim}) must equal q's head_dim ({head_dim})")
-    check_head_size("q", head_dim)
-    check_gqa(num_q_heads, num_kv_heads)
-    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=device)
-    num_seqs = seq_lens.shape[0]
-    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), device=device,
-                 shape=(num_seqs, None))
-    check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), device=device,
-                 shape=(num_seqs + 1,))
-    check_attention_options(scale, sliding_window, softcap)
-    if out is not None:
-        check_tensor("out", out, dtypes=(q.dtype,), device=device, shape=tuple(q.shape))
-        if out.stride(-1) != 1:
-            raise ValueError("out must be contiguous in its last (head_dim) dimension")
+    group = check_prefill_args(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                               sliding_window, softcap, out)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if has_no_data(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out):
+        return out  # meta or fake tensors: checked, nothing to compute (the fake implementation)
+    head_dim = q.shape[-1]
     # The native kernel checks the metadata values itself, before it writes anything.
-    native = not use_triton(q) and use_native(q) and _native.supports(q, head_dim, num_q_heads // num_kv_heads)
+    native = not use_triton(q) and use_native(q) and _native.supports(q, head_dim, group)
     if value_checks_enabled(q) and not native:
         _check_values(q, key_cache, block_tables, cu_seqlens_q, seq_lens)
 
@@ -519,8 +532,6 @@ def paged_prefill_attention(
         q = q.contiguous()
     if block_tables.stride(-1) != 1:
         block_tables = block_tables.contiguous()
-    if out is None:
-        out = torch.empty_like(q)
     if native:
         if not _native.paged_attention(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
                                        sliding_window, softcap, out):

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from . import _native
-from ._backend import use_native, use_triton
+from ._backend import has_no_data, use_native, use_triton
 from ._validate import FLOAT_DTYPES, check_same_dtype, check_tensor
 
 # Largest row kept whole in registers (fp32): 8192 elements over 16 warps is 16 per thread. Longer
@@ -118,12 +118,32 @@ def _check_common(x: object, weight: object, eps: float) -> int:
     if x.stride(-1) != 1:
         raise ValueError("x must be contiguous in its last (hidden) dimension")
     hidden = x.shape[-1]
-    check_tensor("weight", weight, dtypes=FLOAT_DTYPES, device=x.device, shape=(hidden,))
+    check_tensor("weight", weight, dtypes=FLOAT_DTYPES, like=("x", x), shape=(hidden,))
     if not weight.is_contiguous():
         raise ValueError("weight must be contiguous")
     if not isinstance(eps, (int, float)) or not eps > 0:
         raise ValueError(f"eps must be a positive number, got {eps!r}")
     return hidden
+
+
+def check_rms_norm_args(x, weight, eps, out=None) -> None:
+    """Every check of :func:`rms_norm`'s arguments that reads no tensor value, shared with its fake
+    implementation."""
+    _check_common(x, weight, eps)
+    if out is not None:
+        check_tensor("out", out, like=("x", x), shape=tuple(x.shape))
+        check_same_dtype("out", out, "x", x)
+        if out.stride(-1) != 1:
+            raise ValueError("out must be contiguous in its last (hidden) dimension")
+
+
+def check_fused_add_rms_norm_args(x, residual, weight, eps) -> None:
+    """Every check of :func:`fused_add_rms_norm`'s arguments that reads no tensor value, shared with its
+    fake implementation."""
+    _check_common(x, weight, eps)
+    check_tensor("residual", residual, dtypes=FLOAT_DTYPES, like=("x", x), shape=tuple(x.shape))
+    if residual.stride(-1) != 1:
+        raise ValueError("residual must be contiguous in its last (hidden) dimension")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -133,16 +153,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Te
     weight: ``[hidden]``, any float dtype. out: optional tensor of x's shape and dtype.
     Returns y (``out`` when given), x's dtype.
     """
-    _check_common(x, weight, eps)
+    check_rms_norm_args(x, weight, eps, out)
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    else:
-        check_tensor("out", out, device=x.device, shape=tuple(x.shape))
-        check_same_dtype("out", out, "x", x)
-        if out.stride(-1) != 1:
-            raise ValueError("out must be contiguous in its last (hidden) dimension")
-    if x.numel() == 0:
-        return out
+    if has_no_data(x, weight, out) or x.numel() == 0:
+        return out  # nothing to compute (meta or fake tensors: checked only, the fake implementation)
 
     on_triton = use_triton(x)
     if on_triton or use_native(x):
@@ -173,12 +188,9 @@ def fused_add_rms_norm(
     x, residual: ``[..., hidden]`` of the same shape (float dtypes, may differ, e.g. an fp32
     residual), rows may be strided (last dim contiguous). weight: ``[hidden]``.
     """
-    _check_common(x, weight, eps)
-    check_tensor("residual", residual, dtypes=FLOAT_DTYPES, device=x.device, shape=tuple(x.shape))
-    if residual.stride(-1) != 1:
-        raise ValueError("residual must be contiguous in its last (hidden) dimension")
-    if x.numel() == 0:
-        return x, residual
+    check_fused_add_rms_norm_args(x, residual, weight, eps)
+    if has_no_data(x, residual, weight) or x.numel() == 0:
+        return x, residual  # nothing to compute (meta or fake tensors: checked only, the fake implementation)
 
     on_triton = use_triton(x)
     if on_triton or use_native(x):

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from . import _native
-from ._backend import use_native, use_triton, value_checks_enabled
+from ._backend import has_no_data, use_native, use_triton, value_checks_enabled
 from ._validate import FLOAT_DTYPES, check_tensor
 
 
@@ -117,9 +117,10 @@ def _rotary_kernel(
                       IS_NEOX, BLOCK_H, HALF_PAD, K_HEAD_BLOCKS)
 
 
-def _as_heads(name: str, t: object, num_tokens: int, head_size: int, device: torch.device) -> torch.Tensor:
+def _as_heads(name: str, t: object, num_tokens: int, head_size: int,
+              like: tuple[str, torch.Tensor]) -> torch.Tensor:
     """[num_tokens, num_heads, head_size] view of a 2-D or 3-D q/k (never a copy)."""
-    check_tensor(name, t, dtypes=FLOAT_DTYPES, device=device)
+    check_tensor(name, t, dtypes=FLOAT_DTYPES, like=like)
     if t.dim() not in (2, 3) or t.shape[0] != num_tokens:
         raise ValueError(f"{name} must have shape [{num_tokens}, num_heads, head_size] or "
                          f"[{num_tokens}, num_heads * head_size], got {list(t.shape)}")
@@ -132,6 +133,31 @@ def _as_heads(name: str, t: object, num_tokens: int, head_size: int, device: tor
     if t.shape[1] % head_size:
         raise ValueError(f"{name}: last dimension {t.shape[1]} is not a multiple of head_size {head_size}")
     return t.view(num_tokens, t.shape[1] // head_size, head_size)
+
+
+def check_rotary_args(positions, q, k, cos_sin_cache, head_size=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Every check of :func:`rotary_embedding`'s arguments that reads no tensor value, shared with its
+    fake implementation. Returns q and k (or None) as ``[num_tokens, num_heads, head_size]`` views."""
+    check_tensor("positions", positions, ndim=1, dtypes=(torch.int64,))
+    num_tokens = positions.shape[0]
+    on_positions = ("positions", positions)
+    check_tensor("cos_sin_cache", cos_sin_cache, ndim=2, dtypes=FLOAT_DTYPES, like=on_positions)
+    max_position, rot_dim = cos_sin_cache.shape
+    if rot_dim == 0 or rot_dim % 2:
+        raise ValueError(f"cos_sin_cache: rot_dim (last dimension) must be positive and even, got {rot_dim}")
+    if cos_sin_cache.stride(-1) != 1:
+        raise ValueError("cos_sin_cache must be contiguous in its last dimension")
+    if head_size is not None and (isinstance(head_size, bool) or not isinstance(head_size, int) or head_size < 1):
+        raise ValueError(f"head_size must be a positive int or None, got {head_size!r}")
+    if head_size is None:
+        head_size = q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() == 3 else rot_dim
+    if rot_dim > head_size:
+        raise ValueError(f"cos_sin_cache: rot_dim {rot_dim} exceeds head_size {head_size}")
+    q3 = _as_heads("q", q, num_tokens, head_size, on_positions)
+    k3 = None if k is None else _as_heads("k", k, num_tokens, head_size, on_positions)
+    if k3 is not None and k3.dtype != q3.dtype:
+        raise ValueError(f"k must have the same dtype as q ({q3.dtype}), got {k3.dtype}")
+    return q3, k3
 
 
 def _check_positions(positions: torch.Tensor, max_position: int) -> None:
@@ -162,25 +188,11 @@ def rotary_embedding(
     head_size: needed for 2-D q/k when it differs from rot_dim (defaults to q.shape[-1] for
         3-D q, else rot_dim).
     """
-    check_tensor("positions", positions, ndim=1, dtypes=(torch.int64,))
+    q3, k3 = check_rotary_args(positions, q, k, cos_sin_cache, head_size)
     num_tokens = positions.shape[0]
-    device = positions.device
-    check_tensor("cos_sin_cache", cos_sin_cache, ndim=2, dtypes=FLOAT_DTYPES, device=device)
     max_position, rot_dim = cos_sin_cache.shape
-    if rot_dim == 0 or rot_dim % 2:
-        raise ValueError(f"cos_sin_cache: rot_dim (last dimension) must be positive and even, got {rot_dim}")
-    if cos_sin_cache.stride(-1) != 1:
-        raise ValueError("cos_sin_cache must be contiguous in its last dimension")
-    if head_size is None:
-        head_size = q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() == 3 else rot_dim
-    if rot_dim > head_size:
-        raise ValueError(f"cos_sin_cache: rot_dim {rot_dim} exceeds head_size {head_size}")
-    q3 = _as_heads("q", q, num_tokens, head_size, device)
-    k3 = None if k is None else _as_heads("k", k, num_tokens, head_size, device)
-    if k3 is not None and k3.dtype != q3.dtype:
-        raise ValueError(f"k must have the same dtype as q ({q3.dtype}), got {k3.dtype}")
-    if num_tokens == 0:
-        return
+    if has_no_data(positions, q, k, cos_sin_cache) or num_tokens == 0:
+        return  # nothing to rotate (meta or fake tensors: checked only, the fake implementation)
     # The native kernel checks the positions itself, before it rotates anything.
     native = not use_triton(q3) and use_native(q3) and rot_dim <= _native.MAX_ROTARY_DIM
     if value_checks_enabled(positions) and not native:

@@ -2,12 +2,28 @@
 traces a model around them without graph breaks.
 
 Each op is registered with ``torch.library.custom_op``: the real implementation is the public op
-(Triton on CUDA, the PyTorch twin on CPU), called eagerly at run time; a fake implementation gives
-dynamo/inductor the output's shape, dtype and device without running it. In-place ops declare what
-they mutate (``mutates_args``) and return nothing, as custom ops may not return aliases of their
-inputs; the wrappers below give back the same values as the public ops.
+(Triton on CUDA, the PyTorch twin or the native kernel on CPU), called eagerly at run time. The fake
+implementation, which gives dynamo/inductor (and ``FakeTensorMode``) the output's shape, dtype and
+device, is the public op too: on meta or fake tensors a public op runs its argument checks (one
+function per op, e.g. ``decode_attention.check_decode_args``, which reads no tensor value) and
+allocates its output, nothing else (``_backend.has_no_data``). So a call the device would reject
+(a wrong shape, dtype, or a tensor on another device) raises the same ValueError while tracing or
+under ``FakeTensorMode``. In-place ops declare what they mutate (``mutates_args``) and return
+nothing, as custom ops may not return aliases of their inputs; the wrappers below give back the
+same values as the public ops.
 
-The ops read tensor values (seq_lens, cu_seqlens on CPU; value checks) inside their
+Decode attention is two ops, ``paged_decode_attention`` (no workspace, mutates nothing) and
+``paged_decode_attention_workspace`` (a caller's split-K workspace, required and declared mutated),
+and :func:`paged_decode_attention` here picks one by whether ``workspace`` is given. A single op
+with an optional mutated ``Tensor? workspace=None`` breaks when the argument is left out: torch
+2.11's ADInplaceOrView kernel indexes the mutated argument past the end of the call's arguments
+(IndexError, eager and compiled), and inductor on torch 2.13 fails lowering the op with no
+workspace ("getitem is not an OpOverload"). An op that always took a workspace would make the
+wrapper allocate one per call (sized by the split heuristic, which depends on the device) or
+pass an empty one, which caps the launch at one split; two ops keep both behaviours of the public
+op, with nothing allocated for the caller.
+
+The ops read tensor values (seq_lens, cu_seqlens on CPU; value checks) inside their real
 implementations, which is fine there: a custom op is opaque to the compiler.
 """
 
@@ -24,7 +40,11 @@ from .rms_norm import rms_norm as _rms_norm
 from .rotary import rotary_embedding as _rotary_embedding
 
 __all__ = ["reshape_and_cache", "paged_decode_attention", "paged_prefill_attention", "rms_norm",
-           "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"]
+           "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "OPS"]
+
+# Every op this module registers, by its name under torch.ops.pagedkernels.
+OPS = ("reshape_and_cache", "paged_decode_attention", "paged_decode_attention_workspace", "paged_prefill_attention",
+       "rms_norm", "fused_add_rms_norm_", "rotary_embedding", "silu_and_mul")
 
 
 # -- KV cache -----------------------------------------------------------------------------------
@@ -39,27 +59,56 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 
 @reshape_and_cache.register_fake
 def _(key, value, key_cache, value_cache, slot_mapping) -> None:
-    return None
+    _reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)  # checks only, on fake tensors
 
 
 # -- attention ----------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("pagedkernels::paged_decode_attention", mutates_args=("workspace",))
+@torch.library.custom_op("pagedkernels::paged_decode_attention", mutates_args=())
+def _paged_decode_attention_op(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None,
+                               sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    return _paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale=scale,
+                                   sliding_window=sliding_window, softcap=softcap)
+
+
+@_paged_decode_attention_op.register_fake
+def _(q, key_cache, value_cache, block_tables, seq_lens, scale=None, sliding_window=None, softcap=None):
+    return _paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale=scale,
+                                   sliding_window=sliding_window, softcap=softcap)
+
+
+@torch.library.custom_op("pagedkernels::paged_decode_attention_workspace", mutates_args=("workspace",))
+def _paged_decode_attention_workspace_op(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                                         workspace: torch.Tensor, scale: float | None = None,
+                                         sliding_window: int | None = None,
+                                         softcap: float | None = None) -> torch.Tensor:
+    return _paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale=scale,
+                                   sliding_window=sliding_window, softcap=softcap, workspace=workspace)
+
+
+@_paged_decode_attention_workspace_op.register_fake
+def _(q, key_cache, value_cache, block_tables, seq_lens, workspace, scale=None, sliding_window=None, softcap=None):
+    return _paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale=scale,
+                                   sliding_window=sliding_window, softcap=softcap, workspace=workspace)
+
+
 def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None,
                            sliding_window: int | None = None, softcap: float | None = None,
                            workspace: torch.Tensor | None = None) -> torch.Tensor:
     """See :func:`pagedkernels.paged_decode_attention`; returns a new ``[num_seqs, num_q_heads, head_dim]``.
-    ``workspace`` is scratch the op overwrites (declared mutated)."""
-    return _paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale=scale,
-                                   sliding_window=sliding_window, softcap=softcap, workspace=workspace)
 
-
-@paged_decode_attention.register_fake
-def _(q, key_cache, value_cache, block_tables, seq_lens, scale=None, sliding_window=None, softcap=None,
-      workspace=None):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
+    Without ``workspace``: ``torch.ops.pagedkernels.paged_decode_attention`` (the launch allocates its
+    own split-K scratch). With it: ``torch.ops.pagedkernels.paged_decode_attention_workspace``, which
+    overwrites it (declared mutated) and allocates nothing, as CUDA-graph capture wants."""
+    if workspace is None:
+        return _paged_decode_attention_op(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
+                                          softcap)
+    return _paged_decode_attention_workspace_op(q, key_cache, value_cache, block_tables, seq_lens, workspace, scale,
+                                                sliding_window, softcap)
 
 
 @torch.library.custom_op("pagedkernels::paged_prefill_attention", mutates_args=())
@@ -75,7 +124,8 @@ def paged_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cach
 @paged_prefill_attention.register_fake
 def _(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale=None, sliding_window=None,
       softcap=None):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
+    return _paged_prefill_attention(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale=scale,
+                                    sliding_window=sliding_window, softcap=softcap)
 
 
 # -- norms, rotary, activation ------------------------------------------------------------------
@@ -89,7 +139,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @rms_norm.register_fake
 def _(x, weight, eps):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+    return _rms_norm(x, weight, eps)
 
 
 @torch.library.custom_op("pagedkernels::fused_add_rms_norm_", mutates_args=("x", "residual"))
@@ -99,7 +149,7 @@ def _fused_add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torc
 
 @_fused_add_rms_norm_op.register_fake
 def _(x, residual, weight, eps) -> None:
-    return None
+    _fused_add_rms_norm(x, residual, weight, eps)  # checks only, on fake tensors
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -111,19 +161,19 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 @torch.library.custom_op("pagedkernels::rotary_embedding", mutates_args=("q", "k"))
 def _rotary_embedding_op(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
-                         is_neox: bool) -> None:
-    _rotary_embedding(positions, q, k, cos_sin_cache, is_neox=is_neox)
+                         is_neox: bool, head_size: int | None = None) -> None:
+    _rotary_embedding(positions, q, k, cos_sin_cache, is_neox=is_neox, head_size=head_size)
 
 
 @_rotary_embedding_op.register_fake
-def _(positions, q, k, cos_sin_cache, is_neox) -> None:
-    return None
+def _(positions, q, k, cos_sin_cache, is_neox, head_size=None) -> None:
+    _rotary_embedding(positions, q, k, cos_sin_cache, is_neox=is_neox, head_size=head_size)  # checks only
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, *,
-                     is_neox: bool = True) -> None:
+                     is_neox: bool = True, head_size: int | None = None) -> None:
     """See :func:`pagedkernels.rotary_embedding` (q and k both given, rotated in place)."""
-    _rotary_embedding_op(positions, q, k, cos_sin_cache, is_neox)
+    _rotary_embedding_op(positions, q, k, cos_sin_cache, is_neox, head_size)
 
 
 @torch.library.custom_op("pagedkernels::silu_and_mul", mutates_args=())
@@ -134,4 +184,4 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 @silu_and_mul.register_fake
 def _(x):
-    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+    return _silu_and_mul(x)

@@ -1,13 +1,26 @@
-"""pagedkernels.torch_ops: the ops registered as torch custom ops.
+"""pagedkernels.torch_ops: the ops registered as torch custom ops, and the public ops on tensors
+without data.
 
-torch.library.opcheck validates each registration (schema, declared mutations, fake impl against
-the real one); a function calling all of them compiles with fullgraph=True (no graph breaks) and
-gives the eager results, K/V cache writes and in-place rotary/norm updates included.
+torch.library.opcheck validates each registration (schema, declared mutations, autograd
+registration, fake impl against the real one, AOT dispatch with dynamic shapes); a function calling
+all of them compiles with inductor, fullgraph and dynamic shapes (no graph breaks) and gives the
+eager results, K/V cache writes and in-place rotary/norm updates included. Decode attention is
+checked with and without a caller's workspace (two ops: see the module's docstring).
+
+The fake implementations run each op's own argument checks: under FakeTensorMode with CUDA tensors
+(which FakeTensorMode makes on a CPU-only torch too) every op gives its output's shape, dtype and
+device, a tensor on another device is a ValueError naming it, and a bad dtype raises the message
+the real op raises. The public ``pk.*`` functions on meta or fake tensors check and allocate only,
+under every backend, and never reach a kernel.
 """
 
 from __future__ import annotations
 
+import contextlib
+
+import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 import pagedkernels as pk
 from pagedkernels import torch_ops
@@ -33,6 +46,8 @@ def _inputs(seed=0):
         norm_weight=torch.rand(NUM_HEADS * HEAD_DIM, generator=gen) + 0.5,
         cos_sin=pk.compute_cos_sin_cache(64, HEAD_DIM, 10000.0),
         cu_seqlens_q=torch.arange(num_seqs + 1, dtype=torch.int32),
+        # Sized for the split-K default of 3 sequences on any device (an H100's 132 SMs at most).
+        workspace=pk.decode_workspace(num_seqs, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, device="cpu"),
     )
 
 
@@ -46,29 +61,39 @@ def _step(ops, inp, key_cache, value_cache):
     ops.reshape_and_cache(k, v, key_cache, value_cache, inp["slots"])
     decode = ops.paged_decode_attention(q, key_cache, value_cache, kv.block_tables, kv.seq_lens, scale=0.1,
                                         sliding_window=20)
+    # The same with the caller's split-K workspace (the other decode op under torch_ops), and a softcap.
+    decode_ws = ops.paged_decode_attention(q, key_cache, value_cache, kv.block_tables, kv.seq_lens, scale=0.1,
+                                           softcap=30.0, workspace=inp["workspace"])
     prefill = ops.paged_prefill_attention(q, key_cache, value_cache, kv.block_tables, inp["cu_seqlens_q"],
                                           kv.seq_lens, scale=0.1, sliding_window=20)
-    hidden = ops.rms_norm(decode.flatten(1), inp["norm_weight"], 1e-6)
+    hidden = ops.rms_norm(decode.flatten(1) + decode_ws.flatten(1), inp["norm_weight"], 1e-6)
     residual = prefill.flatten(1).clone()
     hidden, residual = ops.fused_add_rms_norm(hidden, residual, inp["norm_weight"], 1e-6)
-    return ops.silu_and_mul(hidden), residual
+    return ops.silu_and_mul(hidden), residual, decode_ws
 
 
-def test_registered_under_torch_ops():
-    for name in ("reshape_and_cache", "paged_decode_attention", "paged_prefill_attention", "rms_norm",
-                 "fused_add_rms_norm_", "rotary_embedding", "silu_and_mul"):
+def test_every_registered_op_is_listed_and_tested():
+    """torch_ops.OPS is every op in the pagedkernels namespace; the specs below (opcheck, fake
+    tensors) cover each of them."""
+    registered = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names()
+                  if name.startswith("pagedkernels::")}
+    assert registered == set(torch_ops.OPS)
+    assert set(SPECS) == set(torch_ops.OPS) and set(_opcheck_cases()) == set(torch_ops.OPS)
+    for name in torch_ops.OPS:
         assert hasattr(torch.ops.pagedkernels, name), name
 
 
-def test_compiled_fullgraph_matches_eager():
-    # aot_eager: dynamo's full trace and AOT functionalization of the mutations, without the ~15 s
-    # of inductor's C++ compile (the engine's compiled decode path is exercised in tests/engine).
+def test_compiled_fullgraph_inductor_matches_eager():
+    """Inductor, fullgraph, dynamic shapes (as the engine compiles its forward): every op is an opaque
+    node whose fake implementation ran on symbolic shapes; the results and the mutated inputs (K/V
+    caches, rotated q/k, the workspace) match eager."""
     torch._dynamo.reset()
     inp = _inputs()
     caches = [(inp["kv"].key_cache.clone(), inp["kv"].value_cache.clone()) for _ in range(3)]
     expected = _step(pk, inp, *caches[0])
     eager_ops = _step(torch_ops, inp, *caches[1])
-    compiled = torch.compile(lambda i, kc, vc: _step(torch_ops, i, kc, vc), fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(lambda i, kc, vc: _step(torch_ops, i, kc, vc), fullgraph=True, backend="inductor",
+                             dynamic=True)
     got = compiled(inp, *caches[2])
     for a, b, c in zip(expected, eager_ops, got):
         assert torch.isfinite(a).all()
@@ -80,7 +105,7 @@ def test_compiled_fullgraph_matches_eager():
     assert not torch.equal(caches[2][0].nan_to_num(), inp["kv"].key_cache.nan_to_num()), "no K was written"
 
 
-def test_opcheck():
+def _opcheck_cases():
     inp = _inputs(seed=1)
     kv = inp["kv"]
     num_tokens = inp["x"].shape[0]
@@ -92,16 +117,199 @@ def test_opcheck():
     # The torch paths read table entries only where seq_lens say; opcheck compares results with
     # equal_nan semantics off, so give it caches without NaN.
     key_cache, value_cache = kv.key_cache.nan_to_num(), kv.value_cache.nan_to_num()
-    cases = [
-        (torch.ops.pagedkernels.reshape_and_cache, (k, k.clone(), key_cache.clone(), value_cache.clone(), inp["slots"])),
-        (torch.ops.pagedkernels.paged_decode_attention, (q, key_cache, value_cache, kv.block_tables, kv.seq_lens,
-                                                         0.1, None, 30.0)),
-        (torch.ops.pagedkernels.paged_prefill_attention, (q, key_cache, value_cache, kv.block_tables,
-                                                          inp["cu_seqlens_q"], kv.seq_lens, None, 7, None)),
-        (torch.ops.pagedkernels.rms_norm, (hidden, weight, 1e-6)),
-        (torch.ops.pagedkernels.fused_add_rms_norm_, (hidden.clone(), hidden.flip(0).clone(), weight, 1e-6)),
-        (torch.ops.pagedkernels.rotary_embedding, (inp["positions"], q.clone(), k.clone(), inp["cos_sin"], True)),
-        (torch.ops.pagedkernels.silu_and_mul, (hidden,)),
+    decode = (q, key_cache, value_cache, kv.block_tables, kv.seq_lens)
+    return {
+        "reshape_and_cache": (k, k.clone(), key_cache.clone(), value_cache.clone(), inp["slots"]),
+        "paged_decode_attention": (*decode, 0.1, None, 30.0),
+        "paged_decode_attention_workspace": (*decode, inp["workspace"].zero_(), None, 9, None),
+        "paged_prefill_attention": (q, key_cache, value_cache, kv.block_tables, inp["cu_seqlens_q"], kv.seq_lens,
+                                    None, 7, None),
+        "rms_norm": (hidden, weight, 1e-6),
+        "fused_add_rms_norm_": (hidden.clone(), hidden.flip(0).clone(), weight, 1e-6),
+        "rotary_embedding": (inp["positions"], q.clone(), k.clone(), inp["cos_sin"], True),
+        "silu_and_mul": (hidden,),
+    }
+
+
+@pytest.mark.parametrize("name", torch_ops.OPS)
+def test_opcheck(name):
+    """opcheck's default tests: schema and declared mutations, autograd registration, the fake impl
+    against the real one, AOT dispatch with dynamic shapes."""
+    torch.library.opcheck(getattr(torch.ops.pagedkernels, name), _opcheck_cases()[name])
+
+
+def test_decode_ops_omitting_and_giving_the_workspace():
+    """torch_ops.paged_decode_attention with the workspace left out, None, or given, positionally or
+    by keyword, eagerly: each gives the public op's result (torch 2.11 failed the first two)."""
+    inp = _inputs(seed=3)
+    kv = inp["kv"]
+    q = torch.randn(3, NUM_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(3))
+    args = (q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens)
+    expected = pk.paged_decode_attention(*args, scale=0.2, sliding_window=9)
+    calls = [
+        lambda: torch_ops.paged_decode_attention(*args, scale=0.2, sliding_window=9),
+        lambda: torch_ops.paged_decode_attention(*args, 0.2, 9, None, None),
+        lambda: torch_ops.paged_decode_attention(*args, scale=0.2, sliding_window=9, workspace=inp["workspace"]),
+        lambda: torch_ops.paged_decode_attention(*args, 0.2, 9, None, inp["workspace"]),
+        lambda: torch.ops.pagedkernels.paged_decode_attention(*args, 0.2, 9),
+        lambda: torch.ops.pagedkernels.paged_decode_attention_workspace(*args, inp["workspace"], 0.2, 9),
     ]
-    for op, args in cases:
-        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+    for call in calls:
+        torch.testing.assert_close(call(), expected, atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# fake and meta tensors
+# ---------------------------------------------------------------------------------------------
+
+_CACHE = ((12, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), None)  # None: the case's float dtype
+_Q = ((3, NUM_HEADS, HEAD_DIM), None)
+_KV = ((3, NUM_KV_HEADS, HEAD_DIM), None)
+_TABLES, _LENS = ((3, 4), torch.int32), ((3,), torch.int32)
+
+# Each op's arguments in order: (name, (shape, dtype)) for a tensor, (name, value) otherwise; and the
+# output's (shape, dtype) (None for the in-place ops).
+SPECS = {
+    "reshape_and_cache": ([("key", _KV), ("value", _KV), ("key_cache", _CACHE), ("value_cache", _CACHE),
+                           ("slot_mapping", ((3,), torch.int64))], None),
+    "paged_decode_attention": ([("q", _Q), ("key_cache", _CACHE), ("value_cache", _CACHE), ("block_tables", _TABLES),
+                                ("seq_lens", _LENS), ("scale", 0.1), ("sliding_window", 20), ("softcap", 30.0)], _Q),
+    "paged_decode_attention_workspace": ([("q", _Q), ("key_cache", _CACHE), ("value_cache", _CACHE),
+                                          ("block_tables", _TABLES), ("seq_lens", _LENS),
+                                          ("workspace", ((4096,), torch.float32)), ("scale", None),
+                                          ("sliding_window", None), ("softcap", 5.0)], _Q),
+    "paged_prefill_attention": ([("q", _Q), ("key_cache", _CACHE), ("value_cache", _CACHE), ("block_tables", _TABLES),
+                                 ("cu_seqlens_q", ((4,), torch.int32)), ("seq_lens", _LENS), ("scale", None),
+                                 ("sliding_window", 7), ("softcap", None)], _Q),
+    "rms_norm": ([("x", ((3, 96), None)), ("weight", ((96,), None)), ("eps", 1e-6)], ((3, 96), None)),
+    "fused_add_rms_norm_": ([("x", ((3, 96), None)), ("residual", ((3, 96), None)), ("weight", ((96,), None)),
+                             ("eps", 1e-6)], None),
+    "rotary_embedding": ([("positions", ((3,), torch.int64)), ("q", _Q), ("k", _KV),
+                          ("cos_sin_cache", ((64, HEAD_DIM), torch.float32)), ("is_neox", True)], None),
+    "silu_and_mul": ([("x", ((3, 96), None))], ((3, 48), None)),
+}
+TENSOR_ARGS = [(op, arg) for op, (args, _) in SPECS.items() for arg, spec in args if isinstance(spec, tuple)]
+# The arguments that can be on another device than the op's other tensors (silu_and_mul has one tensor).
+MISMATCH_ARGS = [(op, arg) for op, arg in TENSOR_ARGS if sum(o == op for o, _ in TENSOR_ARGS) > 1]
+
+
+def _build(op, device, dtype=torch.float16, *, odd=None, odd_device=None, odd_dtype=None):
+    """The op's arguments as empty tensors on ``device``; the argument named ``odd`` on ``odd_device``
+    and/or with ``odd_dtype`` instead."""
+    args = []
+    for arg, spec in SPECS[op][0]:
+        if not isinstance(spec, tuple):
+            args.append(spec)
+            continue
+        shape, arg_dtype = spec
+        arg_dtype, arg_device = arg_dtype or dtype, device
+        if arg == odd:
+            arg_dtype, arg_device = odd_dtype or arg_dtype, odd_device or arg_device
+        args.append(torch.zeros(shape, dtype=arg_dtype, device=arg_device))
+    return args
+
+
+def _check_output(op, result, device, dtype):
+    expected = SPECS[op][1]
+    if expected is None:
+        assert result is None
+        return
+    shape, out_dtype = expected
+    assert tuple(result.shape) == shape and result.dtype == (out_dtype or dtype)
+    assert result.device.type == device and result.is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("op", torch_ops.OPS)
+def test_fake_cuda_tensors(op, dtype):
+    """The fake-CUDA tier's situation: the custom op under FakeTensorMode with CUDA tensors runs its
+    fake implementation (the argument checks, then the output's metadata)."""
+    with FakeTensorMode():
+        args = _build(op, "cuda", dtype)
+        assert all(isinstance(a, FakeTensor) and a.is_cuda for a in args if isinstance(a, torch.Tensor))
+        result = getattr(torch.ops.pagedkernels, op)(*args)
+    _check_output(op, result, "cuda", dtype)
+
+
+@pytest.mark.parametrize("op,arg", MISMATCH_ARGS, ids=[f"{op}-{arg}" for op, arg in MISMATCH_ARGS])
+def test_fake_device_mismatch_names_the_argument(op, arg):
+    """One argument on the CPU, the others on CUDA: a ValueError that names it and its device."""
+    with FakeTensorMode(), pytest.raises(ValueError, match=rf"\b{arg} is on cpu\b.*one device") as error:
+        getattr(torch.ops.pagedkernels, op)(*_build(op, "cuda", odd=arg, odd_device="cpu"))
+    assert "cuda" in str(error.value)
+
+
+@pytest.mark.parametrize("op,arg", TENSOR_ARGS, ids=[f"{op}-{arg}" for op, arg in TENSOR_ARGS])
+def test_fake_and_real_reject_a_bad_dtype_alike(op, arg):
+    """float64 (no op takes it) for one argument: the real op on CPU tensors and the fake one on CUDA
+    tensors raise the same ValueError, naming the argument, before reading any value."""
+    with pytest.raises(ValueError, match=rf"\b{arg}\b") as real:
+        getattr(torch.ops.pagedkernels, op)(*_build(op, "cpu", odd=arg, odd_dtype=torch.float64))
+    with FakeTensorMode(), pytest.raises(ValueError) as fake:
+        getattr(torch.ops.pagedkernels, op)(*_build(op, "cuda", odd=arg, odd_dtype=torch.float64))
+    assert str(fake.value) == str(real.value)
+
+
+def _public_call(op, args):
+    """The public pk function an op wraps, called with ``args`` (in the op's order)."""
+    names = [name for name, _ in SPECS[op][0]]
+    kw = dict(zip(names, args))
+    if op == "paged_decode_attention_workspace":
+        return pk.paged_decode_attention(*args[:5], workspace=kw["workspace"], scale=kw["scale"],
+                                         sliding_window=kw["sliding_window"], softcap=kw["softcap"])
+    if op in ("paged_decode_attention", "paged_prefill_attention"):
+        return getattr(pk, op)(*args[:-3], scale=kw["scale"], sliding_window=kw["sliding_window"],
+                               softcap=kw["softcap"])
+    if op == "fused_add_rms_norm_":
+        pk.fused_add_rms_norm(*args)
+        return None
+    if op == "rotary_embedding":
+        return pk.rotary_embedding(*args[:4], is_neox=kw["is_neox"])
+    return getattr(pk, op)(*args)
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton", "torch", "native"])
+@pytest.mark.parametrize("op", torch_ops.OPS)
+def test_public_ops_on_fake_and_meta_tensors(op, backend, monkeypatch):
+    """pk.* on fake CUDA tensors (FakeTensorMode) and on meta tensors, whatever the backend: the
+    checks run, the output is allocated, no kernel (Triton, native, PyTorch twin) is reached."""
+    from pagedkernels import _native, cache_ops, decode_attention, prefill_attention
+
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("a kernel was reached with tensors that hold no data")
+
+    for module, attr in ((decode_attention, "_decode_triton"), (decode_attention, "_decode_torch"),
+                         (prefill_attention, "_prefill_attention_triton"),
+                         (prefill_attention, "_prefill_attention_torch"), (_native, "paged_attention"),
+                         (_native, "rms_norm"), (_native, "rotary_embedding"), (_native, "silu_and_mul"),
+                         (_native, "reshape_and_cache"), (cache_ops, "_launch_copy_blocks")):
+        monkeypatch.setattr(module, attr, no_kernel)
+    with pk.use_backend(backend):
+        with FakeTensorMode():
+            _check_output(op, _public_call(op, _build(op, "cuda")), "cuda", torch.float16)
+        _check_output(op, _public_call(op, _build(op, "meta")), "meta", torch.float16)
+        first = SPECS[op][0][0][0]
+        if (op, first) in MISMATCH_ARGS:
+            # the first tensor on meta, the others on the CPU: a device mismatch, no computation
+            with pytest.raises(ValueError, match=rf"\b{first} is on meta\b"):
+                _public_call(op, _build(op, "cpu", odd=first, odd_device="meta"))
+
+
+def test_public_block_ops_on_fake_and_meta_tensors():
+    """copy_blocks and swap_blocks (no custom op) on meta / fake tensors: checked, nothing copied,
+    and a device mismatch is still a ValueError."""
+    def caches(device):
+        return [torch.zeros(6, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=torch.float16, device=device)
+                for _ in range(2)]
+
+    for device in ("meta", "cuda"):
+        with FakeTensorMode() if device == "cuda" else contextlib.nullcontext():
+            keys, values = caches(device), caches(device)
+            mapping = torch.zeros(2, 2, dtype=torch.int64, device=device)
+            pk.copy_blocks(keys, values, mapping)
+            pk.swap_blocks(keys[0], caches("cpu")[0], torch.zeros(2, 2, dtype=torch.int64))
+            pk.swap_blocks(caches("cpu")[0], keys[0], torch.zeros(2, 2, dtype=torch.int64))
+            with pytest.raises(ValueError, match=r"\bvalue_caches\[1\] is on cpu\b"):
+                pk.copy_blocks(keys, [values[0], caches("cpu")[1]], mapping)
+            with pytest.raises(ValueError, match="block_mapping must be on device cpu"):
+                pk.swap_blocks(keys[0], keys[1], mapping)
