@@ -134,6 +134,9 @@ class AsyncLLMEngine:
     # -- requests ---------------------------------------------------------------------------------------------
     def _thread_tokenizer(self):
         """This tokenizer thread's own copy of the engine's tokenizer."""
+        if self.engine.tokenizer is None:
+            raise ValueError("this needs the tokenizer, and the engine has none (skip_tokenizer_init=True): prompts "
+                             "must be token ids")
         tokenizer = getattr(self._thread_tokenizers, "tokenizer", None)
         if tokenizer is None:
             tokenizer = self._thread_tokenizers.tokenizer = copy.deepcopy(self.engine.tokenizer)

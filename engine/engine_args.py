@@ -33,6 +33,8 @@ class EngineArgs:
     preemption_mode: str = "recompute"
     generation_config: str = "auto"
     tensor_parallel_size: int = 1
+    load_format: str = "auto"
+    skip_tokenizer_init: bool = False
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, *, positional_model: bool = False) -> argparse.ArgumentParser:
@@ -66,6 +68,11 @@ class EngineArgs:
                                 "or a directory holding a generation_config.json")
         group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                            help="processes (one GPU each, or a share of the CPU cores) the model is sharded over")
+        group.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                           help="auto: the model's safetensors; dummy: random weights (the directory needs only its "
+                                "config.json)")
+        group.add_argument("--skip-tokenizer-init", action="store_true",
+                           help="no tokenizer: prompts are token ids, outputs carry token ids and empty text")
         return parser
 
     @classmethod

@@ -38,6 +38,11 @@ class LLM:
             generation_config.json), "vllm" (SamplingParams' own defaults) or a directory holding one.
         tensor_parallel_size: shard the model over this many processes (Megatron-style tensor parallelism on
             torch.distributed: one GPU each, or a share of the CPU cores); this process is rank 0.
+        load_format: "auto" reads the model's safetensors; "dummy" (vLLM's name) gives it random weights instead
+            (engine/worker/loader.py), so a directory holding only config.json runs: for benchmarks of a shape.
+        skip_tokenizer_init: load no tokenizer (vLLM's name). Prompts must then be {"prompt_token_ids": [...]},
+            outputs carry token ids and empty text, and whatever needs the tokenizer (text prompts, chat, stop
+            strings, bad_words, guided decoding, stream_text) raises ValueError.
 
     The options are `engine.engine_args.EngineArgs` (shared with `python -m engine` and the server).
     """
@@ -48,18 +53,26 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  enforce_eager: bool = False, seed: int = 0, swap_space: float = 4,
                  preemption_mode: str = "recompute", generation_config: str = "auto",
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, load_format: str = "auto", skip_tokenizer_init: bool = False):
         self.llm_engine = EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, device=device, block_size=block_size,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed,
             swap_space=swap_space, preemption_mode=preemption_mode,
-            generation_config=generation_config, tensor_parallel_size=tensor_parallel_size).create_engine()
+            generation_config=generation_config, tensor_parallel_size=tensor_parallel_size, load_format=load_format,
+            skip_tokenizer_init=skip_tokenizer_init).create_engine()
         self.request_counter = itertools.count()
 
     def get_tokenizer(self):
+        """The engine's tokenizer (None with skip_tokenizer_init)."""
         return self.llm_engine.tokenizer
+
+    def _require_tokenizer(self, what: str):
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError(f"{what} needs the tokenizer, and this LLM has none (skip_tokenizer_init=True)")
+        return tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -120,7 +133,7 @@ class LLM:
             for request_id in request_ids:
                 engine.abort_request(request_id)
             raise
-        results = []
+        results, tokenizer = [], self.get_tokenizer()
         for request_id, prompt in zip(request_ids, inputs):
             out = finished[request_id]
             prompt_ids = prompt["prompt_token_ids"]
@@ -130,7 +143,8 @@ class LLM:
                 sequences.append(BeamSearchSequence(
                     tokens=tokens, cum_logprob=c.cumulative_logprob,
                     score=c.cumulative_logprob / len(c.token_ids) ** params.length_penalty,
-                    text=self.get_tokenizer().decode(tokens, skip_special_tokens=True), finish_reason=c.finish_reason))
+                    text=tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else "",
+                    finish_reason=c.finish_reason))
             results.append(BeamSearchOutput(sequences=sequences))
         return results
 
@@ -142,7 +156,7 @@ class LLM:
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of messages or of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        tokenizer = self.get_tokenizer()
+        tokenizer = self._require_tokenizer("chat")
         if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("the tokenizer has no chat template; pass chat_template=")
         prompts = []
@@ -160,6 +174,7 @@ class LLM:
         len(longest stop string) - 1 characters are held back until the request ends, since a stop string
         that completes is cut from the text."""
         engine = self.llm_engine
+        self._require_tokenizer("stream_text (it streams text)")
         if chat:
             tokenizer = self.get_tokenizer()
             if getattr(tokenizer, "chat_template", None) is None:

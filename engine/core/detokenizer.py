@@ -7,6 +7,9 @@ two short windows of ids, `token_ids[prefix_offset:read_offset]` (already emitte
 `token_ids[prefix_offset:]`, and emits the difference. While the text ends in U+FFFD (an incomplete UTF-8
 sequence) nothing is emitted and the offsets stay, so the character comes out whole once its last byte
 arrives. The windows start on the last 5 prompt tokens so the first output token has its context.
+
+Without a tokenizer (the engine's skip_tokenizer_init) there is no text: `update` adds none, `decode` gives ""
+and `decode_token` None (Logprob.decoded_token, as vLLM).
 """
 from engine.core.sequence import Sequence
 
@@ -21,17 +24,23 @@ class Detokenizer:
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self.tokenizer is None:
+            return ""
         if self._backend is not None:
             return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens,
                                      clean_up_tokenization_spaces=False)
 
-    def decode_token(self, token_id: int) -> str:
+    def decode_token(self, token_id: int) -> str | None:
         """One token on its own (for Logprob.decoded_token)."""
+        if self.tokenizer is None:
+            return None
         return self.decode([token_id], skip_special_tokens=False)
 
     def update(self, seq: Sequence) -> int:
         """Extend `seq.output_text` with the text of its newest token; returns the number of new characters."""
+        if self.tokenizer is None:
+            return 0
         skip = seq.params.skip_special_tokens
         ids = seq.token_ids
         prefix_text = self.decode(ids[seq.prefix_offset:seq.read_offset], skip)

@@ -50,7 +50,7 @@ class LLMEngine:
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  enforce_eager: bool = False, seed: int = 0, swap_space: float = 4,
                  preemption_mode: str = "recompute", generation_config: str = "auto",
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, load_format: str = "auto", skip_tokenizer_init: bool = False):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
         if isinstance(swap_space, bool) or not isinstance(swap_space, (int, float)) or not swap_space >= 0:
@@ -69,6 +69,10 @@ class LLMEngine:
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) \
                 or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
+        if load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+        if not isinstance(skip_tokenizer_init, bool):
+            raise ValueError(f"skip_tokenizer_init must be a bool, got {skip_tokenizer_init!r}")
 
         self.device = resolve_device(device)
         self.device_policy = DevicePolicy.for_device(self.device)
@@ -86,13 +90,15 @@ class LLMEngine:
         if self.sampling_defaults:
             logger.info("default sampling parameters from %s's generation_config.json: %s",
                         model_dir if generation_config == "auto" else generation_config, self.sampling_defaults)
-        self.tokenizer = get_tokenizer(resolve_model_path(tokenizer) if tokenizer else model_dir)
+        # skip_tokenizer_init: token ids in and out, no text (see _tokenize, _check_needs_no_tokenizer).
+        self.tokenizer = None if skip_tokenizer_init else get_tokenizer(
+            resolve_model_path(tokenizer) if tokenizer else model_dir)
         self.max_model_len = self.model_config.max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens or self.device_policy.default_max_num_batched_tokens
         runner_kwargs = dict(device=self.device, block_size=block_size, num_kv_blocks=num_kv_blocks,
                              gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=self.max_num_batched_tokens, enforce_eager=enforce_eager,
-                             seed=seed)
+                             seed=seed, load_format=load_format)
         # The swap space is allocated only when swapping is the preemption mode (it would sit unused otherwise).
         swap_space_gib = swap_space if preemption_mode == "swap" else 0
         self.tensor_parallel_size = tensor_parallel_size
@@ -176,7 +182,8 @@ class LLMEngine:
             raise ValueError("prompt is empty (no tokens)")
         if truncate_prompt_tokens is not None and len(token_ids) > truncate_prompt_tokens:
             token_ids = token_ids[-truncate_prompt_tokens:]
-            text = None if text is None else self.detokenizer.decode(token_ids, skip_special_tokens=False)
+            text = None if text is None or self.tokenizer is None else \
+                self.detokenizer.decode(token_ids, skip_special_tokens=False)
         vocab_size = self.model_config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
@@ -190,6 +197,9 @@ class LLMEngine:
             raise ValueError(f"prompt must be a str or a dict with 'prompt_token_ids', got {type(text).__name__}")
         if not text:
             raise ValueError("prompt is empty")
+        if self.tokenizer is None:
+            raise ValueError("prompt: a text prompt needs the tokenizer, and this engine has none "
+                             "(skip_tokenizer_init=True); give {'prompt_token_ids': [...]}")
         return text, self.tokenizer.encode(text)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
@@ -204,6 +214,7 @@ class LLMEngine:
         if params.n > self.scheduler.max_num_seqs:
             raise ValueError(f"n={params.n} is more than max_num_seqs={self.scheduler.max_num_seqs}")
         self._check_token_ids(params)
+        self._check_needs_no_tokenizer(params)
         text, token_ids = self.process_prompt(prompt, params.truncate_prompt_tokens)
         seq = Sequence(request_id, text, token_ids, params, arrival_time=arrival_time or time.time(),
                        eos_token_ids=self.model_config.eos_token_ids, max_model_len=self.max_model_len,
@@ -233,6 +244,14 @@ class LLMEngine:
             bad = [t for t in (ids or ()) if t >= vocab_size]
             if bad:
                 raise ValueError(f"{name} has token id {bad[0]}, outside the vocabulary [0, {vocab_size})")
+
+    def _check_needs_no_tokenizer(self, params: SamplingParams) -> None:
+        """Without a tokenizer (skip_tokenizer_init) the options that work on text are refused up front."""
+        if self.tokenizer is not None:
+            return
+        for name in ("stop", "bad_words", "guided_decoding"):
+            if getattr(params, name):
+                raise ValueError(f"{name} needs the tokenizer, and this engine has none (skip_tokenizer_init=True)")
 
     def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
         """vLLM's rule: each word's tokens, and those of " " + word when that is a different first token of
@@ -441,7 +460,8 @@ class LLMEngine:
 
     def _make_beam_output(self, group: SequenceGroup) -> RequestOutput:
         first = group.seqs[0]
-        completions = [CompletionOutput(index=i, text=self.tokenizer.decode(ids, skip_special_tokens=True),
+        decode = (lambda ids, **_: "") if self.tokenizer is None else self.tokenizer.decode
+        completions = [CompletionOutput(index=i, text=decode(ids, skip_special_tokens=True),
                                         token_ids=ids, cumulative_logprob=cum_logprob, logprobs=None,
                                         finish_reason=reason)
                        for i, (_, cum_logprob, ids, reason) in enumerate(group.beam.finished)]

@@ -8,6 +8,9 @@ own checkpoints say ``decoder.`` for ``model.decoder.``). A checkpoint that alre
 projection (Phi-3's ``qkv_proj``, ``gate_up_proj``) loads into it whole (shard id None), which the
 parameter's loader splits into its shards. Afterwards every parameter shard must have been loaded; a
 missing file, a missing tensor, a wrong shape or an unreadable file is a ValueError naming it.
+
+``load_dummy_weights`` is ``load_format="dummy"`` (vLLM's name): random weights instead of a checkpoint, so a
+model shape can be run from a directory holding only its config.json.
 """
 
 from __future__ import annotations
@@ -19,10 +22,15 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from engine.distributed.parallel_state import get_tp_rank
+from engine.layers.layernorm import LayerNorm, RMSNorm
+
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
 # Checkpoint tensors the engine recomputes instead of loading.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Seed of load_dummy_weights (fixed, as vLLM's dummy loader: the same model whatever the engine's sampling seed).
+DUMMY_SEED = 1234
 
 
 def weight_files(model_dir: str) -> list[str]:
@@ -116,3 +124,39 @@ def _default_loader(param: nn.Parameter, tensor: torch.Tensor) -> None:
     if tensor.shape != param.shape:
         raise ValueError(f"shape {tuple(tensor.shape)} does not match parameter shape {tuple(param.shape)}")
     param.data.copy_(tensor)
+
+
+def load_dummy_weights(model: nn.Module, model_dir: str) -> None:
+    """Fill ``model``'s parameters with random values instead of reading a checkpoint (``load_format="dummy"``).
+
+    As transformers initializes a fresh model, so activations and logits stay finite and generation runs:
+    matrices and embeddings normal(0, ``initializer_range`` of ``model_dir``/config.json, default 0.02),
+    norm weights 1, biases 0. Drawn in place where the parameters live (a GPU model's weights never exist on
+    the CPU or on disk) from one generator per device seeded with ``DUMMY_SEED + tensor-parallel rank``: every
+    run builds the same weights, and each rank draws its own shard (so a sharded dummy model is not the
+    same model as the unsharded one)."""
+    std = _initializer_range(model_dir)
+    norm_params = {id(p) for m in model.modules() if isinstance(m, (RMSNorm, LayerNorm))
+                   for p in m.parameters(recurse=False)}
+    generators: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # a fixed order: tied weights once, under their first name
+            if name.endswith("bias"):
+                param.zero_()
+            elif id(param) in norm_params:
+                param.fill_(1.0)
+            else:
+                if param.device not in generators:
+                    generators[param.device] = torch.Generator(param.device).manual_seed(DUMMY_SEED + get_tp_rank())
+                param.normal_(0.0, std, generator=generators[param.device])
+
+
+def _initializer_range(model_dir: str) -> float:
+    """config.json's ``initializer_range`` (OPT: ``init_std``), else transformers' usual 0.02."""
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        hf = json.load(f)
+    text = hf.get("text_config", hf)
+    std = text.get("initializer_range", text.get("init_std", 0.02))
+    if isinstance(std, bool) or not isinstance(std, (int, float)) or not std > 0:
+        raise ValueError(f"initializer_range in {model_dir}/config.json must be a positive number, got {std!r}")
+    return float(std)

@@ -40,7 +40,7 @@ from engine.distributed.communication import min_over_ranks
 from engine.distributed.parallel_state import get_tp_world_size, num_kv_heads_per_rank
 from engine.layers.attention import Attention, AttentionMetadata, forward_context
 from engine.layers.linear import prepack_linears
-from engine.worker.loader import load_model
+from engine.worker.loader import load_dummy_weights, load_model
 from engine.worker import memory as gpu_memory
 from engine.worker.memory import MemorySnapshot, check_free_memory, kv_cache_budget
 from engine.worker.sampler import sampler_dummy_run
@@ -124,8 +124,9 @@ class ModelRunner:
                  num_kv_blocks: int | None, gpu_memory_utilization: float, max_num_seqs: int,
                  max_num_batched_tokens: int, enforce_eager: bool, seed: int,
                  graph_runner_class: type | None = None, compile_model: bool | None = None,
-                 capture_graphs_at_startup: bool | None = None, memory=None):
+                 capture_graphs_at_startup: bool | None = None, memory=None, load_format: str = "auto"):
         self.config = model_config
+        self.load_format = load_format  # "auto": the checkpoint's weights; "dummy": random ones (worker/loader.py)
         self.device = torch.device(device)
         self.dtype = model_config.dtype
         self.block_size = block_size
@@ -195,7 +196,7 @@ class ModelRunner:
                 model = model_class(self.config)
         finally:
             torch.set_default_dtype(previous_dtype)
-        load_model(model, self.config.model_dir)
+        (load_dummy_weights if self.load_format == "dummy" else load_model)(model, self.config.model_dir)
         # Built under `torch.device(self.device)`: a parameter or buffer elsewhere is a tensor made on an explicit
         # other device (a CPU-only assumption), which would fail in the first forward.
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
