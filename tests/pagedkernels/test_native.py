@@ -114,3 +114,43 @@ def test_native_elementwise_ops_run_under_auto(monkeypatch):
         pk.rotary_embedding(torch.arange(4), torch.randn(4, 2, 64), None, pk.compute_cos_sin_cache(4, 64, 1e4))
         pk.silu_and_mul(torch.randn(4, 64))
     assert calls == ["rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul"]
+
+
+# What runs each op (decode, prefill, rms_norm, rotary, silu_and_mul, reshape_and_cache, in that
+# order) on CPU tensors, per backend: (module, attribute) of the implementation.
+_CPU_IMPLEMENTATIONS = {
+    "native": [("_native", "paged_attention"), ("_native", "paged_attention"), ("_native", "rms_norm"),
+               ("_native", "rotary_embedding"), ("_native", "silu_and_mul"), ("_native", "reshape_and_cache")],
+    # the norms, rotary, the activation and the cache write are inline PyTorch in their ops
+    "torch": [("decode_attention", "_decode_torch"), ("prefill_attention", "_prefill_attention_torch")],
+}
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_cpu_backends_run_bf16_themselves(backend, monkeypatch):
+    """bf16 on the CPU is computed by the selected backend's own code (only the Triton interpreter is
+    wrong on bf16, so only its cases skip), not handed to another path; the numerics are the suites'
+    bf16 cases."""
+    import importlib
+
+    if backend == "native" and _native.library() is None:
+        pytest.skip(f"native kernels unavailable here: {_native.build_error()}")
+    calls = []
+    for module_name, attr in set(_CPU_IMPLEMENTATIONS[backend]):
+        module = importlib.import_module(f"pagedkernels.{module_name}")
+        real = getattr(module, attr)
+        monkeypatch.setattr(module, attr, lambda *a, _real=real, _key=(module_name, attr): calls.append(_key)
+                            or _real(*a))
+    bf16 = torch.bfloat16
+    q = torch.randn(2, 4, 64).to(bf16)
+    cache = torch.randn(4, 16, 2, 64).to(bf16)
+    tables, lens = torch.tensor([[0], [1]], dtype=torch.int32), torch.tensor([3, 16], dtype=torch.int32)
+    x = torch.randn(3, 128).to(bf16)
+    with pk.use_backend(backend):
+        pk.paged_decode_attention(q, cache, cache, tables, lens)
+        pk.paged_prefill_attention(q, cache, cache, tables, torch.tensor([0, 1, 2], dtype=torch.int32), lens)
+        pk.rms_norm(x, torch.ones(128, dtype=bf16), 1e-6)
+        pk.rotary_embedding(torch.tensor([0, 5]), q, q[:, :2].clone(), pk.compute_cos_sin_cache(8, 64, 1e4))
+        pk.silu_and_mul(x)
+        pk.reshape_and_cache(q[:, :2], q[:, 2:], cache, cache.clone(), torch.tensor([1, 17]))
+    assert calls == _CPU_IMPLEMENTATIONS[backend]
