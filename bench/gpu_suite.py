@@ -1,42 +1,70 @@
-"""The whole GPU suite in one command: the test suite on CUDA, then the kernel benchmarks, then a report.
+"""The GPU suite in phases that each fit one 10-minute command on a lent GPU (bench/README.md):
 
-    PYTHONPATH=. python -m bench.gpu_suite [--out DIR]        # default DIR: bench/results
+    PYTHONPATH=. python -m bench.gpu_suite --phase 1 --out $OUT          # the headline numbers, < 8 minutes
+    PYTHONPATH=. python -m bench.gpu_suite --phase kernels --out $OUT    # ... or any phase by number or name
 
-writes ``DIR/<YYYY-MM-DD>-<device-slug>.json``, ``.md`` and ``.png`` (device name, driver, torch,
-triton and CUDA versions, the test summary line, the measured limits, every benchmark row and the
-issue's targets marked pass/fail), plus ``...-tests.log`` with pytest's full output. JSON and
-Markdown are rewritten after the tests and after every benchmark case, so a run cut short (the
-device tool's 10-minute limit) still leaves what it measured; the PNG comes at the end.
-On a time-limited machine split the work: ``--skip-tests`` for the benchmarks alone, ``--only OP``
-for one op, ``--no-compile`` to skip the torch.compile / compiled-FlexAttention baselines,
-``--skip-engine`` / ``--engine-only`` for the engine benchmarks (``bench.engine_gpu``, kept under the
-JSON's ``engine`` key).
+1. headline (450 s): measured limits; the three kernel targets (paged decode vs copy BW, prefill vs
+   SDPA-flash, fused add-RMSNorm vs copy BW); tests/pagedkernels on CUDA (not the slow AOT compile; cut at
+   150 s); the Qwen3-0.6B-shape engine throughput (nano-vllm protocol), and transformers on the same requests
+   if 150 s are left.
+2. kernels (540 s): the whole kernel matrix with every baseline (torch.compile, compiled FlexAttention).
+3. engine (540 s): Qwen3-0.6B shape: engine throughput and transformers in the same run, batch-1 decode vs
+   the bandwidth floor, decode-step time at batch 64 / 256.
+4. llama (540 s): Llama-3-8B shape: engine throughput, batch-1 decode, decode-step time at batch 64 / 256.
+5. kernel-tests (540 s): tests/pagedkernels on CUDA, all of it.
+6. engine-tests (540 s): the engine tests that run on CUDA (compiled forward, CUDA graphs, NCCL, dummy weights).
+7. other-tests (540 s): every other test module, on the GPU machine (``--shard K/N`` splits it).
 
-Without CUDA it stops with a clear message, unless ``--dry-run`` (``--device cpu``): tiny shapes, a
-wall-clock timer and no tests by default, to exercise the reporting code on any machine.
+``--phase all`` (the default) runs them one after another. Each phase writes
+``OUT/<date>-<device>-phase<N>-<name>.json`` and ``.md`` after every case (``.png`` at the end, when matplotlib
+is there) and ``...-<tests>.log`` per pytest run, so a phase cut short keeps what it measured. A phase checks
+its budget before each step and stops cleanly before the budget ends (a SIGALRM backstop cuts a step that
+overruns). Nothing is installed or downloaded: the engine's models are config.json files loaded with
+``load_format="dummy"`` and ``skip_tokenizer_init=True``, the workloads are token ids. Test modules that import
+a package this machine lacks (hypothesis, ...) are not run, and the report names them.
+
+``--dry-run`` runs a phase's code on CPU with tiny shapes and a wall-clock timer, and collects its tests
+(``--collect-only``) instead of running them: CI runs every phase so (bench/test_gpu_suite_dry_run.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
 import datetime
+import importlib.util
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from bench import kernels, report
+from bench.budget import Budget, BudgetExceeded
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "bench" / "results"
-DEFAULT_PYTEST_ARGS = "tests -q -x -p no:cacheprovider"
+PYTEST_OPTIONS = ["-q", "-rfE", "-p", "no:cacheprovider"]
+KERNEL_TESTS = ["tests/pagedkernels"]
+# The engine tests that run something on CUDA when it is there (device-parametrized or CUDA-only).
+CUDA_ENGINE_TESTS = ["tests/engine/test_cuda_engine.py", "tests/engine/test_cuda_graph_runner.py",
+                     "tests/engine/test_distributed.py", "tests/engine/test_model_runner.py",
+                     "tests/engine/test_dummy_load.py", "tests/engine/test_config.py"]
+OTHER_TESTS = ["tests", "bench", *(f"--ignore={p}" for p in KERNEL_TESTS + CUDA_ENGINE_TESTS)]
+_LOCAL_PACKAGES = {"tests", "engine", "pagedkernels", "bench"}
+# Seconds the headline phase keeps for what follows its kernel tests, and what transformers needs there.
+HEADLINE_TESTS_CAP_S = 150.0
+HEADLINE_TRANSFORMERS_S = 150.0
 
-_SUMMARY = re.compile(r"\b\d+ (passed|failed|error|errors|skipped)\b|no tests ran")
+_SUMMARY = re.compile(r"\b\d+ (passed|failed|error|errors|skipped)\b|no tests ran|\b\d+ tests? collected\b")
 
 
 def pytest_summary(output: str) -> str:
@@ -47,113 +75,307 @@ def pytest_summary(output: str) -> str:
     return "no summary line (see the log)"
 
 
-def run_tests(pytest_args: str, log_path: Path, timeout_s: float) -> dict:
-    command = [sys.executable, "-m", "pytest", *shlex.split(pytest_args)]
+def test_files(args: list[str]) -> list[Path]:
+    """The test modules the paths of ``args`` name (directories expanded, ``--ignore=`` applied), sorted."""
+    ignored = [str(REPO_ROOT / a.split("=", 1)[1]) for a in args if a.startswith("--ignore=")]
+    files = []
+    for path in (REPO_ROOT / a for a in args if not a.startswith("-")):
+        files += [path] if path.is_file() else sorted(path.rglob("test_*.py"))
+    return [f for f in files if not any(str(f).startswith(i) for i in ignored)]
+
+
+def shard(args: list[str], index: int, count: int) -> list[str]:
+    """``args`` with its paths replaced by every ``count``-th of their test modules from the ``index``-th
+    (1-based): a test phase too long for one call runs as ``--shard 1/N`` ... ``--shard N/N``."""
+    files = test_files(args)[index - 1::count]
+    options = [a for a in args if a.startswith("-") and not a.startswith("--ignore=")]
+    return [str(f.relative_to(REPO_ROOT)) for f in files] + options
+
+
+def missing_imports(args: list[str]) -> dict[str, str]:
+    """Test modules under the paths of ``args`` that import, at module level, a package this machine lacks:
+    {module path: package}. They cannot be collected; the suite leaves them out and says why."""
+    found: dict[str, str] = {}
+    for file in test_files(args):
+        for node in ast.parse(file.read_text(), str(file)).body:
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            for top in {n.split(".")[0] for n in names if n} - _LOCAL_PACKAGES:
+                if not _importable(top):
+                    found.setdefault(str(file.relative_to(REPO_ROOT)), top)
+    return found
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def run_tests(args: list[str], log_path: Path, timeout_s: float | None, *, collect_only: bool = False) -> dict:
+    """``python -m pytest ARGS`` in a process group of its own, output to ``log_path`` as it comes. Past
+    ``timeout_s`` it gets SIGINT (pytest then prints what ran and its summary line), SIGKILL 30 s later."""
+    skipped = missing_imports(args)
+    command = [sys.executable, "-m", "pytest", *args, *PYTEST_OPTIONS, *(f"--ignore={p}" for p in skipped)]
+    if collect_only:
+        command.append("--collect-only")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("HF_HUB_OFFLINE", "1")  # no network on a lent GPU: fail fast rather than wait on timeouts
+    print(f"$ {shlex.join(command[1:])}" + (f"  (cut at {timeout_s:.0f} s)" if timeout_s else ""), flush=True)
     start = time.perf_counter()
-    print(f"$ {' '.join(command)}", flush=True)
-    try:
-        proc = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
-        output, returncode = proc.stdout + proc.stderr, proc.returncode
-        summary = pytest_summary(proc.stdout)
-    except subprocess.TimeoutExpired as e:
-        output = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        returncode, summary = None, f"timed out after {timeout_s:.0f} s"
-    log_path.write_text(output)
-    result = {"command": "python -m pytest " + pytest_args, "summary": summary, "returncode": returncode,
-              "seconds": time.perf_counter() - start, "log": log_path.name}
+    cut = False
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            cut = True
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        finally:
+            if proc.poll() is None:  # BudgetExceeded (or Ctrl-C) while waiting: leave nothing running
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    output = log_path.read_text(errors="replace")
+    summary = pytest_summary(output)
+    if cut:
+        summary = f"cut at {timeout_s:.0f} s: {summary}"
+    failed = [line.strip() for line in output.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    result = {"command": "python -m pytest " + shlex.join(command[3:]), "summary": summary,
+              "returncode": proc.returncode, "cut": cut, "seconds": time.perf_counter() - start,
+              "log": log_path.name, "failed": failed[:50],
+              "not_run": {path: f"needs {name}, not installed here" for path, name in skipped.items()}}
     print(f"tests: {summary}", flush=True)
     return result
 
 
-class _SkipKernels(Exception):
-    pass
+def tests_failed(run: dict) -> bool:
+    """A failing test or a collection error; a run cut at its time limit is not a failure (its summary says
+    how far it got)."""
+    return not run["cut"] and run["returncode"] not in (0, 5)
+
+
+# ------------------------------------------------------------------------------------------------
+# phases
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Phase:
+    number: int
+    name: str
+    budget_s: float
+    run: Callable[["PhaseRun"], None]
+
+
+class PhaseRun:
+    """One phase: its budget, its result dict (the report) and the steps that fill it."""
+
+    def __init__(self, phase: Phase, args: argparse.Namespace, device: torch.device, out_dir: Path):
+        self.phase, self.args, self.device, self.out_dir = phase, args, device, out_dir
+        self.dry_run = device.type == "cpu"
+        self.budget = Budget(args.budget or phase.budget_s)
+        env = report.environment(device)
+        self.stem = f"{report.report_stem(env)}-phase{phase.number}-{phase.name}" + (
+            f"-shard{args.shard[0]}of{args.shard[1]}" if args.shard else "")
+        self.result = {
+            "schema": 2,
+            "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "dry_run": self.dry_run, "phase": phase.number, "phase_name": phase.name,
+            "budget_s": self.budget.seconds, "environment": env,
+            "tests": [], "peaks": None, "rows": [], "targets": [], "not_run": [], "cut": [], "errors": [], "notes": [],
+        }
+
+    def save(self, png: bool = False) -> list[Path]:
+        self.result["seconds"] = self.budget.elapsed()
+        return report.write_report(self.out_dir, self.result, stem=self.stem, png=png)
+
+    def step(self, name: str, fn: Callable[[], None]) -> bool:
+        """Run one step; an error is recorded and the phase goes on. Returns False when the budget ran out
+        inside it (the phase then ends)."""
+        try:
+            fn()
+            return True
+        except BudgetExceeded:
+            self.result["cut"].append(f"{name}: the phase's budget ran out inside it")
+            print(f"{name}: cut, the budget of {self.budget.seconds:.0f} s ran out", file=sys.stderr, flush=True)
+            return False
+        except Exception as e:  # still write what we have, and go on to the next step
+            self.result["errors"].append(f"{name}: {type(e).__name__}: {e}")
+            print(f"{name} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            return True
+        finally:
+            self.save()
+
+    # -- the steps --------------------------------------------------------------------------------
+
+    def peaks(self) -> None:
+        timer = kernels.wall_timer if self.dry_run else kernels.cuda_timer
+        self.result["peaks"] = dataclasses.asdict(kernels.measure_peaks(self.device, timer, tiny=self.dry_run))
+        print(kernels.format_peaks(self.result["peaks"]), flush=True)
+
+    def kernels(self, *, headline: bool, baselines: set[str] | None = None, compile: bool = True,
+                case_s: float = 60.0) -> None:
+        def progress(partial: dict) -> None:  # a run cut short keeps every case measured so far
+            self.result.update(rows=partial["rows"], targets=partial["targets"],
+                               kernel_cases_not_run=partial["not_run"])
+            self.save()
+
+        peaks = kernels.Peaks(**self.result["peaks"])
+        partial = kernels.run_suite(self.device, tiny=self.dry_run, compile=compile and not self.args.no_compile,
+                                    only=self.args.only, log=lambda line: print(line, flush=True),
+                                    on_progress=progress, headline=headline, baselines=baselines,
+                                    budget=self.budget, case_s=case_s, peaks=peaks)
+        progress(partial)
+
+    def tests(self, label: str, args: list[str], cap_s: float | None = None, reserve_s: float = 10.0) -> None:
+        """One pytest run, cut at ``cap_s`` or where the budget (less ``reserve_s``) ends, whichever first."""
+        if self.args.pytest_args:
+            args = shlex.split(self.args.pytest_args)
+        if self.args.shard:
+            args = shard(args, *self.args.shard)
+        timeout = min(cap_s or float("inf"), self.budget.remaining() - reserve_s)
+        if timeout < 10:
+            self.result["not_run"].append(f"{label}: {self.budget.remaining():.0f} s of the budget left")
+            return
+        log_path = self.out_dir / f"{self.stem}-{report.device_slug(label)}.log"
+        run = run_tests(args, log_path, None if timeout == float("inf") else timeout, collect_only=self.dry_run)
+        self.result["tests"].append({"label": label, **run})
+        if tests_failed(run):
+            self.result["errors"].append(f"{label}: {run['summary']}")
+
+    def engine(self, models: list[str], parts: tuple[str, ...], transformers_min_s: float = 0.0) -> None:
+        from bench import engine_gpu
+
+        def progress(partial: dict) -> None:
+            self.result["engine"] = partial
+            self.result["engine_targets"] = partial["targets"]
+            self.save()
+
+        peaks = self.result.get("peaks") or {}
+        engine_gpu.run(self.device, tiny=self.dry_run, models=models, parts=parts,
+                       copy_gbps=peaks.get("copy_gbps"), budget=self.budget, transformers_min_s=transformers_min_s,
+                       on_progress=progress, log=lambda line: print(line, flush=True))
+
+
+def _headline(run: PhaseRun) -> None:
+    run.step("limits", run.peaks) \
+        and run.step("kernel targets", lambda: run.kernels(headline=True, baselines={"sdpa-flash", "torch eager"},
+                                                           compile=False)) \
+        and run.step("kernel tests", lambda: run.tests("kernel tests", [*KERNEL_TESTS, "-m", "not slow"],
+                                                       cap_s=HEADLINE_TESTS_CAP_S)) \
+        and run.step("engine throughput", lambda: run.engine(["qwen3-0.6b"], ("throughput", "transformers"),
+                                                             transformers_min_s=HEADLINE_TRANSFORMERS_S))
+
+
+def _kernels(run: PhaseRun) -> None:
+    run.step("limits", run.peaks) and run.step("kernel matrix", lambda: run.kernels(headline=False, case_s=75.0))
+
+
+def _engine(run: PhaseRun) -> None:
+    run.step("limits", run.peaks) and run.step("engine", lambda: run.engine(
+        ["qwen3-0.6b"], ("throughput", "batch1", "decode_steps", "transformers")))
+
+
+def _llama(run: PhaseRun) -> None:
+    run.step("limits", run.peaks) and run.step("engine", lambda: run.engine(
+        ["llama-3-8b"], ("throughput", "batch1", "decode_steps")))
+
+
+def _test_phase(label: str, args: list[str]) -> Callable[[PhaseRun], None]:
+    return lambda run: run.step(label, lambda: run.tests(label, args))
+
+
+PHASES = [
+    Phase(1, "headline", 450.0, _headline),
+    Phase(2, "kernels", 540.0, _kernels),
+    Phase(3, "engine", 540.0, _engine),
+    Phase(4, "llama", 540.0, _llama),
+    Phase(5, "kernel-tests", 540.0, _test_phase("kernel tests", KERNEL_TESTS)),
+    Phase(6, "engine-tests", 540.0, _test_phase("engine tests on CUDA", CUDA_ENGINE_TESTS)),
+    Phase(7, "other-tests", 540.0, _test_phase("other tests", OTHER_TESTS)),
+]
+
+
+def _shard_arg(value: str) -> tuple[int, int]:
+    k, _, n = value.partition("/")
+    if not (k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+        raise argparse.ArgumentTypeError(f"--shard must be K/N with 1 <= K <= N, got {value!r}")
+    return int(k), int(n)
+
+
+def select_phases(value: str) -> list[Phase]:
+    if value == "all":
+        return list(PHASES)
+    for phase in PHASES:
+        if value in (str(phase.number), phase.name):
+            return [phase]
+    raise ValueError(f"--phase must be all, 1-{len(PHASES)} or one of "
+                     f"{', '.join(p.name for p in PHASES)}; got {value!r}")
+
+
+def run_phase(phase: Phase, args: argparse.Namespace, device: torch.device, out_dir: Path) -> int:
+    run = PhaseRun(phase, args, device, out_dir)
+    env = run.result["environment"]
+    print(f"== phase {phase.number} ({phase.name}), budget {run.budget.seconds:.0f} s | {env['device_name']} | "
+          f"driver {env.get('driver')} | torch {env['torch']} | triton {env['triton']} | CUDA {env['cuda']}",
+          flush=True)
+    run.budget.hard_stop(margin=3.0)
+    try:
+        phase.run(run)
+    finally:
+        Budget.cancel_hard_stop()
+    if run.result["rows"]:
+        print(kernels.format_table(run.result["rows"]))
+    if run.result["targets"]:
+        print(kernels.format_targets(run.result["targets"]))
+    for t in run.result.get("engine_targets", []):
+        print(f"  [{t['status'].upper():4}] {t['target']}: {kernels._fmt(t['value'], '.3f')} {t['note']}".rstrip())
+    paths = run.save(png=True)
+    print(f"phase {phase.number} done in {run.budget.elapsed():.0f} s; wrote " + ", ".join(str(p) for p in paths),
+          flush=True)
+    return 1 if run.result["errors"] else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--phase", default="all", help="all (default), a number 1-7 or a name (see the module doc)")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="output directory (default: bench/results)")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (= --dry-run)")
     parser.add_argument("--dry-run", action="store_true",
-                        help="CPU, tiny shapes, wall-clock timer, no tests unless --tests: checks the reporting code")
-    parser.add_argument("--tests", action="store_true", help="run the tests in a dry run too")
-    parser.add_argument("--skip-tests", action="store_true", help="benchmarks only")
-    parser.add_argument("--pytest-args", default=DEFAULT_PYTEST_ARGS, help=f"default: {DEFAULT_PYTEST_ARGS!r}")
-    parser.add_argument("--tests-timeout", type=float, default=420.0, help="seconds before the test run is cut")
-    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile baselines")
-    parser.add_argument("--only", help="benchmark only ops whose name contains this")
-    parser.add_argument("--skip-engine", action="store_true", help="skip the engine benchmarks (bench.engine_gpu)")
-    parser.add_argument("--engine-only", action="store_true", help="the engine benchmarks alone")
-    parser.add_argument("--engine", action="store_true", help="run the engine benchmarks in a dry run too")
+                        help="CPU, tiny shapes, wall-clock timer, tests collected only: checks the code paths")
+    parser.add_argument("--budget", type=float, default=None, help="seconds per phase (default: the phase's own)")
+    parser.add_argument("--pytest-args", default=None, help="replace the test selection of the phase's pytest runs")
+    parser.add_argument("--shard", type=_shard_arg, default=None, metavar="K/N",
+                        help="tests: run the K-th of N interleaved parts of the phase's test modules")
+    parser.add_argument("--no-compile", action="store_true", help="kernels: skip the torch.compile baselines")
+    parser.add_argument("--only", help="kernels: only ops whose name contains this")
     args = parser.parse_args(argv)
-
+    try:
+        phases = select_phases(args.phase)
+    except ValueError as e:
+        parser.error(str(e))
     dry_run = args.dry_run or args.device == "cpu"
     device = torch.device("cpu" if dry_run else args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("bench.gpu_suite: CUDA is not available here (torch.cuda.is_available() is False; torch "
               f"{torch.__version__}, built for CUDA {torch.version.cuda}). Run it on a GPU machine, or pass "
-              "--dry-run to exercise the reporting code on CPU.", file=sys.stderr)
+              "--dry-run to exercise the suite's code on CPU.", file=sys.stderr)
         return 2
-
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    env = report.environment(device)
-    stem = report.report_stem(env)
-    result = {
-        "schema": 1,
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "dry_run": dry_run,
-        "environment": env,
-        "tests": None,
-        "peaks": None,
-        "rows": [],
-        "targets": [],
-        "errors": [],
-    }
-    print(f"device: {env['device_name']} | driver {env.get('driver')} | torch {env['torch']} | "
-          f"triton {env['triton']} | CUDA {env['cuda']}", flush=True)
-
-    if not args.skip_tests and (not dry_run or args.tests):
-        result["tests"] = run_tests(args.pytest_args, out_dir / f"{stem}-tests.log", args.tests_timeout)
-        report.write_report(out_dir, result, stem=stem, png=False)
-
-    def save_partial(partial: dict) -> None:  # a run cut short keeps every case measured so far
-        result.update(partial)
-        report.write_report(out_dir, result, stem=stem, png=False)
-
-    try:
-        if args.engine_only:
-            raise _SkipKernels
-        bench = kernels.run_suite(device, tiny=dry_run, compile=not args.no_compile, only=args.only,
-                                  log=lambda line: print(line, flush=True), on_progress=save_partial)
-        result.update(bench)
-    except _SkipKernels:
-        pass
-    except Exception as e:  # still write what we have
-        result["errors"].append(f"kernel benchmarks: {type(e).__name__}: {e}")
-        print(f"kernel benchmarks failed: {type(e).__name__}: {e}", file=sys.stderr)
-
-    if not args.skip_engine and (not dry_run or args.engine or args.engine_only):
-        from bench import engine_gpu
-
-        try:
-            copy_gbps = (result.get("peaks") or {}).get("copy_gbps")
-            result["engine"] = engine_gpu.run(device, tiny=dry_run, models=["qwen3-0.6b", "smollm2"],
-                                              copy_gbps=copy_gbps, log=lambda line: print(line, flush=True))
-            result["engine_targets"] = result["engine"]["targets"]
-        except Exception as e:
-            result["errors"].append(f"engine benchmarks: {type(e).__name__}: {e}")
-            print(f"engine benchmarks failed: {type(e).__name__}: {e}", file=sys.stderr)
-        report.write_report(out_dir, result, stem=stem, png=False)
-
-    print()
-    print(kernels.format_table(result["rows"]))
-    print(kernels.format_targets(result["targets"]))
-    paths = report.write_report(out_dir, result, stem=stem)
-    print("wrote " + ", ".join(str(p) for p in paths))
-    tests_failed = result["tests"] is not None and result["tests"]["returncode"] not in (0, None)
-    return 1 if result["errors"] or tests_failed else 0
+    rc = 0
+    for phase in phases:
+        rc = max(rc, run_phase(phase, args, device, out_dir))
+        kernels._free(device)  # the next phase (its engine's memory check) starts on a device left as found
+    return rc
 
 
 if __name__ == "__main__":

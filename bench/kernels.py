@@ -799,10 +799,15 @@ def suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False,
 
 def run_suite(device: torch.device | str, *, tiny: bool = False, compile: bool = True, only: str | None = None,
               log: Callable[[str], None] = print, timer: Timer | None = None,
-              on_progress: Callable[[dict], None] | None = None) -> dict:
-    """Measure the limits, then every case. Returns {"peaks", "rows", "targets"} (plain dicts),
-    also handed to ``on_progress`` after each case (so a caller can save partial results).
-    On CUDA: bf16 and do_bench; on CPU: fp32 and the wall-clock timer (``timer`` overrides)."""
+              on_progress: Callable[[dict], None] | None = None, headline: bool = False,
+              baselines: set[str] | None = None, budget=None, case_s: float = 60.0, peaks: Peaks | None = None) -> dict:
+    """Measure the limits (unless ``peaks`` are given), then every case. Returns {"peaks", "rows", "targets",
+    "not_run"} (plain dicts), also handed to ``on_progress`` after each case (so a caller can save partial
+    results). On CUDA: bf16 and do_bench; on CPU: fp32 and the wall-clock timer (``timer`` overrides).
+
+    headline: only the cases that carry one of the issue's targets. baselines: keep only the baselines of these
+    names. budget (a bench.budget.Budget): no case is started with less than ``case_s`` seconds left; the ones
+    left out are listed in "not_run"."""
     device = torch.device(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
@@ -810,18 +815,25 @@ def run_suite(device: torch.device | str, *, tiny: bool = False, compile: bool =
         timer, dtype = timer or cuda_timer, torch.bfloat16
     else:
         timer, dtype = timer or wall_timer, torch.float32
-    peaks = measure_peaks(device, timer, tiny=tiny)
-    log(format_peaks(dataclasses.asdict(peaks)))
+    if peaks is None:
+        peaks = measure_peaks(device, timer, tiny=tiny)
+        log(format_peaks(dataclasses.asdict(peaks)))
     rows: list[Row] = []
-    targets = []
+    targets, not_run = [], []
     for build in suite(device, dtype, tiny=tiny, compile=compile):
-        if only and only not in OP_OF_CASE[build.func]:
+        if (only and only not in OP_OF_CASE[build.func]) or (headline and build.keywords.get("target") is None):
+            continue
+        if budget is not None and not budget.allows(case_s):
+            not_run.append(f"{OP_OF_CASE[build.func]} {_case_keywords(build)}")
+            log(f"  {not_run[-1]}: not run ({budget.remaining():.0f} s of the budget left)")
             continue
         try:
             case = build()
         except Exception as e:
             log(f"  {build.func.__name__}({build.keywords}) could not be built: {_first_line(e)}")
             continue
+        if baselines is not None:
+            case.baselines = [b for b in case.baselines if b.name in baselines]
         start = time.perf_counter()
         case_rows = run_case(case, timer, peaks)
         rows += case_rows
@@ -837,13 +849,18 @@ def run_suite(device: torch.device | str, *, tiny: bool = False, compile: bool =
             # (8) sends it back to eager, which materializes whole score matrices.
             torch._dynamo.reset()
         if on_progress is not None:
-            on_progress(_result(peaks, rows, targets))
-    return _result(peaks, rows, targets)
+            on_progress(_result(peaks, rows, targets, not_run))
+    return _result(peaks, rows, targets, not_run)
 
 
-def _result(peaks: Peaks, rows: list[Row], targets: list[dict]) -> dict:
+def _case_keywords(build: functools.partial) -> str:
+    return ", ".join(f"{k}={v}" for k, v in build.keywords.items()
+                     if k not in ("device", "dtype", "compile", "target"))
+
+
+def _result(peaks: Peaks, rows: list[Row], targets: list[dict], not_run: list[str]) -> dict:
     return {"peaks": dataclasses.asdict(peaks), "rows": [dataclasses.asdict(r) for r in rows],
-            "targets": list(targets)}
+            "targets": list(targets), "not_run": list(not_run)}
 
 
 def _fmt(value, spec: str) -> str:

@@ -1,8 +1,10 @@
-"""Benchmark reports: ``<out>/<YYYY-MM-DD>-<device-slug>.json``, ``.md`` and ``.png``.
+"""Benchmark reports: ``<out>/<YYYY-MM-DD>-<device-slug>[-phase<N>-<name>].json``, ``.md`` and ``.png``.
 
-The JSON holds everything (environment, test summary, measured limits, rows, targets); the Markdown
-is the same for a person; the PNG plots each op's fraction of the measured limit next to its best
-baseline. matplotlib is imported only here, lazily: without it the PNG is skipped with a note.
+The JSON holds everything (environment, test summaries, measured limits, rows, targets, engine results, what
+was left out or cut); the Markdown is the same for a person; the PNG plots each op's fraction of the measured
+limit next to its best baseline. matplotlib is imported only here, lazily: without it the PNG is skipped and
+the report's notes say so. Schema 1 (one suite run, ``tests`` a single dict) and 2 (one phase of
+bench.gpu_suite, ``tests`` a list of pytest runs) are both read.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def report_stem(env: dict, date: datetime.date | None = None) -> str:
 
 def write_report(out_dir: str | os.PathLike, result: dict, *, stem: str | None = None, png: bool = True) -> list[Path]:
     """Write ``<stem>.json``, ``<stem>.md`` and (with matplotlib, unless ``png=False``) ``<stem>.png``;
-    returns the paths.
+    returns the paths. A PNG that cannot be drawn adds its reason to ``result["notes"]``.
 
     result: {"environment", "tests", "peaks", "rows", "targets", ...} as built by bench.gpu_suite.
     """
@@ -92,12 +94,15 @@ def write_report(out_dir: str | os.PathLike, result: dict, *, stem: str | None =
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = stem or report_stem(result["environment"])
     paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md"]
+    png_path = out_dir / f"{stem}.png"
+    drawn = False
+    if png:
+        drawn, why = plot(result, png_path)
+        if why and why not in result.setdefault("notes", []):
+            result["notes"].append(why)
     paths[0].write_text(json.dumps(result, indent=1) + "\n")
     paths[1].write_text(markdown(result))
-    png_path = out_dir / f"{stem}.png"
-    if png and plot(result, png_path):
-        paths.append(png_path)
-    return paths
+    return paths + ([png_path] if drawn else [])
 
 
 def _md_table(header: list[str], rows: list[list[str]]) -> str:
@@ -108,18 +113,26 @@ def _md_table(header: list[str], rows: list[list[str]]) -> str:
 
 def markdown(result: dict) -> str:
     env = result["environment"]
-    lines = [f"# pagedkernels benchmarks: {env['device_name']}", ""]
+    phase = f" (phase {result['phase']}: {result['phase_name']})" if result.get("phase") else ""
+    lines = [f"# pagedkernels benchmarks: {env['device_name']}{phase}", ""]
     if result.get("dry_run"):
         lines += ["**Dry run on CPU** (tiny shapes, wall-clock timer): exercises the reporting code; "
                   "the numbers mean nothing.", ""]
-    lines += [f"Date (UTC): {result.get('timestamp', '-')}", ""]
+    lines += [f"Date (UTC): {result.get('timestamp', '-')}"
+              + (f"; {result['seconds']:.0f} s of a {result['budget_s']:.0f} s budget" if result.get("budget_s")
+                 and "seconds" in result else ""), ""]
     keys = ["device_name", "driver", "compute_capability", "memory_gib", "multiprocessors", "torch", "triton", "cuda",
             "python", "cpu_count"]
     lines += [_md_table(["field", "value"], [[k, env.get(k)] for k in keys if k in env]), ""]
     tests = result.get("tests")
     if tests:
-        lines += ["## Tests", "", f"`{tests.get('command')}` -> **{tests.get('summary')}** "
-                  f"(exit {tests.get('returncode')}, {tests.get('seconds', 0):.0f} s)", ""]
+        lines += ["## Tests", ""]
+        for run in [tests] if isinstance(tests, dict) else tests:
+            lines += [f"`{run.get('command')}` -> **{run.get('summary')}** "
+                      f"(exit {run.get('returncode')}, {run.get('seconds', 0):.0f} s, log `{run.get('log')}`)", ""]
+            lines += [f"- {line}" for line in run.get("failed", [])]
+            lines += [f"- not run: `{path}` ({why})" for path, why in run.get("not_run", {}).items()]
+            lines += [""] if run.get("failed") or run.get("not_run") else []
     if result.get("peaks"):
         lines += ["## Measured limits", "", format_peaks(result["peaks"]), ""]
     if result.get("targets"):
@@ -134,15 +147,52 @@ def markdown(result: dict) -> str:
                   "time; TFLOP/s: useful attention FLOPs / time; frac_of_peak: against the limit measured in "
                   "this run; ratio = baseline_ms / ms (above 1: pagedkernels is faster).", "",
                   _md_table(list(COLUMNS) + ["note"], [table_cells(r) + [r["note"]] for r in result["rows"]]), ""]
-    for key, title in (("engine", "Engine"), ("errors", "Errors")):
+    if result.get("engine"):
+        lines += engine_markdown(result["engine"])
+    for key, title in (("not_run", "Not run (budget)"), ("kernel_cases_not_run", "Kernel cases not run (budget)"),
+                       ("cut", "Cut at the budget"), ("notes", "Notes")):
         if result.get(key):
-            lines += [f"## {title}", "", "```", json.dumps(result[key], indent=1), "```", ""]
+            lines += [f"## {title}", ""] + [f"- {item}" for item in result[key]] + [""]
+    if result.get("errors"):
+        lines += ["## Errors", "", "```", json.dumps(result["errors"], indent=1), "```", ""]
     return "\n".join(lines)
 
 
-def plot(result: dict, path: Path) -> bool:
+def engine_markdown(engine: dict) -> list[str]:
+    """The engine benchmarks (bench.engine_gpu) as tables: throughput against transformers, batch-1 decode,
+    decode-step time against its floor, the targets."""
+    def num(value, spec=".0f"):
+        return "-" if value is None else format(value, spec)
+
+    lines = ["## Engine", "", f"{engine.get('dtype')}, {engine.get('load_format', 'checkpoint')} weights; workload "
+             f"{engine.get('workload')}; copy bandwidth {num(engine.get('copy_gbps'), '.1f')} GB/s", ""]
+    rows = []
+    for name, row in engine.get("models", {}).items():
+        eng, hf = row.get("engine") or {}, row.get("transformers") or {}
+        rows.append([name, num(eng.get("output_tokens_per_s")) + ("" if eng.get("complete", True) else " (cut)"),
+                     hf.get("skipped") or (num(hf.get("output_tokens_per_s")) + (f" ({hf['api']})" if hf else "")
+                                           + ("" if hf.get("complete", True) else " (cut)")),
+                     num(row.get("throughput_ratio"), ".2f"),
+                     num((row.get("batch1") or {}).get("decode_tokens_per_s"), ".1f"),
+                     num((row.get("batch1") or {}).get("frac_of_copy_bandwidth"), ".3f"),
+                     "; ".join(f"b{s['batch_size']}: " + (s["skipped"] if "skipped" in s else
+                                                          f"{s['step_ms']:.2f} ms ({s['frac_of_floor']:.2f} of floor)")
+                               for s in row.get("decode_steps", [])) or "-"])
+    lines += [_md_table(["model", "engine out tok/s", "transformers out tok/s", "ratio", "batch-1 tok/s",
+                         "batch-1 frac of copy BW", "decode step"], rows), ""]
+    if engine.get("targets"):
+        lines += [_md_table(["target", "value", "status"],
+                            [[t["target"], num(t["value"], ".3f"), t["status"] + (f" ({t['note']})" if t.get("note")
+                                                                                  else "")]
+                             for t in engine["targets"]]), ""]
+    return lines
+
+
+def plot(result: dict, path: Path) -> tuple[bool, str]:
     """Horizontal bars: each case's fraction of its measured limit, with its best baseline's
-    fraction as a marker and the targets as ticks. Returns False (with a note) without matplotlib."""
+    fraction as a marker and the targets as ticks. Returns (drawn, why not)."""
+    if not result.get("rows"):
+        return False, ""  # a phase without kernel rows has nothing to plot
     try:
         import matplotlib
 
@@ -150,7 +200,7 @@ def plot(result: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         print(f"note: matplotlib is not installed; skipping {path.name}")
-        return False
+        return False, f"matplotlib is not installed here: no {path.name} (the JSON and Markdown hold every number)"
     cases: dict[tuple[str, str], dict] = {}
     for row in result.get("rows", []):
         if row["frac_of_peak"] is None:
@@ -162,7 +212,7 @@ def plot(result: dict, path: Path) -> bool:
                 entry["best"] = (row["baseline"], baseline_frac)
     if not cases:
         print(f"note: no timed rows; skipping {path.name}")
-        return False
+        return False, f"no timed rows: no {path.name}"
     thresholds = {(t["op"], t["shape"]): t for t in result.get("targets", []) if t["metric"] == "frac_of_peak"}
     labels = [f"{op}\n{shape}" for op, shape in cases]
     fig, ax = plt.subplots(figsize=(11, 0.55 * len(cases) + 1.8))
@@ -191,4 +241,4 @@ def plot(result: dict, path: Path) -> bool:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return True
+    return True, ""

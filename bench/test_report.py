@@ -29,18 +29,16 @@ def fast_timer(monkeypatch):
 
 
 def test_dry_run_writes_complete_report(tmp_path, fast_timer, capsys):
-    tests_args = "bench/test_report.py -q -p no:cacheprovider -k test_pytest_summary"
-    rc = gpu_suite.main(["--dry-run", "--no-compile", "--tests", "--pytest-args", tests_args, "--out", str(tmp_path)])
+    rc = gpu_suite.main(["--dry-run", "--phase", "kernels", "--no-compile", "--out", str(tmp_path)])
     assert rc == 0, capsys.readouterr().out
-    [json_path] = tmp_path.glob("*-cpu-dry-run-*.json")
+    [json_path] = tmp_path.glob("*-cpu-dry-run-*-phase2-kernels.json")
     stem = json_path.name[: -len(".json")]
     result = json.loads(json_path.read_text())
 
-    assert result["dry_run"] is True
+    assert result["dry_run"] is True and result["schema"] == 2 and result["phase"] == 2
     assert result["environment"]["torch"] == torch.__version__
-    assert result["tests"]["summary"].startswith("1 passed"), result["tests"]
-    assert (tmp_path / f"{stem}-tests.log").exists()
     assert result["peaks"]["copy_gbps"] > 0 and result["peaks"]["matmul_tflops"] > 0
+    assert 0 < result["seconds"] < result["budget_s"] and not result["errors"] and not result["cut"]
 
     rows = result["rows"]
     ops = {r["op"] for r in rows}
@@ -63,13 +61,45 @@ def test_dry_run_writes_complete_report(tmp_path, fast_timer, capsys):
 
     md = (tmp_path / f"{stem}.md").read_text()
     assert "Dry run on CPU" in md and "| paged_decode_attention |" in md and "## Targets" in md
+    assert "(phase 2: kernels)" in md
     png = tmp_path / f"{stem}.png"
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        assert not png.exists()
+        assert not png.exists() and any("matplotlib" in note for note in result["notes"])
     else:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tests_phase_reports_each_pytest_run(tmp_path, capsys):
+    """A tests phase in a dry run collects its selection (here replaced by --pytest-args) and reports it."""
+    rc = gpu_suite.main(["--dry-run", "--phase", "kernel-tests", "--pytest-args",
+                         "bench/test_report.py -k test_pytest_summary", "--out", str(tmp_path)])
+    assert rc == 0, capsys.readouterr().out
+    [json_path] = tmp_path.glob("*-phase5-kernel-tests.json")
+    [run] = json.loads(json_path.read_text())["tests"]
+    assert run["summary"].startswith("1/") and "collected" in run["summary"] and run["returncode"] == 0
+    assert "--collect-only" in run["command"] and (tmp_path / run["log"]).exists()
+    assert "## Tests" in json_path.with_suffix(".md").read_text()
+
+
+def test_a_cut_test_run_keeps_its_summary(tmp_path):
+    """Past its time limit pytest gets SIGINT and still prints what ran: the run is marked cut, not failed."""
+    test_file = tmp_path / "test_slow.py"
+    test_file.write_text("import time\n\ndef test_fast():\n    pass\n\ndef test_slow():\n    time.sleep(60)\n")
+    run = gpu_suite.run_tests([str(test_file)], tmp_path / "slow.log", timeout_s=8)
+    assert run["cut"] and not gpu_suite.tests_failed(run) and run["seconds"] < 40
+    assert run["summary"].startswith("cut at 8 s: ") and "1 passed" in run["summary"], run
+
+
+def test_modules_needing_an_absent_package_are_left_out(tmp_path, monkeypatch):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_needs.py").write_text(
+        "import json\nimport not_a_package_here.sub\nfrom engine import LLM\n")
+    (tmp_path / "tests" / "test_fine.py").write_text("import json\nimport torch\n")
+    monkeypatch.setattr(gpu_suite, "REPO_ROOT", tmp_path)
+    assert gpu_suite.missing_imports(["tests"]) == {"tests/test_needs.py": "not_a_package_here"}
+    assert gpu_suite.missing_imports(["tests", "--ignore=tests/test_needs.py"]) == {}
 
 
 def test_target_evaluation_pass_fail_and_missing_baseline():
@@ -98,6 +128,7 @@ def test_wrong_result_is_reported_not_timed_silently():
 def test_pytest_summary():
     out = "....\n=========== 3 passed, 1 skipped in 2.01s ===========\n"
     assert gpu_suite.pytest_summary(out) == "3 passed, 1 skipped in 2.01s"
+    assert gpu_suite.pytest_summary("a\n\n12 tests collected in 0.5s\n") == "12 tests collected in 0.5s"
     assert gpu_suite.pytest_summary("1 failed, 2 passed in 1s") == "1 failed, 2 passed in 1s"
     assert gpu_suite.pytest_summary("collected 0 items\n\nno tests ran in 0.01s") == "no tests ran in 0.01s"
 
@@ -111,3 +142,31 @@ def test_gpu_suite_without_cuda_fails_loudly(tmp_path, capsys):
     assert gpu_suite.main(["--out", str(tmp_path)]) == 2
     assert "CUDA is not available" in capsys.readouterr().err
     assert K.main([]) == 2
+
+
+def test_hard_stop_raises_in_the_main_thread():
+    from bench.budget import Budget, BudgetExceeded
+
+    assert Budget(None).allows(1e9) and Budget(5).allows(1) and not Budget(5).allows(10)
+    start = time.perf_counter()
+    Budget(1.0).hard_stop()
+    try:
+        with pytest.raises(BudgetExceeded):
+            time.sleep(10)
+    finally:
+        Budget.cancel_hard_stop()
+    assert time.perf_counter() - start < 5
+
+
+def test_a_phase_past_its_budget_stops_cleanly_and_keeps_its_report(tmp_path, fast_timer):
+    """With 2 s the headline phase cannot fit: what does not fit is left out or cut, the report is written, the
+    phase returns at once and no alarm is left set."""
+    import signal
+
+    start = time.perf_counter()
+    assert gpu_suite.main(["--dry-run", "--phase", "headline", "--budget", "2", "--out", str(tmp_path)]) == 0
+    assert time.perf_counter() - start < 30
+    [json_path] = tmp_path.glob("*-phase1-headline.json")
+    result = json.loads(json_path.read_text())
+    assert result["cut"] or result["not_run"], result
+    assert signal.alarm(0) == 0

