@@ -37,8 +37,9 @@ def config_only_dir(tmp_path_factory):
 
 
 def _dummy_llm(model_dir: str, **kwargs) -> LLM:
-    return LLM(model_dir, load_format="dummy", skip_tokenizer_init=True, max_model_len=128, num_kv_blocks=32,
-               **kwargs)
+    """On the CPU unless told otherwise (on a GPU machine too: the CUDA path has its own test below)."""
+    kwargs = {"device": "cpu", "max_model_len": 128, "num_kv_blocks": 32, **kwargs}
+    return LLM(model_dir, load_format="dummy", skip_tokenizer_init=True, **kwargs)
 
 
 def _greedy(llm: LLM) -> list[list[int]]:
@@ -109,6 +110,8 @@ def test_each_rank_draws_its_own_shard(config_only_dir):
     assert all(torch.equal(again[n], p) for n, p in shards[1].items())
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensor parallelism needs gloo, which the engine's group "
+                    "picks only where CUDA is absent (engine/distributed/parallel_state.py)")
 def test_tensor_parallel_dummy_model_is_deterministic(config_only_dir):
     """tensor_parallel_size=2: each rank initializes its own shard in its own process; two runs give the same
     greedy tokens."""
@@ -154,8 +157,8 @@ def test_dummy_weights_with_a_tokenizer(tiny_model_dir):
     text out, and different tokens from the checkpoint's weights."""
     model_dir = tiny_model_dir("qwen2")
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    dummy = LLM(model_dir, load_format="dummy", max_model_len=128, num_kv_blocks=32)
-    real = LLM(model_dir, max_model_len=128, num_kv_blocks=32)
+    dummy = LLM(model_dir, load_format="dummy", device="cpu", max_model_len=128, num_kv_blocks=32)
+    real = LLM(model_dir, device="cpu", max_model_len=128, num_kv_blocks=32)
     a, b = (llm.generate("Once upon a time", params, use_tqdm=False)[0].outputs[0] for llm in (dummy, real))
     assert a.text == dummy.get_tokenizer().decode(a.token_ids, skip_special_tokens=True) and a.text
     assert a.token_ids != b.token_ids
@@ -168,16 +171,17 @@ def test_options_and_flags(config_only_dir):
                                       "--skip-tokenizer-init"])
     assert EngineArgs.from_cli_args(args) == EngineArgs(model="/m", load_format="dummy", skip_tokenizer_init=True)
     assert EngineArgs(model="/m").load_format == "auto" and not EngineArgs().skip_tokenizer_init
+    model_dir = config_only_dir("llama")
     with pytest.raises(ValueError, match="load_format"):
-        LLM(config_only_dir("llama"), load_format="pt", skip_tokenizer_init=True)
+        LLM(model_dir, load_format="pt", skip_tokenizer_init=True, device="cpu")
     with pytest.raises(ValueError, match="skip_tokenizer_init"):
-        LLM(config_only_dir("llama"), load_format="dummy", skip_tokenizer_init="yes")
+        LLM(model_dir, load_format="dummy", skip_tokenizer_init="yes", device="cpu")
     # load_format="auto" reads the checkpoint, which a config-only directory does not have.
     with pytest.raises(ValueError, match="no weights"):
-        LLM(config_only_dir("llama"), skip_tokenizer_init=True, num_kv_blocks=8)
+        LLM(model_dir, skip_tokenizer_init=True, device="cpu", num_kv_blocks=8)
     # Without skip_tokenizer_init the tokenizer is required.
     with pytest.raises(ValueError, match="no tokenizer"):
-        LLM(config_only_dir("llama"), load_format="dummy", num_kv_blocks=8)
+        LLM(model_dir, load_format="dummy", device="cpu", num_kv_blocks=8)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run by the GPU suite)")
@@ -186,7 +190,8 @@ def test_dummy_bf16_on_cuda_with_compile_and_graphs(config_only_dir):
     model_dir = config_only_dir("qwen3")
     runs = []
     for _ in range(2):
-        llm = _dummy_llm(model_dir, dtype="bfloat16", device="cuda", max_num_seqs=8, gpu_memory_utilization=0.3)
+        llm = _dummy_llm(model_dir, dtype="bfloat16", device="cuda", max_num_seqs=8, num_kv_blocks=None,
+                         gpu_memory_utilization=0.3)
         runner = llm.llm_engine.model_runner
         assert all(p.device.type == "cuda" and p.dtype == torch.bfloat16 for p in runner.model.parameters())
         runs.append(_greedy(llm))
