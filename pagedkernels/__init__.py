@@ -2,8 +2,10 @@
 
 KV-cache layout, one pair per layer: ``key_cache`` and ``value_cache`` are each
 ``[num_blocks, block_size, num_kv_heads, head_dim]``; a slot is ``block_id * block_size + offset``.
-Every op dispatches through :func:`set_backend` (``auto`` = Triton for CUDA tensors, PyTorch for CPU
-tensors).
+Every op dispatches through :func:`set_backend` (``auto`` = Triton for CUDA tensors; for CPU tensors the
+native kernel where it builds, else PyTorch). On meta tensors or fake ones (``FakeTensorMode``,
+``torch.compile``'s tracing) an op checks its arguments as always and allocates its outputs, nothing
+else: that is also its custom op's fake implementation (``torch_ops``).
 """
 
 from ._backend import get_backend, set_backend, use_backend  # noqa: F401  (must come first)
