@@ -238,7 +238,7 @@ def copy_blocks(
     """
     check_copy_blocks_args(key_caches, value_caches, block_mapping)
     first = key_caches[0]
-    if has_no_data(first, block_mapping, *key_caches, *value_caches):
+    if has_no_data(block_mapping, *key_caches, *value_caches):
         return  # meta or fake tensors: checked, nothing to copy
     num_blocks = first.shape[0]
     num_pairs = block_mapping.shape[0]
