@@ -289,11 +289,13 @@ def decode_step_time(llm, batch_size: int, context: int, copy_gbps: float, repea
 
 def run(device: torch.device, *, tiny: bool, models: list[str], parts: tuple[str, ...] = PARTS,
         hf_group: int = 64, context: int = 1024, enforce_eager: bool = False, copy_gbps: float | None = None,
-        budget: Budget | None = None, transformers_min_s: float = 0.0, on_progress=None, log=print) -> dict:
+        budget: Budget | None = None, transformers_min_s: float = 0.0, on_progress=None, log=print,
+        results: dict | None = None) -> dict:
     """Run ``parts`` (of ``PARTS``) for each model of ``models`` (names in ``SHAPES``), in that order per model:
     throughput, batch1, decode_steps on one engine, then transformers once the engine is gone (only when the
     budget still has ``transformers_min_s`` seconds; else the row says it was left out). ``on_progress(results)``
-    after every part, so a caller can save partial results."""
+    after every part, so a caller can save partial results. ``results``: an earlier run's, to add parts to (the
+    requests are the same, seeded: transformers later in a phase still gives the ratio)."""
     from bench.kernels import measure_peaks, wall_timer
     from engine import LLM
 
@@ -308,8 +310,8 @@ def run(device: torch.device, *, tiny: bool, models: list[str], parts: tuple[str
         copy_gbps = measure_peaks(device, timer, tiny=tiny).copy_gbps
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     workload = TINY_WORKLOAD if tiny else NANO_VLLM
-    results: dict = {"device": str(device), "dtype": str(dtype).replace("torch.", ""), "copy_gbps": copy_gbps,
-                     "workload": workload.__dict__, "load_format": "dummy", "models": {}, "targets": []}
+    results = results or {"device": str(device), "dtype": str(dtype).replace("torch.", ""), "copy_gbps": copy_gbps,
+                          "workload": workload.__dict__, "load_format": "dummy", "models": {}, "targets": []}
 
     def progress() -> None:
         results["targets"] = targets(results)
@@ -319,8 +321,8 @@ def run(device: torch.device, *, tiny: bool, models: list[str], parts: tuple[str
     with tempfile.TemporaryDirectory() as tmp:
         for name in models:
             model_dir = write_config_dir(os.path.join(tmp, name), name, tiny=tiny)
-            row = results["models"][name] = {"shape": {k: v for k, v in (TINY_SHAPES if tiny else SHAPES)[name].items()
-                                                       if k not in ("architectures",)}}
+            shape = {k: v for k, v in (TINY_SHAPES if tiny else SHAPES)[name].items() if k != "architectures"}
+            row = results["models"].setdefault(name, {"shape": shape})
             requests = make_requests(workload, row["shape"]["vocab_size"])
             engine_parts = [p for p in parts if p != "transformers"]
             if engine_parts:
