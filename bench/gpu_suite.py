@@ -52,7 +52,8 @@ from bench.budget import Budget, BudgetExceeded
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "bench" / "results"
-PYTEST_OPTIONS = ["-q", "-rfE", "-p", "no:cacheprovider"]
+# A module that fails to import must not stop the others (pytest stops at collection errors by default).
+PYTEST_OPTIONS = ["-q", "-rfE", "-p", "no:cacheprovider", "--continue-on-collection-errors"]
 KERNEL_TESTS = ["tests/pagedkernels"]
 # The engine tests that run something on CUDA when it is there (device-parametrized or CUDA-only).
 CUDA_ENGINE_TESTS = ["tests/engine/test_cuda_engine.py", "tests/engine/test_cuda_graph_runner.py",
