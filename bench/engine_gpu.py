@@ -252,7 +252,7 @@ class _Seq:
 
 def decode_step_time(llm, batch_size: int, context: int, copy_gbps: float, repeats: int) -> dict:
     """Prefill ``batch_size`` sequences of ``context`` tokens straight through the runner, then time
-    the decode step of token ``context`` (execute_model does not advance the sequences, so the same
+    the decode step of token ``context`` (compute_logits_for does not advance the sequences, so the same
     step repeats with identical work)."""
     runner = llm.llm_engine.model_runner
     block_size = runner.block_size
@@ -265,16 +265,16 @@ def decode_step_time(llm, batch_size: int, context: int, copy_gbps: float, repea
                  list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))) for i in range(batch_size)]
     chunk = max(1, runner.max_num_batched_tokens // context)
     for start in range(0, batch_size, chunk):  # prefill, a few sequences per forward
-        runner.execute_model([(s, context) for s in seqs[start:start + chunk]])
+        runner.compute_logits_for([(s, context) for s in seqs[start:start + chunk]])
     for s in seqs:
         s.num_computed_tokens = context
     step = [(s, 1) for s in seqs]
     for _ in range(3):
-        runner.execute_model(step)  # warm-up (captures the graph)
+        runner.compute_logits_for(step)  # warm-up (captures the graph)
     synchronize(runner.device)
     start = time.perf_counter()
     for _ in range(repeats):
-        runner.execute_model(step)
+        runner.compute_logits_for(step)
     synchronize(runner.device)
     ms = (time.perf_counter() - start) / repeats * 1e3
     floor_bytes = weight_bytes(runner.model) + batch_size * (context + 1) * kv_bytes_per_token(runner.config,

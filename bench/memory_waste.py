@@ -72,7 +72,7 @@ def measure(workload, *, block_size: int = 16, max_model_len: int = 2048, num_bl
     steps = 0
     while sched.has_unfinished():
         output = sched.schedule()   # its block moves matter only to a real cache
-        for _, s in sched.update_from_output(output):
+        for s in sched.update_from_output(output):
             s.append_token(s.num_tokens % 1000)
             if s.num_output_tokens >= s.max_tokens:
                 sched.finish(s)

@@ -71,6 +71,7 @@ class ModelConfig:
     layer_norm_before: bool = True  # OPT: pre-LN (True) or post-LN blocks
     word_embed_proj_dim: int | None = None  # OPT: embedding width, projected in/out when not hidden_size
     hf_config: dict = field(default_factory=dict, repr=False)
+    max_model_len_set_by_user: bool = False   # given, not the model's max_position_embeddings
 
     @classmethod
     def from_pretrained(cls, model_dir: str, *, dtype: str | torch.dtype = "auto",
@@ -100,6 +101,7 @@ class ModelConfig:
                              f"num_key_value_heads={num_kv_heads} in {model_dir}/config.json")
         num_layers = int(need(text, "num_hidden_layers", model_dir))
         max_pos = int(text.get("max_position_embeddings") or 2048)
+        set_by_user = max_model_len is not None
         if max_model_len is None:
             max_model_len = max_pos
         elif not isinstance(max_model_len, int) or max_model_len < 1 or max_model_len > max_pos:
@@ -127,6 +129,7 @@ class ModelConfig:
             bos_token_id=_first(gen.get("bos_token_id", text.get("bos_token_id"))),
             pad_token_id=_first(gen.get("pad_token_id", text.get("pad_token_id"))),
             hf_config=hf,
+            max_model_len_set_by_user=set_by_user,
         )
         try:
             fields = model_class.config_from_hf(text, config)
@@ -240,3 +243,77 @@ def _first(value) -> int | None:
     if isinstance(value, (list, tuple)):
         return int(value[0]) if value else None
     return None if value is None else int(value)
+
+
+# -- the engine's configuration: one EngineConfig, built and validated by EngineArgs.create_engine_config() ------
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    """The paged KV cache."""
+    block_size: int                       # tokens per block, 8..128
+    gpu_memory_utilization: float         # share of the GPU the engine may use (the KV budget is what is left)
+    swap_space: float                     # GiB of CPU memory for swapped-out blocks (preemption_mode "swap")
+    enable_prefix_caching: bool
+    num_gpu_blocks_override: int | None   # a fixed number of blocks instead of the memory-derived one
+    kv_cache_dtype: str = "auto"          # the model dtype (the one supported value for now)
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int                     # sequences in one step
+    max_num_batched_tokens: int           # token budget of one step (chunked prefill is always on)
+    preemption_mode: str                  # "recompute" | "swap"
+
+
+@dataclass(slots=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+
+@dataclass(slots=True)
+class DeviceConfig:
+    device: torch.device
+
+
+@dataclass(slots=True)
+class LoadConfig:
+    load_format: str = "auto"             # "auto": the checkpoint; "dummy": random weights (engine/worker/loader.py)
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's speculative_config): "ngram" proposes from the sequence's own earlier tokens
+    (prompt lookup), "draft_model" from a small model with the target's tokenizer (`model`)."""
+    method: str                           # "ngram" | "draft_model"
+    num_speculative_tokens: int           # k: drafts per step
+    prompt_lookup_max: int | None = None  # ngram: longest n-gram matched
+    prompt_lookup_min: int | None = None  # ngram: shortest n-gram matched
+    model: str | None = None              # draft_model: its directory
+    draft_model_config: ModelConfig | None = None
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything an engine, its executor and its workers are built from."""
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    device_config: DeviceConfig
+    load_config: LoadConfig
+    speculative_config: SpeculativeConfig | None = None
+    quant_config: object | None = None    # room for a quantization method's config
+    seed: int = 0
+    enforce_eager: bool = False
+    tokenizer: str | None = None          # the tokenizer's directory (None: the model's)
+    skip_tokenizer_init: bool = False
+    generation_config: str = "auto"       # sampling defaults: "auto", "vllm" or a directory
+
+    @property
+    def device(self) -> torch.device:
+        return self.device_config.device
+
+    def with_device(self, device: torch.device) -> "EngineConfig":
+        """This config for a worker on `device` (a tensor-parallel rank's own GPU)."""
+        return dataclasses.replace(self, device_config=DeviceConfig(torch.device(device)))

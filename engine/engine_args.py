@@ -2,15 +2,22 @@
 `python -m engine serve` (vLLM's EngineArgs, with its flag names).
 
     args = EngineArgs.from_cli_args(parser.parse_args())   # after EngineArgs.add_cli_args(parser)
-    engine = args.create_engine()                          # an LLMEngine
+    config = args.create_engine_config()                   # an EngineConfig, every option validated once
+    engine = LLMEngine(config)                             # or args.create_engine()
 
-The fields are exactly LLMEngine's (and LLM's) keyword arguments with their defaults (tests/engine/test_cli.py
-checks that they stay so)."""
+The fields are exactly LLM's keyword arguments with their defaults (tests/engine/test_cli.py checks that they
+stay so). `create_engine_config` is the one place the options are checked and turned into the configs the
+engine, its executor and its workers take (engine/config.py)."""
 import argparse
 import dataclasses
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:   # engine.config imports the model code: loaded when a config is built, not for --help
+    from engine.config import EngineConfig, ModelConfig, SpeculativeConfig
 
 
 @dataclass(slots=True)
@@ -35,6 +42,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
+    speculative_config: dict | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, *, positional_model: bool = False) -> argparse.ArgumentParser:
@@ -73,6 +81,9 @@ class EngineArgs:
                                 "config.json)")
         group.add_argument("--skip-tokenizer-init", action="store_true",
                            help="no tokenizer: prompts are token ids, outputs carry token ids and empty text")
+        group.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                           help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                                '"prompt_lookup_max": 4}\' or \'{"model": "DRAFT_DIR", "num_speculative_tokens": 4}\'')
         return parser
 
     @classmethod
@@ -89,10 +100,148 @@ class EngineArgs:
         return default_model_path()
 
     def engine_kwargs(self) -> dict:
-        """LLMEngine's keyword arguments: every field but the model."""
+        """LLM's keyword arguments: every field but the model."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "model"}
+
+    def create_engine_config(self) -> "EngineConfig":
+        """Validate every option once (ValueError naming the option) and build the EngineConfig: the model's
+        config read from its directory, the device resolved, the step budget defaulted by the device."""
+        from engine.config import (CacheConfig, DeviceConfig, EngineConfig, LoadConfig, ModelConfig, ParallelConfig,
+                                   SchedulerConfig)
+        from engine.platform import DevicePolicy, resolve_device
+
+        _check_int("block_size", self.block_size, 8, 128)
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 1)
+        _check_number("gpu_memory_utilization", self.gpu_memory_utilization)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        _check_number("swap_space", self.swap_space)
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
+        _check_choice("preemption_mode", self.preemption_mode, ("recompute", "swap"))
+        _check_int("seed", self.seed)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_choice("load_format", self.load_format, ("auto", "dummy"))
+        for name in ("enable_prefix_caching", "enforce_eager", "skip_tokenizer_init"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.generation_config is None or not isinstance(self.generation_config, str):
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}")
+
+        from engine.core.llm_engine import resolve_model_path
+
+        device = resolve_device(self.device)
+        model_config = ModelConfig.from_pretrained(resolve_model_path(self.resolved_model()), dtype=self.dtype,
+                                                   max_model_len=self.max_model_len, device=device)
+        policy = DevicePolicy.for_device(device)
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens or policy.default_max_num_batched_tokens,
+            preemption_mode=self.preemption_mode)
+        cache_config = CacheConfig(block_size=self.block_size, gpu_memory_utilization=float(self.gpu_memory_utilization),
+                                   swap_space=float(self.swap_space), enable_prefix_caching=self.enable_prefix_caching,
+                                   num_gpu_blocks_override=self.num_kv_blocks)
+        speculative_config = _speculative_config(self.speculative_config, model_config, device, self.dtype)
+        return EngineConfig(model_config=model_config, cache_config=cache_config, scheduler_config=scheduler_config,
+                            parallel_config=ParallelConfig(self.tensor_parallel_size),
+                            device_config=DeviceConfig(device), load_config=LoadConfig(self.load_format),
+                            speculative_config=speculative_config, seed=self.seed, enforce_eager=self.enforce_eager,
+                            tokenizer=None if self.tokenizer is None else resolve_model_path(self.tokenizer),
+                            skip_tokenizer_init=self.skip_tokenizer_init, generation_config=self.generation_config)
 
     def create_engine(self):
         """The LLMEngine these options describe."""
         from engine.core.llm_engine import LLMEngine
-        return LLMEngine(self.resolved_model(), **self.engine_kwargs())
+        return LLMEngine(self.create_engine_config())
+
+
+def _check_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        bounds = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
+        raise ValueError(f"{name} must be {bounds}, got {value}")
+
+
+def _check_number(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ValueError(f"{name} must be a number, got {value!r}")
+
+
+def _check_choice(name: str, value, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+def _json_object(text: str) -> dict:
+    """argparse type of --speculative-config: a JSON object."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+_SPECULATIVE_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"}
+
+
+def _speculative_config(spec: dict | None, model_config: "ModelConfig", device,
+                        dtype) -> "SpeculativeConfig | None":
+    """vLLM's speculative_config dict, checked: {"method": "ngram", "num_speculative_tokens": k,
+    "prompt_lookup_max": ..., "prompt_lookup_min": ...} or {"model": DRAFT, "num_speculative_tokens": k}."""
+    from engine.config import ModelConfig, SpeculativeConfig
+
+    if spec is None:
+        return None
+    if not isinstance(spec, dict):
+        raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
+    unknown = sorted(set(spec) - _SPECULATIVE_KEYS)
+    if unknown:
+        raise ValueError(f"speculative_config has unknown keys {unknown} (known: {sorted(_SPECULATIVE_KEYS)})")
+    method = spec.get("method") or ("draft_model" if spec.get("model") else None)
+    if method == "ngram" and spec.get("model") is not None:
+        raise ValueError("speculative_config: method 'ngram' takes no model")
+    _check_choice("speculative_config method", method, ("ngram", "draft_model"))
+    k = spec.get("num_speculative_tokens")
+    _check_int("speculative_config num_speculative_tokens", k, 1, 32)
+    if method == "ngram":
+        lookup_max = spec.get("prompt_lookup_max", spec.get("prompt_lookup_min", 4))
+        lookup_min = spec.get("prompt_lookup_min", min(lookup_max, 1) if isinstance(lookup_max, int) else 1)
+        _check_int("speculative_config prompt_lookup_max", lookup_max, 1)
+        _check_int("speculative_config prompt_lookup_min", lookup_min, 1, lookup_max)
+        return SpeculativeConfig("ngram", k, prompt_lookup_max=lookup_max, prompt_lookup_min=lookup_min)
+    for key in ("prompt_lookup_max", "prompt_lookup_min"):
+        if key in spec:
+            raise ValueError(f"speculative_config: {key} is for method 'ngram', not a draft model")
+    from engine.core.llm_engine import resolve_model_path
+
+    draft_dir = resolve_model_path(spec["model"]) if isinstance(spec.get("model"), str) else None
+    if draft_dir is None:
+        raise ValueError(f"speculative_config: model must be a draft model's directory, got {spec.get('model')!r}")
+    draft = ModelConfig.from_pretrained(draft_dir, dtype=model_config.dtype, device=device,
+                                        max_model_len=min(model_config.max_model_len,
+                                                          _max_positions(draft_dir)))
+    if draft.vocab_size != model_config.vocab_size:
+        raise ValueError(f"speculative_config: the draft model's vocabulary ({draft.vocab_size}) differs from the "
+                         f"target's ({model_config.vocab_size}); a draft must share the target's tokenizer")
+    if draft.max_model_len < model_config.max_model_len:
+        raise ValueError(f"speculative_config: the draft model holds {draft.max_model_len} positions, fewer than "
+                         f"max_model_len={model_config.max_model_len}; lower max_model_len")
+    return SpeculativeConfig("draft_model", k, model=draft_dir, draft_model_config=draft)
+
+
+def _max_positions(model_dir: str) -> int:
+    import json
+    import os
+
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        hf = json.load(f)
+    text = hf.get("text_config", hf)
+    return int(text.get("max_position_embeddings") or 2048)

@@ -43,6 +43,10 @@ class LLM:
         skip_tokenizer_init: load no tokenizer (vLLM's name). Prompts must then be {"prompt_token_ids": [...]},
             outputs carry token ids and empty text, and whatever needs the tokenizer (text prompts, chat, stop
             strings, bad_words, guided decoding, stream_text) raises ValueError.
+        speculative_config: speculative decoding, vLLM's dict: {"method": "ngram", "num_speculative_tokens": k,
+            "prompt_lookup_max": n, "prompt_lookup_min": m} proposes from the sequence's own earlier tokens;
+            {"model": DRAFT_DIR, "num_speculative_tokens": k} from a small draft model with the same tokenizer.
+            The target verifies the k drafts in one forward; the output distribution is the target's exactly.
 
     The options are `engine.engine_args.EngineArgs` (shared with `python -m engine` and the server).
     """
@@ -53,7 +57,8 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  enforce_eager: bool = False, seed: int = 0, swap_space: float = 4,
                  preemption_mode: str = "recompute", generation_config: str = "auto",
-                 tensor_parallel_size: int = 1, load_format: str = "auto", skip_tokenizer_init: bool = False):
+                 tensor_parallel_size: int = 1, load_format: str = "auto", skip_tokenizer_init: bool = False,
+                 speculative_config: dict | None = None):
         self.llm_engine = EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, device=device, block_size=block_size,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -61,7 +66,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed,
             swap_space=swap_space, preemption_mode=preemption_mode,
             generation_config=generation_config, tensor_parallel_size=tensor_parallel_size, load_format=load_format,
-            skip_tokenizer_init=skip_tokenizer_init).create_engine()
+            skip_tokenizer_init=skip_tokenizer_init, speculative_config=speculative_config).create_engine()
         self.request_counter = itertools.count()
 
     def get_tokenizer(self):

@@ -63,6 +63,39 @@ class EngineMetrics:
     num_preemptions: int
     num_generation_tokens: int
     num_prompt_tokens: int
+    spec_decode: "SpecDecodeStats | None" = None   # with speculative decoding
+
+
+@dataclass(slots=True)
+class SpecDecodeStats:
+    """Speculative decoding since the engine started (vLLM's vllm:spec_decode_* counters): steps that verified
+    drafts, draft tokens verified, how many of them were accepted, and accepted tokens per draft position."""
+    num_speculative_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.num_accepted_tokens_per_pos:
+            self.num_accepted_tokens_per_pos = [0] * self.num_speculative_tokens
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            self.num_accepted_tokens_per_pos[position] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / draft tokens verified."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verifying step emits on average: the accepted drafts plus the one sampled after them."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 @dataclass(slots=True)

@@ -1,7 +1,8 @@
 """Beam search on shared blocks: `LLM.beam_search(prompts, BeamSearchParams(...))`.
 
 A beam-search request is one sequence group. Its prompt is computed once; every step, each live beam computes
-its last token, the engine hands the beams' log-softmax rows to `BeamSearchState.step`, and the chosen
+its last token, the worker returns each beam's best `num_candidates` next tokens with their log-softmax values
+(the best candidates over all beams are among them), the engine hands them to `BeamSearchState.step`, and the chosen
 continuations become the next beams: a beam continued k times is forked k - 1 times (the forks share all of its
 blocks and copy none until they write into a shared, partly filled block), a beam not continued is freed.
 
@@ -82,16 +83,19 @@ class BeamSearchState:
         self.done = False
         self.next_index = 1
 
-    def step(self, outputs: list[list[int]], logprobs: torch.Tensor) -> list[tuple[int, int]]:
-        """outputs: the generated ids of each live beam; logprobs: float32 [num_beams, vocab_size] log-softmax of
-        their next token. Returns the next live beams as (parent beam position, token id); sets `done`."""
+    def step(self, outputs: list[list[int]], candidates: list[tuple[list[int], list[float]]]) -> list[tuple[int, int]]:
+        """outputs: the generated ids of each live beam; candidates: per beam, its `num_candidates` most likely
+        next tokens (ids, log-softmax values; the best `num_candidates` over all beams are among them). Returns
+        the next live beams as (parent beam position, token id); sets `done`."""
         p = self.params
         width = p.beam_width
-        vocab_size = logprobs.shape[1]
-        accumulated = (logprobs.float().cpu() + self.scores[:, None]).reshape(-1)
+        ids = torch.tensor([c[0] for c in candidates], dtype=torch.int64)          # [num_beams, K]
+        values = torch.tensor([c[1] for c in candidates], dtype=torch.float32)
+        num_per_beam = ids.shape[1]
+        accumulated = (values + self.scores[:, None]).reshape(-1)
         top_scores, top_indices = accumulated.topk(min(self.num_candidates, accumulated.numel()))
-        parents = (top_indices // vocab_size).tolist()
-        tokens = (top_indices % vocab_size).tolist()
+        parents = (top_indices // num_per_beam).tolist()
+        tokens = ids.reshape(-1)[top_indices].tolist()
         at_limit = self.num_generated + 1 >= p.max_tokens
         hits = [at_limit or t in self.eos_token_ids for t in tokens]
 

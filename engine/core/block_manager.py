@@ -132,6 +132,7 @@ class BlockManager:
             block.ref_count += 1
         if cached_block_ids:
             seq.block_table = list(cached_block_ids)
+            seq.block_table_synced = 0
             seq.num_computed_tokens = len(cached_block_ids) * self.block_size
         if self._needs_copy(seq):
             if moves is None:
@@ -141,6 +142,7 @@ class BlockManager:
             self.blocks[src].ref_count -= 1   # still >= 1: the other holders keep it
             dst = self._pop_free_block()
             seq.block_table[first] = dst
+            seq.block_table_synced = min(seq.block_table_synced, first)
             moves.append(("copy", src, dst))
             self.num_copies += 1
         for _ in range(max(self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table), 0)):
@@ -170,7 +172,8 @@ class BlockManager:
         """Register the blocks of `seq` that are full and computed (call after num_computed_tokens advanced)."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        # Computed tokens past the sequence's tokens are accepted drafts not appended yet: not counted until then.
+        num_full = min(min(seq.num_computed_tokens, seq.num_tokens) // self.block_size, len(seq.block_table))
         # Registered blocks form a prefix of the table (held blocks are never evicted): find where it ends.
         first = num_full
         while first > 0 and self.blocks[seq.block_table[first - 1]].hash == -1:
@@ -191,7 +194,18 @@ class BlockManager:
         for block_id in reversed(seq.block_table):   # tail first: evicted before the shared head of a prefix
             self._release(block_id)
         seq.block_table = []
+        seq.block_table_synced = 0
         seq.num_computed_tokens = 0
+
+    def trim(self, seq: Sequence) -> None:
+        """Release the blocks of `seq` past the one holding its last token: those a step's rejected draft tokens
+        were written to (their KV is dropped; none of these blocks is registered, since a block is cached only
+        once its tokens are computed and kept)."""
+        num_needed = self.num_blocks_for(seq.num_tokens)
+        for block_id in reversed(seq.block_table[num_needed:]):
+            self._release(block_id)
+        del seq.block_table[num_needed:]
+        seq.block_table_synced = min(seq.block_table_synced, num_needed)
 
     # -- swapping ---------------------------------------------------------------------------------------------------
     @property
@@ -216,6 +230,7 @@ class BlockManager:
             for block_id in reversed(seq.block_table):
                 self._release(block_id)
             seq.block_table = [mapping[b] for b in seq.block_table]
+            seq.block_table_synced = 0
             for swap_id in seq.block_table:
                 self.swap_ref_counts[swap_id] += 1
         moves += [("swap_out", src, dst) for src, dst in mapping.items()]
@@ -234,6 +249,7 @@ class BlockManager:
             for swap_id in seq.block_table:
                 self._release_swap(swap_id)
             seq.block_table = [mapping[b] for b in seq.block_table]
+            seq.block_table_synced = 0
             for block_id in seq.block_table:
                 self.blocks[block_id].ref_count += 1
         moves += [("swap_in", src, dst) for src, dst in mapping.items()]
@@ -243,6 +259,7 @@ class BlockManager:
         for swap_id in seq.block_table:
             self._release_swap(swap_id)
         seq.block_table = []
+        seq.block_table_synced = 0
         seq.num_computed_tokens = 0
 
     def _release_swap(self, swap_id: int) -> None:

@@ -7,8 +7,9 @@ compiled grammars keyed by their spec, so a schema used by many requests compile
 add_request: a bad schema/regex/grammar is a ValueError naming guided_decoding before the request is queued.
 
 Each guided sequence owns a `GrammarState` (an xgrammar GrammarMatcher that has accepted exactly its output
-tokens). Per step, the sampler fills one token bitmask for all guided rows and applies it before penalties,
-greedy and top-k/top-p (vLLM's order); the engine then feeds each sampled token to its matcher, and a matcher
+tokens). Per step, the scheduler fills one token bitmask for the guided sequences that sample (`fill_bitmask`)
+and sends it with the step; the worker's sampler applies it before penalties, greedy and top-k/top-p (vLLM's
+order); the engine then feeds each sampled token to its matcher, and a matcher
 that has accepted the grammar's end (a stop token) finishes its sequence with finish_reason "stop".
 The matcher only depends on the output tokens, which recompute- and swap-preemption keep, so preempted
 requests resume in the right grammar state; a forked sequence (n > 1) gets a fork of its parent's matcher.
@@ -126,27 +127,12 @@ class GuidedDecoding:
         return GrammarState(self._xgr.GrammarMatcher(self.compile(params)))
 
 
-def apply_grammar_bitmask(logits: torch.Tensor, states: list[GrammarState], rows: list[int]) -> torch.Tensor:
-    """In place: for each row `rows[j]` of logits [num_seqs, vocab_size], the tokens that `states[j]` does not
-    allow next -> -inf. Returns the int32 bitmask [num_seqs, ceil(vocab_size / 32)] (bit set = allowed; rows
-    not in `rows` are all ones), on the CPU."""
+def fill_bitmask(states: list[GrammarState], vocab_size: int) -> torch.Tensor:
+    """The next-token bitmask of each state: int32 [len(states), ceil(vocab_size / 32)] (bit set = allowed), on
+    the CPU; the workers apply it to the logits (engine/worker/sampler.py)."""
     import xgrammar
 
-    num_seqs, vocab_size = logits.shape
-    bitmask = xgrammar.allocate_token_bitmask(num_seqs, vocab_size)
-    for state, row in zip(states, rows):
+    bitmask = xgrammar.allocate_token_bitmask(len(states), vocab_size)
+    for row, state in enumerate(states):
         state.matcher.fill_next_token_bitmask(bitmask, row)
-    device_bitmask = bitmask.to(logits.device, non_blocking=True) if logits.is_cuda else bitmask
-    xgrammar.apply_token_bitmask_inplace(logits, device_bitmask, vocab_size=vocab_size, indices=rows)
     return bitmask
-
-
-_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
-
-
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """bitmask int32 [num_rows, ceil(vocab_size / 32)] (bit j of word w: token 32 * w + j) -> bool
-    [num_rows, vocab_size], True where the token is allowed. For the sampler's fallback on a few rows; the
-    masking itself uses xgrammar's kernel, several times faster than these tensor ops."""
-    bits = (bitmask.unsqueeze(-1) >> _BIT_SHIFTS.to(bitmask.device)) & 1   # arithmetic shift: bit 31 still 0/1
-    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()

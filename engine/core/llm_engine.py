@@ -14,14 +14,14 @@ from engine.core.beam_search import BeamSearchParams, BeamSearchState
 from engine.core.block_manager import BlockManager
 from engine.executor import WorkerDiedError
 from engine.executor.executor import launched_rank, make_executor, run_launched_worker
-from engine.config import ModelConfig
+from engine.config import EngineConfig
 from engine.core.detokenizer import Detokenizer, check_stop_strings
 from engine.core.generation_config import load_sampling_defaults
-from engine.platform import DevicePolicy, resolve_device
-from engine.outputs import CompletionOutput, EngineMetrics, Logprob, RequestOutput
-from engine.worker.sampler import Sampler, SamplerOutput
+from engine.platform import DevicePolicy
+from engine.outputs import CompletionOutput, EngineMetrics, Logprob, RequestOutput, SpecDecodeStats
 from engine.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.scheduler import ScheduledStep, Scheduler
+from engine.step_records import ModelRunnerOutput, PromptLogprobs
 from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.tokenizer import get_tokenizer
 
@@ -42,43 +42,16 @@ def resolve_model_path(model: str) -> str:
 
 
 class LLMEngine:
-    """Same arguments as `engine.LLM` (which wraps this class); see there."""
+    """The engine of an EngineConfig (built and validated by `EngineArgs.create_engine_config()`; `engine.LLM`
+    wraps this class and takes the same options as keyword arguments)."""
 
-    def __init__(self, model: str, *, tokenizer: str | None = None, dtype: str | torch.dtype = "auto",
-                 device: str | torch.device = "auto", block_size: int = 16, max_model_len: int | None = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, num_kv_blocks: int | None = None,
-                 gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
-                 enforce_eager: bool = False, seed: int = 0, swap_space: float = 4,
-                 preemption_mode: str = "recompute", generation_config: str = "auto",
-                 tensor_parallel_size: int = 1, load_format: str = "auto", skip_tokenizer_init: bool = False):
-        if preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
-        if isinstance(swap_space, bool) or not isinstance(swap_space, (int, float)) or not swap_space >= 0:
-            raise ValueError(f"swap_space must be a number of GiB >= 0, got {swap_space!r}")
-        for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        for name, value in (("max_model_len", max_model_len), ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("num_kv_blocks", num_kv_blocks)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-        if not 0.0 < gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed must be an int, got {seed!r}")
-        if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) \
-                or tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
-        if load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
-        if not isinstance(skip_tokenizer_init, bool):
-            raise ValueError(f"skip_tokenizer_init must be a bool, got {skip_tokenizer_init!r}")
-
-        self.device = resolve_device(device)
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = config.device
         self.device_policy = DevicePolicy.for_device(self.device)
-        model_dir = resolve_model_path(model)
-        self.model_config = ModelConfig.from_pretrained(model_dir, dtype=dtype, max_model_len=max_model_len,
-                                                        device=self.device)
+        self.model_config = config.model_config
+        model_dir = self.model_config.model_dir
+        generation_config = config.generation_config
         # Request fields a request leaves unset take these (the model's generation_config.json, like vLLM's
         # --generation-config auto); a server merges request fields over this dict.
         self.sampling_defaults: dict = load_sampling_defaults(generation_config, model_dir)
@@ -91,47 +64,52 @@ class LLMEngine:
             logger.info("default sampling parameters from %s's generation_config.json: %s",
                         model_dir if generation_config == "auto" else generation_config, self.sampling_defaults)
         # skip_tokenizer_init: token ids in and out, no text (see _tokenize, _check_needs_no_tokenizer).
-        self.tokenizer = None if skip_tokenizer_init else get_tokenizer(
-            resolve_model_path(tokenizer) if tokenizer else model_dir)
+        self.tokenizer = None if config.skip_tokenizer_init else get_tokenizer(config.tokenizer or model_dir)
         self.max_model_len = self.model_config.max_model_len
-        self.max_num_batched_tokens = max_num_batched_tokens or self.device_policy.default_max_num_batched_tokens
-        runner_kwargs = dict(device=self.device, block_size=block_size, num_kv_blocks=num_kv_blocks,
-                             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
-                             max_num_batched_tokens=self.max_num_batched_tokens, enforce_eager=enforce_eager,
-                             seed=seed, load_format=load_format)
-        # The swap space is allocated only when swapping is the preemption mode (it would sit unused otherwise).
-        swap_space_gib = swap_space if preemption_mode == "swap" else 0
+        self.max_num_batched_tokens = config.scheduler_config.max_num_batched_tokens
+        tensor_parallel_size = config.parallel_config.tensor_parallel_size
         self.tensor_parallel_size = tensor_parallel_size
         rank = launched_rank(tensor_parallel_size) if tensor_parallel_size > 1 else None
         if rank:   # torchrun rank > 0: this process is a worker of rank 0's engine, then it is done
-            run_launched_worker(rank, tensor_parallel_size, self.model_config, runner_kwargs, swap_space_gib)
+            run_launched_worker(rank, tensor_parallel_size, config)
             raise SystemExit(0)
-        self.executor = make_executor(self.model_config, runner_kwargs, swap_space_gib=swap_space_gib,
-                                      tensor_parallel_size=tensor_parallel_size)
+        self.executor = make_executor(config)
+        block_size = config.cache_config.block_size
         try:
             # Rank 0's runner and swap space (this process's share of the model).
             self.model_runner, self.cache_engine = self.executor.model_runner, self.executor.cache_engine
-            self._fit_max_model_len_to_cache(block_size, user_max_model_len=max_model_len)
+            self._fit_max_model_len_to_cache(block_size, user_max_model_len=self._user_max_model_len())
         except BaseException:   # a refused engine leaves no worker process or process group behind
             self.executor.shutdown()
             raise
-        num_swap_blocks = self.executor.num_swap_blocks
         self.block_manager = BlockManager(self.executor.num_kv_blocks, block_size,
-                                          enable_prefix_caching=enable_prefix_caching,
-                                          num_swap_blocks=num_swap_blocks)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
+                                          enable_prefix_caching=config.cache_config.enable_prefix_caching,
+                                          num_swap_blocks=self.executor.num_swap_blocks)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.scheduler_config.max_num_seqs,
                                    max_num_batched_tokens=self.max_num_batched_tokens,
-                                   preemption_mode=preemption_mode)
-        self.sampler = Sampler(seed=seed, device=self.device)
+                                   preemption_mode=config.scheduler_config.preemption_mode)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, SequenceGroup] = {}
         self.num_generation_tokens = 0
-        self.beam_logprobs: dict[int, torch.Tensor] = {}   # seq_id -> log-softmax row of a beam waiting for its group
+        self.spec_decode_stats = SpecDecodeStats(config.speculative_config.num_speculative_tokens
+                                                 if config.speculative_config is not None else 0)
+        # seq_id -> (token ids, logprobs) of a beam's best next tokens, waiting for its group's step.
+        self.beam_candidates: dict[int, tuple[list[int], list[float]]] = {}
         self.guided_decoding = None   # engine/core/guided_decoding.py GuidedDecoding, built for the first guided request
         # The requests the current step works on (request_id -> group): the ones failed if the step raises.
         self._step_groups: dict[str, SequenceGroup] = {}
         self._moving_blocks = False   # the step is issuing block moves (a failure there spoils their targets)
         self._step_block_moves: list[tuple[str, list[tuple[int, int]]]] = []
+        self._step_finished_seq_ids: list[int] = []
+
+    @classmethod
+    def from_engine_args(cls, engine_args) -> "LLMEngine":
+        """The engine of an `engine.engine_args.EngineArgs`."""
+        return cls(engine_args.create_engine_config())
+
+    def _user_max_model_len(self) -> int | None:
+        """max_model_len if the user set it (then a cache that cannot hold it is an error), else None."""
+        return self.model_config.max_model_len if self.model_config.max_model_len_set_by_user else None
 
     def _fit_max_model_len_to_cache(self, block_size: int, *, user_max_model_len: int | None) -> None:
         """A sequence of max_model_len tokens must fit in the KV cache alone. When it does not, cap
@@ -217,8 +195,7 @@ class LLMEngine:
         self._check_needs_no_tokenizer(params)
         text, token_ids = self.process_prompt(prompt, params.truncate_prompt_tokens)
         seq = Sequence(request_id, text, token_ids, params, arrival_time=arrival_time or time.time(),
-                       eos_token_ids=self.model_config.eos_token_ids, max_model_len=self.max_model_len,
-                       device=self.device)
+                       eos_token_ids=self.model_config.eos_token_ids, max_model_len=self.max_model_len)
         if params.bad_words:
             seq.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         if params.guided_decoding is not None:
@@ -305,7 +282,7 @@ class LLMEngine:
         if group is None:
             return None
         for seq in group.seqs:
-            self.beam_logprobs.pop(seq.seq_id, None)
+            self.beam_candidates.pop(seq.seq_id, None)
             if not seq.is_finished:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
@@ -330,18 +307,20 @@ class LLMEngine:
             prefix_cache_hit_rate=sched.num_cached_prompt_tokens / num_prompt_tokens if num_prompt_tokens else 0.0,
             num_preemptions=sched.num_preemptions,
             num_generation_tokens=self.num_generation_tokens,
-            num_prompt_tokens=num_prompt_tokens)
+            num_prompt_tokens=num_prompt_tokens,
+            spec_decode=self.spec_decode_stats if self.config.speculative_config is not None else None)
 
     # -- the step -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration; returns an output for every request that produced a token (finished or not).
         If anything after scheduling raises, the requests of this step fail alone (see _fail_step)."""
-        scheduler_output = self.scheduler.schedule()
-        self._step_groups = {seq.request_id: seq.group for seq, _ in scheduler_output.scheduled}
-        self._step_block_moves = scheduler_output.block_moves
+        step = self.scheduler.schedule(self._grammar_bitmask if self.guided_decoding is not None else None)
+        self._step_groups = {seq.request_id: seq.group for seq, _ in step.scheduled}
+        self._step_block_moves = step.block_moves
+        self._step_finished_seq_ids = step.output.finished_seq_ids
         self._moving_blocks = False
         try:
-            return self._run_step(scheduler_output)
+            return self._run_step(step)
         except WorkerDiedError:
             raise   # not one failed step: the model is gone, the engine cannot go on
         except Exception as error:
@@ -349,24 +328,27 @@ class LLMEngine:
         finally:
             self._step_groups = {}
 
-    def _run_step(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
-        """schedule (done) -> block moves and the forward on the executor -> update_from_output -> sample ->
-        process outputs."""
-        scheduled = scheduler_output.scheduled
-        if not scheduled:   # beams swapped back in may still be waiting for their group's step
+    def _run_step(self, step: ScheduledStep) -> list[RequestOutput]:
+        """schedule (done) -> block moves and the step on the executor (forward and sampling in the worker) ->
+        update_from_output -> process outputs."""
+        if not step.scheduled:   # beams swapped back in may still be waiting for their group's step
             return self._advance_beams()
         self._moving_blocks = True
-        self._move_blocks(scheduler_output.block_moves)
+        self._move_blocks(step.block_moves)
         self._moving_blocks = False
-        runner_output = self.executor.execute_model(scheduler_output)
-        for i, row_logits in runner_output.prompt_logits.items():
-            self._append_prompt_logprobs(*scheduled[i], row_logits)
-        logits = runner_output.logits
+        runner_output = self.executor.execute_model(step.output)
+        by_id = {seq.seq_id: seq for seq, _ in step.scheduled}
+        for seq_id, prompt_logprobs in runner_output.prompt_logprobs.items():
+            self._append_prompt_logprobs(by_id[seq_id], prompt_logprobs)
         # Only now is the KV of the scheduled tokens written: a failure before this line registers none of
         # their blocks in the prefix cache (a failed step's blocks are then freed unregistered).
-        sampling = self.scheduler.update_from_output(scheduler_output)
-        seqs, sampler_output, done_without_sampling = self._sample(sampling, logits)
-        return self._process_outputs(seqs, sampler_output, done_without_sampling) + self._advance_beams()
+        sampling = self.scheduler.update_from_output(step, runner_output.num_accepted_tokens)
+        return self._process_outputs(sampling, runner_output) + self._advance_beams()
+
+    def _grammar_bitmask(self, seqs: list[Sequence]):
+        """The guided-decoding bitmask of `seqs` (the scheduler's callback while it writes the step)."""
+        from engine.core.guided_decoding import fill_bitmask
+        return fill_bitmask([seq.guided for seq in seqs], self.model_config.vocab_size)
 
     def _fail_step(self, error: Exception) -> list[RequestOutput]:
         """Fail the requests the step was working on: log the traceback, finish each of their sequences with
@@ -375,6 +357,8 @@ class LLMEngine:
         is unknown). The prefix cache stays sound: blocks are registered only after a forward completed
         (update_from_output), and freed blocks keep only such registrations."""
         failed = dict(self._step_groups)
+        # The workers may not have seen this step's diff: tell them again what finished before it.
+        self.scheduler.finished_seq_ids += self._step_finished_seq_ids
         if self._moving_blocks:
             failed.update(self._groups_written_by(self._step_block_moves))
         logger.error("engine step failed; failing its %d request(s): %s", len(failed),
@@ -385,7 +369,7 @@ class LLMEngine:
         for request_id, group in failed.items():
             group.error = message
             for seq in group.seqs:
-                self.beam_logprobs.pop(seq.seq_id, None)
+                self.beam_candidates.pop(seq.seq_id, None)
                 seq.finish_reason, seq.stop_reason = "error", None
                 if not seq.is_finished:
                     try:
@@ -417,12 +401,11 @@ class LLMEngine:
         outputs = []
         for group in [g for g in self.requests.values() if g.beam is not None]:
             beams = group.unfinished_seqs
-            if not all(s.status is SequenceStatus.RUNNING and s.seq_id in self.beam_logprobs for s in beams):
+            if not all(s.status is SequenceStatus.RUNNING and s.seq_id in self.beam_candidates for s in beams):
                 continue
             self._step_groups[group.request_id] = group
             state = group.beam
-            logprobs = torch.stack([self.beam_logprobs.pop(s.seq_id) for s in beams])
-            chosen = state.step([s.output_token_ids for s in beams], logprobs)
+            chosen = state.step([s.output_token_ids for s in beams], [self.beam_candidates.pop(s.seq_id) for s in beams])
             now = time.time()
             metrics = group.seqs[0].metrics
             if metrics.first_token_time is None:
@@ -480,103 +463,97 @@ class LLMEngine:
             else:
                 self.executor.swap_in(pairs)
 
-    def _sample(self, sampling: list[tuple[int, Sequence]], logits: torch.Tensor
-                ) -> tuple[list[Sequence], SamplerOutput | None, list[Sequence]]:
-        """Sample for the (logits row, sequence) pairs of update_from_output: an n > 1 request's forks share
-        their parent's row, each drawing with its own seed stream. Beams only keep their log-softmax row for
-        their group's step (_advance_beams). A max_tokens=0 request finishes instead ("length"), its prompt
-        (and prompt logprobs) computed; those sequences are returned third."""
-        rows, seqs, done_without_sampling = [], [], []
-        beam_rows = [(row, seq) for row, seq in sampling if seq.group.beam is not None]
-        if beam_rows:
-            index = torch.tensor([row for row, _ in beam_rows], device=logits.device)
-            beam_logprobs = torch.log_softmax(logits[index].float(), dim=-1)
-            for i, (_, seq) in enumerate(beam_rows):
-                self.beam_logprobs[seq.seq_id] = beam_logprobs[i]
-        for row, seq in sampling:
-            if seq.group.beam is not None:
-                continue
-            if seq.max_tokens == 0:
-                done_without_sampling.append(seq)
-                continue
-            rows.append(row)
-            seqs.append(seq)
-        if not rows:
-            return [], None, done_without_sampling
-        if rows != list(range(logits.shape[0])):
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        return seqs, self.sampler(logits, seqs), done_without_sampling
-
-    def _process_outputs(self, seqs: list[Sequence], sampler_output: SamplerOutput | None,
-                         done_without_sampling: list[Sequence] = ()) -> list[RequestOutput]:
-        """Append the sampled tokens, detokenize, apply the stop conditions, release finished requests."""
+    def _process_outputs(self, sampling: list[Sequence], runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+        """For each sequence that reached its end this step: append what it emitted (one sampled token, or under
+        speculation the accepted drafts and one more), detokenize, apply the stop conditions (the first one met
+        ends the sequence there), keep the drafts proposed for its next step, release finished requests.
+        Beams keep their candidates for their group's step; a max_tokens=0 request finishes ("length")."""
         now = time.time()
         groups: dict[str, SequenceGroup] = {}
-        with_new_token: set[str] = set()
-        for seq in done_without_sampling:
-            seq.finish_reason = "length"
-            self.scheduler.finish(seq)
-            groups[seq.request_id] = seq.group
-        for row, seq in enumerate(seqs):
-            token_id = sampler_output.sampled_token_ids[row]
-            if seq.guided is not None and not seq.guided.accept(token_id):
-                # Only the sampler's last-resort fallback can pick a token the grammar forbids (see sampler.py).
-                seq.finish_reason = "error"
-                seq.group.error = f"guided decoding: the grammar does not allow the sampled token {token_id}"
-                self.scheduler.finish(seq)
-                groups[seq.request_id] = seq.group
+        positions: dict[str, int] = {}   # request -> most tokens appended to one of its sequences
+        for seq in sampling:
+            if seq.group.beam is not None:
+                self.beam_candidates[seq.seq_id] = runner_output.beam_candidates[seq.seq_id]
                 continue
-            seq.append_token(token_id)
-            with_new_token.add(seq.request_id)
-            if seq.metrics.first_token_time is None:
-                seq.metrics.first_token_time = now
-            seq.metrics.last_token_time = now
-            self.num_generation_tokens += 1
-            if seq.logprobs is not None:
-                self._append_logprobs(seq, row, token_id, sampler_output)
-            self._check_stop(seq, token_id)
-            if seq.finish_reason is None and seq.guided is not None and seq.guided.is_terminated:
-                seq.finish_reason = "stop"   # the grammar is complete: nothing more may follow
+            groups[seq.request_id] = seq.group
+            if seq.max_tokens == 0:
+                seq.finish_reason = "length"
+                self.scheduler.finish(seq)
+                continue
+            tokens = runner_output.sampled_token_ids[seq.seq_id]
+            logprobs = runner_output.logprobs.get(seq.seq_id)
+            num_drafts = len(seq.spec_token_ids)
+            if num_drafts:
+                self.spec_decode_stats.record(num_drafts, len(tokens) - 1)
+            appended = 0
+            for j, token_id in enumerate(tokens):
+                if seq.guided is not None and not seq.guided.accept(token_id):
+                    # Only the sampler's last-resort fallback can pick a token the grammar forbids (see sampler.py).
+                    seq.finish_reason = "error"
+                    seq.group.error = f"guided decoding: the grammar does not allow the sampled token {token_id}"
+                    break
+                seq.append_token(token_id)
+                appended += 1
+                self.num_generation_tokens += 1
+                if logprobs is not None:
+                    self._append_logprobs(seq, token_id, logprobs, j)
+                self._check_stop(seq, token_id)
+                if seq.finish_reason is None and seq.guided is not None and seq.guided.is_terminated:
+                    seq.finish_reason = "stop"   # the grammar is complete: nothing more may follow
+                if seq.finish_reason is not None:
+                    break
+            if appended:
+                if seq.metrics.first_token_time is None:
+                    seq.metrics.first_token_time = now
+                seq.metrics.last_token_time = now
+                positions[seq.request_id] = max(positions.get(seq.request_id, 0), appended)
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
-            groups[seq.request_id] = seq.group
-        for group in groups.values():
-            if group.request_id in with_new_token:
-                group.seqs[0].metrics.num_output_tokens += 1   # one token position for all of its sequences
+                continue
+            if num_drafts:
+                # The accepted drafts are tokens now: their blocks can be registered; rejected ones' blocks go.
+                self.block_manager.cache_full_blocks(seq)
+                self.block_manager.trim(seq)
+            seq.spec_token_ids = self._next_drafts(seq, runner_output.spec_token_ids.get(seq.seq_id))
+        for request_id, group in groups.items():
+            # One token position per step for all of a request's sequences (several under speculation).
+            group.seqs[0].metrics.num_output_tokens += positions.get(request_id, 0)
             if group.is_finished:
-                del self.requests[group.request_id]
+                self.requests.pop(request_id, None)
                 group.seqs[0].metrics.finished_time = now
         return [self._make_output(group) for group in groups.values()]
 
-    def _append_prompt_logprobs(self, seq: Sequence, num_new_tokens: int, logits: torch.Tensor) -> None:
-        """logits [num_new_tokens, vocab_size] at positions start.. of seq: position p scores prompt token p + 1."""
-        start = seq.num_computed_tokens
-        num_rows = min(num_new_tokens, seq.num_prompt_tokens - 1 - start)
-        if num_rows <= 0:
-            return
-        logprobs = torch.log_softmax(logits[:num_rows].float(), dim=-1)
-        targets = torch.tensor(seq.prompt_token_ids[start + 1:start + 1 + num_rows], device=logprobs.device)
-        target_lp = logprobs.gather(1, targets[:, None])
-        ranks = (logprobs > target_lp).sum(dim=-1) + 1
-        k = seq.params.prompt_logprobs
-        top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (target_lp[:, :0], targets[:, None][:, :0])
+    def _next_drafts(self, seq: Sequence, drafts: list[int] | None) -> list[int]:
+        """The drafts `seq` verifies next step: what the worker proposed, cut so that every token they could
+        become stays within max_tokens and max_model_len; none for a guided sequence (its grammar would have to
+        accept them before they are verified)."""
+        if not drafts or seq.guided is not None:
+            return []
+        room = self.max_model_len - seq.num_tokens
+        if seq.max_tokens is not None:
+            room = min(room, seq.max_tokens - seq.num_output_tokens - 1)
+        return drafts[:max(room, 0)]
+
+    def _append_prompt_logprobs(self, seq: Sequence, computed: PromptLogprobs) -> None:
+        """Prompt logprobs the worker computed for positions computed.start.. of `seq`."""
         decode = self.detokenizer.decode_token
-        for j, (tid, lp, rank, ids, lps) in enumerate(zip(targets.tolist(), target_lp.squeeze(1).tolist(),
-                                                          ranks.tolist(), top_ids.tolist(), top_lp.tolist())):
+        for j, (tid, lp, rank, ids, lps) in enumerate(zip(computed.token_ids, computed.logprobs, computed.ranks,
+                                                          computed.topk_token_ids, computed.topk_logprobs)):
             entry = {tid: Logprob(lp, rank, decode(tid))}
             for r, (other, other_lp) in enumerate(zip(ids, lps), start=1):
                 if other not in entry:
                     entry[other] = Logprob(other_lp, r, decode(other))
-            seq.prompt_logprobs[start + 1 + j] = entry
+            seq.prompt_logprobs[computed.start + j] = entry
 
-    def _append_logprobs(self, seq: Sequence, row: int, token_id: int, out: SamplerOutput) -> None:
+    def _append_logprobs(self, seq: Sequence, token_id: int, logprobs, j: int) -> None:
+        """The logprobs of `seq`'s j-th token this step (`logprobs`: the worker's SampleLogprobs)."""
         decode = self.detokenizer.decode_token
-        entry = {token_id: Logprob(out.sampled_logprobs[row], out.sampled_ranks[row], decode(token_id))}
-        for rank, (tid, lp) in enumerate(zip(out.topk_token_ids[row], out.topk_logprobs[row]), start=1):
+        entry = {token_id: Logprob(logprobs.logprobs[j], logprobs.ranks[j], decode(token_id))}
+        for rank, (tid, lp) in enumerate(zip(logprobs.topk_token_ids[j], logprobs.topk_logprobs[j]), start=1):
             if tid not in entry:
                 entry[tid] = Logprob(lp, rank, decode(tid))
         seq.logprobs.append(entry)
-        seq.cumulative_logprob += out.sampled_logprobs[row]
+        seq.cumulative_logprob += logprobs.logprobs[j]
 
     def _check_stop(self, seq: Sequence, token_id: int) -> None:
         """Set finish_reason/stop_reason after `token_id` was appended, and extend the output text.

@@ -1,9 +1,14 @@
 """Iteration-level scheduling: which sequences run this step, and how many of their tokens.
 
-Every step has a token budget (`max_num_batched_tokens`). Running sequences come first: decodes (one token
-each), then partially prefilled sequences continue their prompt. Waiting sequences are then admitted in
-arrival order (FCFS) while the budget, `max_num_seqs` and the free blocks allow; a prompt longer than what is
-left of the budget is cut into chunks (chunked prefill), so one batch mixes decodes and prefill chunks.
+Uniform: every sequence has tokens with KV in the cache (`num_computed_tokens`) and tokens to compute (the rest of
+its tokens, plus under speculative decoding the drafts proposed for it); a step gives each scheduled sequence a
+count, whatever that count means (a prefill chunk, one decode token, 1 + k to verify k drafts). There is no prefill
+or decode phase here.
+
+Every step has a token budget (`max_num_batched_tokens`). Running sequences come first, in arrival order, each
+taking what it has to compute or what is left of the budget (a prompt longer than that is cut into chunks:
+chunked prefill; drafts are verified only whole); swapped-out requests come back next; waiting sequences are then
+admitted in arrival order (FCFS) while the budget, `max_num_seqs` and the free blocks allow.
 
 When a running sequence needs a block and none is free, the latest-arrived running request not yet scheduled
 this step is preempted, all its sequences together (an n > 1 request or a beam search is one unit; members
@@ -14,29 +19,36 @@ already scheduled this step are taken back out of the batch):
 - "swap": its blocks move to the CPU swap space (shared blocks once) and the request waits in `swapped`; it is
   swapped back in, before any waiting request is admitted, as soon as its blocks (plus one per sequence for the
   next token) are free. When the swap space cannot hold it, it is preempted by recomputation instead.
+
+An n > 1 request forks when its prompt completes: in the step that computes the prompt's last token, sequences
+1..n-1 are made sharing all its blocks, and they sample from its logits row with their own parameters.
+
+The workers keep their own copy of every sequence (engine/worker/input_batch.py); `schedule` also writes the
+step's diff for them (engine/step_records.py): a sequence they have not seen in full, then per step only the
+tokens the core appended, the block-table entries from the first one that changed, and the computed count.
 """
 import bisect
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.core.block_manager import BlockManager, group_block_moves
 from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.step_records import CachedSequenceData, NewSequenceData, SchedulerOutput
 
 
 @dataclass(slots=True)
-class SchedulerOutput:
-    """One step's decisions, everything the executor needs to run it."""
-    # (sequence, number of its tokens to compute now); blocks for them are allocated.
+class ScheduledStep:
+    """One step's decisions, as the core keeps them (sequences), and the diff the workers get (`output`)."""
+    # (sequence, number of its tokens to compute now, drafts included); blocks for them are allocated.
     scheduled: list[tuple[Sequence, int]]
-    # Block moves to issue before the forward, in order: [("swap_out" | "swap_in" | "copy", [(src, dst), ...])].
-    block_moves: list[tuple[str, list[tuple[int, int]]]]
+    output: SchedulerOutput
+    # Forks made as a parent's prompt completes this step: (child, parent).
+    forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)
 
     @property
-    def prompt_logits_rows(self) -> list[int]:
-        """Entries still inside a prompt whose logprobs were asked for: they need the logits of every position."""
-        return [i for i, (seq, _) in enumerate(self.scheduled)
-                if seq.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens]
+    def block_moves(self) -> list[tuple[str, list[tuple[int, int]]]]:
+        return self.output.block_moves
 
 
 class Scheduler:
@@ -60,6 +72,8 @@ class Scheduler:
         # Prompt tokens at first admission, and how many of them the prefix cache served (for the hit rate).
         self.num_prompt_tokens = 0
         self.num_cached_prompt_tokens = 0
+        # Sequences the workers know that finished since the last step: they forget them with the next one.
+        self.finished_seq_ids: list[int] = []
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -68,23 +82,29 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, grammar_bitmask=None) -> ScheduledStep:
         """Pick this step's batch: (sequence, number of its tokens to compute now) entries, with blocks covering
-        those tokens allocated, and the block moves this needs (copy-on-write, swap) in the order decided."""
+        those tokens allocated, the block moves this needs (copy-on-write, swap) in the order decided, and the
+        workers' diff. `grammar_bitmask(seqs)`: the guided-decoding bitmask of the sequences that sample."""
         self._budget = self.max_num_batched_tokens
         self._moves: list[tuple[str, int, int]] = []
         scheduled: list[tuple[Sequence, int]] = []
         preempted = False
 
-        # Running sequences: decodes first, then continuing prefill chunks.
-        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
-        for seq in decodes + prefills:
+        # Running sequences, in arrival order: each what it has to compute (drafts only whole), within the budget.
+        for seq in list(self.running):
             if self._budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:   # preempted earlier in this loop
                 continue
-            num_new_tokens = min(seq.num_tokens - seq.num_computed_tokens, self._budget)
+            num_new_tokens = seq.num_tokens - seq.num_computed_tokens
+            if num_new_tokens == 0:   # a beam waiting for the rest of its group's step
+                continue
+            if seq.spec_token_ids and num_new_tokens + len(seq.spec_token_ids) <= self._budget:
+                num_new_tokens += len(seq.spec_token_ids)
+            else:
+                seq.spec_token_ids = []
+                num_new_tokens = min(num_new_tokens, self._budget)
             while (seq.status is SequenceStatus.RUNNING
                    and not self.block_manager.allocate_slots(seq, num_new_tokens, moves=self._moves)):
                 self._preempt(self._pick_victim(scheduled), scheduled)
@@ -119,6 +139,7 @@ class Scheduler:
             if not self.block_manager.allocate_slots(seq, num_new_tokens, cached_block_ids, moves=self._moves):
                 break   # nothing was taken; wait for blocks to free up
             self.waiting.popleft()
+            seq.spec_token_ids = []
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = time.time()
                 seq.num_cached_tokens = seq.num_computed_tokens
@@ -127,7 +148,56 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.order)
             self._schedule_seq(seq, num_new_tokens, scheduled)
-        return SchedulerOutput(scheduled, group_block_moves(self._moves))
+
+        forks = self._fork_completing_prompts(scheduled)
+        return ScheduledStep(scheduled, self._worker_output(scheduled, forks, grammar_bitmask), forks)
+
+    def _fork_completing_prompts(self, scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, Sequence]]:
+        """An n > 1 request whose prompt completes this step forks now: sequences 1..n-1 share every block of
+        the parent (a beam search forks in its own step: engine/core/beam_search.py)."""
+        forks = []
+        for seq, num_new_tokens in scheduled:
+            group = seq.group
+            if group.forked or group.beam is not None or seq.num_computed_tokens + num_new_tokens < seq.num_tokens:
+                continue
+            group.forked = True
+            forks += [(self.fork(seq, index), seq) for index in range(1, group.n)]
+        return forks
+
+    def _worker_output(self, scheduled: list[tuple[Sequence, int]], forks: list[tuple[Sequence, Sequence]],
+                       grammar_bitmask) -> SchedulerOutput:
+        """The workers' diff of this step (engine/step_records.py)."""
+        new_seqs, cached_seqs = [], []
+        num_scheduled, spec = {}, {}
+        for seq, num_new_tokens in scheduled:
+            num_scheduled[seq.seq_id] = num_new_tokens
+            if seq.spec_token_ids:
+                spec[seq.seq_id] = list(seq.spec_token_ids)
+            if not seq.known_to_workers:
+                new_seqs.append(new_sequence_data(seq, seq.num_computed_tokens))
+            else:
+                cached_seqs.append(CachedSequenceData(
+                    seq_id=seq.seq_id, new_token_ids=seq.token_ids[seq.num_tokens_sent:],
+                    block_ids_from=seq.block_table_synced, new_block_ids=seq.block_table[seq.block_table_synced:],
+                    num_computed_tokens=seq.num_computed_tokens))
+                seq.num_tokens_sent = seq.num_tokens
+                seq.block_table_synced = len(seq.block_table)
+        sample_from = {}
+        for child, parent in forks:
+            # Computed as far as its parent will be after this step.
+            new_seqs.append(new_sequence_data(child, parent.num_computed_tokens + num_scheduled[parent.seq_id]))
+            sample_from[child.seq_id] = parent.seq_id
+        bitmask = None
+        if grammar_bitmask is not None:
+            samplers = [seq for seq, n in scheduled if seq.guided is not None
+                        and seq.num_computed_tokens + n >= seq.num_tokens] + \
+                       [child for child, _ in forks if child.guided is not None]
+            if samplers:
+                bitmask = ([seq.seq_id for seq in samplers], grammar_bitmask(samplers))
+        finished, self.finished_seq_ids = self.finished_seq_ids, []
+        return SchedulerOutput(new_seqs=new_seqs, cached_seqs=cached_seqs, num_scheduled_tokens=num_scheduled,
+                               spec_token_ids=spec, sample_from=sample_from, finished_seq_ids=finished,
+                               block_moves=group_block_moves(self._moves), grammar_bitmask=bitmask)
 
     @staticmethod
     def _num_seqs_after_fork(seq: Sequence) -> int:
@@ -158,6 +228,7 @@ class Scheduler:
             self._budget += entry[1]
         for seq in members:
             self.running.remove(seq)
+            seq.spec_token_ids = []
         if self.preemption_mode == "swap" and self.block_manager.can_swap_out(members):
             self.block_manager.swap_out(members, self._moves)
             for seq in members:
@@ -179,29 +250,24 @@ class Scheduler:
         bisect.insort(self.running, child, key=lambda s: s.order)
         return child
 
-    def _forks_on_prompt_done(self, seq: Sequence) -> list[Sequence]:
-        """``seq``, whose prompt is computed, and, the first time for an n > 1 request, its n - 1 forks
-        (sequences 1..n-1, sharing every block): the sequences that sample from its logits row this step."""
-        if seq.group.forked:
-            return [seq]
-        seq.group.forked = True
-        return [seq] + [self.fork(seq, index) for index in range(1, seq.group.n)]
-
-    def update_from_output(self, output: SchedulerOutput) -> list[tuple[int, Sequence]]:
-        """The model computed the scheduled tokens: advance the counts, register newly full blocks, and return the
-        sequences that take a next token from this step's logits, as (row of `output.scheduled`, sequence) pairs:
-        every entry that reached its end (mid-prompt chunks do not), and, the first time for an n > 1 request,
-        its n - 1 forks (sequences 1..n-1, sharing every block), on their parent's row. A beam search forks in
-        its own step (engine/core/beam_search.py), so its entries are returned unforked."""
-        for seq, num_new_tokens in output.scheduled:
-            seq.num_computed_tokens += num_new_tokens
-            self.block_manager.cache_full_blocks(seq)
+    def update_from_output(self, step: ScheduledStep, num_accepted_tokens: dict[int, int] | None = None
+                           ) -> list[Sequence]:
+        """The model computed the scheduled tokens: advance the counts (a sequence that verified k drafts and
+        had a of them accepted computed k - a tokens too many: their KV is dropped), register newly full blocks,
+        and return the sequences that take their next token(s) now: every entry that reached its end
+        (mid-prompt chunks do not), and the forks made this step (n > 1), which sample from their parent's row."""
+        num_accepted_tokens = num_accepted_tokens or {}
         sampling = []
-        for row, (seq, _) in enumerate(output.scheduled):
-            if seq.num_computed_tokens != seq.num_tokens:
-                continue
-            for member in ([seq] if seq.group.beam is not None else self._forks_on_prompt_done(seq)):
-                sampling.append((row, member))
+        for seq, num_new_tokens in step.scheduled:
+            num_drafts = len(seq.spec_token_ids)
+            seq.num_computed_tokens += num_new_tokens - (num_drafts - num_accepted_tokens.get(seq.seq_id, 0)
+                                                         if num_drafts else 0)
+            self.block_manager.cache_full_blocks(seq)
+            if seq.num_computed_tokens >= seq.num_tokens:
+                sampling.append(seq)
+        for child, parent in step.forks:
+            child.num_computed_tokens = parent.num_computed_tokens
+            sampling.append(child)
         return sampling
 
     def finish(self, seq: Sequence) -> None:
@@ -217,3 +283,20 @@ class Scheduler:
                 self.waiting.remove(seq)
             self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.FINISHED
+        seq.spec_token_ids = []
+        if seq.known_to_workers:
+            self.finished_seq_ids.append(seq.seq_id)
+            seq.known_to_workers = False
+
+
+def new_sequence_data(seq: Sequence, num_computed_tokens: int) -> NewSequenceData:
+    """`seq` in full for the workers (from now on they know it: later steps send only what changed)."""
+    seq.known_to_workers = True
+    seq.num_tokens_sent = seq.num_tokens
+    seq.block_table_synced = len(seq.block_table)
+    beam = seq.group.beam
+    return NewSequenceData(seq_id=seq.seq_id, token_ids=list(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens,
+                           num_computed_tokens=num_computed_tokens, block_ids=list(seq.block_table), params=seq.params,
+                           seed=seq.seed, stop_token_ids=sorted(seq.stop_token_ids),
+                           bad_words_token_ids=seq.bad_words_token_ids,
+                           beam_candidates=beam.num_candidates if beam is not None else 0)

@@ -2,8 +2,6 @@
 import enum
 import itertools
 
-import torch
-
 from engine.outputs import Logprob, RequestMetrics
 from engine.sampling_params import SamplingParams
 
@@ -58,14 +56,15 @@ class Sequence:
     _counter = itertools.count()
 
     __slots__ = ("seq_id", "request_id", "prompt", "prompt_token_ids", "output_token_ids", "token_ids",
-                 "num_computed_tokens", "num_cached_tokens", "block_table", "status", "params", "generator",
+                 "num_computed_tokens", "num_cached_tokens", "block_table", "status", "params",
                  "arrival_time", "metrics", "output_text", "prefix_offset", "read_offset", "logprobs",
                  "cumulative_logprob", "finish_reason", "stop_reason", "stop_token_ids", "max_tokens",
-                 "group", "index", "order", "prompt_logprobs", "bad_words_token_ids", "guided")
+                 "group", "index", "order", "prompt_logprobs", "bad_words_token_ids", "guided", "spec_token_ids",
+                 "known_to_workers", "num_tokens_sent", "block_table_synced")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                  *, arrival_time: float, eos_token_ids: frozenset[int] = frozenset(),
-                 max_model_len: int | None = None, device: torch.device | str = "cpu"):
+                 max_model_len: int | None = None):
         self.seq_id = next(Sequence._counter)
         # Scheduling order (arrival, then index within the request): preemption victims are the largest; the
         # sequences of one request sit next to each other, so a request is preempted as a whole.
@@ -85,11 +84,6 @@ class Sequence:
         self.block_table: list[int] = []
         self.status = SequenceStatus.WAITING
         self.params = params
-        # A seeded request draws only from its own generator, so its tokens do not depend on the batch.
-        self.generator = None
-        if params.seed is not None and not params.greedy:
-            self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(params.seed)
         self.arrival_time = arrival_time
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         # Incremental detokenizer state (see engine/core/detokenizer.py): offsets index into token_ids.
@@ -113,6 +107,13 @@ class Sequence:
         # Guided decoding: this sequence's grammar matcher (engine/core/guided_decoding.py GrammarState), which has
         # accepted exactly output_token_ids.
         self.guided = None
+        # Speculative decoding: the drafts proposed for its next step (verified then, or dropped).
+        self.spec_token_ids: list[int] = []
+        # What the workers have of it (engine/step_records.py): whether they know it, how many of its tokens they
+        # have, and how many leading block-table entries of theirs are still right.
+        self.known_to_workers = False
+        self.num_tokens_sent = 0
+        self.block_table_synced = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -137,10 +138,19 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def seed(self) -> int | None:
+        """The seed of this sequence's own random stream (the worker draws only from it, so its tokens do not
+        depend on the batch): a seeded, non-greedy request's seed, sequence i of it i steps away. None: the
+        worker's shared generator."""
+        if self.params.seed is None or self.params.greedy:
+            return None
+        return seed_for_index(self.params.seed, self.index)
+
     def fork(self, index: int) -> "Sequence":
         """A copy of this sequence as completion `index` of the same request. It shares every block of this
         sequence (the caller takes the references in the block manager) and the request's metrics, and draws
-        from its own seed stream."""
+        from its own seed stream (`seed`)."""
         child = object.__new__(Sequence)
         for name in Sequence.__slots__:
             setattr(child, name, getattr(self, name))
@@ -153,9 +163,8 @@ class Sequence:
         child.logprobs = None if self.logprobs is None else list(self.logprobs)
         # The child continues from the parent's grammar state (it has the parent's output tokens).
         child.guided = None if self.guided is None else self.guided.fork()
-        if self.generator is not None:
-            child.generator = torch.Generator(device=self.generator.device)
-            child.generator.manual_seed(seed_for_index(self.params.seed, index))
+        child.spec_token_ids = []
+        child.known_to_workers, child.num_tokens_sent, child.block_table_synced = False, 0, 0
         self.group.seqs.append(child)
         return child
 

@@ -28,16 +28,16 @@ import multiprocessing
 import os
 import time
 import weakref
-from dataclasses import dataclass
 
 import torch
 
 from engine.worker.cache_engine import CacheEngine, num_swap_blocks_for
-from engine.config import ModelConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.distributed import broadcast_object, destroy_distributed_environment, init_distributed_environment
 from engine.distributed.parallel_state import (env_rank_and_world_size, free_port, is_distributed_initialized,
                                                planned_layout)
 from engine.platform import DevicePolicy
+from engine.step_records import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -46,58 +46,18 @@ class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker process is gone; the engine cannot run the model any more."""
 
 
-@dataclass(slots=True)
-class ScheduledEntry:
-    """What a worker needs of one scheduled sequence: its new tokens and where their KV goes. It stands in for a
-    Sequence in ModelRunner.execute_model: `token_ids[num_computed_tokens:]` are exactly the new tokens."""
-    new_token_ids: list[int]
-    num_computed_tokens: int
-    block_table: list[int]
-
-    @property
-    def token_ids(self) -> "_TokenWindow":
-        return _TokenWindow(self.num_computed_tokens, self.new_token_ids)
-
-
-class _TokenWindow:
-    """The tail of a token list that starts at `start` (the runner slices only the new tokens and takes len)."""
-    __slots__ = ("start", "ids")
-
-    def __init__(self, start: int, ids: list[int]):
-        self.start, self.ids = start, ids
-
-    def __len__(self) -> int:
-        return self.start + len(self.ids)
-
-    def __getitem__(self, index: slice) -> list[int]:
-        if not isinstance(index, slice) or index.step is not None or (index.start or 0) < self.start:
-            raise IndexError(f"only the new tokens [{self.start}:] of a scheduled entry are sent to the workers")
-        stop = len(self) if index.stop is None else index.stop
-        return self.ids[index.start - self.start:stop - self.start]
-
-
-@dataclass(slots=True)
-class ModelRunnerOutput:
-    """What a step's forward gives the engine (rank 0; the other ranks return None)."""
-    logits: torch.Tensor                   # float32 [num_scheduled, vocab_size], each entry's last new token
-    prompt_logits: dict[int, torch.Tensor]  # entry row -> float32 [num_new_tokens, vocab_size] (prompt logprobs)
-
-
-def to_entries(scheduled) -> list[tuple[ScheduledEntry, int]]:
-    """(Sequence, num_new_tokens) pairs -> the picklable records the workers run."""
-    return [(ScheduledEntry(seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + n],
-                            seq.num_computed_tokens, list(seq.block_table)), n) for seq, n in scheduled]
-
-
 class UniprocExecutor:
     """The model in this process."""
 
-    def __init__(self, model_config: ModelConfig, runner_kwargs: dict, *, swap_space_gib: float):
+    def __init__(self, config: EngineConfig):
         from engine.worker.model_runner import ModelRunner   # pulls in the model code and pagedkernels
 
-        self.model_runner = ModelRunner(model_config, **runner_kwargs)
-        self.cache_engine = CacheEngine(self.model_runner.kv_cache,
-                                        num_swap_blocks_for(swap_space_gib, self.model_runner.kv_cache))
+        self.model_runner = runner = ModelRunner(config)
+        swap_space = config.cache_config.swap_space if config.scheduler_config.preemption_mode == "swap" else 0
+        # The draft model's cache (speculative decoding) swaps with the model's: its block ids are the same.
+        caches = [runner.kv_cache] + ([runner.drafter.kv_cache[:, :, :runner.num_kv_blocks]]
+                                      if runner.drafter is not None else [])
+        self.cache_engine = CacheEngine(caches, num_swap_blocks_for(swap_space, caches))
 
     @property
     def num_kv_blocks(self) -> int:
@@ -105,20 +65,11 @@ class UniprocExecutor:
 
     @property
     def num_swap_blocks(self) -> int:
-        return self.cache_engine.swap_cache.shape[2]
+        return self.cache_engine.num_swap_blocks
 
-    def execute_model(self, scheduler_output) -> ModelRunnerOutput:
-        """Run a SchedulerOutput's batch (its block moves are issued before, by the engine): the runner sees only
-        the entries' plain records."""
-        return self.execute_entries(to_entries(scheduler_output.scheduled), scheduler_output.prompt_logits_rows)
-
-    def execute_entries(self, entries: list[tuple[ScheduledEntry, int]],
-                        prompt_logits_rows: list[int]) -> ModelRunnerOutput | None:
-        if not prompt_logits_rows:
-            logits = self.model_runner.execute_model(entries)
-            return None if logits is None else ModelRunnerOutput(logits, {})
-        logits, extra = self.model_runner.execute_model(entries, all_logits_for=prompt_logits_rows)
-        return None if logits is None else ModelRunnerOutput(logits, dict(zip(prompt_logits_rows, extra)))
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run one step (its block moves are issued before, by the engine)."""
+        return self.model_runner.execute_model(scheduler_output)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self.model_runner.copy_blocks(pairs)
@@ -138,18 +89,21 @@ def _launcher_local_rank(rank: int) -> int:
     return int(os.environ.get("LOCAL_RANK", rank))
 
 
-def _rank_device(runner_kwargs: dict, local_rank: int) -> dict:
-    """runner_kwargs with the device of the rank whose index on its node is `local_rank`: one GPU per rank;
-    CPU as is."""
-    device = torch.device(runner_kwargs["device"])
-    if device.type != "cuda":
-        return runner_kwargs
-    return {**runner_kwargs, "device": torch.device("cuda", local_rank % torch.cuda.device_count())}
+def _backend(device: torch.device) -> str:
+    """The collectives' backend for the model's device: NCCL for GPUs, gloo for CPU (also on a machine that
+    has GPUs, for an engine that runs on its CPU)."""
+    return "nccl" if device.type == "cuda" else "gloo"
 
 
-def _worker_main(rank: int, world_size: int, init_method: str, model_config: ModelConfig, runner_kwargs: dict,
-                 swap_space_gib: float, num_threads: int | None, local_rank: int | None = None,
-                 started=None) -> None:
+def _rank_config(config: EngineConfig, local_rank: int) -> EngineConfig:
+    """`config` for the rank whose index on its node is `local_rank`: one GPU per rank; CPU as is."""
+    if config.device.type != "cuda":
+        return config
+    return config.with_device(torch.device("cuda", local_rank % torch.cuda.device_count()))
+
+
+def _worker_main(rank: int, world_size: int, init_method: str, config: EngineConfig, num_threads: int | None,
+                 local_rank: int | None = None, started=None) -> None:
     """A worker process: join the group, build this rank's shard, then run what rank 0 broadcasts until it says
     "shutdown". An exception ends the process (rank 0 sees a dead peer). `local_rank`: its GPU index on the
     node (default: the rank, one node). `started`: an event set once the process runs this function, before it
@@ -159,12 +113,12 @@ def _worker_main(rank: int, world_size: int, init_method: str, model_config: Mod
         started.set()
     if num_threads:
         torch.set_num_threads(num_threads)
-    runner_kwargs = _rank_device(runner_kwargs, rank if local_rank is None else local_rank)
-    device = torch.device(runner_kwargs["device"])
-    init_distributed_environment(world_size, rank, init_method=init_method,
+    config = _rank_config(config, rank if local_rank is None else local_rank)
+    device = config.device
+    init_distributed_environment(world_size, rank, init_method=init_method, backend=_backend(device),
                                  local_rank=device.index if device.type == "cuda" else None)
     try:
-        executor = UniprocExecutor(model_config, runner_kwargs, swap_space_gib=swap_space_gib)
+        executor = UniprocExecutor(config)
         with torch.inference_mode():
             while True:
                 method, args = broadcast_object(None)
@@ -188,13 +142,11 @@ def launched_rank(tensor_parallel_size: int) -> int | None:
     return rank
 
 
-def run_launched_worker(rank: int, world_size: int, model_config: ModelConfig, runner_kwargs: dict,
-                        swap_space_gib: float) -> None:
+def run_launched_worker(rank: int, world_size: int, config: EngineConfig) -> None:
     """Rank `rank` (> 0) of a torchrun job: this rank's worker loop, in this process, until rank 0 shuts down."""
     logger.info("rank %d of %d (env:// launcher): serving as a tensor-parallel worker until rank 0 shuts down",
                 rank, world_size)
-    _worker_main(rank, world_size, "env://", model_config, runner_kwargs, swap_space_gib, None,
-                 local_rank=_launcher_local_rank(rank))
+    _worker_main(rank, world_size, "env://", config, None, local_rank=_launcher_local_rank(rank))
 
 
 def check_tensor_parallel_shapes(model_config: ModelConfig, tensor_parallel_size: int) -> None:
@@ -220,14 +172,12 @@ def check_no_engine_holds_the_group() -> None:
                          f"starting a new engine")
 
 
-def make_executor(model_config: ModelConfig, runner_kwargs: dict, *, swap_space_gib: float,
-                  tensor_parallel_size: int):
-    """The executor for `tensor_parallel_size` ranks: the model in this process, or tensor parallelism."""
+def make_executor(config: EngineConfig):
+    """The executor of `config`: the model in this process, or tensor parallelism."""
     check_no_engine_holds_the_group()
-    if tensor_parallel_size == 1:
-        return UniprocExecutor(model_config, runner_kwargs, swap_space_gib=swap_space_gib)
-    return MultiprocExecutor(model_config, runner_kwargs, swap_space_gib=swap_space_gib,
-                             tensor_parallel_size=tensor_parallel_size)
+    if config.parallel_config.tensor_parallel_size == 1:
+        return UniprocExecutor(config)
+    return MultiprocExecutor(config)
 
 
 class _ProcessResources:
@@ -277,15 +227,15 @@ class MultiprocExecutor:
     # the process dies.
     worker_start_timeout_s = 300.0
 
-    def __init__(self, model_config: ModelConfig, runner_kwargs: dict, *, swap_space_gib: float,
-                 tensor_parallel_size: int, init_method: str | None = None):
+    def __init__(self, config: EngineConfig, init_method: str | None = None):
+        tensor_parallel_size = config.parallel_config.tensor_parallel_size
         launched = launched_rank(tensor_parallel_size) is not None
-        device = torch.device(runner_kwargs["device"])
+        device = config.device
         gpus_needed = int(os.environ.get("LOCAL_WORLD_SIZE", tensor_parallel_size)) if launched else tensor_parallel_size
         if device.type == "cuda" and torch.cuda.device_count() < gpus_needed:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs {gpus_needed} GPUs on this node, "
                              f"{torch.cuda.device_count()} visible")
-        check_tensor_parallel_shapes(model_config, tensor_parallel_size)
+        check_tensor_parallel_shapes(config.model_config, tensor_parallel_size)
         self.tensor_parallel_size = tensor_parallel_size
         self.launched = launched
         self._closed = False
@@ -294,7 +244,7 @@ class MultiprocExecutor:
         # Runs on shutdown(), on garbage collection and at interpreter exit, whichever comes first.
         self._finalizer = weakref.finalize(self, _ProcessResources.release, resources)
         try:
-            self._start(model_config, runner_kwargs, swap_space_gib, init_method)
+            self._start(config, init_method)
         except BaseException as e:
             dead = [w for w in self.workers if w.exitcode is not None]
             self._closed = True
@@ -310,13 +260,11 @@ class MultiprocExecutor:
         self.broadcast_seconds = 0.0
         self.num_broadcasts = 0
 
-    def _start(self, model_config: ModelConfig, runner_kwargs: dict, swap_space_gib: float,
-               init_method: str | None) -> None:
+    def _start(self, config: EngineConfig, init_method: str | None) -> None:
         tensor_parallel_size, resources = self.tensor_parallel_size, self._resources
-        device = torch.device(runner_kwargs["device"])
         # Under a launcher the threads are the launcher's business (torchrun sets OMP_NUM_THREADS).
         worker_threads = None if self.launched else \
-            DevicePolicy.for_device(device).threads_per_rank(tensor_parallel_size)
+            DevicePolicy.for_device(config.device).threads_per_rank(tensor_parallel_size)
         if worker_threads is not None:   # this process is a rank too
             torch.set_num_threads(worker_threads)
             logger.info("tensor parallelism on CPU: %d ranks, %d threads each", tensor_parallel_size, worker_threads)
@@ -329,17 +277,16 @@ class MultiprocExecutor:
             for rank in range(1, tensor_parallel_size):
                 resources.workers.append(context.Process(
                     target=_worker_main, name=f"engine-tp-worker-{rank}", daemon=True,
-                    args=(rank, tensor_parallel_size, init_method, model_config, runner_kwargs, swap_space_gib,
-                          worker_threads), kwargs={"started": started[rank - 1]}))
+                    args=(rank, tensor_parallel_size, init_method, config, worker_threads),
+                    kwargs={"started": started[rank - 1]}))
             for worker in resources.workers:
                 worker.start()
             self._wait_for_workers_to_start(started)
-        runner_kwargs = _rank_device(runner_kwargs, _launcher_local_rank(0) if self.launched else 0)
-        rank_device = torch.device(runner_kwargs["device"])
+        config = _rank_config(config, _launcher_local_rank(0) if self.launched else 0)
         resources.joined = True   # from here on the group may exist: release() leaves it
-        init_distributed_environment(tensor_parallel_size, 0, init_method=init_method,
-                                     local_rank=rank_device.index if rank_device.type == "cuda" else None)
-        self.local = UniprocExecutor(model_config, runner_kwargs, swap_space_gib=swap_space_gib)
+        init_distributed_environment(tensor_parallel_size, 0, init_method=init_method, backend=_backend(config.device),
+                                     local_rank=config.device.index if config.device.type == "cuda" else None)
+        self.local = UniprocExecutor(config)
         self.model_runner, self.cache_engine = self.local.model_runner, self.local.cache_engine
         self.num_kv_blocks, self.num_swap_blocks = self.local.num_kv_blocks, self.local.num_swap_blocks
 
@@ -388,9 +335,8 @@ class MultiprocExecutor:
             raise WorkerDiedError(f"tensor-parallel worker {dead.name} died (exit code {dead.exitcode}) during "
                                   f"{method}; the engine has stopped") from e
 
-    def execute_model(self, scheduler_output) -> ModelRunnerOutput:
-        return self._call("execute_entries", (to_entries(scheduler_output.scheduled),
-                                              scheduler_output.prompt_logits_rows))
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self._call("execute_model", (scheduler_output,))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self._call("copy_blocks", (pairs,))

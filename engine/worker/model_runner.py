@@ -28,14 +28,13 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass
 from typing import Callable
-from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 import pagedkernels as pk
-from engine.config import ModelConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.distributed.communication import min_over_ranks
 from engine.distributed.parallel_state import get_tp_world_size, num_kv_heads_per_rank
 from engine.layers.attention import Attention, AttentionMetadata, forward_context
@@ -43,12 +42,14 @@ from engine.layers.linear import prepack_linears
 from engine.worker.loader import load_dummy_weights, load_model
 from engine.worker import memory as gpu_memory
 from engine.worker.memory import MemorySnapshot, check_free_memory, kv_cache_budget
-from engine.worker.sampler import sampler_dummy_run
+from engine.step_records import ModelRunnerOutput, PromptLogprobs, SampleLogprobs, SchedulerOutput
+from engine.worker.input_batch import InputBatch, speculation_allowed
+from engine.worker.ngram_proposer import propose_ngram
+from engine.worker.rejection_sampler import rejection_sample
+from engine.worker.sampler import (Sampler, SamplingMetadata, _gather_logprobs, banned_token_ids, process_logits,
+                                   random_probs, sampler_dummy_run)
 from engine.platform import DevicePolicy
 from engine.models import get_model_class
-
-if TYPE_CHECKING:
-    from engine.core.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -111,37 +112,37 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return [s for s in (1, 2, 4, 8) if s <= max_num_seqs] + list(range(16, max_num_seqs + 1, 16))
 
 
-@dataclass(slots=True)
-class _ProfileEntry:
-    """A scheduled entry of the profile step: all its tokens new, in its own blocks."""
-    token_ids: list[int]
-    block_table: list[int]
-    num_computed_tokens: int = 0
-
-
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, *, device: torch.device, block_size: int,
-                 num_kv_blocks: int | None, gpu_memory_utilization: float, max_num_seqs: int,
-                 max_num_batched_tokens: int, enforce_eager: bool, seed: int,
-                 graph_runner_class: type | None = None, compile_model: bool | None = None,
-                 capture_graphs_at_startup: bool | None = None, memory=None, load_format: str = "auto"):
-        self.config = model_config
-        self.load_format = load_format  # "auto": the checkpoint's weights; "dummy": random ones (worker/loader.py)
-        self.device = torch.device(device)
+    """One rank's model, KV cache, persistent batch and sampler (see the module docstring).
+
+    Test knobs: `graph_runner_class` (a CPU double of CUDA graphs), `compile_model` (None: the device policy),
+    `capture_graphs_at_startup` (None: on CUDA), `memory` (scripted memory counters: engine/worker/memory.py)."""
+
+    def __init__(self, engine_config: EngineConfig, *, graph_runner_class: type | None = None,
+                 compile_model: bool | None = None, capture_graphs_at_startup: bool | None = None, memory=None):
+        self.engine_config = engine_config
+        model_config = self.config = engine_config.model_config
+        cache_config, scheduler_config = engine_config.cache_config, engine_config.scheduler_config
+        self.load_format = engine_config.load_config.load_format
+        self.device = torch.device(engine_config.device)
         self.dtype = model_config.dtype
-        self.block_size = block_size
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.block_size = block_size = cache_config.block_size
+        self.max_num_seqs = max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.policy = DevicePolicy.for_device(self.device)
+        enforce_eager = engine_config.enforce_eager
         # CUDA graphs on CUDA; elsewhere only when a graph-runner class is given (tests' CPU double).
         if graph_runner_class is None and self.policy.cuda_graphs:
             graph_runner_class = CUDAGraphRunner
         self.graph_runner_class = graph_runner_class
         self.enforce_eager = enforce_eager or graph_runner_class is None
-        self.max_blocks_per_seq = math.ceil(model_config.max_model_len / block_size)
+        spec = engine_config.speculative_config
+        self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
+        # Table columns for a sequence at max_model_len plus this step's drafts.
+        self.max_blocks_per_seq = math.ceil((model_config.max_model_len + self.num_spec_tokens) / block_size)
         # KV heads of this rank's cache (all of them without tensor parallelism).
         self.num_kv_heads = num_kv_heads_per_rank(model_config.num_key_value_heads)
-        torch.manual_seed(seed)
+        torch.manual_seed(engine_config.seed)
 
         if compile_model is None:
             env = os.environ.get("ENGINE_COMPILE", "").strip()
@@ -149,6 +150,7 @@ class ModelRunner:
             compile_model = (env not in ("0", "false", "False") if env
                              else self.policy.compile_by_default and not enforce_eager)
         self.compiled = bool(compile_model)
+        num_kv_blocks, gpu_memory_utilization = cache_config.num_gpu_blocks_override, cache_config.gpu_memory_utilization
         # The KV cache's budget on a GPU is measured (engine/worker/memory.py): counters from before the weights.
         # `memory`: the counters to use instead of the device's (a test double; it turns profiling on anywhere).
         self.memory = None
@@ -169,8 +171,19 @@ class ModelRunner:
             limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # older torch
             setattr(config, limit, max(getattr(config, limit), 64))
             self.forward = torch.compile(self.model, dynamic=True, fullgraph=True)
+        # Speculative decoding's proposer: n-gram lookups here, or a draft model with its own KV cache.
+        self.drafter = None
+        if spec is not None and spec.method == "draft_model" and self._is_driver():
+            from engine.worker.draft_model import DraftModel
+            self.drafter = DraftModel(self, spec)
         self.num_kv_blocks = self._decide_num_kv_blocks(num_kv_blocks, gpu_memory_utilization)
         self._allocate_kv_cache()
+        if self.drafter is not None:
+            self.drafter.allocate_kv_cache(self.num_kv_blocks)
+        self.input_batch = InputBatch(max_num_seqs=max_num_seqs, max_model_len=model_config.max_model_len,
+                                      max_num_spec_tokens=self.num_spec_tokens, block_size=block_size,
+                                      vocab_size=model_config.vocab_size, device=self.device)
+        self.sampler = Sampler(seed=engine_config.seed, device=self.device)
         # Decode batch sizes a CUDA graph is captured for (a batch pads up to the next one).
         self.graph_batch_sizes = graph_batch_sizes(max_num_seqs)
         self.graphs: dict[int, object] = {}  # padded batch size -> captured graph runner
@@ -187,16 +200,19 @@ class ModelRunner:
 
     # -- setup ------------------------------------------------------------------------------------
 
-    def _build_model(self) -> torch.nn.Module:
-        model_class = get_model_class(self.config.architecture)
+    def _build_model(self, model_config: ModelConfig | None = None) -> torch.nn.Module:
+        """The model of `model_config` (default: the runner's), its weights loaded, on the runner's device. A
+        draft model for speculative decoding is built here too."""
+        model_config = model_config or self.config
+        model_class = get_model_class(model_config.architecture)
         previous_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = model_class(self.config)
+                model = model_class(model_config)
         finally:
             torch.set_default_dtype(previous_dtype)
-        (load_dummy_weights if self.load_format == "dummy" else load_model)(model, self.config.model_dir)
+        (load_dummy_weights if self.load_format == "dummy" else load_model)(model, model_config.model_dir)
         # Built under `torch.device(self.device)`: a parameter or buffer elsewhere is a tensor made on an explicit
         # other device (a CPU-only assumption), which would fail in the first forward.
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
@@ -212,9 +228,11 @@ class ModelRunner:
         return model
 
     def _block_bytes(self) -> int:
+        """Bytes of one KV block in every cache it has a copy in (the model's, and a draft model's)."""
         c = self.config
         element_size = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * c.num_hidden_layers * self.block_size * self.num_kv_heads * c.head_dim * element_size
+        target = 2 * c.num_hidden_layers * self.block_size * self.num_kv_heads * c.head_dim * element_size
+        return target + (self.drafter.block_bytes() if self.drafter is not None else 0)
 
     def _decide_num_kv_blocks(self, num_kv_blocks: int | None, gpu_memory_utilization: float) -> int:
         if num_kv_blocks is not None:
@@ -262,19 +280,25 @@ class ModelRunner:
         num_seqs = min(self.max_num_seqs, self.max_num_batched_tokens)
         num_tokens = min(self.max_num_batched_tokens, num_seqs * max_len)
         lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
-        entries, next_block = [], 0
-        for length in lens:
-            num_blocks = -(-length // self.block_size)
-            entries.append((_ProfileEntry([0] * length, list(range(next_block, next_block + num_blocks))), length))
+        # Each sequence in its own blocks, its tokens all new.
+        blocks_per_seq = [-(-length // self.block_size) for length in lens]
+        block_tables = np.zeros((num_seqs, max(blocks_per_seq)), dtype=np.int32)
+        next_block = 0
+        for i, num_blocks in enumerate(blocks_per_seq):
+            block_tables[i, :num_blocks] = np.arange(next_block, next_block + num_blocks)
             next_block += num_blocks
         self._bind_kv_cache(torch.empty(2, self.config.num_hidden_layers, next_block, self.block_size,
                                         self.num_kv_heads, self.config.head_dim, dtype=self.dtype, device=self.device))
-        input_ids, positions, meta, last_token_indices = self.prepare_inputs(entries)
-        hidden_states = self._forward(input_ids, positions, meta)
-        logits = self.model.compute_logits(hidden_states.index_select(0, last_token_indices))
-        prompt_logprobs = torch.log_softmax(self.model.compute_logits(hidden_states), dim=-1)
+        positions = np.concatenate([np.arange(n) for n in lens])
+        input_ids_t, positions_t, meta = self.build_inputs(np.zeros(num_tokens, dtype=np.int64), positions,
+                                                           np.asarray(lens, dtype=np.int64), block_tables)
+        hidden_states = self._forward(input_ids_t, positions_t, meta)
+        logits = self.model.compute_logits(hidden_states[self._to_device(np.cumsum(lens) - 1)])
+        prompt_logits = self.model.compute_logits(hidden_states)
+        del hidden_states
+        prompt_logprobs = torch.log_softmax(prompt_logits, dim=-1)
         sampler_dummy_run(logits)
-        del hidden_states, logits, prompt_logprobs
+        del logits, prompt_logits, prompt_logprobs
         self._bind_kv_cache(None)
 
     def _allocate_kv_cache(self) -> None:
@@ -320,74 +344,331 @@ class ModelRunner:
 
     # -- per step ---------------------------------------------------------------------------------
 
-    def prepare_inputs(self, scheduled: list[tuple["Sequence", int]]
-                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Flatten a batch: (input_ids int64 [num_tokens], positions int64 [num_tokens], metadata,
-        last_token_indices int64 [num_seqs]) on the runner's device."""
-        input_ids: list[int] = []
-        starts, query_lens, tables = [], [], []
+    def build_inputs(self, input_ids: np.ndarray, positions: np.ndarray, query_lens: np.ndarray,
+                     block_tables: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The forward's inputs on the device from the host arrays of a batch of sequences: input_ids and
+        positions int64 [num_tokens] (sequence after sequence), query_lens int64 [num_seqs] (their new tokens),
+        block_tables int32 [num_seqs, width] (width: the columns the batch touches). Slots come from the tables;
+        seq_lens = the last position + 1 of each sequence."""
+        num_seqs = len(query_lens)
+        cu_seqlens_q = np.zeros(num_seqs + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=cu_seqlens_q[1:])
+        seq_index = np.repeat(np.arange(num_seqs), query_lens)
+        seq_lens = (positions[cu_seqlens_q[1:] - 1] + 1).astype(np.int32)
+        slot_mapping = (block_tables[seq_index, positions // self.block_size].astype(np.int64) * self.block_size
+                        + positions % self.block_size)
+        to_device = self._to_device
+        meta = AttentionMetadata(slot_mapping=to_device(slot_mapping), block_tables=to_device(block_tables),
+                                 seq_lens=to_device(seq_lens), cu_seqlens_q=to_device(cu_seqlens_q),
+                                 is_decode=len(positions) == num_seqs)
+        return to_device(input_ids), to_device(positions), meta
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A host array as a tensor on the runner's device (a view on CPU, an async copy on CUDA)."""
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        return tensor if self.device.type == "cpu" else tensor.to(self.device, non_blocking=False)
+
+    def _forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                        num_seqs: int) -> torch.Tensor:
+        """Final hidden states [num_tokens, hidden]: a pure-decode batch within the ladder replays its graph."""
+        if meta.is_decode and not self.enforce_eager and num_seqs <= self.graph_batch_sizes[-1]:
+            return self.run_decode_graph(input_ids, positions, meta)
+        return self._forward(input_ids, positions, meta)
+
+    # -- the step on the persistent batch ---------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Apply the step's diff to the persistent batch, run the scheduled tokens (drafts included), and
+        sample: every sequence whose scheduled tokens reach its end gets its next token(s), a fork named in
+        `sample_from` samples from its parent's logits. Returns what was sampled (rank 0; None on the other
+        ranks, which only run the forward)."""
+        batch = self.input_batch
+        batch.update(scheduler_output)
+        if self.drafter is not None:
+            self.drafter.forget(scheduler_output.finished_seq_ids)
+        num_rows = batch.num_rows
+        if num_rows == 0:
+            return ModelRunnerOutput()
+        seq_ids = batch.seq_ids[:num_rows]
+        scheduled = scheduler_output.num_scheduled_tokens
+        query_lens_all = np.array([scheduled.get(seq_id, 0) for seq_id in seq_ids], dtype=np.int64)
+        num_drafts = np.zeros(num_rows, dtype=np.int64)
+        for seq_id, drafts in scheduler_output.spec_token_ids.items():
+            row = batch.row_of[seq_id]
+            start = batch.num_tokens[row]
+            batch.token_ids[row, start:start + len(drafts)] = drafts   # after the tokens: scratch, not counted
+            num_drafts[row] = len(drafts)
+        model_rows = np.flatnonzero(query_lens_all > 0)
+        query_lens = query_lens_all[model_rows]
+        num_seqs, num_tokens = len(model_rows), int(query_lens.sum())
+        starts = batch.num_computed_tokens[model_rows]
+        cu = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=cu[1:])
+        seq_index = np.repeat(np.arange(num_seqs), query_lens)
+        positions = starts[seq_index] + np.arange(num_tokens) - cu[:-1][seq_index]
+        input_ids = batch.token_ids[model_rows[seq_index], positions].astype(np.int64)
+        width = max(1, -(-int((starts + query_lens).max()) // self.block_size))
+        input_ids_t, positions_t, meta = self.build_inputs(input_ids, positions, query_lens,
+                                                           batch.block_table[model_rows, :width])
+        hidden_states = self._forward_hidden(input_ids_t, positions_t, meta, num_seqs)
+        if self.drafter is not None:
+            self.drafter.run_target_step(input_ids_t, positions_t, meta)
+
+        # Logits rows: the last 1 + drafts positions of each sequence that reaches its end this step.
+        ends = starts + query_lens
+        samples = ends >= batch.num_tokens[model_rows] + num_drafts[model_rows]
+        sample_rows = model_rows[samples]
+        num_logits = 1 + num_drafts[sample_rows]
+        last = cu[1:][samples]
+        logits_index = np.concatenate([np.arange(end - n, end) for end, n in zip(last, num_logits)]) \
+            if len(sample_rows) else np.zeros(0, dtype=np.int64)
+        prompt_rows = [(i, row) for i, row in enumerate(model_rows)
+                       if batch.state_at(row).params.prompt_logprobs is not None
+                       and starts[i] < batch.num_prompt_tokens[row] - 1]
+        if not self._is_driver():
+            if len(logits_index):   # every rank takes part in the vocab-parallel gather
+                self.model.compute_logits(hidden_states[self._to_device(logits_index)])
+            for i, _ in prompt_rows:
+                self.model.compute_logits(hidden_states[cu[i]:cu[i + 1]])
+            return None
+        output = ModelRunnerOutput()
+        for i, row in prompt_rows:
+            output.prompt_logprobs[batch.seq_ids[row]] = self._prompt_logprobs(
+                row, int(starts[i]), self.model.compute_logits(hidden_states[cu[i]:cu[i + 1]]))
+        if len(sample_rows) == 0 and not scheduler_output.sample_from:
+            return output
+        logits = self.model.compute_logits(hidden_states[self._to_device(logits_index)]) \
+            if len(logits_index) else hidden_states.new_empty(0, self.config.vocab_size, dtype=torch.float32)
+        first_logit = dict(zip(sample_rows.tolist(), np.cumsum(num_logits) - num_logits))
+        self._sample(scheduler_output, logits, first_logit, num_drafts, output)
+        return output
+
+    def _is_driver(self) -> bool:
+        from engine.distributed.parallel_state import get_tp_rank
+        return get_tp_rank() == 0
+
+    def _prompt_logprobs(self, row: int, start: int, logits: torch.Tensor) -> PromptLogprobs:
+        """logits [num_new_tokens, vocab] at positions start.. of the sequence in `row`: position p scores prompt
+        token p + 1."""
+        batch = self.input_batch
+        state = batch.state_at(row)
+        num_rows = min(logits.shape[0], state.num_prompt_tokens - 1 - start)
+        logprobs = torch.log_softmax(logits[:num_rows].float(), dim=-1)
+        targets = state.token_ids[start + 1:start + 1 + num_rows]
+        target_t = torch.tensor(targets, device=logprobs.device)
+        target_lp = logprobs.gather(1, target_t[:, None])
+        ranks = (logprobs > target_lp).sum(dim=-1) + 1
+        k = state.params.prompt_logprobs
+        if k > 0:
+            top_lp, top_ids = logprobs.topk(k, dim=-1)
+            top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+        else:
+            top_lp, top_ids = [[] for _ in targets], [[] for _ in targets]
+        return PromptLogprobs(start=start + 1, token_ids=list(targets), logprobs=target_lp.squeeze(1).tolist(),
+                              ranks=ranks.tolist(), topk_token_ids=top_ids, topk_logprobs=top_lp)
+
+    def _sample(self, scheduler_output: SchedulerOutput, logits: torch.Tensor, first_logit: dict[int, int],
+                num_drafts: np.ndarray, output: ModelRunnerOutput) -> None:
+        """Sample the rows that reached their end (and the forks sampling from their parent's row) into
+        `output`: beams get their top candidates, sequences with drafts go through rejection sampling, the rest
+        take one token each."""
+        batch = self.input_batch
+        plain, beams, speculative = [], [], []   # (row, logits index)
+        for row, index in first_logit.items():
+            state = batch.state_at(row)
+            if state.beam_candidates:
+                beams.append((row, index))
+            elif num_drafts[row]:
+                speculative.append((row, index))
+            else:
+                plain.append((row, index))
+        for child, parent in scheduler_output.sample_from.items():
+            plain.append((batch.row_of[child], first_logit[batch.row_of[parent]]))
+        if beams:
+            index = torch.tensor([i for _, i in beams], device=logits.device)
+            width = max(batch.state_at(row).beam_candidates for row, _ in beams)
+            values, ids = torch.log_softmax(logits[index].float(), dim=-1).topk(width, dim=-1)
+            for (row, _), row_ids, row_values in zip(beams, ids.tolist(), values.tolist()):
+                k = batch.state_at(row).beam_candidates
+                output.beam_candidates[batch.seq_ids[row]] = (row_ids[:k], row_values[:k])
+        grammar = self._grammar_rows(scheduler_output, plain)
+        if plain:
+            rows = [row for row, _ in plain]
+            index = torch.tensor([i for _, i in plain], device=logits.device)
+            meta = self.sampling_metadata(rows, grammar)
+            sampled = self.sampler(logits[index], meta)
+            for j, row in enumerate(rows):
+                seq_id = batch.seq_ids[row]
+                output.sampled_token_ids[seq_id] = [sampled.sampled_token_ids[j]]
+                if sampled.sampled_logprobs is not None and sampled.sampled_logprobs[j] is not None:
+                    output.logprobs[seq_id] = SampleLogprobs([sampled.sampled_logprobs[j]], [sampled.sampled_ranks[j]],
+                                                             [sampled.topk_token_ids[j]], [sampled.topk_logprobs[j]])
+        if speculative:
+            self._sample_speculative(speculative, logits, num_drafts, output)
+        if self.num_spec_tokens:
+            self._propose(output, scheduler_output)
+
+    def _grammar_rows(self, scheduler_output: SchedulerOutput, plain: list[tuple[int, int]]):
+        """The grammar bitmask rows of the plain sampling rows, in their order: (positions in `plain`, bitmask)."""
+        if scheduler_output.grammar_bitmask is None:
+            return None
+        seq_ids, bitmask = scheduler_output.grammar_bitmask
+        where = {seq_id: j for j, seq_id in enumerate(seq_ids)}
+        batch = self.input_batch
+        positions = [k for k, (row, _) in enumerate(plain) if batch.seq_ids[row] in where]
+        if not positions:
+            return None
+        return positions, bitmask[[where[batch.seq_ids[plain[k][0]]] for k in positions]]
+
+    def sampling_metadata(self, rows: list[int], grammar=None) -> SamplingMetadata:
+        """The sampling state of batch rows `rows` (repeats allowed), from the persistent arrays."""
+        batch = self.input_batch
+        index = np.asarray(rows, dtype=np.int64)
+        device = self.device
+        temperature = batch.temperature[index]
+        meta = SamplingMetadata(temperature=self._to_device(temperature), greedy=(temperature == 0.0).tolist())
+        top_k, top_p, min_p = batch.top_k[index], batch.top_p[index], batch.min_p[index]
+        if top_k.any():
+            meta.top_k = top_k.tolist()
+        if (top_p < 1.0).any():
+            meta.top_p = top_p.tolist()
+        if (min_p > 0.0).any():
+            meta.min_p = self._to_device(min_p)
+        if batch.uses_penalties[index].any():
+            rows_t = torch.from_numpy(index).to(device)
+            meta.penalties = (self._to_device(batch.repetition_penalty[index]),
+                              self._to_device(batch.frequency_penalty[index]),
+                              self._to_device(batch.presence_penalty[index]),
+                              batch.prompt_mask[rows_t], batch.output_counts[rows_t])
+        generators, bias, allowed, banned, num_logprobs = {}, {}, {}, {}, []
+        for j, row in enumerate(rows):
+            state = batch.state_at(row)
+            p = state.params
+            if state.generator is not None:
+                generators[j] = state.generator
+            if p.logit_bias:
+                bias[j] = p.logit_bias
+            if p.allowed_token_ids is not None:
+                allowed[j] = p.allowed_token_ids
+            if state.bad_words_token_ids or (p.min_tokens and state.num_output_tokens < p.min_tokens):
+                ids = banned_token_ids(state.token_ids[state.num_prompt_tokens:], p.min_tokens, state.stop_token_ids,
+                                       state.bad_words_token_ids)
+                if ids:
+                    banned[j] = ids
+            num_logprobs.append(p.logprobs)
+        meta.generators, meta.logit_bias = generators or None, bias or None
+        meta.allowed_token_ids, meta.banned_token_ids = allowed or None, banned or None
+        if any(k is not None for k in num_logprobs):
+            meta.num_logprobs = num_logprobs
+        if grammar is not None:
+            meta.grammar_bitmask = grammar
+        return meta
+
+    def _sample_speculative(self, entries: list[tuple[int, int]], logits: torch.Tensor, num_drafts: np.ndarray,
+                            output: ModelRunnerOutput) -> None:
+        """Rejection sampling (engine/worker/rejection_sampler.py) of the sequences that verify drafts: their
+        k + 1 logits rows processed as the sampler processes one row (bias, masks, temperature, top-k/p...),
+        the drafts accepted against them. Their requests have no position-dependent stage (penalties,
+        bad words, min_tokens ahead, a grammar): the core proposes for no other."""
+        batch = self.input_batch
+        max_k = int(max(num_drafts[row] for row, _ in entries))
+        rows = [row for row, _ in entries for _ in range(max_k + 1)]
+        index = [min(first + j, first + int(num_drafts[row])) for row, first in entries for j in range(max_k + 1)]
+        row_logits = logits[torch.tensor(index, device=logits.device)].float()
+        raw_logprobs = torch.log_softmax(row_logits, dim=-1)
+        meta = self.sampling_metadata(rows)
+        processed, row_max, argmax, _ = process_logits(row_logits.clone(), meta)
+        greedy_rows = torch.tensor(meta.greedy, device=logits.device)
+        random = [i for i, greedy in enumerate(meta.greedy) if not greedy]
+        probs = processed
+        if random:
+            probs = processed.clone()
+            random_t = torch.tensor(random, device=logits.device)
+            probs[random_t] = random_probs(processed[random_t], row_max[random_t], meta, random)
+        vocab = probs.shape[-1]
+        drafts = torch.full((len(entries), max_k), -1, dtype=torch.int64)
+        for j, (row, _) in enumerate(entries):
+            k = int(num_drafts[row])
+            start = batch.num_tokens[row]
+            drafts[j, :k] = torch.from_numpy(batch.token_ids[row, start:start + k].astype(np.int64))
+        generators = [batch.state_at(row).generator for row, _ in entries]
+        draft_probs = None if self.drafter is None else \
+            self.drafter.draft_probs_for([batch.seq_ids[row] for row, _ in entries], max_k, vocab)
+        result = rejection_sample(drafts.to(logits.device),
+                                  torch.tensor([int(num_drafts[row]) for row, _ in entries], device=logits.device),
+                                  probs.view(len(entries), max_k + 1, vocab), draft_probs,
+                                  greedy_rows.view(len(entries), max_k + 1)[:, 0],
+                                  generators=generators, default_generator=self.sampler.generator)
+        tokens, accepted = result.output_token_ids.tolist(), result.num_accepted.tolist()
+        for j, (row, _) in enumerate(entries):
+            seq_id = batch.seq_ids[row]
+            emitted = tokens[j][:accepted[j] + 1]
+            output.sampled_token_ids[seq_id] = emitted
+            output.num_accepted_tokens[seq_id] = accepted[j]
+            k = batch.state_at(row).params.logprobs
+            if k is not None:
+                lp_rows = raw_logprobs[j * (max_k + 1):j * (max_k + 1) + len(emitted)]
+                emitted_t = torch.tensor(emitted, device=lp_rows.device)
+                sampled = _gather_logprobs(lp_rows, emitted_t, [k] * len(emitted))
+                output.logprobs[seq_id] = SampleLogprobs(sampled.sampled_logprobs, sampled.sampled_ranks,
+                                                         sampled.topk_token_ids, sampled.topk_logprobs)
+
+    def _propose(self, output: ModelRunnerOutput, scheduler_output: SchedulerOutput) -> None:
+        """Drafts for each sequence's next step, from its tokens and what it emitted now: n-gram lookups, or the
+        draft model. Not for a sequence forking this step (its last block is shared with its forks)."""
+        batch = self.input_batch
+        forking = set(scheduler_output.sample_from) | set(scheduler_output.sample_from.values())
+        eligible = [(seq_id, emitted) for seq_id, emitted in output.sampled_token_ids.items()
+                    if seq_id not in forking and speculation_allowed(batch.states[seq_id], len(emitted))]
+        if self.drafter is not None:
+            output.spec_token_ids.update(self.drafter.propose(eligible))
+            return
+        spec = self.engine_config.speculative_config
+        for seq_id, emitted in eligible:
+            row = batch.row_of[seq_id]
+            tokens = np.concatenate([batch.token_ids[row, :batch.num_tokens[row]], np.asarray(emitted, dtype=np.int32)])
+            drafts = propose_ngram(tokens, num_speculative_tokens=spec.num_speculative_tokens,
+                                   prompt_lookup_min=spec.prompt_lookup_min, prompt_lookup_max=spec.prompt_lookup_max)
+            if drafts:
+                output.spec_token_ids[seq_id] = drafts
+
+    # -- entries (tests, the profile step) ------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def compute_logits_for(self, scheduled: list[tuple[object, int]], *, all_logits_for: list[int] | None = None):
+        """Run ``seq.token_ids[seq.num_computed_tokens : + num_new_tokens]`` for each (seq, num_new_tokens) entry
+        (objects with token_ids, num_computed_tokens, block_table), writing their K/V into the slots of their
+        block tables, outside the persistent batch. Returns float32 logits ``[len(scheduled), vocab_size]`` of
+        each entry's last new token; with ``all_logits_for`` (indices into ``scheduled``) also the logits at every
+        new token of those entries: ``(logits, [float32 [num_new_tokens, vocab_size], ...])``."""
+        if not scheduled:
+            return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device)
+        input_ids, positions, query_lens, tables = [], [], [], []
         for seq, num_new_tokens in scheduled:
             start = seq.num_computed_tokens
             end = start + num_new_tokens
             if num_new_tokens < 1 or end > len(seq.token_ids) or end > len(seq.block_table) * self.block_size:
                 raise ValueError(f"cannot run tokens [{start}, {end}) of a sequence with {len(seq.token_ids)} "
                                  f"tokens and {len(seq.block_table)} blocks of {self.block_size}")
-            input_ids += seq.token_ids[start:start + num_new_tokens]
-            starts.append(start)
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
             query_lens.append(num_new_tokens)
             tables.append(seq.block_table)
-        num_seqs = len(scheduled)
-        # Sizes from the Python lists, not read back from tensors (no value read anywhere: a fake device has none).
-        num_tokens = len(input_ids)
-        # Only the table columns this batch can touch; the rest of each row is padding, never read.
-        width = max(1, -(-max(s + q for s, q in zip(starts, query_lens)) // self.block_size))
-        query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
-        seq_lens_t = torch.tensor(starts, dtype=torch.int64) + query_lens_t
-        cu_seqlens_q = torch.zeros(num_seqs + 1, dtype=torch.int64)
-        torch.cumsum(query_lens_t, 0, out=cu_seqlens_q[1:])
-        block_tables = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], dtype=torch.int32)
-        # positions: token i of sequence s sits at starts[s] + (i - cu_seqlens_q[s]).
-        seq_index = torch.repeat_interleave(torch.arange(num_seqs), query_lens_t, output_size=num_tokens)
-        positions = torch.arange(num_tokens) + (seq_lens_t - query_lens_t - cu_seqlens_q[:-1])[seq_index]
-        block_ids = block_tables[seq_index, positions // self.block_size].long()
-        slot_mapping = block_ids * self.block_size + positions % self.block_size
-
-        to_device = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
-        meta = AttentionMetadata(
-            slot_mapping=to_device(slot_mapping),
-            block_tables=to_device(block_tables),
-            seq_lens=to_device(seq_lens_t.to(torch.int32)),
-            cu_seqlens_q=to_device(cu_seqlens_q.to(torch.int32)),
-            is_decode=num_tokens == num_seqs,
-        )
-        return (to_device(torch.tensor(input_ids, dtype=torch.int64)), to_device(positions), meta,
-                to_device(cu_seqlens_q[1:] - 1))
-
-    @torch.inference_mode()
-    def execute_model(self, scheduled: list[tuple["Sequence", int]], *,
-                      all_logits_for: list[int] | None = None):
-        """Run ``seq.token_ids[seq.num_computed_tokens : + num_new_tokens]`` for each scheduled entry,
-        writing their K/V into the slots of ``seq.block_table``. Returns float32 logits
-        ``[len(scheduled), vocab_size]`` of each entry's last new token. Does not advance
-        ``seq.num_computed_tokens``.
-
-        With ``all_logits_for`` (indices into ``scheduled``; prompt logprobs), returns ``(logits, extra)``
-        where ``extra[j]`` is float32 ``[num_new_tokens, vocab_size]``: the logits at every new token of
-        entry ``all_logits_for[j]``. Under tensor parallelism every rank runs the forward and only rank 0, which
-        samples, gets logits: the others get None (and a list of None for ``extra``)."""
-        if not scheduled:
-            return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device)
-        input_ids, positions, meta, last_token_indices = self.prepare_inputs(scheduled)
-        if meta.is_decode and not self.enforce_eager and len(scheduled) <= self.graph_batch_sizes[-1]:
-            hidden_states = self.run_decode_graph(input_ids, positions, meta)
-        else:
-            hidden_states = self._forward(input_ids, positions, meta)
-        logits = self.model.compute_logits(hidden_states.index_select(0, last_token_indices))
+        width = max(1, -(-max(p + 1 for p in positions) // self.block_size))
+        block_tables = np.zeros((len(scheduled), width), dtype=np.int32)
+        for i, table in enumerate(tables):
+            block_tables[i, :min(width, len(table))] = table[:width]
+        query_lens_np = np.asarray(query_lens, dtype=np.int64)
+        input_ids_t, positions_t, meta = self.build_inputs(np.asarray(input_ids, dtype=np.int64),
+                                                           np.asarray(positions, dtype=np.int64), query_lens_np,
+                                                           block_tables)
+        hidden_states = self._forward_hidden(input_ids_t, positions_t, meta, len(scheduled))
+        last = self._to_device(np.cumsum(query_lens_np) - 1)
+        logits = self.model.compute_logits(hidden_states.index_select(0, last))
         if not all_logits_for:
             return logits
-        starts = [0]
-        for _, num_new_tokens in scheduled:
-            starts.append(starts[-1] + num_new_tokens)
+        starts = np.concatenate([[0], np.cumsum(query_lens_np)])
         extra = [self.model.compute_logits(hidden_states[starts[i]:starts[i + 1]]) for i in all_logits_for]
         return logits, extra
 
@@ -455,6 +736,8 @@ class ModelRunner:
             return
         block_mapping = torch.tensor(mapping, dtype=torch.int64, device=self.device)
         pk.copy_blocks(self.key_caches, self.value_caches, block_mapping)
+        if self.drafter is not None:   # the draft model's cache mirrors the blocks of the model's
+            pk.copy_blocks(self.drafter.key_caches, self.drafter.value_caches, block_mapping)
 
 
 def _is_compile_error(exc: BaseException) -> bool:

@@ -26,8 +26,6 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.core.sequence import Sequence
-
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 # Repetition penalties are clamped to this range so that 1 / penalty stays finite in float32.
 _MIN_REPETITION_PENALTY = torch.finfo(torch.float32).tiny
@@ -45,115 +43,219 @@ class SamplerOutput:
     sampled_ranks: list[int | None] | None = None
 
 
+@dataclass(slots=True)
+class SamplingMetadata:
+    """The sampling state of the rows of a logits tensor, in its row order. Tensors are on the logits' device;
+    a stage no row uses is None (or empty) and skipped. Built by the worker from its persistent batch
+    (engine/worker/input_batch.py), or from sequence-like objects by `from_sequences`."""
+    temperature: torch.Tensor                       # float32 [num_rows]; 0 = greedy
+    greedy: list[bool]
+    top_k: list[int] | None = None                  # per row, 0 = off
+    top_p: list[float] | None = None                # per row, 1.0 = off
+    min_p: torch.Tensor | None = None               # float32 [num_rows]
+    generators: dict[int, torch.Generator] | None = None   # row -> its own generator (seeded sequences)
+    # Penalties: (repetition, frequency, presence) float32 [num_rows] each, prompt_mask bool [num_rows, vocab],
+    # output_counts float32 [num_rows, vocab].
+    penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    logit_bias: dict[int, dict[int, float]] | None = None          # row -> {token: bias}
+    allowed_token_ids: dict[int, list[int]] | None = None          # row -> the only tokens it may take
+    banned_token_ids: dict[int, list[int]] | None = None           # row -> tokens masked this step (bad words,
+    #                                                                 stop tokens before min_tokens)
+    num_logprobs: list[int | None] | None = None                   # per row, None: no logprobs
+    grammar_bitmask: tuple[list[int], torch.Tensor] | None = None  # (rows, int32 [len(rows), ceil(vocab / 32)])
+
+    @classmethod
+    def from_sequences(cls, seqs, device: torch.device | str, vocab_size: int) -> "SamplingMetadata":
+        """From objects with `params`, `prompt_token_ids`, `output_token_ids`, `generator`, `stop_token_ids`,
+        `bad_words_token_ids` and optionally `guided` (a grammar state with a `.matcher`): the core's
+        Sequence in tests, the worker's SequenceState."""
+        params = [seq.params for seq in seqs]
+        meta = cls(temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+                   greedy=[p.greedy for p in params])
+        if any(p.top_k > 0 for p in params):
+            meta.top_k = [p.top_k for p in params]
+        if any(p.top_p < 1.0 for p in params):
+            meta.top_p = [p.top_p for p in params]
+        if any(p.min_p > 0.0 for p in params):
+            meta.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+        meta.generators = {i: seq.generator for i, seq in enumerate(seqs) if seq.generator is not None} or None
+        if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
+            meta.penalties = penalty_tensors(seqs, vocab_size, device)
+        meta.logit_bias = {i: p.logit_bias for i, p in enumerate(params) if p.logit_bias} or None
+        meta.allowed_token_ids = {i: p.allowed_token_ids for i, p in enumerate(params)
+                                  if p.allowed_token_ids is not None} or None
+        banned = {i: ids for i, seq in enumerate(seqs)
+                  if (ids := banned_token_ids(seq.output_token_ids, seq.params.min_tokens, seq.stop_token_ids,
+                                              seq.bad_words_token_ids))}
+        meta.banned_token_ids = banned or None
+        if any(p.logprobs is not None for p in params):
+            meta.num_logprobs = [p.logprobs for p in params]
+        guided = [i for i, seq in enumerate(seqs) if getattr(seq, "guided", None) is not None]
+        if guided:
+            import xgrammar
+
+            bitmask = xgrammar.allocate_token_bitmask(len(guided), vocab_size)
+            for j, i in enumerate(guided):
+                seqs[i].guided.matcher.fill_next_token_bitmask(bitmask, j)
+            meta.grammar_bitmask = (guided, bitmask)
+        return meta
+
+
+def penalty_tensors(seqs, vocab_size: int, device) -> tuple[torch.Tensor, ...]:
+    """(repetition, frequency, presence [num_seqs], prompt_mask bool [num_seqs, vocab], output_counts float32
+    [num_seqs, vocab]) counted from sequence-like objects (the worker keeps its counts up to date instead)."""
+    num_seqs = len(seqs)
+    rep = torch.tensor([s.params.repetition_penalty for s in seqs], dtype=torch.float32, device=device)
+    freq = torch.tensor([s.params.frequency_penalty for s in seqs], dtype=torch.float32, device=device)
+    pres = torch.tensor([s.params.presence_penalty for s in seqs], dtype=torch.float32, device=device)
+    prompt_mask = _bin_counts([s.prompt_token_ids for s in seqs], vocab_size, device) > 0
+    output_counts = _bin_counts([s.output_token_ids for s in seqs], vocab_size, device)
+    assert prompt_mask.shape == (num_seqs, vocab_size)
+    return rep, freq, pres, prompt_mask, output_counts
+
+
+def banned_token_ids(output_token_ids, min_tokens: int, stop_token_ids, bad_words_token_ids) -> list[int]:
+    """Tokens a sequence may not take next: its stop tokens (EOS, stop_token_ids) until min_tokens outputs, and
+    the last token of each bad word whose other tokens end the output."""
+    banned = list(stop_token_ids) if len(output_token_ids) < min_tokens else []
+    for word in bad_words_token_ids:
+        prefix_len = len(word) - 1
+        if prefix_len == 0 or (len(output_token_ids) >= prefix_len
+                               and list(output_token_ids[-prefix_len:]) == list(word[:-1])):
+            banned.append(word[-1])
+    return banned
+
+
 class Sampler:
     def __init__(self, *, seed: int = 0, device: torch.device | str = "cpu"):
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed)
+        self.seed, self.device = seed, device
+        self._generator: torch.Generator | None = None
+
+    @property
+    def generator(self) -> torch.Generator:
+        """The generator of the rows without their own, seeded from LLM(seed), made on first use."""
+        if self._generator is None:
+            self._generator = torch.Generator(device=self.device)
+            self._generator.manual_seed(self.seed)
+        return self._generator
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """logits: [num_seqs, vocab_size] float32, the last position of each sequence in `seqs` (same order);
-        modified in place (the engine hands over a fresh tensor each step). Returns one sampled token per
-        sequence, each in [0, vocab_size) (and logprobs for those that asked)."""
-        if logits.ndim != 2 or logits.shape[0] != len(seqs):
-            raise ValueError(f"logits must be [len(seqs)={len(seqs)}, vocab_size], got {tuple(logits.shape)}")
+    def __call__(self, logits: torch.Tensor, meta) -> SamplerOutput:
+        """logits: [num_rows, vocab_size] float32, one row per sampled sequence; modified in place (the caller
+        hands over a fresh tensor). meta: the rows' SamplingMetadata, or the sequences themselves (see
+        SamplingMetadata.from_sequences). Returns one sampled token per row, each in [0, vocab_size) (and
+        logprobs for the rows that asked)."""
+        if not isinstance(meta, SamplingMetadata):
+            meta = SamplingMetadata.from_sequences(meta, logits.device, logits.shape[1])
+        if logits.ndim != 2 or logits.shape[0] != len(meta.greedy):
+            raise ValueError(f"logits must be [num_rows={len(meta.greedy)}, vocab_size], got {tuple(logits.shape)}")
         logits = logits.float().contiguous()
-        num_seqs, vocab_size = logits.shape
-        device = logits.device
-        params = [seq.params for seq in seqs]
-
-        want_logprobs = any(p.logprobs is not None for p in params)
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-
-        if any(p.logit_bias for p in params):
-            apply_logit_bias(logits, params)
-
-        guided_rows = [i for i, seq in enumerate(seqs) if seq.guided is not None]
-        grammar_bitmask = None
-        if guided_rows:
-            from engine.core.guided_decoding import apply_grammar_bitmask   # imports xgrammar: only when used
-            grammar_bitmask = apply_grammar_bitmask(logits, [seqs[i].guided for i in guided_rows], guided_rows)
-
-        # Token masks the request asked for; the rows they touch keep an unmasked copy for the fallback.
-        mask_rows = [i for i, seq in enumerate(seqs)
-                     if seq.params.allowed_token_ids is not None or seq.bad_words_token_ids
-                     or seq.num_output_tokens < seq.params.min_tokens]
-        unmasked = None
-        if mask_rows:
-            unmasked = logits[torch.tensor(mask_rows, device=device)]
-            apply_token_masks(logits, seqs, mask_rows)
-
-        if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
-            apply_penalties(logits, seqs)
-
-        row_max, sampled = logits.max(dim=-1)
-        # max propagates NaN, so a row with a NaN or +inf anywhere has a NaN or +inf maximum: the check of these
-        # num_seqs values stands for a pass over the whole batch (no stage before needs clean logits: they only
-        # add, mask or saturate). A -inf maximum is a row with nothing left to sample.
-        dead_rows = []
-        if not bool(torch.isfinite(row_max).all()):
-            if bool((row_max.isnan() | (row_max == float("inf"))).any()):
-                _sanitize(logits)
-                row_max, sampled = logits.max(dim=-1)
-            dead_rows = (row_max == float("-inf")).nonzero().squeeze(1).tolist()
-        if dead_rows:
-            sampled[dead_rows] = torch.tensor(
-                _fallback_tokens(dead_rows, mask_rows, unmasked, guided_rows, grammar_bitmask, vocab_size),
-                device=device)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.num_logprobs is not None else None
+        logits, row_max, sampled, context = process_logits(logits, meta)
+        dead_rows = context["dead_rows"]
         dead_set = set(dead_rows)
-        random_rows = [i for i, p in enumerate(params) if not p.greedy and i not in dead_set]
+        random_rows = [i for i, greedy in enumerate(meta.greedy) if not greedy and i not in dead_set]
         if random_rows:
-            if len(random_rows) < num_seqs:
-                rows = torch.tensor(random_rows, device=device)
-                sampled[rows] = self._sample_random(logits[rows], row_max[rows], [seqs[i] for i in random_rows])
+            num_rows = logits.shape[0]
+            if len(random_rows) < num_rows:
+                rows = torch.tensor(random_rows, device=logits.device)
+                sampled[rows] = self._sample_random(logits[rows], row_max[rows], meta, random_rows)
             else:
-                sampled = self._sample_random(logits, row_max, seqs)
-
+                sampled = self._sample_random(logits, row_max, meta, random_rows)
         if raw_logprobs is None:
             return SamplerOutput(sampled_token_ids=sampled.tolist())
-        return _gather_logprobs(raw_logprobs, sampled, [p.logprobs for p in params])
+        return _gather_logprobs(raw_logprobs, sampled, meta.num_logprobs)
 
-    def _sample_random(self, logits: torch.Tensor, row_max: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """logits [num_seqs, vocab_size] of non-greedy sequences (modified in place; each row has a finite
-        maximum row_max [num_seqs]) -> sampled ids [num_seqs]."""
-        device = logits.device
-        params = [seq.params for seq in seqs]
-        # A huge temperature is clamped to the float32 range (it flattens the row instead of making
-        # -inf / inf = NaN).
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-        temperature = temperature.clamp_(max=_FLOAT32_MAX).unsqueeze(1)
-        if bool(torch.isfinite(row_max.unsqueeze(1) / temperature).all()):
-            logits.div_(temperature)   # every logit <= row_max: nothing overflows to +inf
-        else:
-            # Shifted so the row maximum is exactly 0: a tiny temperature cannot overflow it to +inf.
-            logits.sub_(row_max.unsqueeze(1)).div_(temperature)
-        if any(p.min_p > 0.0 for p in params):
-            apply_min_p(logits, torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device))
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            logits = apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
-        # One uniform per row; a seeded row draws its own from its generator.
-        uniform = torch.rand(len(seqs), generator=self.generator, device=device)
-        for i, seq in enumerate(seqs):
-            if seq.generator is not None:
-                uniform[i:i + 1].uniform_(generator=seq.generator)
-        return sample_inverse_cdf(torch.softmax(logits, dim=-1), uniform)
+    def _sample_random(self, logits: torch.Tensor, row_max: torch.Tensor, meta: SamplingMetadata,
+                       rows: list[int]) -> torch.Tensor:
+        """logits [len(rows), vocab_size] of non-greedy rows `rows` (modified in place; each has a finite maximum
+        row_max [len(rows)]) -> sampled ids [len(rows)]."""
+        probs = random_probs(logits, row_max, meta, rows)
+        return sample_inverse_cdf(probs, self.uniform(len(rows), logits.device, meta, rows))
+
+    def uniform(self, num: int, device, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:
+        """One uniform per row; a row with its own generator draws it from that generator."""
+        uniform = torch.rand(num, generator=self.generator, device=device)
+        if meta.generators:
+            for i, row in enumerate(rows):
+                generator = meta.generators.get(row)
+                if generator is not None:
+                    uniform[i:i + 1].uniform_(generator=generator)
+        return uniform
+
+
+def process_logits(logits: torch.Tensor, meta: SamplingMetadata):
+    """The stages before the draw, in place on logits [num_rows, vocab] float32: logit_bias, grammar mask, token
+    masks, penalties; then the greedy argmax, NaN/inf handled and dead rows given their fallback. Returns
+    (logits, row_max, argmax ids, context) where context["dead_rows"] lists the rows that had nothing left."""
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+    if meta.logit_bias:
+        apply_logit_bias(logits, meta.logit_bias)
+    grammar_rows, grammar_bitmask = [], None
+    if meta.grammar_bitmask is not None:
+        grammar_rows, grammar_bitmask = _apply_grammar(logits, meta.grammar_bitmask)
+    mask_rows = sorted(set(meta.allowed_token_ids or ()) | set(meta.banned_token_ids or ()))
+    unmasked = None
+    if mask_rows:
+        unmasked = logits[torch.tensor(mask_rows, device=device)]
+        apply_token_masks(logits, meta.allowed_token_ids or {}, meta.banned_token_ids or {})
+    if meta.penalties is not None:
+        _penalize(logits, *meta.penalties)
+    row_max, sampled = logits.max(dim=-1)
+    # max propagates NaN, so a row with a NaN or +inf anywhere has a NaN or +inf maximum: the check of these
+    # num_rows values stands for a pass over the whole batch (no stage before needs clean logits: they only
+    # add, mask or saturate). A -inf maximum is a row with nothing left to sample.
+    dead_rows = []
+    if not bool(torch.isfinite(row_max).all()):
+        if bool((row_max.isnan() | (row_max == float("inf"))).any()):
+            _sanitize(logits)
+            row_max, sampled = logits.max(dim=-1)
+        dead_rows = (row_max == float("-inf")).nonzero().squeeze(1).tolist()
+    if dead_rows:
+        sampled[dead_rows] = torch.tensor(
+            _fallback_tokens(dead_rows, mask_rows, unmasked, grammar_rows, grammar_bitmask, vocab_size),
+            device=device)
+    return logits, row_max, sampled, {"dead_rows": dead_rows}
+
+
+def random_probs(logits: torch.Tensor, row_max: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:
+    """Probabilities of non-greedy rows `rows` (logits [len(rows), vocab], processed, each with a finite maximum
+    row_max): temperature, min-p, top-k / top-p, softmax."""
+    device = logits.device
+    # A huge temperature is clamped to the float32 range (it flattens the row instead of making
+    # -inf / inf = NaN).
+    index = torch.tensor(rows, device=device) if len(rows) != len(meta.greedy) else None
+    temperature = meta.temperature if index is None else meta.temperature[index]
+    temperature = temperature.clamp(max=_FLOAT32_MAX).unsqueeze(1)
+    if bool(torch.isfinite(row_max.unsqueeze(1) / temperature).all()):
+        logits.div_(temperature)   # every logit <= row_max: nothing overflows to +inf
+    else:
+        # Shifted so the row maximum is exactly 0: a tiny temperature cannot overflow it to +inf.
+        logits.sub_(row_max.unsqueeze(1)).div_(temperature)
+    if meta.min_p is not None:
+        apply_min_p(logits, meta.min_p if index is None else meta.min_p[index])
+    top_k = [meta.top_k[r] for r in rows] if meta.top_k is not None else None
+    top_p = [meta.top_p[r] for r in rows] if meta.top_p is not None else None
+    if (top_k and any(k > 0 for k in top_k)) or (top_p and any(p < 1.0 for p in top_p)):
+        logits = apply_top_k_top_p(logits, top_k or [0] * len(rows), top_p or [1.0] * len(rows))
+    return torch.softmax(logits, dim=-1)
 
 
 def sampler_dummy_run(logits: torch.Tensor, num_logprobs: int = 20) -> torch.Tensor:
     """The sampler's largest footprint on logits [num_seqs, vocab_size], for the memory profile: raw logprobs,
     penalties, min-p, top-k/top-p by the full sort, the draw and the top logprobs, all on, with no value read
     back to the host. Returns the sampled ids [num_seqs] (on the logits' device)."""
-    from types import SimpleNamespace
-
     logits = logits.float().clone()
     num_seqs, vocab_size = logits.shape
     device = logits.device
     raw_logprobs = torch.log_softmax(logits, dim=-1)
-    params = SimpleNamespace(repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.1)
-    apply_penalties(logits, [SimpleNamespace(prompt_token_ids=[0], output_token_ids=[0], params=params)] * num_seqs)
-    apply_min_p(logits, torch.full((num_seqs,), 0.05, device=device))
-    logits = _top_k_top_p_sorted(logits, torch.full((num_seqs,), 50, device=device),
-                                 torch.full((num_seqs,), 0.9, device=device))
+    full = lambda value: torch.full((num_seqs,), value, dtype=torch.float32, device=device)  # noqa: E731
+    _penalize(logits, full(1.1), full(0.1), full(0.1), torch.zeros(num_seqs, vocab_size, dtype=torch.bool,
+                                                                    device=device),
+              torch.zeros(num_seqs, vocab_size, device=device))
+    apply_min_p(logits, full(0.05))
+    logits = _top_k_top_p_sorted(logits, torch.full((num_seqs,), 50, device=device), full(0.9))
     sampled = sample_inverse_cdf(torch.softmax(logits, dim=-1), torch.rand(num_seqs, device=device))
     raw_logprobs.topk(min(num_logprobs, vocab_size), dim=-1)
     return sampled
@@ -176,8 +278,7 @@ def _fallback_tokens(dead_rows: list[int], mask_rows: list[int], unmasked: torch
                 tokens.append(int(before_masks.argmax()))
                 continue
         if row in guided_rows:
-            from engine.core.guided_decoding import unpack_bitmask
-            allowed = unpack_bitmask(grammar_bitmask[row:row + 1], vocab_size)[0].nonzero()
+            allowed = unpack_bitmask(grammar_bitmask[row:row + 1].cpu(), vocab_size)[0].nonzero()
             if allowed.numel():
                 tokens.append(int(allowed[0]))
                 continue
@@ -185,48 +286,65 @@ def _fallback_tokens(dead_rows: list[int], mask_rows: list[int], unmasked: torch
     return tokens
 
 
-def apply_logit_bias(logits: torch.Tensor, params: list) -> None:
-    """In place on logits [num_seqs, vocab_size]: add each row's logit_bias {token id: bias} (ids were checked
-    against the vocabulary when the request was added)."""
+def _apply_grammar(logits: torch.Tensor, grammar: tuple[list[int], torch.Tensor]) -> tuple[list[int], torch.Tensor]:
+    """Mask what each guided row's grammar forbids (xgrammar's kernel). grammar: (rows, int32 bitmask
+    [len(rows), ceil(vocab / 32)]). Returns (rows, the bitmask over all rows of logits: all ones elsewhere)."""
+    import xgrammar
+
+    rows, compact = grammar
+    num_rows, vocab_size = logits.shape
+    bitmask = torch.full((num_rows, compact.shape[1]), -1, dtype=torch.int32)
+    bitmask[rows] = compact.to("cpu", torch.int32)
+    device_bitmask = bitmask.to(logits.device, non_blocking=True) if logits.is_cuda else bitmask
+    xgrammar.apply_token_bitmask_inplace(logits, device_bitmask, vocab_size=vocab_size, indices=rows)
+    return rows, bitmask
+
+
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bitmask int32 [num_rows, ceil(vocab_size / 32)] (bit j of word w: token 32 * w + j) -> bool
+    [num_rows, vocab_size], True where the token is allowed. For the sampler's fallback on a few rows; the
+    masking itself uses xgrammar's kernel, several times faster than these tensor ops."""
+    bits = (bitmask.unsqueeze(-1) >> _BIT_SHIFTS.to(bitmask.device)) & 1   # arithmetic shift: bit 31 still 0/1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, dict[int, float]]) -> None:
+    """In place on logits [num_rows, vocab_size]: add row r's {token id: bias} (ids checked against the
+    vocabulary when the request was added)."""
     rows, cols, values = [], [], []
-    for i, p in enumerate(params):
-        if p.logit_bias:
-            rows += [i] * len(p.logit_bias)
-            cols += p.logit_bias.keys()
-            values += p.logit_bias.values()
+    for row, bias in logit_bias.items():
+        rows += [row] * len(bias)
+        cols += bias.keys()
+        values += bias.values()
     device = logits.device
     logits.index_put_((torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
                       torch.tensor(values, dtype=torch.float32, device=device), accumulate=True)
 
 
-def apply_token_masks(logits: torch.Tensor, seqs: list[Sequence], mask_rows: list[int]) -> None:
-    """In place on logits [num_seqs, vocab_size], for the rows in mask_rows: everything outside
-    allowed_token_ids, the last token of each bad word whose other tokens end the output, and (before
-    min_tokens outputs) EOS and stop_token_ids -> -inf."""
-    num_seqs, vocab_size = logits.shape
+def apply_token_masks(logits: torch.Tensor, allowed_token_ids: dict[int, list[int]],
+                      banned_token_ids: dict[int, list[int]]) -> None:
+    """In place on logits [num_rows, vocab_size]: everything outside a row's allowed_token_ids, and its banned
+    tokens (bad words, stop tokens before min_tokens) -> -inf."""
+    num_rows, vocab_size = logits.shape
     device = logits.device
-    allowed_rows = [i for i in mask_rows if seqs[i].params.allowed_token_ids is not None]
-    if allowed_rows:
+    if allowed_token_ids:
+        allowed_rows = list(allowed_token_ids)
         keep = torch.zeros(len(allowed_rows), vocab_size, dtype=torch.bool, device=device)
         rows, cols = [], []
-        for j, i in enumerate(allowed_rows):
-            ids = seqs[i].params.allowed_token_ids
+        for j, row in enumerate(allowed_rows):
+            ids = allowed_token_ids[row]
             rows += [j] * len(ids)
             cols += ids
         keep[rows, cols] = True
         index = torch.tensor(allowed_rows, device=device)
         logits[index] = logits[index].masked_fill_(~keep, float("-inf"))
     rows, cols = [], []
-    for i in mask_rows:
-        seq = seqs[i]
-        banned = [t for t in seq.stop_token_ids if t < vocab_size] \
-            if seq.num_output_tokens < seq.params.min_tokens else []
-        for word in seq.bad_words_token_ids:
-            prefix_len = len(word) - 1
-            if prefix_len == 0 or (seq.num_output_tokens >= prefix_len
-                                   and seq.output_token_ids[-prefix_len:] == word[:-1]):
-                banned.append(word[-1])
-        rows += [i] * len(banned)
+    for row, banned in banned_token_ids.items():
+        banned = [t for t in banned if t < vocab_size]
+        rows += [row] * len(banned)
         cols += banned
     if rows:
         logits[rows, cols] = float("-inf")
@@ -243,21 +361,22 @@ def sample_inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tens
     return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
-def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """In place on logits [num_seqs, vocab_size], vLLM semantics: repetition_penalty on tokens seen in the prompt
+def apply_penalties(logits: torch.Tensor, seqs) -> None:
+    """In place on logits [num_seqs, vocab_size], for sequence-like objects (prompt_token_ids, output_token_ids,
+    params): see `_penalize`."""
+    _penalize(logits, *penalty_tensors(seqs, logits.shape[1], logits.device))
+
+
+def _penalize(logits: torch.Tensor, rep: torch.Tensor, freq: torch.Tensor, pres: torch.Tensor,
+              prompt_mask: torch.Tensor, output_counts: torch.Tensor) -> None:
+    """In place on logits [num_rows, vocab_size], vLLM semantics: repetition_penalty on tokens seen in the prompt
     or the output (positive logits divided, negative multiplied); frequency_penalty * count and presence_penalty
     * (count > 0) subtracted for output tokens. A finite logit stays finite (saturating at the float32 range: a
-    tiny penalty divides by almost 0), a masked -inf stays -inf, NaN stays NaN."""
-    num_seqs, vocab_size = logits.shape
-    device = logits.device
-    prompt_counts = _bin_counts([seq.prompt_token_ids for seq in seqs], vocab_size, device)
-    output_counts = _bin_counts([seq.output_token_ids for seq in seqs], vocab_size, device)
+    tiny penalty divides by almost 0), a masked -inf stays -inf, NaN stays NaN.
+    rep, freq, pres: float32 [num_rows]; prompt_mask bool and output_counts float32 [num_rows, vocab_size]."""
     output_mask = output_counts > 0
-    rep = torch.tensor([seq.params.repetition_penalty for seq in seqs], dtype=torch.float32, device=device)
-    rep.clamp_(_MIN_REPETITION_PENALTY, _MAX_REPETITION_PENALTY)   # 1 / rep finite; the caller clamps overflow
-    freq = torch.tensor([seq.params.frequency_penalty for seq in seqs], dtype=torch.float32, device=device)
-    pres = torch.tensor([seq.params.presence_penalty for seq in seqs], dtype=torch.float32, device=device)
-    penalties = torch.where((prompt_counts > 0) | output_mask, rep.unsqueeze(1), 1.0)
+    rep = rep.clamp(_MIN_REPETITION_PENALTY, _MAX_REPETITION_PENALTY)   # 1 / rep finite; overflow clamped below
+    penalties = torch.where(prompt_mask | output_mask, rep.unsqueeze(1), 1.0)
     penalized = logits * torch.where(logits > 0, 1.0 / penalties, penalties)
     penalized.clamp_(-_FLOAT32_MAX, _FLOAT32_MAX).masked_fill_(logits == float("-inf"), float("-inf"))
     logits.copy_(penalized)

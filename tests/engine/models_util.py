@@ -187,3 +187,19 @@ def random_token_ids(num_tokens: int, *, vocab_size: int = TINY_VOCAB_SIZE, seed
 
 def model_dir_files(model_dir: str) -> list[str]:
     return sorted(os.listdir(model_dir))
+
+
+def engine_config(model_dir: str, **kwargs):
+    """The EngineConfig of `model_dir` with `kwargs` as engine options (EngineArgs' names), for tests that build
+    a ModelRunner or an executor directly."""
+    from engine.engine_args import EngineArgs
+
+    return EngineArgs(model=model_dir, **kwargs).create_engine_config()
+
+
+def make_engine(model_dir: str, **kwargs):
+    """An LLMEngine of `model_dir` with `kwargs` as engine options (EngineArgs' names)."""
+    from engine.core.llm_engine import LLMEngine
+    from engine.engine_args import EngineArgs
+
+    return LLMEngine.from_engine_args(EngineArgs(model=model_dir, **kwargs))

@@ -11,7 +11,7 @@ from engine import LLMEngine, SamplingParams
 from engine.core.block_manager import BlockManager
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence, SequenceStatus
-from tests.engine.models_util import random_token_ids
+from tests.engine.models_util import make_engine, random_token_ids
 
 PROMPT_70 = random_token_ids(70, seed=41)
 PROMPT_40 = random_token_ids(40, seed=42)
@@ -33,14 +33,14 @@ def assert_aborted(output, n=1):
 @pytest.mark.parametrize("when", ["waiting", "mid-prefill", "decoding", "forked", "swapped"])
 def test_abort_in_every_state_frees_everything(llama_dir, when):
     if when == "swapped":   # a long request that outgrows the cache next to a later n = 3 request (the victim)
-        engine = LLMEngine(llama_dir, max_model_len=256, num_kv_blocks=18, preemption_mode="swap",
+        engine = make_engine(llama_dir, max_model_len=256, num_kv_blocks=18, preemption_mode="swap",
                            swap_space=1 / 64)
         engine.add_request("other", {"prompt_token_ids": PROMPT_70[:60]},
                            SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
         engine.add_request("r", {"prompt_token_ids": PROMPT_40[:45] + PROMPT_70[:5]},
                            SamplingParams(n=3, seed=0, max_tokens=40, ignore_eos=True))
     else:
-        engine = LLMEngine(llama_dir, max_model_len=224, num_kv_blocks=14, max_num_batched_tokens=32)
+        engine = make_engine(llama_dir, max_model_len=224, num_kv_blocks=14, max_num_batched_tokens=32)
         engine.add_request("other", {"prompt_token_ids": PROMPT_40},
                            SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
         engine.add_request("r", {"prompt_token_ids": PROMPT_70},
@@ -70,7 +70,7 @@ def test_abort_in_every_state_frees_everything(llama_dir, when):
 
 def test_abort_keeps_shared_prefix_cache_consistent(llama_dir):
     """Two requests share cached prompt blocks; aborting one leaves the other's blocks held and correct."""
-    engine = LLMEngine(llama_dir, max_model_len=256, num_kv_blocks=32)
+    engine = make_engine(llama_dir, max_model_len=256, num_kv_blocks=32)
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     engine.add_request("ref", {"prompt_token_ids": PROMPT_70}, greedy)
     while engine.has_unfinished_requests():
@@ -89,7 +89,7 @@ def test_abort_keeps_shared_prefix_cache_consistent(llama_dir):
 
 
 def test_engine_metrics_and_request_timings(llama_dir):
-    engine = LLMEngine(llama_dir, max_model_len=256, num_kv_blocks=32)
+    engine = make_engine(llama_dir, max_model_len=256, num_kv_blocks=32)
     metrics = engine.get_metrics()
     assert (metrics.num_running, metrics.num_waiting, metrics.kv_cache_usage, metrics.prefix_cache_hit_rate) == (
         0, 0, 0.0, 0.0)
@@ -175,7 +175,7 @@ class EngineCoreMachine(RuleBasedStateMachine):
                 assert self.gpu.get((block, pos % BLOCK_SIZE)) == seq.token_ids[pos], (seq, pos)
             for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + num_new):
                 self.gpu[seq.block_table[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = seq.token_ids[pos]
-        for _, s in self.sched.update_from_output(output):
+        for s in self.sched.update_from_output(output):
             s.append_token(next_token(s.token_ids, s.index))
             if s.num_output_tokens >= s.params.max_tokens:
                 self.sched.finish(s)

@@ -6,7 +6,7 @@ import torch
 
 from engine import LLM
 from engine.core.beam_search import BeamSearchParams
-from tests.engine.models_util import load_hf_model, random_token_ids
+from tests.engine.models_util import load_hf_model, make_engine, random_token_ids
 
 
 def hf_beams(model, prompt_ids, params: BeamSearchParams, eos_token_id="default"):
@@ -71,7 +71,7 @@ def test_forked_beams_share_blocks(tiny_model_dir):
     new blocks add to the usage."""
     from engine import LLMEngine
 
-    engine = LLMEngine(tiny_model_dir("llama"), max_model_len=256, num_kv_blocks=64)
+    engine = make_engine(tiny_model_dir("llama"), max_model_len=256, num_kv_blocks=64)
     bm = engine.block_manager
     prompt = random_token_ids(40, seed=53)   # 2 full blocks + 8 tokens
     engine.add_beam_request("r", {"prompt_token_ids": prompt}, BeamSearchParams(beam_width=4, max_tokens=6,

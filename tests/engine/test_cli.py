@@ -94,8 +94,8 @@ def test_generate_streams_text_as_the_engine_produces_it(model_dir, llm, monkeyp
 
 
 def test_engine_options_are_one_definition():
-    """EngineArgs' fields are LLMEngine's and LLM's keyword arguments, and every command takes them by
-    vLLM's flag names; serve also takes the model positionally."""
+    """EngineArgs' fields are LLM's keyword arguments, LLMEngine takes the one EngineConfig they build, and
+    every command takes them by vLLM's flag names; serve also takes the model positionally."""
     import dataclasses
     import inspect
 
@@ -104,13 +104,16 @@ def test_engine_options_are_one_definition():
     from engine.core.llm_engine import LLMEngine
 
     fields = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
-    for cls in (LLMEngine, LLM):
-        parameters = inspect.signature(cls.__init__).parameters
-        kwargs = {name: p.default for name, p in parameters.items() if name not in ("self",)}
-        assert set(kwargs) == set(fields), cls
-        assert {k: v for k, v in kwargs.items() if k != "model"} == {k: v for k, v in fields.items()
-                                                                     if k != "model"}, cls
+    parameters = inspect.signature(LLM.__init__).parameters
+    kwargs = {name: p.default for name, p in parameters.items() if name not in ("self",)}
+    assert set(kwargs) == set(fields)
+    assert {k: v for k, v in kwargs.items() if k != "model"} == {k: v for k, v in fields.items() if k != "model"}
+    assert list(inspect.signature(LLMEngine.__init__).parameters) == ["self", "config"]
     parser = build_parser()
+    spec = parser.parse_args(["generate", "hi", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert EngineArgs.from_cli_args(spec).speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "hi", "--speculative-config", "[1]"])
     flags = ["--tokenizer", "/tok", "--gpu-memory-utilization", "0.5", "--swap-space", "2", "--preemption-mode",
              "swap", "--generation-config", "vllm", "--max-model-len", "64", "--enforce-eager",
              "--no-enable-prefix-caching", "--block-size", "32", "--max-num-seqs", "8", "--seed", "5"]

@@ -11,9 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import ModelConfig
 from engine.worker.model_runner import EagerGraphRunner, ModelRunner, graph_batch_sizes
-from tests.engine.models_util import random_token_ids
+from tests.engine.models_util import engine_config, random_token_ids
 from tests.engine.test_model_runner import BLOCK_SIZE, Seq, scatter_blocks
 
 NUM_KV_BLOCKS = 64
@@ -43,11 +42,11 @@ class RecordingGraphRunner(EagerGraphRunner):
 
 def make_runner(model_dir: str, *, enforce_eager: bool, graph_runner_class=None, max_num_seqs: int = 10,
                 compile_model: bool | None = None, capture_graphs_at_startup: bool | None = None):
-    config = ModelConfig.from_pretrained(model_dir, max_model_len=256)
-    runner = ModelRunner(config, device=torch.device("cpu"), block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS,
-                         gpu_memory_utilization=0.9, max_num_seqs=max_num_seqs, max_num_batched_tokens=512,
-                         enforce_eager=enforce_eager, seed=0, graph_runner_class=graph_runner_class,
-                         compile_model=compile_model, capture_graphs_at_startup=capture_graphs_at_startup)
+    config = engine_config(model_dir, device="cpu", max_model_len=256, block_size=BLOCK_SIZE,
+                           num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=max_num_seqs, max_num_batched_tokens=512,
+                           enforce_eager=enforce_eager)
+    runner = ModelRunner(config, graph_runner_class=graph_runner_class, compile_model=compile_model,
+                         capture_graphs_at_startup=capture_graphs_at_startup)
     runner.kv_cache.fill_(float("nan"))  # a padded row writing K/V, or any stray read, shows
     return runner
 
@@ -70,7 +69,7 @@ def _run(runner, seqs):
     steps = [[(i, n) for i, n in enumerate(PROMPT_LENS)]] + [[(i, 1) for i in step] for step in DECODE_STEPS]
     for step in steps:
         scheduled = [(seqs[i], n) for i, n in step]
-        logits_per_step.append(runner.execute_model(scheduled).clone())
+        logits_per_step.append(runner.compute_logits_for(scheduled).clone())
         for seq, n in scheduled:
             seq.num_computed_tokens += n
     return logits_per_step

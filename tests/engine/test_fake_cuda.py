@@ -12,13 +12,17 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
+try:
+    from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError   # torch >= 2.12
+except ImportError:   # torch 2.11 (the GPU image): a plain RuntimeError naming the two devices
+    FakeTensorDeviceMismatchError = RuntimeError
 
-from engine.config import ModelConfig
+from engine.sampling_params import SamplingParams
+from engine.step_records import CachedSequenceData, NewSequenceData, SchedulerOutput
 from engine.worker import memory as gpu_memory
 from engine.worker.model_runner import ModelRunner, graph_batch_sizes
 from tests.engine.fake_cuda import GiB, FakeCudaMemory, FakeGraphRunner, HostSyncError, fake_cuda
-from tests.engine.models_util import TINY_ARCHITECTURES, random_token_ids
+from tests.engine.models_util import TINY_ARCHITECTURES, engine_config, random_token_ids
 
 BLOCK_SIZE = 16
 MAX_NUM_SEQS = 20
@@ -37,12 +41,11 @@ class Entry:
 def _runner(model_dir: str, *, num_kv_blocks=None, gpu_memory_utilization=0.9, **kwargs) -> ModelRunner:
     """A runner as the engine builds one on CUDA (graphs captured at start-up; eager, as inductor cannot compile
     for a fake device), on the fake cuda device."""
-    config = ModelConfig.from_pretrained(model_dir, device="cuda", max_model_len=MAX_MODEL_LEN)
+    config = engine_config(model_dir, device="cuda", max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
+                           num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
+                           max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
     kwargs = {"capture_graphs_at_startup": True, **kwargs}
-    return ModelRunner(config, device=torch.device("cuda"), block_size=BLOCK_SIZE, num_kv_blocks=num_kv_blocks,
-                       gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=MAX_NUM_SEQS,
-                       max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, enforce_eager=False, seed=0,
-                       graph_runner_class=FakeGraphRunner, compile_model=False, **kwargs)
+    return ModelRunner(config, graph_runner_class=FakeGraphRunner, compile_model=False, **kwargs)
 
 
 def _mixed_batch() -> list[tuple[Entry, int]]:
@@ -61,6 +64,7 @@ def test_every_architecture_runs_the_cuda_paths(tiny_model_dir, arch):
     # A budget small enough to show in the block count: 1 GiB for the engine, 0.25 GiB peak, 0.25 GiB outside.
     memory = FakeCudaMemory(total=80 * GiB, free=79 * GiB, peak_bytes=GiB // 4, non_torch_bytes=GiB // 4)
     batch = _mixed_batch()
+    prompts = [random_token_ids(60, seed=10 + i) for i in range(3)]
     decodes = [(Entry(random_token_ids(n + 1, seed=n), n, list(range(n // BLOCK_SIZE + 1))), 1) for n in (3, 40, 90)]
     with fake_cuda(memory):
         runner = _runner(model_dir, gpu_memory_utilization=1.5 / 80)
@@ -72,17 +76,24 @@ def test_every_architecture_runs_the_cuda_paths(tiny_model_dir, arch):
         assert all(p.device.type == "cuda" for p in runner.model.parameters())
         assert sorted(FakeGraphRunner.captured_batch_sizes) == graph_batch_sizes(MAX_NUM_SEQS)
 
-        input_ids, positions, meta, last = runner.prepare_inputs(batch)
-        for tensor in (input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                       meta.cu_seqlens_q, last):
-            assert tensor.device.type == "cuda"
-        assert input_ids.shape == (77,) and meta.block_tables.shape == (4, 5) and not meta.is_decode
-        logits = runner.execute_model(batch)
-        assert logits.shape == (4, config.vocab_size) and logits.device.type == "cuda"
-        logits, extra = runner.execute_model(batch, all_logits_for=[1])
-        assert extra[0].shape == (38, config.vocab_size)
+        # The persistent batch's step: three long prompts arrive, prefilled in chunks over two steps (no row
+        # reaches its end, so nothing samples: sampling reads the sampled ids back, which a fake device cannot).
+        new = [NewSequenceData(seq_id=i, token_ids=prompt, num_prompt_tokens=len(prompt), num_computed_tokens=0,
+                               block_ids=[4 * i + j for j in range(4)], params=SamplingParams(), seed=None,
+                               stop_token_ids=[]) for i, prompt in enumerate(prompts)]
+        first = runner.execute_model(SchedulerOutput(new_seqs=new, cached_seqs=[],
+                                                     num_scheduled_tokens={0: 20, 1: 30, 2: 9}))
+        second = runner.execute_model(SchedulerOutput(
+            new_seqs=[], cached_seqs=[CachedSequenceData(i, [], 4, [], n) for i, n in ((0, 20), (2, 9))],
+            num_scheduled_tokens={0: 25, 2: 40}, finished_seq_ids=[1]))
+        assert first.sampled_token_ids == second.sampled_token_ids == {}
+        assert runner.input_batch.num_rows == 2 and set(runner.input_batch.states) == {0, 2}
 
-        logits = runner.execute_model(decodes)   # pads to the graph of 4
+        logits = runner.compute_logits_for(batch)
+        assert logits.shape == (4, config.vocab_size) and logits.device.type == "cuda"
+        logits, extra = runner.compute_logits_for(batch, all_logits_for=[1])
+        assert extra[0].shape == (38, config.vocab_size)
+        logits = runner.compute_logits_for(decodes)   # a pure decode batch: pads to the graph of 4
         assert logits.shape == (3, config.vocab_size) and logits.device.type == "cuda"
 
 
@@ -171,15 +182,15 @@ def test_profile_step_through_the_cpu_double(tiny_model_dir, monkeypatch):
     import engine.worker.model_runner as model_runner_module
 
     model_dir = tiny_model_dir("qwen3")
-    config = ModelConfig.from_pretrained(model_dir, max_model_len=MAX_MODEL_LEN)
     logits_rows, sampled_rows = [], []
     dummy_run = model_runner_module.sampler_dummy_run
     monkeypatch.setattr(model_runner_module, "sampler_dummy_run",
                         lambda logits: sampled_rows.append(tuple(logits.shape)) or dummy_run(logits))
     memory = FakeCudaMemory(total=16 * GiB, free=15 * GiB, peak_bytes=GiB, non_torch_bytes=GiB // 2)
-    runner = ModelRunner(config, device=torch.device("cpu"), block_size=BLOCK_SIZE, num_kv_blocks=None,
-                         gpu_memory_utilization=0.125, max_num_seqs=4, max_num_batched_tokens=200,
-                         enforce_eager=True, seed=0, memory=memory)
+    config = engine_config(model_dir, device="cpu", max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
+                           gpu_memory_utilization=0.125, max_num_seqs=4, max_num_batched_tokens=200, enforce_eager=True)
+    runner = ModelRunner(config, memory=memory)
+    config = runner.config
     compute_logits = runner.model.compute_logits
     # Free memory read and peak reset before the weights load; the peak read after the profile step.
     reset = memory.calls.index("reset_peak_memory_stats")

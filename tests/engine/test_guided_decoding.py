@@ -130,7 +130,7 @@ def test_unpack_bitmask_matches_xgrammar_kernel():
     import torch
     import xgrammar
 
-    from engine.core.guided_decoding import unpack_bitmask
+    from engine.worker.sampler import unpack_bitmask
 
     vocab_size, generator = 101, torch.Generator().manual_seed(5)
     bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (4, (vocab_size + 31) // 32), dtype=torch.int32, generator=generator)

@@ -14,10 +14,9 @@ import pytest
 import torch
 
 import pagedkernels as pk
-from engine.config import ModelConfig
 from engine.layers.attention import Attention
 from engine.worker.model_runner import ModelRunner
-from tests.engine.models_util import hf_log_softmax, load_hf_model, random_token_ids
+from tests.engine.models_util import engine_config, hf_log_softmax, load_hf_model, random_token_ids
 
 LOGPROB_ATOL = 1e-4
 BLOCK_SIZE = 16
@@ -33,10 +32,9 @@ class Seq:
 
 def make_runner(model_dir: str, *, num_kv_blocks: int = 64, max_model_len: int | None = 256,
                 **kwargs) -> ModelRunner:
-    config = ModelConfig.from_pretrained(model_dir, max_model_len=max_model_len)
-    runner = ModelRunner(config, device=torch.device("cpu"), block_size=BLOCK_SIZE, num_kv_blocks=num_kv_blocks,
-                         gpu_memory_utilization=0.9, max_num_seqs=8, max_num_batched_tokens=512,
-                         enforce_eager=True, seed=0, **kwargs)
+    config = engine_config(model_dir, device="cpu", max_model_len=max_model_len, block_size=BLOCK_SIZE,
+                           num_kv_blocks=num_kv_blocks, max_num_seqs=8, max_num_batched_tokens=512, enforce_eager=True)
+    runner = ModelRunner(config, **kwargs)
     runner.kv_cache.fill_(float("nan"))  # any read of a slot not written in this test shows
     return runner
 
@@ -56,7 +54,7 @@ def run_schedule(runner: ModelRunner, seqs: list[Seq], steps: list[list[tuple[in
     for step in steps:
         scheduled = [(seqs[i], n) for i, n in step]
         before = [seq.num_computed_tokens for seq, _ in scheduled]
-        logits = runner.execute_model(scheduled)
+        logits = runner.compute_logits_for(scheduled)
         assert logits.dtype == torch.float32 and logits.shape == (len(step), runner.config.vocab_size)
         assert [seq.num_computed_tokens for seq, _ in scheduled] == before, "runner must not advance sequences"
         for row, (index, n) in enumerate(step):
@@ -169,15 +167,15 @@ def test_triton_kernels_in_interpreter_match_torch_path(tiny_model_dir):
 
 def test_execute_model_empty_batch_and_bad_entries(tiny_model_dir):
     runner = make_runner(tiny_model_dir("llama"))
-    assert runner.execute_model([]).shape == (0, runner.config.vocab_size)
+    assert runner.compute_logits_for([]).shape == (0, runner.config.vocab_size)
     seq = Seq(random_token_ids(20, seed=60), block_table=[0])
     with pytest.raises(ValueError, match="1 blocks of 16"):  # 20 tokens need 2 blocks
-        runner.execute_model([(seq, 20)])
+        runner.compute_logits_for([(seq, 20)])
     seq.block_table = [0, 1]
     with pytest.raises(ValueError, match="tokens"):  # past the sequence's end
-        runner.execute_model([(seq, 21)])
+        runner.compute_logits_for([(seq, 21)])
     with pytest.raises(ValueError, match="tokens"):
-        runner.execute_model([(seq, 0)])
+        runner.compute_logits_for([(seq, 0)])
 
 
 def test_num_kv_blocks_from_memory_is_bounded(tiny_model_dir):

@@ -41,7 +41,7 @@ def test_long_prefill_matches_transformers_at_every_position(tiny_model_dir):
     runner = make_runner(model_dir, max_model_len=MAX_MODEL_LEN)
     seq = Seq(prompt)
     scatter_blocks([seq], runner.num_kv_blocks, seed=5)
-    _, (all_logits,) = runner.execute_model([(seq, LONG_PROMPT_LEN)], all_logits_for=[0])
+    _, (all_logits,) = runner.compute_logits_for([(seq, LONG_PROMPT_LEN)], all_logits_for=[0])
     torch.testing.assert_close(torch.log_softmax(all_logits.double(), dim=-1), reference, atol=FLOAT64_ATOL, rtol=0)
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine import LLM, LLMEngine, SamplingParams
-from tests.engine.models_util import hf_log_softmax, load_hf_model, random_token_ids
+from tests.engine.models_util import hf_log_softmax, load_hf_model, make_engine, random_token_ids
 
 PROMPT_37 = random_token_ids(37, seed=21)   # 2 full blocks of 16 and 5 tokens in a shared, partly filled third
 PROMPT_32 = random_token_ids(32, seed=22)   # exactly 2 full blocks: the first write goes to a fresh block
@@ -16,8 +16,8 @@ def llm(llama_dir):
     return LLM(llama_dir, max_model_len=256, num_kv_blocks=64)
 
 
-def make_engine(model_dir, **kwargs) -> LLMEngine:
-    return LLMEngine(model_dir, max_model_len=256, **{"num_kv_blocks": 64, **kwargs})
+def engine_for(model_dir, **kwargs) -> LLMEngine:
+    return make_engine(model_dir, max_model_len=256, **{"num_kv_blocks": 64, **kwargs})
 
 
 def used_blocks(engine: LLMEngine) -> int:
@@ -25,7 +25,7 @@ def used_blocks(engine: LLMEngine) -> int:
 
 
 def test_forked_sequences_share_prompt_blocks_and_copy_on_first_write(llama_dir):
-    engine = make_engine(llama_dir, enable_prefix_caching=False)
+    engine = engine_for(llama_dir, enable_prefix_caching=False)
     bm = engine.block_manager
     engine.add_request("r", {"prompt_token_ids": PROMPT_37}, SamplingParams(n=4, seed=0, max_tokens=30))
     engine.step()   # the whole prompt, then the fork
@@ -49,7 +49,7 @@ def test_forked_sequences_share_prompt_blocks_and_copy_on_first_write(llama_dir)
 
 
 def test_block_aligned_prompt_needs_no_copy(llama_dir):
-    engine = make_engine(llama_dir)
+    engine = engine_for(llama_dir)
     engine.add_request("r", {"prompt_token_ids": PROMPT_32}, SamplingParams(n=3, seed=1, max_tokens=4))
     while engine.has_unfinished_requests():
         engine.step()
@@ -112,7 +112,7 @@ def test_mixed_batch_with_stop_tokens_finishes_sequences_independently(llm):
 
 
 def test_n_above_max_num_seqs_is_rejected(llama_dir):
-    engine = make_engine(llama_dir, max_num_seqs=2)
+    engine = engine_for(llama_dir, max_num_seqs=2)
     with pytest.raises(ValueError, match="max_num_seqs"):
         engine.add_request("r", {"prompt_token_ids": PROMPT_32}, SamplingParams(n=3))
     assert not engine.requests

@@ -5,16 +5,19 @@ import torch
 
 from engine.worker.sampler import Sampler, _top_k_top_p_sorted, apply_penalties, apply_top_k_top_p, sample_inverse_cdf
 from engine.sampling_params import SamplingParams
+from engine.core.scheduler import new_sequence_data
 from engine.core.sequence import Sequence
+from engine.worker.input_batch import SequenceState
 
 VOCAB = 12
 
 
-def seq_with(params: SamplingParams, prompt=(1, 2, 3), output=(), eos=frozenset({11})):
+def seq_with(params: SamplingParams, prompt=(1, 2, 3), output=(), eos=frozenset({11})) -> SequenceState:
+    """A sequence as the worker's sampler sees it: the core's Sequence, sent in full."""
     seq = Sequence("r", None, list(prompt), params, arrival_time=0.0, eos_token_ids=eos)
     for t in output:
         seq.append_token(t)
-    return seq
+    return SequenceState.from_new(new_sequence_data(seq, 0))
 
 
 def random_logits(num_rows, seed=0, vocab=VOCAB):

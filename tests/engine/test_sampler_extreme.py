@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 from engine import LLM
 from engine.worker.sampler import Sampler, _fallback_tokens
 from engine.sampling_params import SamplingParams
+from engine.core.scheduler import new_sequence_data
 from engine.core.sequence import Sequence
+from engine.worker.input_batch import SequenceState
 from tests.engine.models_util import random_token_ids
 
 VOCAB = 40
@@ -67,12 +69,13 @@ def logits_rows(draw):
     return row
 
 
-def make_seq(params: SamplingParams, output: list[int], bad_words: list[list[int]] = ()) -> Sequence:
+def make_seq(params: SamplingParams, output: list[int], bad_words: list[list[int]] = ()) -> SequenceState:
+    """A sequence as the worker's sampler sees it: the core's Sequence, sent in full."""
     seq = Sequence("r", None, [1, 2, 3, 1], params, arrival_time=0.0, eos_token_ids=frozenset({EOS}))
     for t in output:
         seq.append_token(t)
     seq.bad_words_token_ids = [list(w) for w in bad_words]
-    return seq
+    return SequenceState.from_new(new_sequence_data(seq, 0))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -92,7 +95,7 @@ def test_every_sampled_id_is_valid_and_constraints_hold_when_possible(rows, samp
         if params.allowed_token_ids is not None:
             banned |= set(range(VOCAB)) - set(params.allowed_token_ids)
         if len(output) < params.min_tokens:
-            banned |= seq.stop_token_ids
+            banned |= set(seq.stop_token_ids)
         for word in bad_words:
             if len(word) == 1 or output[len(output) - len(word) + 1:] == word[:-1] and len(output) >= len(word) - 1:
                 banned.add(word[-1])
@@ -149,9 +152,10 @@ def test_logit_bias_is_added_to_raw_logits_before_penalties():
     # Token 0 is in the prompt (repetition_penalty 2). Bias first (vLLM): (1 + 2.6) / 2 = 1.8 < 3, token 1 wins;
     # bias after the penalty would give 1 / 2 + 2.6 = 3.1 > 3.
     params = SamplingParams(temperature=0.0, logit_bias={0: 2.6}, repetition_penalty=2.0)
-    seq = Sequence("r", None, [0], params, arrival_time=0.0)
+    seq = SequenceState.from_new(new_sequence_data(Sequence("r", None, [0], params, arrival_time=0.0), 0))
     assert Sampler()(logits.clone(), [seq]).sampled_token_ids == [1]
-    seq = Sequence("r", None, [5], params, arrival_time=0.0)   # token 0 unpenalized: 3.6 wins
+    seq = SequenceState.from_new(new_sequence_data(Sequence("r", None, [5], params, arrival_time=0.0), 0))
+    # token 0 unpenalized: 3.6 wins
     assert Sampler()(logits.clone(), [seq]).sampled_token_ids == [0]
 
 

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from engine import LLM, LLMEngine, SamplingParams
-from tests.engine.models_util import TINY_VOCAB_SIZE, random_token_ids
+from tests.engine.models_util import TINY_VOCAB_SIZE, make_engine, random_token_ids
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +114,7 @@ def test_generation_config_defaults(llama_dir, tmp_path, caplog):
     config_dir = write_generation_config(tmp_path, temperature=0.5, top_k=7, top_p=0.8, repetition_penalty=1.2,
                                          max_new_tokens=9, do_sample=True)
     with caplog.at_level(logging.INFO, logger="engine"):
-        engine = LLMEngine(llama_dir, num_kv_blocks=16, generation_config=config_dir)
+        engine = make_engine(llama_dir, num_kv_blocks=16, generation_config=config_dir)
     expected = dict(temperature=0.5, top_k=7, top_p=0.8, repetition_penalty=1.2, max_tokens=9)
     assert engine.sampling_defaults == expected
     assert any("generation_config" in r.getMessage() and "top_k" in r.getMessage() for r in caplog.records)
@@ -124,8 +124,8 @@ def test_generation_config_defaults(llama_dir, tmp_path, caplog):
     engine.add_request("r", {"prompt_token_ids": random_token_ids(5, seed=1)})   # params=None: the defaults
     assert engine.requests["r"].seqs[0].params == first
     # "auto" reads the model's own file (the tiny model's has no sampling fields); "vllm" ignores any file.
-    assert LLMEngine(llama_dir, num_kv_blocks=16).sampling_defaults == {}
-    assert LLMEngine(llama_dir, num_kv_blocks=16, generation_config="vllm").default_sampling_params() == SamplingParams()
+    assert make_engine(llama_dir, num_kv_blocks=16).sampling_defaults == {}
+    assert make_engine(llama_dir, num_kv_blocks=16, generation_config="vllm").default_sampling_params() == SamplingParams()
 
 
 @pytest.mark.parametrize("generation_config,message", [("/no/such/dir", "generation_config must be"),
@@ -134,12 +134,12 @@ def test_generation_config_errors(llama_dir, tmp_path, generation_config, messag
     if generation_config == "bad-value":
         generation_config = write_generation_config(tmp_path, top_k=2.5)
     with pytest.raises(ValueError, match=message):
-        LLMEngine(llama_dir, num_kv_blocks=16, generation_config=generation_config)
+        make_engine(llama_dir, num_kv_blocks=16, generation_config=generation_config)
 
 
 def test_max_model_len_capped_to_the_cache_or_refused_when_explicit(llama_dir, caplog):
     with caplog.at_level(logging.WARNING, logger="engine"):
-        engine = LLMEngine(llama_dir, num_kv_blocks=5, block_size=16)
+        engine = make_engine(llama_dir, num_kv_blocks=5, block_size=16)
     assert engine.max_model_len == engine.model_config.max_model_len == 80
     assert any("80" in r.getMessage() and "1024" in r.getMessage() for r in caplog.records)
     # A request as long as the capped max_model_len runs (one sequence always fits the cache).
@@ -150,5 +150,5 @@ def test_max_model_len_capped_to_the_cache_or_refused_when_explicit(llama_dir, c
         outputs += engine.step()
     assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 10
     with pytest.raises(ValueError, match="max_model_len=128 .*80 tokens"):
-        LLMEngine(llama_dir, num_kv_blocks=5, block_size=16, max_model_len=128)
-    assert LLMEngine(llama_dir, num_kv_blocks=5, block_size=16, max_model_len=80).max_model_len == 80
+        make_engine(llama_dir, num_kv_blocks=5, block_size=16, max_model_len=128)
+    assert make_engine(llama_dir, num_kv_blocks=5, block_size=16, max_model_len=80).max_model_len == 80

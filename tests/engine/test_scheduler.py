@@ -1,4 +1,4 @@
-"""Scheduler: token budget, chunked prefill, decodes-first mixing, max_num_seqs, FCFS admission, preemption of
+"""Scheduler: token budget, chunked prefill, arrival-order mixing, max_num_seqs, FCFS admission, preemption of
 the latest arrival and its exact resumption. Sequences are driven by hand (a fake model: each step appends one
 token to every sequence whose scheduled tokens reached its end)."""
 import pytest
@@ -18,7 +18,7 @@ def make_seq(num_prompt_tokens, request_id, first_token=0):
 
 def fake_step(scheduler: Scheduler, output, next_token=5):
     """Advance like the engine: count the computed tokens, then sample for sequences that reached their end."""
-    for _, seq in scheduler.update_from_output(output):
+    for seq in scheduler.update_from_output(output):
         seq.append_token(next_token)
 
 
@@ -27,7 +27,7 @@ def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_
     return Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
 
 
-def test_budget_chunks_long_prompt_and_mixes_decodes_first():
+def test_budget_chunks_long_prompt_and_takes_running_sequences_in_arrival_order():
     sched = make_scheduler(max_num_batched_tokens=10)
     a, b = make_seq(6, "a"), make_seq(25, "b", first_token=3)
     sched.add(a)
@@ -36,7 +36,7 @@ def test_budget_chunks_long_prompt_and_mixes_decodes_first():
     assert [(s.request_id, n) for s, n in step1.scheduled] == [("a", 6), ("b", 4)]   # b chunked to the remaining budget
     fake_step(sched, step1)
     step2 = sched.schedule()
-    assert [(s.request_id, n) for s, n in step2.scheduled] == [("a", 1), ("b", 9)]   # a decodes first
+    assert [(s.request_id, n) for s, n in step2.scheduled] == [("a", 1), ("b", 9)]   # a, which arrived first, decodes first
     fake_step(sched, step2)
     assert b.num_computed_tokens == 13 and b.num_output_tokens == 0 and a.num_output_tokens == 2
     for _ in range(2):
@@ -172,7 +172,7 @@ def test_random_workloads_finish_with_reference_tokens(prompt_lens, max_tokens, 
                 assert shadow[seq.block_table[pos // block_size], pos % block_size] == seq.token_ids[pos]
             for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):   # what the step writes
                 shadow[seq.block_table[pos // block_size], pos % block_size] = seq.token_ids[pos]
-        for _, seq in sched.update_from_output(output):
+        for seq in sched.update_from_output(output):
             seq.append_token(next_token_of(seq.token_ids))
             if seq.num_output_tokens == seq.params.max_tokens:
                 sched.finish(seq)

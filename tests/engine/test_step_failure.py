@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import LLMEngine, SamplingParams
-from tests.engine.models_util import random_token_ids
+from tests.engine.models_util import make_engine, random_token_ids
 
 PROMPTS = [random_token_ids(40, seed=s) for s in range(3)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -18,8 +18,8 @@ def llama_dir(tiny_model_dir):
     return tiny_model_dir("llama")
 
 
-def make_engine(llama_dir, **kwargs) -> LLMEngine:
-    return LLMEngine(llama_dir, max_model_len=128, num_kv_blocks=32, **kwargs)
+def engine_for(llama_dir, **kwargs) -> LLMEngine:
+    return make_engine(llama_dir, max_model_len=128, num_kv_blocks=32, **kwargs)
 
 
 def run_all(engine: LLMEngine) -> dict:
@@ -33,7 +33,7 @@ def run_all(engine: LLMEngine) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(llama_dir):
-    engine = make_engine(llama_dir)
+    engine = engine_for(llama_dir)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, GREEDY)
     return {rid: out.outputs[0].token_ids for rid, out in run_all(engine).items()}
@@ -64,11 +64,11 @@ def assert_all_free(engine: LLMEngine) -> None:
 @pytest.mark.parametrize("where", ["model", "sampler", "detokenizer"])
 def test_failed_step_fails_only_its_requests(llama_dir, reference, where, caplog):
     # max_num_seqs=2: r2 waits while r0 and r1 run, so the failure leaves it untouched.
-    engine = make_engine(llama_dir, max_num_seqs=2)
+    engine = engine_for(llama_dir, max_num_seqs=2)
     if where == "model":
         fail_once(engine.model_runner, "execute_model", on_call=3)
     elif where == "sampler":
-        engine.sampler = _FailOnceSampler(engine.sampler)
+        engine.model_runner.sampler = _FailOnceSampler(engine.model_runner.sampler)
     else:
         fail_once(engine.detokenizer, "update", on_call=4)   # mid-way through a step's outputs
     for i, prompt in enumerate(PROMPTS):
@@ -112,11 +112,12 @@ class _FailOnceSampler:
 def test_kv_of_a_failed_forward_is_not_served_from_the_prefix_cache(llama_dir, reference):
     """The forward writes its KV, the KV is then poisoned (as a forward dying half-way could leave it) and the
     step raises: the blocks must not be registered, or the next request with that prompt would reuse them."""
-    engine = make_engine(llama_dir)
+    engine = engine_for(llama_dir)
 
-    def poison(scheduled, **kwargs):
-        for seq, _ in scheduled:
-            engine.model_runner.kv_cache[:, :, seq.block_table] = float("nan")
+    def poison(scheduler_output, **kwargs):
+        for group in engine.requests.values():
+            for seq in group.seqs:
+                engine.model_runner.kv_cache[:, :, seq.block_table] = float("nan")
     fail_once(engine.model_runner, "execute_model", on_call=1, before=poison)
     engine.add_request("first", {"prompt_token_ids": PROMPTS[0]}, GREEDY)
     outs = engine.step()
@@ -131,7 +132,7 @@ def test_kv_of_a_failed_forward_is_not_served_from_the_prefix_cache(llama_dir, r
 def test_failed_copy_on_write_fails_the_forked_request(llama_dir):
     """n=2 forks share the prompt's last partial block; the first decode copies it (copy-on-write). A failure
     of that copy fails the request (its copied block's KV is unknown) and frees every block."""
-    engine = make_engine(llama_dir)
+    engine = engine_for(llama_dir)
     calls = fail_once(engine.model_runner, "copy_blocks", on_call=1)
     engine.add_request("n2", {"prompt_token_ids": PROMPTS[1][:21]},
                        SamplingParams(n=2, seed=3, max_tokens=5, ignore_eos=True))
@@ -145,10 +146,10 @@ def test_failed_copy_on_write_fails_the_forked_request(llama_dir):
 def test_beam_search_failure_is_isolated(llama_dir):
     from engine.core.beam_search import BeamSearchParams
 
-    engine = make_engine(llama_dir)
+    engine = engine_for(llama_dir)
     fail_once(engine.model_runner, "execute_model", on_call=3)
     engine.add_beam_request("beam", {"prompt_token_ids": PROMPTS[2][:20]}, BeamSearchParams(beam_width=2, max_tokens=4))
     outputs = run_all(engine)
     assert outputs["beam"].error is not None
     assert_all_free(engine)
-    assert not engine.beam_logprobs
+    assert not engine.beam_candidates

@@ -4,7 +4,7 @@ happens (counted), falls back to recompute when the swap space is full, and leav
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.engine.models_util import random_token_ids
+from tests.engine.models_util import make_engine, random_token_ids
 
 PROMPTS = [{"prompt_token_ids": random_token_ids(length, seed=30 + i)} for i, length in enumerate([20, 45, 33, 60, 17, 50])]
 PARAMS = [
@@ -66,7 +66,7 @@ def test_swapped_request_keeps_its_tokens_and_n_group_swaps_whole(tiny_model_dir
     from engine import LLMEngine
     from engine.core.sequence import SequenceStatus
 
-    engine = LLMEngine(tiny_model_dir("llama"), max_model_len=256, num_kv_blocks=18,
+    engine = make_engine(tiny_model_dir("llama"), max_model_len=256, num_kv_blocks=18,
                        preemption_mode="swap", swap_space=1 / 64)
     engine.add_request("a", PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
     engine.add_request("b", PROMPTS[1], SamplingParams(n=3, seed=0, max_tokens=40, ignore_eos=True))

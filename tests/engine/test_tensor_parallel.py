@@ -26,7 +26,7 @@ def _run_schedule(model_dir: str, num_kv_blocks: int = 64) -> list[torch.Tensor 
     outputs = []
     for step in MIXED_SCHEDULE:
         scheduled = [(seqs[i], n) for i, n in step]
-        logits = runner.execute_model(scheduled)
+        logits = runner.compute_logits_for(scheduled)
         outputs.append(None if logits is None else torch.log_softmax(logits, dim=-1))
         for seq, n in scheduled:
             seq.num_computed_tokens += n

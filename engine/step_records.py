@@ -1,0 +1,110 @@
+"""What the engine core and the workers exchange each step (vLLM V1's SchedulerOutput / ModelRunnerOutput).
+
+The core sends a diff, not the batch: a sequence the worker has not seen comes once as `NewSequenceData` (all its
+tokens, its block table, its sampling parameters); afterwards each step names only what changed for it
+(`CachedSequenceData`: the tokens the core appended since, the block-table entries from the first one that
+changed, its computed-token count). The worker keeps every sequence's state in its persistent batch
+(engine/worker/input_batch.py) until the core says it finished. Sequences are identified by their `seq_id`
+(an int, unique in the engine): an n > 1 request or a beam search has several.
+
+Everything here is plain data (lists, ints, SamplingParams), picklable for the tensor-parallel workers, and
+imports nothing of the core or the worker: both depend on this module, not on each other.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewSequenceData:
+    """A sequence the worker has not seen: a new request, a fork (n > 1, beam search)."""
+    seq_id: int
+    token_ids: list[int]               # every token it has: prompt + output so far
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    block_ids: list[int]
+    params: SamplingParams
+    # Seed of its own generator (seeded requests; forks get their own stream), None: the worker's shared one.
+    seed: int | None
+    # Masked while fewer than params.min_tokens are generated: EOS (unless ignore_eos) and stop_token_ids.
+    stop_token_ids: list[int]
+    # bad_words as token ids (the core has the tokenizer): the last token of each is masked after the others.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # A beam of a beam search: return the top `beam_candidates` log-softmax entries instead of sampling.
+    beam_candidates: int = 0
+
+
+@dataclass(slots=True)
+class CachedSequenceData:
+    """A sequence the worker knows, scheduled this step."""
+    seq_id: int
+    new_token_ids: list[int]           # appended by the core since the worker last ran it
+    block_ids_from: int                # the worker's block table from this index on is replaced by new_block_ids
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's decisions: what to compute, which KV blocks to move first, what to forget."""
+    new_seqs: list[NewSequenceData]
+    cached_seqs: list[CachedSequenceData]
+    # seq_id -> tokens to compute this step, drafts included (every scheduled sequence, in batch order).
+    num_scheduled_tokens: dict[int, int]
+    # seq_id -> draft tokens this step verifies (speculative decoding); they follow the sequence's tokens.
+    spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # A fork made as its parent's prompt completes (n > 1): child seq_id -> parent seq_id. The child is not
+    # computed this step; it samples from its parent's logits with its own parameters and generator.
+    sample_from: dict[int, int] = field(default_factory=dict)
+    # Sequences the worker can forget (finished, aborted).
+    finished_seq_ids: list[int] = field(default_factory=list)
+    # Block moves before the forward, in order: [("swap_out" | "swap_in" | "copy", [(src, dst), ...])].
+    block_moves: list[tuple[str, list[tuple[int, int]]]] = field(default_factory=list)
+    # Guided decoding: (seq_ids, int32 [len(seq_ids), ceil(vocab / 32)] token bitmask), for sequences that sample.
+    grammar_bitmask: tuple[list[int], torch.Tensor] | None = None
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """Logprobs of the prompt tokens at positions [start, start + len(token_ids)) of one sequence: position p's
+    entry scores token p (from the logits at p - 1)."""
+    start: int
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+    topk_token_ids: list[list[int]]
+    topk_logprobs: list[list[float]]
+
+
+@dataclass(slots=True)
+class SampleLogprobs:
+    """For each emitted token of a sequence this step: its logprob, its rank, and the top-k (ids, logprobs)."""
+    logprobs: list[float]
+    ranks: list[int]
+    topk_token_ids: list[list[int]]
+    topk_logprobs: list[list[float]]
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """What a step gives back (rank 0; the other ranks return None)."""
+    # seq_id -> the tokens it emits this step: one sampled token, or under speculation the accepted drafts and
+    # one more. Sequences still inside their prompt emit nothing.
+    sampled_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # seq_id -> logprobs of those tokens (sequences that asked for them).
+    logprobs: dict[int, SampleLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
+    # Beam rows: seq_id -> (token ids, log-softmax values) of its top beam_candidates next tokens.
+    beam_candidates: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
+    # seq_id -> draft tokens proposed for its next step (speculative decoding).
+    spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # seq_id -> how many of this step's draft tokens were accepted.
+    num_accepted_tokens: dict[int, int] = field(default_factory=dict)

@@ -1,0 +1,231 @@
+"""The worker's persistent batch (vLLM V1's InputBatch): every sequence's tokens, block table and sampling state
+in preallocated arrays, updated in place from each step's diff (engine/step_records.py) instead of rebuilt.
+
+Rows 0..num_rows-1 are the sequences of the current step (scheduled, or sampling from a parent's logits); a
+sequence the core did not schedule this step leaves its row but keeps its `SequenceState` (a preempted one, one
+the token budget left out), and gets a row again, rebuilt from that state, when it is scheduled. Removing rows
+leaves holes that `condense` fills from the end, so the live rows stay contiguous.
+
+Per row, on the host (numpy; the inputs of a step are gathered from these with vectorized indexing):
+  token_ids      int32 [max_num_seqs, max_model_len + max_spec]: prompt + output (+ this step's drafts after)
+  num_tokens, num_computed_tokens, num_prompt_tokens   int64 [max_num_seqs]
+  block_table    int32 [max_num_seqs, max_blocks_per_seq]
+  temperature, top_p, min_p, frequency/presence/repetition penalties   float32 [max_num_seqs]; top_k int32
+and on the device, allocated with the first request that uses penalties:
+  output_counts  float32 [max_num_seqs, vocab]: how often each token occurs in the output, kept up to date as
+                 tokens are appended (one scatter per step), never recounted
+  prompt_mask    bool [max_num_seqs, vocab]: tokens of the prompt
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine.sampling_params import SamplingParams
+from engine.step_records import CachedSequenceData, NewSequenceData, SchedulerOutput
+
+
+@dataclass(slots=True)
+class SequenceState:
+    """What the worker keeps of one sequence from the step it arrives until the core says it finished."""
+    seq_id: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    block_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    stop_token_ids: list[int]
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    beam_candidates: int = 0
+
+    @classmethod
+    def from_new(cls, new: NewSequenceData, device: torch.device | str = "cpu") -> "SequenceState":
+        """The state of a sequence the core sent in full (its own generator seeded from `new.seed`)."""
+        generator = None
+        if new.seed is not None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(new.seed)
+        return cls(seq_id=new.seq_id, token_ids=list(new.token_ids), num_prompt_tokens=new.num_prompt_tokens,
+                   num_computed_tokens=new.num_computed_tokens, block_ids=list(new.block_ids), params=new.params,
+                   generator=generator, stop_token_ids=list(new.stop_token_ids),
+                   bad_words_token_ids=new.bad_words_token_ids, beam_candidates=new.beam_candidates)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def uses_penalties(self) -> bool:
+        p = self.params
+        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+class InputBatch:
+    def __init__(self, *, max_num_seqs: int, max_model_len: int, max_num_spec_tokens: int, block_size: int,
+                 vocab_size: int, device: torch.device):
+        self.max_num_seqs = max_num_seqs
+        self.max_len = max_model_len + max_num_spec_tokens
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.device = device
+        self.max_blocks_per_seq = -(-self.max_len // block_size)
+        self.states: dict[int, SequenceState] = {}
+        self.row_of: dict[int, int] = {}                 # seq_id -> row
+        self.seq_ids: list[int | None] = [None] * max_num_seqs
+        self.num_rows = 0                                # rows in use (holes possible until condense)
+        self.token_ids = np.zeros((max_num_seqs, self.max_len), dtype=np.int32)
+        self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
+        self.temperature = np.zeros(max_num_seqs, dtype=np.float32)
+        self.top_p = np.ones(max_num_seqs, dtype=np.float32)
+        self.top_k = np.zeros(max_num_seqs, dtype=np.int32)
+        self.min_p = np.zeros(max_num_seqs, dtype=np.float32)
+        self.frequency_penalty = np.zeros(max_num_seqs, dtype=np.float32)
+        self.presence_penalty = np.zeros(max_num_seqs, dtype=np.float32)
+        self.repetition_penalty = np.ones(max_num_seqs, dtype=np.float32)
+        self.uses_penalties = np.zeros(max_num_seqs, dtype=bool)
+        self.output_counts: torch.Tensor | None = None   # [max_num_seqs, vocab] float32, on first use
+        self.prompt_mask: torch.Tensor | None = None     # [max_num_seqs, vocab] bool
+
+    # -- the step's diff ------------------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput) -> None:
+        """Apply a step's diff: forget finished sequences, drop the rows of those not in this step (and close the
+        holes), append the core's tokens and block ids to the scheduled ones, give rows to the ones without."""
+        for seq_id in out.finished_seq_ids:
+            self._remove_row(seq_id)
+            self.states.pop(seq_id, None)
+        in_step = set(out.num_scheduled_tokens) | set(out.sample_from)
+        for seq_id in [s for s in self.row_of if s not in in_step]:
+            self._remove_row(seq_id)
+        self.condense()
+        for new in out.new_seqs:
+            self.states[new.seq_id] = SequenceState.from_new(new, self.device)
+        appended: list[tuple[int, list[int]]] = []   # rows whose output counts grow
+        for cached in out.cached_seqs:
+            state = self.states[cached.seq_id]
+            state.token_ids += cached.new_token_ids
+            del state.block_ids[cached.block_ids_from:]
+            state.block_ids += cached.new_block_ids
+            state.num_computed_tokens = cached.num_computed_tokens
+            row = self.row_of.get(cached.seq_id)
+            if row is not None:
+                self._append_to_row(row, state, cached)
+                if cached.new_token_ids and self.uses_penalties[row]:
+                    appended.append((row, cached.new_token_ids))
+        for seq_id in in_step:
+            if seq_id not in self.row_of:
+                self._add_row(self.states[seq_id])
+        if appended:
+            rows = [row for row, tokens in appended for _ in tokens]
+            tokens = [t for _, ts in appended for t in ts]
+            self.output_counts.index_put_((torch.tensor(rows, device=self.device),
+                                           torch.tensor(tokens, device=self.device)),
+                                          torch.ones(len(rows), device=self.device), accumulate=True)
+
+    def _add_row(self, state: SequenceState) -> None:
+        row = self.num_rows
+        if row >= self.max_num_seqs:
+            raise RuntimeError(f"more than max_num_seqs={self.max_num_seqs} sequences in one step")
+        self.num_rows += 1
+        self.seq_ids[row] = state.seq_id
+        self.row_of[state.seq_id] = row
+        num_tokens = len(state.token_ids)
+        self.token_ids[row, :num_tokens] = state.token_ids
+        self.num_tokens[row] = num_tokens
+        self.num_prompt_tokens[row] = state.num_prompt_tokens
+        self.num_computed_tokens[row] = state.num_computed_tokens
+        self.block_table[row, :len(state.block_ids)] = state.block_ids
+        p = state.params
+        self.temperature[row] = p.temperature
+        self.top_p[row] = p.top_p
+        self.top_k[row] = p.top_k
+        self.min_p[row] = p.min_p
+        self.frequency_penalty[row] = p.frequency_penalty
+        self.presence_penalty[row] = p.presence_penalty
+        self.repetition_penalty[row] = p.repetition_penalty
+        self.uses_penalties[row] = state.uses_penalties
+        if state.uses_penalties:
+            self._rebuild_penalty_state(row, state)
+
+    def _append_to_row(self, row: int, state: SequenceState, cached: CachedSequenceData) -> None:
+        start, new = self.num_tokens[row], cached.new_token_ids
+        if new:
+            self.token_ids[row, start:start + len(new)] = new
+            self.num_tokens[row] = start + len(new)
+        if cached.new_block_ids:
+            self.block_table[row, cached.block_ids_from:cached.block_ids_from + len(cached.new_block_ids)] = \
+                cached.new_block_ids
+        self.num_computed_tokens[row] = cached.num_computed_tokens
+
+    def _rebuild_penalty_state(self, row: int, state: SequenceState) -> None:
+        if self.output_counts is None:
+            self.output_counts = torch.zeros(self.max_num_seqs, self.vocab_size, dtype=torch.float32,
+                                             device=self.device)
+            self.prompt_mask = torch.zeros(self.max_num_seqs, self.vocab_size, dtype=torch.bool, device=self.device)
+        prompt = torch.tensor(state.token_ids[:state.num_prompt_tokens], dtype=torch.int64, device=self.device)
+        output = torch.tensor(state.token_ids[state.num_prompt_tokens:], dtype=torch.int64, device=self.device)
+        self.prompt_mask[row].zero_()
+        self.prompt_mask[row, prompt.clamp(max=self.vocab_size - 1)] = True
+        self.output_counts[row].zero_()
+        self.output_counts[row].index_add_(0, output.clamp(max=self.vocab_size - 1),
+                                           torch.ones(output.shape[0], device=self.device))
+
+    def _remove_row(self, seq_id: int) -> None:
+        row = self.row_of.pop(seq_id, None)
+        if row is not None:
+            self.seq_ids[row] = None
+
+    def condense(self) -> None:
+        """Fill the holes left by removed rows with the last rows, so rows 0..num_rows-1 are all live."""
+        holes = [row for row in range(self.num_rows) if self.seq_ids[row] is None]
+        last = self.num_rows - 1
+        for hole in holes:
+            while last > hole and self.seq_ids[last] is None:
+                last -= 1
+            if last <= hole:
+                break
+            self._move_row(last, hole)
+            last -= 1
+        self.num_rows = sum(1 for row in range(self.num_rows) if self.seq_ids[row] is not None)
+
+    def _move_row(self, src: int, dst: int) -> None:
+        seq_id = self.seq_ids[src]
+        self.seq_ids[dst], self.seq_ids[src] = seq_id, None
+        self.row_of[seq_id] = dst
+        num_tokens = self.num_tokens[src]
+        self.token_ids[dst, :num_tokens] = self.token_ids[src, :num_tokens]
+        num_blocks = len(self.states[seq_id].block_ids)
+        self.block_table[dst, :num_blocks] = self.block_table[src, :num_blocks]
+        for array in (self.num_tokens, self.num_computed_tokens, self.num_prompt_tokens, self.temperature,
+                      self.top_p, self.top_k, self.min_p, self.frequency_penalty, self.presence_penalty,
+                      self.repetition_penalty, self.uses_penalties):
+            array[dst] = array[src]
+        if self.uses_penalties[dst]:
+            self.output_counts[dst] = self.output_counts[src]
+            self.prompt_mask[dst] = self.prompt_mask[src]
+
+    # -- reading ----------------------------------------------------------------------------------------------
+    def state_at(self, row: int) -> SequenceState:
+        return self.states[self.seq_ids[row]]
+
+
+def speculation_allowed(state: SequenceState, num_new_tokens: int = 0) -> bool:
+    """Whether drafts may be verified for `state` (after it takes `num_new_tokens` more): its processed
+    distribution must not depend on the position within a step's drafts, so no penalties, no bad words, no
+    min_tokens still ahead, not a beam. (Guided sequences are left out by the core, which holds the grammar.)"""
+    p = state.params
+    return (not state.uses_penalties and not state.bad_words_token_ids and not state.beam_candidates
+            and state.num_output_tokens + num_new_tokens >= p.min_tokens)

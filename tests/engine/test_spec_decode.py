@@ -1,0 +1,316 @@
+"""Speculative decoding end to end: greedy output equals non-speculative output token for token on every
+architecture, with n-gram proposals and with a random-weight draft model; drafts that are all right, partly right
+and all wrong (oracle proposals) leave the output unchanged while acceptance and block usage follow them; prefix
+caching, chunked prefill, both preemption modes, n > 1, logprobs, stop tokens and strings, min/max tokens ending
+inside a draft, guided decoding and tensor parallelism; and a state machine over the real scheduler and block
+manager with drafts accepted, rejected, preempted and aborted shows no block leaked or freed twice."""
+import pytest
+from hypothesis import HealthCheck, assume, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from engine import LLM, SamplingParams
+from engine.core.block_manager import BlockManager
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence, SequenceStatus
+from tests.engine.models_util import TINY_ARCHITECTURES, random_token_ids
+
+K = 4
+NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+def _prompts() -> list[dict]:
+    """Token-id prompts: two that repeat a span (n-gram matches), two random ones, of several lengths."""
+    span = random_token_ids(12, seed=7)
+    return [{"prompt_token_ids": span * 3 + random_token_ids(5, seed=8)},
+            {"prompt_token_ids": random_token_ids(9, seed=9) + span + span[:6]},
+            {"prompt_token_ids": random_token_ids(37, seed=10)},
+            {"prompt_token_ids": random_token_ids(3, seed=11)}]
+
+
+def _generate(model_dir: str, params=GREEDY, prompts=None, **kwargs):
+    must_preempt = kwargs.pop("must_preempt", False)
+    llm = LLM(model_dir, max_model_len=160, num_kv_blocks=kwargs.pop("num_kv_blocks", 64), **kwargs)
+    try:
+        outputs = llm.generate(prompts or _prompts(), params, use_tqdm=False)
+        bm = llm.llm_engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+        metrics = llm.llm_engine.get_metrics()
+        assert metrics.num_preemptions > 0 or not must_preempt
+        return outputs, metrics.spec_decode
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def _tokens(outputs) -> list[list[list[int]]]:
+    return [[list(c.token_ids) for c in o.outputs] for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tiny_model_dir):
+    """A random-weight draft with the targets' tokenizer and vocabulary (another architecture, other weights)."""
+    return tiny_model_dir("qwen3")
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_greedy_speculative_output_equals_plain_output(tiny_model_dir, draft_dir, arch):
+    model_dir = tiny_model_dir(arch)
+    expected, _ = _generate(model_dir)
+    ngram, ngram_stats = _generate(model_dir, speculative_config=NGRAM)
+    assert _tokens(ngram) == _tokens(expected)
+    assert ngram_stats.num_drafts > 0   # the repeated spans were proposed
+    drafted, draft_stats = _generate(model_dir, speculative_config={"model": draft_dir, "num_speculative_tokens": K})
+    assert _tokens(drafted) == _tokens(expected)
+    assert draft_stats.num_draft_tokens > 0
+
+
+def test_self_draft_accepts_everything_greedy_and_sampled(llama_dir):
+    """The target as its own draft: q = p, so every draft is accepted, greedy or sampled (acceptance
+    min(1, p/q) = 1), and a verifying step emits k + 1 tokens."""
+    spec = {"model": llama_dir, "num_speculative_tokens": K}
+    for params in (GREEDY, SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=21, ignore_eos=True)):
+        outputs, stats = _generate(llama_dir, params, speculative_config=spec)
+        assert stats.num_draft_tokens > 0 and stats.acceptance_rate == 1.0
+        # Every draft accepted; only the last steps of a request verify fewer than k (max_tokens cuts them).
+        assert stats.mean_accepted_length == 1 + stats.num_draft_tokens / stats.num_drafts > K
+        assert stats.num_accepted_tokens_per_pos[0] == stats.num_drafts
+        assert all(len(c.token_ids) == params.max_tokens for o in outputs for c in o.outputs)
+
+
+@pytest.mark.parametrize("mistake", [None, 0, 2])
+def test_oracle_drafts_right_partly_right_and_wrong(llama_dir, monkeypatch, mistake):
+    """Proposals taken from the plain run's own continuation, with one token wrong at `mistake` (None: all
+    right): acceptance stops exactly there, the rejected tokens' KV is dropped and recomputed, and the output
+    stays the plain one."""
+    import engine.worker.model_runner as model_runner_module
+
+    prompts = _prompts()
+    expected = _tokens(_generate(llama_dir, prompts=prompts)[0])
+    full = {tuple(p["prompt_token_ids"]): p["prompt_token_ids"] + out[0] for p, out in zip(prompts, expected)}
+
+    def oracle(tokens, *, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max):
+        tokens = tokens.tolist()
+        for prompt, sequence in full.items():
+            if tokens[:len(prompt)] == list(prompt) and sequence[:len(tokens)] == tokens:
+                drafts = sequence[len(tokens):len(tokens) + num_speculative_tokens]
+                if mistake is not None and mistake < len(drafts):
+                    drafts[mistake] = (drafts[mistake] + 1) % 512
+                return drafts
+        raise AssertionError("a sequence the oracle does not know")
+
+    monkeypatch.setattr(model_runner_module, "propose_ngram", oracle)
+    outputs, stats = _generate(llama_dir, prompts=prompts, speculative_config=NGRAM)
+    assert _tokens(outputs) == expected
+    assert stats.num_drafts > 0
+    if mistake is None:
+        assert stats.acceptance_rate == 1.0
+    else:   # nothing from the wrong token on; before it, everything that was verified
+        assert stats.num_accepted_tokens_per_pos[mistake] == 0
+        assert (stats.num_accepted_tokens > 0) == (mistake > 0)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
+def test_preemption_prefix_caching_and_chunked_prefill(llama_dir, draft_dir, proposer):
+    """A cache too small for the batch (preempting by recomputation, then by swapping: a draft model's cache
+    swaps with the model's), a step budget that cuts prompts into chunks, and shared prompt prefixes: the same
+    tokens as the plain engine with a roomy cache."""
+    prompts = _prompts()
+    expected = _tokens(_generate(llama_dir, prompts=prompts)[0])
+    spec = NGRAM if proposer == "ngram" else {"model": draft_dir, "num_speculative_tokens": K}
+    for mode in ("recompute", "swap"):
+        outputs, stats = _generate(llama_dir, prompts=prompts, speculative_config=spec, num_kv_blocks=10,
+                                   max_num_batched_tokens=24, preemption_mode=mode, swap_space=0.01,
+                                   must_preempt=True)
+        assert _tokens(outputs) == expected and stats.num_drafts > 0
+
+
+def test_parallel_sampling_logprobs_and_stopping_inside_a_draft(llama_dir, monkeypatch):
+    """n = 2 (greedy: identical completions), logprobs of every token, a stop token, a stop string and
+    max_tokens / min_tokens that end inside a draft (oracle drafts, all right, so every step proposes k)."""
+    import engine.worker.model_runner as model_runner_module
+
+    prompt = _prompts()[0]
+    plain = _generate(llama_dir, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                      prompts=[prompt])[0][0].outputs[0].token_ids
+    sequence = prompt["prompt_token_ids"] + list(plain)
+    monkeypatch.setattr(model_runner_module, "propose_ngram",
+                        lambda tokens, num_speculative_tokens, **kw: sequence[len(tokens):len(tokens) + num_speculative_tokens])
+    stop_token = plain[6]
+    cases = [SamplingParams(n=2, temperature=0, max_tokens=11, ignore_eos=True, logprobs=3),
+             SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_token]),
+             SamplingParams(temperature=0, max_tokens=7, min_tokens=5, ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=13, ignore_eos=True, prompt_logprobs=2)]
+    for params in cases:
+        expected = _generate(llama_dir, params, prompts=[prompt])[0][0]
+        actual, stats = _generate(llama_dir, params, prompts=[prompt], speculative_config=NGRAM)
+        actual = actual[0]
+        assert [c.token_ids for c in actual.outputs] == [c.token_ids for c in expected.outputs]
+        assert [c.finish_reason for c in actual.outputs] == [c.finish_reason for c in expected.outputs]
+        assert stats.num_accepted_tokens > 0
+        if params.logprobs is not None:
+            for got, want in zip(actual.outputs, expected.outputs):
+                assert [set(e) for e in got.logprobs] == [set(e) for e in want.logprobs]
+                for g, w in zip(got.logprobs, want.logprobs):
+                    assert all(abs(g[t].logprob - w[t].logprob) < 1e-4 and g[t].rank == w[t].rank for t in g)
+        if params.prompt_logprobs is not None:
+            assert len(actual.prompt_logprobs) == len(expected.prompt_logprobs)
+    assert stop_token in plain[:7]
+
+
+def test_guided_requests_decode_without_drafts(llama_dir):
+    pytest.importorskip("xgrammar", reason="guided decoding needs xgrammar (pip install xgrammar)")
+    from engine.sampling_params import GuidedDecodingParams
+
+    params = SamplingParams(temperature=0, max_tokens=12, guided_decoding=GuidedDecodingParams(regex="[ab]{3,8}"))
+    prompts = [{"prompt_token_ids": p["prompt_token_ids"]} for p in _prompts()[:2]]
+    expected, _ = _generate(llama_dir, params, prompts=prompts)
+    actual, stats = _generate(llama_dir, params, prompts=prompts, speculative_config=NGRAM)
+    assert _tokens(actual) == _tokens(expected) and stats.num_drafts == 0
+
+
+def test_tensor_parallel_speculation_equals_one_process(llama_dir):
+    expected, _ = _generate(llama_dir, speculative_config=NGRAM)
+    actual, stats = _generate(llama_dir, speculative_config=NGRAM, tensor_parallel_size=2)
+    assert _tokens(actual) == _tokens(expected) and stats.num_drafts > 0
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"method": "ngram"}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens must be in \[1, 32\]"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 3},
+     r"prompt_lookup_min must be in \[1, 2\]"),
+    ({"num_speculative_tokens": 2, "draft": "x"}, "unknown keys"),
+    ({"model": "/no/such/dir", "num_speculative_tokens": 2}, "not a local directory"),
+])
+def test_bad_speculative_config_is_refused(llama_dir, spec, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(llama_dir, num_kv_blocks=16, speculative_config=spec)
+
+
+# -- state machine: drafts through the real scheduler and block manager ----------------------------------------
+
+BLOCK_SIZE = 4
+
+
+def next_token(token_ids: list[int], index: int) -> int:
+    """The fake model: the next token is a function of the whole context."""
+    return (sum(token_ids) * 31 + len(token_ids) + 7 * index) % 7
+
+
+class SpeculativeCoreMachine(RuleBasedStateMachine):
+    """A fake model over a shadow KV cache: each step checks every scheduled sequence's context in its blocks,
+    writes its new tokens and drafts, accepts the drafts up to the first that differs from the fake model's
+    token, emits the accepted ones and one more as the engine does, trims the rejected ones' blocks, and
+    proposes new drafts (right or wrong). A finished sequence equals the fake model run without drafts."""
+
+    def __init__(self):
+        super().__init__()
+        self.bm = BlockManager(12, BLOCK_SIZE, enable_prefix_caching=True, num_swap_blocks=8)
+        self.sched = Scheduler(self.bm, max_num_seqs=5, max_num_batched_tokens=11, preemption_mode="swap")
+        self.gpu: dict[tuple[int, int], int] = {}
+        self.cpu: dict[tuple[int, int], int] = {}
+        self.groups = {}
+        self.counter = 0
+
+    @rule(mode=st.sampled_from(["swap", "recompute"]))
+    def switch_mode(self, mode):
+        self.sched.preemption_mode = mode
+
+    @precondition(lambda self: len(self.groups) < 6)
+    @rule(prompt=st.lists(st.integers(0, 6), min_size=1, max_size=10), n=st.integers(1, 2),
+          max_tokens=st.integers(1, 14))
+    def add(self, prompt, n, max_tokens):
+        assume(-(-(len(prompt) + max_tokens + K) // BLOCK_SIZE) + (n - 1) * (-(-(max_tokens + K) // BLOCK_SIZE) + 1)
+               + 1 <= 12)
+        seq = Sequence(str(self.counter), None, prompt, SamplingParams(n=n, max_tokens=max_tokens),
+                       arrival_time=0.0)
+        self.counter += 1
+        self.groups[seq.request_id] = seq.group
+        self.sched.add(seq)
+
+    @rule(data=st.data())
+    def step(self, data):
+        step = self.sched.schedule()
+        for kind, pairs in step.block_moves:
+            src, dst = {"copy": (self.gpu, self.gpu), "swap_out": (self.gpu, self.cpu),
+                        "swap_in": (self.cpu, self.gpu)}[kind]
+            moved = {(d, i): src.get((s, i)) for s, d in pairs for i in range(BLOCK_SIZE)}
+            dst.update(moved)
+        accepted = {}
+        for seq, num_new in step.scheduled:
+            for pos in range(seq.num_computed_tokens):   # the context this step attends to
+                assert self.gpu.get((seq.block_table[pos // BLOCK_SIZE], pos % BLOCK_SIZE)) == seq.token_ids[pos]
+            written = seq.token_ids + seq.spec_token_ids
+            for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + num_new):
+                self.gpu[seq.block_table[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = written[pos]
+            if seq.spec_token_ids:
+                context, a = list(seq.token_ids), 0
+                for draft in seq.spec_token_ids:
+                    if draft != next_token(context, seq.index):
+                        break
+                    context.append(draft)
+                    a += 1
+                accepted[seq.seq_id] = a
+        for seq in self.sched.update_from_output(step, accepted):
+            num_drafts = len(seq.spec_token_ids)
+            emitted = seq.spec_token_ids[:accepted.get(seq.seq_id, 0)]
+            context = seq.token_ids + emitted
+            emitted.append(next_token(context, seq.index))
+            for token in emitted:
+                seq.append_token(token)
+                if seq.num_output_tokens >= seq.params.max_tokens:
+                    break
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                self.sched.finish(seq)
+                continue
+            if num_drafts:
+                self.bm.cache_full_blocks(seq)
+                self.bm.trim(seq)
+            room = seq.params.max_tokens - seq.num_output_tokens - 1
+            right = []
+            for _ in range(K):
+                right.append(next_token(seq.token_ids + right, seq.index))
+            drafts = data.draw(st.sampled_from([right, [(t + 1) % 7 for t in right], right[:2] + [0, 0], []]))
+            seq.spec_token_ids = drafts[:max(room, 0)]
+        for request_id in [r for r, g in self.groups.items() if g.is_finished]:
+            for s in self.groups.pop(request_id).seqs:
+                tokens = list(s.prompt_token_ids)
+                for _ in range(s.params.max_tokens):
+                    tokens.append(next_token(tokens, s.index))
+                assert s.token_ids == tokens
+
+    @precondition(lambda self: self.groups)
+    @rule(data=st.data())
+    def abort(self, data):
+        for seq in self.groups.pop(data.draw(st.sampled_from(sorted(self.groups)))).seqs:
+            if not seq.is_finished:
+                self.sched.finish(seq)
+
+    @invariant()
+    def refcounts_match_holders(self):
+        holders, swap_holders = {}, {}
+        for group in self.groups.values():
+            for seq in group.seqs:
+                table = swap_holders if seq.status is SequenceStatus.SWAPPED else holders
+                for b in seq.block_table:
+                    table[b] = table.get(b, 0) + 1
+        for block in self.bm.blocks:
+            assert block.ref_count == holders.get(block.block_id, 0)
+            assert (block.ref_count == 0) == (block.block_id in self.bm.free_block_ids)
+        for swap_id, count in enumerate(self.bm.swap_ref_counts):
+            assert count == swap_holders.get(swap_id, 0)
+            assert (count == 0) == (swap_id in self.bm.free_swap_block_ids)
+
+    def teardown(self):
+        for group in self.groups.values():
+            for seq in group.unfinished_seqs:
+                self.sched.finish(seq)
+        assert not self.sched.has_unfinished()
+        assert self.bm.num_free_blocks == self.bm.num_blocks and self.bm.num_free_swap_blocks == self.bm.num_swap_blocks
+
+
+TestSpeculativeCoreMachine = SpeculativeCoreMachine.TestCase
+TestSpeculativeCoreMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
+                                               suppress_health_check=[HealthCheck.too_slow])
