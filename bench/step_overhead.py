@@ -2,8 +2,8 @@
 
 A step is scheduling, input preparation, sampling and output processing (detokenization is off: token-id
 prompts, no tokenizer) around the model's forward. Here the forward is a no-op (the runner's ``_forward``
-returns a preallocated hidden-state buffer, ``compute_logits`` fixed random logits of the real vocabulary
-size), so what is timed is everything else. B requests (B in ``--batch-sizes``, default 1, 32, 256) with
+returns a preallocated hidden-state buffer, ``compute_logits`` a copy of fixed random logits of the real
+vocabulary size, whose time is subtracted), so what is timed is everything else. B requests (B in ``--batch-sizes``, default 1, 32, 256) with
 ``--prompt-len`` token prompts decode ``--steps`` tokens each (``ignore_eos``), in two sampling mixes:
 greedy, and sampled (temperature 0.8, top-p 0.95, top-k 50, repetition penalty 1.1, a seed on every other
 request). Reported: milliseconds per decode step (the steps after every prompt is in), the median of
@@ -37,14 +37,23 @@ def _model_dir(out_dir: str) -> str:
     return out_dir
 
 
+MODEL_SECONDS = [0.0]   # time spent in the stand-in forward and LM head (the copy of the fixed logits)
+
+
 def _no_model(llm, max_tokens: int, hidden_size: int) -> None:
     """Replace the forward by a no-op and the LM head by fixed logits (a fresh copy per call, as the sampler
-    modifies its input)."""
+    modifies its input); the copy's time is kept in MODEL_SECONDS and left out of the engine's."""
     runner = llm.llm_engine.model_runner
     hidden = torch.zeros(max_tokens, hidden_size)
     logits = torch.randn(max_tokens, VOCAB_SIZE, generator=torch.Generator().manual_seed(0)) * 4
+
+    def compute_logits(states):
+        start = time.perf_counter()
+        out = logits[:states.shape[0]].clone()
+        MODEL_SECONDS[0] += time.perf_counter() - start
+        return out
     runner._forward = lambda input_ids, positions, meta: hidden[:input_ids.shape[0]]
-    runner.model.compute_logits = lambda states: logits[:states.shape[0]].clone()
+    runner.model.compute_logits = compute_logits
 
 
 def measure(llm, batch_size: int, prompt_len: int, steps: int, sampled: bool) -> float:
@@ -64,11 +73,11 @@ def measure(llm, batch_size: int, prompt_len: int, steps: int, sampled: bool) ->
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in _live(engine)):
         engine.step()
         num_prefill_steps += 1
-    start, num_steps = time.perf_counter(), 0
+    start, num_steps, model_before = time.perf_counter(), 0, MODEL_SECONDS[0]
     while engine.has_unfinished_requests():
         engine.step()
         num_steps += 1
-    return (time.perf_counter() - start) / max(num_steps, 1)
+    return (time.perf_counter() - start - (MODEL_SECONDS[0] - model_before)) / max(num_steps, 1)
 
 
 def _live(engine):

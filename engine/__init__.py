@@ -2,7 +2,7 @@
 from engine.llm import LLM
 from engine.core.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, EngineMetrics, Logprob, RequestMetrics, RequestOutput
-from engine.sampling_params import GuidedDecodingParams, SamplingParams
+from engine.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "CompletionOutput", "EngineMetrics", "GuidedDecodingParams", "Logprob", "RequestMetrics",
-           "RequestOutput", "SamplingParams"]
+           "RequestOutput", "RequestOutputKind", "SamplingParams"]

@@ -109,7 +109,8 @@ class LLM:
         request_ids = [str(next(self.request_counter)) for _ in inputs]
         try:
             for request_id, prompt, params in zip(request_ids, inputs, params_list):
-                engine.add_request(request_id, prompt, params)
+                # Only the final output is read: the engine builds no output for a request before it finishes.
+                engine.add_request(request_id, prompt, params.final_only())
             finished = self._run_engine(len(inputs), use_tqdm)
         except BaseException:
             for request_id in request_ids:   # leave no half-run request behind (e.g. on KeyboardInterrupt)

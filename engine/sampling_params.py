@@ -1,12 +1,22 @@
 """Per-request sampling parameters, validated at construction (vLLM's `SamplingParams` names and meanings)."""
+import enum
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing by them would overflow float32.
 _SAMPLING_EPS = 1e-5
 # OpenAI's range for logit_bias values; a bias of +-100 already bans or forces a token.
 _MAX_LOGIT_BIAS = 100.0
+
+
+class RequestOutputKind(enum.Enum):
+    """When the engine hands back a request's RequestOutput (vLLM's names): CUMULATIVE after every step that
+    produced tokens (streaming; each holds everything so far), FINAL_ONLY once, when it finishes (offline
+    generation: no per-step output to build). vLLM's DELTA (only the new tokens) is not offered: the server
+    computes its stream deltas from cumulative outputs."""
+    CUMULATIVE = 0
+    FINAL_ONLY = 2
 
 
 @dataclass(slots=True)
@@ -112,6 +122,7 @@ output (finish_reason "length"). Penalties follow vLLM: `repetition_penalty` app
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     guided_decoding: GuidedDecodingParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, minimum=1)
@@ -198,9 +209,17 @@ output (finish_reason "length"). Penalties follow vLLM: `repetition_penalty` app
             if not isinstance(self.guided_decoding, GuidedDecodingParams):
                 raise ValueError(f"guided_decoding must be a GuidedDecodingParams, "
                                  f"got {type(self.guided_decoding).__name__}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.temperature < _SAMPLING_EPS:
             # Greedy: the filters cannot change the argmax, so drop them (as vLLM does).
             self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, 0, 0.0
+
+    def final_only(self) -> "SamplingParams":
+        """These parameters with output_kind FINAL_ONLY (self when they already have it)."""
+        if self.output_kind is RequestOutputKind.FINAL_ONLY:
+            return self
+        return replace(self, output_kind=RequestOutputKind.FINAL_ONLY)
 
     @property
     def greedy(self) -> bool:

@@ -19,7 +19,7 @@ from engine.core.detokenizer import Detokenizer, check_stop_strings
 from engine.core.generation_config import load_sampling_defaults
 from engine.platform import DevicePolicy
 from engine.outputs import CompletionOutput, EngineMetrics, Logprob, RequestOutput, SpecDecodeStats
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.core.scheduler import ScheduledStep, Scheduler
 from engine.step_records import ModelRunnerOutput, PromptLogprobs
 from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -521,7 +521,9 @@ class LLMEngine:
             if group.is_finished:
                 self.requests.pop(request_id, None)
                 group.seqs[0].metrics.finished_time = now
-        return [self._make_output(group) for group in groups.values()]
+        # FINAL_ONLY requests (offline generation) get their one output when they finish.
+        return [self._make_output(group) for group in groups.values()
+                if group.is_finished or group.seqs[0].params.output_kind is not RequestOutputKind.FINAL_ONLY]
 
     def _next_drafts(self, seq: Sequence, drafts: list[int] | None) -> list[int]:
         """The drafts `seq` verifies next step: what the worker proposed, cut so that every token they could

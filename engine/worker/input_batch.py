@@ -11,10 +11,10 @@ Per row, on the host (numpy; the inputs of a step are gathered from these with v
   num_tokens, num_computed_tokens, num_prompt_tokens   int64 [max_num_seqs]
   block_table    int32 [max_num_seqs, max_blocks_per_seq]
   temperature, top_p, min_p, frequency/presence/repetition penalties   float32 [max_num_seqs]; top_k int32
-and on the device, allocated with the first request that uses penalties:
-  output_counts  float32 [max_num_seqs, vocab]: how often each token occurs in the output, kept up to date as
-                 tokens are appended (one scatter per step), never recounted
-  prompt_mask    bool [max_num_seqs, vocab]: tokens of the prompt
+  special        bool [max_num_seqs]: the row needs a per-row look when sampling (own generator, logit_bias,
+                 allowed_token_ids, bad words, min_tokens, logprobs, penalties); the others are all arrays
+Penalties read each row's own tokens (token_ids) and its distinct output tokens (SequenceState, kept up to date as
+tokens are appended), not vocabulary-wide counts (engine/worker/sampler.py Penalties).
 """
 from __future__ import annotations
 
@@ -40,6 +40,24 @@ class SequenceState:
     stop_token_ids: list[int]
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     beam_candidates: int = 0
+    # Distinct output tokens in order of first occurrence (presence penalty), kept for penalized sequences.
+    unique_output_ids: dict[int, None] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.uses_penalties:
+            self.unique_output_ids = dict.fromkeys(self.token_ids[self.num_prompt_tokens:])
+
+    def append(self, token_ids: list[int]) -> None:
+        self.token_ids += token_ids
+        if self.uses_penalties:
+            self.unique_output_ids.update(dict.fromkeys(token_ids))
+
+    @property
+    def special(self) -> bool:
+        """Whether sampling needs a look at this sequence beyond the batch's arrays."""
+        p = self.params
+        return bool(self.generator is not None or p.logit_bias or p.allowed_token_ids is not None
+                    or self.bad_words_token_ids or p.min_tokens or p.logprobs is not None or self.uses_penalties)
 
     @classmethod
     def from_new(cls, new: NewSequenceData, device: torch.device | str = "cpu") -> "SequenceState":
@@ -96,9 +114,7 @@ class InputBatch:
         self.frequency_penalty = np.zeros(max_num_seqs, dtype=np.float32)
         self.presence_penalty = np.zeros(max_num_seqs, dtype=np.float32)
         self.repetition_penalty = np.ones(max_num_seqs, dtype=np.float32)
-        self.uses_penalties = np.zeros(max_num_seqs, dtype=bool)
-        self.output_counts: torch.Tensor | None = None   # [max_num_seqs, vocab] float32, on first use
-        self.prompt_mask: torch.Tensor | None = None     # [max_num_seqs, vocab] bool
+        self.special = np.zeros(max_num_seqs, dtype=bool)
 
     # -- the step's diff ------------------------------------------------------------------------------------
     def update(self, out: SchedulerOutput) -> None:
@@ -113,27 +129,18 @@ class InputBatch:
         self.condense()
         for new in out.new_seqs:
             self.states[new.seq_id] = SequenceState.from_new(new, self.device)
-        appended: list[tuple[int, list[int]]] = []   # rows whose output counts grow
         for cached in out.cached_seqs:
             state = self.states[cached.seq_id]
-            state.token_ids += cached.new_token_ids
+            state.append(cached.new_token_ids)
             del state.block_ids[cached.block_ids_from:]
             state.block_ids += cached.new_block_ids
             state.num_computed_tokens = cached.num_computed_tokens
             row = self.row_of.get(cached.seq_id)
             if row is not None:
-                self._append_to_row(row, state, cached)
-                if cached.new_token_ids and self.uses_penalties[row]:
-                    appended.append((row, cached.new_token_ids))
+                self._append_to_row(row, cached)
         for seq_id in in_step:
             if seq_id not in self.row_of:
                 self._add_row(self.states[seq_id])
-        if appended:
-            rows = [row for row, tokens in appended for _ in tokens]
-            tokens = [t for _, ts in appended for t in ts]
-            self.output_counts.index_put_((torch.tensor(rows, device=self.device),
-                                           torch.tensor(tokens, device=self.device)),
-                                          torch.ones(len(rows), device=self.device), accumulate=True)
 
     def _add_row(self, state: SequenceState) -> None:
         row = self.num_rows
@@ -156,11 +163,9 @@ class InputBatch:
         self.frequency_penalty[row] = p.frequency_penalty
         self.presence_penalty[row] = p.presence_penalty
         self.repetition_penalty[row] = p.repetition_penalty
-        self.uses_penalties[row] = state.uses_penalties
-        if state.uses_penalties:
-            self._rebuild_penalty_state(row, state)
+        self.special[row] = state.special
 
-    def _append_to_row(self, row: int, state: SequenceState, cached: CachedSequenceData) -> None:
+    def _append_to_row(self, row: int, cached: CachedSequenceData) -> None:
         start, new = self.num_tokens[row], cached.new_token_ids
         if new:
             self.token_ids[row, start:start + len(new)] = new
@@ -169,19 +174,6 @@ class InputBatch:
             self.block_table[row, cached.block_ids_from:cached.block_ids_from + len(cached.new_block_ids)] = \
                 cached.new_block_ids
         self.num_computed_tokens[row] = cached.num_computed_tokens
-
-    def _rebuild_penalty_state(self, row: int, state: SequenceState) -> None:
-        if self.output_counts is None:
-            self.output_counts = torch.zeros(self.max_num_seqs, self.vocab_size, dtype=torch.float32,
-                                             device=self.device)
-            self.prompt_mask = torch.zeros(self.max_num_seqs, self.vocab_size, dtype=torch.bool, device=self.device)
-        prompt = torch.tensor(state.token_ids[:state.num_prompt_tokens], dtype=torch.int64, device=self.device)
-        output = torch.tensor(state.token_ids[state.num_prompt_tokens:], dtype=torch.int64, device=self.device)
-        self.prompt_mask[row].zero_()
-        self.prompt_mask[row, prompt.clamp(max=self.vocab_size - 1)] = True
-        self.output_counts[row].zero_()
-        self.output_counts[row].index_add_(0, output.clamp(max=self.vocab_size - 1),
-                                           torch.ones(output.shape[0], device=self.device))
 
     def _remove_row(self, seq_id: int) -> None:
         row = self.row_of.pop(seq_id, None)
@@ -211,11 +203,8 @@ class InputBatch:
         self.block_table[dst, :num_blocks] = self.block_table[src, :num_blocks]
         for array in (self.num_tokens, self.num_computed_tokens, self.num_prompt_tokens, self.temperature,
                       self.top_p, self.top_k, self.min_p, self.frequency_penalty, self.presence_penalty,
-                      self.repetition_penalty, self.uses_penalties):
+                      self.repetition_penalty, self.special):
             array[dst] = array[src]
-        if self.uses_penalties[dst]:
-            self.output_counts[dst] = self.output_counts[src]
-            self.prompt_mask[dst] = self.prompt_mask[src]
 
     # -- reading ----------------------------------------------------------------------------------------------
     def state_at(self, row: int) -> SequenceState:

@@ -46,8 +46,8 @@ from engine.step_records import ModelRunnerOutput, PromptLogprobs, SampleLogprob
 from engine.worker.input_batch import InputBatch, speculation_allowed
 from engine.worker.ngram_proposer import propose_ngram
 from engine.worker.rejection_sampler import rejection_sample
-from engine.worker.sampler import (Sampler, SamplingMetadata, _gather_logprobs, banned_token_ids, process_logits,
-                                   random_probs, sampler_dummy_run)
+from engine.worker.sampler import (Penalties, Sampler, SamplingMetadata, _gather_logprobs, banned_token_ids,
+                                   process_logits, random_probs, sampler_dummy_run)
 from engine.platform import DevicePolicy
 from engine.models import get_model_class
 
@@ -495,9 +495,10 @@ class ModelRunner:
         grammar = self._grammar_rows(scheduler_output, plain)
         if plain:
             rows = [row for row, _ in plain]
-            index = torch.tensor([i for _, i in plain], device=logits.device)
+            indices = [i for _, i in plain]
             meta = self.sampling_metadata(rows, grammar)
-            sampled = self.sampler(logits[index], meta)
+            identity = len(indices) == logits.shape[0] and indices == list(range(len(indices)))
+            sampled = self.sampler(logits if identity else logits[torch.tensor(indices, device=logits.device)], meta)
             for j, row in enumerate(rows):
                 seq_id = batch.seq_ids[row]
                 output.sampled_token_ids[seq_id] = [sampled.sampled_token_ids[j]]
@@ -522,10 +523,11 @@ class ModelRunner:
         return positions, bitmask[[where[batch.seq_ids[plain[k][0]]] for k in positions]]
 
     def sampling_metadata(self, rows: list[int], grammar=None) -> SamplingMetadata:
-        """The sampling state of batch rows `rows` (repeats allowed), from the persistent arrays."""
+        """The sampling state of batch rows `rows` (repeats allowed), from the persistent arrays; only the rows
+        flagged `special` (own generator, logit bias, allowed or banned tokens, logprobs, penalties) are looked
+        at one by one."""
         batch = self.input_batch
         index = np.asarray(rows, dtype=np.int64)
-        device = self.device
         temperature = batch.temperature[index]
         meta = SamplingMetadata(temperature=self._to_device(temperature), greedy=(temperature == 0.0).tolist())
         top_k, top_p, min_p = batch.top_k[index], batch.top_p[index], batch.min_p[index]
@@ -535,15 +537,12 @@ class ModelRunner:
             meta.top_p = top_p.tolist()
         if (min_p > 0.0).any():
             meta.min_p = self._to_device(min_p)
-        if batch.uses_penalties[index].any():
-            rows_t = torch.from_numpy(index).to(device)
-            meta.penalties = (self._to_device(batch.repetition_penalty[index]),
-                              self._to_device(batch.frequency_penalty[index]),
-                              self._to_device(batch.presence_penalty[index]),
-                              batch.prompt_mask[rows_t], batch.output_counts[rows_t])
-        generators, bias, allowed, banned, num_logprobs = {}, {}, {}, {}, []
-        for j, row in enumerate(rows):
-            state = batch.state_at(row)
+        special = np.flatnonzero(batch.special[index])
+        if len(special) == 0:
+            return self._with_grammar(meta, grammar)
+        generators, bias, allowed, banned, num_logprobs, penalized = {}, {}, {}, {}, [None] * len(rows), []
+        for j in special.tolist():
+            state = batch.state_at(rows[j])
             p = state.params
             if state.generator is not None:
                 generators[j] = state.generator
@@ -552,18 +551,49 @@ class ModelRunner:
             if p.allowed_token_ids is not None:
                 allowed[j] = p.allowed_token_ids
             if state.bad_words_token_ids or (p.min_tokens and state.num_output_tokens < p.min_tokens):
-                ids = banned_token_ids(state.token_ids[state.num_prompt_tokens:], p.min_tokens, state.stop_token_ids,
+                ids = banned_token_ids(state.output_token_ids, p.min_tokens, state.stop_token_ids,
                                        state.bad_words_token_ids)
                 if ids:
                     banned[j] = ids
-            num_logprobs.append(p.logprobs)
+            num_logprobs[j] = p.logprobs
+            if state.uses_penalties:
+                penalized.append(j)
         meta.generators, meta.logit_bias = generators or None, bias or None
         meta.allowed_token_ids, meta.banned_token_ids = allowed or None, banned or None
         if any(k is not None for k in num_logprobs):
             meta.num_logprobs = num_logprobs
+        if penalized:
+            meta.penalties = self._penalties(penalized, index[penalized])
+        return self._with_grammar(meta, grammar)
+
+    @staticmethod
+    def _with_grammar(meta: SamplingMetadata, grammar) -> SamplingMetadata:
         if grammar is not None:
             meta.grammar_bitmask = grammar
         return meta
+
+    def _penalties(self, positions: list[int], rows: np.ndarray) -> Penalties:
+        """The penalties of batch rows `rows` (at `positions` of the logits), from their tokens in the batch."""
+        batch = self.input_batch
+        num_tokens, num_prompt = batch.num_tokens[rows], batch.num_prompt_tokens[rows]
+        width = int(num_tokens.max())
+        seen = batch.token_ids[rows, :width].astype(np.int64)
+        seen = np.where(np.arange(width)[None, :] < num_tokens[:, None], seen, seen[:, :1])   # pad: a token it has
+        out_width = max(1, int((num_tokens - num_prompt).max()))
+        columns = num_prompt[:, None] + np.arange(out_width)[None, :]
+        real = columns < num_tokens[:, None]
+        outputs = np.where(real, batch.token_ids[rows[:, None], np.minimum(columns, batch.max_len - 1)], 0)
+        states = [batch.state_at(row) for row in rows.tolist()]
+        unique = [list(state.unique_output_ids) for state in states]
+        unique_width = max(1, max(len(u) for u in unique))
+        unique_ids = np.array([u + [u[0] if u else 0] * (unique_width - len(u)) for u in unique], dtype=np.int64)
+        to = self._to_device
+        return Penalties(rows=to(np.asarray(positions, dtype=np.int64)),
+                         repetition=to(batch.repetition_penalty[rows]), frequency=to(batch.frequency_penalty[rows]),
+                         presence=to(batch.presence_penalty[rows]), seen_ids=to(seen),
+                         output_ids=to(outputs.astype(np.int64)), output_weight=to(real.astype(np.float32)),
+                         unique_output_ids=to(unique_ids),
+                         unique_weight=to(np.array([[1.0 if u else 0.0] for u in unique], dtype=np.float32)))
 
     def _sample_speculative(self, entries: list[tuple[int, int]], logits: torch.Tensor, num_drafts: np.ndarray,
                             output: ModelRunnerOutput) -> None:

@@ -54,9 +54,7 @@ class SamplingMetadata:
     top_p: list[float] | None = None                # per row, 1.0 = off
     min_p: torch.Tensor | None = None               # float32 [num_rows]
     generators: dict[int, torch.Generator] | None = None   # row -> its own generator (seeded sequences)
-    # Penalties: (repetition, frequency, presence) float32 [num_rows] each, prompt_mask bool [num_rows, vocab],
-    # output_counts float32 [num_rows, vocab].
-    penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    penalties: "Penalties | None" = None
     logit_bias: dict[int, dict[int, float]] | None = None          # row -> {token: bias}
     allowed_token_ids: dict[int, list[int]] | None = None          # row -> the only tokens it may take
     banned_token_ids: dict[int, list[int]] | None = None           # row -> tokens masked this step (bad words,
@@ -79,8 +77,12 @@ class SamplingMetadata:
         if any(p.min_p > 0.0 for p in params):
             meta.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
         meta.generators = {i: seq.generator for i, seq in enumerate(seqs) if seq.generator is not None} or None
-        if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
-            meta.penalties = penalty_tensors(seqs, vocab_size, device)
+        penalized = [i for i, p in enumerate(params)
+                     if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty]
+        if penalized:
+            meta.penalties = Penalties.build(penalized, [params[i] for i in penalized],
+                                             [seqs[i].prompt_token_ids for i in penalized],
+                                             [seqs[i].output_token_ids for i in penalized], device)
         meta.logit_bias = {i: p.logit_bias for i, p in enumerate(params) if p.logit_bias} or None
         meta.allowed_token_ids = {i: p.allowed_token_ids for i, p in enumerate(params)
                                   if p.allowed_token_ids is not None} or None
@@ -101,17 +103,57 @@ class SamplingMetadata:
         return meta
 
 
-def penalty_tensors(seqs, vocab_size: int, device) -> tuple[torch.Tensor, ...]:
-    """(repetition, frequency, presence [num_seqs], prompt_mask bool [num_seqs, vocab], output_counts float32
-    [num_seqs, vocab]) counted from sequence-like objects (the worker keeps its counts up to date instead)."""
-    num_seqs = len(seqs)
-    rep = torch.tensor([s.params.repetition_penalty for s in seqs], dtype=torch.float32, device=device)
-    freq = torch.tensor([s.params.frequency_penalty for s in seqs], dtype=torch.float32, device=device)
-    pres = torch.tensor([s.params.presence_penalty for s in seqs], dtype=torch.float32, device=device)
-    prompt_mask = _bin_counts([s.prompt_token_ids for s in seqs], vocab_size, device) > 0
-    output_counts = _bin_counts([s.output_token_ids for s in seqs], vocab_size, device)
-    assert prompt_mask.shape == (num_seqs, vocab_size)
-    return rep, freq, pres, prompt_mask, output_counts
+@dataclass(slots=True)
+class Penalties:
+    """Repetition, frequency and presence penalties of some rows, as vLLM applies them, from the rows' own tokens
+    rather than vocabulary-wide counts: a step touches only the tokens a sequence has (prompt + output), not the
+    whole vocabulary (256 rows x 49k tokens is 12.6M entries per stage; 256 sequences of a few hundred tokens
+    are a few 10k).
+
+    rows int64 [m]: the logits rows; repetition/frequency/presence float32 [m];
+    seen_ids int64 [m, S]: prompt and output token ids, padded with a copy of one of them;
+    output_ids int64 [m, O] with output_weight float32 [m, O]: every output token (1) and padding (0);
+    unique_output_ids int64 [m, U]: each output token once, padded with a copy of one of them (with
+    unique_weight float32 [m, U] 0 only for a row without output)."""
+    rows: torch.Tensor
+    repetition: torch.Tensor
+    frequency: torch.Tensor
+    presence: torch.Tensor
+    seen_ids: torch.Tensor
+    output_ids: torch.Tensor
+    output_weight: torch.Tensor
+    unique_output_ids: torch.Tensor
+    unique_weight: torch.Tensor
+
+    @classmethod
+    def build(cls, rows: list[int], params: list, prompts: list[list[int]], outputs: list[list[int]],
+              device, unique_outputs: list[list[int]] | None = None) -> "Penalties":
+        """From each row's prompt and output tokens (and, when the caller keeps them, its distinct outputs)."""
+        if unique_outputs is None:
+            unique_outputs = [list(dict.fromkeys(out)) for out in outputs]
+        seen = [list(prompt) + list(out) for prompt, out in zip(prompts, outputs)]
+        seen_ids = _padded(seen, [s[0] for s in seen])
+        output_ids, output_weight = _padded(outputs, [0] * len(outputs)), _weights(outputs)
+        unique_ids = _padded(unique_outputs, [u[0] if u else 0 for u in unique_outputs])
+        unique_weight = torch.tensor([[1.0 if u else 0.0] for u in unique_outputs])
+        to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return cls(rows=to(torch.tensor(rows, dtype=torch.int64)),
+                   repetition=to(torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)),
+                   frequency=to(torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)),
+                   presence=to(torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)),
+                   seen_ids=to(seen_ids), output_ids=to(output_ids), output_weight=to(output_weight),
+                   unique_output_ids=to(unique_ids), unique_weight=to(unique_weight))
+
+
+def _padded(lists: list[list[int]], fill: list[int]) -> torch.Tensor:
+    """int64 [len(lists), max(len)] (at least one column), row i padded with fill[i]."""
+    width = max(1, max((len(x) for x in lists), default=0))
+    return torch.tensor([list(x) + [f] * (width - len(x)) for x, f in zip(lists, fill)], dtype=torch.int64)
+
+
+def _weights(lists: list[list[int]]) -> torch.Tensor:
+    width = max(1, max((len(x) for x in lists), default=0))
+    return torch.tensor([[1.0] * len(x) + [0.0] * (width - len(x)) for x in lists], dtype=torch.float32)
 
 
 def banned_token_ids(output_token_ids, min_tokens: int, stop_token_ids, bad_words_token_ids) -> list[int]:
@@ -170,8 +212,7 @@ class Sampler:
                        rows: list[int]) -> torch.Tensor:
         """logits [len(rows), vocab_size] of non-greedy rows `rows` (modified in place; each has a finite maximum
         row_max [len(rows)]) -> sampled ids [len(rows)]."""
-        probs = random_probs(logits, row_max, meta, rows)
-        return sample_inverse_cdf(probs, self.uniform(len(rows), logits.device, meta, rows))
+        return sample_random(logits, row_max, meta, rows, self.uniform(len(rows), logits.device, meta, rows))
 
     def uniform(self, num: int, device, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:
         """One uniform per row; a row with its own generator draws it from that generator."""
@@ -186,8 +227,9 @@ class Sampler:
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata):
     """The stages before the draw, in place on logits [num_rows, vocab] float32: logit_bias, grammar mask, token
-    masks, penalties; then the greedy argmax, NaN/inf handled and dead rows given their fallback. Returns
-    (logits, row_max, argmax ids, context) where context["dead_rows"] lists the rows that had nothing left."""
+    masks, penalties; then NaN/inf handled, the greedy rows' argmax and dead rows given their fallback. Returns
+    (logits, row_max, ids: the argmax of greedy rows, the fallback of dead rows, 0 elsewhere, context) where
+    context["dead_rows"] lists the rows that had nothing left."""
     num_rows, vocab_size = logits.shape
     device = logits.device
     if meta.logit_bias:
@@ -201,17 +243,25 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata):
         unmasked = logits[torch.tensor(mask_rows, device=device)]
         apply_token_masks(logits, meta.allowed_token_ids or {}, meta.banned_token_ids or {})
     if meta.penalties is not None:
-        _penalize(logits, *meta.penalties)
-    row_max, sampled = logits.max(dim=-1)
-    # max propagates NaN, so a row with a NaN or +inf anywhere has a NaN or +inf maximum: the check of these
+        _penalize(logits, meta.penalties)
+    # amax propagates NaN, so a row with a NaN or +inf anywhere has a NaN or +inf maximum: the check of these
     # num_rows values stands for a pass over the whole batch (no stage before needs clean logits: they only
-    # add, mask or saturate). A -inf maximum is a row with nothing left to sample.
+    # add, mask or saturate). A -inf maximum is a row with nothing left to sample. (amax, not max, unless every row
+    # is greedy: on CPU the values alone are ~6x faster than values and indices, wanted for greedy rows only.)
+    all_greedy = all(meta.greedy)
+    row_max, sampled = logits.max(dim=-1) if all_greedy else (logits.amax(dim=-1), None)
     dead_rows = []
     if not bool(torch.isfinite(row_max).all()):
         if bool((row_max.isnan() | (row_max == float("inf"))).any()):
             _sanitize(logits)
-            row_max, sampled = logits.max(dim=-1)
+            row_max, sampled = logits.max(dim=-1) if all_greedy else (logits.amax(dim=-1), None)
         dead_rows = (row_max == float("-inf")).nonzero().squeeze(1).tolist()
+    if not all_greedy:
+        sampled = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        greedy_rows = [i for i, greedy in enumerate(meta.greedy) if greedy]
+        if greedy_rows:
+            index = torch.tensor(greedy_rows, device=device)
+            sampled[index] = logits[index].argmax(dim=-1)
     if dead_rows:
         sampled[dead_rows] = torch.tensor(
             _fallback_tokens(dead_rows, mask_rows, unmasked, grammar_rows, grammar_bitmask, vocab_size),
@@ -219,13 +269,14 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata):
     return logits, row_max, sampled, {"dead_rows": dead_rows}
 
 
-def random_probs(logits: torch.Tensor, row_max: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:
-    """Probabilities of non-greedy rows `rows` (logits [len(rows), vocab], processed, each with a finite maximum
-    row_max): temperature, min-p, top-k / top-p, softmax."""
+def _scale_and_filter(logits: torch.Tensor, row_max: torch.Tensor, meta: SamplingMetadata,
+                      rows: list[int]) -> tuple[torch.Tensor, list[int] | None, list[float] | None]:
+    """Temperature and min-p, in place on logits [len(rows), vocab] of non-greedy rows `rows` (processed, each
+    with a finite maximum row_max); returns (logits, top_k, top_p) of those rows (None: no row uses it)."""
     device = logits.device
+    index = torch.tensor(rows, device=device) if len(rows) != len(meta.greedy) else None
     # A huge temperature is clamped to the float32 range (it flattens the row instead of making
     # -inf / inf = NaN).
-    index = torch.tensor(rows, device=device) if len(rows) != len(meta.greedy) else None
     temperature = meta.temperature if index is None else meta.temperature[index]
     temperature = temperature.clamp(max=_FLOAT32_MAX).unsqueeze(1)
     if bool(torch.isfinite(row_max.unsqueeze(1) / temperature).all()):
@@ -237,9 +288,34 @@ def random_probs(logits: torch.Tensor, row_max: torch.Tensor, meta: SamplingMeta
         apply_min_p(logits, meta.min_p if index is None else meta.min_p[index])
     top_k = [meta.top_k[r] for r in rows] if meta.top_k is not None else None
     top_p = [meta.top_p[r] for r in rows] if meta.top_p is not None else None
-    if (top_k and any(k > 0 for k in top_k)) or (top_p and any(p < 1.0 for p in top_p)):
-        logits = apply_top_k_top_p(logits, top_k or [0] * len(rows), top_p or [1.0] * len(rows))
+    filtered = (top_k and any(k > 0 for k in top_k)) or (top_p and any(p < 1.0 for p in top_p))
+    return logits, (top_k or [0] * len(rows)) if filtered else None, (top_p or [1.0] * len(rows)) if filtered else None
+
+
+def random_probs(logits: torch.Tensor, row_max: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:
+    """Probabilities [len(rows), vocab] of non-greedy rows `rows` (logits [len(rows), vocab], processed, each with
+    a finite maximum row_max): temperature, min-p, top-k / top-p, softmax."""
+    logits, top_k, top_p = _scale_and_filter(logits, row_max, meta, rows)
+    if top_k is not None:
+        logits = apply_top_k_top_p(logits, top_k, top_p)
     return torch.softmax(logits, dim=-1)
+
+
+def sample_random(logits: torch.Tensor, row_max: torch.Tensor, meta: SamplingMetadata, rows: list[int],
+                  uniform: torch.Tensor) -> torch.Tensor:
+    """One token per non-greedy row (see random_probs), drawn by inverse CDF with `uniform` [len(rows)]. When
+    every row filters by top-k / top-p and its kept tokens are among its candidates, the draw is among the
+    candidates alone (their softmax, not the vocabulary's)."""
+    logits, top_k, top_p = _scale_and_filter(logits, row_max, meta, rows)
+    if top_k is not None:
+        if all(k > 0 or p < 1.0 for k, p in zip(top_k, top_p)):
+            candidates = top_k_top_p_candidates(logits, top_k, top_p)
+            if candidates is not None and (candidates[2] is None or not bool(candidates[2].any())):
+                values, ids, _ = candidates
+                chosen = sample_inverse_cdf(torch.softmax(values, dim=-1), uniform)
+                return ids.gather(1, chosen.unsqueeze(1)).squeeze(1)
+        logits = apply_top_k_top_p(logits, top_k, top_p)
+    return sample_inverse_cdf(torch.softmax(logits, dim=-1), uniform)
 
 
 def sampler_dummy_run(logits: torch.Tensor, num_logprobs: int = 20) -> torch.Tensor:
@@ -251,9 +327,9 @@ def sampler_dummy_run(logits: torch.Tensor, num_logprobs: int = 20) -> torch.Ten
     device = logits.device
     raw_logprobs = torch.log_softmax(logits, dim=-1)
     full = lambda value: torch.full((num_seqs,), value, dtype=torch.float32, device=device)  # noqa: E731
-    _penalize(logits, full(1.1), full(0.1), full(0.1), torch.zeros(num_seqs, vocab_size, dtype=torch.bool,
-                                                                    device=device),
-              torch.zeros(num_seqs, vocab_size, device=device))
+    ids = torch.zeros(num_seqs, 1, dtype=torch.int64, device=device)
+    _penalize(logits, Penalties(torch.arange(num_seqs, device=device), full(1.1), full(0.1), full(0.1), ids, ids,
+                                torch.ones(num_seqs, 1, device=device), ids, torch.ones(num_seqs, 1, device=device)))
     apply_min_p(logits, full(0.05))
     logits = _top_k_top_p_sorted(logits, torch.full((num_seqs,), 50, device=device), full(0.9))
     sampled = sample_inverse_cdf(torch.softmax(logits, dim=-1), torch.rand(num_seqs, device=device))
@@ -364,36 +440,26 @@ def sample_inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tens
 def apply_penalties(logits: torch.Tensor, seqs) -> None:
     """In place on logits [num_seqs, vocab_size], for sequence-like objects (prompt_token_ids, output_token_ids,
     params): see `_penalize`."""
-    _penalize(logits, *penalty_tensors(seqs, logits.shape[1], logits.device))
+    params = [seq.params for seq in seqs]
+    _penalize(logits, Penalties.build(list(range(len(seqs))), params, [s.prompt_token_ids for s in seqs],
+                                      [s.output_token_ids for s in seqs], logits.device))
 
 
-def _penalize(logits: torch.Tensor, rep: torch.Tensor, freq: torch.Tensor, pres: torch.Tensor,
-              prompt_mask: torch.Tensor, output_counts: torch.Tensor) -> None:
+def _penalize(logits: torch.Tensor, penalties: Penalties) -> None:
     """In place on logits [num_rows, vocab_size], vLLM semantics: repetition_penalty on tokens seen in the prompt
     or the output (positive logits divided, negative multiplied); frequency_penalty * count and presence_penalty
     * (count > 0) subtracted for output tokens. A finite logit stays finite (saturating at the float32 range: a
-    tiny penalty divides by almost 0), a masked -inf stays -inf, NaN stays NaN.
-    rep, freq, pres: float32 [num_rows]; prompt_mask bool and output_counts float32 [num_rows, vocab_size]."""
-    output_mask = output_counts > 0
-    rep = rep.clamp(_MIN_REPETITION_PENALTY, _MAX_REPETITION_PENALTY)   # 1 / rep finite; overflow clamped below
-    penalties = torch.where(prompt_mask | output_mask, rep.unsqueeze(1), 1.0)
-    penalized = logits * torch.where(logits > 0, 1.0 / penalties, penalties)
-    penalized.clamp_(-_FLOAT32_MAX, _FLOAT32_MAX).masked_fill_(logits == float("-inf"), float("-inf"))
-    logits.copy_(penalized)
-    logits.sub_(freq.unsqueeze(1) * output_counts)
-    logits.sub_(pres.unsqueeze(1) * output_mask)
-
-
-def _bin_counts(token_lists: list[list[int]], vocab_size: int, device) -> torch.Tensor:
-    """[num_seqs, vocab_size] float32 occurrence counts; padding goes to an extra column that is dropped."""
-    max_len = max((len(t) for t in token_lists), default=0)
-    padded = torch.full((len(token_lists), max_len), vocab_size, dtype=torch.int64)
-    for i, tokens in enumerate(token_lists):
-        padded[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
-    padded = padded.clamp_(max=vocab_size).to(device)
-    counts = torch.zeros(len(token_lists), vocab_size + 1, dtype=torch.float32, device=device)
-    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
-    return counts[:, :vocab_size]
+    tiny penalty divides by almost 0), a masked -inf stays -inf, NaN stays NaN. Only the rows' own tokens are
+    read and written; a token listed twice gets the same value both times."""
+    rows = penalties.rows.unsqueeze(1)
+    seen = logits[rows, penalties.seen_ids]                                            # [m, S]
+    rep = penalties.repetition.clamp(_MIN_REPETITION_PENALTY, _MAX_REPETITION_PENALTY).unsqueeze(1)
+    penalized = torch.where(seen > 0, seen / rep, seen * rep).clamp_(-_FLOAT32_MAX, _FLOAT32_MAX)
+    logits[rows, penalties.seen_ids] = torch.where(seen == float("-inf"), seen, penalized)
+    logits.index_put_((rows.expand_as(penalties.output_ids), penalties.output_ids),
+                      -penalties.frequency.unsqueeze(1) * penalties.output_weight, accumulate=True)
+    unique = logits[rows, penalties.unique_output_ids]
+    logits[rows, penalties.unique_output_ids] = unique - penalties.presence.unsqueeze(1) * penalties.unique_weight
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
@@ -408,40 +474,58 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
 _TOP_P_CANDIDATES = 1024
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Keep, per row of logits [num_seqs, vocab_size], the top_k largest logits (0 = off), then the smallest
-    set of most likely tokens whose probability reaches top_p (1.0 = off); the rest -> -inf (in place, or a
-    new tensor when the full sort is used: use the returned tensor). vLLM semantics: a token survives top-p
-    when the probability mass of the tokens ranked above it is below top_p."""
+def top_k_top_p_candidates(logits: torch.Tensor, top_k: list[int], top_p: list[float]
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """What top-k (0 = off) and top-p (1.0 = off) keep of each row of logits [num_seqs, vocab], found among its
+    C most likely tokens: (values [num_seqs, C], descending, -inf where not kept; their token ids [num_seqs, C];
+    overflow: bool [num_seqs], rows with top-p and no top-k whose nucleus may reach past the C candidates, or
+    None). C is the largest top_k, or _TOP_P_CANDIDATES where a row has top-p alone. None when C is half the
+    vocabulary or more, or on CUDA (where the full sort is cheap and the overflow check would be a host sync):
+    `_top_k_top_p_sorted` then. vLLM semantics: a token survives top-p when the probability mass of the tokens
+    ranked above it is below top_p."""
     num_seqs, vocab_size = logits.shape
     device = logits.device
-    use_top_p = any(p < 1.0 for p in top_p)
-    num_candidates = max(max(top_k), _TOP_P_CANDIDATES if use_top_p else 0)
-    k = torch.tensor([t if t > 0 else vocab_size for t in top_k], device=device)
-    p = torch.tensor(top_p, dtype=torch.float32, device=device)
-    # On CUDA the full sort is cheap, and the candidate path's overflow check would be a host sync.
+    num_candidates = max((k if k > 0 else (_TOP_P_CANDIDATES if p < 1.0 else 1)) for k, p in zip(top_k, top_p))
     if num_candidates * 2 >= vocab_size or logits.is_cuda:
-        return _top_k_top_p_sorted(logits, k, p)
+        return None
     no_top_k = torch.tensor([t == 0 for t in top_k], device=device).unsqueeze(1)
-    candidates = logits.topk(num_candidates, dim=-1).values                      # [num_seqs, C], descending
-    kth = candidates.gather(1, (k.clamp(max=num_candidates) - 1).unsqueeze(1))   # [num_seqs, 1]
+    k = torch.tensor([t if t > 0 else vocab_size for t in top_k], device=device)
+    values, ids = logits.topk(num_candidates, dim=-1)                                 # [num_seqs, C], descending
+    kth = values.gather(1, (k.clamp(max=num_candidates) - 1).unsqueeze(1))            # [num_seqs, 1]
     kth = kth.masked_fill(no_top_k, float("-inf"))
-    candidates = candidates.masked_fill(candidates < kth, float("-inf"))
-    threshold = kth
+    values = values.masked_fill(values < kth, float("-inf"))
     overflow = None
-    if use_top_p:
-        # Normalizer of the top-k survivors: all inside the candidates when top-k is on, the whole row otherwise.
-        log_norm = torch.where(no_top_k, torch.logsumexp(logits, dim=-1, keepdim=True),
-                               torch.logsumexp(candidates, dim=-1, keepdim=True))
-        probs = (candidates - log_norm).exp()
+    if any(p < 1.0 for p in top_p):
+        p = torch.tensor(top_p, dtype=torch.float32, device=device)
+        # Normalizer of the top-k survivors: all among the candidates when top-k is on, the whole row otherwise.
+        log_norm = torch.logsumexp(values, dim=-1, keepdim=True)
+        if any(t == 0 and q < 1.0 for t, q in zip(top_k, top_p)):
+            log_norm = torch.where(no_top_k, torch.logsumexp(logits, dim=-1, keepdim=True), log_norm)
+        probs = (values - log_norm).exp()
         mass_before = probs.cumsum(dim=-1) - probs
         keep = mass_before < p.unsqueeze(1)
         keep[:, 0] = True
-        keep &= candidates > float("-inf")
-        smallest_kept = candidates.masked_fill(~keep, float("inf")).amin(dim=-1, keepdim=True)
-        threshold = torch.maximum(kth, smallest_kept.masked_fill((p >= 1.0).unsqueeze(1), float("-inf")))
+        values = values.masked_fill(~keep, float("-inf"))
         # Every candidate kept and more tokens behind them: the nucleus may extend past the candidates.
         overflow = keep[:, -1] & no_top_k.squeeze(1) & (p < 1.0)
+    return values, ids, overflow
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Keep, per row of logits [num_seqs, vocab_size], what top-k and top-p keep (see top_k_top_p_candidates);
+    the rest -> -inf (in place, or a new tensor when the full sort is used: use the returned tensor)."""
+    vocab_size = logits.shape[1]
+    candidates = top_k_top_p_candidates(logits, top_k, top_p)
+    k = torch.tensor([t if t > 0 else vocab_size for t in top_k], device=logits.device)
+    p = torch.tensor(top_p, dtype=torch.float32, device=logits.device)
+    if candidates is None:
+        return _top_k_top_p_sorted(logits, k, p)
+    values, _, overflow = candidates
+    # The smallest kept value of each row: everything below it goes (nothing in a row with neither filter).
+    threshold = values.masked_fill(values == float("-inf"), float("inf")).amin(dim=-1, keepdim=True)
+    unfiltered = [t == 0 and q >= 1.0 for t, q in zip(top_k, top_p)]
+    if any(unfiltered):
+        threshold.masked_fill_(torch.tensor(unfiltered, device=logits.device).unsqueeze(1), float("-inf"))
     fallback = None
     if overflow is not None and bool(overflow.any()):
         rows = overflow.nonzero().squeeze(1)
