@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> dict:
                                        text=True).stdout.strip() or None}
     if args.out:
         from bench.report import write_cpu_report
-        print(f"wrote {write_cpu_report(args.out, 'step-overhead', report)}")
+        kind = "step-overhead" + (f"-{args.label}" if args.label else "")
+        print(f"wrote {write_cpu_report(args.out, kind, report)}")
     return report
 
 

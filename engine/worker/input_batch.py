@@ -11,8 +11,8 @@ Per row, on the host (numpy; the inputs of a step are gathered from these with v
   num_tokens, num_computed_tokens, num_prompt_tokens   int64 [max_num_seqs]
   block_table    int32 [max_num_seqs, max_blocks_per_seq]
   temperature, top_p, min_p, frequency/presence/repetition penalties   float32 [max_num_seqs]; top_k int32
-  special        bool [max_num_seqs]: the row needs a per-row look when sampling (own generator, logit_bias,
-                 allowed_token_ids, bad words, min_tokens, logprobs, penalties); the others are all arrays
+  special        bool [max_num_seqs]: the row needs a per-row look (own generator, logit_bias, allowed_token_ids,
+                 bad words, min_tokens, logprobs, prompt logprobs, penalties); the others are all arrays
 Penalties read each row's own tokens (token_ids) and its distinct output tokens (SequenceState, kept up to date as
 tokens are appended), not vocabulary-wide counts (engine/worker/sampler.py Penalties).
 """
@@ -57,7 +57,8 @@ class SequenceState:
         """Whether sampling needs a look at this sequence beyond the batch's arrays."""
         p = self.params
         return bool(self.generator is not None or p.logit_bias or p.allowed_token_ids is not None
-                    or self.bad_words_token_ids or p.min_tokens or p.logprobs is not None or self.uses_penalties)
+                    or self.bad_words_token_ids or p.min_tokens or p.logprobs is not None or self.uses_penalties
+                    or p.prompt_logprobs is not None)
 
     @classmethod
     def from_new(cls, new: NewSequenceData, device: torch.device | str = "cpu") -> "SequenceState":

@@ -421,9 +421,13 @@ class ModelRunner:
         sample_rows = model_rows[samples]
         num_logits = 1 + num_drafts[sample_rows]
         last = cu[1:][samples]
-        logits_index = np.concatenate([np.arange(end - n, end) for end, n in zip(last, num_logits)]) \
-            if len(sample_rows) else np.zeros(0, dtype=np.int64)
-        prompt_rows = [(i, row) for i, row in enumerate(model_rows)
+        if not num_drafts.any():
+            logits_index = last - 1   # each sampling sequence's last token
+        else:
+            logits_index = np.concatenate([np.arange(end - n, end) for end, n in zip(last, num_logits)]) \
+                if len(sample_rows) else np.zeros(0, dtype=np.int64)
+        prompt_rows = [(i, row) for i, row in zip(np.flatnonzero(batch.special[model_rows]).tolist(),
+                                                  model_rows[batch.special[model_rows]].tolist())
                        if batch.state_at(row).params.prompt_logprobs is not None
                        and starts[i] < batch.num_prompt_tokens[row] - 1]
         if not self._is_driver():
