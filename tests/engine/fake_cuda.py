@@ -252,6 +252,9 @@ def fake_cuda(memory: FakeCudaMemory | None = None):
                             ("Stream", _Stream), ("current_stream", lambda device=None: _Stream()),
                             ("stream", lambda stream: contextlib.nullcontext())):
             stack.enter_context(mock.patch(f"torch.cuda.{name}", value))
+        import torch._subclasses.fake_tensor as fake_tensor_module
+        if hasattr(fake_tensor_module, "init_gpu_context"):   # would make a real cuda tensor: there is no GPU
+            stack.enter_context(mock.patch.object(fake_tensor_module, "init_gpu_context", lambda device: None))
         stack.enter_context(mock.patch("engine.worker.memory.device_memory", lambda device: memory))
         stack.enter_context(mock.patch("engine.worker.loader.safe_open", _RealCheckpoint))
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))

@@ -314,3 +314,33 @@ class SpeculativeCoreMachine(RuleBasedStateMachine):
 TestSpeculativeCoreMachine = SpeculativeCoreMachine.TestCase
 TestSpeculativeCoreMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
                                                suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_server_with_speculation_serves_the_same_tokens_and_exports_vllm_metrics(llama_dir):
+    """`serve --speculative-config`: the OpenAI client gets the plain engine's greedy tokens, and /metrics has
+    vLLM's vllm:spec_decode_* counters."""
+    from tests.extras import require_serve_extra
+
+    require_serve_extra()
+    import httpx
+    import openai
+
+    from engine.async_engine import AsyncLLMEngine
+    from engine.entrypoints.openai.api_server import ServerThread, build_app
+
+    prompt = _prompts()[1]["prompt_token_ids"]   # ends inside a repeated span: drafts from the first step
+    expected = _generate(llama_dir, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                         prompts=[{"prompt_token_ids": prompt}])[0][0].outputs[0].token_ids
+    engine = AsyncLLMEngine.from_args(llama_dir, num_kv_blocks=64, max_model_len=160, speculative_config=NGRAM)
+    with ServerThread(build_app(engine, served_model_names=["tiny"])) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+        completion = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                               extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert completion.usage.completion_tokens == 12
+        text = httpx.get(server.url + "/metrics").text
+    tokenizer = engine.tokenizer
+    assert completion.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+    drafts = [line for line in text.splitlines() if line.startswith('vllm:spec_decode_num_draft_tokens_total{')]
+    assert drafts and float(drafts[0].split()[-1]) > 0
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}' in text
+    engine.engine.shutdown()

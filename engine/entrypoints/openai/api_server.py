@@ -276,6 +276,9 @@ def engine_from_args(args) -> tuple[AsyncLLMEngine, str]:
     from engine.engine_args import EngineArgs
 
     engine_args = EngineArgs.from_cli_args(args)
+    if engine_args.skip_tokenizer_init:
+        raise ValueError("serve needs the tokenizer (requests are text and chat messages): drop "
+                         "--skip-tokenizer-init")
     engine = AsyncLLMEngine(engine_args.create_engine())
     return engine, served_model_name(args)
 

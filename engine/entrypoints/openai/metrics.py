@@ -35,6 +35,7 @@ class _EngineCounters:
         self.model_name = model_name
         self.values = {"num_preemptions": 0, "num_prompt_tokens": 0, "num_generation_tokens": 0,
                        "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+        self.spec_decode = None   # engine.outputs.SpecDecodeStats with speculative decoding
 
     def collect(self):
         for name, vllm_name, help_text, key in (
@@ -52,6 +53,23 @@ class _EngineCounters:
             family = CounterMetricFamily(vllm_name, help_text, labels=["model_name"])
             family.add_metric([self.model_name], self.values[key])
             yield family
+        spec = self.spec_decode
+        if spec is None:
+            return
+        # vLLM V1's speculative-decoding counters: acceptance rate = accepted / draft tokens, mean accepted
+        # length = 1 + accepted / drafts.
+        for vllm_name, help_text, value in (
+                ("vllm:spec_decode_num_drafts", "Steps that verified drafts", spec.num_drafts),
+                ("vllm:spec_decode_num_draft_tokens", "Draft tokens verified", spec.num_draft_tokens),
+                ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", spec.num_accepted_tokens)):
+            family = CounterMetricFamily(vllm_name, help_text, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+        family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted at each draft position", labels=["model_name", "position"])
+        for position, value in enumerate(spec.num_accepted_tokens_per_pos):
+            family.add_metric([self.model_name, str(position)], value)
+        yield family
 
 
 class ServerMetrics:
@@ -137,4 +155,5 @@ class ServerMetrics:
         # Token counts of the prefix cache: lookups are the prompt tokens admitted, hits the ones found cached.
         self.counters.values["prefix_cache_queries"] = stats.num_prompt_tokens
         self.counters.values["prefix_cache_hits"] = round(stats.prefix_cache_hit_rate * stats.num_prompt_tokens)
+        self.counters.spec_decode = stats.spec_decode
         return generate_latest(self.registry)
