@@ -8,6 +8,8 @@ from dataclasses import dataclass, replace
 _SAMPLING_EPS = 1e-5
 # OpenAI's range for logit_bias values; a bias of +-100 already bans or forces a token.
 _MAX_LOGIT_BIAS = 100.0
+# Every int field is an int64 (OpenAI's seed is one; torch, numpy and the JSON clients' own types take no more).
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 
 
 class RequestOutputKind(enum.Enum):
@@ -230,15 +232,26 @@ output (finish_reason "length"). Penalties follow vLLM: `repetition_penalty` app
         return max((len(s) for s in self.stop), default=0)
 
 
-def _check_int(name: str, value, *, minimum: int | None = None) -> None:
+def _check_int(name: str, value, *, minimum: int | None = None, maximum: int = INT64_MAX) -> None:
+    """An int (not a bool) in [minimum (default INT64_MIN), maximum (default INT64_MAX)]."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        raise ValueError(f"{name} must be an int, got {value!r:.100}")
+    if value < (INT64_MIN if minimum is None else minimum):
+        raise ValueError(f"{name} must be >= {INT64_MIN if minimum is None else minimum}, got {value}")
+    if value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
 
 
-def _check_float(name: str, value, *, minimum: float | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+def _check_float(name: str, value, *, minimum: float | None = None, maximum: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a finite number, got {value!r:.100}")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:   # an int too large for a float
+        finite = False
+    if not finite:
+        raise ValueError(f"{name} must be a finite number, got {value!r:.100}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum:.8g}, got {value}")

@@ -108,3 +108,5 @@ class ModelRunnerOutput:
     spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
     # seq_id -> how many of this step's draft tokens were accepted.
     num_accepted_tokens: dict[int, int] = field(default_factory=dict)
+    # seq_id -> why its sampling (or prompt logprobs) failed this step: the core fails that request alone.
+    failed: dict[int, str] = field(default_factory=dict)

@@ -53,10 +53,11 @@ def grammar_key(params: GuidedDecodingParams) -> tuple[str, str]:
 class GrammarState:
     """One sequence's grammar matcher."""
 
-    __slots__ = ("matcher",)
+    __slots__ = ("matcher", "error")
 
     def __init__(self, matcher):
         self.matcher = matcher
+        self.error: str | None = None   # set when its bitmask could not be filled: the engine fails its request
 
     def fork(self) -> "GrammarState":
         """An independent copy in the same state (for a forked sequence)."""
@@ -134,5 +135,8 @@ def fill_bitmask(states: list[GrammarState], vocab_size: int) -> torch.Tensor:
 
     bitmask = xgrammar.allocate_token_bitmask(len(states), vocab_size)
     for row, state in enumerate(states):
-        state.matcher.fill_next_token_bitmask(bitmask, row)
+        try:
+            state.matcher.fill_next_token_bitmask(bitmask, row)
+        except Exception as e:   # this sequence's matcher alone: it fails after the step (GrammarState.error)
+            state.error = f"filling the token bitmask failed: {type(e).__name__}: {e}"
     return bitmask

@@ -27,6 +27,9 @@ from engine.tokenizer import get_tokenizer
 
 logger = logging.getLogger("engine")
 
+# The most logprobs (and prompt_logprobs) a request may ask for: vLLM's default max_logprobs.
+MAX_LOGPROBS = 20
+
 
 
 def resolve_model_path(model: str) -> str:
@@ -190,7 +193,11 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if params.n > self.scheduler.max_num_seqs:
-            raise ValueError(f"n={params.n} is more than max_num_seqs={self.scheduler.max_num_seqs}")
+            raise ValueError(f"n must be <= max_num_seqs={self.scheduler.max_num_seqs}, got {params.n}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > min(MAX_LOGPROBS, self.model_config.vocab_size):
+                raise ValueError(f"{name} must be <= {min(MAX_LOGPROBS, self.model_config.vocab_size)}, got {value}")
         self._check_token_ids(params)
         self._check_needs_no_tokenizer(params)
         text, token_ids = self.process_prompt(prompt, params.truncate_prompt_tokens)
@@ -209,14 +216,14 @@ class LLMEngine:
             num_output_blocks = needed_blocks - seq.num_prompt_tokens // self.block_manager.block_size
             needed_blocks += (params.n - 1) * (num_output_blocks + 1) + 1
         if needed_blocks > self.block_manager.num_blocks:
-            raise ValueError(f"request {request_id!r} may need {needed_blocks} KV-cache blocks but the cache has "
-                             f"only {self.block_manager.num_blocks}; lower max_tokens or raise num_kv_blocks")
+            raise ValueError(f"max_tokens: request {request_id!r} may need {needed_blocks} KV-cache blocks but the "
+                             f"cache has only {self.block_manager.num_blocks}; lower max_tokens or raise num_kv_blocks")
         self.requests[request_id] = seq.group
         self.scheduler.add(seq)
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         vocab_size = self.model_config.vocab_size
-        for name in ("logit_bias", "allowed_token_ids"):
+        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
             ids = getattr(params, name)
             bad = [t for t in (ids or ()) if t >= vocab_size]
             if bad:
@@ -343,7 +350,36 @@ class LLMEngine:
         # Only now is the KV of the scheduled tokens written: a failure before this line registers none of
         # their blocks in the prefix cache (a failed step's blocks are then freed unregistered).
         sampling = self.scheduler.update_from_output(step, runner_output.num_accepted_tokens)
-        return self._process_outputs(sampling, runner_output) + self._advance_beams()
+        failed = self._fail_seqs(by_id, runner_output.failed)
+        return failed + self._process_outputs(sampling, runner_output) + self._advance_beams()
+
+    def _fail_seqs(self, by_id: dict[int, Sequence], errors: dict[int, str]) -> list[RequestOutput]:
+        """Fail the requests of the sequences whose own sampling failed in the worker (ModelRunnerOutput.failed):
+        the rest of the step goes on as if they had not been in it."""
+        outputs = []
+        for seq_id, message in errors.items():
+            group = by_id[seq_id].group
+            if group.request_id in self.requests:
+                self._fail_group(group, f"sampling failed: {message}")
+                outputs.append(self._make_output(group))
+        return outputs
+
+    def _fail_group(self, group: SequenceGroup, message: str, *, log: bool = True) -> None:
+        """End one request now with finish_reason "error" and RequestOutput.error = message, freeing its blocks."""
+        if log:
+            logger.error("failing request %r: %s", group.request_id, message)
+        group.error = message
+        for seq in group.seqs:
+            self.beam_candidates.pop(seq.seq_id, None)
+            if not seq.is_finished:
+                seq.finish_reason, seq.stop_reason = "error", None
+                try:
+                    self.scheduler.finish(seq)
+                except Exception:   # keep failing the others; this sequence's state was already broken
+                    logger.exception("could not free the blocks of failed request %r", group.request_id)
+                    seq.status = SequenceStatus.FINISHED
+        self.requests.pop(group.request_id, None)
+        group.seqs[0].metrics.finished_time = time.time()
 
     def _grammar_bitmask(self, seqs: list[Sequence]):
         """The guided-decoding bitmask of `seqs` (the scheduler's callback while it writes the step)."""
@@ -367,17 +403,9 @@ class LLMEngine:
         now = time.time()
         outputs = []
         for request_id, group in failed.items():
-            group.error = message
             for seq in group.seqs:
-                self.beam_candidates.pop(seq.seq_id, None)
-                seq.finish_reason, seq.stop_reason = "error", None
-                if not seq.is_finished:
-                    try:
-                        self.scheduler.finish(seq)
-                    except Exception:   # keep failing the others; this sequence's state was already broken
-                        logger.exception("could not free the blocks of failed request %r", request_id)
-                        seq.status = SequenceStatus.FINISHED
-            self.requests.pop(request_id, None)
+                seq.finish_reason = "error" if seq.is_finished else seq.finish_reason
+            self._fail_group(group, message, log=False)
             group.seqs[0].metrics.finished_time = now
             outputs.append(self._make_output(group))
         return outputs
@@ -472,49 +500,14 @@ class LLMEngine:
         groups: dict[str, SequenceGroup] = {}
         positions: dict[str, int] = {}   # request -> most tokens appended to one of its sequences
         for seq in sampling:
-            if seq.group.beam is not None:
-                self.beam_candidates[seq.seq_id] = runner_output.beam_candidates[seq.seq_id]
+            if seq.is_finished:   # failed this step (_fail_seqs), or with its request
                 continue
-            groups[seq.request_id] = seq.group
-            if seq.max_tokens == 0:
-                seq.finish_reason = "length"
-                self.scheduler.finish(seq)
-                continue
-            tokens = runner_output.sampled_token_ids[seq.seq_id]
-            logprobs = runner_output.logprobs.get(seq.seq_id)
-            num_drafts = len(seq.spec_token_ids)
-            if num_drafts:
-                self.spec_decode_stats.record(num_drafts, len(tokens) - 1)
-            appended = 0
-            for j, token_id in enumerate(tokens):
-                if seq.guided is not None and not seq.guided.accept(token_id):
-                    # Only the sampler's last-resort fallback can pick a token the grammar forbids (see sampler.py).
-                    seq.finish_reason = "error"
-                    seq.group.error = f"guided decoding: the grammar does not allow the sampled token {token_id}"
-                    break
-                seq.append_token(token_id)
-                appended += 1
-                self.num_generation_tokens += 1
-                if logprobs is not None:
-                    self._append_logprobs(seq, token_id, logprobs, j)
-                self._check_stop(seq, token_id)
-                if seq.finish_reason is None and seq.guided is not None and seq.guided.is_terminated:
-                    seq.finish_reason = "stop"   # the grammar is complete: nothing more may follow
-                if seq.finish_reason is not None:
-                    break
-            if appended:
-                if seq.metrics.first_token_time is None:
-                    seq.metrics.first_token_time = now
-                seq.metrics.last_token_time = now
-                positions[seq.request_id] = max(positions.get(seq.request_id, 0), appended)
-            if seq.finish_reason is not None:
-                self.scheduler.finish(seq)
-                continue
-            if num_drafts:
-                # The accepted drafts are tokens now: their blocks can be registered; rejected ones' blocks go.
-                self.block_manager.cache_full_blocks(seq)
-                self.block_manager.trim(seq)
-            seq.spec_token_ids = self._next_drafts(seq, runner_output.spec_token_ids.get(seq.seq_id))
+            try:
+                self._process_seq_output(seq, runner_output, groups, positions, now)
+            except Exception as error:   # this request's own failure (its grammar, its detokenization)
+                logger.exception("processing the output of request %r failed", seq.request_id)
+                groups[seq.request_id] = seq.group
+                self._fail_group(seq.group, f"{type(error).__name__}: {error}")
         for request_id, group in groups.items():
             # One token position per step for all of a request's sequences (several under speculation).
             group.seqs[0].metrics.num_output_tokens += positions.get(request_id, 0)
@@ -524,6 +517,55 @@ class LLMEngine:
         # FINAL_ONLY requests (offline generation) get their one output when they finish.
         return [self._make_output(group) for group in groups.values()
                 if group.is_finished or group.seqs[0].params.output_kind is not RequestOutputKind.FINAL_ONLY]
+
+    def _process_seq_output(self, seq: Sequence, runner_output: ModelRunnerOutput,
+                            groups: dict[str, SequenceGroup], positions: dict[str, int], now: float) -> None:
+        """_process_outputs for one sequence."""
+        if seq.group.beam is not None:
+            self.beam_candidates[seq.seq_id] = runner_output.beam_candidates[seq.seq_id]
+            return
+        groups[seq.request_id] = seq.group
+        if seq.max_tokens == 0:
+            seq.finish_reason = "length"
+            self.scheduler.finish(seq)
+            return
+        tokens = runner_output.sampled_token_ids[seq.seq_id]
+        logprobs = runner_output.logprobs.get(seq.seq_id)
+        num_drafts = len(seq.spec_token_ids)
+        if num_drafts:
+            self.spec_decode_stats.record(num_drafts, len(tokens) - 1)
+        if seq.guided is not None and seq.guided.error is not None:
+            raise RuntimeError(f"guided decoding: {seq.guided.error}")
+        appended = 0
+        for j, token_id in enumerate(tokens):
+            if seq.guided is not None and not seq.guided.accept(token_id):
+                # Only the sampler's last-resort fallback can pick a token the grammar forbids (see sampler.py).
+                seq.finish_reason = "error"
+                seq.group.error = f"guided decoding: the grammar does not allow the sampled token {token_id}"
+                break
+            seq.append_token(token_id)
+            appended += 1
+            self.num_generation_tokens += 1
+            if logprobs is not None:
+                self._append_logprobs(seq, token_id, logprobs, j)
+            self._check_stop(seq, token_id)
+            if seq.finish_reason is None and seq.guided is not None and seq.guided.is_terminated:
+                seq.finish_reason = "stop"   # the grammar is complete: nothing more may follow
+            if seq.finish_reason is not None:
+                break
+        if appended:
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = now
+            seq.metrics.last_token_time = now
+            positions[seq.request_id] = max(positions.get(seq.request_id, 0), appended)
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq)
+            return
+        if num_drafts:
+            # The accepted drafts are tokens now: their blocks can be registered; rejected ones' blocks go.
+            self.block_manager.cache_full_blocks(seq)
+            self.block_manager.trim(seq)
+        seq.spec_token_ids = self._next_drafts(seq, runner_output.spec_token_ids.get(seq.seq_id))
 
     def _next_drafts(self, seq: Sequence, drafts: list[int] | None) -> list[int]:
         """The drafts `seq` verifies next step: what the worker proposed, cut so that every token they could

@@ -16,10 +16,18 @@ class SequenceStatus(enum.Enum):
 # Seed stream of sequence `index` of a seeded request: index 0 uses the seed itself (so n=1 is unchanged),
 # the others an odd-constant (golden ratio) step away, so the n streams differ and do not overlap by accident.
 _SEED_STREAM_STEP = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
 
 
 def seed_for_index(seed: int, index: int) -> int:
-    return (seed + index * _SEED_STREAM_STEP) % (1 << 63)
+    """The generator seed of sequence `index` of a request seeded with `seed` (any int64): splitmix64 of
+    seed + index * step, modulo 2**64. The mix matters because torch's CPU generator keeps only the low 32 bits of
+    its seed: without it -1 and 2**63 - 1 (or s and s + 2**32) drew the same tokens; with it, two int64 seeds
+    share a stream only by a 2**-32 chance, as any two random seeds do."""
+    z = (seed + index * _SEED_STREAM_STEP) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 class SequenceGroup:

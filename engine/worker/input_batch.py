@@ -159,7 +159,7 @@ class InputBatch:
         p = state.params
         self.temperature[row] = p.temperature
         self.top_p[row] = p.top_p
-        self.top_k[row] = p.top_k
+        self.top_k[row] = p.top_k if p.top_k < self.vocab_size else 0   # top_k >= the vocabulary keeps all: off
         self.min_p[row] = p.min_p
         self.frequency_penalty[row] = p.frequency_penalty
         self.presence_penalty[row] = p.presence_penalty

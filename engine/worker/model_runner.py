@@ -438,8 +438,11 @@ class ModelRunner:
             return None
         output = ModelRunnerOutput()
         for i, row in prompt_rows:
-            output.prompt_logprobs[batch.seq_ids[row]] = self._prompt_logprobs(
-                row, int(starts[i]), self.model.compute_logits(hidden_states[cu[i]:cu[i + 1]]))
+            try:
+                output.prompt_logprobs[batch.seq_ids[row]] = self._prompt_logprobs(
+                    row, int(starts[i]), self.model.compute_logits(hidden_states[cu[i]:cu[i + 1]]))
+            except Exception as error:   # this request's own failure: it alone ends (see _isolated)
+                self._fail_entries([(row, None)], error, output)
         if len(sample_rows) == 0 and not scheduler_output.sample_from:
             return output
         logits = self.model.compute_logits(hidden_states[self._to_device(logits_index)]) \
@@ -490,29 +493,72 @@ class ModelRunner:
         for child, parent in scheduler_output.sample_from.items():
             plain.append((batch.row_of[child], first_logit[batch.row_of[parent]]))
         if beams:
-            index = torch.tensor([i for _, i in beams], device=logits.device)
-            width = max(batch.state_at(row).beam_candidates for row, _ in beams)
-            values, ids = torch.log_softmax(logits[index].float(), dim=-1).topk(width, dim=-1)
-            for (row, _), row_ids, row_values in zip(beams, ids.tolist(), values.tolist()):
-                k = batch.state_at(row).beam_candidates
-                output.beam_candidates[batch.seq_ids[row]] = (row_ids[:k], row_values[:k])
-        grammar = self._grammar_rows(scheduler_output, plain)
+            self._isolated(beams, lambda part: self._beam_candidates(part, logits, output), output)
         if plain:
-            rows = [row for row, _ in plain]
-            indices = [i for _, i in plain]
-            meta = self.sampling_metadata(rows, grammar)
-            identity = len(indices) == logits.shape[0] and indices == list(range(len(indices)))
-            sampled = self.sampler(logits if identity else logits[torch.tensor(indices, device=logits.device)], meta)
-            for j, row in enumerate(rows):
-                seq_id = batch.seq_ids[row]
-                output.sampled_token_ids[seq_id] = [sampled.sampled_token_ids[j]]
-                if sampled.sampled_logprobs is not None and sampled.sampled_logprobs[j] is not None:
-                    output.logprobs[seq_id] = SampleLogprobs([sampled.sampled_logprobs[j]], [sampled.sampled_ranks[j]],
-                                                             [sampled.topk_token_ids[j]], [sampled.topk_logprobs[j]])
+            self._isolated(plain, lambda part: self._sample_plain(scheduler_output, part, logits, output), output)
         if speculative:
-            self._sample_speculative(speculative, logits, num_drafts, output)
+            self._isolated(speculative, lambda part: self._sample_speculative(part, logits, num_drafts, output),
+                           output)
         if self.num_spec_tokens:
             self._propose(output, scheduler_output)
+
+    def _isolated(self, entries: list[tuple[int, int]], run: Callable[[list], None],
+                  output: ModelRunnerOutput) -> None:
+        """run(entries) (a batched sampling call); when it raises, run each entry alone, so that a request whose
+        parameters break the call (or a bug its rows alone reach) fails by itself: its sequences are named in
+        output.failed and the others get exactly what the batched call gives them (greedy rows, seeded rows;
+        the rows drawing from the shared generator draw again)."""
+        try:
+            run(entries)
+            return
+        except Exception as error:
+            if len(entries) == 1:
+                self._fail_entries(entries, error, output)
+                return
+            logger.warning("a batched sampling call failed (%s: %s); sampling its %d rows one by one",
+                           type(error).__name__, error, len(entries))
+        for entry in entries:
+            try:
+                run([entry])
+            except Exception as error:
+                self._fail_entries([entry], error, output)
+
+    def _fail_entries(self, entries: list[tuple[int, int | None]], error: Exception,
+                      output: ModelRunnerOutput) -> None:
+        batch = self.input_batch
+        for row, _ in entries:
+            seq_id = batch.seq_ids[row]
+            logger.error("sampling failed for sequence %d; failing its request", seq_id, exc_info=error)
+            output.failed[seq_id] = f"{type(error).__name__}: {error}"
+            for results in (output.sampled_token_ids, output.logprobs, output.beam_candidates,
+                            output.num_accepted_tokens, output.prompt_logprobs):
+                results.pop(seq_id, None)
+
+    def _beam_candidates(self, beams: list[tuple[int, int]], logits: torch.Tensor, output: ModelRunnerOutput) -> None:
+        batch = self.input_batch
+        index = torch.tensor([i for _, i in beams], device=logits.device)
+        width = max(batch.state_at(row).beam_candidates for row, _ in beams)
+        values, ids = torch.log_softmax(logits[index].float(), dim=-1).topk(width, dim=-1)
+        for (row, _), row_ids, row_values in zip(beams, ids.tolist(), values.tolist()):
+            k = batch.state_at(row).beam_candidates
+            output.beam_candidates[batch.seq_ids[row]] = (row_ids[:k], row_values[:k])
+
+    def _sample_plain(self, scheduler_output: SchedulerOutput, plain: list[tuple[int, int]], logits: torch.Tensor,
+                      output: ModelRunnerOutput) -> None:
+        """One token for each (row, logits index) of `plain`."""
+        batch = self.input_batch
+        grammar = self._grammar_rows(scheduler_output, plain)
+        rows = [row for row, _ in plain]
+        indices = [i for _, i in plain]
+        meta = self.sampling_metadata(rows, grammar)
+        identity = len(indices) == logits.shape[0] and indices == list(range(len(indices)))
+        sampled = self.sampler(logits if identity else logits[torch.tensor(indices, device=logits.device)], meta)
+        for j, row in enumerate(rows):
+            seq_id = batch.seq_ids[row]
+            output.sampled_token_ids[seq_id] = [sampled.sampled_token_ids[j]]
+            if sampled.sampled_logprobs is not None and sampled.sampled_logprobs[j] is not None:
+                output.logprobs[seq_id] = SampleLogprobs([sampled.sampled_logprobs[j]], [sampled.sampled_ranks[j]],
+                                                         [sampled.topk_token_ids[j]], [sampled.topk_logprobs[j]])
 
     def _grammar_rows(self, scheduler_output: SchedulerOutput, plain: list[tuple[int, int]]):
         """The grammar bitmask rows of the plain sampling rows, in their order: (positions in `plain`, bitmask)."""

@@ -70,8 +70,8 @@ class SamplingMetadata:
         params = [seq.params for seq in seqs]
         meta = cls(temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
                    greedy=[p.greedy for p in params])
-        if any(p.top_k > 0 for p in params):
-            meta.top_k = [p.top_k for p in params]
+        if any(0 < p.top_k < vocab_size for p in params):
+            meta.top_k = [p.top_k if p.top_k < vocab_size else 0 for p in params]
         if any(p.top_p < 1.0 for p in params):
             meta.top_p = [p.top_p for p in params]
         if any(p.min_p > 0.0 for p in params):

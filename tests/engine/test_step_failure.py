@@ -61,16 +61,19 @@ def assert_all_free(engine: LLMEngine) -> None:
     assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
 
 
-@pytest.mark.parametrize("where", ["model", "sampler", "detokenizer"])
+@pytest.mark.parametrize("where", ["model", "detokenizer"])
 def test_failed_step_fails_only_its_requests(llama_dir, reference, where, caplog):
+    """A failure of the whole step (the forward) fails the step's requests; a failure while processing one
+    request's output (its detokenization) fails that request alone."""
     # max_num_seqs=2: r2 waits while r0 and r1 run, so the failure leaves it untouched.
     engine = engine_for(llama_dir, max_num_seqs=2)
     if where == "model":
         fail_once(engine.model_runner, "execute_model", on_call=3)
-    elif where == "sampler":
-        engine.model_runner.sampler = _FailOnceSampler(engine.model_runner.sampler)
+        expected_failed, message = {"r0", "r1"}, "internal error in engine step: RuntimeError: injected failure"
     else:
-        fail_once(engine.detokenizer, "update", on_call=4)   # mid-way through a step's outputs
+        # Calls 1-4: r0, r1 (first tokens), r0, r1 (second tokens): r1's second token fails it alone.
+        fail_once(engine.detokenizer, "update", on_call=4)
+        expected_failed, message = {"r1"}, "RuntimeError: injected failure"
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, GREEDY)
     failed, finished = {}, {}
@@ -81,17 +84,31 @@ def test_failed_step_fails_only_its_requests(llama_dir, reference, where, caplog
                     failed[out.request_id] = out
                 elif out.finished:
                     finished[out.request_id] = out
-    assert set(failed) == {"r0", "r1"} and set(finished) == {"r2"}
+    assert set(failed) == expected_failed and set(finished) == {"r0", "r1", "r2"} - expected_failed
     for out in failed.values():
         assert out.finished and all(c.finish_reason == "error" for c in out.outputs)
-        assert out.error == "internal error in engine step: RuntimeError: injected failure"
-    assert finished["r2"].outputs[0].token_ids == reference["r2"]
+        assert out.error == message
+    for rid, out in finished.items():
+        assert out.outputs[0].token_ids == reference[rid]
     assert_all_free(engine)
     records = [r for r in caplog.records if r.name == "engine" and r.exc_info]
     assert records and records[0].exc_info[0] is RuntimeError
     # The engine still serves new requests, with the tokens of an engine that never failed.
     engine.add_request("again", {"prompt_token_ids": PROMPTS[0]}, GREEDY)
     assert run_all(engine)["again"].outputs[0].token_ids == reference["r0"]
+    assert_all_free(engine)
+
+
+def test_a_batched_sampling_failure_is_retried_row_by_row(llama_dir, reference):
+    """The batched sampler call fails once (for no request's fault): each row is sampled alone then, and every
+    request gets the tokens of an engine that never failed."""
+    engine = engine_for(llama_dir)
+    engine.model_runner.sampler = sampler = _FailOnceSampler(engine.model_runner.sampler)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, GREEDY)
+    outputs = run_all(engine)
+    assert sampler.calls > 2 and all(out.error is None for out in outputs.values())
+    assert {rid: out.outputs[0].token_ids for rid, out in outputs.items()} == reference
     assert_all_free(engine)
 
 

@@ -13,9 +13,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-# OpenAI's seed is an int64; torch's generators take up to 2**64 - 1, and n > 1 derives seed + i.
-Seed = Annotated[int, Field(ge=-(2 ** 63), le=2 ** 63 - 1)]
-TokenId = Annotated[int, Field(ge=0)]
+# Every int is an int64 (OpenAI's seed is one): a larger value is a 400 naming its field, never an overflow in
+# the engine. Token ids are checked against the vocabulary by the engine (also a 400).
+INT64_MAX = 2 ** 63 - 1
+Seed = Annotated[int, Field(ge=-(2 ** 63), le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+Count = Annotated[int, Field(ge=1, le=INT64_MAX)]
+NonNegative = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "spaces_between_special_tokens",
                   "guided_decoding_backend")
@@ -65,7 +69,7 @@ class NamedToolChoice(_Strict):
 
 class _SamplingRequest(_Strict):
     model: str | None = None
-    n: Annotated[int, Field(ge=1)] = 1
+    n: Count = 1
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
@@ -80,18 +84,18 @@ class _SamplingRequest(_Strict):
     store: bool | None = None
     service_tier: str | None = None
     # Extra sampling fields (vLLM's names).
-    top_k: int | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    min_tokens: NonNegative = 0
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
-    truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None
+    truncate_prompt_tokens: Count | None = None
     prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     # Structured outputs (OpenAI's response_format, vLLM's guided_*).
     response_format: ResponseFormat | None = None
@@ -101,7 +105,7 @@ class _SamplingRequest(_Strict):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     # OpenAI fields this server cannot honour: a 400 naming them when set (see unsupported_fields()).
-    best_of: Annotated[int, Field(ge=1)] | None = None
+    best_of: Count | None = None
     use_beam_search: bool = False
     length_penalty: float | None = None
 
@@ -124,7 +128,7 @@ class _SamplingRequest(_Strict):
 class CompletionRequest(_SamplingRequest):
     # A string, a list of strings, a list of token ids, or a list of token-id lists.
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: Annotated[int, Field(ge=0)] | None = 16
+    max_tokens: NonNegative | None = 16
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
     suffix: str | None = None
@@ -135,8 +139,8 @@ class CompletionRequest(_SamplingRequest):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[dict[str, Any]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     tools: list[ChatTool] | None = None
