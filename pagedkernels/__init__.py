@@ -16,6 +16,9 @@ from .cache_ops import copy_blocks, reshape_and_cache, swap_blocks  # noqa: F401
 from .activation import silu_and_mul  # noqa: F401
 from .rms_norm import fused_add_rms_norm, rms_norm  # noqa: F401
 from .rotary import compute_cos_sin_cache, rotary_embedding  # noqa: F401
+from .wq_gemm import wq_gemm  # noqa: F401
+from .gguf_quant import GGUF_BLOCKS, gguf_dequantize, gguf_gemm  # noqa: F401
+from . import quant_formats  # noqa: F401  (canonical int4/int8 layout; GPTQ/AWQ/GGUF conversions)
 from . import torch_ops  # noqa: F401  (torch.ops.pagedkernels.*, for torch.compile)
 
 __version__ = "0.1.0"

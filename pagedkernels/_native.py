@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "elementwise_cpu.c")
+SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "elementwise_cpu.c", CSRC / "quant_cpu.c")
 HEADERS = (CSRC / "cpu_common.h",)
 MAX_HEAD_DIM, MAX_GROUP = 256, 64
 MAX_ROTARY_DIM = 512
@@ -57,8 +57,14 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
+def _march() -> str:
+    """The ``-march`` the kernels are built for: ``native`` unless ``PAGEDKERNELS_NATIVE_MARCH`` says
+    otherwise (the tests build ``x86-64`` too, so the portable C paths behind the SIMD ones run)."""
+    return os.environ.get("PAGEDKERNELS_NATIVE_MARCH", "native").strip() or "native"
+
+
 def _compile_command(compiler: str, sources: tuple[Path, ...], dst: Path) -> list[str]:
-    return [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", *map(str, sources),
+    return [compiler, "-O3", f"-march={_march()}", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", *map(str, sources),
             "-o", str(dst), "-lm"]
 
 
@@ -103,6 +109,9 @@ def library() -> ctypes.CDLL | None:
         "pk_rotary_embedding": [ptr, i64, ptr, i64, i64, i32, ptr, i64, i64, i32, i32, ptr, i64, i32, i32, i32,
                                 i64, i32],
         "pk_silu_and_mul": [ptr, i64, ptr, i64, i64, i64, i32, i32],
+        "pk_quant_gemm": [ptr, i64, i32, i64, i64, ptr, i64, i32, i64, ptr, ptr, i32, ptr, i64, i32, i32],
+        "pk_quant_dequantize": [ptr, i64, i64, i32, i64, ptr, ptr, i32, ptr, i64, i32, i32],
+        "pk_quant_simd_level": [],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -203,3 +212,35 @@ def silu_and_mul(x2d, out2d) -> None:
     rc = library().pk_silu_and_mul(x2d.data_ptr(), x2d.stride(0), out2d.data_ptr(), out2d.stride(0), rows, d,
                                    DTYPE_CODES[x2d.dtype], torch.get_num_threads())
     _check_rc(rc, "silu_and_mul")
+
+
+# Weight formats of csrc/quant_cpu.c: the canonical int4/int8 layouts and GGUF's block types (ggml's ids).
+QUANT_FORMATS = {"wq4": 0, "wq8": 1, "Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14}
+SIMD_LEVELS = ("portable C", "AVX2", "AVX-VNNI", "AVX-512 VNNI")
+
+
+def quant_simd_level() -> str:
+    """Which integer dot product the quantized-GEMM kernels were built with (see csrc/quant_cpu.c)."""
+    return SIMD_LEVELS[library().pk_quant_simd_level()]
+
+
+def quant_gemm(x2d, weight, fmt: str, group_size: int, scales, zeros, out2d) -> None:
+    """``out2d [M, N] = x2d [M, K] @ W^T`` for W in ``fmt`` (``weight`` uint8, rows of its bytes
+    back to back); ``scales``/``zeros`` ([N, groups], contiguous, one dtype; zeros may be None) for the
+    canonical formats only. Row views with contiguous last dimensions; checked by the op."""
+    M, K = x2d.shape
+    rc = library().pk_quant_gemm(
+        x2d.data_ptr(), x2d.stride(0), DTYPE_CODES[x2d.dtype], M, K, weight.data_ptr(), out2d.shape[1],
+        QUANT_FORMATS[fmt], group_size, None if scales is None else scales.data_ptr(),
+        None if zeros is None else zeros.data_ptr(), 0 if scales is None else DTYPE_CODES[scales.dtype],
+        out2d.data_ptr(), out2d.stride(0), DTYPE_CODES[out2d.dtype], torch.get_num_threads())
+    _check_rc(rc, "quantized GEMM")
+
+
+def quant_dequantize(weight, N: int, K: int, fmt: str, group_size: int, scales, zeros, out2d) -> None:
+    """``out2d [N, K]`` = W de-quantized (arguments as for :func:`quant_gemm`)."""
+    rc = library().pk_quant_dequantize(
+        weight.data_ptr(), N, K, QUANT_FORMATS[fmt], group_size, None if scales is None else scales.data_ptr(),
+        None if zeros is None else zeros.data_ptr(), 0 if scales is None else DTYPE_CODES[scales.dtype],
+        out2d.data_ptr(), out2d.stride(0), DTYPE_CODES[out2d.dtype], torch.get_num_threads())
+    _check_rc(rc, "de-quantization")
