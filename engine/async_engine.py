@@ -21,6 +21,7 @@ aborted, so its blocks return to the pool.
 """
 import asyncio
 import copy
+import functools
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -44,16 +45,21 @@ class EngineDeadError(RuntimeError):
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, *, num_tokenizer_threads: int = NUM_TOKENIZER_THREADS):
         self.engine = engine
+        # Grammars compile on a thread of the engine's, never on the step thread (LLMEngine._pending_grammars).
+        engine.async_grammar_compile = True
         self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=num_tokenizer_threads,
                                                   thread_name_prefix="engine-tokenize")
         self._thread_tokenizers = threading.local()
+        self._chat_template_sandbox = None
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop_task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self.dead_error: BaseException | None = None
         # Called (in the event loop) with every finished RequestOutput: the server's metrics hook in here.
         self.finished_callbacks: list[Callable[[RequestOutput], None]] = []
+        # Called (in the event loop) with every RequestOutput, finished or not (the inter-token latency metric).
+        self.output_callbacks: list[Callable[[RequestOutput], None]] = []
 
     @classmethod
     def from_args(cls, model: str, **llm_kwargs) -> "AsyncLLMEngine":
@@ -120,6 +126,8 @@ class AsyncLLMEngine:
         return outputs, self.engine.has_unfinished_requests()
 
     def _dispatch(self, output: RequestOutput) -> None:
+        for callback in self.output_callbacks:
+            callback(output)
         if output.finished:
             for callback in self.finished_callbacks:
                 callback(output)
@@ -159,9 +167,9 @@ class AsyncLLMEngine:
                                                                 truncate_prompt_tokens)
 
     async def run_on_tokenizer_thread(self, fn, *args):
-        """fn(tokenizer, *args) on a tokenizer thread, with that thread's tokenizer (tokenize, detokenize)."""
+        """fn(*args, tokenizer=...) on a tokenizer thread, with that thread's tokenizer (tokenize, detokenize)."""
         return await asyncio.get_running_loop().run_in_executor(
-            self._tokenizer_pool, lambda: fn(self._thread_tokenizer(), *args))
+            self._tokenizer_pool, lambda: fn(*args, tokenizer=self._thread_tokenizer()))
 
     async def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
                                   chat_template: str | None = None, tools: list[dict] | None = None,
@@ -171,25 +179,38 @@ class AsyncLLMEngine:
         (tokenizer thread). tools go to the template as `tools`; chat_template_kwargs are further template
         variables (e.g. enable_thinking). Raises ValueError when there is no template or the messages do not
         render."""
-        def render():
-            tokenizer = self._thread_tokenizer()
-            if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
-                raise ValueError("the model's tokenizer has no chat template")
-            kwargs = dict(chat_template_kwargs or {})
-            for reserved in ("conversation", "messages", "tokenize", "chat_template", "tools"):
-                kwargs.pop(reserved, None)
-            try:
-                text = tokenizer.apply_chat_template(
-                    messages, chat_template=chat_template, tools=tools, tokenize=False,
-                    add_generation_prompt=add_generation_prompt and not continue_final_message,
-                    continue_final_message=continue_final_message, **kwargs)
-            except Exception as e:   # jinja errors (raise_exception in templates, bad roles) are bad input
-                raise ValueError(f"cannot apply the chat template: {type(e).__name__}: {e}") from e
-            if not isinstance(text, str):
-                raise ValueError("the chat template did not render to a string")
-            # The template wrote every special token it wants: no BOS again (as LLM.chat).
-            return text, tokenizer.encode(text, add_special_tokens=False)
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, render)
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("this needs the tokenizer, and the engine has none (skip_tokenizer_init=True)")
+        if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("the model's tokenizer has no chat template")
+        try:
+            template = tokenizer.get_chat_template(chat_template, tools)
+        except Exception as e:
+            raise ValueError(f"cannot apply the chat template: {type(e).__name__}: {e}") from e
+        template_vars = dict(chat_template_kwargs or {})
+        for reserved in ("conversation", "messages", "tokenize", "chat_template", "tools", "conversations",
+                         "documents", "add_generation_prompt", "continue_final_message",
+                         "return_assistant_tokens_mask"):
+            template_vars.pop(reserved, None)
+        template_vars = {**tokenizer.special_tokens_map, **template_vars}
+        # Rendered in a sandbox process (time and memory limits), never on a thread of this process.
+        text = await self.chat_template_sandbox.render(
+            chat_template=template, messages=messages, tools=tools,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message, template_vars=template_vars)
+        # The template wrote every special token it wants: no BOS again (as LLM.chat).
+        token_ids = await self.run_on_tokenizer_thread(
+            lambda tokenizer: tokenizer.encode(text, add_special_tokens=False))
+        return text, token_ids
+
+    @property
+    def chat_template_sandbox(self):
+        """The sandbox processes chat templates render in (engine/entrypoints/chat_template_sandbox.py)."""
+        if self._chat_template_sandbox is None:
+            from engine.entrypoints.chat_template_sandbox import ChatTemplateSandbox
+            self._chat_template_sandbox = ChatTemplateSandbox()
+        return self._chat_template_sandbox
 
     async def generate(self, prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request (each cumulative; the last has finished=True).
@@ -200,11 +221,15 @@ class AsyncLLMEngine:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already running")
         text, token_ids = await self.process_prompt(prompt, None if params is None else params.truncate_prompt_tokens)
+        bad_words = None
+        if params is not None and params.bad_words and self.engine.tokenizer is not None:
+            # Tokenized here, on a tokenizer thread: 100k bad words are seconds of work the step loop must not do.
+            bad_words = await self.run_on_tokenizer_thread(self.engine.bad_words_token_ids, params.bad_words)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         finished = False
         try:
-            await self._call(self.engine.add_request, request_id,
+            await self._call(functools.partial(self.engine.add_request, bad_words_token_ids=bad_words), request_id,
                              {"prompt": text, "prompt_token_ids": token_ids}, params)
             self._wake.set()
             while not finished:
@@ -250,4 +275,6 @@ class AsyncLLMEngine:
             await self._call(self.engine.abort_request, request_id)
         self._engine_thread.shutdown(wait=True)
         self._tokenizer_pool.shutdown(wait=True)
+        if self._chat_template_sandbox is not None:
+            self._chat_template_sandbox.shutdown()
 

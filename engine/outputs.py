@@ -113,3 +113,6 @@ class RequestOutput:
     # Set when the engine failed this request (every completion then has finish_reason "error"): a short
     # message, "internal error in engine step: <ExcType>: <msg>". The engine logs the traceback.
     error: str | None = None
+    # Set with `error` when the request itself was at fault, found only after it was queued (its grammar did not
+    # compile, or not within the time limit): the SamplingParams field to blame; a server answers 400 then.
+    error_param: str | None = None

@@ -38,11 +38,12 @@ def _ebnf_string(text: str) -> str:
 
 
 def grammar_key(params: GuidedDecodingParams) -> tuple[str, str]:
-    """The cache key of a spec: its kind and a canonical text (JSON schemas with sorted keys)."""
+    """The cache key of a spec: its kind and its text. A JSON schema keeps its key order: the grammar is compiled
+    from this text, and the order of `properties` is the order the output's keys must come in."""
     kind = params.kind
     if kind == "json":
         schema = json.loads(params.json) if isinstance(params.json, str) else params.json
-        return kind, json.dumps(schema, sort_keys=True)
+        return kind, json.dumps(schema)
     if kind == "choice":
         return kind, json.dumps(params.choice)
     if kind == "json_object":
@@ -123,9 +124,18 @@ class GuidedDecoding:
                 self._cache.popitem(last=False)
         return compiled
 
-    def new_state(self, params: GuidedDecodingParams) -> GrammarState:
-        """A fresh matcher for one sequence (at the start of its output)."""
-        return GrammarState(self._xgr.GrammarMatcher(self.compile(params)))
+    def cached(self, params: GuidedDecodingParams):
+        """The compiled grammar of `params` when it is in the cache, else None (compiles nothing)."""
+        key = grammar_key(params)
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+            return compiled
+
+    def new_state(self, params: GuidedDecodingParams, compiled=None) -> GrammarState:
+        """A fresh matcher for one sequence (at the start of its output), of `compiled` (compiled here if None)."""
+        return GrammarState(self._xgr.GrammarMatcher(self.compile(params) if compiled is None else compiled))
 
 
 def fill_bitmask(states: list[GrammarState], vocab_size: int) -> torch.Tensor:

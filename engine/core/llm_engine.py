@@ -29,6 +29,10 @@ logger = logging.getLogger("engine")
 
 # The most logprobs (and prompt_logprobs) a request may ask for: vLLM's default max_logprobs.
 MAX_LOGPROBS = 20
+# Guided decoding limits: the spec's size (a JSON schema's text, a regex, a grammar, all choices together), and
+# how long its compilation may take when it runs off the step loop (async_grammar_compile).
+MAX_GRAMMAR_SPEC_CHARS = 65536
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 
 
 
@@ -99,6 +103,14 @@ class LLMEngine:
         # seq_id -> (token ids, logprobs) of a beam's best next tokens, waiting for its group's step.
         self.beam_candidates: dict[int, tuple[list[int], list[float]]] = {}
         self.guided_decoding = None   # engine/core/guided_decoding.py GuidedDecoding, built for the first guided request
+        # Serving engines compile grammars on a thread of their own: such a request waits (not scheduled) in
+        # _pending_grammars until its grammar is ready, and the steps of the others go on meanwhile. Offline
+        # (LLM) requests compile in add_request, where a bad spec is a ValueError.
+        self.async_grammar_compile = False
+        self.grammar_compile_timeout_s = GRAMMAR_COMPILE_TIMEOUT_S
+        self._grammar_pool = None
+        # request_id -> (its sequence, the compile future, the deadline (time.monotonic())).
+        self._pending_grammars: dict[str, tuple[Sequence, object, float]] = {}
         # The requests the current step works on (request_id -> group): the ones failed if the step raises.
         self._step_groups: dict[str, SequenceGroup] = {}
         self._moving_blocks = False   # the step is issuing block moves (a failure there spoils their targets)
@@ -184,9 +196,11 @@ class LLMEngine:
         return text, self.tokenizer.encode(text)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                    *, arrival_time: float | None = None) -> None:
+                    *, arrival_time: float | None = None,
+                    bad_words_token_ids: list[list[int]] | None = None) -> None:
         """Queue a request. Everything is checked first: a bad request raises ValueError and leaves the engine
-        (and the requests already in it) untouched."""
+        (and the requests already in it) untouched. bad_words_token_ids: params.bad_words already tokenized
+        (bad_words_token_ids(); a server does it off the step loop), else they are tokenized here."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         params = self.default_sampling_params() if params is None else params
@@ -204,9 +218,21 @@ class LLMEngine:
         seq = Sequence(request_id, text, token_ids, params, arrival_time=arrival_time or time.time(),
                        eos_token_ids=self.model_config.eos_token_ids, max_model_len=self.max_model_len)
         if params.bad_words:
-            seq.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+            if bad_words_token_ids is None:
+                bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
+            vocab_size = self.model_config.vocab_size
+            if not all(0 <= t < vocab_size for ids in bad_words_token_ids for t in ids):
+                raise ValueError(f"bad_words has a token id outside the vocabulary [0, {vocab_size})")
+            seq.bad_words_token_ids = bad_words_token_ids
+        pending_grammar = None
         if params.guided_decoding is not None:
-            seq.guided = self._guided_decoding().new_state(params.guided_decoding)   # ValueError on a bad spec
+            guided = self._guided_decoding()
+            self._check_grammar_size(params.guided_decoding)
+            compiled = guided.cached(params.guided_decoding)
+            if compiled is not None or not self.async_grammar_compile:
+                seq.guided = guided.new_state(params.guided_decoding, compiled)   # ValueError on a bad spec
+            else:
+                pending_grammar = self._compile_grammar_async(params.guided_decoding)
         # The longest this request can get must fit in the whole cache, or it could never run alone: its
         # prompt blocks once, plus for each of its n sequences the blocks of its output and a copied last block.
         max_computed = seq.num_prompt_tokens + (seq.max_tokens if seq.max_tokens is not None
@@ -219,7 +245,62 @@ class LLMEngine:
             raise ValueError(f"max_tokens: request {request_id!r} may need {needed_blocks} KV-cache blocks but the "
                              f"cache has only {self.block_manager.num_blocks}; lower max_tokens or raise num_kv_blocks")
         self.requests[request_id] = seq.group
-        self.scheduler.add(seq)
+        if pending_grammar is not None:
+            self._pending_grammars[request_id] = (seq, pending_grammar,
+                                                  time.monotonic() + self.grammar_compile_timeout_s)
+        else:
+            self.scheduler.add(seq)
+
+    @staticmethod
+    def _check_grammar_size(spec) -> None:
+        from engine.core.guided_decoding import grammar_key
+
+        size = len(grammar_key(spec)[1])
+        if size > MAX_GRAMMAR_SPEC_CHARS:
+            raise ValueError(f"guided_decoding {spec.kind} has {size} characters; this engine compiles at most "
+                             f"{MAX_GRAMMAR_SPEC_CHARS}")
+
+    def _compile_grammar_async(self, spec):
+        if self._grammar_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            # xgrammar releases the GIL while compiling: the step loop runs on meanwhile.
+            self._grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-grammar")
+        return self._grammar_pool.submit(self.guided_decoding.compile, spec)
+
+    def _admit_compiled_grammars(self) -> list[RequestOutput]:
+        """Queue the requests whose grammar compiled; fail the ones whose grammar did not (a bad spec) or took
+        longer than grammar_compile_timeout_s (both the request's fault: RequestOutput.error_param names
+        guided_decoding)."""
+        outputs = []
+        now = time.monotonic()
+        for request_id, (seq, future, deadline) in list(self._pending_grammars.items()):
+            if not future.done() and now < deadline:
+                continue
+            del self._pending_grammars[request_id]
+            if future.done() and future.exception() is None:
+                seq.guided = self.guided_decoding.new_state(seq.params.guided_decoding, future.result())
+                self.scheduler.add(seq)
+                continue
+            if future.done():
+                message = str(future.exception())
+            else:
+                future.cancel()   # a compile already running finishes on its thread; its result is dropped
+                message = (f"guided_decoding: the grammar did not compile within "
+                           f"{self.grammar_compile_timeout_s:g} s")
+            self._fail_group(seq.group, message, log=False)
+            output = self._make_output(seq.group)
+            output.error_param = "guided_decoding"
+            outputs.append(output)
+        return outputs
+
+    def _wait_for_grammars(self, timeout_s: float) -> None:
+        """Block up to timeout_s for a pending grammar (when nothing else can run: no busy loop)."""
+        from concurrent.futures import FIRST_COMPLETED, wait
+        futures = [future for _, future, _ in self._pending_grammars.values()]
+        if futures:
+            deadline = min(deadline for _, _, deadline in self._pending_grammars.values())
+            wait(futures, timeout=max(0.0, min(timeout_s, deadline - time.monotonic())),
+                 return_when=FIRST_COMPLETED)
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         vocab_size = self.model_config.vocab_size
@@ -237,14 +318,15 @@ class LLMEngine:
             if getattr(params, name):
                 raise ValueError(f"{name} needs the tokenizer, and this engine has none (skip_tokenizer_init=True)")
 
-    def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
+    def bad_words_token_ids(self, bad_words: list[str], tokenizer=None) -> list[list[int]]:
         """vLLM's rule: each word's tokens, and those of " " + word when that is a different first token of
-        the same length (the word in the middle of a text)."""
+        the same length (the word in the middle of a text). tokenizer: a copy of the engine's (a thread's own)."""
+        tokenizer = self.tokenizer if tokenizer is None else tokenizer
         vocab_size = self.model_config.vocab_size
         token_ids = []
         for word in bad_words:
-            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
-            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
             for ids in (plain, spaced) if spaced and plain and spaced[0] != plain[0] \
                     and len(spaced) == len(plain) else (plain,):
                 if ids and all(t < vocab_size for t in ids):
@@ -288,6 +370,11 @@ class LLMEngine:
         group = self.requests.pop(request_id, None)
         if group is None:
             return None
+        pending = self._pending_grammars.pop(request_id, None)
+        if pending is not None:   # never queued: nothing to free
+            pending[1].cancel()
+            for seq in group.seqs:
+                seq.finish_reason, seq.status = "abort", SequenceStatus.FINISHED
         for seq in group.seqs:
             self.beam_candidates.pop(seq.seq_id, None)
             if not seq.is_finished:
@@ -297,7 +384,7 @@ class LLMEngine:
         return self._make_output(group)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._pending_grammars)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -321,6 +408,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration; returns an output for every request that produced a token (finished or not).
         If anything after scheduling raises, the requests of this step fail alone (see _fail_step)."""
+        if self._pending_grammars:
+            if not self.scheduler.has_unfinished():
+                self._wait_for_grammars(0.05)
+            failed = self._admit_compiled_grammars()
+            if failed or not self.scheduler.has_unfinished():
+                return failed   # the others step next time
         step = self.scheduler.schedule(self._grammar_bitmask if self.guided_decoding is not None else None)
         self._step_groups = {seq.request_id: seq.group for seq, _ in step.scheduled}
         self._step_block_moves = step.block_moves

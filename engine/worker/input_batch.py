@@ -25,6 +25,7 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from engine.step_records import CachedSequenceData, NewSequenceData, SchedulerOutput
+from engine.worker.sampler import BadWords
 
 
 @dataclass(slots=True)
@@ -42,10 +43,21 @@ class SequenceState:
     beam_candidates: int = 0
     # Distinct output tokens in order of first occurrence (presence penalty), kept for penalized sequences.
     unique_output_ids: dict[int, None] = field(default_factory=dict)
+    # Made once per request, not per step: logit_bias as (ids, values) tensors, allowed_token_ids as a tensor.
+    logit_bias_tensors: tuple[torch.Tensor, torch.Tensor] | None = None
+    allowed_tensor: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.uses_penalties:
             self.unique_output_ids = dict.fromkeys(self.token_ids[self.num_prompt_tokens:])
+        if self.bad_words_token_ids and not isinstance(self.bad_words_token_ids, BadWords):
+            self.bad_words_token_ids = BadWords(self.bad_words_token_ids)   # indexed once (see BadWords)
+        p = self.params
+        if p.logit_bias:
+            self.logit_bias_tensors = (torch.tensor(list(p.logit_bias), dtype=torch.int64),
+                                       torch.tensor(list(p.logit_bias.values()), dtype=torch.float32))
+        if p.allowed_token_ids is not None:
+            self.allowed_tensor = torch.tensor(p.allowed_token_ids, dtype=torch.int64)
 
     def append(self, token_ids: list[int]) -> None:
         self.token_ids += token_ids

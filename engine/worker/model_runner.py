@@ -596,10 +596,10 @@ class ModelRunner:
             p = state.params
             if state.generator is not None:
                 generators[j] = state.generator
-            if p.logit_bias:
-                bias[j] = p.logit_bias
-            if p.allowed_token_ids is not None:
-                allowed[j] = p.allowed_token_ids
+            if state.logit_bias_tensors is not None:
+                bias[j] = state.logit_bias_tensors
+            if state.allowed_tensor is not None:
+                allowed[j] = state.allowed_tensor
             if state.bad_words_token_ids or (p.min_tokens and state.num_output_tokens < p.min_tokens):
                 ids = banned_token_ids(state.output_token_ids, p.min_tokens, state.stop_token_ids,
                                        state.bad_words_token_ids)

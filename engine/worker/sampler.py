@@ -156,15 +156,52 @@ def _weights(lists: list[list[int]]) -> torch.Tensor:
     return torch.tensor([[1.0] * len(x) + [0.0] * (width - len(x)) for x in lists], dtype=torch.float32)
 
 
+class BadWords:
+    """A request's bad words (token sequences) indexed once, so a step costs a lookup per distinct word length
+    instead of a pass over every word: single-token words are always banned; for longer ones, the output's last
+    L tokens (for each prefix length L) are looked up among the words' prefixes."""
+
+    __slots__ = ("words", "always", "by_prefix", "prefix_lens")
+
+    def __init__(self, words: list[list[int]]):
+        self.words = words
+        always, by_prefix = [], {}
+        for word in words:
+            if len(word) == 1:
+                always.append(word[0])
+            elif word:
+                by_prefix.setdefault(tuple(word[:-1]), []).append(word[-1])
+        self.always = list(dict.fromkeys(always))
+        self.by_prefix = by_prefix
+        self.prefix_lens = sorted({len(prefix) for prefix in by_prefix})
+
+    def __len__(self) -> int:
+        return len(self.words)
+
+    def __iter__(self):
+        return iter(self.words)
+
+    def banned(self, output_token_ids) -> list[int]:
+        banned = list(self.always)
+        n = len(output_token_ids)
+        for prefix_len in self.prefix_lens:
+            if prefix_len > n:
+                break
+            last = self.by_prefix.get(tuple(output_token_ids[n - prefix_len:]))
+            if last:
+                banned += last
+        return banned
+
+
 def banned_token_ids(output_token_ids, min_tokens: int, stop_token_ids, bad_words_token_ids) -> list[int]:
     """Tokens a sequence may not take next: its stop tokens (EOS, stop_token_ids) until min_tokens outputs, and
-    the last token of each bad word whose other tokens end the output."""
+    the last token of each bad word whose other tokens end the output (bad_words_token_ids: a BadWords, or the
+    words as lists, indexed here)."""
     banned = list(stop_token_ids) if len(output_token_ids) < min_tokens else []
-    for word in bad_words_token_ids:
-        prefix_len = len(word) - 1
-        if prefix_len == 0 or (len(output_token_ids) >= prefix_len
-                               and list(output_token_ids[-prefix_len:]) == list(word[:-1])):
-            banned.append(word[-1])
+    if bad_words_token_ids:
+        if not isinstance(bad_words_token_ids, BadWords):
+            bad_words_token_ids = BadWords(bad_words_token_ids)
+        banned += bad_words_token_ids.banned(output_token_ids)
     return banned
 
 
@@ -391,13 +428,18 @@ def apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, dict[int, float
     """In place on logits [num_rows, vocab_size]: add row r's {token id: bias} (ids checked against the
     vocabulary when the request was added)."""
     rows, cols, values = [], [], []
+    device = logits.device
     for row, bias in logit_bias.items():
+        if isinstance(bias, tuple):   # (ids, values) tensors made once per request (the worker's SequenceState)
+            ids, biases = bias
+            logits[row].index_add_(0, ids.to(device), biases.to(device))
+            continue
         rows += [row] * len(bias)
         cols += bias.keys()
         values += bias.values()
-    device = logits.device
-    logits.index_put_((torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
-                      torch.tensor(values, dtype=torch.float32, device=device), accumulate=True)
+    if rows:
+        logits.index_put_((torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+                          torch.tensor(values, dtype=torch.float32, device=device), accumulate=True)
 
 
 def apply_token_masks(logits: torch.Tensor, allowed_token_ids: dict[int, list[int]],
@@ -412,9 +454,13 @@ def apply_token_masks(logits: torch.Tensor, allowed_token_ids: dict[int, list[in
         rows, cols = [], []
         for j, row in enumerate(allowed_rows):
             ids = allowed_token_ids[row]
+            if isinstance(ids, torch.Tensor):   # made once per request
+                keep[j, ids.to(device)] = True
+                continue
             rows += [j] * len(ids)
             cols += ids
-        keep[rows, cols] = True
+        if rows:
+            keep[rows, cols] = True
         index = torch.tensor(allowed_rows, device=device)
         logits[index] = logits[index].masked_fill_(~keep, float("-inf"))
     rows, cols = [], []

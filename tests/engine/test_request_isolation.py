@@ -93,7 +93,7 @@ class _FailForBias:
         self.sampler = sampler
 
     def __call__(self, logits, meta):
-        if meta.logit_bias and any(7 in bias for bias in meta.logit_bias.values()):
+        if meta.logit_bias and any(7 in bias[0].tolist() for bias in meta.logit_bias.values()):
             raise RuntimeError("this request's parameters break the sampler")
         return self.sampler(logits, meta)
 

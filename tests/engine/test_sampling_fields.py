@@ -74,13 +74,13 @@ def test_bad_words_never_appear_in_the_output(llm):
         for start in range(len(free) - length + 1):
             ids = free[start:start + length]
             word = tokenizer.decode(ids).strip()
-            if word and ids in engine._bad_words_token_ids([word]) and word not in words:
+            if word and ids in engine.bad_words_token_ids([word]) and word not in words:
                 words[word] = ids
                 break
     assert any(len(ids) == 1 for ids in words.values()) and any(len(ids) > 1 for ids in words.values()), words
     banned = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, bad_words=list(words))
     out = llm.generate(prompt, banned, use_tqdm=False)[0].outputs[0]
-    token_seqs = engine._bad_words_token_ids(list(words))
+    token_seqs = engine.bad_words_token_ids(list(words))
     assert not any(contains(out.token_ids, seq) for seq in token_seqs), (out.token_ids, token_seqs)
     assert len(out.token_ids) == 24
 

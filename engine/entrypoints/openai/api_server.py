@@ -158,6 +158,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
+        engine.chat_template_sandbox.start()   # its processes import the renderer now, not on the first chat
         yield
         await engine.shutdown()
 

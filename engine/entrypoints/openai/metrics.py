@@ -116,11 +116,31 @@ class ServerMetrics:
         self.vllm_generation_tokens_hist = Histogram("vllm:request_generation_tokens",
                                                      "Generated tokens per request", label, buckets=_TOKEN_BUCKETS,
                                                      registry=registry)
+        self.vllm_itl = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive output tokens",
+                                  label, buckets=TPOT_BUCKETS, registry=registry)
+        self.vllm_queue_time = Histogram("vllm:request_queue_time_seconds", "Time from arrival to first scheduling",
+                                         label, buckets=E2E_BUCKETS, registry=registry)
         self.counters = _EngineCounters(model_name)
         registry.register(self.counters)
+        # request_id -> (output positions, time of the last one) seen so far: the inter-token latencies.
+        self._last_token: dict[str, tuple[int, float]] = {}
 
     def attach(self, engine: AsyncLLMEngine) -> None:
         engine.finished_callbacks.append(self.observe_finished)
+        engine.output_callbacks.append(self.observe_output)
+
+    def observe_output(self, output: RequestOutput) -> None:
+        """Every output of a request: one inter-token latency per step that produced tokens after the first."""
+        m = output.metrics
+        if m is None or m.last_token_time is None:
+            return
+        seen = self._last_token.get(output.request_id)
+        if seen is not None and m.num_output_tokens > seen[0]:
+            self.vllm_itl.labels(model_name=self.model_name).observe(max(m.last_token_time - seen[1], 0.0))
+        if output.finished:
+            self._last_token.pop(output.request_id, None)
+        elif seen is None or m.num_output_tokens > seen[0]:
+            self._last_token[output.request_id] = (m.num_output_tokens, m.last_token_time)
 
     def observe_finished(self, output: RequestOutput) -> None:
         ttft, tpot, e2e = request_latencies(output)
@@ -130,6 +150,9 @@ class ServerMetrics:
             if value is not None:
                 ours.observe(value)
                 theirs.labels(model_name=model).observe(value)
+        if output.metrics is not None and output.metrics.first_scheduled_time is not None:
+            self.vllm_queue_time.labels(model_name=model).observe(
+                max(output.metrics.first_scheduled_time - output.metrics.arrival_time, 0.0))
         self.vllm_prompt_tokens_hist.labels(model_name=model).observe(len(output.prompt_token_ids))
         self.vllm_generation_tokens_hist.labels(model_name=model).observe(
             sum(len(c.token_ids) for c in output.outputs))

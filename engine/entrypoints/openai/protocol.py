@@ -124,6 +124,11 @@ class _SamplingRequest(_Strict):
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage_in_stream(self) -> bool:
+        """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries the usage so far."""
+        return self.include_usage_in_stream and self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(_SamplingRequest):
     # A string, a list of strings, a list of token ids, or a list of token-id lists.

@@ -248,6 +248,8 @@ class OpenAIServing:
         """SamplingParams of a request: unset fields from the model's defaults, then OpenAI's."""
         if request.stream_options is not None and not request.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+        if request.stream and request.prompt_logprobs is not None:   # vLLM refuses it too
+            raise bad_request("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
         defaults = self.sampling_defaults
         pick = lambda value, name, default: (  # noqa: E731
             value if value is not None else defaults.get(name, default))
@@ -305,7 +307,7 @@ class OpenAIServing:
                 raise bad_request(str(e), param=_param_of(e, prepared.renames)) from e
             raise
         for first in prepared.firsts:
-            _raise_if_failed(first)
+            _raise_if_failed(first, prepared.renames)
 
     @staticmethod
     async def _outputs(prepared: _Prepared) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -432,9 +434,12 @@ class OpenAIServing:
         n, holdback = prepared.params.n, max(prepared.params.max_stop_str_len - 1, 0)
         states: dict[int, _ChoiceState] = {}
         finals: dict[int, RequestOutput] = {}
+        latest: dict[int, RequestOutput] = {}   # each prompt's last output (continuous usage stats)
+        continuous = request.continuous_usage_in_stream
         outputs = self._outputs(prepared)
         try:
             async for i, output in outputs:
+                latest[i] = output
                 if output.finished:
                     finals[i] = output
                 for completion in output.outputs:
@@ -452,8 +457,11 @@ class OpenAIServing:
                     choice = {"index": index, "text": echo_text + (delta or ""), "logprobs": logprobs,
                               "finish_reason": completion.finish_reason if delta is not None else None,
                               "stop_reason": completion.stop_reason if delta is not None else None}
-                    yield _sse({"id": prepared.request_id, "object": "text_completion", "created": created,
-                                "model": model, "choices": [choice]})
+                    chunk = {"id": prepared.request_id, "object": "text_completion", "created": created,
+                             "model": model, "choices": [choice]}
+                    if continuous:
+                        chunk["usage"] = _usage(list(latest.values()))
+                    yield _sse(chunk)
             if request.include_usage_in_stream:
                 yield _sse({"id": prepared.request_id, "object": "text_completion", "created": created,
                             "model": model, "choices": [], "usage": _usage([finals[i] for i in sorted(finals)])})
@@ -571,8 +579,11 @@ class OpenAIServing:
                                 c, logprobs, TokenPieces(self.engine.tokenizer, params.skip_special_tokens),
                                 start=0, visible_chars=len(c.text), final=True),
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
-        return {"id": prepared.request_id, "object": "chat.completion", "created": int(time.time()),
-                "model": self._model_name(request.model), "choices": choices, "usage": _usage([final])}
+        response = {"id": prepared.request_id, "object": "chat.completion", "created": int(time.time()),
+                    "model": self._model_name(request.model), "choices": choices, "usage": _usage([final])}
+        if request.prompt_logprobs is not None:   # vLLM's top-level field of a chat completion
+            response["prompt_logprobs"] = _vllm_prompt_logprobs(final)
+        return response
 
     def _split_chat_text(self, text: str, final: bool, mode: _ToolMode
                          ) -> tuple[str | None, str, list[ToolCall] | None]:
@@ -604,12 +615,19 @@ class OpenAIServing:
         holdback = max(prepared.params.max_stop_str_len - 1, 0)
         logprobs, skip_special = prepared.params.logprobs, prepared.params.skip_special_tokens
         states: dict[int, _ChoiceState] = {}
-        final = None
+        final = latest = None
         outputs = self._outputs(prepared)
-        chunk = lambda choice: _sse({"id": prepared.request_id, "object": "chat.completion.chunk",  # noqa: E731
-                                     "created": created, "model": model, "choices": [choice]})
+        continuous = request.continuous_usage_in_stream
+
+        def chunk(choice: dict) -> str:
+            body = {"id": prepared.request_id, "object": "chat.completion.chunk", "created": created,
+                    "model": model, "choices": [choice]}
+            if continuous and latest is not None:
+                body["usage"] = _usage([latest])   # vLLM's continuous_usage_stats: the counts so far
+            return _sse(body)
         try:
             async for _, output in outputs:
+                latest = output
                 final = output if output.finished else final
                 for completion in output.outputs:
                     state = states.setdefault(completion.index, _ChoiceState())
@@ -749,9 +767,12 @@ class OpenAIServing:
         return requested or self.served_model_names[0]
 
 
-def _raise_if_failed(output: RequestOutput) -> None:
+def _raise_if_failed(output: RequestOutput, renames: dict[str, str] | None = None) -> None:
     error = getattr(output, "error", None)
     if error:
+        param = getattr(output, "error_param", None)
+        if param is not None:   # the request's own fault, found once queued (its grammar): a 400
+            raise bad_request(error, param=(renames or {}).get(param, param))
         raise OpenAIError(500, f"the engine failed this request: {error}", type="internal_server_error")
 
 
