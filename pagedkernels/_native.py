@@ -40,7 +40,7 @@ MAX_HEAD_DIM, MAX_GROUP = 256, 64
 MAX_ROTARY_DIM = 512
 # Return codes of the kernels.
 OK, BAD_VALUES, OUT_OF_MEMORY = 0, 1, -2
-DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}
 
 _build_error: str | None = None
 
@@ -102,9 +102,10 @@ def library() -> ctypes.CDLL | None:
     i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
     signatures = {
         "pk_paged_attention": [ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, i64, ptr, ptr, i64,
-                               i32, i32, i32, i32, f32, i32, f32, ptr, i64, i64, i32, i32, i64, i64, i64],
+                               i32, i32, i32, i32, f32, i32, f32, ptr, i64, i64, i32, i32, i64, i64, i64, i32, f32,
+                               f32],
         "pk_reshape_and_cache": [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr,
-                                 i64, i32, i32, i32, i32, i64],
+                                 i64, i32, i32, i32, i32, i64, i32, i32, f32, f32],
         "pk_rms_norm": [ptr, i64, i32, ptr, i64, i32, ptr, i32, ptr, i64, i32, i64, i64, f32, i32],
         "pk_rotary_embedding": [ptr, i64, ptr, i64, i64, i32, ptr, i64, i64, i32, i32, ptr, i64, i32, i32, i32,
                                 i64, i32],
@@ -141,8 +142,9 @@ def _check_rc(rc: int, what: str) -> bool:
 
 
 def paged_attention(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window,
-                    softcap, out) -> bool:
-    """Both attention ops: ``cu_seqlens_q`` None means decode (row s is sequence s's one query).
+                    softcap, out, k_scale: float = 1.0, v_scale: float = 1.0) -> bool:
+    """Both attention ops: ``cu_seqlens_q`` None means decode (row s is sequence s's one query). An fp8
+    cache's values are multiplied by ``k_scale`` / ``v_scale``.
     Arguments were checked by the op except for their values (int32 metadata, caches and ``out``
     contiguous in head_dim); ``out`` is written in place. Returns False, having written nothing, when
     the metadata index outside the cache or the tables (the op then raises the ValueError naming it)."""
@@ -160,13 +162,15 @@ def paged_attention(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_l
         cu_seqlens_q.contiguous().data_ptr() if cu_seqlens_q is not None else None,
         seq_lens.contiguous().data_ptr(), seq_lens.shape[0], num_q_heads, num_kv_heads, head_dim, block_size,
         float(scale), int(sliding_window or 0), float(softcap or 0.0), out.data_ptr(), out.stride(0), out.stride(1),
-        DTYPE_CODES[q.dtype], torch.get_num_threads(), num_blocks, num_tokens, block_tables.shape[1])
+        DTYPE_CODES[q.dtype], torch.get_num_threads(), num_blocks, num_tokens, block_tables.shape[1],
+        DTYPE_CODES[key_cache.dtype], float(k_scale), float(v_scale))
     return _check_rc(rc, "attention")
 
 
-def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> bool:
-    """Checked arguments (last dims contiguous, int64 slots); negative slots are skipped. Returns False,
-    having written nothing, when a slot is past the cache."""
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale: float = 1.0,
+                      v_scale: float = 1.0) -> bool:
+    """Checked arguments (last dims contiguous, int64 slots); negative slots are skipped; fp8 caches get
+    e4m3(x / scale). Returns False, having written nothing, when a slot is past the cache."""
     lib = library()
     slots = slot_mapping.contiguous()
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
@@ -174,7 +178,8 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> bool:
         key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0), value.stride(1),
         key_cache.data_ptr(), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.data_ptr(), value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        slots.data_ptr(), slots.shape[0], num_kv_heads, head_dim, block_size, key.element_size(), num_blocks)
+        slots.data_ptr(), slots.shape[0], num_kv_heads, head_dim, block_size, key.element_size(), num_blocks,
+        DTYPE_CODES[key.dtype], DTYPE_CODES[key_cache.dtype], float(k_scale), float(v_scale))
     return _check_rc(rc, "reshape_and_cache")
 
 

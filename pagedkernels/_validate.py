@@ -15,6 +15,8 @@ from typing import Iterable, Sequence
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# KV caches: the activation dtypes, or float8 e4m3 with per-layer k/v scales (pagedkernels/_fp8.py).
+KV_CACHE_DTYPES = FLOAT_DTYPES + (torch.float8_e4m3fn,)
 # Attention head sizes: every multiple of 16 from 32 to 256. The Triton kernels pad the head
 # dimension of their tiles to the next power of two and mask the rest (tl.dot needs power-of-two
 # tiles of >= 16); the PyTorch and native kernels take any size and accept the same set, so every
@@ -81,10 +83,10 @@ def check_gqa(num_q_heads: int, num_kv_heads: int) -> int:
 
 def check_kv_caches(key_cache: object, value_cache: object, *,
                     like: tuple[str, torch.Tensor] | None = None) -> tuple[int, int, int, int]:
-    """key_cache/value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, same dtype and
-    device (``like``'s, when given). Returns their shape."""
-    check_tensor("key_cache", key_cache, ndim=4, dtypes=FLOAT_DTYPES, like=like)
-    check_tensor("value_cache", value_cache, ndim=4, dtypes=FLOAT_DTYPES, like=("key_cache", key_cache),
+    """key_cache/value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, same dtype (one of
+    KV_CACHE_DTYPES) and device (``like``'s, when given). Returns their shape."""
+    check_tensor("key_cache", key_cache, ndim=4, dtypes=KV_CACHE_DTYPES, like=like)
+    check_tensor("value_cache", value_cache, ndim=4, dtypes=KV_CACHE_DTYPES, like=("key_cache", key_cache),
                  shape=tuple(key_cache.shape))
     check_same_dtype("value_cache", value_cache, "key_cache", key_cache)
     if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
@@ -101,3 +103,20 @@ def check_attention_options(scale: object, sliding_window: object, softcap: obje
     if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
                                        or sliding_window < 1):
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+
+
+def check_cache_dtype(cache_name: str, cache: torch.Tensor, name: str, tensor: torch.Tensor) -> None:
+    """A cache holds ``tensor``'s dtype, or float8 e4m3 (quantized on write, de-quantized on read)."""
+    if cache.dtype != torch.float8_e4m3fn:
+        check_same_dtype(cache_name, cache, name, tensor)
+
+
+def check_kv_scales(k_scale: object, v_scale: object, cache: torch.Tensor) -> None:
+    """k_scale / v_scale: positive finite numbers; other than 1.0 only for a float8 cache (another cache
+    holds the values themselves, so a scale there would be a mistake, not a no-op)."""
+    for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+        if value != 1.0 and cache.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{name}={value!r} applies to a float8_e4m3fn KV cache only; this cache is "
+                             f"{str(cache.dtype).replace('torch.', '')}")

@@ -2,7 +2,9 @@
 swap blocks between devices.
 
 Cache layout, one pair per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``, last
-dimension contiguous. A slot is ``block_id * block_size + offset``.
+dimension contiguous. A slot is ``block_id * block_size + offset``. Caches hold the activation dtype or
+float8 e4m3 (``torch.float8_e4m3fn``): ``reshape_and_cache`` writes e4m3(x / k_scale) there (see
+``pagedkernels/_fp8.py``), and the block copies move its bytes like any other cache's.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import triton.language as tl
 
 from . import _native
 from ._backend import has_no_data, use_native, use_triton, value_checks_enabled
-from ._validate import FLOAT_DTYPES, check_kv_caches, check_same_dtype, check_tensor
+from ._fp8 import _float_to_e4m3, is_fp8, quantize_e4m3
+from ._validate import FLOAT_DTYPES, KV_CACHE_DTYPES, check_kv_caches, check_kv_scales, check_same_dtype, check_tensor
 
 # Elements one program copies per step: 2048 fp16 = 4 KiB, enough in-flight bytes per program for
 # a memory-bound copy while keeping the tile in registers at 4 warps (16 elements per thread).
@@ -31,9 +34,11 @@ _COPY_TILE = 2048
 def _reshape_and_cache_kernel(
     key_ptr,  # [num_tokens, num_kv_heads, head_dim]
     value_ptr,  # [num_tokens, num_kv_heads, head_dim]
-    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]; uint8 view of an fp8 cache
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]; uint8 view of an fp8 cache
     slot_mapping_ptr,  # [num_tokens] int64
+    k_scale,  # float, FP8 only: the cache holds e4m3(key / k_scale)
+    v_scale,
     stride_k_tok: tl.int64,
     stride_k_head: tl.int64,
     stride_v_tok: tl.int64,
@@ -49,6 +54,7 @@ def _reshape_and_cache_kernel(
     block_size,
     BLOCK_H: tl.constexpr,  # heads per program (power of two)
     BLOCK_D: tl.constexpr,  # head_dim padded to a power of two
+    FP8: tl.constexpr,  # the caches are float8 e4m3 (as uint8 codes)
 ):
     token = tl.program_id(0).to(tl.int64)
     head_chunk = tl.program_id(1)
@@ -68,11 +74,16 @@ def _reshape_and_cache_kernel(
              + offs_h[:, None] * stride_kc_head + offs_d[None, :])
     dst_v = (value_cache_ptr + block_id * stride_vc_blk + block_offset * stride_vc_slot
              + offs_h[:, None] * stride_vc_head + offs_d[None, :])
-    tl.store(dst_k, tl.load(src_k, mask=mask), mask=mask)
-    tl.store(dst_v, tl.load(src_v, mask=mask), mask=mask)
+    if FP8:
+        tl.store(dst_k, _float_to_e4m3(tl.load(src_k, mask=mask).to(tl.float32) / k_scale), mask=mask)
+        tl.store(dst_v, _float_to_e4m3(tl.load(src_v, mask=mask).to(tl.float32) / v_scale), mask=mask)
+    else:
+        tl.store(dst_k, tl.load(src_k, mask=mask), mask=mask)
+        tl.store(dst_v, tl.load(src_v, mask=mask), mask=mask)
 
 
-def check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping) -> tuple[int, int, int, int]:
+def check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping, k_scale=1.0,
+                                 v_scale=1.0) -> tuple[int, int, int, int]:
     """Every check of :func:`reshape_and_cache`'s arguments that reads no tensor value, shared with its
     fake implementation. Returns the caches' shape."""
     check_tensor("key", key, ndim=3)
@@ -81,8 +92,13 @@ def check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mappin
     check_tensor("key", key, shape=(None, num_kv_heads, head_dim))
     num_tokens = key.shape[0]
     check_tensor("value", value, like=on_key, shape=(num_tokens, num_kv_heads, head_dim))
-    check_same_dtype("key", key, "key_cache", key_cache)
-    check_same_dtype("value", value, "value_cache", value_cache)
+    if is_fp8(key_cache):  # quantized on the way in: key and value in one activation dtype
+        check_tensor("key", key, dtypes=FLOAT_DTYPES)
+        check_same_dtype("value", value, "key", key)
+    else:
+        check_same_dtype("key", key, "key_cache", key_cache)
+        check_same_dtype("value", value, "value_cache", value_cache)
+    check_kv_scales(k_scale, v_scale, key_cache)
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError("key and value must be contiguous in their last (head_dim) dimension")
     check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int64,), like=on_key, shape=(num_tokens,))
@@ -95,22 +111,31 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write each token's key/value into its cache slot, in place.
 
-    key, value: ``[num_tokens, num_kv_heads, head_dim]``, same dtype as the caches; may be strided
-        views (e.g. slices of a fused qkv projection) as long as the last dimension is contiguous.
-    key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+    key, value: ``[num_tokens, num_kv_heads, head_dim]``, same dtype as the caches (either dtype for
+        float8 caches); may be strided views (e.g. slices of a fused qkv projection) as long as the
+        last dimension is contiguous.
+    key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``; fp16/bf16/fp32, or
+        ``torch.float8_e4m3fn``, which stores e4m3(clamp(x / scale, -448, 448)) rounded to nearest even.
     slot_mapping: int64 ``[num_tokens]``; slot = ``block_id * block_size + offset``; a negative
         slot skips the token (padding).
+    k_scale, v_scale: the float8 cache's per-layer scales (1.0, or the checkpoint's); must stay 1.0
+        for other caches.
     """
-    num_blocks, block_size, num_kv_heads, head_dim = check_reshape_and_cache_args(key, value, key_cache,
-                                                                                  value_cache, slot_mapping)
+    num_blocks, block_size, num_kv_heads, head_dim = check_reshape_and_cache_args(
+        key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    fp8 = is_fp8(key_cache)
     num_tokens = key.shape[0]
     if has_no_data(key, value, key_cache, value_cache, slot_mapping) or num_tokens == 0:
         return  # nothing to write (meta or fake tensors: checked only, the fake implementation)
     # The native kernel checks the slots itself, in the pass that writes (nothing written on failure).
-    native = not use_triton(key_cache) and use_native(key_cache)
+    native = (not use_triton(key_cache) and use_native(key_cache)
+              and (not fp8 or head_dim <= _native.MAX_HEAD_DIM))  # fp8 rows convert in a fixed buffer
     has_padding = None  # known only where values are read
     if value_checks_enabled(slot_mapping) and not native:
         has_padding = _check_slots(slot_mapping, num_blocks, block_size)
@@ -123,16 +148,18 @@ def reshape_and_cache(
         block_h = min(triton.next_power_of_2(num_kv_heads), max(1, 4096 // block_d))
         grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
         _reshape_and_cache_kernel[grid](
-            key, value, key_cache, value_cache, slot_mapping.contiguous(),
+            key, value, key_cache.view(torch.uint8) if fp8 else key_cache,
+            value_cache.view(torch.uint8) if fp8 else value_cache, slot_mapping.contiguous(),
+            float(k_scale), float(v_scale),
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
             num_kv_heads, head_dim, block_size,
-            BLOCK_H=block_h, BLOCK_D=block_d,
+            BLOCK_H=block_h, BLOCK_D=block_d, FP8=fp8,
         )
         return
     if native:
-        if not _native.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
+        if not _native.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale):
             _check_slots(slot_mapping, num_blocks, block_size)
             raise RuntimeError("pagedkernels native reshape_and_cache rejected slot_mapping the checks accept")
         return
@@ -143,6 +170,9 @@ def reshape_and_cache(
     if has_padding is None or has_padding:
         keep = slot_mapping >= 0
         slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+    if fp8:  # index_copy_ has no float8 kernels: copy the codes as bytes
+        key, value = quantize_e4m3(key, k_scale).view(torch.uint8), quantize_e4m3(value, v_scale).view(torch.uint8)
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     if key_cache.is_contiguous() and value_cache.is_contiguous():
         key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
         value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
@@ -212,7 +242,7 @@ def check_copy_blocks_args(key_caches, value_caches, block_mapping) -> None:
         raise ValueError("key_caches must be a non-empty list of tensors")
     if not isinstance(value_caches, (list, tuple)) or len(value_caches) != len(key_caches):
         raise ValueError(f"value_caches must be a list with one tensor per layer ({len(key_caches)})")
-    first = check_tensor("key_caches[0]", key_caches[0], ndim=4, dtypes=FLOAT_DTYPES)
+    first = check_tensor("key_caches[0]", key_caches[0], ndim=4, dtypes=KV_CACHE_DTYPES)
     on_first = ("key_caches[0]", first)
     for kind, caches in (("key_caches", key_caches), ("value_caches", value_caches)):
         for layer, cache in enumerate(caches):
@@ -252,6 +282,8 @@ def copy_blocks(
         return
 
     caches = list(key_caches) + list(value_caches)
+    if is_fp8(first):  # bytes: no float8 index_copy_, and no fp8e4nv type in Triton on sm_80
+        caches = [cache.view(torch.uint8) for cache in caches]
     if use_triton(first):
         _launch_copy_blocks(caches, block_mapping.contiguous())
         return
@@ -268,7 +300,7 @@ def copy_blocks(
 
 def check_swap_blocks_args(src, dst, block_mapping) -> None:
     """Every check of :func:`swap_blocks`'s arguments that reads no tensor value."""
-    check_tensor("src", src, dtypes=FLOAT_DTYPES)
+    check_tensor("src", src, dtypes=KV_CACHE_DTYPES)
     if src.dim() < 1:
         raise ValueError("src must have a leading num_blocks dimension")
     if not isinstance(dst, torch.Tensor) or dst.dim() < 1 or tuple(dst.shape[1:]) != tuple(src.shape[1:]):

@@ -7,7 +7,9 @@ p = seq_lens[s] - 1 and the visible key positions V = {k : max(0, p - W + 1) <= 
     score_k = scale * <q[s, h], K[s, k, g]>,   then softcap * tanh(score_k / softcap) if softcap
     out[s, h] = sum_{k in V} softmax(score)_k * V[s, k, g]
 
-where K[s, k] lives at key_cache[block_tables[s, k // block_size], k % block_size].
+where K[s, k] lives at key_cache[block_tables[s, k // block_size], k % block_size] (times k_scale for a
+float8 e4m3 cache, whose V is times v_scale: the kernels fold the scales into the score scale and the
+output's normalization and feed the e4m3 values to the products as they are, pagedkernels/_fp8.py).
 A sequence with seq_len == 0 sees no keys: its output is all zeros.
 """
 
@@ -26,13 +28,15 @@ from ._backend import (
     use_triton,
     value_checks_enabled,
 )
+from ._fp8 import _e4m3_to_float, is_fp8
 from ._validate import (
     FLOAT_DTYPES,
+    check_attention_options,
+    check_cache_dtype,
     check_gqa,
     check_head_size,
     check_kv_caches,
-    check_attention_options,
-    check_same_dtype,
+    check_kv_scales,
     check_tensor,
 )
 
@@ -41,7 +45,7 @@ __all__ = ["paged_decode_attention", "check_decode_args", "decode_num_splits", "
 
 
 def check_decode_args(q, key_cache, value_cache, block_tables, seq_lens, scale=None, sliding_window=None,
-                      softcap=None, num_splits=None, out=None, workspace=None) -> int:
+                      softcap=None, num_splits=None, out=None, workspace=None, k_scale=1.0, v_scale=1.0) -> int:
     """Every check of :func:`paged_decode_attention`'s arguments that reads no tensor value (types,
     ranks, dtypes, one device, shapes, strides, the options), shared with its fake implementation.
     Returns the GQA group size."""
@@ -49,7 +53,8 @@ def check_decode_args(q, key_cache, value_cache, block_tables, seq_lens, scale=N
     num_seqs, num_q_heads, head_dim = q.shape
     on_q = ("q", q)
     check_kv_caches(key_cache, value_cache, like=on_q)
-    check_same_dtype("key_cache", key_cache, "q", q)
+    check_cache_dtype("key_cache", key_cache, "q", q)
+    check_kv_scales(k_scale, v_scale, key_cache)
     num_blocks, block_size, num_kv_heads, cache_head_dim = key_cache.shape
     if cache_head_dim != head_dim:
         raise ValueError(f"key_cache: head_dim {cache_head_dim} differs from q's head_dim {head_dim}")
@@ -118,13 +123,15 @@ def paged_decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged KV cache (flash-decoding split-K).
 
     Args:
         q: ``[num_seqs, num_q_heads, head_dim]`` fp16/bf16/fp32; head_dim a multiple of 16 in [32, 256].
-        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, q's dtype;
-            num_q_heads must be a multiple of num_kv_heads (GQA).
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, q's dtype or
+            ``torch.float8_e4m3fn``; num_q_heads must be a multiple of num_kv_heads (GQA).
         block_tables: int32 ``[num_seqs, max_blocks_per_seq]``; entries past a sequence's last block
             are never read.
         seq_lens: int32 ``[num_seqs]``, tokens in the cache including the current one (the query
@@ -143,12 +150,14 @@ def paged_decode_attention(
             ValueError. Without it the op allocates that scratch per call. Unused by the PyTorch and
             native backends (validated all the same). Calls that run one after another on a stream
             (the layers of a model) may share one workspace.
+        k_scale, v_scale: a float8 cache's per-layer scales (its values times these are K and V);
+            1.0 for other caches.
 
     Returns:
         ``[num_seqs, num_q_heads, head_dim]`` in q's dtype (``out`` when given).
     """
     group = check_decode_args(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap,
-                              num_splits, out, workspace)
+                              num_splits, out, workspace, k_scale, v_scale)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if has_no_data(q, key_cache, value_cache, block_tables, seq_lens, out, workspace):
@@ -163,19 +172,20 @@ def paged_decode_attention(
         return out
     if native:
         if not _native.paged_attention(q, key_cache, value_cache, block_tables, None, seq_lens, scale,
-                                       sliding_window, softcap, out):
+                                       sliding_window, softcap, out, k_scale, v_scale):
             _check_values(key_cache, block_tables, seq_lens)
             raise RuntimeError("pagedkernels native decode attention rejected metadata the checks accept")
     elif use_triton(q):
         _decode_triton(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap,
-                       num_splits, out, group, workspace)
+                       num_splits, out, group, workspace, k_scale, v_scale)
     else:
         out.copy_(_decode_torch(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
-                                softcap))
+                                softcap, k_scale, v_scale))
     return out
 
 
-def _decode_torch(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap):
+def _decode_torch(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap, k_scale=1.0,
+                  v_scale=1.0):
     """Vectorized PyTorch twin: gather the used blocks of every sequence as rows of a 2-D cache view,
     then two batched matmuls over (sequence, KV head) with the GQA group as the query rows.
     (The engine uses the prefill op for decode batches on CPU: its per-sequence SDPA over exactly
@@ -202,6 +212,8 @@ def _decode_torch(q, key_cache, value_cache, block_tables, seq_lens, scale, slid
         keys, values = key_cache[block_ids], value_cache[block_ids]
     keys = keys.view(num_seqs, context, num_kv_heads, head_dim).float()
     values = values.view(num_seqs, context, num_kv_heads, head_dim).float()
+    if is_fp8(key_cache):
+        keys, values = keys * k_scale, values * v_scale
     pos = torch.arange(context, device=q.device)
     visible = pos[None, :] < lens[:, None]  # [num_seqs, context]
     if sliding_window is not None:
@@ -329,12 +341,13 @@ def _decode_split_kernel(
     partial_out_ptr,  # fp32 [num_seqs, num_q_heads, NUM_SPLITS, HEAD_PAD]
     partial_lse_ptr,  # fp32 [num_seqs, num_q_heads, NUM_SPLITS]
     q_ptr,  # [num_seqs, num_q_heads, head_dim]
-    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]; uint8 e4m3 codes when KV_FP8
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]; uint8 e4m3 codes when KV_FP8
     block_tables_ptr,  # int32 [num_seqs, max_blocks_per_seq]
     seq_lens_ptr,  # int32 [num_seqs]
-    scale,  # float
+    scale,  # float (times k_scale when KV_FP8)
     softcap,  # float, used when USE_SOFTCAP
+    v_scale,  # float, used when KV_FP8
     stride_q_seq: tl.int64,
     stride_q_head: tl.int64,
     stride_k_blk: tl.int64,
@@ -356,6 +369,7 @@ def _decode_split_kernel(
     SLIDING_WINDOW: tl.constexpr,  # 0 = off
     USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (exact, not tf32); None (default) for 16-bit
+    KV_FP8: tl.constexpr,  # the caches hold float8 e4m3 codes: converted to q's dtype after loading (exact)
 ):
     # grid: (num_seqs, num_kv_heads, NUM_SPLITS); one program = all query heads of one KV head over
     # one contiguous range of tiles, so each K/V tile is loaded once per group.
@@ -407,6 +421,8 @@ def _decode_split_kernel(
         # K : (TILE_N, HEAD_PAD)
         K = tl.load(k_head_ptr + physical_block[:, None] * stride_k_blk + slot[:, None] * stride_k_slot
                     + dim_offs[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            K = _e4m3_to_float(K).to(Q.dtype)
         # S : (BLOCK_H, TILE_N)
         S = tl.dot(Q, tl.trans(K), input_precision=DOT_PRECISION) * scale
         if USE_SOFTCAP:
@@ -423,12 +439,16 @@ def _decode_split_kernel(
         # V : (TILE_N, HEAD_PAD)
         V = tl.load(v_head_ptr + physical_block[:, None] * stride_v_blk + slot[:, None] * stride_v_slot
                     + dim_offs[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            V = _e4m3_to_float(V).to(Q.dtype)
         acc = acc * alpha[:, None] + tl.dot(P.to(V.dtype), V, input_precision=DOT_PRECISION)
 
     # An empty split (past the end, before the window, or seq_len == 0) has L == 0: output 0, lse -inf.
     has_keys = L > 0
     L_safe = tl.where(has_keys, L, 1.0)
     O = acc / L_safe[:, None]  # (BLOCK_H, HEAD_PAD)
+    if KV_FP8:
+        O = O * v_scale
     if NUM_SPLITS == 1:
         tl.store(out_ptr + seq_idx.to(tl.int64) * stride_o_seq + q_heads[:, None] * stride_o_head + dim_offs[None, :],
                  O.to(out_ptr.dtype.element_ty), mask=qh_mask)
@@ -474,7 +494,7 @@ def _decode_reduce_kernel(
 
 
 def _decode_triton(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap,
-                   num_splits, out, group, workspace):
+                   num_splits, out, group, workspace, k_scale=1.0, v_scale=1.0):
     num_seqs, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     if q.stride(-1) != 1:
@@ -498,9 +518,13 @@ def _decode_triton(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
         partial_lse = workspace[rows * head_pad: rows * (head_pad + 1)].view(num_seqs, num_q_heads, num_splits)
     else:  # the split kernel writes `out` directly; the scratch arguments are unused
         partial_out = partial_lse = out
+    kv_fp8 = is_fp8(key_cache)
+    if kv_fp8:
+        scale = scale * k_scale
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, partial_out, partial_lse, q, key_cache, value_cache, block_tables, seq_lens,
-        scale, float(softcap or 0.0),
+        scale, float(softcap or 0.0), float(v_scale),
         q.stride(0), q.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -515,6 +539,7 @@ def _decode_triton(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
         SLIDING_WINDOW=sliding_window or 0,
         USE_SOFTCAP=softcap is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,  # None: the default for 16-bit
+        KV_FP8=kv_fp8,
         num_warps=launch_config(q.dtype, launch_device_kind(q.device)),
     )
     if num_splits > 1:

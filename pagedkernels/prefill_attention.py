@@ -14,7 +14,9 @@ program takes BLOCK_Q consecutive query tokens of one sequence and *all* query h
 head, folded into BLOCK_M = BLOCK_Q * GROUP_PAD rows (row m = token m // GROUP_PAD, head
 m % GROUP_PAD of the group), so each K/V tile is loaded once per KV head and feeds one tl.dot. It
 walks the sequence's keys in tiles of TILE_N tokens (independent of the page size: every token's
-physical block comes from the block table) with an online softmax in fp32.
+physical block comes from the block table) with an online softmax in fp32. A float8 e4m3 cache
+(``torch.float8_e4m3fn``) holds K / k_scale and V / v_scale: its codes are converted to q's dtype after
+loading (exact) and the scales fold into the score scale and the output's normalization.
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ import triton.language as tl
 
 from . import _native
 from ._backend import has_no_data, launch_device_kind, use_native, use_triton, value_checks_enabled
+from ._fp8 import _e4m3_to_float, is_fp8
 from ._validate import (
     FLOAT_DTYPES,
+    check_attention_options,
+    check_cache_dtype,
     check_gqa,
     check_head_size,
     check_kv_caches,
-    check_attention_options,
-    check_same_dtype,
+    check_kv_scales,
     check_tensor,
 )
 
@@ -89,6 +93,7 @@ def _attend_kv_tile(
     USE_SOFTCAP: tl.constexpr,
     MASKED: tl.constexpr,  # False: every row sees every key of this tile (no mask needed)
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,  # uint8 e4m3 codes in the caches
 ):
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     dim_valid = offs_d < HEAD_DIM
@@ -118,6 +123,9 @@ def _attend_kv_tile(
     else:
         K = tl.load(k_ptrs, mask=dim_valid[:, None], other=0.0)
         V = tl.load(v_ptrs, mask=dim_valid[None, :], other=0.0)
+    if KV_FP8:
+        K = _e4m3_to_float(K).to(Q.dtype)
+        V = _e4m3_to_float(V).to(Q.dtype)
 
     # S : (BLOCK_M, TILE_N), in log2 units so the softmax can use exp2
     S = tl.dot(Q, K, input_precision=DOT_PRECISION)
@@ -153,8 +161,9 @@ def _prefill_attention_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
     cu_seqlens_q_ptr,  # [num_seqs + 1] int32
     seq_lens_ptr,  # [num_seqs] int32
-    qk_scale,  # float32
+    qk_scale,  # float32 (times k_scale when KV_FP8)
     softcap,  # float32
+    v_scale,  # float32, used when KV_FP8
     num_seqs,
     stride_q_token: tl.int64,
     stride_q_head: tl.int64,
@@ -178,6 +187,7 @@ def _prefill_attention_kernel(
     SLIDING_WINDOW: tl.constexpr,  # 0 = off
     USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,  # the caches hold float8 e4m3 codes (uint8 views)
 ):
     q_tile_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -233,23 +243,25 @@ def _prefill_attention_kernel(
             Q, m_i, l_i, acc, tile_idx, q_pos, kv_end, key_cache_ptr, value_cache_ptr,
             block_table_row_ptr, kv_head_offset_k, kv_head_offset_v,
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, softcap,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, SLIDING_WINDOW, USE_SOFTCAP, True, DOT_PRECISION)
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, SLIDING_WINDOW, USE_SOFTCAP, True, DOT_PRECISION, KV_FP8)
     for tile_idx in range(full_lo, full_hi):
         m_i, l_i, acc = _attend_kv_tile(
             Q, m_i, l_i, acc, tile_idx, q_pos, kv_end, key_cache_ptr, value_cache_ptr,
             block_table_row_ptr, kv_head_offset_k, kv_head_offset_v,
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, softcap,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, SLIDING_WINDOW, USE_SOFTCAP, False, DOT_PRECISION)
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, SLIDING_WINDOW, USE_SOFTCAP, False, DOT_PRECISION, KV_FP8)
     for tile_idx in range(full_hi, num_tiles):
         m_i, l_i, acc = _attend_kv_tile(
             Q, m_i, l_i, acc, tile_idx, q_pos, kv_end, key_cache_ptr, value_cache_ptr,
             block_table_row_ptr, kv_head_offset_k, kv_head_offset_v,
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, qk_scale, softcap,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, SLIDING_WINDOW, USE_SOFTCAP, True, DOT_PRECISION)
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, SLIDING_WINDOW, USE_SOFTCAP, True, DOT_PRECISION, KV_FP8)
 
     # Every valid row saw at least its own key, so l_i > 0 there; padding rows (l_i may be 0) are
     # not stored.
     acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    if KV_FP8:
+        acc = acc * v_scale
     tl.store(out_ptr + token[:, None] * stride_out_token + q_head[:, None] * stride_out_head + offs_d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=io_mask)
 
@@ -314,7 +326,7 @@ def max_registers(dtype: torch.dtype, device_kind: str) -> int | None:
 
 
 def _prefill_attention_triton(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
-                              scale, sliding_window, softcap, out) -> None:
+                              scale, sliding_window, softcap, out, k_scale=1.0, v_scale=1.0) -> None:
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -332,10 +344,15 @@ def _prefill_attention_triton(q, key_cache, value_cache, block_tables, cu_seqlen
     # reading cu_seqlens_q on the host; spare programs return at once.
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     use_softcap = softcap is not None
+    kv_fp8 = is_fp8(key_cache)
+    if kv_fp8:
+        scale = scale * k_scale
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     _prefill_attention_kernel[grid](
         out, q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
         scale if use_softcap else scale * _LOG2E,
         softcap if use_softcap else 1.0,
+        float(v_scale),
         num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -345,6 +362,7 @@ def _prefill_attention_triton(q, key_cache, value_cache, block_tables, cu_seqlen
         SLIDING_WINDOW=sliding_window or 0, USE_SOFTCAP=use_softcap,
         # fp32 inputs: exact fp32 products (tl.dot would default to tf32 on a GPU)
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        KV_FP8=kv_fp8,
         num_warps=num_warps, num_stages=num_stages, **register_limit,
     )
 
@@ -354,7 +372,7 @@ _TORCH_SCORE_BUDGET = 1 << 26
 
 
 def _prefill_attention_torch(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
-                             scale, sliding_window, softcap, out) -> None:
+                             scale, sliding_window, softcap, out, k_scale=1.0, v_scale=1.0) -> None:
     """Per sequence: gather exactly its seq_len cached K/V through the block table (never an unused
     slot, so NaN there cannot leak in through a zero weight), then masked attention in fp32 with the
     GQA group handled by SDPA's enable_gqa or by broadcasting."""
@@ -377,6 +395,8 @@ def _prefill_attention_torch(q, key_cache, value_cache, block_tables, cu_seqlens
         # k, v : [num_kv_heads, seq_len, head_dim]
         k = key_rows.index_select(0, blocks).view(cache_token_shape)[:seq_len].transpose(0, 1).float()
         v = value_rows.index_select(0, blocks).view(cache_token_shape)[:seq_len].transpose(0, 1).float()
+        if is_fp8(key_cache):
+            k, v = k * k_scale, v * v_scale
         k_pos = torch.arange(seq_len, device=q.device)
         chunk = max(1, _TORCH_SCORE_BUDGET // (num_q_heads * max(seq_len, 1)))
         for c_start in range(0, q_len, chunk):
@@ -452,14 +472,15 @@ def _explain_bad_values(q, key_cache, block_tables, cu_seqlens_q, seq_lens) -> N
 
 
 def check_prefill_args(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale=None,
-                       sliding_window=None, softcap=None, out=None) -> int:
+                       sliding_window=None, softcap=None, out=None, k_scale=1.0, v_scale=1.0) -> int:
     """Every check of :func:`paged_prefill_attention`'s arguments that reads no tensor value (types,
     ranks, dtypes, one device, shapes, strides, the options), shared with its fake implementation.
     Returns the GQA group size."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     on_q = ("q", q)
     check_kv_caches(key_cache, value_cache, like=on_q)
-    check_same_dtype("key_cache", key_cache, "q", q)
+    check_cache_dtype("key_cache", key_cache, "q", q)
+    check_kv_scales(k_scale, v_scale, key_cache)
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, cache_head_dim = key_cache.shape
     if cache_head_dim != head_dim:
@@ -490,15 +511,17 @@ def paged_prefill_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal (bottom-right aligned) attention of packed new tokens over a paged KV cache.
 
     Args:
         q: ``[num_tokens, num_q_heads, head_dim]`` fp16/bf16/fp32, the new tokens of all sequences
             packed back to back; head_dim a multiple of 16 in [32, 256].
-        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, q's dtype;
-            the new tokens are already written (``reshape_and_cache``). num_q_heads must be a
-            multiple of num_kv_heads (GQA).
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, q's dtype or
+            ``torch.float8_e4m3fn``; the new tokens are already written (``reshape_and_cache``).
+            num_q_heads must be a multiple of num_kv_heads (GQA).
         block_tables: int32 ``[num_seqs, max_blocks_per_seq]``; entries past a sequence's end are
             never read.
         cu_seqlens_q: int32 ``[num_seqs + 1]``, starts 0, non-decreasing; sequence s owns tokens
@@ -509,13 +532,14 @@ def paged_prefill_attention(
         sliding_window: W: a query at position p sees keys k with ``p - W < k <= p``.
         softcap: scores become ``softcap * tanh(score / softcap)`` after scaling.
         out: optional ``[num_tokens, num_q_heads, head_dim]`` output in q's dtype.
+        k_scale, v_scale: a float8 cache's per-layer scales; 1.0 for other caches.
 
     Returns ``out`` (new tensor if not given). ``cu_seqlens_q[-1] == num_tokens`` is checked only
     where value checks run (CPU tensors, ``PAGEDKERNELS_DEBUG=1``); otherwise rows of ``out`` past
     ``cu_seqlens_q[-1]`` are left untouched.
     """
     group = check_prefill_args(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                               sliding_window, softcap, out)
+                               sliding_window, softcap, out, k_scale, v_scale)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if has_no_data(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out):
@@ -534,10 +558,11 @@ def paged_prefill_attention(
         block_tables = block_tables.contiguous()
     if native:
         if not _native.paged_attention(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                                       sliding_window, softcap, out):
+                                       sliding_window, softcap, out, k_scale, v_scale):
             _check_values(q, key_cache, block_tables, cu_seqlens_q, seq_lens)
             raise RuntimeError("pagedkernels native prefill attention rejected metadata the checks accept")
         return out
     impl = _prefill_attention_triton if use_triton(q) else _prefill_attention_torch
-    impl(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window, softcap, out)
+    impl(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window, softcap, out,
+         k_scale, v_scale)
     return out

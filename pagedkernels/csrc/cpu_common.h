@@ -1,5 +1,6 @@
 /* Helpers shared by pagedkernels' native CPU kernels: dtype conversion, a vectorizable exp and
- * 16-float vectors. dtype codes: 0 = float32, 1 = float16, 2 = bfloat16. */
+ * 16-float vectors. dtype codes: 0 = float32, 1 = float16, 2 = bfloat16, 3 = float8 e4m3 (KV caches
+ * only: read by load_row, written by float_to_e4m3). */
 #ifndef PAGEDKERNELS_CPU_COMMON_H
 #define PAGEDKERNELS_CPU_COMMON_H
 
@@ -23,9 +24,44 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* e4m3 code -> float: its 7 magnitude bits at float16 bits 7..13 read as a float16 2^8 times too small,
+ * subnormals included (see pagedkernels/_fp8.py). */
+static inline float e4m3_to_float(uint8_t c) {
+    const uint16_t h = (uint16_t)(((c & 0x80) << 8) | ((c & 0x7F) << 7));
+    _Float16 f;
+    memcpy(&f, &h, 2);
+    return (float)f * 256.0f;
+}
+
+/* float -> e4m3 code: clamp to +-448, round to nearest even (torch's float8_e4m3fn rounding). */
+static inline uint8_t float_to_e4m3(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    if (x != x) return (uint8_t)(0x7F | ((bits >> 24) & 0x80));
+    const uint8_t sign = (uint8_t)((bits >> 24) & 0x80);
+    float mag = fabsf(x);
+    mag = mag > 448.0f ? 448.0f : mag;
+    uint32_t code;
+    if (mag >= 0.015625f) {
+        uint32_t m;
+        memcpy(&m, &mag, 4);
+        const uint32_t rebased = m - (120u << 23);
+        code = (rebased + 0x7FFFFu + ((rebased >> 20) & 1u)) >> 20;
+    } else {
+        volatile float shifted = mag + 16384.0f; /* ulp 2^-9: the adder rounds to nearest even */
+        code = (uint32_t)((shifted - 16384.0f) * 512.0f);
+    }
+    return (uint8_t)(code | sign);
+}
+
 /* n elements as float32 (for float32 the elements themselves, no copy). */
 static inline const float *load_row(const void *base, int64_t offset, int dtype, int64_t n, float *tmp) {
     if (dtype == 0) return (const float *)base + offset;
+    if (dtype == 3) {
+        const uint8_t *p = (const uint8_t *)base + offset;
+        for (int64_t d = 0; d < n; d++) tmp[d] = e4m3_to_float(p[d]);
+        return tmp;
+    }
     if (dtype == 1) {
         const _Float16 *p = (const _Float16 *)base + offset;
         for (int64_t d = 0; d < n; d++) tmp[d] = (float)p[d];

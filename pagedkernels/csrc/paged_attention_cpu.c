@@ -12,8 +12,10 @@
  *   cu_seqlens_q int32 [num_seqs + 1] (NULL: decode, sequence s owns query row s)
  *   seq_lens     int32 [num_seqs], tokens cached including the new ones; a sequence's queries are
  *                its last q_len positions.
- * dtype: 0 = float32, 1 = float16, 2 = bfloat16. Arithmetic is float32 with an online softmax over
- * tiles of keys; the GQA group's query heads share each key/value row they read.
+ * dtype: 0 = float32, 1 = float16, 2 = bfloat16 (q, out); cache_dtype the same or 3 = float8 e4m3,
+ * whose values are multiplied by k_scale / v_scale (folded into the query's scale and the output's
+ * normalization). Arithmetic is float32 with an online softmax over tiles of keys; the GQA group's
+ * query heads share each key/value row they read.
  */
 #include "cpu_common.h"
 
@@ -139,14 +141,16 @@ static void attend_chunk(const void *q, int64_t q_s0, int64_t q_s1, const void *
                          int64_t k_s1, int64_t k_s2, int64_t v_s0, int64_t v_s1, int64_t v_s2,
                          const int32_t *table, int block_size, int head_dim, int group, int h, int64_t q_row0,
                          int q_begin, int q_end, int first_pos, float scale, int sliding_window, float softcap,
-                         void *out, int64_t o_s0, int64_t o_s1, int dtype, int prefetch_bytes) {
+                         void *out, int64_t o_s0, int64_t o_s1, int dtype, int cache_dtype, float k_scale,
+                         float v_scale, int prefetch_bytes) {
     float qf[MAX_GROUP][MAX_HEAD_DIM];
     float acc[MAX_GROUP][MAX_HEAD_DIM];
     float m[MAX_GROUP], l[MAX_GROUP];
     float scores[MAX_GROUP][KEY_TILE];
     float tmp[MAX_HEAD_DIM];
     float ktile[KEY_TILE][MAX_HEAD_DIM]; /* keys converted to float32 (16-bit caches only) */
-    const int elem_size = dtype == 0 ? 4 : 2;
+    const int elem_size = cache_dtype == 0 ? 4 : cache_dtype == 3 ? 1 : 2;
+    const float q_scale = cache_dtype == 3 ? scale * k_scale : scale; /* e4m3 keys: k_scale folded in */
     for (int i = q_begin; i < q_end; i++) {
         const int64_t row = q_row0 + i;
         const int pos = first_pos + i; /* this query's position: it sees keys lo..pos */
@@ -155,7 +159,7 @@ static void attend_chunk(const void *q, int64_t q_s0, int64_t q_s1, const void *
             const int head = h * group + g;
             const float *src = load_row(q, row * q_s0 + head * q_s1, dtype, head_dim, tmp);
             for (int d = 0; d < head_dim; d++) {
-                qf[g][d] = src[d] * scale;
+                qf[g][d] = src[d] * q_scale;
                 acc[g][d] = 0.0f;
             }
             m[g] = -INFINITY;
@@ -179,7 +183,7 @@ static void attend_chunk(const void *q, int64_t q_s0, int64_t q_s1, const void *
                 prefetch_tile(kc, vc, table, t0 + PREFETCH_TILES * KEY_TILE, pos, block_size, h, k_s0, k_s1, k_s2,
                               v_s0, v_s1, v_s2, prefetch_bytes, elem_size);
             const float *keys[KEY_TILE];
-            for (int j = 0; j < n; j++) keys[j] = load_row(kc, k_off[j], dtype, head_dim, ktile[j]);
+            for (int j = 0; j < n; j++) keys[j] = load_row(kc, k_off[j], cache_dtype, head_dim, ktile[j]);
             tile_scores(qf, group, keys, n, head_dim, scores);
             if (softcap > 0.0f)
                 for (int g = 0; g < group; g++)
@@ -205,11 +209,11 @@ static void attend_chunk(const void *q, int64_t q_s0, int64_t q_s1, const void *
                 l[g] += lsum;
             }
             const float *values[KEY_TILE];
-            for (int j = 0; j < n; j++) values[j] = load_row(vc, v_off[j], dtype, head_dim, ktile[j]);
+            for (int j = 0; j < n; j++) values[j] = load_row(vc, v_off[j], cache_dtype, head_dim, ktile[j]);
             tile_values(acc, group, values, n, head_dim, scores);
         }
         for (int g = 0; g < group; g++) {
-            const float inv = 1.0f / l[g];
+            const float inv = (cache_dtype == 3 ? v_scale : 1.0f) / l[g];
             for (int d = 0; d < head_dim; d++) acc[g][d] *= inv;
             store_row(out, row * o_s0 + (h * group + g) * o_s1, dtype, head_dim, acc[g]);
         }
@@ -245,7 +249,7 @@ int pk_paged_attention(const void *q, int64_t q_s0, int64_t q_s1, const void *ke
                        const int32_t *seq_lens, int64_t num_seqs, int num_q_heads, int num_kv_heads,
                        int head_dim, int block_size, float scale, int sliding_window, float softcap, void *out,
                        int64_t o_s0, int64_t o_s1, int dtype, int num_threads, int64_t num_blocks,
-                       int64_t num_tokens, int64_t table_width) {
+                       int64_t num_tokens, int64_t table_width, int cache_dtype, float k_scale, float v_scale) {
     const int group = num_q_heads / num_kv_heads;
     if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP) return -1;
     if (!metadata_ok(block_tables, table_stride, table_width, cu_seqlens_q, seq_lens, num_seqs, num_tokens,
@@ -263,7 +267,7 @@ int pk_paged_attention(const void *q, int64_t q_s0, int64_t q_s1, const void *ke
         const int64_t q_len = cu_seqlens_q ? cu_seqlens_q[s + 1] - cu_seqlens_q[s] : 1;
         total_chunks += seq_lens[s] > 0 ? (q_len + QUERY_CHUNK - 1) / QUERY_CHUNK : 0;
     }
-    const int elem_size = dtype == 0 ? 4 : 2, row_bytes = head_dim * elem_size;
+    const int elem_size = cache_dtype == 0 ? 4 : cache_dtype == 3 ? 1 : 2, row_bytes = head_dim * elem_size;
     const int heads_contiguous = k_s2 == head_dim && v_s2 == head_dim;
     const int heads_per_item = total_chunks >= 4 * (int64_t)num_threads && heads_contiguous ? num_kv_heads : 1;
     const int kv_items = num_kv_heads / heads_per_item;
@@ -294,7 +298,7 @@ int pk_paged_attention(const void *q, int64_t q_s0, int64_t q_s1, const void *ke
             attend_chunk(q, q_s0, q_s1, key_cache, value_cache, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2,
                          block_tables + s * table_stride, block_size, head_dim, group, h, q_row0, q_begin, q_end,
                          seq_lens[s] - q_len, scale, sliding_window, softcap, out, o_s0, o_s1, dtype,
-                         prefetch_bytes);
+                         cache_dtype, k_scale, v_scale, prefetch_bytes);
         }
     }
     /* Decode rows of empty sequences (seq_len 0) are zeros. */
@@ -311,15 +315,39 @@ int pk_paged_attention(const void *q, int64_t q_s0, int64_t q_s1, const void *ke
     return 0;
 }
 
+/* Row of n values of dtype src_dt as e4m3 codes of value / scale. */
+static void quantize_row_e4m3(const void *src, int64_t offset, int src_dt, int64_t n, float scale, uint8_t *dst) {
+    float tmp[MAX_HEAD_DIM];
+    const float *v = load_row(src, offset, src_dt, n, tmp);
+    for (int64_t d = 0; d < n; d++) dst[d] = float_to_e4m3(v[d] / scale);
+}
+
 /* key/value [num_tokens, num_kv_heads, head_dim] (strides t_s0, t_s1) into the caches; slot < 0 skips.
+ * cache_dtype 3: the caches are e4m3, written as code(x / k_scale) (v_scale for values) from key/value
+ * of dtype src_dtype; otherwise the rows are copied (elem_size bytes per value).
  * Returns 0, or 1 (nothing written) when a slot is past the cache's num_blocks * block_size. */
 int pk_reshape_and_cache(const void *key, int64_t k_s0, int64_t k_s1, const void *value, int64_t v_s0,
                          int64_t v_s1, void *key_cache, int64_t kc_s0, int64_t kc_s1, int64_t kc_s2,
                          void *value_cache, int64_t vc_s0, int64_t vc_s1, int64_t vc_s2, const int64_t *slots,
                          int64_t num_tokens, int num_kv_heads, int head_dim, int block_size, int elem_size,
-                         int64_t num_blocks) {
+                         int64_t num_blocks, int src_dtype, int cache_dtype, float k_scale, float v_scale) {
     for (int64_t t = 0; t < num_tokens; t++)
         if (slots[t] >= num_blocks * block_size) return 1;
+    if (cache_dtype == 3) {
+        if (head_dim > MAX_HEAD_DIM) return -1;
+        for (int64_t t = 0; t < num_tokens; t++) {
+            const int64_t slot = slots[t];
+            if (slot < 0) continue;
+            const int64_t block = slot / block_size, offset = slot % block_size;
+            for (int h = 0; h < num_kv_heads; h++) {
+                quantize_row_e4m3(key, t * k_s0 + h * k_s1, src_dtype, head_dim, k_scale,
+                                  (uint8_t *)key_cache + block * kc_s0 + offset * kc_s1 + h * kc_s2);
+                quantize_row_e4m3(value, t * v_s0 + h * v_s1, src_dtype, head_dim, v_scale,
+                                  (uint8_t *)value_cache + block * vc_s0 + offset * vc_s1 + h * vc_s2);
+            }
+        }
+        return 0;
+    }
     const size_t row_bytes = (size_t)head_dim * elem_size;
     for (int64_t t = 0; t < num_tokens; t++) {
         const int64_t slot = slots[t];
