@@ -27,6 +27,7 @@ import triton.language as tl
 
 from . import _native
 from ._backend import has_no_data, launch_device_kind, num_multiprocessors, use_native, use_triton, value_checks_enabled
+from ._fp8 import _e4m3_to_float
 from ._validate import FLOAT_DTYPES, check_tensor
 from .quant_formats import dequantize_wq
 
@@ -193,7 +194,7 @@ def _dequantize_tile(
 @triton.jit
 def _wq_gemm_kernel(
     x_ptr,  # [M, K], fp16/bf16/fp32
-    w_ptr,  # WEIGHT_FORMAT 0: uint8 [N, K // 2]; 1: uint8 [N, K]; 2: float8e4nv [N, K]
+    w_ptr,  # WEIGHT_FORMAT 0: uint8 [N, K // 2]; 1: uint8 [N, K]; 2: uint8 e4m3 codes [N, K]
     scales_ptr,  # [N, num_groups]; stride_s_n == 0 with one group: a per-tensor scale
     zeros_ptr,  # [N, num_groups], read when HAS_ZEROS
     out_ptr,  # SPLIT_K == 1: [M, N] in x's dtype; else float32 partial sums [SPLIT_K, M, N]
@@ -256,8 +257,10 @@ def _wq_gemm_kernel(
         else:
             k = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
             k_mask = k < K
-            # Q : (BLOCK_K, BLOCK_N) uint8 or float8
+            # Q : (BLOCK_K, BLOCK_N) uint8: the values, or (WEIGHT_FORMAT 2) e4m3 codes
             Q = tl.load(w_rows + k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0)
+            if WEIGHT_FORMAT == 2:
+                Q = _e4m3_to_float(Q)
             W = _dequantize_tile(Q, k, k0, offs_n, n_mask, scales_ptr, zeros_ptr, stride_s_n, group_size,
                                  default_zero, HAS_ZEROS, SCALE_PER_TILE)
             X = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
@@ -305,8 +308,9 @@ def wq_launch_config(M: int, N: int, K: int, dtype: torch.dtype, device_kind: st
 
 
 def _wq_gemm_triton(x, weight, scales, zeros, weight_format: int, group: int, out: torch.Tensor) -> None:
-    """Launch for the canonical formats (zeros or the midpoint) and fp8 (zeros None, zero point 0;
-    ``scales`` [N, 1] per channel or [1, 1] per tensor, broadcast with a zero row stride)."""
+    """Launch for the canonical formats (zeros or the midpoint) and fp8 (a uint8 view of the e4m3 weight,
+    zeros None, zero point 0; ``scales`` [N, 1] per channel or [1, 1] per tensor, broadcast with a zero
+    row stride)."""
     M, K = x.shape
     N = weight.shape[0]
     block_m, block_n, block_k, split, warps, stages = wq_launch_config(
