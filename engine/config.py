@@ -264,6 +264,7 @@ class SchedulerConfig:
     max_num_seqs: int                     # sequences in one step
     max_num_batched_tokens: int           # token budget of one step (chunked prefill is always on)
     preemption_mode: str                  # "recompute" | "swap"
+    max_num_seqs_per_request: int | None = None   # one request's rows in a step shared with others (None: all)
 
 
 @dataclass(slots=True)

@@ -30,6 +30,7 @@ class EngineArgs:
     block_size: int = 16
     max_model_len: int | None = None
     max_num_seqs: int = 256
+    max_num_seqs_per_request: int | None = None
     max_num_batched_tokens: int | None = None
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -59,6 +60,9 @@ class EngineArgs:
         group.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
         group.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output")
         group.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
+        group.add_argument("--max-num-seqs-per-request", type=int, default=None,
+                           help="most sequences of one request (n > 1) in a step while other requests run or "
+                                "wait (default: no limit; serve: 32)")
         group.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
         group.add_argument("--num-kv-blocks", type=int, default=None,
                            help="KV-cache size in blocks (overrides the memory-derived size)")
@@ -112,6 +116,8 @@ class EngineArgs:
 
         _check_int("block_size", self.block_size, 8, 128)
         _check_int("max_num_seqs", self.max_num_seqs, 1)
+        if self.max_num_seqs_per_request is not None:
+            _check_int("max_num_seqs_per_request", self.max_num_seqs_per_request, 1)
         for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 1)
@@ -140,7 +146,7 @@ class EngineArgs:
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens or policy.default_max_num_batched_tokens,
-            preemption_mode=self.preemption_mode)
+            preemption_mode=self.preemption_mode, max_num_seqs_per_request=self.max_num_seqs_per_request)
         cache_config = CacheConfig(block_size=self.block_size, gpu_memory_utilization=float(self.gpu_memory_utilization),
                                    swap_space=float(self.swap_space), enable_prefix_caching=self.enable_prefix_caching,
                                    num_gpu_blocks_override=self.num_kv_blocks)

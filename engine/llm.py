@@ -23,6 +23,8 @@ class LLM:
         block_size: tokens per KV-cache block.
         max_model_len: longest prompt + output (default: the model's max_position_embeddings).
         max_num_seqs: most sequences in one step.
+        max_num_seqs_per_request: most sequences of one request (n > 1) in a step while other requests run or
+            wait, the rest taking turns (default: no limit).
         max_num_batched_tokens: token budget of one step (default 8192 on GPUs, 1024 on CPU: chunked prefill
             is always on, so it need not hold a whole prompt; see engine/core/llm_engine.py).
         num_kv_blocks: KV-cache size in blocks; overrides the memory-derived size.
@@ -53,7 +55,8 @@ class LLM:
 
     def __init__(self, model: str, *, tokenizer: str | None = None, dtype: str | torch.dtype = "auto",
                  device: str | torch.device = "auto", block_size: int = 16, max_model_len: int | None = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, num_kv_blocks: int | None = None,
+                 max_num_seqs: int = 256, max_num_seqs_per_request: int | None = None,
+                 max_num_batched_tokens: int | None = None, num_kv_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  enforce_eager: bool = False, seed: int = 0, swap_space: float = 4,
                  preemption_mode: str = "recompute", generation_config: str = "auto",
@@ -61,7 +64,8 @@ class LLM:
                  speculative_config: dict | None = None):
         self.llm_engine = EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, device=device, block_size=block_size,
-            max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_seqs_per_request=max_num_seqs_per_request,
+            max_num_batched_tokens=max_num_batched_tokens,
             num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed,
             swap_space=swap_space, preemption_mode=preemption_mode,

@@ -94,7 +94,8 @@ class LLMEngine:
                                           num_swap_blocks=self.executor.num_swap_blocks)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.scheduler_config.max_num_seqs,
                                    max_num_batched_tokens=self.max_num_batched_tokens,
-                                   preemption_mode=config.scheduler_config.preemption_mode)
+                                   preemption_mode=config.scheduler_config.preemption_mode,
+                                   max_num_seqs_per_request=config.scheduler_config.max_num_seqs_per_request)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, SequenceGroup] = {}
         self.num_generation_tokens = 0

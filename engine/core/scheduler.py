@@ -53,15 +53,23 @@ class ScheduledStep:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 preemption_mode: str = "recompute"):
+                 preemption_mode: str = "recompute", max_num_seqs_per_request: int | None = None):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
+        if max_num_seqs_per_request is not None and max_num_seqs_per_request < 1:
+            raise ValueError(f"max_num_seqs_per_request must be >= 1, got {max_num_seqs_per_request}")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
+        # Fairness: while other requests run or wait, one request's sequences take at most this many rows of a
+        # step (its others wait their turn, least recently run first) and count this many against max_num_seqs
+        # when requests are admitted. None: no limit.
+        self.max_num_seqs_per_request = max_num_seqs_per_request
+        self._step_index = 0
+        self._last_run: dict[int, int] = {}   # seq_id -> the last step that ran it (fair share rotation)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
         self.waiting: deque[Sequence] = deque()
@@ -90,12 +98,16 @@ class Scheduler:
         self._moves: list[tuple[str, int, int]] = []
         scheduled: list[tuple[Sequence, int]] = []
         preempted = False
+        self._step_index += 1
+        waiting_turn = self._over_fair_share()
 
         # Running sequences, in arrival order: each what it has to compute (drafts only whole), within the budget.
         for seq in list(self.running):
             if self._budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:   # preempted earlier in this loop
+                continue
+            if seq.seq_id in waiting_turn:   # its request has its share of this step
                 continue
             num_new_tokens = seq.num_tokens - seq.num_computed_tokens
             if num_new_tokens == 0:   # a beam waiting for the rest of its group's step
@@ -116,7 +128,7 @@ class Scheduler:
         while self.swapped and not preempted and self._budget > 0:
             group = self.swapped[0]
             members = [s for s in group.seqs if s.status is SequenceStatus.SWAPPED]
-            if len(self.running) + len(members) > self.max_num_seqs:
+            if self._running_slots() + self._share(len(members)) > self.max_num_seqs:
                 break
             if not self.block_manager.can_swap_in(members, num_headroom_blocks=len(members)):
                 break
@@ -132,7 +144,8 @@ class Scheduler:
 
         # Waiting sequences, FCFS; none while this step had to preempt (memory is short: let the running finish).
         while (self.waiting and not preempted and not self.swapped and self._budget > 0
-               and len(self.running) + self._num_seqs_after_fork(self.waiting[0]) <= self.max_num_seqs):
+               and self._running_slots() + self._share(self._num_seqs_after_fork(self.waiting[0]))
+               <= self.max_num_seqs):
             seq = self.waiting[0]
             cached_block_ids = self.block_manager.lookup_prefix(seq)
             num_new_tokens = min(seq.num_tokens - len(cached_block_ids) * self.block_manager.block_size, self._budget)
@@ -150,7 +163,45 @@ class Scheduler:
             self._schedule_seq(seq, num_new_tokens, scheduled)
 
         forks = self._fork_completing_prompts(scheduled)
+        if self.max_num_seqs_per_request is not None:
+            for seq, _ in scheduled:
+                self._last_run[seq.seq_id] = self._step_index
         return ScheduledStep(scheduled, self._worker_output(scheduled, forks, grammar_bitmask), forks)
+
+    def _share(self, num_seqs: int) -> int:
+        """The rows `num_seqs` sequences of one request can take in a step shared with other requests."""
+        limit = self.max_num_seqs_per_request
+        return num_seqs if limit is None else min(num_seqs, limit)
+
+    def _running_slots(self) -> int:
+        """Rows the running requests may take in one step (each at most its share): what admission counts."""
+        if self.max_num_seqs_per_request is None:
+            return len(self.running)
+        per_request: dict[str, int] = {}
+        for seq in self.running:
+            per_request[seq.request_id] = per_request.get(seq.request_id, 0) + 1
+        return sum(self._share(count) for count in per_request.values())
+
+    def _over_fair_share(self) -> set[int]:
+        """The running sequences that sit this step out: while other requests run or wait, each request beyond
+        max_num_seqs_per_request runs that many of its sequences, those run least recently (a beam search, whose
+        beams step together, is exempt). A request alone runs all of its sequences."""
+        limit = self.max_num_seqs_per_request
+        if limit is None or len(self.running) <= limit:
+            return set()
+        groups: dict[str, list[Sequence]] = {}
+        for seq in self.running:
+            if seq.num_tokens > seq.num_computed_tokens:
+                groups.setdefault(seq.request_id, []).append(seq)
+        if len(groups) <= 1 and not self.waiting and not self.swapped:
+            return set()
+        sitting_out = set()
+        for seqs in groups.values():
+            if len(seqs) <= limit or seqs[0].group.beam is not None:
+                continue
+            seqs = sorted(seqs, key=lambda s: (self._last_run.get(s.seq_id, -1), s.order))
+            sitting_out.update(s.seq_id for s in seqs[limit:])
+        return sitting_out
 
     def _fork_completing_prompts(self, scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, Sequence]]:
         """An n > 1 request whose prompt completes this step forks now: sequences 1..n-1 share every block of
@@ -284,6 +335,7 @@ class Scheduler:
             self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.FINISHED
         seq.spec_token_ids = []
+        self._last_run.pop(seq.seq_id, None)
         if seq.known_to_workers:
             self.finished_seq_ids.append(seq.seq_id)
             seq.known_to_workers = False

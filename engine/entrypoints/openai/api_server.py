@@ -28,6 +28,9 @@ from engine.entrypoints.openai.serving import json_safe, MAX_CHARS_PER_TOKEN, Op
 
 logger = logging.getLogger(__name__)
 
+# serve's default --max-num-seqs-per-request: an n=256 request runs 32 sequences a step while others are served.
+SERVE_MAX_NUM_SEQS_PER_REQUEST = 32
+
 
 def _error_response(error: OpenAIError) -> JSONResponse:
     return JSONResponse(error.to_json(), status_code=error.status)
@@ -277,6 +280,8 @@ def engine_from_args(args) -> tuple[AsyncLLMEngine, str]:
     from engine.engine_args import EngineArgs
 
     engine_args = EngineArgs.from_cli_args(args)
+    if engine_args.max_num_seqs_per_request is None:   # a server shares its steps fairly by default
+        engine_args.max_num_seqs_per_request = min(SERVE_MAX_NUM_SEQS_PER_REQUEST, engine_args.max_num_seqs)
     if engine_args.skip_tokenizer_init:
         raise ValueError("serve needs the tokenizer (requests are text and chat messages): drop "
                          "--skip-tokenizer-init")

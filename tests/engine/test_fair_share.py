@@ -1,0 +1,53 @@
+"""Fairness under heavy valid requests (issue 21, item 4): with max_num_seqs_per_request=k, a request's
+sequences take at most k rows of a step while other requests run or wait (the rest take turns, least recently run
+first), an n > max_num_seqs - k request does not keep others from being admitted, and a request alone runs all of
+its sequences. Greedy tokens are the same as without the limit."""
+from engine import SamplingParams
+from tests.engine.models_util import make_engine, random_token_ids
+
+HEAVY = SamplingParams(n=16, temperature=0.0, max_tokens=8, ignore_eos=True)
+LIGHT = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+PROMPT_HEAVY, PROMPT_LIGHT = random_token_ids(20, seed=1), random_token_ids(20, seed=2)
+
+
+def run(llama_dir, limit, *, light: bool = True):
+    engine = make_engine(llama_dir, max_model_len=128, num_kv_blocks=256, max_num_seqs=16,
+                         max_num_seqs_per_request=limit)
+    engine.add_request("heavy", {"prompt_token_ids": PROMPT_HEAVY}, HEAVY)
+    rows_per_step, finished = [], {}
+    original = engine.executor.execute_model
+
+    def spy(scheduler_output):
+        heavy_ids = {s.seq_id for s in engine.requests["heavy"].seqs} if "heavy" in engine.requests else set()
+        rows = set(scheduler_output.num_scheduled_tokens)
+        rows_per_step.append((len(rows & heavy_ids), len(rows - heavy_ids), len(scheduler_output.sample_from)))
+        return original(scheduler_output)
+    engine.executor.execute_model = spy
+    engine.step()   # the heavy prompt
+    if light:
+        engine.add_request("light", {"prompt_token_ids": PROMPT_LIGHT}, LIGHT)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    return finished, rows_per_step
+
+
+def test_a_heavy_request_takes_its_share_while_another_runs(llama_dir):
+    free, _ = run(llama_dir, None)
+    fair, rows = run(llama_dir, 4)
+    # Same greedy tokens; the light request finished while the heavy one still had sequences to run.
+    assert {k: [c.token_ids for c in v.outputs] for k, v in fair.items()} == \
+           {k: [c.token_ids for c in v.outputs] for k, v in free.items()}
+    with_light = [heavy for heavy, light, _ in rows if light]
+    assert with_light and max(with_light) <= 4
+    # The light request was admitted at once (max_num_seqs=16 and the heavy request has 16 sequences) and
+    # ran in every step until it finished: 8 tokens in 8 steps after its admission.
+    assert len(with_light) == 8
+    # The heavy request alone again runs everything it has.
+    assert max(heavy for heavy, light, _ in rows[-3:] if not light) > 4
+
+
+def test_a_request_alone_runs_all_its_sequences(llama_dir):
+    _, rows = run(llama_dir, 4, light=False)
+    assert max(heavy for heavy, _, _ in rows[1:]) == 16
