@@ -11,6 +11,7 @@ from engine import LLMEngine, SamplingParams
 from engine.core.block_manager import BlockManager
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence, SequenceStatus
+from tests.engine.block_invariants import assert_refcounts_match_holders, finish_all_and_assert_released
 from tests.engine.models_util import make_engine, random_token_ids
 
 PROMPT_70 = random_token_ids(70, seed=41)
@@ -199,27 +200,10 @@ class EngineCoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def refcounts_match_holders(self):
-        holders, swap_holders = {}, {}
-        for group in self.groups.values():
-            for seq in group.seqs:
-                table = swap_holders if seq.status is SequenceStatus.SWAPPED else holders
-                for b in seq.block_table:
-                    table[b] = table.get(b, 0) + 1
-        for block in self.bm.blocks:
-            assert block.ref_count == holders.get(block.block_id, 0)
-            assert (block.ref_count == 0) == (block.block_id in self.bm.free_block_ids)
-        for swap_id, count in enumerate(self.bm.swap_ref_counts):
-            assert count == swap_holders.get(swap_id, 0)
-            assert (count == 0) == (swap_id in self.bm.free_swap_block_ids)
+        assert_refcounts_match_holders(self.bm, self.groups.values())
 
     def teardown(self):
-        for group in self.groups.values():
-            for seq in group.unfinished_seqs:
-                self.sched.finish(seq)
-        assert not self.sched.has_unfinished()
-        assert self.bm.num_free_blocks == self.bm.num_blocks
-        assert self.bm.num_free_swap_blocks == self.bm.num_swap_blocks
-
+        finish_all_and_assert_released(self.sched, self.groups.values())
 
 TestEngineCoreMachine = EngineCoreMachine.TestCase
 TestEngineCoreMachine.settings = settings(max_examples=120, stateful_step_count=40, deadline=None,
