@@ -34,32 +34,44 @@ import torch
 from .activation import silu_and_mul as _silu_and_mul
 from .cache_ops import reshape_and_cache as _reshape_and_cache
 from .decode_attention import paged_decode_attention as _paged_decode_attention
+from .fp8_gemm import fp8_gemm as _fp8_gemm
+from .gguf_quant import gguf_dequantize as _gguf_dequantize
+from .gguf_quant import gguf_gemm as _gguf_gemm
 from .prefill_attention import paged_prefill_attention as _paged_prefill_attention
 from .rms_norm import fused_add_rms_norm as _fused_add_rms_norm
 from .rms_norm import rms_norm as _rms_norm
 from .rotary import rotary_embedding as _rotary_embedding
+from .wq_gemm import wq_gemm as _wq_gemm
 
 __all__ = ["reshape_and_cache", "paged_decode_attention", "paged_prefill_attention", "rms_norm",
-           "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "OPS"]
+           "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "wq_gemm", "gguf_gemm", "gguf_dequantize",
+           "fp8_gemm", "OPS"]
 
 # Every op this module registers, by its name under torch.ops.pagedkernels.
 OPS = ("reshape_and_cache", "paged_decode_attention", "paged_decode_attention_workspace", "paged_prefill_attention",
-       "rms_norm", "fused_add_rms_norm_", "rotary_embedding", "silu_and_mul")
+       "rms_norm", "fused_add_rms_norm_", "rotary_embedding", "silu_and_mul", "wq_gemm", "gguf_gemm",
+       "gguf_dequantize", "fp8_gemm")
 
 
 # -- KV cache -----------------------------------------------------------------------------------
 
 
 @torch.library.custom_op("pagedkernels::reshape_and_cache", mutates_args=("key_cache", "value_cache"))
+def _reshape_and_cache_op(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    _reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+
+
+@_reshape_and_cache_op.register_fake
+def _(key, value, key_cache, value_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
+    # checks only, on fake tensors
+    _reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+
+
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
+                      slot_mapping: torch.Tensor, *, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """See :func:`pagedkernels.reshape_and_cache`."""
-    _reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-
-
-@reshape_and_cache.register_fake
-def _(key, value, key_cache, value_cache, slot_mapping) -> None:
-    _reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)  # checks only, on fake tensors
+    _reshape_and_cache_op(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
 # -- attention ----------------------------------------------------------------------------------
@@ -68,15 +80,17 @@ def _(key, value, key_cache, value_cache, slot_mapping) -> None:
 @torch.library.custom_op("pagedkernels::paged_decode_attention", mutates_args=())
 def _paged_decode_attention_op(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None,
-                               sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                               sliding_window: int | None = None, softcap: float | None = None,
+                               k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     return _paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale=scale,
-                                   sliding_window=sliding_window, softcap=softcap)
+                                   sliding_window=sliding_window, softcap=softcap, k_scale=k_scale, v_scale=v_scale)
 
 
 @_paged_decode_attention_op.register_fake
-def _(q, key_cache, value_cache, block_tables, seq_lens, scale=None, sliding_window=None, softcap=None):
+def _(q, key_cache, value_cache, block_tables, seq_lens, scale=None, sliding_window=None, softcap=None, k_scale=1.0,
+      v_scale=1.0):
     return _paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale=scale,
-                                   sliding_window=sliding_window, softcap=softcap)
+                                   sliding_window=sliding_window, softcap=softcap, k_scale=k_scale, v_scale=v_scale)
 
 
 @torch.library.custom_op("pagedkernels::paged_decode_attention_workspace", mutates_args=("workspace",))
@@ -84,21 +98,26 @@ def _paged_decode_attention_workspace_op(q: torch.Tensor, key_cache: torch.Tenso
                                          block_tables: torch.Tensor, seq_lens: torch.Tensor,
                                          workspace: torch.Tensor, scale: float | None = None,
                                          sliding_window: int | None = None,
-                                         softcap: float | None = None) -> torch.Tensor:
+                                         softcap: float | None = None, k_scale: float = 1.0,
+                                         v_scale: float = 1.0) -> torch.Tensor:
     return _paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale=scale,
-                                   sliding_window=sliding_window, softcap=softcap, workspace=workspace)
+                                   sliding_window=sliding_window, softcap=softcap, workspace=workspace,
+                                   k_scale=k_scale, v_scale=v_scale)
 
 
 @_paged_decode_attention_workspace_op.register_fake
-def _(q, key_cache, value_cache, block_tables, seq_lens, workspace, scale=None, sliding_window=None, softcap=None):
+def _(q, key_cache, value_cache, block_tables, seq_lens, workspace, scale=None, sliding_window=None, softcap=None,
+      k_scale=1.0, v_scale=1.0):
     return _paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale=scale,
-                                   sliding_window=sliding_window, softcap=softcap, workspace=workspace)
+                                   sliding_window=sliding_window, softcap=softcap, workspace=workspace,
+                                   k_scale=k_scale, v_scale=v_scale)
 
 
 def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None,
                            sliding_window: int | None = None, softcap: float | None = None,
-                           workspace: torch.Tensor | None = None) -> torch.Tensor:
+                           workspace: torch.Tensor | None = None, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     """See :func:`pagedkernels.paged_decode_attention`; returns a new ``[num_seqs, num_q_heads, head_dim]``.
 
     Without ``workspace``: ``torch.ops.pagedkernels.paged_decode_attention`` (the launch allocates its
@@ -106,26 +125,26 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     overwrites it (declared mutated) and allocates nothing, as CUDA-graph capture wants."""
     if workspace is None:
         return _paged_decode_attention_op(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
-                                          softcap)
+                                          softcap, k_scale, v_scale)
     return _paged_decode_attention_workspace_op(q, key_cache, value_cache, block_tables, seq_lens, workspace, scale,
-                                                sliding_window, softcap)
+                                                sliding_window, softcap, k_scale, v_scale)
 
 
 @torch.library.custom_op("pagedkernels::paged_prefill_attention", mutates_args=())
 def paged_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                             scale: float | None = None, sliding_window: int | None = None,
-                            softcap: float | None = None) -> torch.Tensor:
+                            softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """See :func:`pagedkernels.paged_prefill_attention`; returns a new ``[num_tokens, num_q_heads, head_dim]``."""
     return _paged_prefill_attention(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale=scale,
-                                    sliding_window=sliding_window, softcap=softcap)
+                                    sliding_window=sliding_window, softcap=softcap, k_scale=k_scale, v_scale=v_scale)
 
 
 @paged_prefill_attention.register_fake
 def _(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale=None, sliding_window=None,
-      softcap=None):
+      softcap=None, k_scale=1.0, v_scale=1.0):
     return _paged_prefill_attention(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale=scale,
-                                    sliding_window=sliding_window, softcap=softcap)
+                                    sliding_window=sliding_window, softcap=softcap, k_scale=k_scale, v_scale=v_scale)
 
 
 # -- norms, rotary, activation ------------------------------------------------------------------
@@ -185,3 +204,67 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 @silu_and_mul.register_fake
 def _(x):
     return _silu_and_mul(x)
+
+
+
+# -- quantized weights --------------------------------------------------------------------------
+
+
+@torch.library.custom_op("pagedkernels::wq_gemm", mutates_args=())
+def _wq_gemm_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
+                group_size: int, perm: torch.Tensor | None = None) -> torch.Tensor:
+    return _wq_gemm(x, qweight, scales, zeros, bits=bits, group_size=group_size, perm=perm)
+
+
+@_wq_gemm_op.register_fake
+def _(x, qweight, scales, zeros, bits, group_size, perm=None):
+    return _wq_gemm(x, qweight, scales, zeros, bits=bits, group_size=group_size, perm=perm)
+
+
+def wq_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None, *,
+            bits: int, group_size: int, perm: torch.Tensor | None = None) -> torch.Tensor:
+    """See :func:`pagedkernels.wq_gemm`; returns a new ``[M, N]``."""
+    return _wq_gemm_op(x, qweight, scales, zeros, bits, group_size, perm)
+
+
+@torch.library.custom_op("pagedkernels::gguf_gemm", mutates_args=())
+def gguf_gemm(x: torch.Tensor, qweight: torch.Tensor, quant_type: str) -> torch.Tensor:
+    """See :func:`pagedkernels.gguf_gemm` (``quant_type`` by name); returns a new ``[M, N]``."""
+    return _gguf_gemm(x, qweight, quant_type)
+
+
+@gguf_gemm.register_fake
+def _(x, qweight, quant_type):
+    return _gguf_gemm(x, qweight, quant_type)
+
+
+@torch.library.custom_op("pagedkernels::gguf_dequantize", mutates_args=())
+def _gguf_dequantize_op(qweight: torch.Tensor, quant_type: str, dtype: torch.dtype) -> torch.Tensor:
+    return _gguf_dequantize(qweight, quant_type, dtype=dtype)
+
+
+@_gguf_dequantize_op.register_fake
+def _(qweight, quant_type, dtype):
+    return _gguf_dequantize(qweight, quant_type, dtype=dtype)
+
+
+def gguf_dequantize(qweight: torch.Tensor, quant_type: str, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """See :func:`pagedkernels.gguf_dequantize`; returns a new ``[N, K]``."""
+    return _gguf_dequantize_op(qweight, quant_type, dtype)
+
+
+@torch.library.custom_op("pagedkernels::fp8_gemm", mutates_args=())
+def _fp8_gemm_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                 act_scale: torch.Tensor | None = None) -> torch.Tensor:
+    return _fp8_gemm(x, weight, weight_scale, act_scale=act_scale)
+
+
+@_fp8_gemm_op.register_fake
+def _(x, weight, weight_scale, act_scale=None):
+    return _fp8_gemm(x, weight, weight_scale, act_scale=act_scale)
+
+
+def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *,
+             act_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """See :func:`pagedkernels.fp8_gemm`; returns a new ``[M, N]``."""
+    return _fp8_gemm_op(x, weight, weight_scale, act_scale)

@@ -5,7 +5,9 @@ torch.library.opcheck validates each registration (schema, declared mutations, a
 registration, fake impl against the real one, AOT dispatch with dynamic shapes); a function calling
 all of them compiles with inductor, fullgraph and dynamic shapes (no graph breaks) and gives the
 eager results, K/V cache writes and in-place rotary/norm updates included. Decode attention is
-checked with and without a caller's workspace (two ops: see the module's docstring).
+checked with and without a caller's workspace (two ops: see the module's docstring), and the KV ops
+with a float8 cache and its scales; the quantized GEMMs (wq_gemm, gguf_gemm, gguf_dequantize, fp8_gemm)
+are in the compiled step too.
 
 The fake implementations run each op's own argument checks: under FakeTensorMode with CUDA tensors
 (which FakeTensorMode makes on a CPU-only torch too) every op gives its output's shape, dtype and
@@ -25,9 +27,12 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 import pagedkernels as pk
 from pagedkernels import torch_ops
 from tests.pagedkernels.oracle import make_paged_kv
+from tests.pagedkernels.quant_oracle import random_gguf
 
 NUM_KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE = 2, 2, 64, 16
 NUM_HEADS = NUM_KV_HEADS * GROUP
+FP8 = torch.float8_e4m3fn
+K_SCALE, V_SCALE = 0.05, 0.03
 
 
 def _inputs(seed=0):
@@ -48,6 +53,14 @@ def _inputs(seed=0):
         cu_seqlens_q=torch.arange(num_seqs + 1, dtype=torch.int32),
         # Sized for the split-K default of 3 sequences on any device (an H100's 132 SMs at most).
         workspace=pk.decode_workspace(num_seqs, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, device="cpu"),
+        # float8 caches (written in the step, then read)
+        key_cache8=(kv.key_cache / K_SCALE).clamp(-448, 448).to(FP8),
+        value_cache8=(kv.value_cache / V_SCALE).clamp(-448, 448).to(FP8),
+        # quantized projections of the step's output: int4 (act-order), GGUF Q4_K, fp8
+        wq=pk.quant_formats.quantize_wq(torch.randn(96, 128, generator=gen) / 10, bits=4, group_size=64),
+        wq_perm=torch.randperm(128, generator=gen),
+        gguf=random_gguf("Q4_K", 48, 256, gen),
+        fp8=pk.quantize_fp8_weight(torch.randn(64, 48, generator=gen) / 10),
     )
 
 
@@ -66,10 +79,23 @@ def _step(ops, inp, key_cache, value_cache):
                                            softcap=30.0, workspace=inp["workspace"])
     prefill = ops.paged_prefill_attention(q, key_cache, value_cache, kv.block_tables, inp["cu_seqlens_q"],
                                           kv.seq_lens, scale=0.1, sliding_window=20)
-    hidden = ops.rms_norm(decode.flatten(1) + decode_ws.flatten(1), inp["norm_weight"], 1e-6)
-    residual = prefill.flatten(1).clone()
+    # the same attention over a float8 cache with its scales
+    ops.reshape_and_cache(k, v, inp["key_cache8"], inp["value_cache8"], inp["slots"], k_scale=K_SCALE,
+                          v_scale=V_SCALE)
+    decode8 = ops.paged_decode_attention(q, inp["key_cache8"], inp["value_cache8"], kv.block_tables, kv.seq_lens,
+                                         k_scale=K_SCALE, v_scale=V_SCALE)
+    prefill8 = ops.paged_prefill_attention(q, inp["key_cache8"], inp["value_cache8"], kv.block_tables,
+                                           inp["cu_seqlens_q"], kv.seq_lens, k_scale=K_SCALE, v_scale=V_SCALE)
+    hidden = ops.rms_norm(decode.flatten(1) + decode_ws.flatten(1) + decode8.flatten(1), inp["norm_weight"], 1e-6)
+    residual = prefill.flatten(1) + prefill8.flatten(1)
     hidden, residual = ops.fused_add_rms_norm(hidden, residual, inp["norm_weight"], 1e-6)
-    return ops.silu_and_mul(hidden), residual, decode_ws
+    act = ops.silu_and_mul(hidden)  # [num_seqs, 128]
+    wq = inp["wq"]
+    projected = ops.wq_gemm(act, wq.qweight, wq.scales, wq.zeros, bits=4, group_size=64, perm=inp["wq_perm"])
+    gguf_out = ops.gguf_gemm(torch.cat([projected, projected, projected[:, :64]], dim=1), inp["gguf"], "Q4_K")
+    gguf_weight = ops.gguf_dequantize(inp["gguf"], "Q4_K", dtype=torch.float32)
+    fp8_out = ops.fp8_gemm(gguf_out, *inp["fp8"])
+    return act, residual, decode_ws, projected, gguf_out, gguf_weight, fp8_out
 
 
 def test_every_registered_op_is_listed_and_tested():
@@ -114,16 +140,25 @@ def _opcheck_cases():
     k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen)
     hidden = torch.randn(num_tokens, 96, generator=gen)
     weight = torch.rand(96, generator=gen) + 0.5
+    wq = inp["wq"]
+    fp8_weight, fp8_scale = inp["fp8"]
     # The torch paths read table entries only where seq_lens say; opcheck compares results with
     # equal_nan semantics off, so give it caches without NaN.
     key_cache, value_cache = kv.key_cache.nan_to_num(), kv.value_cache.nan_to_num()
     decode = (q, key_cache, value_cache, kv.block_tables, kv.seq_lens)
+    key_cache8, value_cache8 = inp["key_cache8"].float().nan_to_num().to(FP8), inp["value_cache8"].float().nan_to_num().to(FP8)
+    decode8 = (q, key_cache8, value_cache8, kv.block_tables, kv.seq_lens)
     return {
         "reshape_and_cache": (k, k.clone(), key_cache.clone(), value_cache.clone(), inp["slots"]),
         "paged_decode_attention": (*decode, 0.1, None, 30.0),
-        "paged_decode_attention_workspace": (*decode, inp["workspace"].zero_(), None, 9, None),
-        "paged_prefill_attention": (q, key_cache, value_cache, kv.block_tables, inp["cu_seqlens_q"], kv.seq_lens,
-                                    None, 7, None),
+        "paged_decode_attention_workspace": (*decode8, inp["workspace"].zero_(), None, 9, None, K_SCALE, V_SCALE),
+        "paged_prefill_attention": (q, key_cache8, value_cache8, kv.block_tables, inp["cu_seqlens_q"], kv.seq_lens,
+                                    None, 7, None, K_SCALE, V_SCALE),
+        "wq_gemm": (torch.randn(num_tokens, 128, generator=gen), wq.qweight, wq.scales, wq.zeros, 4, 64,
+                    inp["wq_perm"]),
+        "gguf_gemm": (torch.randn(num_tokens, 256, generator=gen), inp["gguf"], "Q4_K"),
+        "gguf_dequantize": (inp["gguf"], "Q4_K", torch.float16),
+        "fp8_gemm": (torch.randn(num_tokens, 48, generator=gen), fp8_weight, fp8_scale, None),
         "rms_norm": (hidden, weight, 1e-6),
         "fused_add_rms_norm_": (hidden.clone(), hidden.flip(0).clone(), weight, 1e-6),
         "rotary_embedding": (inp["positions"], q.clone(), k.clone(), inp["cos_sin"], True),
@@ -131,11 +166,35 @@ def _opcheck_cases():
     }
 
 
+# opcheck's schema test compares every input before and after the call bitwise with a kernel float8
+# lacks on the CPU ("mul_cpu_reduced_float" not implemented for 'Float8_e4m3fn'): calls with a float8
+# tensor run the other default tests, and test_opcheck_float_caches runs the attention ops' schema test
+# with float caches.
+FLOAT8_FREE_UTILS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
 @pytest.mark.parametrize("name", torch_ops.OPS)
 def test_opcheck(name):
     """opcheck's default tests: schema and declared mutations, autograd registration, the fake impl
     against the real one, AOT dispatch with dynamic shapes."""
-    torch.library.opcheck(getattr(torch.ops.pagedkernels, name), _opcheck_cases()[name])
+    args = _opcheck_cases()[name]
+    has_fp8 = any(isinstance(a, torch.Tensor) and a.dtype == FP8 for a in args)
+    torch.library.opcheck(getattr(torch.ops.pagedkernels, name), args,
+                          **({"test_utils": FLOAT8_FREE_UTILS} if has_fp8 else {}))
+
+
+@pytest.mark.parametrize("name", ["paged_decode_attention_workspace", "paged_prefill_attention"])
+def test_opcheck_float_caches(name):
+    """The schema test (declared mutations) for the ops whose main case reads a float8 cache."""
+    inp = _inputs(seed=4)
+    kv = inp["kv"]
+    q = torch.randn(3, NUM_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(4))
+    caches = (kv.key_cache.nan_to_num(), kv.value_cache.nan_to_num())
+    if name == "paged_prefill_attention":
+        args = (q, *caches, kv.block_tables, inp["cu_seqlens_q"], kv.seq_lens, None, None, 20.0)
+    else:
+        args = (q, *caches, kv.block_tables, kv.seq_lens, inp["workspace"].zero_(), 0.2, None, None)
+    torch.library.opcheck(getattr(torch.ops.pagedkernels, name), args)
 
 
 def test_decode_ops_omitting_and_giving_the_workspace():
@@ -169,18 +228,31 @@ _TABLES, _LENS = ((3, 4), torch.int32), ((3,), torch.int32)
 
 # Each op's arguments in order: (name, (shape, dtype)) for a tensor, (name, value) otherwise; and the
 # output's (shape, dtype) (None for the in-place ops).
+_CACHE8 = ((12, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), FP8)
 SPECS = {
-    "reshape_and_cache": ([("key", _KV), ("value", _KV), ("key_cache", _CACHE), ("value_cache", _CACHE),
-                           ("slot_mapping", ((3,), torch.int64))], None),
+    "reshape_and_cache": ([("key", _KV), ("value", _KV), ("key_cache", _CACHE8), ("value_cache", _CACHE8),
+                           ("slot_mapping", ((3,), torch.int64)), ("k_scale", K_SCALE), ("v_scale", V_SCALE)], None),
     "paged_decode_attention": ([("q", _Q), ("key_cache", _CACHE), ("value_cache", _CACHE), ("block_tables", _TABLES),
-                                ("seq_lens", _LENS), ("scale", 0.1), ("sliding_window", 20), ("softcap", 30.0)], _Q),
-    "paged_decode_attention_workspace": ([("q", _Q), ("key_cache", _CACHE), ("value_cache", _CACHE),
+                                ("seq_lens", _LENS), ("scale", 0.1), ("sliding_window", 20), ("softcap", 30.0),
+                                ("k_scale", 1.0), ("v_scale", 1.0)], _Q),
+    "paged_decode_attention_workspace": ([("q", _Q), ("key_cache", _CACHE8), ("value_cache", _CACHE8),
                                           ("block_tables", _TABLES), ("seq_lens", _LENS),
                                           ("workspace", ((4096,), torch.float32)), ("scale", None),
-                                          ("sliding_window", None), ("softcap", 5.0)], _Q),
-    "paged_prefill_attention": ([("q", _Q), ("key_cache", _CACHE), ("value_cache", _CACHE), ("block_tables", _TABLES),
-                                 ("cu_seqlens_q", ((4,), torch.int32)), ("seq_lens", _LENS), ("scale", None),
-                                 ("sliding_window", 7), ("softcap", None)], _Q),
+                                          ("sliding_window", None), ("softcap", 5.0), ("k_scale", K_SCALE),
+                                          ("v_scale", V_SCALE)], _Q),
+    "paged_prefill_attention": ([("q", _Q), ("key_cache", _CACHE8), ("value_cache", _CACHE8),
+                                 ("block_tables", _TABLES), ("cu_seqlens_q", ((4,), torch.int32)), ("seq_lens", _LENS),
+                                 ("scale", None), ("sliding_window", 7), ("softcap", None), ("k_scale", K_SCALE),
+                                 ("v_scale", V_SCALE)], _Q),
+    "wq_gemm": ([("x", ((3, 128), None)), ("qweight", ((40, 64), torch.uint8)), ("scales", ((40, 2), None)),
+                 ("zeros", ((40, 2), None)), ("bits", 4), ("group_size", 64), ("perm", ((128,), torch.int64))],
+                ((3, 40), None)),
+    "gguf_gemm": ([("x", ((3, 256), None)), ("qweight", ((40, 210), torch.uint8)), ("quant_type", "Q6_K")],
+                  ((3, 40), None)),
+    "gguf_dequantize": ([("qweight", ((40, 68), torch.uint8)), ("quant_type", "Q8_0"), ("dtype", torch.bfloat16)],
+                        ((40, 64), torch.bfloat16)),
+    "fp8_gemm": ([("x", ((3, 48), None)), ("weight", ((40, 48), FP8)), ("weight_scale", ((40,), torch.float32)),
+                  ("act_scale", ((1,), torch.float32))], ((3, 40), None)),
     "rms_norm": ([("x", ((3, 96), None)), ("weight", ((96,), None)), ("eps", 1e-6)], ((3, 96), None)),
     "fused_add_rms_norm_": ([("x", ((3, 96), None)), ("residual", ((3, 96), None)), ("weight", ((96,), None)),
                              ("eps", 1e-6)], None),
@@ -254,12 +326,19 @@ def _public_call(op, args):
     """The public pk function an op wraps, called with ``args`` (in the op's order)."""
     names = [name for name, _ in SPECS[op][0]]
     kw = dict(zip(names, args))
+    options = ("scale", "sliding_window", "softcap", "k_scale", "v_scale")
     if op == "paged_decode_attention_workspace":
-        return pk.paged_decode_attention(*args[:5], workspace=kw["workspace"], scale=kw["scale"],
-                                         sliding_window=kw["sliding_window"], softcap=kw["softcap"])
+        return pk.paged_decode_attention(*args[:5], workspace=kw["workspace"], **{k: kw[k] for k in options})
     if op in ("paged_decode_attention", "paged_prefill_attention"):
-        return getattr(pk, op)(*args[:-3], scale=kw["scale"], sliding_window=kw["sliding_window"],
-                               softcap=kw["softcap"])
+        return getattr(pk, op)(*args[:-5], **{k: kw[k] for k in options})
+    if op == "reshape_and_cache":
+        return pk.reshape_and_cache(*args[:5], k_scale=kw["k_scale"], v_scale=kw["v_scale"])
+    if op == "wq_gemm":
+        return pk.wq_gemm(*args[:4], bits=kw["bits"], group_size=kw["group_size"], perm=kw["perm"])
+    if op == "gguf_dequantize":
+        return pk.gguf_dequantize(kw["qweight"], kw["quant_type"], dtype=kw["dtype"])
+    if op == "fp8_gemm":
+        return pk.fp8_gemm(*args[:3], act_scale=kw["act_scale"])
     if op == "fused_add_rms_norm_":
         pk.fused_add_rms_norm(*args)
         return None
@@ -273,7 +352,12 @@ def _public_call(op, args):
 def test_public_ops_on_fake_and_meta_tensors(op, backend, monkeypatch):
     """pk.* on fake CUDA tensors (FakeTensorMode) and on meta tensors, whatever the backend: the
     checks run, the output is allocated, no kernel (Triton, native, PyTorch twin) is reached."""
-    from pagedkernels import _native, cache_ops, decode_attention, prefill_attention
+    import importlib
+
+    from pagedkernels import _native, cache_ops, decode_attention, gguf_quant, prefill_attention
+
+    # the modules, not the functions of the same names that pagedkernels re-exports
+    wq_gemm, fp8_gemm = (importlib.import_module(f"pagedkernels.{m}") for m in ("wq_gemm", "fp8_gemm"))
 
     def no_kernel(*args, **kwargs):
         raise AssertionError("a kernel was reached with tensors that hold no data")
@@ -282,7 +366,10 @@ def test_public_ops_on_fake_and_meta_tensors(op, backend, monkeypatch):
                          (prefill_attention, "_prefill_attention_triton"),
                          (prefill_attention, "_prefill_attention_torch"), (_native, "paged_attention"),
                          (_native, "rms_norm"), (_native, "rotary_embedding"), (_native, "silu_and_mul"),
-                         (_native, "reshape_and_cache"), (cache_ops, "_launch_copy_blocks")):
+                         (_native, "reshape_and_cache"), (cache_ops, "_launch_copy_blocks"),
+                         (wq_gemm, "_wq_gemm_triton"), (wq_gemm, "dequantize_wq"), (_native, "quant_gemm"),
+                         (_native, "quant_dequantize"), (gguf_quant, "_dequantize_triton"),
+                         (gguf_quant, "_dequantize_torch"), (fp8_gemm, "_scaled_mm")):
         monkeypatch.setattr(module, attr, no_kernel)
     with pk.use_backend(backend):
         with FakeTensorMode():
