@@ -10,7 +10,7 @@ import signal
 import sys
 
 # What `serve` imports beyond the main dependencies (the `serve` extra; openai there is for clients only).
-SERVE_MODULES = ("pydantic", "fastapi", "uvicorn", "prometheus_client")
+SERVE_MODULES = ("pydantic", "fastapi", "uvicorn", "prometheus_client", "zmq", "msgpack")
 SERVE_INSTALL = 'pip install -c .ci/constraints.txt -e ".[serve]"'
 
 
@@ -60,6 +60,9 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--reasoning-parser", choices=("qwen3", "deepseek_r1"), default=None,
                        help="move <think>...</think> text to reasoning_content")
     group.add_argument("--log-level", default="info", help="uvicorn log level")
+    group.add_argument("--api-server-count", type=int, default=1,
+                       help="API server processes (HTTP, tokenization, chat templates, streaming) in front of the "
+                            "one engine core process, sharing the port")
 
 
 class _DeferredInterrupt:

@@ -276,7 +276,8 @@ def _respond(result):
 
 
 # -- `python -m engine serve` (its arguments: engine/__main__.py and EngineArgs) ------------------------------
-def engine_from_args(args) -> tuple[AsyncLLMEngine, str]:
+def serve_engine_args(args):
+    """The EngineArgs of `serve`'s arguments, with the server's defaults (fair share of a step)."""
     from engine.engine_args import EngineArgs
 
     engine_args = EngineArgs.from_cli_args(args)
@@ -285,7 +286,12 @@ def engine_from_args(args) -> tuple[AsyncLLMEngine, str]:
     if engine_args.skip_tokenizer_init:
         raise ValueError("serve needs the tokenizer (requests are text and chat messages): drop "
                          "--skip-tokenizer-init")
-    engine = AsyncLLMEngine(engine_args.create_engine())
+    return engine_args
+
+
+def engine_from_args(args) -> tuple[AsyncLLMEngine, str]:
+    """An in-process AsyncLLMEngine of `serve`'s arguments (tests, and tools that want one process)."""
+    engine = AsyncLLMEngine(serve_engine_args(args).create_engine())
     return engine, served_model_name(args)
 
 
@@ -310,28 +316,145 @@ def load_chat_template(value: str | None) -> str | None:
     return value
 
 
-def run_server(args) -> None:
-    import uvicorn
+def _interrupt(signum, frame):
+    """SIGTERM as Ctrl-C: the same orderly shutdown."""
+    raise KeyboardInterrupt
 
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
-    chat_template = load_chat_template(args.chat_template)
-    engine, name = engine_from_args(args)
-    app = build_app(engine, served_model_names=[name], api_key=args.api_key, chat_template=chat_template,
+
+def _listen_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:   # several API server processes accept on one port (the kernel spreads the connections)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def _frontend_app(args, address: str, info: dict):
+    from engine.mp_engine import MPAsyncLLMEngine
+
+    engine = MPAsyncLLMEngine(address, info)
+    app = build_app(engine, served_model_names=[served_model_name(args)], api_key=args.api_key,
+                    chat_template=load_chat_template(args.chat_template),
                     trust_request_chat_template=args.trust_request_chat_template,
                     enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
                     reasoning_parser=args.reasoning_parser)
-    # Bind before announcing, so "serving on" means connections are accepted.
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
-    print(f"serving {name!r} on http://{args.host}:{sock.getsockname()[1]}", flush=True)
+    return engine, app
+
+
+def _run_frontend(args, address: str, info: dict, sock: socket.socket) -> int:
+    """Serve HTTP on `sock` with a front end of the core at `address` until shut down (0) or the core dies (1)."""
+    import uvicorn
+
+    engine, app = _frontend_app(args, address, info)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level))
+    core_died = []
+
+    def on_dead(error) -> None:   # the core is gone: no request can be served, so the server stops
+        core_died.append(error)
+        server.should_exit = True
+    engine.dead_callbacks.append(on_dead)
     try:
-        uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
+        server.run(sockets=[sock])
     except KeyboardInterrupt:
         # Ctrl-C: uvicorn has shut down gracefully (the app's lifespan stopped the engine), then re-raises the
         # signal it captured; end with status 0, as the uvicorn command does.
         pass
+    if core_died:
+        logger.error("shutting down: %s", core_died[0])
+        return 1
+    return 0
+
+
+def _frontend_process_main(args, address: str, info: dict, port: int, ready) -> None:
+    """An API server process of --api-server-count N > 1."""
+    import signal
+
+    logging.basicConfig(level=logging.INFO)
+    sock = _listen_socket(args.host, port, reuse_port=True)
+    sock.listen(2048)
+    ready.send(os.getpid())
+    ready.close()
+    signal.signal(signal.SIGTERM, _interrupt)
+    raise SystemExit(_run_frontend(args, address, info, sock))
+
+
+def run_server(args) -> None:
+    """`python -m engine serve`: the engine core in its own process, --api-server-count API server processes in
+    front of it (this process itself when 1). A process that dies takes the server down with it (exit status 1,
+    the cause logged); Ctrl-C or SIGTERM shuts everything down (status 0). No process is left either way."""
+    import signal
+
+    from engine.mp_engine import start_engine_core
+
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    count = getattr(args, "api_server_count", 1)
+    if count < 1:
+        raise ValueError(f"--api-server-count must be >= 1, got {count}")
+    load_chat_template(args.chat_template)   # a bad template is refused before the model loads
+    engine_args = serve_engine_args(args)
+    name = served_model_name(args)
+    # Bind before the engine starts (a port in use fails fast), announce once connections are accepted.
+    sock = _listen_socket(args.host, args.port, reuse_port=count > 1)
+    port = sock.getsockname()[1]
+    core = start_engine_core(engine_args)
+    status = 0
+    previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        if count == 1:
+            print(f"serving {name!r} on http://{args.host}:{port} (engine core: pid {core.process.pid})", flush=True)
+            status = _run_frontend(args, core.address, core.info, sock)
+        else:
+            status = _supervise(args, core, port, count, name)
+    except KeyboardInterrupt:
+        status = 0
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
+        core.shutdown()
+        sock.close()
+    if status:
+        raise SystemExit(status)
+
+
+def _supervise(args, core, port: int, count: int, name: str) -> int:
+    """Start `count` API server processes on `port` and wait: the first process (or the core) to exit ends them
+    all (status 1); Ctrl-C/SIGTERM ends them all (status 0)."""
+    import multiprocessing
+    from multiprocessing.connection import wait
+
+    context = multiprocessing.get_context("spawn")
+    frontends = []
+    try:
+        for i in range(count):
+            receiver, sender = context.Pipe(duplex=False)
+            process = context.Process(target=_frontend_process_main, name=f"api-server-{i}",
+                                      args=(args, core.address, core.info, port, sender))
+            process.start()
+            sender.close()
+            frontends.append(process)
+            if not receiver.poll(120) or not isinstance(receiver.recv(), int):
+                raise RuntimeError(f"API server process {i} did not start")
+        print(f"serving {name!r} on http://{args.host}:{port} ({count} API server processes, engine core: pid "
+              f"{core.process.pid})", flush=True)
+        watched = {p.sentinel: p for p in frontends}
+        watched[core.process.sentinel] = core.process
+        ended = wait(list(watched))
+        process = watched[ended[0]]
+        logger.error("%s (pid %d) exited with status %s: shutting the server down", process.name, process.pid,
+                     process.exitcode)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for process in frontends:
+            if process.is_alive():
+                process.terminate()
+        for process in frontends:
+            process.join(15)
+            if process.is_alive():
+                process.kill()
+                process.join(5)
 
 
 class ServerThread:

@@ -1,0 +1,303 @@
+"""The API server's side of the engine core process (vLLM V1's AsyncLLM over an EngineCoreClient).
+
+`MPAsyncLLMEngine` has AsyncLLMEngine's API (the server code is the same for both), but the engine runs in another
+process (engine/core/engine_core.py): this process tokenizes, renders chat templates (in their sandbox processes),
+validates prompts, and turns the core's per-step deltas back into cumulative RequestOutputs for the streams. Any
+number of these front ends (--api-server-count) can share one core.
+
+    core = start_engine_core(engine_args)            # the core process, ready to serve (address, info)
+    engine = MPAsyncLLMEngine(core.address, core.info)
+
+The core going away (crash, kill) is noticed within a second: every open stream ends with EngineDeadError, new
+requests are refused and /health answers 500.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import multiprocessing
+import os
+import tempfile
+import time
+import uuid
+
+from engine.async_engine import AsyncLLMEngine, EngineDeadError
+from engine.core.engine_core import OutputAccumulator, decode_metrics, encode_params, packb, unpackb
+from engine.core.llm_engine import LLMEngine
+from engine.outputs import EngineMetrics, RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+CORE_STARTUP_TIMEOUT_S = 600.0
+
+
+@dataclasses.dataclass
+class EngineCoreHandle:
+    """A started engine core process."""
+    process: multiprocessing.Process
+    address: str
+    info: dict
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the core process (SIGTERM, then SIGKILL), leaving no process behind."""
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout_s)
+        path = self.address.removeprefix("ipc://")
+        if path != self.address and os.path.exists(path):
+            os.unlink(path)
+
+
+def start_engine_core(engine_args) -> EngineCoreHandle:
+    """Start the engine core of `engine_args` (an EngineArgs) in a spawned process and wait until it serves.
+    Raises RuntimeError with the core's own error when it does not start."""
+    from engine.core.engine_core import run_engine_core
+
+    address = f"ipc://{tempfile.gettempdir()}/engine-core-{uuid.uuid4().hex[:12]}.sock"
+    context = multiprocessing.get_context("spawn")
+    receiver, sender = context.Pipe(duplex=False)
+    fields = {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(engine_args)}
+    process = context.Process(target=run_engine_core, args=(fields, address, os.getpid(), sender),
+                              name="engine-core", daemon=False)
+    process.start()
+    sender.close()
+    handle = EngineCoreHandle(process, address, {})
+    try:
+        if not receiver.poll(CORE_STARTUP_TIMEOUT_S):
+            raise RuntimeError(f"the engine core did not start within {CORE_STARTUP_TIMEOUT_S:g} s")
+        message = receiver.recv()
+    except EOFError:
+        handle.shutdown()
+        raise RuntimeError(f"the engine core process exited while starting (exit code {process.exitcode})") \
+            from None
+    except BaseException:
+        handle.shutdown()
+        raise
+    if message[0] != "ready":
+        handle.shutdown()
+        error = message[1]
+        if error.startswith("ValueError: "):   # a bad option: the CLI reports it as such
+            raise ValueError(error.removeprefix("ValueError: "))
+        raise RuntimeError(f"the engine core failed to start: {error}\n{message[2]}")
+    handle.info = message[1]
+    return handle
+
+
+class _FrontendView:
+    """What the front end needs of an LLMEngine (the server reads `engine.engine`): the tokenizer, the limits,
+    the sampling defaults, and LLMEngine's own prompt validation and bad-words tokenization."""
+
+    process_prompt = LLMEngine.process_prompt
+    _tokenize = LLMEngine._tokenize
+    bad_words_token_ids = LLMEngine.bad_words_token_ids
+
+    def __init__(self, info: dict):
+        from engine.core.detokenizer import Detokenizer
+        from engine.tokenizer import get_tokenizer
+
+        self.tokenizer = get_tokenizer(info["tokenizer"])
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self.max_model_len = info["max_model_len"]
+        self.sampling_defaults = dict(info["sampling_defaults"])
+        self.model_config = _ModelView(info["vocab_size"], frozenset(info["eos_token_ids"]))
+
+
+@dataclasses.dataclass
+class _ModelView:
+    vocab_size: int
+    eos_token_ids: frozenset
+
+
+class MPAsyncLLMEngine(AsyncLLMEngine):
+    """AsyncLLMEngine's API on an engine core in another process (see the module docstring)."""
+
+    def __init__(self, address: str, info: dict, *, core_pid: int | None = None, **kwargs):
+        super().__init__(_FrontendView(info), **kwargs)
+        self.address = address
+        self.core_pid = core_pid if core_pid is not None else info.get("pid")
+        self.identity = f"frontend-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode()
+        self._accumulators: dict[str, OutputAccumulator] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._socket = None
+        self._context = None
+        self._reader: asyncio.Task | None = None
+        self._watchdog: asyncio.Task | None = None
+        # Called once (in the event loop) when the core is found dead: `serve` shuts its server down then.
+        self.dead_callbacks: list = []
+
+    @property
+    def is_running(self) -> bool:
+        return self._reader is not None and not self._reader.done()
+
+    # -- the connection -------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError("the engine core has failed") from self.dead_error
+        if self.is_running:
+            return
+        import zmq
+        import zmq.asyncio
+
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.IDENTITY, self.identity)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(self.address)
+        loop = asyncio.get_running_loop()
+        self._reader = loop.create_task(self._read_loop(), name="engine-core-reader")
+        self._watchdog = loop.create_task(self._watch_core(), name="engine-core-watchdog")
+        self._send(["hello"])
+
+    def _send(self, message) -> None:
+        self._socket.send(packb(message))   # zmq.asyncio: queued without blocking (DEALER, no high-water mark hit)
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                message = unpackb(await self._socket.recv())
+                kind = message[0]
+                if kind == "outputs":
+                    for data in message[1]:
+                        self._on_output(data)
+                elif kind == "result":
+                    future = self._calls.pop(message[1], None)
+                    if future is not None and not future.done():
+                        future.set_result(message[2])
+                elif kind == "dead":
+                    self._die(EngineDeadError(message[1]))
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:   # noqa: BLE001 - the connection broke
+            logger.exception("the connection to the engine core failed")
+            self._die(EngineDeadError(f"the connection to the engine core failed: {type(e).__name__}: {e}"))
+
+    async def _watch_core(self) -> None:
+        """Notice a core process that died without a word (killed): every stream fails, /health turns 500."""
+        while self.dead_error is None:
+            await asyncio.sleep(0.5)
+            if self.core_pid is not None and not _pid_alive(self.core_pid):
+                self._die(EngineDeadError(f"the engine core process (pid {self.core_pid}) is gone"))
+
+    def _die(self, error: EngineDeadError) -> None:
+        if self.dead_error is not None:
+            return
+        logger.error("%s", error)
+        self.dead_error = error
+        for callback in self.dead_callbacks:
+            callback(error)
+        for queue in self._streams.values():
+            queue.put_nowait(EngineDeadError(str(error)))
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(str(error)))
+        self._calls.clear()
+
+    def _on_output(self, data: list) -> None:
+        request_id = data[0]
+        accumulator = self._accumulators.get(request_id)
+        if accumulator is None:   # aborted here already
+            return
+        output = accumulator.add(data)
+        if output.finished:
+            del self._accumulators[request_id]
+        self._dispatch(output)
+
+    async def _call_core(self, method: str):
+        if self.dead_error is not None:
+            raise EngineDeadError("the engine core has failed") from self.dead_error
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        self._send(["call", call_id, method])
+        return await future
+
+    # -- requests -------------------------------------------------------------------------------------------------
+    async def generate(self, prompt, params: SamplingParams, request_id: str):
+        """As AsyncLLMEngine.generate; the request runs in the core process."""
+        self.start()
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        arrival = time.time()
+        text, token_ids = await self.process_prompt(prompt, None if params is None else params.truncate_prompt_tokens)
+        params = params if params is not None else SamplingParams(**self.engine.sampling_defaults)
+        bad_words = None
+        if params.bad_words:
+            bad_words = await self.run_on_tokenizer_thread(self.engine.bad_words_token_ids, params.bad_words)
+        if self.dead_error is not None:
+            raise EngineDeadError("the engine core has failed") from self.dead_error
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        self._accumulators[request_id] = OutputAccumulator(request_id, text, token_ids)
+        finished = False
+        try:
+            self._send(["add", request_id, text, token_ids, encode_params(params), bad_words, arrival])
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                if finished and not item.outputs and item.error:   # refused by add_request's checks: a 400
+                    raise ValueError(item.error)
+                yield item
+        finally:
+            if self._streams.get(request_id) is queue:
+                del self._streams[request_id]
+            if not finished:
+                self._accumulators.pop(request_id, None)
+                if self.dead_error is None and self._socket is not None:
+                    self._send(["abort", [request_id]])
+
+    async def abort(self, request_id: str) -> None:
+        if self.dead_error is None and self._socket is not None:
+            self._send(["abort", [request_id]])
+
+    async def get_metrics(self) -> EngineMetrics:
+        return decode_metrics(await self._call_core("get_metrics"))
+
+    async def check_health(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(str(self.dead_error)) from self.dead_error
+        if self.core_pid is not None and not _pid_alive(self.core_pid):
+            self._die(EngineDeadError(f"the engine core process (pid {self.core_pid}) is gone"))
+            raise self.dead_error
+
+    async def shutdown(self) -> None:
+        for task in (self._reader, self._watchdog):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._reader = self._watchdog = None
+        if self._socket is not None:
+            if self.dead_error is None and self._streams:
+                self._send(["abort", list(self._streams)])
+            self._socket.close(linger=100)
+            self._context.term()
+            self._socket = None
+        self._engine_thread.shutdown(wait=True)
+        self._tokenizer_pool.shutdown(wait=True)
+        if self._chat_template_sandbox is not None:
+            self._chat_template_sandbox.shutdown()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (a dead child not yet reaped) still answers kill(0): read its state.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
