@@ -51,10 +51,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-KERNEL_MODULES = ("decode_attention", "prefill_attention", "cache_ops", "rms_norm", "rotary", "activation")
+KERNEL_MODULES = ("decode_attention", "prefill_attention", "cache_ops", "rms_norm", "rotary", "activation", "wq_gemm",
+                  "gguf_quant")
 # Kernels on the per-token path of every model step: a register spill there is a failure.
 HOT_KERNELS = frozenset({"_decode_split_kernel", "_decode_reduce_kernel", "_prefill_attention_kernel",
-                         "_reshape_and_cache_kernel", "_rms_norm_kernel"})
+                         "_reshape_and_cache_kernel", "_rms_norm_kernel", "_wq_gemm_kernel"})
 # Shared memory one block may use (opt-in maximum), bytes: sm_90 (H100) 227 KiB, sm_80 (A100) 163 KiB.
 SHARED_MEMORY_LIMITS = {90: 227 * 1024, 80: 163 * 1024}
 DEFAULT_TARGETS = (90, 80)
@@ -287,9 +288,85 @@ def _elementwise_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None
         yield f"silu_and_mul {name}", silu
 
 
+def _fp8_kv_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
+    """float8 caches: the write for every activation dtype, decode (split and not) and prefill for every
+    dtype at the padded head widths 64 / 128 / 256 (one with GQA, window and softcap), copy_blocks."""
+    import pagedkernels as pk
+
+    fp8 = torch.float8_e4m3fn
+    for dtype in DTYPES:
+        name = str(dtype).replace("torch.", "")
+
+        def reshape(gen, dtype=dtype):
+            k, v, _, _ = _paged_inputs(2, 32, 8, 128, 16, torch.float32, gen)
+            key = _randn(5, 8, 128, dtype=dtype, generator=gen)
+            pk.reshape_and_cache(key, key, k.to(fp8), v.to(fp8), torch.tensor([0, 17, 33, -1, 63]), k_scale=0.5,
+                                 v_scale=2.0)
+        yield f"reshape_and_cache {name} -> float8", reshape
+        for head_dim, group, capped in ((64, 1, False), (128, 4, True), (256, 8, False)):
+            window, softcap = (100, 30.0) if capped else (None, None)
+            label = f"{name} head={head_dim} group={group} float8 cache{' window+softcap' if capped else ''}"
+
+            def decode(gen, dtype=dtype, head_dim=head_dim, group=group, window=window, softcap=softcap):
+                for num_seqs, width in ((1, 4096 // 16), (80, 8)):
+                    k, v, table, lens = _paged_inputs(num_seqs, 40, 2, head_dim, 16, torch.float32, gen,
+                                                      table_width=width)
+                    q = _randn(num_seqs, 2 * group, head_dim, dtype=dtype, generator=gen)
+                    pk.paged_decode_attention(q, k.to(fp8), v.to(fp8), table, lens, sliding_window=window,
+                                              softcap=softcap, k_scale=0.1, v_scale=0.2)
+
+            def prefill(gen, dtype=dtype, head_dim=head_dim, group=group, window=window, softcap=softcap):
+                k, v, table, _ = _paged_inputs(3, 60, 2, head_dim, 16, torch.float32, gen)
+                q = _randn(58, 2 * group, head_dim, dtype=dtype, generator=gen)
+                cu = torch.tensor([0, 37, 57, 58], dtype=torch.int32)
+                lens = torch.tensor([37, 60, 45], dtype=torch.int32)
+                pk.paged_prefill_attention(q, k.to(fp8), v.to(fp8), table, cu, lens,
+                                           sliding_window=window, softcap=softcap, k_scale=0.1, v_scale=0.2)
+            yield f"decode {label}", decode
+            yield f"prefill {label}", prefill
+
+    def copy(gen):
+        caches = [_paged_inputs(1, 64, 8, 128, 16, torch.float32, gen)[0].to(fp8) for _ in range(4)]
+        pk.copy_blocks(caches[:2], caches[2:], torch.tensor([[0, 1], [2, 3]]))
+    yield "copy_blocks float8", copy
+
+
+def _quant_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
+    """wq_gemm for every activation dtype: decode shapes (M = 1 and 8: 16-row tiles, split-K) and prefill
+    shapes (M = 64: 64 x 128 tiles; M = 256: 128 x 64) with int4 and int8, zero points and the
+    symmetric default, groups that span a K tile and groups smaller than one (32: the per-column
+    scale gather); fp8_gemm's weight-only launch (per channel and per tensor); GGUF de-quantization of
+    every block type into every dtype."""
+    import pagedkernels as pk
+    from .quant_formats import quantize_wq
+
+    N, K = 2048, 2048
+    for dtype in DTYPES:
+        name = str(dtype).replace("torch.", "")
+        for M, bits, group, symmetric in ((1, 4, 128, False), (8, 8, 32, True), (1, 4, 32, True), (64, 4, 32, False),
+                                          (64, 8, -1, True), (256, 4, 128, False), (256, 8, 64, False)):
+            def wq(gen, dtype=dtype, M=M, bits=bits, group=group, symmetric=symmetric):
+                w = quantize_wq(torch.randn(N, K, generator=gen), bits=bits, group_size=group, symmetric=symmetric,
+                                scale_dtype=dtype)
+                x = _randn(M, K, dtype=dtype, generator=gen)
+                pk.wq_gemm(x, w.qweight, w.scales, w.zeros, bits=bits, group_size=group)
+            yield f"wq_gemm {name} M={M} int{bits} group={group}{' symmetric' if symmetric else ''}", wq
+        for M, per_channel in ((1, True), (256, False)):
+            def fp8(gen, dtype=dtype, M=M, per_channel=per_channel):
+                weight, scale = pk.quantize_fp8_weight(torch.randn(N, K, generator=gen), per_channel=per_channel)
+                # CPU tensors under simulate_cuda_launches: the weight-only launch (sm_80), not _scaled_mm
+                pk.fp8_gemm(_randn(M, K, dtype=dtype, generator=gen), weight, scale)
+            yield f"fp8_gemm weight-only {name} M={M} {'per-channel' if per_channel else 'per-tensor'}", fp8
+        for quant_type, (values, nbytes) in pk.GGUF_BLOCKS.items():
+            def dequantize(gen, dtype=dtype, quant_type=quant_type, values=values, nbytes=nbytes):
+                raw = torch.randint(0, 256, (64, 4096 // values * nbytes), dtype=torch.uint8, generator=gen)
+                pk.gguf_dequantize(raw, quant_type, dtype=dtype)
+            yield f"gguf_dequantize {quant_type} -> {name}", dequantize
+
+
 def launch_matrix() -> list[tuple[str, Callable[[torch.Generator], None]]]:
     """(label, call) for every case: each call runs public ops on small CPU tensors."""
-    return [*_attention_cases(), *_cache_op_cases(), *_elementwise_cases()]
+    return [*_attention_cases(), *_cache_op_cases(), *_elementwise_cases(), *_fp8_kv_cases(), *_quant_cases()]
 
 
 def record_matrix() -> list[Launch]:

@@ -541,6 +541,11 @@ def _decode_triton(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,  # None: the default for 16-bit
         KV_FP8=kv_fp8,
         num_warps=launch_config(q.dtype, launch_device_kind(q.device)),
+        # fp32 queries over a float8 cache: software-pipelining the tile loop (Triton's default 3
+        # stages) kept the loaded codes and their conversions live next to fp32's ieee dot operands and
+        # spilled (255 registers + 250 B at head 128 with window + softcap, ~2 KB at head 256, sm_90 and
+        # sm_80); unpipelined, 48-64 registers and no spills.
+        **({"num_stages": 1} if kv_fp8 and q.dtype == torch.float32 else {}),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](

@@ -8,9 +8,9 @@ weight (``quantize_fp8_weight``).
 Where it runs:
 
 - CUDA (the ``auto`` / ``triton`` backends) with fp8 tensor cores (compute capability 8.9+: Ada,
-  Hopper) and K, N multiples of 16: ``torch._scaled_mm``. The activation is quantized to e4m3 too: with ``act_scale`` (the checkpoint's
-  static input scale) per tensor, else dynamically per token (scale = max|x[m]| / 448, computed on the
-  device, no host sync). Per-tensor weight and activation scales use _scaled_mm's tensor-wise scaling
+  Hopper) and K, N multiples of 16: ``torch._scaled_mm``. The activation is quantized to e4m3 too:
+  with ``act_scale`` (the checkpoint's static input scale) per tensor, else dynamically per token
+  (scale = max|x[m]| / 448, computed on the device, no host sync). Per-tensor weight and activation scales use _scaled_mm's tensor-wise scaling
   (out in x's dtype); any per-channel or per-token scale its row-wise scaling, whose output is bf16
   (copied into x's dtype).
 - Elsewhere on CUDA (Ampere) and for the ``triton`` backend: weight-only, x unquantized: the int4/int8

@@ -267,7 +267,7 @@ def _prefill_attention_kernel(
 
 
 def launch_config(head_dim_pad: int, group_pad: int, dtype: torch.dtype,
-                  device_kind: str) -> tuple[int, int, int, int]:
+                  device_kind: str, kv_fp8: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, TILE_N, num_warps, num_stages), chosen without autotuning, from shapes, dtype and
     the device kind (``"cuda"`` or ``"cpu"``, see ``_backend.launch_device_kind``) only, so the
     CUDA choice can be asked for (and compiled ahead of time) on any machine.
@@ -290,6 +290,10 @@ def launch_config(head_dim_pad: int, group_pad: int, dtype: torch.dtype,
     so). BLOCK_M >= 16 always (tl.dot needs >= 16 on every dimension on a GPU), and BLOCK_M >=
     group_pad so a program holds at least one token with all heads of its group.
 
+    A float8 cache (``kv_fp8``) under fp32 queries takes one stage: pipelining kept the loaded codes and
+    their conversions live beside the fp32 operands (head 128 with window + softcap: 255 registers +
+    600 B of spills at 2 stages; 80-96 registers, none, at 1).
+
     Interpreter (CPU): no registers, cost is per program and per op and tests run tiny shapes; 32 x 32
     tiles keep the masked waste low and make modest test lengths cross query- and key-tile
     boundaries.
@@ -310,6 +314,8 @@ def launch_config(head_dim_pad: int, group_pad: int, dtype: torch.dtype,
     else:
         config = (64, 16, 8, 2)
     block_m, tile_n, num_warps, num_stages = config
+    if kv_fp8 and dtype == torch.float32 and device_kind == "cuda":
+        num_stages = 1
     return max(block_m, group_pad), tile_n, num_warps, num_stages
 
 
@@ -336,7 +342,7 @@ def _prefill_attention_triton(q, key_cache, value_cache, block_tables, cu_seqlen
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = triton.next_power_of_2(head_dim)
     block_m, tile_n, num_warps, num_stages = launch_config(head_dim_pad, group_pad, q.dtype,
-                                                           launch_device_kind(q.device))
+                                                           launch_device_kind(q.device), is_fp8(key_cache))
     block_q = block_m // group_pad
     maxnreg = max_registers(q.dtype, launch_device_kind(q.device))
     register_limit = {} if maxnreg is None else {"maxnreg": maxnreg}

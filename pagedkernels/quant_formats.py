@@ -123,7 +123,8 @@ def quantize_wq(weight: torch.Tensor, *, bits: int, group_size: int, symmetric: 
 
 
 def dequantize_wq(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, *, bits: int,
-                  group_size: int, perm: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                  group_size: int, perm: torch.Tensor | None = None,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The canonical layout de-quantized to ``[N, K]`` (float32 arithmetic, then ``dtype``); with ``perm``
     in the original column order (column perm[k] gets canonical column k). No argument checks: this is
     the formula, used by the PyTorch twin of ``wq_gemm`` (which checks first) and the tests."""

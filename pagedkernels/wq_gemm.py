@@ -285,19 +285,23 @@ def wq_launch_config(M: int, N: int, K: int, dtype: torch.dtype, device_kind: st
     only (no autotuning, no host sync), so the CUDA choice can be compiled ahead of time anywhere.
 
     Decode-shaped (M <= 16): the weight is read once, so the launch is about spreading it: 16-row tiles
-    (tl.dot's minimum), 64 features x 128 columns per program, and split-K up to about two programs per
-    SM (a [1, 4096] x [4096, 4096] call has 64 N tiles; 132 SMs -> 5 splits). Larger M: 64 x 128 x 64
-    tiles, or 128 x 64 from 128 rows, no split. fp32 activations take ieee FMA dots with 32 x 32 x 64
-    tiles (a correctness dtype; its register-hungry operand layouts spill at the 16-bit tiles).
+    (tl.dot's minimum), 64 features x 128 columns per program, split-K up to about two programs per SM
+    (a [1, 4096] x [4096, 4096] call has 64 N tiles; 132 SMs -> 5 splits), 2 stages (at 3, Triton 3.6
+    gave the fp8 variant 128 registers and 8 B of spills on sm_90). Larger M, no split: 64 x 64 x 64
+    tiles (64 x 128 spilled 76 B on sm_80 under Triton 3.6 where group-32 scales are gathered per
+    column), 128 x 64 over 8 warps from 128 rows. fp32 activations take ieee FMA dots (a correctness
+    dtype) with 32 x 32 x 64 tiles over 8 warps: at 4 warps they spilled 120 to 230 B (255 registers,
+    sm_90 and sm_80, Triton 3.9), 32-column K tiles still 8 B. Every choice compiles without spills for
+    sm_90 and sm_80 with Triton 3.6 and 3.9 (``python -m pagedkernels._aot``).
     Interpreter (CPU): small tiles, so tests cross tile edges at small shapes; 8 SMs for the split."""
     if device_kind != "cuda":
         block_m, block_n, block_k, warps, stages = 16, 32, 64, 4, 1
     elif dtype == torch.float32:
-        block_m, block_n, block_k, warps, stages = (16 if M <= 16 else 32), 32, 64, 4, 2
+        block_m, block_n, block_k, warps, stages = (16 if M <= 16 else 32), 32, 64, 8, 2
     elif M <= 16:
-        block_m, block_n, block_k, warps, stages = 16, 64, 128, 4, 3
+        block_m, block_n, block_k, warps, stages = 16, 64, 128, 4, 2
     elif M < 128:
-        block_m, block_n, block_k, warps, stages = 64, 128, 64, 4, 3
+        block_m, block_n, block_k, warps, stages = 64, 64, 64, 4, 3
     else:
         block_m, block_n, block_k, warps, stages = 128, 64, 64, 8, 3
     split = 1

@@ -58,9 +58,20 @@ def test_every_kernel_is_recorded_for_every_dtype(recorded):
     assert kernels == set(_aot.launched_kernels())
     for name, arg in (("_decode_split_kernel", "q_ptr"), ("_prefill_attention_kernel", "q_ptr"),
                       ("_reshape_and_cache_kernel", "key_ptr"), ("_rms_norm_kernel", "x_ptr"),
-                      ("_rotary_kernel", "q_ptr"), ("_silu_and_mul_kernel", "x_ptr"), ("_copy_blocks_kernel", "typed_ptr")):
+                      ("_rotary_kernel", "q_ptr"), ("_silu_and_mul_kernel", "x_ptr"), ("_wq_gemm_kernel", "x_ptr"),
+                      ("_gguf_dequantize_kernel", "out_ptr")):
         dtypes = {_dtype(launch, arg) for launch in recorded if launch.kernel.__name__ == name}
         assert dtypes == set(_aot.DTYPES), name
+    # the caches: every float dtype and float8 (as the uint8 codes the kernels read)
+    for name, arg in (("_copy_blocks_kernel", "typed_ptr"), ("_decode_split_kernel", "key_cache_ptr"),
+                      ("_prefill_attention_kernel", "key_cache_ptr"), ("_reshape_and_cache_kernel", "key_cache_ptr")):
+        dtypes = {_dtype(launch, arg) for launch in recorded if launch.kernel.__name__ == name}
+        assert dtypes == set(_aot.DTYPES) | {torch.uint8}, name
+    # every weight format of the quantized GEMM: int4, int8, e4m3
+    assert {_constexprs(launch)["WEIGHT_FORMAT"] for launch in recorded
+            if launch.kernel.__name__ == "_wq_gemm_kernel"} == {0, 1, 2}
+    assert {_constexprs(launch)["QTYPE"] for launch in recorded
+            if launch.kernel.__name__ == "_gguf_dequantize_kernel"} == {2, 3, 8, 12, 14}
 
 
 def test_recorded_configs_are_the_cuda_choice(recorded):
@@ -70,7 +81,8 @@ def test_recorded_configs_are_the_cuda_choice(recorded):
     prefill = [launch for launch in recorded if launch.kernel.__name__ == "_prefill_attention_kernel"]
     for launch in prefill:
         c = _constexprs(launch)
-        expected = prefill_attention.launch_config(c["HEAD_DIM_PAD"], c["GROUP_PAD"], _dtype(launch, "q_ptr"), "cuda")
+        expected = prefill_attention.launch_config(c["HEAD_DIM_PAD"], c["GROUP_PAD"], _dtype(launch, "q_ptr"), "cuda",
+                                                   c["KV_FP8"])
         got = (c["BLOCK_M"], c["TILE_N"], launch.kwargs["num_warps"], launch.kwargs["num_stages"])
         assert got == expected
         assert launch.kwargs.get("maxnreg") == prefill_attention.max_registers(_dtype(launch, "q_ptr"), "cuda")
@@ -108,6 +120,9 @@ def test_dot_tiles_are_at_least_16(recorded):
             assert min(c["BLOCK_H"], c["HEAD_PAD"], c["TILE_N"]) >= 16
         elif launch.kernel.__name__ == "_prefill_attention_kernel":  # (BLOCK_M x HEAD_DIM_PAD) @ (.. x TILE_N)
             assert min(c["BLOCK_M"], c["HEAD_DIM_PAD"], c["TILE_N"]) >= 16
+        elif launch.kernel.__name__ == "_wq_gemm_kernel":  # (BLOCK_M x BLOCK_K[/2]) @ (.. x BLOCK_N)
+            k_dim = c["BLOCK_K"] // 2 if c["WEIGHT_FORMAT"] == 0 else c["BLOCK_K"]
+            assert min(c["BLOCK_M"], c["BLOCK_N"], k_dim) >= 16 and c["BLOCK_K"] % 32 == 0
 
 
 # ---------------------------------------------------------------------------------------------

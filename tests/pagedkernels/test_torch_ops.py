@@ -146,7 +146,7 @@ def _opcheck_cases():
     # equal_nan semantics off, so give it caches without NaN.
     key_cache, value_cache = kv.key_cache.nan_to_num(), kv.value_cache.nan_to_num()
     decode = (q, key_cache, value_cache, kv.block_tables, kv.seq_lens)
-    key_cache8, value_cache8 = inp["key_cache8"].float().nan_to_num().to(FP8), inp["value_cache8"].float().nan_to_num().to(FP8)
+    key_cache8, value_cache8 = (c.float().nan_to_num().to(FP8) for c in (inp["key_cache8"], inp["value_cache8"]))
     decode8 = (q, key_cache8, value_cache8, kv.block_tables, kv.seq_lens)
     return {
         "reshape_and_cache": (k, k.clone(), key_cache.clone(), value_cache.clone(), inp["slots"]),
