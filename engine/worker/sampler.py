@@ -349,10 +349,22 @@ def sample_random(logits: torch.Tensor, row_max: torch.Tensor, meta: SamplingMet
             candidates = top_k_top_p_candidates(logits, top_k, top_p)
             if candidates is not None and (candidates[2] is None or not bool(candidates[2].any())):
                 values, ids, _ = candidates
-                chosen = sample_inverse_cdf(torch.softmax(values, dim=-1), uniform)
+                # In token-id order, as in the full row: the same uniform picks the same token either way.
+                ids, order = ids.sort(dim=-1)
+                chosen = _sample_from_logits(values.gather(1, order), uniform)
                 return ids.gather(1, chosen.unsqueeze(1)).squeeze(1)
         logits = apply_top_k_top_p(logits, top_k, top_p)
-    return sample_inverse_cdf(torch.softmax(logits, dim=-1), uniform)
+    return _sample_from_logits(logits, uniform)
+
+
+def _sample_from_logits(logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw from softmax(logits) (rows in token-id order, each with a finite maximum), on the
+    unnormalized weights exp(logit - row max). A row's draw depends on its kept tokens alone: the candidate
+    path (only the kept tokens) and the full row (the others exp(-inf) = 0, which add exactly nothing to the
+    running sum) produce bit-identical sums, so a seeded request draws the same tokens whichever path its
+    batch takes (the batch decides the path: every row must filter for the candidate one)."""
+    weights = logits.sub(logits.amax(dim=-1, keepdim=True)).exp_()
+    return sample_inverse_cdf(weights, uniform)
 
 
 def sampler_dummy_run(logits: torch.Tensor, num_logprobs: int = 20) -> torch.Tensor:

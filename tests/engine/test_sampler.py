@@ -133,6 +133,24 @@ def test_seeded_request_independent_of_batch():
     assert [sampler(logits.clone(), [other_seed]).sampled_token_ids[0] for _ in range(6)] != alone
 
 
+def test_seeded_top_k_draw_independent_of_the_batchs_path():
+    """A top-k row alone (every row filters: the draw among its candidates) and beside an unfiltered row (the
+    draw over the full row) draws the same token from the same uniform, for many seeds (the candidates must be
+    ordered as the vocabulary for that: a descending-order draw disagreed in about half the steps)."""
+    vocab = 4096   # big enough for the candidate path (top_k * 2 < vocab)
+    logits = random_logits(1, seed=11, vocab=vocab)
+    other = random_logits(1, seed=12, vocab=vocab)
+    differ = []
+    for seed in range(40):
+        params = SamplingParams(temperature=0.8, top_k=50, seed=seed)
+        alone = Sampler(seed=0)(logits.clone(), [seq_with(params)]).sampled_token_ids[0]
+        mixed = Sampler(seed=0)(torch.cat([other, logits]), [seq_with(SamplingParams(temperature=1.0)),
+                                                              seq_with(params)]).sampled_token_ids[1]
+        differ.append(alone != mixed)
+        assert alone in logits[0].topk(50).indices.tolist()
+    assert not any(differ), differ
+
+
 def reference_penalties(logits, prompt, output, rep, pres, freq):
     out = logits.clone()
     for t in range(logits.shape[0]):
