@@ -15,11 +15,12 @@ import torch
 
 import pagedkernels as pk
 from pagedkernels import _native, quant_formats
+from tests.extras import MAIN_INSTALL, require
 from tests.pagedkernels.quant_oracle import gguf_reference, random_gguf
 from tests.pagedkernels.test_quant_gemm import BACKENDS, assert_gemm_close, skip_unsupported
 
 gguf_module = importlib.import_module("pagedkernels.gguf_quant")
-pytest.importorskip("gguf", reason="the gguf package is the reference for the block formats")
+require("gguf", "the reference for the block formats; a main dependency", MAIN_INSTALL)
 
 TYPES = list(pk.GGUF_BLOCKS)
 

@@ -327,6 +327,9 @@ def _listen_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
     if reuse_port:   # several API server processes accept on one port (the kernel spreads the connections)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
+    # Listening from here on: connections made once the address is announced queue until uvicorn accepts them
+    # (it only listens when its start-up is done, which would refuse them meanwhile).
+    sock.listen(2048)
     return sock
 
 
@@ -372,7 +375,6 @@ def _frontend_process_main(args, address: str, info: dict, port: int, ready) -> 
 
     logging.basicConfig(level=logging.INFO)
     sock = _listen_socket(args.host, port, reuse_port=True)
-    sock.listen(2048)
     ready.send(os.getpid())
     ready.close()
     signal.signal(signal.SIGTERM, _interrupt)

@@ -248,7 +248,7 @@ class OpenAIServing:
         """SamplingParams of a request: unset fields from the model's defaults, then OpenAI's."""
         if request.stream_options is not None and not request.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
-        if request.stream and request.prompt_logprobs is not None:   # vLLM refuses it too
+        if request.stream and request.prompt_logprobs:   # vLLM refuses it too (0, the prompt tokens' own, streams)
             raise bad_request("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
         defaults = self.sampling_defaults
         pick = lambda value, name, default: (  # noqa: E731
