@@ -268,7 +268,50 @@ class CacheConfig:
     swap_space: float                     # GiB of CPU memory for swapped-out blocks (preemption_mode "swap")
     enable_prefix_caching: bool
     num_gpu_blocks_override: int | None   # a fixed number of blocks instead of the memory-derived one
-    kv_cache_dtype: str = "auto"          # the model dtype (the one supported value for now)
+    kv_cache_dtype: str = "auto"          # "auto" (the model dtype) | "fp8" (float8 e4m3, per-layer k/v scales)
+
+
+# --kv-cache-dtype values (vLLM's names): "auto" stores K/V in the model's dtype; "fp8" and "fp8_e4m3" in float8 e4m3
+# (torch.float8_e4m3fn), written as e4m3(x / scale) and de-quantized in the attention kernels' registers.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
+def check_kv_cache_dtype(kv_cache_dtype: object) -> str:
+    """``kv_cache_dtype`` checked: one of KV_CACHE_DTYPES, else a ValueError saying what is supported."""
+    if kv_cache_dtype in KV_CACHE_DTYPES:
+        return kv_cache_dtype
+    if kv_cache_dtype == "fp8_e5m2":
+        raise ValueError("kv_cache_dtype='fp8_e5m2' is not supported: the KV kernels store float8 e4m3 only "
+                         "(kv_cache_dtype='fp8' or 'fp8_e4m3')")
+    raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, got {kv_cache_dtype!r}")
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype of the KV cache: the model's for "auto", float8 e4m3 for "fp8" / "fp8_e4m3"."""
+    return model_dtype if check_kv_cache_dtype(kv_cache_dtype) == "auto" else torch.float8_e4m3fn
+
+
+def check_kv_cache_scheme(hf_config: dict, model_dir: str) -> None:
+    """A checkpoint's ``quantization_config.kv_cache_scheme`` (compressed-tensors / llm-compressor), when an fp8
+    cache is asked for: its k/v scales are per-tensor float8 scales computed offline, or the engine cannot use
+    them (ValueError naming what the checkpoint has)."""
+    text = hf_config.get("text_config", hf_config)
+    quant = hf_config.get("quantization_config") or text.get("quantization_config") or {}
+    scheme = quant.get("kv_cache_scheme") if isinstance(quant, dict) else None
+    if not scheme:
+        return
+    problems = []
+    if scheme.get("type", "float") != "float" or scheme.get("num_bits", 8) != 8:
+        problems.append(f"type={scheme.get('type')!r} num_bits={scheme.get('num_bits')!r} (needs float, 8 bits)")
+    if scheme.get("strategy", "tensor") != "tensor":
+        problems.append(f"strategy={scheme.get('strategy')!r} (needs 'tensor': one scale per layer)")
+    if scheme.get("dynamic", False):
+        problems.append("dynamic=True (needs static scales stored in the checkpoint)")
+    if scheme.get("symmetric", True) is False:
+        problems.append("symmetric=False (needs symmetric scales)")
+    if problems:
+        raise ValueError(f"{model_dir}/config.json: quantization_config.kv_cache_scheme is not usable for an fp8 KV "
+                         f"cache: {'; '.join(problems)}")
 
 
 @dataclass(slots=True)

@@ -34,6 +34,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     seed: int = 0
@@ -69,6 +70,9 @@ class EngineArgs:
                            help="KV-cache size in blocks (overrides the memory-derived size)")
         group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                            help="share of GPU memory the engine may use (CUDA only)")
+        group.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"), default="auto",
+                           help="KV-cache storage: auto (the model's dtype) or fp8 / fp8_e4m3 (float8 e4m3 with "
+                                "per-layer k/v scales from the checkpoint, else 1.0: twice the blocks of 16-bit)")
         group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                            help="reuse the KV of full blocks shared with earlier prompts")
         group.add_argument("--enforce-eager", action="store_true", help="no torch.compile, no CUDA graphs")
@@ -116,7 +120,7 @@ class EngineArgs:
         """Validate every option once (ValueError naming the option) and build the EngineConfig: the model's
         config read from its directory, the device resolved, the step budget defaulted by the device."""
         from engine.config import (CacheConfig, DeviceConfig, EngineConfig, LoadConfig, ModelConfig, ParallelConfig,
-                                   SchedulerConfig)
+                                   SchedulerConfig, check_kv_cache_dtype, check_kv_cache_scheme)
         from engine.platform import DevicePolicy, resolve_device
 
         _check_int("block_size", self.block_size, 8, 128)
@@ -133,6 +137,7 @@ class EngineArgs:
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
         _check_choice("preemption_mode", self.preemption_mode, ("recompute", "swap"))
+        check_kv_cache_dtype(self.kv_cache_dtype)
         _check_int("seed", self.seed)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check_choice("load_format", self.load_format, ("auto", "dummy"))
@@ -150,6 +155,8 @@ class EngineArgs:
         model_config = ModelConfig.from_pretrained(resolve_model_path(self.resolved_model()), dtype=self.dtype,
                                                    max_model_len=self.max_model_len, device=device,
                                                    quantization=self.quantization)
+        if self.kv_cache_dtype != "auto":
+            check_kv_cache_scheme(model_config.hf_config, model_config.model_dir)
         policy = DevicePolicy.for_device(device)
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
@@ -157,7 +164,7 @@ class EngineArgs:
             preemption_mode=self.preemption_mode, max_num_seqs_per_request=self.max_num_seqs_per_request)
         cache_config = CacheConfig(block_size=self.block_size, gpu_memory_utilization=float(self.gpu_memory_utilization),
                                    swap_space=float(self.swap_space), enable_prefix_caching=self.enable_prefix_caching,
-                                   num_gpu_blocks_override=self.num_kv_blocks)
+                                   num_gpu_blocks_override=self.num_kv_blocks, kv_cache_dtype=self.kv_cache_dtype)
         speculative_config = _speculative_config(self.speculative_config, model_config, device, self.dtype)
         return EngineConfig(model_config=model_config, cache_config=cache_config, scheduler_config=scheduler_config,
                             parallel_config=ParallelConfig(self.tensor_parallel_size),

@@ -29,6 +29,11 @@ class LLM:
             is always on, so it need not hold a whole prompt; see engine/core/llm_engine.py).
         num_kv_blocks: KV-cache size in blocks; overrides the memory-derived size.
         gpu_memory_utilization: share of GPU memory the engine may use (CUDA only).
+        kv_cache_dtype: "auto" stores the KV cache in the model's dtype; "fp8" (or "fp8_e4m3", vLLM's names) in
+            float8 e4m3, twice the blocks of a 16-bit cache (four times float32's) in the same memory. Each layer
+            writes e4m3(k / k_scale), e4m3(v / v_scale) and the attention kernels de-quantize in registers; the
+            scales come from the checkpoint (`*.self_attn.k_scale` / `v_scale`, compressed-tensors'
+            `k_proj.output_scale` / `v_proj.output_scale`), else 1.0.
         enable_prefix_caching: reuse the KV of full blocks shared with earlier prompts.
         enforce_eager: never capture CUDA graphs.
         seed: seeds the sampler of unseeded requests (seeded requests use their own generator).
@@ -60,7 +65,8 @@ class LLM:
                  device: str | torch.device = "auto", block_size: int = 16, max_model_len: int | None = None,
                  max_num_seqs: int = 256, max_num_seqs_per_request: int | None = None,
                  max_num_batched_tokens: int | None = None, num_kv_blocks: int | None = None,
-                 gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
+                 gpu_memory_utilization: float = 0.9, kv_cache_dtype: str = "auto",
+                 enable_prefix_caching: bool = True,
                  enforce_eager: bool = False, seed: int = 0, swap_space: float = 4,
                  preemption_mode: str = "recompute", generation_config: str = "auto",
                  tensor_parallel_size: int = 1, load_format: str = "auto", skip_tokenizer_init: bool = False,
@@ -69,7 +75,7 @@ class LLM:
             model=model, tokenizer=tokenizer, dtype=dtype, device=device, block_size=block_size,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_seqs_per_request=max_num_seqs_per_request,
             max_num_batched_tokens=max_num_batched_tokens,
-            num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
+            num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype,
             enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed,
             swap_space=swap_space, preemption_mode=preemption_mode,
             generation_config=generation_config, tensor_parallel_size=tensor_parallel_size, load_format=load_format,

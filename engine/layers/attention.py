@@ -78,6 +78,12 @@ class Attention(nn.Module):
     ``head_dim ** -0.5``; Gemma 2 uses ``query_pre_attn_scalar ** -0.5``), ``softcap`` then maps each score
     to ``softcap * tanh(score / softcap)`` (Gemma 2's attn_logit_softcapping), and ``sliding_window=W`` lets
     a query at position p see keys ``p - W < k <= p`` (Mistral, Gemma 2's alternate layers, Phi-3).
+
+    A float8 e4m3 cache (kv_cache_dtype="fp8") holds e4m3(k / k_scale) and e4m3(v / v_scale); the ops de-quantize
+    in registers. ``k_scale`` / ``v_scale`` are the layer's per-tensor scales, Python floats: 1.0, or the
+    checkpoint's (set by the loader, ``kv_scales_loaded``). They reach the ops only for a float8 cache (a cache in
+    the model's dtype holds the values themselves) and are read on the host inside the op call, never traced: no
+    device tensor, so no host sync under a CUDA graph and nothing for torch.compile to guard on.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *, scale: float | None = None,
@@ -105,6 +111,9 @@ class Attention(nn.Module):
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None
         self.layer_index = 0  # position among the model's attention layers, set with the caches
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+        self.kv_scales_loaded = False
         # Split-K scratch for the decode op (pagedkernels.decode_workspace), shared by the layers; set by the
         # ModelRunner on CUDA so graph capture sees no allocation. None: the op allocates its own.
         self.decode_workspace: torch.Tensor | None = None
@@ -124,13 +133,20 @@ class Attention(nn.Module):
         """The layer's work, eagerly: k/v into the cache, attention -> ``[num_tokens, num_heads, head_dim]``
         (into ``out`` when given)."""
         ops = pk_ops()
-        ops.reshape_and_cache(k, v, self.key_cache, self.value_cache, meta.slot_mapping)
+        if self.key_cache.dtype == torch.float8_e4m3fn:
+            k_scale, v_scale = self.k_scale, self.v_scale
+        else:
+            k_scale = v_scale = 1.0
+        ops.reshape_and_cache(k, v, self.key_cache, self.value_cache, meta.slot_mapping, k_scale=k_scale,
+                              v_scale=v_scale)
         # `out` only when given: the custom ops (pk_ops under a fake mode) return a new tensor instead.
         into = {} if out is None else {"out": out}
         if meta.is_decode and self.use_decode_kernel:
             return ops.paged_decode_attention(q, self.key_cache, self.value_cache, meta.block_tables, meta.seq_lens,
                                               scale=self.scale, sliding_window=self.sliding_window,
-                                              softcap=self.softcap, workspace=self.decode_workspace, **into)
+                                              softcap=self.softcap, workspace=self.decode_workspace,
+                                              k_scale=k_scale, v_scale=v_scale, **into)
         return ops.paged_prefill_attention(q, self.key_cache, self.value_cache, meta.block_tables,
                                            meta.cu_seqlens_q, meta.seq_lens, scale=self.scale,
-                                           sliding_window=self.sliding_window, softcap=self.softcap, **into)
+                                           sliding_window=self.sliding_window, softcap=self.softcap,
+                                           k_scale=k_scale, v_scale=v_scale, **into)

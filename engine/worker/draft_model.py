@@ -39,6 +39,7 @@ class DraftModel:
         # unsharded draft runs no collective the other ranks would have to join.
         with planned_layout(1, 0):
             self.model = runner._build_model(self.config)
+        runner._report_kv_scales(self.model, self.config.model_dir)
         self.layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_kv_heads = self.config.num_key_value_heads
         block_size = runner.block_size
@@ -48,7 +49,7 @@ class DraftModel:
 
     def block_bytes(self) -> int:
         c = self.config
-        element_size = torch.empty((), dtype=self.runner.dtype).element_size()
+        element_size = torch.empty((), dtype=self.runner.kv_cache_dtype).element_size()
         return 2 * c.num_hidden_layers * self.runner.block_size * self.num_kv_heads * c.head_dim * element_size
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -57,7 +58,7 @@ class DraftModel:
         self.scratch_base = num_blocks
         total = num_blocks + runner.max_num_seqs * self.scratch_per_seq
         self.kv_cache = torch.empty(2, c.num_hidden_layers, total, runner.block_size, self.num_kv_heads, c.head_dim,
-                                    dtype=runner.dtype, device=runner.device)
+                                    dtype=runner.kv_cache_dtype, device=runner.device)
         self.key_caches, self.value_caches = list(self.kv_cache[0]), list(self.kv_cache[1])
         decode_kernel = runner.policy.decode_kernel_in_eager()
         for i, layer in enumerate(self.layers):

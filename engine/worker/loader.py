@@ -9,6 +9,12 @@ projection (Phi-3's ``qkv_proj``, ``gate_up_proj``) loads into it whole (shard i
 parameter's loader splits into its shards. Afterwards every parameter shard must have been loaded; a
 missing file, a missing tensor, a wrong shape or an unreadable file is a ValueError naming it.
 
+The per-layer scales of an fp8 KV cache, where a checkpoint has them (vLLM's names: ``*.self_attn.k_scale`` /
+``v_scale``, also under ``.attn.``, ``.k_proj.`` / ``.v_proj.`` or ``.qkv_proj.``; compressed-tensors'
+``*.k_proj.output_scale`` / ``*.v_proj.output_scale``; the older ``*.kv_scale`` for both), are no parameters:
+each is one positive number, stored as a Python float on the attention layer it belongs to (``k_scale`` /
+``v_scale`` of engine/layers/attention.py). A model run with a cache in its own dtype ignores them.
+
 ``load_dummy_weights`` is ``load_format="dummy"`` (vLLM's name): random weights instead of a checkpoint, so a
 model shape can be run from a directory holding only its config.json.
 """
@@ -23,12 +29,21 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.distributed.parallel_state import get_tp_rank
+from engine.layers.attention import Attention
 from engine.layers.layernorm import LayerNorm, RMSNorm
 
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
 # Checkpoint tensors the engine recomputes instead of loading.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",
+                     # fp8 attention's query and softmax scales (vLLM's q_scale / prob_scale): the engine
+                     # quantizes the KV cache only, its attention runs in the model's dtype
+                     ".q_scale", ".prob_scale", ".q_proj.output_scale")
+# Checkpoint names of fp8 KV-cache scales: suffix -> which scales it sets.
+_KV_SCALE_SUFFIXES = ((".k_proj.output_scale", ("k",)), (".v_proj.output_scale", ("v",)),
+                      (".k_scale", ("k",)), (".v_scale", ("v",)), (".kv_scale", ("k", "v")))
+# Modules a scale may hang on below the attention block (vLLM's layouts): dropped to find the block.
+_KV_SCALE_HOLDERS = (".attn", ".k_proj", ".v_proj", ".qkv_proj")
 # Seed of load_dummy_weights (fixed, as vLLM's dummy loader: the same model whatever the engine's sampling seed).
 DUMMY_SEED = 1234
 
@@ -63,10 +78,13 @@ def load_model(model: nn.Module, model_dir: str) -> None:
     expected = {(name, shard) for name, p in params.items() if not getattr(p, "optional_in_checkpoint", False)
                 for shard in getattr(p, "shard_ids", (None,))}
     loaded: set[tuple[str, object]] = set()
+    attention_layers = {name: m for name, m in model.named_modules() if isinstance(m, Attention)}
     for path in weight_files(model_dir):
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for ckpt_name in f.keys():
+                    if _load_kv_scale(ckpt_name, prefixes, attention_layers, f, path):
+                        continue
                     target = _target(ckpt_name, packed, prefixes)
                     if target is None:
                         continue
@@ -102,14 +120,49 @@ def load_model(model: nn.Module, model_dir: str) -> None:
                          + (f" and {len(names) - 10} more" if len(names) > 10 else ""))
 
 
+def _load_kv_scale(ckpt_name: str, prefixes: dict, attention_layers: dict[str, Attention], f, path: str) -> bool:
+    """If ``ckpt_name`` is an fp8 KV-cache scale, set it on its attention layer and return True."""
+    for suffix, kinds in _KV_SCALE_SUFFIXES:
+        if ckpt_name.endswith(suffix):
+            break
+    else:
+        return False
+    block = _with_prefix_mapping(ckpt_name[:-len(suffix)], prefixes)
+    for holder in _KV_SCALE_HOLDERS:
+        if block.endswith(holder):
+            block = block[:-len(holder)]
+            break
+    layers = [layer for name, layer in attention_layers.items() if name == block or name.startswith(block + ".")]
+    if len(layers) != 1:
+        raise ValueError(f"{path}: tensor {ckpt_name!r} (a KV-cache scale) matches "
+                         f"{'no' if not layers else len(layers)} attention layers of the model")
+    tensor = f.get_tensor(ckpt_name)
+    if tensor.numel() != 1:
+        raise ValueError(f"{path}: tensor {ckpt_name!r}: a KV-cache scale is one number per layer (per-tensor), "
+                         f"got shape {tuple(tensor.shape)}")
+    value = float(tensor.float().reshape(()))
+    if not 0.0 < value < float("inf"):
+        raise ValueError(f"{path}: tensor {ckpt_name!r}: a KV-cache scale must be a positive finite number, "
+                         f"got {value}")
+    layer = layers[0]
+    for kind in kinds:
+        setattr(layer, f"{kind}_scale", value)
+    layer.kv_scales_loaded = True
+    return True
+
+
+def _with_prefix_mapping(ckpt_name: str, prefixes: dict) -> str:
+    for prefix, replacement in prefixes.items():
+        if ckpt_name.startswith(prefix):
+            return replacement + ckpt_name[len(prefix):]
+    return ckpt_name
+
+
 def _target(ckpt_name: str, packed: dict, prefixes: dict) -> tuple[str, object] | None:
     """(parameter name, shard id) a checkpoint tensor loads into; None for tensors to skip."""
     if ckpt_name.endswith(_IGNORED_SUFFIXES):
         return None
-    for prefix, replacement in prefixes.items():
-        if ckpt_name.startswith(prefix):
-            ckpt_name = replacement + ckpt_name[len(prefix):]
-            break
+    ckpt_name = _with_prefix_mapping(ckpt_name, prefixes)
     for fragment, (fused, shard_id) in packed.items():
         if f".{fragment}." in ckpt_name:
             return ckpt_name.replace(f".{fragment}.", f".{fused}."), shard_id

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 import pagedkernels as pk
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig, ModelConfig, kv_cache_torch_dtype
 from engine.distributed.communication import min_over_ranks
 from engine.distributed.parallel_state import get_tp_world_size, num_kv_heads_per_rank
 from engine.layers.attention import Attention, AttentionMetadata, forward_context
@@ -126,6 +126,9 @@ class ModelRunner:
         self.load_format = engine_config.load_config.load_format
         self.device = torch.device(engine_config.device)
         self.dtype = model_config.dtype
+        # The KV cache's dtype: the model's, or float8 e4m3 (kv_cache_dtype="fp8"; the layers' k/v scales come from
+        # the checkpoint, engine/worker/loader.py).
+        self.kv_cache_dtype = kv_cache_torch_dtype(cache_config.kv_cache_dtype, self.dtype)
         self.block_size = block_size = cache_config.block_size
         self.max_num_seqs = max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -160,6 +163,7 @@ class ModelRunner:
             check_free_memory(self._memory_at_start, gpu_memory_utilization)
             self.memory.reset_peak_memory_stats()
         self.model = self._build_model()
+        self._report_kv_scales(self.model, model_config.model_dir)
         # The forward every path calls: the module itself, or its torch.compile wrapper (compiled lazily per
         # input signature: mixed and decode batches, dynamic in the token count).
         self.forward = self.model
@@ -229,10 +233,33 @@ class ModelRunner:
             process_weights_after_loading(model, prepack=self.policy.prepack_linears and not self.compiled)
         return model
 
+    def _report_kv_scales(self, model: torch.nn.Module, model_dir: str) -> None:
+        """Log which k/v scales an fp8 cache uses (the checkpoint's, or 1.0), or that a checkpoint's scales go
+        unused by a cache in the model's dtype."""
+        layers = [m for m in model.modules() if isinstance(m, Attention)]
+        loaded = [layer for layer in layers if layer.kv_scales_loaded]
+        if self.kv_cache_dtype != torch.float8_e4m3fn:
+            if loaded:
+                logger.info("%s has k/v scales for an fp8 KV cache; unused by this %s cache (kv_cache_dtype='fp8' "
+                            "uses them)", model_dir, str(self.kv_cache_dtype).replace("torch.", ""))
+            return
+        if not loaded:
+            logger.warning("fp8 KV cache with k_scale = v_scale = 1.0: %s has no k/v scales, so K/V beyond +-448 "
+                           "are clipped and small values lose precision (checkpoints calibrated with llm-compressor "
+                           "carry them)", model_dir)
+        elif len(loaded) < len(layers):
+            logger.warning("fp8 KV cache: %s has k/v scales for %d of %d attention layers; the others use 1.0",
+                           model_dir, len(loaded), len(layers))
+        else:
+            logger.info("fp8 KV cache with the checkpoint's k/v scales (k_scale %.4g..%.4g, v_scale %.4g..%.4g)",
+                        min(layer.k_scale for layer in layers), max(layer.k_scale for layer in layers),
+                        min(layer.v_scale for layer in layers), max(layer.v_scale for layer in layers))
+
     def _block_bytes(self) -> int:
-        """Bytes of one KV block in every cache it has a copy in (the model's, and a draft model's)."""
+        """Bytes of one KV block in every cache it has a copy in (the model's, and a draft model's): 1 byte per
+        value in an fp8 cache, the model dtype's size otherwise."""
         c = self.config
-        element_size = torch.empty((), dtype=self.dtype).element_size()
+        element_size = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         target = 2 * c.num_hidden_layers * self.block_size * self.num_kv_heads * c.head_dim * element_size
         return target + (self.drafter.block_bytes() if self.drafter is not None else 0)
 
@@ -290,7 +317,8 @@ class ModelRunner:
             block_tables[i, :num_blocks] = np.arange(next_block, next_block + num_blocks)
             next_block += num_blocks
         self._bind_kv_cache(torch.empty(2, self.config.num_hidden_layers, next_block, self.block_size,
-                                        self.num_kv_heads, self.config.head_dim, dtype=self.dtype, device=self.device))
+                                        self.num_kv_heads, self.config.head_dim, dtype=self.kv_cache_dtype,
+                                        device=self.device))
         positions = np.concatenate([np.arange(n) for n in lens])
         input_ids_t, positions_t, meta = self.build_inputs(np.zeros(num_tokens, dtype=np.int64), positions,
                                                            np.asarray(lens, dtype=np.int64), block_tables)
@@ -307,7 +335,7 @@ class ModelRunner:
         c = self.config
         # One allocation for all layers: [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim].
         self.kv_cache = torch.empty(2, c.num_hidden_layers, self.num_kv_blocks, self.block_size,
-                                    self.num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device)
+                                    self.num_kv_heads, c.head_dim, dtype=self.kv_cache_dtype, device=self.device)
         self._bind_kv_cache(self.kv_cache)
         self.key_caches = list(self.kv_cache[0])
         self.value_caches = list(self.kv_cache[1])
