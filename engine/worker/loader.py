@@ -204,7 +204,27 @@ def load_dummy_weights(model: nn.Module, model_dir: str) -> None:
             else:
                 if param.device not in generators:
                     generators[param.device] = torch.Generator(param.device).manual_seed(DUMMY_SEED + get_tp_rank())
-                param.normal_(0.0, std, generator=generators[param.device])
+                _fill_dummy(name, param, std, generators[param.device])
+
+
+def _fill_dummy(name: str, param: torch.Tensor, std: float, generator: torch.Generator) -> None:
+    """One parameter of a dummy model: floats normal(0, std); float8 weights the same, rounded; packed integer
+    weights and zero points (GPTQ/AWQ int32) random bits, i.e. random 4/8-bit codes; GPTQ's g_idx kept as the
+    method made it (each input row's group, in order). Raw GGUF blocks (uint8) hold float16 scales that random bits
+    would make NaN: refused."""
+    if param.dtype.is_floating_point and param.element_size() > 1:
+        param.normal_(0.0, std, generator=generator)
+    elif param.dtype.is_floating_point:   # float8
+        param.copy_(torch.empty(param.shape, device=param.device).normal_(0.0, std, generator=generator))
+    elif name.endswith("g_idx"):
+        return   # as created: each input row's group, in order
+    elif param.dtype == torch.int32:
+        info = torch.iinfo(torch.int32)
+        param.copy_(torch.randint(info.min, info.max, param.shape, generator=generator, device=param.device,
+                                  dtype=torch.int64).to(torch.int32))
+    else:
+        raise ValueError(f"load_format='dummy' cannot make random values for {name} ({param.dtype}); "
+                         "load this model from its checkpoint")
 
 
 def _initializer_range(model_dir: str) -> float:

@@ -200,3 +200,17 @@ def test_dummy_bf16_on_cuda_with_compile_and_graphs(config_only_dir):
         torch.cuda.empty_cache()
     assert runs[0] == runs[1]
     assert TINY_VOCAB_SIZE > max(t for tokens in runs[0] for t in tokens)
+
+
+@pytest.mark.parametrize("method, opts", [("gptq", {"bits": 4, "group_size": 32, "desc_act": True, "sym": True}),
+                                          ("awq", {"group_size": 32}), ("fp8", {"per_channel": True})])
+def test_quantized_dummy_model_generates(tmp_path, method, opts):
+    """A quantized model's config alone builds a dummy model too (the GPU suite's quantized benchmarks): packed
+    codes random, g_idx as created, float8 weights rounded from normal draws; the logits are finite."""
+    from tests.engine.quant_checkpoints import quantization_config
+
+    config = tiny_config("llama").to_dict()
+    config["quantization_config"] = quantization_config(method, **opts)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tokens = _greedy(_dummy_llm(str(tmp_path)))
+    assert len({tuple(t) for t in tokens}) > 1
