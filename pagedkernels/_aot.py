@@ -2,7 +2,7 @@
 need not have (Hopper sm_90 and Ampere sm_80 by default), with the resources ptxas reports.
 
     python -m pagedkernels._aot [--targets 90,80] [--triton 3.6.0] [--jobs N] [--representatives]
-                                [--out report.json] [--md report.md]
+                                [--out report.json] [--md report.md] [--no-cache] [--update-cache]
 
 1. Record: every public op runs over :func:`launch_matrix` (dtypes, head sizes, GQA groups, page
    sizes, window, softcap, forced splits, norms, rotary, cache ops) on small CPU tensors inside
@@ -29,6 +29,15 @@ with ``--triton VERSION`` puts that Triton (installed on first use into
 path. The two Triton versions share these entry points (``create_function_from_signature``,
 ``JITFunction._pack_args``, ``ASTSource``, ``triton.compile``); :func:`_specialize` is the small
 compatibility layer between them.
+
+Results cache: a compile's result (ptxas' resources or the compiler's error) depends only on the Triton
+version, the target and what is compiled: the kernel's source and the sources of every function and global
+constexpr it uses (Triton's own ``JITFunction.cache_key``), the specialized signature, constexprs and
+options. ``aot_results.json`` beside this file keeps results under a hash of exactly those, per Triton
+version, so a run compiles only what changed since the file was written (all of it when a kernel or a
+launch config changed; ``--no-cache`` compiles everything). ``--update-cache`` rewrites this Triton's part
+with the run's results (entries no variant uses any more are dropped). Commit it after a kernel change, or
+the next CI run compiles the changed variants itself (correct, only slower).
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ import torch
 
 KERNEL_MODULES = ("decode_attention", "prefill_attention", "cache_ops", "rms_norm", "rotary", "activation", "wq_gemm",
                   "gguf_quant")
+RESULTS_CACHE = Path(__file__).with_name("aot_results.json")
 # Kernels on the per-token path of every model step: a register spill there is a failure.
 HOT_KERNELS = frozenset({"_decode_split_kernel", "_decode_reduce_kernel", "_prefill_attention_kernel",
                          "_reshape_and_cache_kernel", "_rms_norm_kernel", "_wq_gemm_kernel"})
@@ -568,20 +578,61 @@ def _compile_job(job: tuple[int, int]) -> tuple[int, int, dict]:
     return index, capability, compile_variant(_POOL_VARIANTS[index], capability)
 
 
-def compile_all(variants: list[Variant], targets: tuple[int, ...], jobs: int) -> dict[tuple[int, int], dict]:
+def result_key(variant: Variant, capability: int) -> str:
+    """What a compile's result depends on (see the module docstring), hashed: the Triton version, the target,
+    the kernel's source with everything it uses (``JITFunction.cache_key``) and the specialization."""
+    import hashlib
+
+    import triton
+
+    text = json.dumps([triton.__version__, capability, variant.kernel.cache_key, variant.key])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def load_results_cache(path: Path = RESULTS_CACHE) -> dict[str, dict]:
+    """This Triton's cached results, {result_key: result}; empty when there are none."""
+    import triton
+
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text()).get(triton.__version__, {})
+
+
+def save_results_cache(results: dict[str, dict], path: Path = RESULTS_CACHE) -> None:
+    """Replace this Triton's part of the cache file with ``results`` (other versions' parts kept)."""
+    import triton
+
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data[triton.__version__] = {k: {f: v for f, v in r.items() if f != "cached"} for k, r in sorted(results.items())}
+    path.write_text(json.dumps(data, indent=0, sort_keys=True) + "\n")
+
+
+def compile_all(variants: list[Variant], targets: tuple[int, ...], jobs: int,
+                cache: dict[str, dict] | None = None) -> dict[tuple[int, int], dict]:
     """{(variant index, capability): result}, over a pool of ``jobs`` forked processes (compiles
-    are CPU-bound and independent). Longest first: attention kernels take seconds, the rest less."""
+    are CPU-bound and independent). Longest first: attention kernels take seconds, the rest less.
+    Results found in ``cache`` (by :func:`result_key`) are taken from it, marked ``"cached": True``."""
     global _POOL_VARIANTS
     _POOL_VARIANTS = variants
+    results: dict[tuple[int, int], dict] = {}
+    cache = cache or {}
+    for i, variant in enumerate(variants):
+        for cc in targets:
+            hit = cache.get(result_key(variant, cc))
+            if hit is not None:
+                results[(i, cc)] = {**hit, "cached": True}
     weight = {"_prefill_attention_kernel": 0, "_decode_split_kernel": 1}
-    work = sorted(((i, cc) for i in range(len(variants)) for cc in targets),
+    work = sorted(((i, cc) for i in range(len(variants)) for cc in targets if (i, cc) not in results),
                   key=lambda job: weight.get(variants[job[0]].kernel.__name__, 2))
-    if jobs <= 1:
-        return {(i, cc): result for i, cc, result in map(_compile_job, work)}
+    if jobs <= 1 or len(work) <= 1:
+        results.update({(i, cc): {**result, "cached": False} for i, cc, result in map(_compile_job, work)})
+        return results
     import multiprocessing
 
-    with multiprocessing.get_context("fork").Pool(jobs) as pool:
-        return {(i, cc): result for i, cc, result in pool.imap_unordered(_compile_job, work)}
+    with multiprocessing.get_context("fork").Pool(min(jobs, len(work))) as pool:
+        results.update({(i, cc): {**result, "cached": False}
+                        for i, cc, result in pool.imap_unordered(_compile_job, work)})
+    return results
 
 
 def problems(rows: list[dict]) -> list[str]:
@@ -606,9 +657,12 @@ def problems(rows: list[dict]) -> list[str]:
     return found
 
 
-def run(targets: tuple[int, ...] = DEFAULT_TARGETS, jobs: int = 1, representatives_only: bool = False) -> dict:
+def run(targets: tuple[int, ...] = DEFAULT_TARGETS, jobs: int = 1, representatives_only: bool = False,
+        use_cache: bool = True, update_cache: bool = False) -> dict:
     """Record, specialize and compile (every distinct variant, or with ``representatives_only`` one
-    per class of :data:`VALUE_CONSTEXPRS`); returns the report (see :func:`main` for its use)."""
+    per class of :data:`VALUE_CONSTEXPRS`), taking unchanged results from the results cache unless
+    ``use_cache`` is off; returns the report (see :func:`main` for its use). ``update_cache`` writes this
+    run's results as this Triton's cache."""
     import triton
 
     start = time.perf_counter()
@@ -618,7 +672,9 @@ def run(targets: tuple[int, ...] = DEFAULT_TARGETS, jobs: int = 1, representativ
 
     distinct = distinct_variants(launches, GPUTarget("cuda", targets[0], 32))
     variants = representatives(distinct) if representatives_only else distinct
-    results = compile_all(variants, targets, jobs)
+    results = compile_all(variants, targets, jobs, load_results_cache() if use_cache else None)
+    if update_cache:
+        save_results_cache({result_key(variants[i], cc): r for (i, cc), r in results.items()})
     rows = []
     for i, variant in enumerate(variants):
         for cc in targets:
@@ -638,6 +694,8 @@ def run(targets: tuple[int, ...] = DEFAULT_TARGETS, jobs: int = 1, representativ
         "kernels_launchable": sorted(launched_kernels()),
         "record_s": round(recorded - start, 2),
         "total_s": round(time.perf_counter() - start, 2),
+        "compiled": sum(not r["cached"] for r in results.values()),
+        "from_cache": sum(r["cached"] for r in results.values()),
         "rows": rows,
     }
     report["problems"] = problems(rows)
@@ -670,7 +728,8 @@ def summary(report: dict) -> str:
     compiled = "representatives" if report["representatives_only"] else "all"
     lines = [f"triton {report['triton']}: {report['cases']} cases, {report['launches']} launches, "
              f"{report['distinct_variants']} distinct variants, {report['variants']} compiled ({compiled}) "
-             f"x sm_{'/sm_'.join(map(str, report['targets']))} in {report['total_s']} s"]
+             f"x sm_{'/sm_'.join(map(str, report['targets']))} in {report['total_s']} s "
+             f"({report.get('compiled', '?')} compiled, {report.get('from_cache', 0)} from the results cache)"]
     for kernel, krows in sorted(by_kernel.items()):
         spills = sum(1 for r in krows if (r["spill_stores"] or 0) + (r["spill_loads"] or 0))
         lines.append(f"  {kernel}: {len(krows)} compiles, registers {min(r['registers'] for r in krows)}-"
@@ -710,7 +769,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="compile one variant per class of VALUE_CONSTEXPRS (the CI test's tier)")
     parser.add_argument("--out", type=Path, help="write the JSON report here")
     parser.add_argument("--md", type=Path, help="write the Markdown table here")
+    parser.add_argument("--no-cache", action="store_true",
+                        help=f"compile every variant, ignoring the results cache ({RESULTS_CACHE.name})")
+    parser.add_argument("--update-cache", action="store_true",
+                        help="write this run's results as this Triton's part of the results cache")
     args = parser.parse_args(argv)
+    if args.update_cache and args.representatives:
+        parser.error("--update-cache records every variant: it cannot be combined with --representatives")
     targets = tuple(int(t) for t in args.targets.split(","))
     triton_path = ensure_triton(args.triton) if args.triton else None
     _reexec_if_needed(triton_path)
@@ -720,7 +785,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="pagedkernels-aot-") as triton_cache:
         os.environ["TRITON_CACHE_DIR"] = triton_cache
         os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
-        report = run(targets, max(1, args.jobs), args.representatives)
+        report = run(targets, max(1, args.jobs), args.representatives, use_cache=not args.no_cache,
+                     update_cache=args.update_cache)
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
     if args.md:

@@ -5,10 +5,12 @@ no compile errors, no register spills in a hot kernel, shared memory within each
 
 The recording tests run in this process (recording launches nothing, so the interpreter does not
 matter); the compile test runs ``python -m pagedkernels._aot`` over every distinct variant once per Triton
-version, both at once, and writes the combined table to its tmp dir (``aot_report.md``). It costs
-about 340 CPU-seconds (239 variants x 2 targets x 2 Tritons), so ~3 minutes on 2 idle cores. (The
-one-per-class tier, ``--representatives``, missed fp32 prefill spills that only some masked head
-sizes showed, so CI compiles them all.)
+version, both at once, and writes the combined table to its tmp dir (``aot_report.md``). Compiling all of
+them costs about 800 CPU-seconds (312 variants x 2 targets x 2 Tritons); results of unchanged variants come
+from ``pagedkernels/aot_results.json`` (keyed by Triton version, target, the kernel's source hash and the
+specialization; see ``pagedkernels._aot``), so a run compiles only what changed since it was written.
+(The one-per-class tier, ``--representatives``, missed fp32 prefill spills that only some masked head
+sizes showed, so CI checks them all.)
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -174,6 +177,43 @@ def test_problems_flag_what_fails_on_the_device():
     for reason, row in flagged.items():
         assert len(_aot.problems([row])) == 1, reason
     assert _aot.problems([_row(target=90, shared=200 * 1024)]) == []  # fits an H100, not an A100
+
+
+_CACHE_SCRIPT = r"""
+import json, sys
+from pathlib import Path
+from triton.backends.compiler import GPUTarget
+from pagedkernels import _aot
+
+variants = [v for v in _aot.distinct_variants(_aot.record_matrix(), GPUTarget("cuda", 90, 32))
+            if v.kernel.__name__ == "_silu_and_mul_kernel"][:2]
+keys = [_aot.result_key(v, cc) for v in variants for cc in (90, 80)]
+assert len(set(keys)) == 4 and keys == [_aot.result_key(v, cc) for v in variants for cc in (90, 80)], keys
+planted = {"registers": 7, "spill_stores": 0, "spill_loads": 0, "stack": 0, "shared": 0, "compile_s": 0.0,
+           "error": None}
+results = _aot.compile_all(variants, (90,), 1, {keys[0]: planted})
+assert results[(0, 90)] == {**planted, "cached": True}, results[(0, 90)]
+assert results[(1, 90)]["cached"] is False and results[(1, 90)]["registers"], results[(1, 90)]
+path = Path(sys.argv[1])
+path.write_text(json.dumps({"0.0.0": {"other": {}}}))
+_aot.save_results_cache({keys[0]: results[(0, 90)]}, path)
+assert _aot.load_results_cache(path) == {keys[0]: planted}
+assert json.loads(path.read_text())["0.0.0"] == {"other": {}}   # another Triton's part is kept
+print("ok")
+"""
+
+
+def test_results_cache_takes_hits_and_compiles_misses(tmp_path):
+    """A cached result (by its key: Triton version, target, the kernel's source hash and the
+    specialization) is used as it is; a variant without one is compiled; saving keeps other Tritons'
+    parts. (In a subprocess: the kernels must be real JITFunctions, not the interpreter's.)"""
+    env = {**os.environ, "TRITON_INTERPRET": "0",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    with tempfile.TemporaryDirectory(prefix="pagedkernels-aot-test-") as triton_cache:
+        env["TRITON_CACHE_DIR"], env["TRITON_DUMP_PTXAS_LOG"] = triton_cache, "1"
+        result = subprocess.run([sys.executable, "-c", _CACHE_SCRIPT, str(tmp_path / "cache.json")], cwd=REPO_ROOT,
+                                env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout[-3000:] + result.stderr[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------
