@@ -29,6 +29,7 @@ generation rarely ends early on EOS (tests that need EOS pass stop_token_ids or 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 
 import torch
 
@@ -203,3 +204,11 @@ def make_engine(model_dir: str, **kwargs):
     from engine.engine_args import EngineArgs
 
     return LLMEngine.from_engine_args(EngineArgs(model=model_dir, **kwargs))
+
+
+@dataclass(eq=False)
+class ScheduledSeq:
+    """The three fields of a scheduled entry (the core side's Sequence) that the model runner reads."""
+    token_ids: list[int]
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)

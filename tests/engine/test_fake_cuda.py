@@ -8,7 +8,6 @@ Also here: the KV-cache arithmetic through the memory double on a real CPU forwa
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -22,20 +21,13 @@ from engine.step_records import CachedSequenceData, NewSequenceData, SchedulerOu
 from engine.worker import memory as gpu_memory
 from engine.worker.model_runner import ModelRunner, graph_batch_sizes
 from tests.engine.fake_cuda import GiB, FakeCudaMemory, FakeGraphRunner, HostSyncError, fake_cuda
-from tests.engine.models_util import TINY_ARCHITECTURES, engine_config, random_token_ids
+from tests.engine.models_util import ScheduledSeq as Entry, TINY_ARCHITECTURES, engine_config, random_token_ids
 
 BLOCK_SIZE = 16
 MAX_NUM_SEQS = 20
 MAX_NUM_BATCHED_TOKENS = 96
 MAX_MODEL_LEN = 128
 
-
-@dataclass(eq=False)
-class Entry:
-    """The fields of a scheduled entry the runner reads."""
-    token_ids: list[int]
-    num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
 
 
 def _runner(model_dir: str, *, num_kv_blocks=None, gpu_memory_utilization=0.9, **kwargs) -> ModelRunner:

@@ -20,7 +20,6 @@ import json
 import math
 import os
 import shutil
-from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -31,7 +30,7 @@ from engine import LLM, SamplingParams
 from engine.engine_args import EngineArgs
 from engine.worker.cache_engine import num_swap_blocks_for
 from engine.worker.model_runner import EagerGraphRunner, ModelRunner
-from tests.engine.models_util import build_tiny_model_dir, engine_config, random_token_ids
+from tests.engine.models_util import ScheduledSeq as Seq, build_tiny_model_dir, engine_config, random_token_ids
 
 FP8 = torch.float8_e4m3fn
 BLOCK_SIZE = 16
@@ -39,13 +38,6 @@ BLOCK_SIZE = 16
 # products are the original's exactly), far beyond e4m3's largest value, 448.
 KV_BLOW_UP = 256.0
 
-
-@dataclass(eq=False)
-class Seq:
-    """The fields of a scheduled entry the runner reads."""
-    token_ids: list[int]
-    num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
 
 
 def _runner(model_dir: str, kv_cache_dtype: str = "auto", *, decode_graphs: bool = False) -> ModelRunner:

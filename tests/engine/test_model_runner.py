@@ -8,7 +8,6 @@ returns for each entry's last new token must match transformers' at that positio
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -16,18 +15,11 @@ import torch
 import pagedkernels as pk
 from engine.layers.attention import Attention
 from engine.worker.model_runner import ModelRunner
-from tests.engine.models_util import engine_config, hf_log_softmax, load_hf_model, random_token_ids
+from tests.engine.models_util import ScheduledSeq as Seq, engine_config, hf_log_softmax, load_hf_model, random_token_ids
 
 LOGPROB_ATOL = 1e-4
 BLOCK_SIZE = 16
 
-
-@dataclass(eq=False)
-class Seq:
-    """The three fields of the core side's Sequence that the runner reads."""
-    token_ids: list[int]
-    num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
 
 
 def make_runner(model_dir: str, *, num_kv_blocks: int = 64, max_model_len: int | None = 256,
