@@ -23,6 +23,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.distributed.parallel_state import get_tp_rank
+from engine.gguf_file import is_gguf_path
 from engine.layers.layernorm import LayerNorm, RMSNorm
 
 _SINGLE_FILE = "model.safetensors"
@@ -54,7 +55,11 @@ def weight_files(model_dir: str) -> list[str]:
 
 
 def load_model(model: nn.Module, model_dir: str) -> None:
-    """Copy every checkpoint tensor of ``model_dir`` into ``model``'s parameters (any dtype/device)."""
+    """Copy every checkpoint tensor of ``model_dir`` into ``model``'s parameters (any dtype/device).
+    ``model_dir`` may be a GGUF file (see :func:`load_gguf_model`)."""
+    if is_gguf_path(model_dir):
+        load_gguf_model(model, model_dir)
+        return
     packed = getattr(model, "packed_modules_mapping", {})
     prefixes = getattr(model, "checkpoint_prefix_mapping", {})
     params = dict(model.named_parameters())  # tied weights appear once, under their first name
@@ -96,6 +101,40 @@ def load_model(model: nn.Module, model_dir: str) -> None:
         # A fused checkpoint tensor (Phi-3) is missing once, not once per shard.
         names = list(dict.fromkeys(_checkpoint_name(name, shard, packed) for name, shard in missing))
         raise ValueError(f"weights missing from {model_dir}: {', '.join(names[:10])}"
+                         + (f" and {len(names) - 10} more" if len(names) > 10 else ""))
+
+
+def load_gguf_model(model: nn.Module, path: str) -> None:
+    """Load a GGUF file's tensors into ``model`` (engine/gguf_file.py names them and un-permutes llama's q/k).
+
+    A parameter that keeps GGUF blocks (its ``gguf_blocks`` attribute is True: a GGUF-quantized linear) gets
+    the :class:`~engine.gguf_file.GGUFTensor` itself, blocks and block type, from its ``weight_loader``; every
+    other parameter gets the tensor's values in its dtype (block-quantized embeddings and norms are
+    de-quantized)."""
+    from engine.gguf_file import iter_gguf_tensors
+
+    packed = getattr(model, "packed_modules_mapping", {})
+    params = dict(model.named_parameters())
+    expected = {(name, shard) for name, p in params.items() for shard in getattr(p, "shard_ids", (None,))}
+    by_ckpt_name = {_checkpoint_name(name, shard, packed): (name, shard) for name, shard in expected}
+    loaded: set[tuple[str, object]] = set()
+    for ckpt_name, tensor in iter_gguf_tensors(path, list(by_ckpt_name)):
+        param_name, shard_id = by_ckpt_name[ckpt_name]
+        param = params[param_name]
+        try:
+            value = tensor if getattr(param, "gguf_blocks", False) else tensor.dequantize(param.dtype)
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
+                _default_loader(param, value)
+            else:
+                loader(param, value, shard_id)
+        except ValueError as e:
+            raise ValueError(f"{path}: tensor {ckpt_name!r}: {e}") from e
+        loaded.add((param_name, shard_id))
+    missing = sorted(expected - loaded, key=str)
+    if missing:
+        names = list(dict.fromkeys(_checkpoint_name(name, shard, packed) for name, shard in missing))
+        raise ValueError(f"weights missing from {path}: {', '.join(names[:10])}"
                          + (f" and {len(names) - 10} more" if len(names) > 10 else ""))
 
 
@@ -152,7 +191,10 @@ def load_dummy_weights(model: nn.Module, model_dir: str) -> None:
 
 
 def _initializer_range(model_dir: str) -> float:
-    """config.json's ``initializer_range`` (OPT: ``init_std``), else transformers' usual 0.02."""
+    """config.json's ``initializer_range`` (OPT: ``init_std``), else transformers' usual 0.02 (also for a GGUF
+    file, which has no such key)."""
+    if is_gguf_path(model_dir):
+        return 0.02
     with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
         hf = json.load(f)
     text = hf.get("text_config", hf)
