@@ -25,6 +25,7 @@ other block type the ``gguf`` package can de-quantize is loaded as floats.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -46,6 +47,15 @@ def is_gguf_path(path: object) -> bool:
 
 
 def _reader(path: str):
+    """The file's GGUFReader (a memory map). Parsing the metadata takes seconds for a 49k-token vocabulary, and
+    the config, the tokenizer's special ids and the weights all read it: the last two readers are kept, keyed
+    by the file's identity (path, size, modification time)."""
+    stat = os.stat(path)
+    return _cached_reader(os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_reader(path: str, size: int, mtime_ns: int):
     try:
         from gguf import GGUFReader
     except ImportError as e:  # pragma: no cover - gguf is a dependency of the engine
