@@ -73,13 +73,20 @@ class ModelConfig:
     word_embed_proj_dim: int | None = None  # OPT: embedding width, projected in/out when not hidden_size
     hf_config: dict = field(default_factory=dict, repr=False)
     max_model_len_set_by_user: bool = False   # given, not the model's max_position_embeddings
+    # The linear layers' quantization (engine/layers/quantization/): config.json's quantization_config or
+    # the one asked for (quantization=...); None: unquantized.
+    quant_config: object | None = None
 
     @classmethod
     def from_pretrained(cls, model_dir: str, *, dtype: str | torch.dtype = "auto",
                         max_model_len: int | None = None,
-                        device: str | torch.device | None = None) -> "ModelConfig":
+                        device: str | torch.device | None = None,
+                        quantization: str | None = None) -> "ModelConfig":
         """Read ``model_dir/config.json`` (and ``generation_config.json`` when present); ``model_dir`` may
         also be a GGUF file, whose metadata gives both (engine/gguf_file.py).
+
+        ``quantization``: a method name (``"fp8"``, ``"gptq"``, ...) the checkpoint's quantization_config
+        must agree with, or that quantizes a float checkpoint on load (fp8); None follows the checkpoint.
 
         ``dtype="auto"`` follows the checkpoint, except that bf16/fp16 checkpoints run in float32 on
         CPU (``device`` None means CUDA when available, else CPU), where half-precision matmuls are
@@ -143,6 +150,11 @@ class ModelConfig:
         unknown = set(fields) - {f.name for f in dataclasses.fields(cls)}
         if unknown:  # a model mapping a key to a field that does not exist is a bug, not a config problem
             raise TypeError(f"{model_class.__name__}.config_from_hf returned unknown fields {sorted(unknown)}")
+        from engine.layers.quantization import resolve_quant_config
+
+        fields["quant_config"] = resolve_quant_config(
+            hf, quantization, packed_modules_mapping=getattr(model_class, "packed_modules_mapping", {}),
+            model_dir=model_dir)
         return dataclasses.replace(config, **fields)
 
 
@@ -309,7 +321,7 @@ class EngineConfig:
     device_config: DeviceConfig
     load_config: LoadConfig
     speculative_config: SpeculativeConfig | None = None
-    quant_config: object | None = None    # room for a quantization method's config
+    quant_config: object | None = None    # the model's QuantizationConfig (model_config.quant_config)
     seed: int = 0
     enforce_eager: bool = False
     tokenizer: str | None = None          # the tokenizer's directory (None: the model's)

@@ -44,6 +44,7 @@ class EngineArgs:
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
     speculative_config: dict | None = None
+    quantization: str | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, *, positional_model: bool = False) -> argparse.ArgumentParser:
@@ -88,6 +89,10 @@ class EngineArgs:
         group.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                            help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                                 '"prompt_lookup_max": 4}\' or \'{"model": "DRAFT_DIR", "num_speculative_tokens": 4}\'')
+        group.add_argument("--quantization", "-q", default=None,
+                           help="quantization method: the checkpoint's (gptq, awq, fp8, compressed-tensors; "
+                                "default: config.json's quantization_config), or fp8 to quantize a float "
+                                "checkpoint's linear weights on load")
         return parser
 
     @classmethod
@@ -140,8 +145,11 @@ class EngineArgs:
         from engine.core.llm_engine import resolve_model_path
 
         device = resolve_device(self.device)
+        if self.quantization is not None and not isinstance(self.quantization, str):
+            raise ValueError(f"quantization must be a method name or None, got {self.quantization!r}")
         model_config = ModelConfig.from_pretrained(resolve_model_path(self.resolved_model()), dtype=self.dtype,
-                                                   max_model_len=self.max_model_len, device=device)
+                                                   max_model_len=self.max_model_len, device=device,
+                                                   quantization=self.quantization)
         policy = DevicePolicy.for_device(device)
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
@@ -154,7 +162,8 @@ class EngineArgs:
         return EngineConfig(model_config=model_config, cache_config=cache_config, scheduler_config=scheduler_config,
                             parallel_config=ParallelConfig(self.tensor_parallel_size),
                             device_config=DeviceConfig(device), load_config=LoadConfig(self.load_format),
-                            speculative_config=speculative_config, seed=self.seed, enforce_eager=self.enforce_eager,
+                            speculative_config=speculative_config, quant_config=model_config.quant_config,
+                            seed=self.seed, enforce_eager=self.enforce_eager,
                             tokenizer=None if self.tokenizer is None else resolve_model_path(self.tokenizer),
                             skip_tokenizer_init=self.skip_tokenizer_init, generation_config=self.generation_config)
 

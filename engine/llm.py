@@ -49,6 +49,9 @@ class LLM:
             "prompt_lookup_max": n, "prompt_lookup_min": m} proposes from the sequence's own earlier tokens;
             {"model": DRAFT_DIR, "num_speculative_tokens": k} from a small draft model with the same tokenizer.
             The target verifies the k drafts in one forward; the output distribution is the target's exactly.
+        quantization: the linear layers' quantization method (vLLM's name): None follows config.json's
+            quantization_config (GPTQ, AWQ, fp8, compressed-tensors fp8 checkpoints load as published); "fp8" on
+            a float checkpoint quantizes its linear weights to fp8 on load. README "Quantized models".
 
     The options are `engine.engine_args.EngineArgs` (shared with `python -m engine` and the server).
     """
@@ -61,7 +64,7 @@ class LLM:
                  enforce_eager: bool = False, seed: int = 0, swap_space: float = 4,
                  preemption_mode: str = "recompute", generation_config: str = "auto",
                  tensor_parallel_size: int = 1, load_format: str = "auto", skip_tokenizer_init: bool = False,
-                 speculative_config: dict | None = None):
+                 speculative_config: dict | None = None, quantization: str | None = None):
         self.llm_engine = EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, device=device, block_size=block_size,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_seqs_per_request=max_num_seqs_per_request,
@@ -70,7 +73,8 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed,
             swap_space=swap_space, preemption_mode=preemption_mode,
             generation_config=generation_config, tensor_parallel_size=tensor_parallel_size, load_format=load_format,
-            skip_tokenizer_init=skip_tokenizer_init, speculative_config=speculative_config).create_engine()
+            skip_tokenizer_init=skip_tokenizer_init, speculative_config=speculative_config,
+            quantization=quantization).create_engine()
         self.request_counter = itertools.count()
 
     def get_tokenizer(self):

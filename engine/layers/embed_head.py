@@ -8,7 +8,7 @@ from torch import nn
 
 from engine.distributed.communication import tensor_model_parallel_all_reduce, tensor_model_parallel_gather
 from engine.distributed.parallel_state import get_tp_rank, get_tp_world_size
-from engine.layers.linear import PackableLinearMixin
+from engine.layers.quantization.unquantized import UnquantizedLinearMethod
 
 
 class VocabEmbedding(nn.Module):
@@ -63,8 +63,11 @@ class PositionEmbedding(nn.Module):
         return F.embedding(positions + self.offset, self.weight)
 
 
-class LMHead(PackableLinearMixin, VocabEmbedding):
+class LMHead(VocabEmbedding):
     """Logits of the hidden states it is given (the runner passes only each sequence's last token).
+
+    Never quantized (no format here quantizes it): its product is the unquantized linear method's, which
+    on the CPU may prepack its float32 weight for oneDNN (``packed_weight``).
 
     ``softcap`` (Gemma 2's final_logit_softcapping) maps each logit to ``softcap * tanh(logit / softcap)``.
     """
@@ -74,11 +77,13 @@ class LMHead(PackableLinearMixin, VocabEmbedding):
         if softcap is not None and not softcap > 0:
             raise ValueError(f"softcap must be positive, got {softcap!r}")
         self.softcap = None if softcap is None else float(softcap)
+        self.quant_method = UnquantizedLinearMethod()
+        self.packed_weight = None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """``[num_seqs, hidden_size]`` -> float32 logits ``[num_seqs, vocab_size]``. Under tensor parallelism
         each rank computes its vocabulary rows and rank 0, the one that samples, gathers them (None elsewhere)."""
-        logits = self._linear(hidden_states, None).float()
+        logits = self.quant_method.apply(self, hidden_states, None).float()
         if self.tp_size > 1:
             logits = tensor_model_parallel_gather(logits, dst=0, dim=-1)
             if logits is None:

@@ -32,8 +32,10 @@ def _optional_float(value) -> float | None:
 class Gemma2DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, rotary_emb, o_bias=config.attention_bias, qk_norm=False)
-        self.mlp = LlamaMLP(config)
+        prefix = f"model.layers.{layer_idx}"
+        self.self_attn = LlamaAttention(config, layer_idx, rotary_emb, o_bias=config.attention_bias, qk_norm=False,
+                                        prefix=f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(config, prefix=f"{prefix}.mlp")
         norm = lambda: RMSNorm(config.hidden_size, config.norm_eps, offset=NORM_OFFSET)  # noqa: E731
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()

@@ -21,16 +21,18 @@ from engine.layers.rotary_embedding import RotaryEmbedding
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, *, o_bias: bool,
-                 qk_norm: bool):
+                 qk_norm: bool, prefix: str = ""):
         super().__init__()
         self.head_dim = config.head_dim
+        quant = config.quant_config
         self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
-                                  config.num_key_value_heads, bias=config.attention_bias)
+                                  config.num_key_value_heads, bias=config.attention_bias, quant_config=quant,
+                                  prefix=f"{prefix}.qkv_proj")
         # This rank's heads (all of them without tensor parallelism).
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.o_proj = Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias,
-                             parallel="row")
+                             parallel="row", quant_config=quant, prefix=f"{prefix}.o_proj")
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.norm_eps)
@@ -54,10 +56,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, prefix: str = ""):
         super().__init__()
-        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=config.mlp_bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias, parallel="row")
+        quant = config.quant_config
+        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=config.mlp_bias,
+                                         quant_config=quant, prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias, parallel="row",
+                                quant_config=quant, prefix=f"{prefix}.down_proj")
         self.act_fn = gated_activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,10 +71,11 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, *, o_bias: bool,
-                 qk_norm: bool):
+                 qk_norm: bool, prefix: str = ""):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, rotary_emb, o_bias=o_bias, qk_norm=qk_norm)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, layer_idx, rotary_emb, o_bias=o_bias, qk_norm=qk_norm,
+                                        prefix=f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(config, prefix=f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
 
@@ -94,7 +100,8 @@ class LlamaModel(nn.Module):
         rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling,
             rotary_dim=int(config.head_dim * config.partial_rotary_factor))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, rotary_emb, o_bias=o_bias, qk_norm=qk_norm)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, rotary_emb, o_bias=o_bias, qk_norm=qk_norm,
+                                                      prefix=f"model.layers.{i}")
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
 

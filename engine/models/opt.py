@@ -27,15 +27,16 @@ LAYER_NORM_EPS = 1e-5
 
 
 class OPTAttention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, prefix: str = ""):
         super().__init__()
         self.head_dim = config.head_dim
-        bias = config.attention_bias
+        bias, quant = config.attention_bias, config.quant_config
         self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
-                                  config.num_attention_heads, bias=bias)
+                                  config.num_attention_heads, bias=bias, quant_config=quant,
+                                  prefix=f"{prefix}.qkv_proj")
         self.num_heads = self.qkv_proj.num_heads   # this rank's heads
         self.out_proj = Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias,
-                               parallel="row")
+                               parallel="row", quant_config=quant, prefix=f"{prefix}.out_proj")
         # transformers multiplies q by head_dim ** -0.5 and attends with scale 1; the kernel scales the scores.
         self.attn = Attention(self.num_heads, self.num_heads, self.head_dim)
 
@@ -46,14 +47,17 @@ class OPTAttention(nn.Module):
 
 
 class OPTDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, prefix: str = ""):
         super().__init__()
         self.layer_norm_before = config.layer_norm_before
-        self.self_attn = OPTAttention(config)
+        quant = config.quant_config
+        self.self_attn = OPTAttention(config, prefix=f"{prefix}.self_attn")
         self.self_attn_layer_norm = LayerNorm(config.hidden_size, config.norm_eps)
-        self.fc1 = Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias, parallel="column")
+        self.fc1 = Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias, parallel="column",
+                          quant_config=quant, prefix=f"{prefix}.fc1")
         self.activation_fn = Activation(config.hidden_act)
-        self.fc2 = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias, parallel="row")
+        self.fc2 = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias, parallel="row",
+                          quant_config=quant, prefix=f"{prefix}.fc2")
         self.final_layer_norm = LayerNorm(config.hidden_size, config.norm_eps)
 
     def mlp(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -84,9 +88,13 @@ class OPTDecoder(nn.Module):
                                                  offset=POSITION_OFFSET)
         self.project_in = self.project_out = None
         if embed_dim != config.hidden_size:
-            self.project_in = Linear(embed_dim, config.hidden_size)
-            self.project_out = Linear(config.hidden_size, embed_dim)
-        self.layers = nn.ModuleList(OPTDecoderLayer(config) for _ in range(config.num_hidden_layers))
+            # Quantized too where the format says so (GPTQ/AWQ/fp8 quantize every decoder linear).
+            self.project_in = Linear(embed_dim, config.hidden_size, quant_config=config.quant_config,
+                                     prefix="model.decoder.project_in")
+            self.project_out = Linear(config.hidden_size, embed_dim, quant_config=config.quant_config,
+                                      prefix="model.decoder.project_out")
+        self.layers = nn.ModuleList(OPTDecoderLayer(config, prefix=f"model.decoder.layers.{i}")
+                                    for i in range(config.num_hidden_layers))
         # transformers keeps a final LayerNorm only in pre-LN models (post-LN layers end normalized).
         self.final_layer_norm = LayerNorm(config.hidden_size, config.norm_eps) if config.layer_norm_before else None
 

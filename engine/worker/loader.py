@@ -63,7 +63,10 @@ def load_model(model: nn.Module, model_dir: str) -> None:
     packed = getattr(model, "packed_modules_mapping", {})
     prefixes = getattr(model, "checkpoint_prefix_mapping", {})
     params = dict(model.named_parameters())  # tied weights appear once, under their first name
-    expected = {(name, shard) for name, p in params.items() for shard in getattr(p, "shard_ids", (None,))}
+    # Every parameter must come from the checkpoint, except those a quantization method can do without
+    # (GPTQ's g_idx without act-order: its default is the in-order grouping).
+    expected = {(name, shard) for name, p in params.items() if not getattr(p, "optional_in_checkpoint", False)
+                for shard in getattr(p, "shard_ids", (None,))}
     loaded: set[tuple[str, object]] = set()
     for path in weight_files(model_dir):
         try:

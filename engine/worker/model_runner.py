@@ -38,7 +38,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.distributed.communication import min_over_ranks
 from engine.distributed.parallel_state import get_tp_world_size, num_kv_heads_per_rank
 from engine.layers.attention import Attention, AttentionMetadata, forward_context
-from engine.layers.linear import prepack_linears
+from engine.layers.quantization import process_weights_after_loading
 from engine.worker.loader import load_dummy_weights, load_model
 from engine.worker import memory as gpu_memory
 from engine.worker.memory import MemorySnapshot, check_free_memory, kv_cache_budget
@@ -220,11 +220,13 @@ class ModelRunner:
                                                       and tensor.device.type == self.device.type):
                 raise RuntimeError(f"{type(model).__name__}.{name} is on {tensor.device}, not on {self.device}")
         model.eval()
-        if self.policy.prepack_linears and not self.compiled:
-            # float32 CPU linears run oneDNN's inner product; reorder their weights into its layout once
-            # instead of on every call (engine/layers/linear.py). A no-op for other dtypes. Not under
-            # torch.compile: inductor cannot trace oneDNN's opaque weight tensors and brings its own GEMMs.
-            prepack_linears(model)
+        # Each layer's quantization method turns the checkpoint's tensors into its kernel's layout (GPTQ/AWQ to
+        # pagedkernels' int4/int8 layout, fp8 on load). Then float32 CPU linears run oneDNN's inner product:
+        # reorder their weights into its layout once instead of on every call (the unquantized method). A
+        # no-op for other dtypes. Not under torch.compile: inductor cannot trace oneDNN's opaque weight
+        # tensors and brings its own GEMMs.
+        with torch.no_grad():
+            process_weights_after_loading(model, prepack=self.policy.prepack_linears and not self.compiled)
         return model
 
     def _block_bytes(self) -> int:

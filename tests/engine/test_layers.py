@@ -116,9 +116,9 @@ def test_prepacked_linears_match_plain_and_keep_tied_weights(monkeypatch):
                                                                              plain["proj.bias"]))
         torch.testing.assert_close(model.head(x), x @ plain["embed.weight"].T)
         torch.testing.assert_close(model.untied_head(x), x @ plain["untied_head.weight"].T)
-    from engine.layers import linear as linear_module
+    from engine.layers.quantization import unquantized
 
-    monkeypatch.setattr(linear_module, "_onednn_applies", lambda x: False)
+    monkeypatch.setattr(unquantized, "_onednn_applies", lambda x: False)
     x = torch.randn(3, 64, generator=g)
     torch.testing.assert_close(model.proj(x), torch.nn.functional.linear(x, plain["proj.weight"], plain["proj.bias"]))
 
