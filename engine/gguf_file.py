@@ -119,6 +119,14 @@ def read_gguf_config(path: str, reader=None) -> tuple[dict, dict]:
                              f"(only 'linear' with a factor)")
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
     config.setdefault("hidden_act", "silu")
+    # Linears in a block type pagedkernels multiplies as stored: the GGUF linear method keeps them so
+    # (engine/layers/quantization/gguf.py); a file of float linears loads as an unquantized model.
+    from pagedkernels import GGUF_BLOCKS
+
+    from gguf import GGMLQuantizationType
+    if any(t.name.startswith("blk.") and len(t.shape) == 2 and GGMLQuantizationType(t.tensor_type).name in GGUF_BLOCKS
+           for t in reader.tensors):
+        config["quantization_config"] = {"quant_method": "gguf"}
     config["dtype"] = "bfloat16"   # the compute dtype "auto" means: float32 on CPU, bf16 on GPUs
     generation = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id") if key in config}
     eot = _field(reader, "tokenizer.ggml.eot_token_id")

@@ -118,8 +118,10 @@ def load_gguf_model(model: nn.Module, path: str) -> None:
 
     packed = getattr(model, "packed_modules_mapping", {})
     params = dict(model.named_parameters())
-    expected = {(name, shard) for name, p in params.items() for shard in getattr(p, "shard_ids", (None,))}
-    by_ckpt_name = {_checkpoint_name(name, shard, packed): (name, shard) for name, shard in expected}
+    expected = {(name, shard) for name, p in params.items() if not getattr(p, "optional_in_checkpoint", False)
+                for shard in getattr(p, "shard_ids", (None,))}
+    by_ckpt_name = {_gguf_checkpoint_name(name, shard, packed, params[name]): (name, shard)
+                    for name, shard in expected}
     loaded: set[tuple[str, object]] = set()
     for ckpt_name, tensor in iter_gguf_tensors(path, list(by_ckpt_name)):
         param_name, shard_id = by_ckpt_name[ckpt_name]
@@ -139,6 +141,15 @@ def load_gguf_model(model: nn.Module, path: str) -> None:
         names = list(dict.fromkeys(_checkpoint_name(name, shard, packed) for name, shard in missing))
         raise ValueError(f"weights missing from {path}: {', '.join(names[:10])}"
                          + (f" and {len(names) - 10} more" if len(names) > 10 else ""))
+
+
+def _gguf_checkpoint_name(param_name: str, shard_id, packed: dict, param: nn.Parameter) -> str:
+    """The HF checkpoint name of a parameter's GGUF tensor: a GGUF linear's ``qweight`` (its blocks) is the
+    tensor GGUF calls ``...weight``."""
+    name = _checkpoint_name(param_name, shard_id, packed)
+    if getattr(param, "gguf_blocks", False) and name.endswith(".qweight"):
+        name = name[: -len("qweight")] + "weight"
+    return name
 
 
 def _target(ckpt_name: str, packed: dict, prefixes: dict) -> tuple[str, object] | None:

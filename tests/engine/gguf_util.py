@@ -26,13 +26,14 @@ HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 256, 512, 2, 4, 2, 64
 
 
 def _random_k_blocks(rows: int, cols: int, quant_type: str, generator: np.random.Generator) -> np.ndarray:
-    """Random Q4_K / Q6_K blocks of a [rows, cols] weight whose values spread like N(0, ~0.1-0.3)."""
+    """Random Q4_K / Q6_K blocks of a [rows, cols] weight whose values spread about as the float linears
+    (std ~0.1)."""
     from pagedkernels import GGUF_BLOCKS
 
     values, nbytes = GGUF_BLOCKS[quant_type]
     blocks = generator.integers(0, 256, size=(rows, cols // values, nbytes), dtype=np.uint8)
     if quant_type == "Q4_K":   # w = d * sc * q - dmin * m, sc, m 6-bit, q 4-bit
-        d = generator.uniform(0.5e-3, 1.5e-3, size=(rows, cols // values)).astype(np.float16)
+        d = generator.uniform(0.15e-3, 0.45e-3, size=(rows, cols // values)).astype(np.float16)
         blocks[..., 0:2] = d.view(np.uint8).reshape(rows, cols // values, 2)
         blocks[..., 2:4] = (d * np.float16(7.5)).view(np.uint8).reshape(rows, cols // values, 2)
     else:   # Q6_K: w = d * sc * (q - 32), sc int8
