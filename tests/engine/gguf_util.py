@@ -62,7 +62,8 @@ def tiny_llama_state(seed: int = 0, *, tie: bool = False) -> dict[str, torch.Ten
     def normal(*shape, std=0.25):
         return torch.randn(*shape, generator=g) * std
 
-    state = {"model.embed_tokens.weight": normal(TINY_VOCAB_SIZE, HIDDEN, std=1.0),
+    # A tied embedding is the LM head too: the spread of an output layer, so logits stay as large as untied ones.
+    state = {"model.embed_tokens.weight": normal(TINY_VOCAB_SIZE, HIDDEN, std=0.25 if tie else 1.0),
              "model.norm.weight": 0.5 + torch.rand(HIDDEN, generator=g)}
     if not tie:
         head = normal(TINY_VOCAB_SIZE, HIDDEN)

@@ -27,13 +27,15 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 @pytest.fixture(scope="module")
 def gguf_files(tmp_path_factory):
     """Factory: ``gguf_files(weight_type)`` -> a tiny Llama GGUF with its linears in ``weight_type``."""
-    built: dict[str, str] = {}
+    built: dict[tuple, str] = {}
 
-    def get(weight_type: str) -> str:
-        if weight_type not in built:
+    def get(weight_type: str, embed_type: str = "F32", tie: bool = False) -> str:
+        key = (weight_type, embed_type, tie)
+        if key not in built:
             directory = tmp_path_factory.mktemp(f"gguf-{weight_type}")
-            built[weight_type] = write_tiny_gguf(str(directory / f"tiny-{weight_type}.gguf"), weight_type)
-        return built[weight_type]
+            built[key] = write_tiny_gguf(str(directory / f"tiny-{weight_type}-{embed_type}-{tie}.gguf"), weight_type,
+                                         embed_type=embed_type, tie=tie)
+        return built[key]
 
     return get
 
@@ -115,17 +117,22 @@ def test_tokenizer_from_gguf_matches_the_original(gguf_files):
 # up to 0.27 nats away from transformers' float product on these tiny models (whose logits are large: a
 # misloaded weight is off by several nats), mean 0.05.
 PREFILL_ATOL = 1e-4
-DECODE_ATOL = {**{t: 1e-4 for t in FLOAT_TYPES}, **{t: 0.5 for t in QUANT_TYPES}}
+DECODE_ATOL = {**{t: 1e-4 for t in FLOAT_TYPES}, **{t: 0.5 for t in QUANT_TYPES}}   # decode: the larger applies
 
 
-@pytest.mark.parametrize("weight_type", FLOAT_TYPES + QUANT_TYPES)
-def test_logprobs_and_greedy_tokens_match_transformers(gguf_files, weight_type):
+# (linear type, embedding/output type, tied): the linears in every type; then quantized LM heads as GGUF files
+# ship them: SmolLM2's tied Q8_0 token_embd under Q4_1 linears, a Q4_K_M-like untied Q6_K output.
+CASES = [(t, "F32", False) for t in FLOAT_TYPES + QUANT_TYPES] + [("Q4_1", "Q8_0", True), ("Q4_K", "Q6_K", False)]
+
+
+@pytest.mark.parametrize("weight_type,embed_type,tie", CASES, ids=["-".join(map(str, c)) for c in CASES])
+def test_logprobs_and_greedy_tokens_match_transformers(gguf_files, weight_type, embed_type, tie):
     """Against transformers' model of the same GGUF: prompt log-probabilities within PREFILL_ATOL; each greedy
     token's log-probability within DECODE_ATOL of transformers' for that token, and the token transformers' own
     greedy choice up to twice that (float files: the very same tokens as transformers' generate)."""
     from pagedkernels.wq_gemm import NATIVE_MAX_ROWS
 
-    path = gguf_files(weight_type)
+    path = gguf_files(weight_type, embed_type, tie)
     hf = hf_model_from_gguf(path)
     prompts = [random_token_ids(24, seed=s) for s in range(3)]
     assert 3 * 24 > NATIVE_MAX_ROWS, "the batched prefill must take gguf_gemm's float path"
@@ -133,13 +140,17 @@ def test_logprobs_and_greedy_tokens_match_transformers(gguf_files, weight_type):
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(max_tokens=12, temperature=0.0, prompt_logprobs=0, logprobs=0,
                                           ignore_eos=True), use_tqdm=False)
-    atol = DECODE_ATOL[weight_type]
+    atol = max(DECODE_ATOL[weight_type], DECODE_ATOL[embed_type])
+    # A quantized LM head takes the prompt's rows sequence by sequence (24 rows: the int8 path).
+    prefill_atol = PREFILL_ATOL if embed_type in FLOAT_TYPES else DECODE_ATOL[embed_type]
+    head = llm.llm_engine.model_runner.model.lm_head
+    assert (type(head.quant_method).__name__ == "GGUFLMHeadMethod") == (embed_type not in FLOAT_TYPES)
     for prompt, output in zip(prompts, outputs):
         tokens = list(output.outputs[0].token_ids)
         reference = hf_log_softmax(hf, prompt + tokens)
         engine = torch.tensor([next(iter(lp.values())).logprob for lp in output.prompt_logprobs[1:]])
         want = reference[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
-        torch.testing.assert_close(engine, want, atol=PREFILL_ATOL, rtol=0)
+        torch.testing.assert_close(engine, want, atol=prefill_atol, rtol=0)
         rows = reference[len(prompt) - 1: -1]
         picked = rows[torch.arange(len(tokens)), torch.tensor(tokens)]
         engine_decode = torch.tensor([lp[t].logprob for lp, t in zip(output.outputs[0].logprobs, tokens)])

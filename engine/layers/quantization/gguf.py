@@ -200,3 +200,40 @@ class GGUFLinearMethod(LinearMethodBase):
             out = out + bias
         return out.reshape(*shape[:-1], out.shape[-1])
 
+
+
+class GGUFLMHeadMethod(LinearMethodBase):
+    """The LM head of a GGUF model on the file's blocks (``output.weight``, or ``token_embd.weight`` when the
+    embeddings are tied: the embedding itself keeps de-quantized float rows for its lookups). At one row per
+    sequence the head is the largest product of a small model's decode step (SmolLM2-135M: 49152 x 576), and
+    its blocks are a quarter (Q8_0) of the float32 weight's bytes. Installed by :func:`install_gguf_lm_head`."""
+
+    def __init__(self, quant_type: str):
+        self.quant_type = quant_type
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                       params_dtype, weight_loader) -> None:
+        raise TypeError("the GGUF LM head is installed on a loaded LMHead (install_gguf_lm_head), not created")
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        from engine.layers import pk_ops
+
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        out = pk_ops().gguf_gemm(x2, layer.gguf_qweight, self.quant_type)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def install_gguf_lm_head(head: nn.Module, tensor: GGUFTensor) -> bool:
+    """Make ``head`` (an LMHead, vocab-parallel: this rank's ``num_rows`` rows from ``vocab_start``, zero rows
+    past the vocabulary) multiply ``tensor``'s blocks. Returns False (the head stays float) for a float tensor
+    or a block type gguf_gemm does not take. An untied head's float weight is freed."""
+    if tensor.quant_type not in GGUF_BLOCKS:
+        return False
+    rows = tensor.data.narrow(0, head.vocab_start, min(head.num_rows, tensor.shape[0] - head.vocab_start))
+    blocks = torch.zeros(head.num_rows, rows.shape[1], dtype=torch.uint8, device=head.weight.device)
+    blocks[:rows.shape[0]] = rows.to(blocks.device)   # padding rows: zero scales, zero logits (cut after gather)
+    replace_param(head, "gguf_qweight", blocks)
+    head.quant_method = GGUFLMHeadMethod(tensor.quant_type)
+    return True
