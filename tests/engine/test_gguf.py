@@ -282,3 +282,41 @@ def test_engine_keeps_gguf_blocks_and_decodes_through_the_int8_path(gguf_files):
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(m.gguf_mode == "gguf" and m.gguf_types == ["Q4_1"] for m in linears)
     assert all(m.qweight.dtype == torch.uint8 for m in linears)
+
+
+# -- the default model's own GGUF --------------------------------------------------------------------------
+
+CHAT_PROMPTS = ["What is the capital of France?", "Write a Python function that reverses a string.",
+                "Give me three tips for sleeping better.", "What is 12 times 7?"]
+# Decode on the blocks (int8 activations per 32 values, Q8_0 LM head) against the converted bf16 weights run in
+# float32: per generated token, how far below the float model's best the GGUF engine's pick may rank.
+DEFAULT_MODEL_GREEDY_GAP = 0.5
+
+
+def test_default_model_gguf_follows_the_converted_model(smollm2_dir):
+    """SmolLM2-135M-Instruct from its GGUF (Q4_1 linears and Q8_0 tied head kept quantized) against the converted
+    directory (the same weights de-quantized, bf16, run in float32): the chat template and tokenizer come out of
+    the GGUF identical, and every greedy token the GGUF engine picks is the float model's greedy choice, or within
+    DEFAULT_MODEL_GREEDY_GAP nats of it, at that position (the float model teacher-forced on the GGUF output)."""
+    from tests.extras import default_model_gguf_or_skip
+
+    gguf_llm = LLM(default_model_gguf_or_skip(), num_kv_blocks=128, max_model_len=512, enforce_eager=True)
+    float_llm = LLM(smollm2_dir, num_kv_blocks=128, max_model_len=512, enforce_eager=True)
+    gguf_tok, float_tok = gguf_llm.get_tokenizer(), float_llm.get_tokenizer()
+    texts = [float_tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+             for p in CHAT_PROMPTS]
+    assert texts == [gguf_tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                  add_generation_prompt=True) for p in CHAT_PROMPTS]
+    prompts = [float_tok.encode(t, add_special_tokens=False) for t in texts]
+    assert prompts == [gguf_tok.encode(t, add_special_tokens=False) for t in texts]
+    outputs = gguf_llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
+    forced = float_llm.generate([{"prompt_token_ids": p + list(o.outputs[0].token_ids)} for p, o in zip(prompts, outputs)],
+                                SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    for prompt, output, check in zip(prompts, outputs, forced):
+        tokens = list(output.outputs[0].token_ids)
+        assert len(tokens) >= 8
+        for i, token in enumerate(tokens):
+            row = check.prompt_logprobs[len(prompt) + i]
+            best = max(lp.logprob for lp in row.values())
+            assert best - row[token].logprob <= DEFAULT_MODEL_GREEDY_GAP, (gguf_tok.decode(tokens[:i + 1]), i)
