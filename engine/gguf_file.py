@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,29 +47,126 @@ def is_gguf_path(path: object) -> bool:
     return isinstance(path, (str, os.PathLike)) and os.fspath(path).endswith(".gguf") and os.path.isfile(path)
 
 
-def _reader(path: str):
-    """The file's GGUFReader (a memory map). Parsing the metadata takes seconds for a 49k-token vocabulary, and
-    the config, the tokenizer's special ids and the weights all read it: the last two readers are kept, keyed
-    by the file's identity (path, size, modification time)."""
+def _reader(path: str) -> "GGUFFile":
+    """The file's metadata and tensor table (see :class:`GGUFFile`), parsed once per file identity (path, size,
+    modification time): the config, the special ids and the weights all read it."""
     stat = os.stat(path)
     return _cached_reader(os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=2)
-def _cached_reader(path: str, size: int, mtime_ns: int):
+def _cached_reader(path: str, size: int, mtime_ns: int) -> "GGUFFile":
     try:
-        from gguf import GGUFReader
-    except ImportError as e:  # pragma: no cover - gguf is a dependency of the engine
-        raise ImportError("reading a GGUF model needs the 'gguf' package: pip install gguf") from e
-    try:
-        return GGUFReader(path, "r")
-    except Exception as e:  # GGUFReader raises ValueError/struct errors/... for files that are not GGUF
+        return GGUFFile(path)
+    except (ValueError, struct.error, UnicodeDecodeError, OverflowError, OSError) as e:
         raise ValueError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}") from e
 
 
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+@dataclass(slots=True)
+class StringArray:
+    """A metadata array of strings, left unparsed (the tokenizer's 49k tokens and merges): its length only."""
+    count: int
+
+
+@dataclass(slots=True)
+class TensorInfo:
+    name: str
+    tensor_type: int     # ggml type id (gguf.GGMLQuantizationType)
+    shape: tuple         # GGUF's order: fastest-varying dimension first
+    data: np.ndarray     # float types: typed, logical shape (slowest first); others: uint8 [..., row bytes]
+
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+class GGUFFile:
+    """A GGUF file's key-value metadata (``fields``: key -> value; string arrays as :class:`StringArray`) and its
+    tensors (``tensors``: :class:`TensorInfo` over a read-only memory map), read with ``struct``.
+
+    The ``gguf`` package's GGUFReader parses every metadata element through numpy views, which takes ~4 s for a
+    49k-token vocabulary; this reads what the engine needs (scalars, strings, small arrays) and skips over the
+    tokenizer's string arrays (the tokenizer is transformers' to rebuild)."""
+
+    def __init__(self, path: str):
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        self.path = path
+        buf = np.memmap(path, dtype=np.uint8, mode="r")
+        raw = memoryview(buf)
+        if bytes(raw[:4]) != b"GGUF":
+            raise ValueError("not a GGUF file (no GGUF magic)")
+        version, num_tensors, num_kv = struct.unpack_from("<IQQ", raw, 4)
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} is not supported (2 or 3)")
+        self._raw, self._pos = raw, 24
+        self.fields: dict[str, object] = {}
+        for _ in range(num_kv):
+            key = self._string()
+            (value_type,) = self._unpack("<I")
+            self.fields[key] = self._value(value_type)
+        infos = []
+        for _ in range(num_tensors):
+            name = self._string()
+            (n_dims,) = self._unpack("<I")
+            dims = self._unpack(f"<{n_dims}Q")
+            tensor_type, offset = self._unpack("<IQ")
+            infos.append((name, tuple(int(d) for d in dims), int(tensor_type), int(offset)))
+        alignment = int(self.fields.get("general.alignment", 32))
+        data_start = -(-self._pos // alignment) * alignment
+        self.tensors = []
+        for name, dims, tensor_type, offset in infos:
+            qtype = GGMLQuantizationType(tensor_type)
+            block_values, block_bytes = GGML_QUANT_SIZES[qtype]
+            logical = tuple(reversed(dims))
+            n_values = int(np.prod(dims)) if dims else 1
+            nbytes = n_values // block_values * block_bytes
+            start = data_start + offset
+            if start + nbytes > len(buf):
+                raise ValueError(f"tensor {name!r} runs past the end of the file")
+            chunk = buf[start:start + nbytes]
+            typed = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+                     "I32": np.int32, "I64": np.int64}.get(qtype.name)
+            if typed is not None:
+                data = chunk.view(typed).reshape(logical)
+            else:
+                data = chunk.reshape(*logical[:-1], logical[-1] // block_values * block_bytes)
+            self.tensors.append(TensorInfo(name, tensor_type, dims, data))
+
+    def _unpack(self, fmt: str):
+        values = struct.unpack_from(fmt, self._raw, self._pos)
+        self._pos += struct.calcsize(fmt)
+        return values
+
+    def _string(self) -> str:
+        (length,) = self._unpack("<Q")
+        text = bytes(self._raw[self._pos:self._pos + length]).decode("utf-8")
+        self._pos += length
+        return text
+
+    def _value(self, value_type: int):
+        if value_type == _STRING:
+            return self._string()
+        if value_type == _ARRAY:
+            item_type, count = self._unpack("<IQ")
+            if item_type == _STRING:
+                for _ in range(count):   # skipped, not decoded
+                    (length,) = struct.unpack_from("<Q", self._raw, self._pos)
+                    self._pos += 8 + length
+                return StringArray(count)
+            if item_type in _SCALARS:
+                fmt = _SCALARS[item_type]
+                values = list(struct.unpack_from(f"<{count}{fmt[1]}", self._raw, self._pos))
+                self._pos += count * struct.calcsize(fmt)
+                return values
+            return [self._value(item_type) for _ in range(count)]
+        if value_type not in _SCALARS:
+            raise ValueError(f"unknown GGUF metadata value type {value_type}")
+        return self._unpack(_SCALARS[value_type])[0]
+
+
+def _field(reader: GGUFFile, key: str, default=None):
+    return reader.fields.get(key, default)
 
 
 def gguf_architecture(reader, path: str) -> tuple[str, str, bool]:
@@ -92,14 +190,13 @@ def read_gguf_config(path: str, reader=None) -> tuple[dict, dict]:
     arch, hf_arch, _ = gguf_architecture(reader, path)
     mapping = GGUF_TO_TRANSFORMERS_MAPPING["config"]
     config: dict = {}
-    for key, field in reader.fields.items():
+    for key, value in reader.fields.items():
         prefix, _, rest = key.partition(".")
         if prefix == "tokenizer" and not rest.endswith("_token_id"):
-            continue   # the vocabulary arrays: the tokenizer's business (and slow to parse)
+            continue   # the vocabulary arrays: the tokenizer's business
         renames = mapping.get(prefix)
         if renames is None or rest not in renames or renames[rest] in (None, -1):
             continue
-        value = field.contents()
         config[renames[rest]] = value
     config.pop("_model_name_or_path", None)
     config["model_type"] = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}.get(hf_arch, arch)
@@ -109,7 +206,7 @@ def read_gguf_config(path: str, reader=None) -> tuple[dict, dict]:
         tokens = reader.fields.get("tokenizer.ggml.tokens")
         if tokens is None:
             raise ValueError(f"{path}: GGUF has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
-        config["vocab_size"] = len(tokens.data)
+        config["vocab_size"] = tokens.count if isinstance(tokens, StringArray) else len(tokens)
     # rope scaling (llama.cpp: {arch}.rope.scaling.type / .factor / .original_context_length)
     scaling_type = _field(reader, f"{arch}.rope.scaling.type")
     if scaling_type not in (None, "none"):
@@ -188,16 +285,16 @@ def _to_tensor(t, path: str) -> GGUFTensor:
 
     type_name = GGMLQuantizationType(t.tensor_type).name
     shape = tuple(int(d) for d in reversed(t.shape))   # GGUF lists dimensions fastest-first
-    raw = np.ascontiguousarray(t.data)
+    raw = np.array(t.data)   # a copy out of the memory map
     if type_name in ("F32", "F16"):
-        return GGUFTensor(torch.from_numpy(raw.copy()).reshape(shape), None, shape)
+        return GGUFTensor(torch.from_numpy(raw).reshape(shape), None, shape)
     if type_name == "BF16":
-        data = torch.from_numpy(raw.view(np.uint8).copy()).view(torch.bfloat16).reshape(shape)
+        data = torch.from_numpy(raw.view(np.uint8)).view(torch.bfloat16).reshape(shape)
         return GGUFTensor(data, None, shape)
     if type_name in GGUF_BLOCKS and len(shape) == 2:
-        return GGUFTensor(torch.from_numpy(raw.copy()).reshape(shape[0], -1), type_name, shape)
+        return GGUFTensor(torch.from_numpy(raw).reshape(shape[0], -1), type_name, shape)
     try:
-        values = dequantize(t.data, t.tensor_type)
+        values = dequantize(raw, GGMLQuantizationType(t.tensor_type))
     except NotImplementedError as e:
         raise ValueError(f"{path}: tensor {t.name!r} has block type {type_name}, which cannot be read") from e
     return GGUFTensor(torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape), None, shape)

@@ -320,3 +320,32 @@ def test_default_model_gguf_follows_the_converted_model(smollm2_dir):
             row = check.prompt_logprobs[len(prompt) + i]
             best = max(lp.logprob for lp in row.values())
             assert best - row[token].logprob <= DEFAULT_MODEL_GREEDY_GAP, (gguf_tok.decode(tokens[:i + 1]), i)
+
+
+@pytest.mark.parametrize("weight_type", ["BF16", "Q4_K"])
+def test_metadata_and_tensor_table_equal_gguf_readers(gguf_files, weight_type, tmp_path):
+    """engine's GGUF parser (struct over a memory map, string arrays skipped) reads the fields and tensor bytes the
+    gguf package's GGUFReader reads; a truncated file is a ValueError."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    from engine.gguf_file import GGUFFile, StringArray
+
+    path = gguf_files(weight_type)
+    ours, theirs = GGUFFile(path), GGUFReader(path)
+    for key, field in theirs.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        value = ours.fields[key]
+        if isinstance(value, StringArray):
+            assert value.count == len(field.data), key
+        else:
+            assert value == pytest.approx(field.contents()), key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert a.tensor_type == int(b.tensor_type) and a.shape == tuple(int(d) for d in b.shape)
+        assert np.array_equal(np.asarray(a.data).view(np.uint8).reshape(-1), np.asarray(b.data).view(np.uint8).reshape(-1))
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(open(path, "rb").read()[:-100])
+    with pytest.raises(ValueError, match="runs past the end"):
+        GGUFFile(str(truncated))
