@@ -349,3 +349,30 @@ def test_metadata_and_tensor_table_equal_gguf_readers(gguf_files, weight_type, t
     truncated.write_bytes(open(path, "rb").read()[:-100])
     with pytest.raises(ValueError, match="runs past the end"):
         GGUFFile(str(truncated))
+
+
+@pytest.mark.parametrize("weight_type,embed_type,tie", [("Q8_0", "Q8_0", True), ("Q4_1", "Q6_K", False)])
+def test_tensor_parallel_gguf_engine_equals_one_process(gguf_files, weight_type, embed_type, tie):
+    """tensor_parallel_size=2 (rank 0 here, a spawned worker, gloo): each rank loads its rows of blocks (q/k/v,
+    gate/up, the vocab-parallel LM head) and its whole blocks of K (o, down) from the GGUF; greedy tokens equal
+    the one-process engine's. The K split falls on block boundaries, so each rank quantizes the same activation
+    blocks the single process does: only the order of the partial sums differs."""
+    path = gguf_files(weight_type, embed_type, tie)
+    prompts = [{"prompt_token_ids": random_token_ids(n, seed=30 + n)} for n in (9, 40, 70)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    results = []
+    for tp in (1, 2):
+        llm = LLM(path, max_model_len=256, tensor_parallel_size=tp, skip_tokenizer_init=True, num_kv_blocks=64)
+        try:
+            results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        finally:
+            llm.llm_engine.shutdown()
+    assert results[0] == results[1]
+
+
+def test_tensor_parallel_split_inside_k_quant_blocks_is_refused(gguf_files):
+    """Q4_K's 256-value blocks cannot be split over 2 ranks of o_proj's 256 inputs: the engine refuses to start,
+    naming the layer."""
+    with pytest.raises(ValueError, match=r"o_proj: 128 input features per rank .* not whole Q4_K blocks"):
+        LLM(gguf_files("Q4_K", "Q6_K", False), max_model_len=256, tensor_parallel_size=2, skip_tokenizer_init=True,
+            num_kv_blocks=64)
