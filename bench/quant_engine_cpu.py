@@ -17,9 +17,12 @@ Measurements:
 1. Single stream, as bench/engine_cpu.py: one request, a ``--single-prompt-len`` prompt and
    ``--single-new-tokens`` greedy tokens, best of ``--repeats`` runs, the sides taking turns (each round runs
    every side once), decode tokens/s = (N - 1) / (t(N) - t(1)).
-2. The 48-request workload of bench/engine_cpu.py (``make_requests``: lengths 16-128, seeded, greedy,
-   ``ignore_eos``) on the engine sides: output tokens/s, and greedy agreement with fp32: the share of requests
-   whose outputs are identical, and the mean share of each output's tokens before the first difference.
+2. Greedy agreement on text: 16 chat prompts (chat template), ``--chat-new-tokens`` greedy tokens each, every
+   side against fp32: the share of identical outputs, and the mean share of each output's tokens before the
+   first difference.
+3. The 48-request workload of bench/engine_cpu.py (``make_requests``: lengths 16-128, seeded, greedy,
+   ``ignore_eos``) on the engine sides (``--llama-cpp-workload``: llama.cpp too, one request after another):
+   output tokens/s, and the same greedy agreement with fp32.
 
 Run it on a quiet machine: ``uptime`` (load averages) before and after is recorded in the JSON
 (``--out``, e.g. bench/results/2026-11-25-quant-engine-cpu.json).
@@ -40,6 +43,17 @@ import numpy as np
 import torch
 
 from bench.engine_cpu import Request, make_requests, single_stream, timed
+
+
+CHAT_PROMPTS = [
+    "What is the capital of France?", "Write a Python function that reverses a string.",
+    "Give me three tips for sleeping better.", "What is 12 times 7?", "Explain photosynthesis in one paragraph.",
+    "Translate 'good morning' into Spanish and German.", "Write a haiku about the sea.",
+    "What are the main differences between a list and a tuple in Python?", "Who wrote Pride and Prejudice?",
+    "Suggest a name for a bakery.", "How do I boil an egg?", "Summarize the plot of Romeo and Juliet.",
+    "What is the boiling point of water in Fahrenheit?", "List three prime numbers greater than 50.",
+    "Why is the sky blue?", "Write a short email declining a meeting invitation.",
+]
 
 
 def requantize_gguf(src: str, dst: str, quant_type: str) -> str:
@@ -158,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-workload", action="store_true", help="single stream only")
+    parser.add_argument("--llama-cpp-workload", action="store_true",
+                        help="llama.cpp runs the workload too (one request after another: no batching)")
+    parser.add_argument("--chat-new-tokens", type=int, default=64)
     parser.add_argument("--work-dir", default=None, help="where the re-quantized GGUFs go (default: the cache dir)")
     parser.add_argument("--out", help="JSON results file")
     args = parser.parse_args(argv)
@@ -208,10 +225,26 @@ def main(argv: list[str] | None = None) -> int:
             stream_agreement[f"gguf-{name.removeprefix('llama.cpp-')} vs {name}"] = agreement(
                 stream_outputs[f"gguf-{name.removeprefix('llama.cpp-')}"], out)
 
+    # Greedy agreement on text: chat prompts through the chat template (random-token prompts, as the workload's,
+    # give flat next-token distributions where any rounding flips the greedy choice).
+    tokenizer = sides[0].llm.get_tokenizer()
+    chat = [Request(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                                   add_generation_prompt=True),
+                                     add_special_tokens=False), args.chat_new_tokens) for q in CHAT_PROMPTS]
+    chat_outputs = {s.name: s.generate(chat) for s in sides}
+    chat_agreement = {s.name: agreement(chat_outputs[s.name], chat_outputs["fp32"]) for s in sides[1:]}
+    for name in list(chat_outputs):   # the engine against llama.cpp on the same file
+        twin = f"gguf-{name.removeprefix('llama.cpp-')}"
+        if name.startswith("llama.cpp-") and twin in chat_outputs:
+            chat_agreement[f"{twin} vs {name}"] = agreement(chat_outputs[twin], chat_outputs[name])
+    for name, row in chat_agreement.items():
+        print(f"chat agreement {name:>32}: {row['identical']}/{row['requests']} identical, "
+              f"{row['mean_common_prefix_share']:.2f} common prefix", flush=True)
+
     workload = {}
     if not args.skip_workload:
         requests = make_requests(args.num_requests, args.min_len, args.max_len, vocab, args.seed)
-        engine_sides = [s for s in sides if isinstance(s, EngineSide)]
+        engine_sides = [s for s in sides if isinstance(s, EngineSide) or args.llama_cpp_workload]
         fp32_outputs = None
         for side in engine_sides:
             outputs, seconds = timed(side.generate, requests)
@@ -237,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         "load_seconds": {s.name: s.load_seconds for s in sides},
         "single_stream": stream,
         "single_stream_agreement_with_fp32": stream_agreement,
+        "chat_new_tokens": args.chat_new_tokens,
+        "chat_agreement_with_fp32": chat_agreement,
         "workload": workload,
         "llama_cpp_error": llama_cpp_error,
     }
