@@ -19,6 +19,7 @@ import torch
 
 from engine.platform import DevicePolicy
 
+from engine.gguf_file import is_gguf_path, read_gguf_config
 from engine.models import architecture_of_model_type, get_model_class
 
 _DTYPES = {
@@ -81,7 +82,8 @@ class ModelConfig:
                         max_model_len: int | None = None,
                         device: str | torch.device | None = None,
                         quantization: str | None = None) -> "ModelConfig":
-        """Read ``model_dir/config.json`` (and ``generation_config.json`` when present).
+        """Read ``model_dir/config.json`` (and ``generation_config.json`` when present); ``model_dir`` may
+        also be a GGUF file, whose metadata gives both (engine/gguf_file.py).
 
         ``quantization``: a method name (``"fp8"``, ``"gptq"``, ...) the checkpoint's quantization_config
         must agree with, or that quantizes a float checkpoint on load (fp8); None follows the checkpoint.
@@ -92,8 +94,11 @@ class ModelConfig:
         exceed it.
         """
         model_dir = os.fspath(model_dir)
-        hf = _read_json(os.path.join(model_dir, "config.json"), required=True)
-        gen = _read_json(os.path.join(model_dir, "generation_config.json"), required=False) or {}
+        if is_gguf_path(model_dir):   # a GGUF file: config and special tokens from its metadata
+            hf, gen = read_gguf_config(model_dir)
+        else:
+            hf = _read_json(os.path.join(model_dir, "config.json"), required=True)
+            gen = _read_json(os.path.join(model_dir, "generation_config.json"), required=False) or {}
         # Multimodal wrappers keep the language model in text_config; the keys we need live there.
         text = hf.get("text_config", hf)
 

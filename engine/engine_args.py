@@ -55,7 +55,7 @@ class EngineArgs:
         if positional_model:
             parser.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
                                 help="model directory or hub id (same as --model)")
-        group.add_argument("--model", default=None, help="model directory or hub id (default: SmolLM2-135M-Instruct)")
+        group.add_argument("--model", default=None, help="model directory, GGUF file or hub id (default: SmolLM2-135M-Instruct)")
         group.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)")
         group.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
         group.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")

@@ -16,8 +16,10 @@ class LLM:
     """An offline LLM on the paged-KV engine.
 
     Args:
-        model: a local Hugging Face model directory, or a hub id (downloaded with huggingface_hub).
-        tokenizer: a different tokenizer directory or hub id (default: the model's).
+        model: a local Hugging Face model directory, a GGUF file (``x.gguf``: config and tokenizer from its
+            metadata, Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weights kept quantized; README "GGUF models"), or a hub id
+            (downloaded with huggingface_hub).
+        tokenizer: a different tokenizer directory or hub id (default: the model's; a GGUF's own).
         dtype: "auto" (the checkpoint's; bf16/fp16 checkpoints run as float32 on CPU), or a torch dtype / name.
         device: "auto" (CUDA when available, else CPU), "cpu" or "cuda[:N]".
         block_size: tokens per KV-cache block.

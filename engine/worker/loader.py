@@ -29,7 +29,9 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.distributed.parallel_state import get_tp_rank
+from engine.gguf_file import is_gguf_path
 from engine.layers.attention import Attention
+from engine.layers.embed_head import LMHead
 from engine.layers.layernorm import LayerNorm, RMSNorm
 
 _SINGLE_FILE = "model.safetensors"
@@ -44,6 +46,9 @@ _KV_SCALE_SUFFIXES = ((".k_proj.output_scale", ("k",)), (".v_proj.output_scale",
                       (".k_scale", ("k",)), (".v_scale", ("v",)), (".kv_scale", ("k", "v")))
 # Modules a scale may hang on below the attention block (vLLM's layouts): dropped to find the block.
 _KV_SCALE_HOLDERS = (".attn", ".k_proj", ".v_proj", ".qkv_proj")
+# A GGUF model's LM head multiplies the file's blocks when they are a type gguf_gemm takes
+# (ENGINE_GGUF_LM_HEAD=float keeps it float32, for comparisons).
+_GGUF_LM_HEAD = os.environ.get("ENGINE_GGUF_LM_HEAD", "blocks") != "float"
 # Seed of load_dummy_weights (fixed, as vLLM's dummy loader: the same model whatever the engine's sampling seed).
 DUMMY_SEED = 1234
 
@@ -69,7 +74,11 @@ def weight_files(model_dir: str) -> list[str]:
 
 
 def load_model(model: nn.Module, model_dir: str) -> None:
-    """Copy every checkpoint tensor of ``model_dir`` into ``model``'s parameters (any dtype/device)."""
+    """Copy every checkpoint tensor of ``model_dir`` into ``model``'s parameters (any dtype/device).
+    ``model_dir`` may be a GGUF file (see :func:`load_gguf_model`)."""
+    if is_gguf_path(model_dir):
+        load_gguf_model(model, model_dir)
+        return
     packed = getattr(model, "packed_modules_mapping", {})
     prefixes = getattr(model, "checkpoint_prefix_mapping", {})
     params = dict(model.named_parameters())  # tied weights appear once, under their first name
@@ -158,6 +167,61 @@ def _with_prefix_mapping(ckpt_name: str, prefixes: dict) -> str:
     return ckpt_name
 
 
+def load_gguf_model(model: nn.Module, path: str) -> None:
+    """Load a GGUF file's tensors into ``model`` (engine/gguf_file.py names them and un-permutes llama's q/k).
+
+    A parameter that keeps GGUF blocks (its ``gguf_blocks`` attribute is True: a GGUF-quantized linear) gets
+    the :class:`~engine.gguf_file.GGUFTensor` itself, blocks and block type, from its ``weight_loader``; every
+    other parameter gets the tensor's values in its dtype (block-quantized embeddings and norms are
+    de-quantized)."""
+    from engine.gguf_file import iter_gguf_tensors
+
+    packed = getattr(model, "packed_modules_mapping", {})
+    params = dict(model.named_parameters())
+    expected = {(name, shard) for name, p in params.items() if not getattr(p, "optional_in_checkpoint", False)
+                for shard in getattr(p, "shard_ids", (None,))}
+    by_ckpt_name = {_gguf_checkpoint_name(name, shard, packed, params[name]): (name, shard)
+                    for name, shard in expected}
+    loaded: set[tuple[str, object]] = set()
+    head = next((m for m in model.modules() if isinstance(m, LMHead)), None)
+    head_tensor = None   # the LM head's blocks: output.weight, or token_embd.weight when tied
+    for ckpt_name, tensor in iter_gguf_tensors(path, list(by_ckpt_name)):
+        param_name, shard_id = by_ckpt_name[ckpt_name]
+        param = params[param_name]
+        if head is not None and param is head.weight:
+            head_tensor = tensor
+        try:
+            value = tensor if getattr(param, "gguf_blocks", False) else tensor.dequantize(param.dtype)
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
+                _default_loader(param, value)
+            else:
+                loader(param, value, shard_id)
+        except ValueError as e:
+            raise ValueError(f"{path}: tensor {ckpt_name!r}: {e}") from e
+        loaded.add((param_name, shard_id))
+    missing = sorted(expected - loaded, key=str)
+    if missing:
+        names = list(dict.fromkeys(_checkpoint_name(name, shard, packed) for name, shard in missing))
+        raise ValueError(f"weights missing from {path}: {', '.join(names[:10])}"
+                         + (f" and {len(names) - 10} more" if len(names) > 10 else ""))
+    if head_tensor is not None and _GGUF_LM_HEAD:
+        from engine.layers.quantization.gguf import install_gguf_lm_head
+
+        tied = any(p is head.weight for m in model.modules() if m is not head for p in m.parameters(recurse=False))
+        if install_gguf_lm_head(head, head_tensor) and not tied:
+            head.weight = nn.Parameter(head.weight.new_empty(0), requires_grad=False)   # the blocks replace it
+
+
+def _gguf_checkpoint_name(param_name: str, shard_id, packed: dict, param: nn.Parameter) -> str:
+    """The HF checkpoint name of a parameter's GGUF tensor: a GGUF linear's ``qweight`` (its blocks) is the
+    tensor GGUF calls ``...weight``."""
+    name = _checkpoint_name(param_name, shard_id, packed)
+    if getattr(param, "gguf_blocks", False) and name.endswith(".qweight"):
+        name = name[: -len("qweight")] + "weight"
+    return name
+
+
 def _target(ckpt_name: str, packed: dict, prefixes: dict) -> tuple[str, object] | None:
     """(parameter name, shard id) a checkpoint tensor loads into; None for tensors to skip."""
     if ckpt_name.endswith(_IGNORED_SUFFIXES):
@@ -228,7 +292,10 @@ def _fill_dummy(name: str, param: torch.Tensor, std: float, generator: torch.Gen
 
 
 def _initializer_range(model_dir: str) -> float:
-    """config.json's ``initializer_range`` (OPT: ``init_std``), else transformers' usual 0.02."""
+    """config.json's ``initializer_range`` (OPT: ``init_std``), else transformers' usual 0.02 (also for a GGUF
+    file, which has no such key)."""
+    if is_gguf_path(model_dir):
+        return 0.02
     with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
         hf = json.load(f)
     text = hf.get("text_config", hf)

@@ -32,7 +32,7 @@ def register_quantization_config(cls: type[QuantizationConfig]) -> type[Quantiza
 
 
 def _load_builtin() -> None:
-    from engine.layers.quantization import awq, fp8, gptq  # noqa: F401  (they register themselves)
+    from engine.layers.quantization import awq, fp8, gguf, gptq  # noqa: F401  (they register themselves)
 
 
 def get_quantization_config(name: str) -> type[QuantizationConfig]:
@@ -49,7 +49,7 @@ def quantization_methods() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
 
 
-QUANTIZATION_METHODS = ("awq", "compressed-tensors", "fp8", "gptq")  # the built-in ones (the CLI's help)
+QUANTIZATION_METHODS = ("awq", "compressed-tensors", "fp8", "gguf", "gptq")  # the built-in ones (the CLI's help)
 
 
 def resolve_quant_config(hf_config: dict, quantization: str | None, *,
