@@ -111,6 +111,15 @@ def test_tokenizer_from_gguf_matches_the_original(gguf_files):
     assert llm.get_tokenizer().chat_template == original.chat_template
 
 
+def test_tokenizer_option_overrides_the_gguf_tokenizer(gguf_files, tmp_path):
+    """tokenizer= an HF tokenizer directory (vLLM's way with GGUF models) is used instead of the file's."""
+    make_tokenizer().save_pretrained(tmp_path)
+    llm = LLM(gguf_files("Q8_0"), tokenizer=str(tmp_path), num_kv_blocks=16, max_model_len=128, enforce_eager=True)
+    assert llm.get_tokenizer().name_or_path == str(tmp_path)
+    out = llm.generate("The quick brown fox", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4 and out[0].outputs[0].text
+
+
 # Prefill: the three prompts (72 rows) run in one step, above NATIVE_MAX_ROWS, where gguf_gemm de-quantizes the
 # blocks and multiplies in float32, as transformers does: 1e-4 (measured <= 9e-5). Decode (one row per sequence)
 # runs gguf_gemm's int8 path, which quantizes the activations to int8 per 32 values as llama.cpp does: measured
