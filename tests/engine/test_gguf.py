@@ -320,7 +320,8 @@ def test_default_model_gguf_follows_the_converted_model(smollm2_dir):
     assert prompts == [gguf_tok.encode(t, add_special_tokens=False) for t in texts]
     outputs = gguf_llm.generate([{"prompt_token_ids": p} for p in prompts],
                                 SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
-    forced = float_llm.generate([{"prompt_token_ids": p + list(o.outputs[0].token_ids)} for p, o in zip(prompts, outputs)],
+    forced = float_llm.generate([{"prompt_token_ids": p + list(o.outputs[0].token_ids)}
+                                 for p, o in zip(prompts, outputs)],
                                 SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
     for prompt, output, check in zip(prompts, outputs, forced):
         tokens = list(output.outputs[0].token_ids)
@@ -353,7 +354,8 @@ def test_metadata_and_tensor_table_equal_gguf_readers(gguf_files, weight_type, t
     assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
     for a, b in zip(ours.tensors, theirs.tensors):
         assert a.tensor_type == int(b.tensor_type) and a.shape == tuple(int(d) for d in b.shape)
-        assert np.array_equal(np.asarray(a.data).view(np.uint8).reshape(-1), np.asarray(b.data).view(np.uint8).reshape(-1))
+        assert np.array_equal(np.asarray(a.data).view(np.uint8).reshape(-1),
+                              np.asarray(b.data).view(np.uint8).reshape(-1))
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(open(path, "rb").read()[:-100])
     with pytest.raises(ValueError, match="runs past the end"):
