@@ -387,3 +387,16 @@ def test_tensor_parallel_split_inside_k_quant_blocks_is_refused(gguf_files):
     with pytest.raises(ValueError, match=r"o_proj: 128 input features per rank .* not whole Q4_K blocks"):
         LLM(gguf_files("Q4_K", "Q6_K", False), max_model_len=256, tensor_parallel_size=2, skip_tokenizer_init=True,
             num_kv_blocks=64)
+
+
+def test_gguf_draft_model_for_speculative_decoding(gguf_files):
+    """A GGUF file can be the draft model of speculative decoding (its context length from the metadata);
+    greedy output equals the target alone."""
+    target = gguf_files("Q8_0")
+    prompts = [{"prompt_token_ids": random_token_ids(12, seed=3)}]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    plain = LLM(target, max_model_len=128, num_kv_blocks=64, skip_tokenizer_init=True)
+    want = plain.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids
+    spec = LLM(target, max_model_len=128, num_kv_blocks=64, skip_tokenizer_init=True,
+               speculative_config={"model": gguf_files("Q4_0"), "num_speculative_tokens": 3})
+    assert spec.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids == want
