@@ -152,8 +152,14 @@ def test_logprobs_and_greedy_tokens_match_transformers(gguf_files, weight_type, 
     atol = max(DECODE_ATOL[weight_type], DECODE_ATOL[embed_type])
     # A quantized LM head takes the prompt's rows sequence by sequence (24 rows: the int8 path).
     prefill_atol = PREFILL_ATOL if embed_type in FLOAT_TYPES else DECODE_ATOL[embed_type]
-    head = llm.llm_engine.model_runner.model.lm_head
-    assert (type(head.quant_method).__name__ == "GGUFLMHeadMethod") == (embed_type not in FLOAT_TYPES)
+    model = llm.llm_engine.model_runner.model
+    head, embed = model.lm_head, model.model.embed_tokens
+    quantized_vocab = embed_type not in FLOAT_TYPES
+    assert (type(head.quant_method).__name__ == "GGUFLMHeadMethod") == quantized_vocab
+    # Blocks replace the float embedding and head (one copy when tied).
+    assert (embed.gguf_qweight is not None) == quantized_vocab == (embed.weight.numel() == 0)
+    if quantized_vocab and tie:
+        assert embed.gguf_qweight is head.gguf_qweight
     for prompt, output in zip(prompts, outputs):
         tokens = list(output.outputs[0].token_ids)
         reference = hf_log_softmax(hf, prompt + tokens)
