@@ -218,6 +218,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     rows_list = [int(m) for m in args.rows.split(",")]
     start = time.time()
+    load_before = os.getloadavg()
     report = run(rows_list, args.min_time, args.rounds)
     report.update({
         "benchmark": "bench.quant_cpu",
@@ -230,6 +231,8 @@ def main(argv=None) -> int:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "seconds": round(time.time() - start, 1),
+        "load_average_before": load_before,   # the machine may be shared: compare runs at a low load only
+        "load_average_after": os.getloadavg(),
     })
     print("\nper decoded token (30 layers + LM head, M = 1):")
     for row in report["per_token_decode"]:

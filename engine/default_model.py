@@ -79,7 +79,8 @@ def default_model_path() -> str:
 
 
 def gguf_path() -> str:
-    """Where the default model's own GGUF file is (or will be): ``$ENGINE_CACHE_DIR/SmolLM2-135M-Instruct.Q4_1.gguf``."""
+    """Where the default model's own GGUF file is (or will be):
+    ``$ENGINE_CACHE_DIR/SmolLM2-135M-Instruct.Q4_1.gguf``."""
     return os.path.join(cache_dir(), GGUF_FILE)
 
 

@@ -263,6 +263,11 @@ def _max_positions(model_dir: str) -> int:
     import json
     import os
 
+    from engine.gguf_file import is_gguf_path, read_gguf_config
+
+    if is_gguf_path(model_dir):   # a GGUF draft model: its metadata's context length
+        hf, _ = read_gguf_config(model_dir)
+        return int(hf.get("max_position_embeddings") or 2048)
     with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
         hf = json.load(f)
     text = hf.get("text_config", hf)

@@ -67,10 +67,15 @@ def test_readme_example_runs(index):
     if "default_model_path" in code:
         from tests.extras import default_model_or_skip
         default_model_or_skip()
+    if "default_model_gguf_path" in code:
+        from tests.extras import default_model_gguf_or_skip
+        default_model_gguf_or_skip()
     namespace: dict = {}
     exec(compile(code, f"README.md[{heading} python block]", "exec"), namespace)
     if "outputs" in namespace:
         assert len(namespace["outputs"]) == 2 and all(o.outputs[0].token_ids for o in namespace["outputs"])
+    if "gguf_llm" in namespace:
+        assert namespace["answer"].strip()
     if "beams" in namespace:
         assert len(namespace["four"]) == 4 and all(c.token_ids for c in namespace["four"])
         assert namespace["best"].text and namespace["best"].tokens and namespace["scored"][-1]

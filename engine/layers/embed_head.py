@@ -28,6 +28,11 @@ class VocabEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
         # A 0-dim buffer in the default (model) dtype, so it follows the module's device and dtype.
         self.register_buffer("scale", None if scale is None else torch.tensor(float(scale)), persistent=False)
+        # A GGUF model's embedding may keep the file's blocks instead of float rows (install_gguf_embedding in
+        # engine/layers/quantization/gguf.py): its lookups then de-quantize the rows they gather.
+        self.register_buffer("gguf_qweight", None, persistent=False)
+        self.gguf_type: str | None = None
+        self.gguf_dtype: torch.dtype | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if loaded.dim() != 2 or loaded.shape[0] != self.vocab_size or loaded.shape[1] != param.shape[1]:
@@ -40,13 +45,22 @@ class VocabEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids int64 ``[num_tokens]`` -> ``[num_tokens, hidden_size]``."""
         if self.tp_size == 1:
-            embeddings = F.embedding(input_ids, self.weight)
+            embeddings = self._rows(input_ids)
         else:
             local_ids = input_ids - self.vocab_start
             outside = (local_ids < 0) | (local_ids >= self.num_rows)
-            embeddings = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
+            embeddings = self._rows(local_ids.masked_fill(outside, 0))
             embeddings = tensor_model_parallel_all_reduce(embeddings.masked_fill(outside.unsqueeze(-1), 0.0))
         return embeddings if self.scale is None else embeddings.mul_(self.scale)
+
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.gguf_qweight is None:
+            return F.embedding(ids, self.weight)
+        from engine.layers import pk_ops
+        rows = self.gguf_qweight.index_select(0, ids.reshape(-1))
+        values = pk_ops().gguf_dequantize(rows, self.gguf_type, dtype=self.gguf_dtype)
+        return values.reshape(*ids.shape, values.shape[-1])
 
 
 class PositionEmbedding(nn.Module):

@@ -31,7 +31,7 @@ from torch import nn
 from engine.distributed.parallel_state import get_tp_rank
 from engine.gguf_file import is_gguf_path
 from engine.layers.attention import Attention
-from engine.layers.embed_head import LMHead
+from engine.layers.embed_head import LMHead, VocabEmbedding
 from engine.layers.layernorm import LayerNorm, RMSNorm
 
 _SINGLE_FILE = "model.safetensors"
@@ -46,9 +46,9 @@ _KV_SCALE_SUFFIXES = ((".k_proj.output_scale", ("k",)), (".v_proj.output_scale",
                       (".k_scale", ("k",)), (".v_scale", ("v",)), (".kv_scale", ("k", "v")))
 # Modules a scale may hang on below the attention block (vLLM's layouts): dropped to find the block.
 _KV_SCALE_HOLDERS = (".attn", ".k_proj", ".v_proj", ".qkv_proj")
-# A GGUF model's LM head multiplies the file's blocks when they are a type gguf_gemm takes
-# (ENGINE_GGUF_LM_HEAD=float keeps it float32, for comparisons).
-_GGUF_LM_HEAD = os.environ.get("ENGINE_GGUF_LM_HEAD", "blocks") != "float"
+# A GGUF model's LM head multiplies the file's blocks, and its token embedding looks rows up in them, when they
+# are a type pagedkernels takes (ENGINE_GGUF_VOCAB=float keeps both float, for comparisons).
+_GGUF_VOCAB_BLOCKS = os.environ.get("ENGINE_GGUF_VOCAB", "blocks") != "float"
 # Seed of load_dummy_weights (fixed, as vLLM's dummy loader: the same model whatever the engine's sampling seed).
 DUMMY_SEED = 1234
 
@@ -184,12 +184,14 @@ def load_gguf_model(model: nn.Module, path: str) -> None:
                     for name, shard in expected}
     loaded: set[tuple[str, object]] = set()
     head = next((m for m in model.modules() if isinstance(m, LMHead)), None)
-    head_tensor = None   # the LM head's blocks: output.weight, or token_embd.weight when tied
+    embed = next((m for m in model.modules() if isinstance(m, VocabEmbedding) and not isinstance(m, LMHead)), None)
+    vocab_tensors: dict[str, object] = {}   # the embedding's and the LM head's tensors (one when tied)
     for ckpt_name, tensor in iter_gguf_tensors(path, list(by_ckpt_name)):
         param_name, shard_id = by_ckpt_name[ckpt_name]
         param = params[param_name]
-        if head is not None and param is head.weight:
-            head_tensor = tensor
+        for role, module in (("head", head), ("embed", embed)):
+            if module is not None and param is module.weight:
+                vocab_tensors[role] = tensor
         try:
             value = tensor if getattr(param, "gguf_blocks", False) else tensor.dequantize(param.dtype)
             loader = getattr(param, "weight_loader", None)
@@ -205,12 +207,31 @@ def load_gguf_model(model: nn.Module, path: str) -> None:
         names = list(dict.fromkeys(_checkpoint_name(name, shard, packed) for name, shard in missing))
         raise ValueError(f"weights missing from {path}: {', '.join(names[:10])}"
                          + (f" and {len(names) - 10} more" if len(names) > 10 else ""))
-    if head_tensor is not None and _GGUF_LM_HEAD:
-        from engine.layers.quantization.gguf import install_gguf_lm_head
+    if _GGUF_VOCAB_BLOCKS:
+        _install_gguf_vocab(head, embed, vocab_tensors)
 
-        tied = any(p is head.weight for m in model.modules() if m is not head for p in m.parameters(recurse=False))
-        if install_gguf_lm_head(head, head_tensor) and not tied:
-            head.weight = nn.Parameter(head.weight.new_empty(0), requires_grad=False)   # the blocks replace it
+
+def _install_gguf_vocab(head, embed, tensors: dict) -> None:
+    """The LM head multiplies the file's blocks and the embedding looks its rows up in them (one copy when tied),
+    where they are a block type pagedkernels takes; the float weights they replace are freed."""
+    from engine.layers.quantization.gguf import install_gguf_embedding, install_gguf_lm_head
+
+    tied = head is not None and embed is not None and head.weight is embed.weight
+    head_done = "head" in tensors and install_gguf_lm_head(head, tensors["head"])
+    shared = head.gguf_qweight if tied and head_done else None
+    embed_done = "embed" in tensors and install_gguf_embedding(embed, tensors["embed"], shared=shared)
+
+    def empty(param: nn.Parameter) -> nn.Parameter:
+        return nn.Parameter(param.new_empty(0), requires_grad=False)
+
+    if tied:
+        if head_done and embed_done:
+            head.weight = embed.weight = empty(embed.weight)
+        return
+    if head_done:
+        head.weight = empty(head.weight)
+    if embed_done:
+        embed.weight = empty(embed.weight)
 
 
 def _gguf_checkpoint_name(param_name: str, shard_id, packed: dict, param: nn.Parameter) -> str:

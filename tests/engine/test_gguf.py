@@ -111,6 +111,15 @@ def test_tokenizer_from_gguf_matches_the_original(gguf_files):
     assert llm.get_tokenizer().chat_template == original.chat_template
 
 
+def test_tokenizer_option_overrides_the_gguf_tokenizer(gguf_files, tmp_path):
+    """tokenizer= an HF tokenizer directory (vLLM's way with GGUF models) is used instead of the file's."""
+    make_tokenizer().save_pretrained(tmp_path)
+    llm = LLM(gguf_files("Q8_0"), tokenizer=str(tmp_path), num_kv_blocks=16, max_model_len=128, enforce_eager=True)
+    assert llm.get_tokenizer().name_or_path == str(tmp_path)
+    out = llm.generate("The quick brown fox", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4 and out[0].outputs[0].text
+
+
 # Prefill: the three prompts (72 rows) run in one step, above NATIVE_MAX_ROWS, where gguf_gemm de-quantizes the
 # blocks and multiplies in float32, as transformers does: 1e-4 (measured <= 9e-5). Decode (one row per sequence)
 # runs gguf_gemm's int8 path, which quantizes the activations to int8 per 32 values as llama.cpp does: measured
@@ -143,8 +152,14 @@ def test_logprobs_and_greedy_tokens_match_transformers(gguf_files, weight_type, 
     atol = max(DECODE_ATOL[weight_type], DECODE_ATOL[embed_type])
     # A quantized LM head takes the prompt's rows sequence by sequence (24 rows: the int8 path).
     prefill_atol = PREFILL_ATOL if embed_type in FLOAT_TYPES else DECODE_ATOL[embed_type]
-    head = llm.llm_engine.model_runner.model.lm_head
-    assert (type(head.quant_method).__name__ == "GGUFLMHeadMethod") == (embed_type not in FLOAT_TYPES)
+    model = llm.llm_engine.model_runner.model
+    head, embed = model.lm_head, model.model.embed_tokens
+    quantized_vocab = embed_type not in FLOAT_TYPES
+    assert (type(head.quant_method).__name__ == "GGUFLMHeadMethod") == quantized_vocab
+    # Blocks replace the float embedding and head (one copy when tied).
+    assert (embed.gguf_qweight is not None) == quantized_vocab == (embed.weight.numel() == 0)
+    if quantized_vocab and tie:
+        assert embed.gguf_qweight is head.gguf_qweight
     for prompt, output in zip(prompts, outputs):
         tokens = list(output.outputs[0].token_ids)
         reference = hf_log_softmax(hf, prompt + tokens)
@@ -311,7 +326,8 @@ def test_default_model_gguf_follows_the_converted_model(smollm2_dir):
     assert prompts == [gguf_tok.encode(t, add_special_tokens=False) for t in texts]
     outputs = gguf_llm.generate([{"prompt_token_ids": p} for p in prompts],
                                 SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
-    forced = float_llm.generate([{"prompt_token_ids": p + list(o.outputs[0].token_ids)} for p, o in zip(prompts, outputs)],
+    forced = float_llm.generate([{"prompt_token_ids": p + list(o.outputs[0].token_ids)}
+                                 for p, o in zip(prompts, outputs)],
                                 SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
     for prompt, output, check in zip(prompts, outputs, forced):
         tokens = list(output.outputs[0].token_ids)
@@ -344,7 +360,8 @@ def test_metadata_and_tensor_table_equal_gguf_readers(gguf_files, weight_type, t
     assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
     for a, b in zip(ours.tensors, theirs.tensors):
         assert a.tensor_type == int(b.tensor_type) and a.shape == tuple(int(d) for d in b.shape)
-        assert np.array_equal(np.asarray(a.data).view(np.uint8).reshape(-1), np.asarray(b.data).view(np.uint8).reshape(-1))
+        assert np.array_equal(np.asarray(a.data).view(np.uint8).reshape(-1),
+                              np.asarray(b.data).view(np.uint8).reshape(-1))
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(open(path, "rb").read()[:-100])
     with pytest.raises(ValueError, match="runs past the end"):
@@ -376,3 +393,16 @@ def test_tensor_parallel_split_inside_k_quant_blocks_is_refused(gguf_files):
     with pytest.raises(ValueError, match=r"o_proj: 128 input features per rank .* not whole Q4_K blocks"):
         LLM(gguf_files("Q4_K", "Q6_K", False), max_model_len=256, tensor_parallel_size=2, skip_tokenizer_init=True,
             num_kv_blocks=64)
+
+
+def test_gguf_draft_model_for_speculative_decoding(gguf_files):
+    """A GGUF file can be the draft model of speculative decoding (its context length from the metadata);
+    greedy output equals the target alone."""
+    target = gguf_files("Q8_0")
+    prompts = [{"prompt_token_ids": random_token_ids(12, seed=3)}]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    plain = LLM(target, max_model_len=128, num_kv_blocks=64, skip_tokenizer_init=True)
+    want = plain.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids
+    spec = LLM(target, max_model_len=128, num_kv_blocks=64, skip_tokenizer_init=True,
+               speculative_config={"model": gguf_files("Q4_0"), "num_speculative_tokens": 3})
+    assert spec.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids == want

@@ -225,15 +225,32 @@ class GGUFLMHeadMethod(LinearMethodBase):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+def _rank_rows(module: nn.Module, tensor: GGUFTensor) -> torch.Tensor:
+    """This vocab-parallel rank's rows of blocks (``num_rows`` from ``vocab_start``), zero rows past the
+    vocabulary (zero scales: zero values)."""
+    rows = tensor.data.narrow(0, module.vocab_start, min(module.num_rows, tensor.shape[0] - module.vocab_start))
+    blocks = torch.zeros(module.num_rows, rows.shape[1], dtype=torch.uint8, device=module.weight.device)
+    blocks[:rows.shape[0]] = rows.to(blocks.device)
+    return blocks
+
+
+def install_gguf_embedding(embedding: nn.Module, tensor: GGUFTensor, shared: torch.Tensor | None = None) -> bool:
+    """Make a VocabEmbedding look its rows up in ``tensor``'s blocks (de-quantizing only the rows it gathers);
+    ``shared``: the same blocks already installed on the tied LM head. Returns False for a float tensor or a
+    block type pagedkernels does not de-quantize. The caller frees the float weight."""
+    if tensor.quant_type not in GGUF_BLOCKS:
+        return False
+    embedding.gguf_qweight = shared if shared is not None else _rank_rows(embedding, tensor)
+    embedding.gguf_type, embedding.gguf_dtype = tensor.quant_type, embedding.weight.dtype
+    return True
+
+
 def install_gguf_lm_head(head: nn.Module, tensor: GGUFTensor) -> bool:
     """Make ``head`` (an LMHead, vocab-parallel: this rank's ``num_rows`` rows from ``vocab_start``, zero rows
     past the vocabulary) multiply ``tensor``'s blocks. Returns False (the head stays float) for a float tensor
     or a block type gguf_gemm does not take. An untied head's float weight is freed."""
     if tensor.quant_type not in GGUF_BLOCKS:
         return False
-    rows = tensor.data.narrow(0, head.vocab_start, min(head.num_rows, tensor.shape[0] - head.vocab_start))
-    blocks = torch.zeros(head.num_rows, rows.shape[1], dtype=torch.uint8, device=head.weight.device)
-    blocks[:rows.shape[0]] = rows.to(blocks.device)   # padding rows: zero scales, zero logits (cut after gather)
-    replace_param(head, "gguf_qweight", blocks)
+    head.gguf_qweight = _rank_rows(head, tensor)   # a buffer; padding rows give zero logits, cut after the gather
     head.quant_method = GGUFLMHeadMethod(tensor.quant_type)
     return True
