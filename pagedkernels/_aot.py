@@ -578,15 +578,25 @@ def _compile_job(job: tuple[int, int]) -> tuple[int, int, dict]:
     return index, capability, compile_variant(_POOL_VARIANTS[index], capability)
 
 
-def result_key(variant: Variant, capability: int) -> str:
+def result_key(variant: Variant, capability: int, *, keep_paths: bool = False) -> str:
     """What a compile's result depends on (see the module docstring), hashed: the Triton version, the target,
-    the kernel's source with everything it uses (``JITFunction.cache_key``) and the specialization."""
+    the kernel's source with everything it uses (``JITFunction.cache_key``) and the specialization (file
+    paths in its options cut to their names, see :func:`_without_paths`; ``keep_paths`` keeps them, for
+    re-keying a cache written before)."""
     import hashlib
 
     import triton
 
-    text = json.dumps([triton.__version__, capability, variant.kernel.cache_key, variant.key])
+    text = json.dumps([triton.__version__, capability, variant.kernel.cache_key,
+                       variant.key if keep_paths else _without_paths(variant.key)])
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _without_paths(key: str) -> str:
+    """``key`` with every quoted absolute path cut to its file name: options such as ``extern_libs`` name
+    files inside the Triton install (libdevice), whose location differs between machines and environments
+    but whose content comes with the Triton version."""
+    return re.sub(r"""(['"])/[^'"]*/([^'"/]+)\1""", r"\1\2\1", key)
 
 
 def load_results_cache(path: Path = RESULTS_CACHE) -> dict[str, dict]:
