@@ -104,15 +104,7 @@ def load_model(model: nn.Module, model_dir: str) -> None:
                             continue  # tied embeddings: the checkpoint may still carry a copy
                         raise ValueError(f"{path}: tensor {ckpt_name!r} matches no parameter of "
                                          f"{type(model).__name__}")
-                    try:
-                        tensor = f.get_tensor(ckpt_name)
-                        loader = getattr(param, "weight_loader", None)
-                        if loader is None:
-                            _default_loader(param, tensor)
-                        else:
-                            loader(param, tensor, shard_id)
-                    except ValueError as e:
-                        raise ValueError(f"{path}: tensor {ckpt_name!r}: {e}") from e
+                    _load_param(param, f.get_tensor(ckpt_name), shard_id, f"{path}: tensor {ckpt_name!r}")
                     if shard_id is None:  # a whole parameter, fused projections included: all its shards
                         loaded.update((param_name, shard) for shard in getattr(param, "shard_ids", (None,)))
                     else:
@@ -167,6 +159,19 @@ def _with_prefix_mapping(ckpt_name: str, prefixes: dict) -> str:
     return ckpt_name
 
 
+def _load_param(param: nn.Parameter, value, shard_id, where: str) -> None:
+    """Copy a checkpoint tensor (or a GGUF tensor's blocks) into ``param`` through its weight_loader (or the
+    default copy); a ValueError names ``where`` (file and tensor)."""
+    try:
+        loader = getattr(param, "weight_loader", None)
+        if loader is None:
+            _default_loader(param, value)
+        else:
+            loader(param, value, shard_id)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from e
+
+
 def load_gguf_model(model: nn.Module, path: str) -> None:
     """Load a GGUF file's tensors into ``model`` (engine/gguf_file.py names them and un-permutes llama's q/k).
 
@@ -192,15 +197,12 @@ def load_gguf_model(model: nn.Module, path: str) -> None:
         for role, module in (("head", head), ("embed", embed)):
             if module is not None and param is module.weight:
                 vocab_tensors[role] = tensor
+        where = f"{path}: tensor {ckpt_name!r}"
         try:
             value = tensor if getattr(param, "gguf_blocks", False) else tensor.dequantize(param.dtype)
-            loader = getattr(param, "weight_loader", None)
-            if loader is None:
-                _default_loader(param, value)
-            else:
-                loader(param, value, shard_id)
         except ValueError as e:
-            raise ValueError(f"{path}: tensor {ckpt_name!r}: {e}") from e
+            raise ValueError(f"{where}: {e}") from e
+        _load_param(param, value, shard_id, where)
         loaded.add((param_name, shard_id))
     missing = sorted(expected - loaded, key=str)
     if missing:
