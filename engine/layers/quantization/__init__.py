@@ -64,6 +64,8 @@ def resolve_quant_config(hf_config: dict, quantization: str | None, *,
     hf_quant = hf_config.get("quantization_config", text.get("quantization_config"))
     if hf_quant is not None and not isinstance(hf_quant, dict):
         raise ValueError(f"{model_dir}/config.json: quantization_config must be an object, got {hf_quant!r}")
+    if hf_quant is not None and "quant_method" not in hf_quant and set(hf_quant) <= {"kv_cache_scheme"}:
+        hf_quant = None   # only an fp8 KV-cache scheme (the cache config checks it): no linear is quantized
     if hf_quant is None and quantization is None:
         return None
     if hf_quant is not None:

@@ -155,9 +155,11 @@ class CompressedTensorsConfig(QuantizationConfig):
         if fmt not in ("float-quantized", "naive-quantized", None):
             raise ValueError(f"compressed-tensors format {fmt!r} is not supported (fp8 checkpoints: "
                              f"'float-quantized' / 'naive-quantized')")
-        if config.get("kv_cache_scheme") is not None:
-            raise ValueError("compressed-tensors kv_cache_scheme (fp8 KV-cache scales) is not supported")
+        # kv_cache_scheme (fp8 KV-cache scales) is the cache's (engine/config.py's check_kv_cache_scheme, the
+        # loader's k/v scales): a checkpoint with only that quantizes no linear.
         groups_cfg = config.get("config_groups")
+        if groups_cfg is None and config.get("kv_cache_scheme") is not None:
+            return cls([], list(config.get("ignore") or []))
         if not isinstance(groups_cfg, dict) or not groups_cfg:
             raise ValueError("compressed-tensors quantization_config has no config_groups")
         groups = []
