@@ -117,12 +117,7 @@ class AsyncLLMEngine:
             # LLMEngine fails only the requests of a bad step itself; should a step raise anyway, abort every
             # request in the engine (their state is unknown), fail their streams and keep serving.
             logger.exception("engine step failed; failing the requests in the engine")
-            outputs = []
-            for request_id in list(self.engine.requests):
-                output = self.engine.abort_request(request_id)
-                if output is not None:
-                    output.error = f"the engine step failed: {type(e).__name__}: {e}"
-                    outputs.append(output)
+            outputs = self.engine.fail_all_requests(e)
         return outputs, self.engine.has_unfinished_requests()
 
     def _dispatch(self, output: RequestOutput) -> None:

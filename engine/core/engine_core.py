@@ -256,12 +256,7 @@ class EngineCore:
             # LLMEngine fails only the requests of a bad step itself; should a step raise anyway, abort every
             # request in the engine (their state is unknown), fail their streams and keep serving.
             logger.exception("engine step failed; failing the requests in the engine")
-            outputs = []
-            for request_id in list(self.engine.requests):
-                output = self.engine.abort_request(request_id)
-                if output is not None:
-                    output.error = f"the engine step failed: {type(e).__name__}: {e}"
-                    outputs.append(output)
+            outputs = self.engine.fail_all_requests(e)
         self._dispatch(outputs)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:

@@ -94,12 +94,10 @@ class GuidedDecoding:
     def compile(self, params: GuidedDecodingParams):
         """The xgrammar CompiledGrammar of `params` (cached). Raises ValueError naming guided_decoding when the
         schema, regex or grammar is invalid or unsupported."""
+        compiled = self.cached(params)
+        if compiled is not None:
+            return compiled
         key = grammar_key(params)
-        with self._lock:
-            compiled = self._cache.get(key)
-            if compiled is not None:
-                self._cache.move_to_end(key)
-                return compiled
         kind, spec = key
         try:
             if kind == "json":

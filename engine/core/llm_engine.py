@@ -370,6 +370,17 @@ class LLMEngine:
                              f"{self.block_manager.num_blocks}")
         group.beam = BeamSearchState(params, seq.num_prompt_tokens, self.model_config.eos_token_ids)
 
+    def fail_all_requests(self, error: BaseException) -> list[RequestOutput]:
+        """Abort every request in the engine after a step raised (their state is unknown): their final outputs,
+        each carrying the error, for their streams."""
+        outputs = []
+        for request_id in list(self.requests):
+            output = self.abort_request(request_id)
+            if output is not None:
+                output.error = f"the engine step failed: {type(error).__name__}: {error}"
+                outputs.append(output)
+        return outputs
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; returns its final output (finish_reason "abort"), or None for an unknown id."""
         group = self.requests.pop(request_id, None)
