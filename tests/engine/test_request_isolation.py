@@ -6,6 +6,7 @@ import pytest
 from engine import SamplingParams
 from engine.core.sequence import seed_for_index
 from tests.engine.models_util import make_engine, random_token_ids
+from tests.extras import require_xgrammar
 
 PROMPTS = [random_token_ids(30, seed=s) for s in range(3)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -123,11 +124,9 @@ def test_a_request_that_breaks_the_sampler_fails_alone(engine, reference):
 
 
 def test_a_grammar_that_fails_fails_its_request_alone(engine, reference):
-    pytest.importorskip("xgrammar")
+    require_xgrammar()
     from engine.sampling_params import GuidedDecodingParams
 
-    if engine.tokenizer is None:
-        pytest.skip("the tiny model has no tokenizer")
     engine.add_request("guided", {"prompt_token_ids": PROMPTS[0]},
                        SamplingParams(temperature=0.0, max_tokens=6,
                                       guided_decoding=GuidedDecodingParams(regex="[a-z]+")))
