@@ -2,8 +2,10 @@
 
 `MPAsyncLLMEngine` has AsyncLLMEngine's API (the server code is the same for both), but the engine runs in another
 process (engine/core/engine_core.py): this process tokenizes, renders chat templates (in their sandbox processes),
-validates prompts, and turns the core's per-step deltas back into cumulative RequestOutputs for the streams. Any
-number of these front ends (--api-server-count) can share one core.
+validates prompts, and turns the core's per-step token deltas back into cumulative RequestOutputs for the streams:
+it detokenizes them, finds stop strings (telling the core which completions they ended) and decodes logprob
+tokens, so the core's step loop does none of that. Any number of these front ends (--api-server-count) can share
+one core.
 
     core = start_engine_core(engine_args)            # the core process, ready to serve (address, info)
     engine = MPAsyncLLMEngine(core.address, core.info)
@@ -27,7 +29,7 @@ from engine.async_engine import AsyncLLMEngine, EngineDeadError
 from engine.core.engine_core import OutputAccumulator, decode_metrics, encode_params, packb, unpackb
 from engine.core.llm_engine import LLMEngine
 from engine.outputs import EngineMetrics, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -206,9 +208,13 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
         if accumulator is None:   # aborted here already
             return
         output = accumulator.add(data)
+        if accumulator.stops:   # stop strings ended these completions: the core stops generating them
+            self._send(["stop", [[request_id, accumulator.stops]]])
+            accumulator.stops = []
         if output.finished:
             del self._accumulators[request_id]
-        self._dispatch(output)
+        if output.finished or accumulator.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+            self._dispatch(output)
 
     async def _call_core(self, method: str):
         if self.dead_error is not None:
@@ -235,10 +241,13 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
             raise EngineDeadError("the engine core has failed") from self.dead_error
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
-        self._accumulators[request_id] = OutputAccumulator(request_id, text, token_ids)
+        self._accumulators[request_id] = OutputAccumulator(request_id, text, token_ids, params=params,
+                                                           detokenizer=self.engine.detokenizer)
         finished = False
         try:
-            self._send(["add", request_id, text, token_ids, encode_params(params), bad_words, arrival])
+            # The core sends every step's tokens (FINAL_ONLY is kept here): stop strings are found as they come.
+            core_params = dataclasses.replace(params, output_kind=RequestOutputKind.CUMULATIVE)
+            self._send(["add", request_id, text, token_ids, encode_params(core_params), bad_words, arrival])
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):

@@ -1,5 +1,5 @@
 """The engine core in a process of its own (vLLM V1's EngineCoreProc): the scheduler, the executor and the step
-loop, and nothing else, so that no front-end work (HTTP, tokenization, chat templates, streaming) can hold up a
+loop, and nothing else, so that no front-end work (HTTP, tokenization, chat templates, detokenization, streaming) can hold up a
 step, and no step can hold up the front end.
 
 The API server processes talk to it over one ZMQ socket (a ROUTER here, a DEALER in each front end,
@@ -8,13 +8,16 @@ engine/mp_engine.py) in msgpack messages:
     front end -> core   ("hello",)                                      -> ("ready", info)
                         ("add", request_id, prompt_text, prompt_token_ids, params, bad_words_token_ids, arrival)
                         ("abort", [request_id, ...])
+                        ("stop", [[request_id, [index, ...]], ...])     completions ended on a stop string
                         ("call", call_id, method)                       -> ("result", call_id, value)
     core -> front end   ("outputs", [encoded RequestOutput, ...])       after each step, to the request's owner
                         ("dead", message)                               the core cannot go on (then it exits)
 
-Outputs are deltas (encode_output): each step sends the new token ids, logprobs and text of every completion, not
-the cumulative lists, so a request's traffic is linear in its length; the front end rebuilds vLLM's cumulative
-RequestOutput (OutputAccumulator). A request's validation errors at add time come back as an output with `error`
+Outputs are deltas (encode_output): each step sends the new token ids and logprobs of every completion, not the
+cumulative lists, so a request's traffic is linear in its length. The core does no detokenization (its LLMEngine
+runs with detokenize=False): the front end rebuilds vLLM's cumulative RequestOutput, text included, and finds the
+stop strings (OutputAccumulator), telling the core which completions a stop string ended ("stop"), as vLLM V1's
+OutputProcessor does. A request's validation errors at add time come back as an output with `error`
 (and `error_param`: a 400), so they reach the request's stream like any failure.
 
 Between steps the core reads every queued message (adds, aborts, calls run in order, between steps, as the
@@ -30,6 +33,7 @@ import sys
 import time
 import traceback
 
+from engine.core.detokenizer import check_stop_strings
 from engine.outputs import (CompletionOutput, EngineMetrics, Logprob, RequestMetrics, RequestOutput,
                             SpecDecodeStats)
 from engine.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
@@ -69,9 +73,14 @@ def _encode_logprobs(entries) -> list:
             if entry is not None else None for entry in entries]
 
 
-def _decode_logprobs(entries) -> list:
-    return [{tid: Logprob(lp, rank, text) for tid, lp, rank, text in entry} if entry is not None else None
-            for entry in entries]
+def _decode_logprobs(entries, decode_token=None) -> list:
+    """Logprob entries from the wire; `decode_token` (the front end's) fills in decoded_token where the core left
+    it out (its engine does not detokenize)."""
+    if decode_token is None:
+        return [{tid: Logprob(lp, rank, text) for tid, lp, rank, text in entry} if entry is not None else None
+                for entry in entries]
+    return [{tid: Logprob(lp, rank, decode_token(tid) if text is None else text) for tid, lp, rank, text in entry}
+            if entry is not None else None for entry in entries]
 
 
 class OutputEncoder:
@@ -106,33 +115,118 @@ class OutputEncoder:
         self._sent.pop(request_id, None)
 
 
-class OutputAccumulator:
-    """Front-end side: rebuilds each request's cumulative RequestOutput from the core's deltas."""
+class _Completion:
+    """One completion of a request, as the front end rebuilds it: tokens, logprobs, finish, and its text with the
+    incremental detokenizer's state under the names Detokenizer.update and check_stop_strings read of a Sequence
+    (`token_ids` holds the last prompt tokens as the first token's left context, then the output)."""
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int]):
+    __slots__ = ("params", "token_ids", "prefix_offset", "read_offset", "output_text", "output_token_ids",
+                 "logprobs", "cumulative_logprob", "finish_reason", "stop_reason", "stopped_here")
+
+    def __init__(self, params: SamplingParams | None, prompt_token_ids: list[int]):
+        self.params = params
+        self.token_ids = list(prompt_token_ids[-5:])   # the same window a Sequence's offsets start on
+        self.read_offset, self.prefix_offset = len(self.token_ids), 0
+        self.output_text = ""
+        self.output_token_ids: list[int] = []
+        self.logprobs = None
+        self.cumulative_logprob = None
+        self.finish_reason = self.stop_reason = None
+        self.stopped_here = False   # ended by a stop string found here: the core's later tokens are past it
+
+
+class OutputAccumulator:
+    """Front-end side: rebuilds each request's cumulative RequestOutput from the core's deltas.
+
+    With a `detokenizer` (the serving front end: the core's LLMEngine runs with detokenize=False) the text is made
+    here, as LLMEngine makes it in-process: incremental detokenization, then the stop conditions in the same order
+    (a stop token the core ended on, a stop string in the new text, the core's length limit), logprob tokens
+    decoded. A stop string ends its completion here at once (tokens after it in the same delta, possible under
+    speculative decoding, are dropped with their logprobs) and is queued in `stops` for the core to finish that
+    completion, so the stream is what LLM.generate gives. Without one, the text comes from the core."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], *,
+                 params: SamplingParams | None = None, detokenizer=None):
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
-        self.completions: dict[int, list] = {}   # index -> [text, token_ids, logprobs, cum, finish, stop]
+        self.params = params
+        self.detokenizer = detokenizer
+        self._decode_token = None if detokenizer is None else detokenizer.decode_token
+        self.completions: dict[int, _Completion] = {}
         self.prompt_logprobs = None
+        self.stops: list[int] = []   # completion indices ended here by a stop string, for the core to finish
 
     def add(self, data: list) -> RequestOutput:
         _, finished, num_cached_tokens, metrics, error, error_param, prompt_logprobs, completions = data
         if prompt_logprobs is not None:
-            self.prompt_logprobs = _decode_logprobs(prompt_logprobs)
+            self.prompt_logprobs = _decode_logprobs(prompt_logprobs, self._decode_token)
         for index, start, text, token_ids, logprobs, cumulative, finish_reason, stop_reason in completions:
-            state = self.completions.setdefault(index, ["", [], None, None, None, None])
-            state[0] = state[0][:start] + text
-            state[1] = state[1] + token_ids
-            if logprobs is not None:
-                state[2] = (state[2] or []) + _decode_logprobs(logprobs)
-            state[3], state[4], state[5] = cumulative, finish_reason, stop_reason
-        outputs = [CompletionOutput(index=i, text=s[0], token_ids=s[1], cumulative_logprob=s[3],
-                                    logprobs=None if s[2] is None else list(s[2]), finish_reason=s[4],
-                                    stop_reason=s[5])
-                   for i, s in sorted(self.completions.items())]
+            c = self.completions.get(index)
+            if c is None:
+                c = self.completions[index] = _Completion(self.params, self.prompt_token_ids)
+            if c.stopped_here:
+                continue
+            entries = None if logprobs is None else _decode_logprobs(logprobs, self._decode_token)
+            if self.detokenizer is None:
+                c.output_text = c.output_text[:start] + text
+                c.output_token_ids += token_ids
+                kept = len(token_ids)
+            else:
+                kept = self._detokenize(c, index, token_ids, finish_reason, stop_reason)
+            if entries is not None:
+                c.logprobs = (c.logprobs or []) + entries[:kept]
+            if kept == len(token_ids):
+                c.cumulative_logprob = cumulative
+            elif cumulative is not None and entries is not None:
+                # The core's sum without the dropped tokens: the kept ones added as the core adds them.
+                total = c.cumulative_logprob if c.cumulative_logprob is not None else 0.0
+                for entry, token_id in zip(entries[:kept], token_ids):
+                    total += entry[token_id].logprob
+                c.cumulative_logprob = total
+            else:
+                c.cumulative_logprob = cumulative
+            if not c.stopped_here:
+                c.finish_reason, c.stop_reason = finish_reason, stop_reason
+        request_metrics = None if metrics is None else RequestMetrics(**dict(zip(_METRIC_FIELDS, metrics)))
+        if not finished and self.detokenizer is not None and self.params is not None:
+            # Every completion ended (some here, by stop strings): the request is done, whatever the core says next.
+            finished = (len(self.completions) == self.params.n
+                        and all(c.finish_reason is not None for c in self.completions.values()))
+            if finished and request_metrics is not None:
+                request_metrics.finished_time = time.time()
+        outputs = [CompletionOutput(index=i, text=c.output_text, token_ids=list(c.output_token_ids),
+                                    cumulative_logprob=c.cumulative_logprob,
+                                    logprobs=None if c.logprobs is None else list(c.logprobs),
+                                    finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                   for i, c in sorted(self.completions.items())]
         return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
                              outputs=outputs, finished=finished, num_cached_tokens=num_cached_tokens,
-                             metrics=None if metrics is None else RequestMetrics(**dict(zip(_METRIC_FIELDS, metrics))),
-                             prompt_logprobs=self.prompt_logprobs, error=error, error_param=error_param)
+                             metrics=request_metrics, prompt_logprobs=self.prompt_logprobs, error=error,
+                             error_param=error_param)
+
+    def _detokenize(self, c: _Completion, index: int, token_ids: list[int], finish_reason, stop_reason) -> int:
+        """Append `token_ids` to completion `c` with their text (LLMEngine._check_stop's order); returns how many
+        were kept (fewer when a stop string ends the completion inside them)."""
+        params, detokenizer = self.params, self.detokenizer
+        # The core ended on the last of these tokens by a stop token (EOS or stop_token_ids): its text only with
+        # include_stop_str_in_output, and no stop-string check on it.
+        stop_token_last = finish_reason == "stop" and not isinstance(stop_reason, str)
+        last = len(token_ids) - 1
+        for j, token_id in enumerate(token_ids):
+            c.output_token_ids.append(token_id)
+            c.token_ids.append(token_id)
+            if stop_token_last and j == last:
+                if params.include_stop_str_in_output:
+                    detokenizer.update(c)
+                return j + 1
+            num_new_chars = detokenizer.update(c)
+            if params.stop and len(c.output_token_ids) >= params.min_tokens:
+                stop_str = check_stop_strings(c, num_new_chars)
+                if stop_str is not None:
+                    c.finish_reason, c.stop_reason, c.stopped_here = "stop", stop_str, True
+                    if finish_reason is None:   # the core is still generating it
+                        self.stops.append(index)
+                    return j + 1
+        return len(token_ids)
 
 
 def encode_metrics(metrics: EngineMetrics) -> dict:
@@ -165,6 +259,7 @@ class EngineCore:
 
         self.engine = engine
         engine.async_grammar_compile = True
+        engine.detokenize = False   # the front ends make the text and find stop strings (OutputAccumulator)
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -234,6 +329,13 @@ class EngineCore:
             outputs = []
             for request_id in message[1]:
                 output = self.engine.abort_request(request_id)
+                if output is not None:
+                    outputs.append(output)
+            self._dispatch(outputs)
+        elif kind == "stop":   # completions a front end ended on a stop string
+            outputs = []
+            for request_id, indices in message[1]:
+                output = self.engine.stop_sequences(request_id, indices)
                 if output is not None:
                     outputs.append(output)
             self._dispatch(outputs)

@@ -52,6 +52,11 @@ def resolve_model_path(model: str) -> str:
                          f"Hugging Face hub ({type(e).__name__}: {e})") from e
 
 
+def _no_text(token_id: int) -> None:
+    """Logprob.decoded_token where the front end decodes it (LLMEngine.detokenize False)."""
+    return None
+
+
 class LLMEngine:
     """The engine of an EngineConfig (built and validated by `EngineArgs.create_engine_config()`; `engine.LLM`
     wraps this class and takes the same options as keyword arguments)."""
@@ -101,6 +106,10 @@ class LLMEngine:
                                    preemption_mode=config.scheduler_config.preemption_mode,
                                    max_num_seqs_per_request=config.scheduler_config.max_num_seqs_per_request)
         self.detokenizer = Detokenizer(self.tokenizer)
+        # False in the engine core of `serve` (engine/core/engine_core.py): its API server processes detokenize,
+        # find stop strings and decode logprob tokens (engine/mp_engine.py), so the step loop here checks stop
+        # tokens and lengths only, leaves output_text empty, and finishes a completion when told (stop_sequences).
+        self.detokenize = True
         self.requests: dict[str, SequenceGroup] = {}
         self.num_generation_tokens = 0
         self.spec_decode_stats = SpecDecodeStats(config.speculative_config.num_speculative_tokens
@@ -399,6 +408,24 @@ class LLMEngine:
         group.seqs[0].metrics.finished_time = time.time()
         return self._make_output(group)
 
+    def stop_sequences(self, request_id: str, indices) -> RequestOutput | None:
+        """Finish completions `indices` of a request with finish_reason "stop" (a front end that detokenizes found
+        a stop string in their text). Returns the request's final output when that finished it, else None; an
+        unknown request or an already finished completion is left as it is."""
+        group = self.requests.get(request_id)
+        if group is None or group.beam is not None:
+            return None
+        indices = set(indices)
+        for seq in group.seqs:
+            if seq.index in indices and not seq.is_finished:
+                seq.finish_reason = "stop"
+                self.scheduler.finish(seq)
+        if not group.is_finished:
+            return None
+        del self.requests[request_id]
+        group.seqs[0].metrics.finished_time = time.time()
+        return self._make_output(group)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending_grammars)
 
@@ -689,7 +716,7 @@ class LLMEngine:
 
     def _append_prompt_logprobs(self, seq: Sequence, computed: PromptLogprobs) -> None:
         """Prompt logprobs the worker computed for positions computed.start.. of `seq`."""
-        decode = self.detokenizer.decode_token
+        decode = self.detokenizer.decode_token if self.detokenize else _no_text
         for j, (tid, lp, rank, ids, lps) in enumerate(zip(computed.token_ids, computed.logprobs, computed.ranks,
                                                           computed.topk_token_ids, computed.topk_logprobs)):
             entry = {tid: Logprob(lp, rank, decode(tid))}
@@ -700,7 +727,7 @@ class LLMEngine:
 
     def _append_logprobs(self, seq: Sequence, token_id: int, logprobs, j: int) -> None:
         """The logprobs of `seq`'s j-th token this step (`logprobs`: the worker's SampleLogprobs)."""
-        decode = self.detokenizer.decode_token
+        decode = self.detokenizer.decode_token if self.detokenize else _no_text
         entry = {token_id: Logprob(logprobs.logprobs[j], logprobs.ranks[j], decode(token_id))}
         for rank, (tid, lp) in enumerate(zip(logprobs.topk_token_ids[j], logprobs.topk_logprobs[j]), start=1):
             if tid not in entry:
@@ -711,20 +738,22 @@ class LLMEngine:
     def _check_stop(self, seq: Sequence, token_id: int) -> None:
         """Set finish_reason/stop_reason after `token_id` was appended, and extend the output text.
         Order: stop token (EOS or stop_token_ids; its text is left out unless include_stop_str_in_output),
-        stop string in the new text, then the length limit (max_tokens or max_model_len)."""
+        stop string in the new text, then the length limit (max_tokens or max_model_len). Without `detokenize`
+        there is no text here: the front end does the text and the stop strings (OutputAccumulator)."""
         params = seq.params
         if token_id in seq.stop_token_ids and seq.num_output_tokens >= params.min_tokens:
             seq.finish_reason = "stop"
             seq.stop_reason = token_id if token_id in params.stop_token_ids else None   # None: EOS
-            if params.include_stop_str_in_output:
+            if params.include_stop_str_in_output and self.detokenize:
                 self.detokenizer.update(seq)
             return
-        num_new_chars = self.detokenizer.update(seq)
-        if seq.num_output_tokens >= params.min_tokens:
-            stop_str = check_stop_strings(seq, num_new_chars)
-            if stop_str is not None:
-                seq.finish_reason, seq.stop_reason = "stop", stop_str
-                return
+        if self.detokenize:
+            num_new_chars = self.detokenizer.update(seq)
+            if seq.num_output_tokens >= params.min_tokens:
+                stop_str = check_stop_strings(seq, num_new_chars)
+                if stop_str is not None:
+                    seq.finish_reason, seq.stop_reason = "stop", stop_str
+                    return
         if seq.max_tokens is not None and seq.num_output_tokens >= seq.max_tokens:
             seq.finish_reason = "length"
 
