@@ -116,6 +116,10 @@ def _importable(name: str) -> bool:
         return False
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_tests(args: list[str], log_path: Path, timeout_s: float | None, *, collect_only: bool = False) -> dict:
     """``python -m pytest ARGS`` in a process group of its own, output to ``log_path`` as it comes. Past
     ``timeout_s`` it gets SIGINT (pytest then prints what ran and its summary line), SIGKILL 30 s later."""
@@ -130,8 +134,10 @@ def run_tests(args: list[str], log_path: Path, timeout_s: float | None, *, colle
     start = time.perf_counter()
     cut = False
     with open(log_path, "w") as log:
+        # SIGINT back to its default in the child: the cut relies on it, and a suite started in the background
+        # by a shell without job control (`... &` in a script, nohup) has it ignored, which pytest would inherit.
         proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_default_sigint)
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

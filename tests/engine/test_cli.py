@@ -240,7 +240,10 @@ def test_chat_ctrl_c_in_a_real_terminal_session(model_dir):
     process = subprocess.Popen(
         [sys.executable, "-m", "engine", "chat", "--model", model_dir, "--max-tokens", "500", "--ignore-eos",
          "--max-model-len", "1024", "--num-kv-blocks", "80"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        # A terminal's Ctrl-C reaches a process whose SIGINT is at its default; a test run started in the
+        # background by a shell without job control has it ignored, which the chat would inherit.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     out, err = _Reader(process.stdout), _Reader(process.stderr)
     try:
         for turn, message in enumerate([b"Hello there\n", b"Tell me more\n"], start=1):
