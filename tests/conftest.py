@@ -10,8 +10,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# Where a test that forces the Triton backend runs it: the GPU when there is one (the interpreter is then off,
+# and Triton cannot take CPU tensors), else CPU tensors under the interpreter.
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(params=DEVICES)
 def device(request) -> str:
     return request.param
+
+
+@pytest.fixture
+def triton_device() -> str:
+    return TRITON_DEVICE

@@ -130,16 +130,16 @@ def test_copy_blocks(backend, device, dtype, monkeypatch):
         assert torch.equal(cache.cpu(), ref)
 
 
-def test_copy_blocks_large_block_needs_several_chunks():
+def test_copy_blocks_large_block_needs_several_chunks(triton_device):
     """A block larger than one program's tile (16 x 4 x 64 = 4096 > 2048 elements)."""
     g = torch.Generator().manual_seed(4)
-    key_caches = [torch.randn(4, 16, 4, 64, generator=g) for _ in range(2)]
-    value_caches = [torch.randn(4, 16, 4, 64, generator=g) for _ in range(2)]
+    key_caches = [torch.randn(4, 16, 4, 64, generator=g).to(triton_device) for _ in range(2)]
+    value_caches = [torch.randn(4, 16, 4, 64, generator=g).to(triton_device) for _ in range(2)]
     expected = [c.clone() for c in key_caches + value_caches]
     for ref in expected:
         ref[3] = ref[0]
     with pk.use_backend("triton"):
-        pk.copy_blocks(key_caches, value_caches, torch.tensor([[0, 3]]))
+        pk.copy_blocks(key_caches, value_caches, torch.tensor([[0, 3]], device=triton_device))
     for cache, ref in zip(key_caches + value_caches, expected):
         assert torch.equal(cache, ref)
 

@@ -185,6 +185,7 @@ def test_custom_scale(backend, device):
 
 
 # 70 tokens are 3 tiles of 32: 7 and 16 splits leave splits with no tile at all.
+@pytest.mark.triton
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 16])
 @pytest.mark.parametrize("sliding_window,softcap", [(None, None), (40, 10.0)])
 def test_forced_splits_triton(num_splits, sliding_window, softcap, device, launches):
@@ -238,6 +239,7 @@ def test_out_argument_and_strided_views(backend, device):
     assert torch.isnan(buffer[:, 0]).all() and torch.isnan(buffer[:, 5]).all()
 
 
+@pytest.mark.triton
 def test_triton_path_is_taken(device, launches):
     split, reduce = launches
     q, kv = _case([3, 30], device=device)
@@ -250,6 +252,7 @@ def test_triton_path_is_taken(device, launches):
         assert len(split.grids) == 2
 
 
+@pytest.mark.triton
 def test_default_splits_come_from_the_heuristic(device, launches, monkeypatch):
     calls = []
 
@@ -291,6 +294,7 @@ def test_workspace_gives_the_same_result(backend, num_splits, device, launches):
         assert torch.isnan(workspace).all()
 
 
+@pytest.mark.triton
 def test_workspace_caps_the_default_splits(device, launches, monkeypatch):
     """The heuristic's split count is capped to what the workspace holds (a shape-only choice, so
     graph capture stays sync-free); one split needs no workspace at all."""
@@ -487,6 +491,10 @@ def test_cuda_graph_capture_and_replay(monkeypatch):
     with torch.cuda.stream(stream):
         call()  # compile outside the capture
     torch.cuda.current_stream().wait_stream(stream)
+    # A process's first capture allocates 1 KiB of its own (measured on an H100, torch 2.11: an empty capture
+    # grew memory_allocated by 1024, the decode capture after it by 0), so one capture goes first.
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        out.zero_()
     graph = torch.cuda.CUDAGraph()
     allocated = torch.cuda.memory_allocated()
     with torch.cuda.graph(graph):

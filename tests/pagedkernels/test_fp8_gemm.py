@@ -73,15 +73,19 @@ def test_fp8_tensor_cores(static, per_channel, dtype, device):
     assert (out.double().cpu() - x.double().cpu() @ weight.t()).abs().max() > 1e-3
 
 
-def test_triton_path_is_the_wq_kernel(monkeypatch):
+def test_triton_path_is_the_wq_kernel(monkeypatch, triton_device):
+    """Without fp8 tensor cores, or (here, on any device) with N not a multiple of 16 that torch._scaled_mm
+    needs, the Triton backend runs the weight-only kernel's fp8 format."""
     seen = []
     real = wq_module._wq_gemm_triton
     monkeypatch.setattr(wq_module, "_wq_gemm_triton", lambda *a: seen.append(a[4]) or real(*a))
     gen = torch.Generator().manual_seed(1)
-    q, scale, _ = _weight(16, 64, True, gen)
+    q, scale, weight = _weight(24, 64, True, gen)
+    x = torch.randn(2, 64, generator=gen)
     with pk.use_backend("triton"):
-        pk.fp8_gemm(torch.randn(2, 64), q, scale)
+        out = pk.fp8_gemm(x.to(triton_device), q.to(triton_device), scale.to(triton_device))
     assert seen == [wq_module.FORMAT_FP8]
+    _assert_close(out, x, weight, msg="wq fp8")
 
 
 @pytest.mark.parametrize("per_channel", [True, False])

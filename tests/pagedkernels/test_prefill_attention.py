@@ -188,6 +188,7 @@ def test_non_contiguous_caches(backend, device):
         torch.testing.assert_close(result[rows].double().cpu(), expected, atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("launch_config", [(128, 64, 8, 3), (128, 32, 8, 3), (64, 16, 8, 2), (16, 16, 4, 1)])
 def test_triton_gpu_tile_configs(launch_config, device, monkeypatch):
     """The interpreter normally runs 32 x 32 tiles; the GPU configurations (and the smallest legal

@@ -291,18 +291,20 @@ class _LaunchRecorder:
         return self.kernel[grid]
 
 
-def test_decode_shape_splits_k_in_triton(monkeypatch):
+def test_decode_shape_splits_k_in_triton(monkeypatch, triton_device):
     recorder = _LaunchRecorder(wq_module._wq_gemm_kernel)
     monkeypatch.setattr(wq_module, "_wq_gemm_kernel", recorder)
     gen = torch.Generator().manual_seed(6)
     qweight, scales, zeros, weight = _weight(40, 192, 4, 64, False, gen)
+    qweight, scales, zeros = (t.to(triton_device) for t in (qweight, scales, zeros))
     x = torch.randn(1, 192, generator=gen)
     with pk.use_backend("triton"):
-        out = pk.wq_gemm(x, qweight, scales, zeros, bits=4, group_size=64)
+        out = pk.wq_gemm(x.to(triton_device), qweight, scales, zeros, bits=4, group_size=64)
     assert recorder.grids[0][2] > 1  # split-K for one row
     assert_gemm_close(out, x, weight, "triton")
     with pk.use_backend("triton"):
-        pk.wq_gemm(torch.randn(40, 192, generator=gen), qweight, scales, zeros, bits=4, group_size=64)
+        pk.wq_gemm(torch.randn(40, 192, generator=gen).to(triton_device), qweight, scales, zeros, bits=4,
+                   group_size=64)
     assert recorder.grids[1][2] == 1  # prefill-shaped: no split
 
 
