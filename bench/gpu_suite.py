@@ -14,6 +14,8 @@
 5. kernel-tests (540 s): tests/pagedkernels on CUDA, all of it.
 6. engine-tests (540 s): the engine tests that run on CUDA (compiled forward, CUDA graphs, NCCL, dummy weights).
 7. other-tests (540 s): every other test module, on the GPU machine (``--shard K/N`` splits it).
+8. quant (300 s): the W4A16 and FP8 GEMMs against the 16-bit GEMM at decode and prefill shapes, fp8-KV decode
+   against 16-bit-KV decode.
 
 ``--phase all`` (the default) runs them one after another. Each phase writes
 ``OUT/<date>-<device>-phase<N>-<name>.json`` and ``.md`` after every case (``.png`` at the end, when matplotlib
@@ -231,7 +233,7 @@ class PhaseRun:
         print(kernels.format_peaks(self.result["peaks"]), flush=True)
 
     def kernels(self, *, headline: bool, baselines: set[str] | None = None, compile: bool = True,
-                case_s: float = 60.0) -> None:
+                case_s: float = 60.0, quant: bool = False) -> None:
         def progress(partial: dict) -> None:  # a run cut short keeps every case measured so far
             self.result.update(rows=partial["rows"], targets=partial["targets"],
                                kernel_cases_not_run=partial["not_run"])
@@ -241,7 +243,7 @@ class PhaseRun:
         partial = kernels.run_suite(self.device, tiny=self.dry_run, compile=compile and not self.args.no_compile,
                                     only=self.args.only, log=lambda line: print(line, flush=True),
                                     on_progress=progress, headline=headline, baselines=baselines,
-                                    budget=self.budget, case_s=case_s, peaks=peaks)
+                                    budget=self.budget, case_s=case_s, peaks=peaks, quant=quant)
         progress(partial)
 
     def tests(self, label: str, args: list[str], cap_s: float | None = None, reserve_s: float = 10.0) -> None:
@@ -298,6 +300,10 @@ def _kernels(run: PhaseRun) -> None:
     run.step("limits", run.peaks) and run.step("kernel matrix", lambda: run.kernels(headline=False, case_s=75.0))
 
 
+def _quant(run: PhaseRun) -> None:
+    run.step("limits", run.peaks) and run.step("quantized ops", lambda: run.kernels(headline=False, quant=True))
+
+
 def _engine(run: PhaseRun) -> None:
     run.step("limits", run.peaks) and run.step("engine", lambda: run.engine(
         ["qwen3-0.6b"], ("throughput", "batch1", "decode_steps", "transformers")))
@@ -320,6 +326,7 @@ PHASES = [
     Phase(5, "kernel-tests", 540.0, _test_phase("kernel tests", KERNEL_TESTS)),
     Phase(6, "engine-tests", 540.0, _test_phase("engine tests on CUDA", CUDA_ENGINE_TESTS)),
     Phase(7, "other-tests", 540.0, _test_phase("other tests", OTHER_TESTS)),
+    Phase(8, "quant", 300.0, _quant),
 ]
 
 
@@ -365,7 +372,7 @@ def run_phase(phase: Phase, args: argparse.Namespace, device: torch.device, out_
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--phase", default="all", help="all (default), a number 1-7 or a name (see the module doc)")
+    parser.add_argument("--phase", default="all", help="all (default), a number 1-8 or a name (see the module doc)")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="output directory (default: bench/results)")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (= --dry-run)")
     parser.add_argument("--dry-run", action="store_true",

@@ -730,10 +730,133 @@ def silu_and_mul_case(device, dtype, *, num_tokens: int, intermediate: int, comp
                 check=lambda: assert_close(fn(), _silu_and_mul_reference(x.float()), dtype))
 
 
+def _gemm_check(out_fn: Callable[[], torch.Tensor], reference: Callable[[], torch.Tensor], dtype: torch.dtype,
+                device: torch.device, what: str) -> Callable[[], None]:
+    """On a GPU the kernel against its exact product (tolerance of x's dtype); on the CPU dry run the native
+    kernels quantize the activation to int8 per block of 32 (``pagedkernels.wq_gemm``), hence 2e-2."""
+    def check():
+        if device.type == "cuda":
+            assert_close(out_fn(), reference(), dtype, what)
+        else:
+            actual, expected = out_fn().float(), reference().float()
+            err, scale = (actual - expected).abs().max().item(), expected.abs().max().item()
+            assert err <= 2e-2 * scale, f"{what}: max |err| {err:.3g} > 2e-2 * max |ref| ({scale:.3g})"
+    return check
+
+
+def _dense_linear_baseline(x: torch.Tensor, weight: torch.Tensor) -> Baseline:
+    """The layer the quantized one replaces: ``F.linear`` on the same weight de-quantized to x's dtype
+    (cuBLAS on a GPU)."""
+    dense_out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+
+    def make():
+        return (lambda: torch.matmul(x, weight.t(), out=dense_out)), ""
+
+    return Baseline(f"{DTYPE_NAMES[x.dtype]} F.linear", make)
+
+
+def _gemm_shape(M: int, N: int, K: int) -> str:
+    return f"M={M} N={N} K={K}"
+
+
+def wq_gemm_case(device, dtype, *, M: int, N: int, K: int, group_size: int = 128) -> Case:
+    """W4A16: an int4 weight with group scales and zero points (GPTQ/AWQ after their conversion to the
+    canonical layout) against the 16-bit dense GEMM. Decode shapes (small M) are bound by the weight's
+    bytes (frac of copy bandwidth), prefill shapes by the matmul rate."""
+    from pagedkernels.quant_formats import dequantize_wq, quantize_wq
+
+    gen = _generator(device)
+    weight = _randn(N, K, dtype=torch.float32, device=device, gen=gen) * 0.02
+    wq = quantize_wq(weight, bits=4, group_size=group_size, scale_dtype=dtype)
+    dense = dequantize_wq(wq.qweight, wq.scales, wq.zeros, bits=4, group_size=group_size).to(dtype)
+    x = _randn(M, K, dtype=dtype, device=device, gen=gen)
+    out = torch.empty(M, N, dtype=dtype, device=device)
+
+    def fn():
+        return pk.wq_gemm(x, wq.qweight, wq.scales, wq.zeros, bits=4, group_size=group_size, out=out)
+
+    weight_bytes = sum(t.numel() * t.element_size() for t in (wq.qweight, wq.scales, wq.zeros))
+    bytes_moved = weight_bytes + (x.numel() + out.numel()) * x.element_size()
+    reference = functools.cache(lambda: x.float() @ dense.float().t())
+    return Case("wq_gemm", f"{_gemm_shape(M, N, K)}, int4 g{group_size} + zeros", dtype, fn, bytes_moved,
+                flops=2 * M * N * K, bound="copy" if M <= 64 else "matmul",
+                baselines=[_dense_linear_baseline(x, dense)], check=_gemm_check(fn, reference, dtype, device, "wq_gemm"))
+
+
+def fp8_gemm_case(device, dtype, *, M: int, N: int, K: int) -> Case:
+    """FP8: an e4m3 weight with per-channel scales against the 16-bit dense GEMM. On fp8 GPUs (compute
+    capability 8.9+) the activation is quantized per token too and torch._scaled_mm multiplies (W8A8);
+    elsewhere the weight-only Triton kernel de-quantizes in registers."""
+    from pagedkernels.fp8_gemm import fp8_tensor_cores, quantize_activation_fp8
+
+    gen = _generator(device)
+    weight = _randn(N, K, dtype=torch.float32, device=device, gen=gen) * 0.02
+    q, scale = pk.quantize_fp8_weight(weight, per_channel=True)
+    dense = (q.float() * scale.float().reshape(-1, 1)).to(dtype)
+    x = _randn(M, K, dtype=dtype, device=device, gen=gen)
+    out = torch.empty(M, N, dtype=dtype, device=device)
+    w8a8 = fp8_tensor_cores(x.device) and K % 16 == 0 and N % 16 == 0
+
+    def fn():
+        return pk.fp8_gemm(x, q, scale, out=out)
+
+    def reference():
+        if w8a8:  # the product of what the GEMM multiplies: the per-token quantized activation
+            x_q, x_scale = quantize_activation_fp8(x, None)
+            return (x_q.float() * x_scale) @ dense.float().t()
+        return x.float() @ dense.float().t()
+
+    bytes_moved = q.numel() + scale.numel() * 4 + (x.numel() + out.numel()) * x.element_size()
+    kind = "W8A8 per-token (torch._scaled_mm)" if w8a8 else "weight-only"
+    return Case("fp8_gemm", f"{_gemm_shape(M, N, K)}, e4m3 per-channel, {kind}", dtype, fn, bytes_moved,
+                flops=2 * M * N * K, bound="copy" if M <= 64 else "matmul",
+                baselines=[_dense_linear_baseline(x, dense)],
+                check=_gemm_check(fn, functools.cache(reference), dtype, device, "fp8_gemm"))
+
+
+def fp8_kv_decode_case(device, dtype, *, num_seqs: int, seq_len: int, num_q_heads: int, num_kv_heads: int,
+                       head_dim: int, block_size: int = 16) -> Case:
+    """Paged decode over an e4m3 KV cache (per-layer k/v scales, de-quantized in registers) against the same
+    decode over the 16-bit cache it was quantized from: half the bytes to stream."""
+    gen = _generator(device)
+    kv = random_paged_kv([seq_len] * num_seqs, num_kv_heads, head_dim, block_size, dtype, device, gen)
+    fp8 = torch.float8_e4m3fn
+    k_scale = float(kv.key_cache.abs().amax().float()) / torch.finfo(fp8).max
+    v_scale = float(kv.value_cache.abs().amax().float()) / torch.finfo(fp8).max
+    key_cache = (kv.key_cache.float() / k_scale).to(fp8)
+    value_cache = (kv.value_cache.float() / v_scale).to(fp8)
+    q = _randn(num_seqs, num_q_heads, head_dim, dtype=dtype, device=device, gen=gen)
+    out = torch.empty_like(q)
+    workspace = pk.decode_workspace(num_seqs, num_q_heads, num_kv_heads, head_dim, device=device)
+    k_dense = dense_kv(key_cache, kv.block_tables, seq_len).float() * k_scale
+    v_dense = dense_kv(value_cache, kv.block_tables, seq_len).float() * v_scale
+    reference = _checker(lambda: reference_attention(q.unsqueeze(2), k_dense, v_dense).squeeze(2), dtype,
+                         "fp8-KV decode")
+
+    def fn():
+        return pk.paged_decode_attention(q, key_cache, value_cache, kv.block_tables, kv.seq_lens, out=out,
+                                         workspace=workspace, k_scale=k_scale, v_scale=v_scale)
+
+    def make_16bit():
+        out16 = torch.empty_like(q)
+        return (lambda: pk.paged_decode_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
+                                                  out=out16, workspace=workspace)), ""
+
+    tokens = num_seqs * seq_len
+    bytes_moved = 2 * tokens * num_kv_heads * head_dim + 2 * q.numel() * q.element_size() + kv.block_tables.numel() * 4
+    return Case("paged_decode_attention fp8-KV",
+                f"{num_seqs} seqs x {seq_len} tok, {_heads(num_q_heads, num_kv_heads, head_dim)}, block {block_size}",
+                dtype, fn, bytes_moved, flops=4 * num_q_heads * head_dim * tokens, bound="copy",
+                baselines=[Baseline(f"{DTYPE_NAMES[dtype]}-KV decode", make_16bit)], check=lambda: reference(fn()))
+
+
 OP_OF_CASE = {decode_case: "paged_decode_attention", prefill_case: "paged_prefill_attention",
               reshape_and_cache_case: "reshape_and_cache", copy_blocks_case: "copy_blocks",
               swap_blocks_case: "swap_blocks", rms_norm_case: "rms_norm", fused_add_rms_norm_case: "fused_add_rms_norm",
               rotary_case: "rotary_embedding", silu_and_mul_case: "silu_and_mul"}
+# The quantized ops (the GPU suite's phase "quant"), kept out of the main matrix.
+QUANT_OP_OF_CASE = {wq_gemm_case: "wq_gemm", fp8_gemm_case: "fp8_gemm",
+                    fp8_kv_decode_case: "paged_decode_attention fp8-KV"}
 
 # The issue's targets (H100, bf16).
 DECODE_TARGET = Target("decode >= 0.90 of copy BW", "frac_of_peak", 0.90)
@@ -792,6 +915,25 @@ def suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False,
     ]
 
 
+def quant_suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False) -> list[functools.partial]:
+    """The quantized GEMMs against the 16-bit GEMM at decode (M = 1, 16) and prefill (M = 4096) shapes of a
+    Llama-3-8B MLP projection (N = 14336, K = 4096), and fp8-KV decode against 16-bit-KV decode."""
+    d = dict(device=device, dtype=dtype)
+    if tiny:
+        return [partial(wq_gemm_case, **d, M=1, N=64, K=256, group_size=64),
+                partial(wq_gemm_case, **d, M=80, N=64, K=256, group_size=64),
+                partial(fp8_gemm_case, **d, M=1, N=64, K=256),
+                partial(fp8_kv_decode_case, **d, num_seqs=4, seq_len=64, num_q_heads=4, num_kv_heads=2, head_dim=64)]
+    mlp = dict(N=14336, K=4096)
+    heads = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
+    return [
+        *(partial(wq_gemm_case, **d, M=M, **mlp) for M in (1, 16, 4096)),
+        *(partial(fp8_gemm_case, **d, M=M, **mlp) for M in (1, 16, 4096)),
+        partial(fp8_kv_decode_case, **d, num_seqs=64, seq_len=4096, **heads),
+        partial(fp8_kv_decode_case, **d, num_seqs=1, seq_len=32768, **heads),
+    ]
+
+
 # ------------------------------------------------------------------------------------------------
 # running and printing
 # ------------------------------------------------------------------------------------------------
@@ -800,14 +942,16 @@ def suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False,
 def run_suite(device: torch.device | str, *, tiny: bool = False, compile: bool = True, only: str | None = None,
               log: Callable[[str], None] = print, timer: Timer | None = None,
               on_progress: Callable[[dict], None] | None = None, headline: bool = False,
-              baselines: set[str] | None = None, budget=None, case_s: float = 60.0, peaks: Peaks | None = None) -> dict:
+              baselines: set[str] | None = None, budget=None, case_s: float = 60.0, peaks: Peaks | None = None,
+              quant: bool = False) -> dict:
     """Measure the limits (unless ``peaks`` are given), then every case. Returns {"peaks", "rows", "targets",
     "not_run"} (plain dicts), also handed to ``on_progress`` after each case (so a caller can save partial
     results). On CUDA: bf16 and do_bench; on CPU: fp32 and the wall-clock timer (``timer`` overrides).
 
     headline: only the cases that carry one of the issue's targets. baselines: keep only the baselines of these
     names. budget (a bench.budget.Budget): no case is started with less than ``case_s`` seconds left; the ones
-    left out are listed in "not_run"."""
+    left out are listed in "not_run". quant: the quantized ops' cases (:func:`quant_suite`) instead of the main
+    matrix."""
     device = torch.device(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
@@ -820,11 +964,13 @@ def run_suite(device: torch.device | str, *, tiny: bool = False, compile: bool =
         log(format_peaks(dataclasses.asdict(peaks)))
     rows: list[Row] = []
     targets, not_run = [], []
-    for build in suite(device, dtype, tiny=tiny, compile=compile):
-        if (only and only not in OP_OF_CASE[build.func]) or (headline and build.keywords.get("target") is None):
+    builds = quant_suite(device, dtype, tiny=tiny) if quant else suite(device, dtype, tiny=tiny, compile=compile)
+    op_of = QUANT_OP_OF_CASE if quant else OP_OF_CASE
+    for build in builds:
+        if (only and only not in op_of[build.func]) or (headline and build.keywords.get("target") is None):
             continue
         if budget is not None and not budget.allows(case_s):
-            not_run.append(f"{OP_OF_CASE[build.func]} {_case_keywords(build)}")
+            not_run.append(f"{op_of[build.func]} {_case_keywords(build)}")
             log(f"  {not_run[-1]}: not run ({budget.remaining():.0f} s of the budget left)")
             continue
         try:
@@ -926,13 +1072,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile baselines (eager FlexAttention)")
     parser.add_argument("--only", help="run only ops whose name contains this")
     parser.add_argument("--json", help="also write the results to this JSON file")
+    parser.add_argument("--quant", action="store_true",
+                        help="the quantized ops (W4A16 and FP8 GEMMs, fp8-KV decode) instead of the main matrix")
     args = parser.parse_args(argv)
     device = "cpu" if args.dry_run else args.device
     if device.startswith("cuda") and not torch.cuda.is_available():
         print("bench.kernels: CUDA is not available on this machine; run on a GPU, or use --dry-run "
               "(--device cpu) to exercise the reporting code on tiny CPU shapes", file=sys.stderr)
         return 2
-    result = run_suite(device, tiny=device == "cpu", compile=not args.no_compile, only=args.only)
+    result = run_suite(device, tiny=device == "cpu", compile=not args.no_compile, only=args.only, quant=args.quant)
     print()
     print(format_table(result["rows"]))
     print(format_targets(result["targets"]))

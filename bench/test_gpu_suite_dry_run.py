@@ -193,6 +193,11 @@ def _tests(label: str):
     return check
 
 
-CHECKS = {"headline": _headline, "kernels": _kernels, "engine": _engine_model("qwen3-0.6b", True),
+def _quant(result):
+    assert {r["op"] for r in result["rows"]} == set(gpu_suite.kernels.QUANT_OP_OF_CASE.values())
+    assert all(r["check"] == "ok" and r["ratio"] is not None for r in result["rows"])
+
+
+CHECKS = {"headline": _headline, "kernels": _kernels, "quant": _quant, "engine": _engine_model("qwen3-0.6b", True),
           "llama": _engine_model("llama-3-8b", False), "kernel-tests": _tests("kernel tests"),
           "engine-tests": _tests("engine tests on CUDA"), "other-tests": _tests("other tests")}
