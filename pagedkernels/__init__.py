@@ -19,6 +19,7 @@ from .rotary import compute_cos_sin_cache, rotary_embedding  # noqa: F401
 from .wq_gemm import wq_gemm  # noqa: F401
 from .gguf_quant import GGUF_BLOCKS, gguf_dequantize, gguf_gemm  # noqa: F401
 from .fp8_gemm import fp8_gemm, quantize_fp8_weight  # noqa: F401
+from .w16_gemm import pack_w16, w16_gemm  # noqa: F401
 from . import quant_formats  # noqa: F401  (canonical int4/int8 layout; GPTQ/AWQ/GGUF conversions)
 from . import torch_ops  # noqa: F401  (torch.ops.pagedkernels.*, for torch.compile)
 

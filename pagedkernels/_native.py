@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "elementwise_cpu.c", CSRC / "quant_cpu.c")
+SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "elementwise_cpu.c", CSRC / "quant_cpu.c", CSRC / "w16_gemm_cpu.c")
 HEADERS = (CSRC / "cpu_common.h",)
 MAX_HEAD_DIM, MAX_GROUP = 256, 64
 MAX_ROTARY_DIM = 512
@@ -113,6 +113,7 @@ def library() -> ctypes.CDLL | None:
         "pk_quant_gemm": [ptr, i64, i32, i64, i64, ptr, i64, i32, i64, ptr, ptr, i32, ptr, i64, i32, i32],
         "pk_quant_dequantize": [ptr, i64, i64, i32, i64, ptr, ptr, i32, ptr, i64, i32, i32],
         "pk_quant_simd_level": [],
+        "pk_w16_gemm": [ptr, i64, i64, i64, ptr, i64, i32, ptr, i64, i32],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -240,6 +241,14 @@ def quant_gemm(x2d, weight, fmt: str, group_size: int, scales, zeros, out2d) -> 
         None if zeros is None else zeros.data_ptr(), 0 if scales is None else DTYPE_CODES[scales.dtype],
         out2d.data_ptr(), out2d.stride(0), DTYPE_CODES[out2d.dtype], torch.get_num_threads())
     _check_rc(rc, "quantized GEMM")
+
+
+def w16_gemm(x2d, packed, n: int, out2d) -> None:
+    """``out2d [M, n] = x2d [M, K] @ W^T`` (float32) for ``packed`` = ``pack_w16(W)``; checked by the op."""
+    M, K = x2d.shape
+    rc = library().pk_w16_gemm(x2d.data_ptr(), x2d.stride(0), M, K, packed.data_ptr(), n, DTYPE_CODES[packed.dtype],
+                               out2d.data_ptr(), out2d.stride(0), torch.get_num_threads())
+    _check_rc(rc, "16-bit-weight GEMM")
 
 
 def quant_dequantize(weight, N: int, K: int, fmt: str, group_size: int, scales, zeros, out2d) -> None:

@@ -41,16 +41,17 @@ from .prefill_attention import paged_prefill_attention as _paged_prefill_attenti
 from .rms_norm import fused_add_rms_norm as _fused_add_rms_norm
 from .rms_norm import rms_norm as _rms_norm
 from .rotary import rotary_embedding as _rotary_embedding
+from .w16_gemm import w16_gemm as _w16_gemm
 from .wq_gemm import wq_gemm as _wq_gemm
 
 __all__ = ["reshape_and_cache", "paged_decode_attention", "paged_prefill_attention", "rms_norm",
            "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "wq_gemm", "gguf_gemm", "gguf_dequantize",
-           "fp8_gemm", "OPS"]
+           "fp8_gemm", "w16_gemm", "OPS"]
 
 # Every op this module registers, by its name under torch.ops.pagedkernels.
 OPS = ("reshape_and_cache", "paged_decode_attention", "paged_decode_attention_workspace", "paged_prefill_attention",
        "rms_norm", "fused_add_rms_norm_", "rotary_embedding", "silu_and_mul", "wq_gemm", "gguf_gemm",
-       "gguf_dequantize", "fp8_gemm")
+       "gguf_dequantize", "fp8_gemm", "w16_gemm")
 
 
 # -- KV cache -----------------------------------------------------------------------------------
@@ -268,3 +269,14 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
              act_scale: torch.Tensor | None = None) -> torch.Tensor:
     """See :func:`pagedkernels.fp8_gemm`; returns a new ``[M, N]``."""
     return _fp8_gemm_op(x, weight, weight_scale, act_scale)
+
+
+@torch.library.custom_op("pagedkernels::w16_gemm", mutates_args=())
+def w16_gemm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """See :func:`pagedkernels.w16_gemm`; returns a new ``[M, n]``."""
+    return _w16_gemm(x, packed, n)
+
+
+@w16_gemm.register_fake
+def _(x, packed, n):
+    return _w16_gemm(x, packed, n)

@@ -6,7 +6,7 @@ registration, fake impl against the real one, AOT dispatch with dynamic shapes);
 all of them compiles with inductor, fullgraph and dynamic shapes (no graph breaks) and gives the
 eager results, K/V cache writes and in-place rotary/norm updates included. Decode attention is
 checked with and without a caller's workspace (two ops: see the module's docstring), and the KV ops
-with a float8 cache and its scales; the quantized GEMMs (wq_gemm, gguf_gemm, gguf_dequantize, fp8_gemm)
+with a float8 cache and its scales; the quantized GEMMs (wq_gemm, gguf_gemm, gguf_dequantize, fp8_gemm, w16_gemm)
 are in the compiled step too.
 
 The fake implementations run each op's own argument checks: under FakeTensorMode with CUDA tensors
@@ -61,6 +61,7 @@ def _inputs(seed=0):
         wq_perm=torch.randperm(128, generator=gen),
         gguf=random_gguf("Q4_K", 48, 256, gen),
         fp8=pk.quantize_fp8_weight(torch.randn(64, 48, generator=gen) / 10),
+        w16=pk.pack_w16((torch.randn(40, 64, generator=gen) / 10).to(torch.bfloat16)),
     )
 
 
@@ -95,7 +96,8 @@ def _step(ops, inp, key_cache, value_cache):
     gguf_out = ops.gguf_gemm(torch.cat([projected, projected, projected[:, :64]], dim=1), inp["gguf"], "Q4_K")
     gguf_weight = ops.gguf_dequantize(inp["gguf"], "Q4_K", dtype=torch.float32)
     fp8_out = ops.fp8_gemm(gguf_out, *inp["fp8"])
-    return act, residual, decode_ws, projected, gguf_out, gguf_weight, fp8_out
+    w16_out = ops.w16_gemm(fp8_out, inp["w16"], 40)
+    return act, residual, decode_ws, projected, gguf_out, gguf_weight, fp8_out, w16_out
 
 
 def test_every_registered_op_is_listed_and_tested():
@@ -159,6 +161,7 @@ def _opcheck_cases():
         "gguf_gemm": (torch.randn(num_tokens, 256, generator=gen), inp["gguf"], "Q4_K"),
         "gguf_dequantize": (inp["gguf"], "Q4_K", torch.float16),
         "fp8_gemm": (torch.randn(num_tokens, 48, generator=gen), fp8_weight, fp8_scale, None),
+        "w16_gemm": (torch.randn(num_tokens, 64, generator=gen), inp["w16"], 40),
         "rms_norm": (hidden, weight, 1e-6),
         "fused_add_rms_norm_": (hidden.clone(), hidden.flip(0).clone(), weight, 1e-6),
         "rotary_embedding": (inp["positions"], q.clone(), k.clone(), inp["cos_sin"], True),
@@ -253,6 +256,7 @@ SPECS = {
                         ((40, 64), torch.bfloat16)),
     "fp8_gemm": ([("x", ((3, 48), None)), ("weight", ((40, 48), FP8)), ("weight_scale", ((40,), torch.float32)),
                   ("act_scale", ((1,), torch.float32))], ((3, 40), None)),
+    "w16_gemm": ([("x", ((3, 64), None)), ("packed", ((10, 4, 4, 16), torch.bfloat16)), ("n", 40)], ((3, 40), None)),
     "rms_norm": ([("x", ((3, 96), None)), ("weight", ((96,), None)), ("eps", 1e-6)], ((3, 96), None)),
     "fused_add_rms_norm_": ([("x", ((3, 96), None)), ("residual", ((3, 96), None)), ("weight", ((96,), None)),
                              ("eps", 1e-6)], None),
@@ -357,7 +361,8 @@ def test_public_ops_on_fake_and_meta_tensors(op, backend, monkeypatch):
     from pagedkernels import _native, cache_ops, decode_attention, gguf_quant, prefill_attention
 
     # the modules, not the functions of the same names that pagedkernels re-exports
-    wq_gemm, fp8_gemm = (importlib.import_module(f"pagedkernels.{m}") for m in ("wq_gemm", "fp8_gemm"))
+    wq_gemm, fp8_gemm, w16_gemm = (importlib.import_module(f"pagedkernels.{m}") for m in ("wq_gemm", "fp8_gemm",
+                                                                                          "w16_gemm"))
 
     def no_kernel(*args, **kwargs):
         raise AssertionError("a kernel was reached with tensors that hold no data")
@@ -369,7 +374,8 @@ def test_public_ops_on_fake_and_meta_tensors(op, backend, monkeypatch):
                          (_native, "reshape_and_cache"), (cache_ops, "_launch_copy_blocks"),
                          (wq_gemm, "_wq_gemm_triton"), (wq_gemm, "dequantize_wq"), (_native, "quant_gemm"),
                          (_native, "quant_dequantize"), (gguf_quant, "_dequantize_triton"),
-                         (gguf_quant, "_dequantize_torch"), (fp8_gemm, "_scaled_mm")):
+                         (gguf_quant, "_dequantize_torch"), (fp8_gemm, "_scaled_mm"), (_native, "w16_gemm"),
+                         (w16_gemm, "unpack_w16")):
         monkeypatch.setattr(module, attr, no_kernel)
     with pk.use_backend(backend):
         with FakeTensorMode():

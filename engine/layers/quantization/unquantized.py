@@ -41,6 +41,26 @@ def _onednn_applies(x: torch.Tensor) -> bool:
             and not torch.compiler.is_compiling())
 
 
+# Rows up to which a float32 CPU product takes the weight's 16-bit copy (pagedkernels.w16_gemm) when the layer
+# has one: a product of few rows is bound by the weight's bytes, and the 16-bit copy halves them. Measured on a
+# 2-core AMD EPYC (torch 2.13, weights cold as in a step): the 16-bit kernel ahead of oneDNN's prepacked float32
+# product at 1-4 rows, behind from 5 (where the product turns compute-bound).
+W16_MAX_ROWS = 4
+
+
+def _w16_enabled() -> bool:
+    return os.environ.get("ENGINE_CPU_W16", "1").strip() not in ("0", "false", "False")
+
+
+def exact_16bit_dtype(weight: torch.Tensor) -> torch.dtype | None:
+    """bfloat16 or float16 if every value of the float32 ``weight`` is one of that type's (a 16-bit
+    checkpoint loaded as float32), else None."""
+    for dtype in (torch.bfloat16, torch.float16):
+        if torch.equal(weight.to(dtype).float(), weight):
+            return dtype
+    return None
+
+
 # Batch size oneDNN tunes a prepacked weight's layout for. It matters little (16-128 measured within a
 # few percent of each other at 1-1024 rows); 32 is what vLLM's CPU backend passes.
 PREPACK_BATCH_HINT = 32
@@ -53,15 +73,26 @@ class UnquantizedLinearMethod(LinearMethodBase):
     the inner product does not repack the plain weight on every call: 1.3-2.5x faster at 8-48 rows, the
     decode batches (measured on a 2-core AMD EPYC: [48, 576] x [576, 3072] 0.44 ms against 0.73 ms, the LM
     head for one token 2.6 ms against 5.1 ms), equal for single rows and long prefills. The packed weight
-    lives on the layer as ``packed_weight`` (None until packed)."""
+    lives on the layer as ``packed_weight`` (None until packed).
+
+    A float32 weight whose values are all bf16 (or fp16) ones, as a 16-bit checkpoint's are, also gets a
+    16-bit copy in ``pagedkernels.w16_gemm``'s layout (``w16_weight``): products of up to
+    :data:`W16_MAX_ROWS` rows (a decode step of few sequences) read it instead, half the bytes, the same
+    values and float32 arithmetic. ``ENGINE_CPU_W16=0`` turns it off."""
 
     def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, weight_loader) -> None:
         layer.weight = new_param((sum(output_partition_sizes), input_size_per_partition), params_dtype,
                                  weight_loader, output_dim=0, input_dim=1)
         layer.packed_weight = None
+        layer.w16_weight = None
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        w16 = getattr(layer, "w16_weight", None)
+        if w16 is not None and x.dim() == 2 and x.shape[0] <= W16_MAX_ROWS and _onednn_applies(x):
+            from engine.layers import pk_ops
+            out = pk_ops().w16_gemm(x if x.stride(-1) == 1 else x.contiguous(), w16, layer.w16_rows)
+            return out if bias is None else out.add_(bias)
         packed = layer.packed_weight
         if packed is None:
             return linear(x, layer.weight, bias)
@@ -80,8 +111,26 @@ class UnquantizedLinearMethod(LinearMethodBase):
                 or weight.dim() != 2 or weight.numel() == 0):
             return False
         layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PREPACK_BATCH_HINT)
+        UnquantizedLinearMethod.add_w16_copy(layer, weight.detach())
         if not keep_weight:
             layer.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
+        return True
+
+
+    @staticmethod
+    def add_w16_copy(layer: nn.Module, weight: torch.Tensor) -> bool:
+        """Give ``layer`` the 16-bit copy of its float32 CPU ``weight`` (see the class docstring) if every value
+        is a bf16 or fp16 one, K is a multiple of 16 and the native kernels built. Returns whether it did."""
+        from pagedkernels import _native
+        from pagedkernels.w16_gemm import BLOCK_COLS, pack_w16
+
+        if (not _w16_enabled() or weight.dtype != torch.float32 or weight.device.type != "cpu"
+                or weight.shape[1] % BLOCK_COLS or _native.library() is None):
+            return False
+        dtype = exact_16bit_dtype(weight)
+        if dtype is None:
+            return False
+        layer.w16_weight, layer.w16_rows = pack_w16(weight.to(dtype)), weight.shape[0]
         return True
 
 

@@ -1,0 +1,107 @@
+"""GEMM with a 16-bit float weight and float32 arithmetic: ``out = x @ W^T`` for W bfloat16 or float16.
+
+Every bf16 or fp16 value is exactly a float32, so this is the float32 product of the same weight, reading half
+its bytes. That is what a decode step of a float32 model on a CPU is bound by (a single row reads every
+weight once and does two FLOPs per value), and the checkpoints of most models are bf16: their float32
+weights are bf16 values widened. The engine keeps such weights in 16 bits next to oneDNN's float32 copy and
+multiplies the few-row products with this op (``engine/layers/quantization/unquantized.py``).
+
+The weight is packed once (:func:`pack_w16`) into tiles of :data:`TILE_ROWS` rows whose columns come in
+blocks of :data:`BLOCK_COLS`, the tile's rows of a block side by side::
+
+    packed[t, b, j, c] = W[TILE_ROWS * t + j, BLOCK_COLS * b + c]        (rows past N are zero)
+
+so the native kernel reads each thread's share of the weight as one sequential stream (row by row, the
+interleaved row streams of a tile came in at a third of the memory bandwidth on a 2-core AMD EPYC).
+
+Backends:
+
+- Native (CPU, float32 x): ``csrc/w16_gemm_cpu.c``, AVX-512 / AVX2 / NEON through vector extensions, float32
+  accumulation, parallel over tiles.
+- PyTorch twin (every other case: other x dtypes, CUDA, the ``torch`` backend): the weight unpacked and
+  widened to float32, ``x.float() @ W^T``. There is no Triton kernel: on a GPU a 16-bit model runs 16-bit
+  GEMMs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _native
+from ._backend import has_no_data, use_native
+from ._validate import FLOAT_DTYPES, check_tensor
+
+__all__ = ["w16_gemm", "pack_w16", "unpack_w16", "check_w16_gemm_args", "W16_DTYPES", "TILE_ROWS", "BLOCK_COLS"]
+
+W16_DTYPES = (torch.bfloat16, torch.float16)
+TILE_ROWS = 4
+BLOCK_COLS = 16
+
+
+def _packed_shape(n: int, k: int) -> tuple[int, int, int, int]:
+    return (-(-n // TILE_ROWS), k // BLOCK_COLS, TILE_ROWS, BLOCK_COLS)
+
+
+def pack_w16(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` (bf16/fp16; K a positive multiple of 16) in the packed layout of the module docstring:
+    ``[ceil(N / 4), K / 16, 4, 16]``, same dtype and device, contiguous."""
+    check_tensor("weight", weight, ndim=2, dtypes=W16_DTYPES)
+    n, k = weight.shape
+    if k <= 0 or k % BLOCK_COLS:
+        raise ValueError(f"weight: K ({k}) must be a positive multiple of {BLOCK_COLS}")
+    tiles = -(-n // TILE_ROWS)
+    padded = weight.new_zeros(tiles * TILE_ROWS, k)
+    padded[:n] = weight
+    return padded.view(tiles, TILE_ROWS, k // BLOCK_COLS, BLOCK_COLS).transpose(1, 2).contiguous()
+
+
+def unpack_w16(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The ``[n, K]`` weight a :func:`pack_w16` result holds."""
+    tiles, blocks = packed.shape[:2]
+    return packed.transpose(1, 2).reshape(tiles * TILE_ROWS, blocks * BLOCK_COLS)[:n]
+
+
+def check_w16_gemm_args(x, packed, n, out=None) -> tuple[int, int, int]:
+    """Every check of :func:`w16_gemm`'s arguments (none reads a tensor value). Returns (M, N, K)."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    if x.stride(-1) != 1:
+        raise ValueError("x must be contiguous in its last (K) dimension")
+    on_x = ("x", x)
+    M, K = x.shape
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be a non-negative int (the weight's rows), got {n!r}")
+    check_tensor("packed", packed, ndim=4, dtypes=W16_DTYPES, like=on_x)
+    if K % BLOCK_COLS or tuple(packed.shape) != _packed_shape(n, K) or K == 0:
+        raise ValueError(f"packed must be pack_w16 of an [n={n}, K={K}] weight (K a positive multiple of "
+                         f"{BLOCK_COLS}): shape {list(_packed_shape(n, K))}, got {list(packed.shape)}")
+    if not packed.is_contiguous():
+        raise ValueError("packed must be contiguous")
+    if out is not None:
+        check_tensor("out", out, dtypes=(x.dtype,), like=on_x, shape=(M, n))
+        if out.stride(-1) != 1:
+            raise ValueError("out must be contiguous in its last (N) dimension")
+    return M, n, K
+
+
+def w16_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W^T`` for the weight ``W [n, K]`` that ``packed`` (:func:`pack_w16`) holds.
+
+    Args:
+        x: ``[M, K]`` fp32/fp16/bf16, last dimension contiguous.
+        packed: ``pack_w16(W)`` for a bf16/fp16 ``W [n, K]``.
+        n: W's rows (the packed tiles round them up to a multiple of 4).
+        out: optional ``[M, n]`` in x's dtype, last dimension contiguous.
+
+    Returns ``[M, n]`` in x's dtype (``out`` when given): the float32 product of x and W's values (exact
+    widening, float32 accumulation), rounded to x's dtype.
+    """
+    M, N, K = check_w16_gemm_args(x, packed, n, out)
+    if out is None:
+        out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if has_no_data(x, packed, out) or M == 0 or N == 0:
+        return out
+    if x.dtype == torch.float32 and use_native(x):
+        _native.w16_gemm(x, packed, N, out)
+    else:
+        out.copy_(x.float() @ unpack_w16(packed, N).float().t())
+    return out

@@ -1,0 +1,146 @@
+"""pk.w16_gemm: float32 activations times a packed bf16/fp16 weight, against the float64 product of the same
+values; the packed layout; argument checks; the native kernel's portable builds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import pagedkernels as pk
+from pagedkernels import _native
+from pagedkernels.w16_gemm import BLOCK_COLS, TILE_ROWS, unpack_w16
+
+NATIVE = _native.library() is not None
+BACKENDS = ["torch", pytest.param("native", marks=pytest.mark.skipif(not NATIVE, reason="no C compiler here"))]
+
+
+def _weight(n, k, dtype, gen):
+    return (torch.randn(n, k, generator=gen) / 8).to(dtype)
+
+
+def assert_product(out, x, weight):
+    """out against x @ weight^T in float64 (weight's values exactly), within float32 accumulation error: 2^-21
+    per term of |x| @ |w|^T (K terms, each rounded once, and the sum's own rounding), plus out's own rounding."""
+    exact = x.double() @ weight.double().t()
+    bound = (x.double().abs() @ weight.double().abs().t()) * 2.0 ** -21 * 4
+    if out.dtype != torch.float32:
+        bound = bound + exact.abs() * torch.finfo(out.dtype).eps
+    excess = ((out.double() - exact).abs() - bound).max().item()
+    assert excess <= 0, f"off the float64 product by {excess:.3g} past the bound"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,N,K", [(1, 4, 16), (1, 37, 48), (2, 64, 576), (3, 130, 96), (4, 8, 1536), (5, 41, 64),
+                                   (7, 19, 32), (16, 96, 128)])
+def test_matches_the_float64_product(backend, wdtype, M, N, K):
+    gen = torch.Generator().manual_seed(M * 1000 + N + K)
+    weight, x = _weight(N, K, wdtype, gen), torch.randn(M, K, generator=gen)
+    with pk.use_backend(backend):
+        out = pk.w16_gemm(x, pk.pack_w16(weight), N)
+    assert out.shape == (M, N) and out.dtype == torch.float32
+    assert_product(out, x, weight)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_out_argument_and_strided_rows(backend):
+    """x rows with a stride (a view of a wider tensor) and an ``out`` view of a wider buffer: only its
+    columns are written."""
+    gen = torch.Generator().manual_seed(3)
+    weight = _weight(21, 64, torch.bfloat16, gen)
+    x = torch.randn(3, 100, generator=gen)[:, 10:74]
+    buffer = torch.full((3, 30), float("nan"))
+    with pk.use_backend(backend):
+        result = pk.w16_gemm(x, pk.pack_w16(weight), 21, out=buffer[:, 4:25])
+    assert result.data_ptr() == buffer[:, 4:25].data_ptr()
+    assert_product(buffer[:, 4:25], x, weight)
+    assert buffer[:, :4].isnan().all() and buffer[:, 25:].isnan().all()
+
+
+@pytest.mark.parametrize("xdtype", [torch.float16, torch.bfloat16])
+def test_16bit_activations_take_the_float32_product_rounded(xdtype):
+    gen = torch.Generator().manual_seed(4)
+    weight, x = _weight(12, 32, torch.bfloat16, gen), torch.randn(3, 32, generator=gen).to(xdtype)
+    out = pk.w16_gemm(x, pk.pack_w16(weight), 12)
+    assert out.dtype == xdtype
+    assert_product(out, x, weight)
+
+
+def test_native_and_torch_agree_to_float32_rounding():
+    if not NATIVE:
+        pytest.skip("no C compiler here")
+    gen = torch.Generator().manual_seed(5)
+    weight, x = _weight(300, 576, torch.bfloat16, gen), torch.randn(2, 576, generator=gen)
+    packed = pk.pack_w16(weight)
+    with pk.use_backend("native"):
+        native = pk.w16_gemm(x, packed, 300)
+    with pk.use_backend("torch"):
+        twin = pk.w16_gemm(x, packed, 300)
+    torch.testing.assert_close(native, twin, rtol=1e-5, atol=1e-5)
+
+
+def test_pack_layout_is_the_documented_one():
+    weight = torch.arange(6 * 32, dtype=torch.float32).view(6, 32).to(torch.bfloat16)
+    packed = pk.pack_w16(weight)
+    assert packed.shape == (2, 2, TILE_ROWS, BLOCK_COLS) and packed.is_contiguous() and packed.dtype == torch.bfloat16
+    for t, b, j, c in [(0, 0, 0, 0), (0, 1, 3, 5), (1, 0, 1, 15), (1, 1, 0, 9)]:
+        assert packed[t, b, j, c] == weight[TILE_ROWS * t + j, BLOCK_COLS * b + c]
+    assert (packed[1, :, 2:] == 0).all()  # rows 6 and 7 pad the last tile
+    assert torch.equal(unpack_w16(packed, 6), weight)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda w, x: pk.pack_w16(torch.zeros(4, 24, dtype=torch.bfloat16)), r"K \(24\) must be a positive multiple of 16"),
+    (lambda w, x: pk.pack_w16(torch.zeros(4, 32)), r"weight must have dtype in \(bfloat16, float16\)"),
+    (lambda w, x: pk.w16_gemm(x, w, 9), r"packed must be pack_w16 of an \[n=9, K=32\] weight"),
+    (lambda w, x: pk.w16_gemm(x[:, :16], w, 8), r"packed must be pack_w16 of an \[n=8, K=16\]"),
+    (lambda w, x: pk.w16_gemm(x, w, -1), "n must be a non-negative int"),
+    (lambda w, x: pk.w16_gemm(x, w, True), "n must be a non-negative int"),
+    (lambda w, x: pk.w16_gemm(x.double(), w, 8), r"x must have dtype"),
+    (lambda w, x: pk.w16_gemm(x.t().contiguous().t(), w, 8), "x must be contiguous in its last"),
+    (lambda w, x: pk.w16_gemm(x, w.transpose(2, 3), 8), "packed must be contiguous|packed must be pack_w16"),
+    (lambda w, x: pk.w16_gemm(x, w, 8, out=torch.empty(3, 8, dtype=torch.float16)), "out must have dtype"),
+    (lambda w, x: pk.w16_gemm(x, w, 8, out=torch.empty(3, 9)), "out must have shape"),
+])
+def test_bad_arguments_raise(call, match):
+    w = pk.pack_w16(torch.zeros(8, 32, dtype=torch.bfloat16))
+    x = torch.zeros(3, 32)
+    with pytest.raises(ValueError, match=match):
+        call(w, x)
+
+
+def test_empty_products():
+    packed = pk.pack_w16(torch.zeros(0, 32, dtype=torch.bfloat16))
+    assert pk.w16_gemm(torch.zeros(3, 32), packed, 0).shape == (3, 0)
+    assert pk.w16_gemm(torch.zeros(0, 32), pk.pack_w16(torch.ones(5, 32, dtype=torch.float16)), 5).shape == (0, 5)
+
+
+@pytest.mark.skipif(not NATIVE or os.uname().machine != "x86_64", reason="needs a C compiler on x86-64")
+@pytest.mark.parametrize("march", ["x86-64", "x86-64-v3"])
+def test_portable_builds(march, tmp_path):
+    """The kernel's other SIMD paths (this machine's build takes the widest): generic vectors (x86-64: SSE2,
+    fp16 converted element by element) and AVX2/F16C (x86-64-v3), each built afresh in a process of its own."""
+    script = textwrap.dedent("""
+        import torch, pagedkernels as pk
+        from pagedkernels import _native
+        from tests.pagedkernels.test_w16_gemm import assert_product
+        assert _native.library() is not None, _native.build_error()
+        gen = torch.Generator().manual_seed(7)
+        for wdtype in (torch.bfloat16, torch.float16):
+            for M, N, K in [(1, 37, 48), (3, 130, 96), (5, 9, 576)]:
+                w = (torch.randn(N, K, generator=gen) / 8).to(wdtype)
+                x = torch.randn(M, K, generator=gen)
+                with pk.use_backend("native"):
+                    assert_product(pk.w16_gemm(x, pk.pack_w16(w), N), x, w)
+        print("ok")
+    """)
+    env = {**os.environ, "PAGEDKERNELS_NATIVE_MARCH": march, "PAGEDKERNELS_CACHE_DIR": str(tmp_path)}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-3000:]
