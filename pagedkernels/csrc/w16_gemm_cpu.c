@@ -1,21 +1,20 @@
 /* out [M, N] = x [M, K] @ W^T for a 16-bit float weight W [N, K] (bfloat16 or float16) and float32
  * activations, accumulated in float32: each weight value is widened exactly (bf16: a 16-bit shift; fp16:
  * the F16C conversion where the build has it), so the product is the float32 product of the same values,
- * reading half the weight bytes. Meant for few rows (decode), where a product is bound by the bytes of its
- * weight.
+ * reading half the weight bytes. Meant for decode-sized M: a product of few rows is bound by the bytes of its
+ * weight, and at a few dozen rows the kernel keeps up with oneDNN's float32 one.
  *
- * The weight comes prepacked (pagedkernels.w16_gemm.pack_w16): tiles of NB = 4 rows, each tile's K
- * columns in blocks of 16, the tile's 4 rows of a block side by side:
- *     packed[t][b][j][c] = W[4 t + j][16 b + c]          (rows past N zero)
- * so a thread reads its tiles as one sequential stream. Read row by row, the 4 interleaved row streams of
- * a tile came in at a third of the memory bandwidth on a 2-core AMD EPYC (8-10 GB/s a core against 25 for
- * a sequential read); packed, the single-row product of a 49152 x 576 weight ran at 30 GB/s on 2 cores.
- * Blocks of MB activation rows pass over each tile while it sits in L1, so the weight is read from memory
- * once whatever M.
+ * The weight comes prepacked (pagedkernels.w16_gemm.pack_w16) in panels of NP = 32 output columns, each
+ * panel's K rows of 32 values back to back:
+ *     packed[p][k][c] = W[32 p + c][k]          (columns past N zero)
+ * The micro-kernel vectorizes over the panel's 32 outputs: per k it widens the panel's 32 weights once and
+ * adds x[m][k] times them into the accumulators of MB activation rows (a broadcast and an FMA per vector).
+ * No horizontal sums, and each thread reads its panels as one sequential stream (row by row, the
+ * interleaved streams of several weight rows came in at a third of the memory bandwidth on a 2-core AMD
+ * EPYC). A panel (K x 64 bytes) stays in L1/L2 while the blocks of MB rows pass over it, so the weight is read
+ * from memory once whatever M.
  *
- * Vector extensions, so the same source is AVX-512 (16 floats a register), AVX2 (8) or NEON (4). The
- * register tile (MB x NB accumulators, NB widened weight vectors, MB x vectors) fits the 32 vector
- * registers of AVX-512 at 4 x 4, the 16 of AVX2 at 2 x 4. */
+ * Vector extensions, so the same source is AVX-512 (16 floats a register), AVX2 (8) or plain SSE/NEON (4). */
 #include "cpu_common.h"
 
 #include <stdint.h>
@@ -26,103 +25,146 @@
 
 #if defined(__AVX512F__)
 #define VL 16
-#define MB 4
-#elif defined(__AVX__) || defined(__ARM_NEON)
+#define MB 8
+#elif defined(__AVX__)
 #define VL 8
-#define MB 2
+#define MB 4
 #else
 #define VL 4
-#define MB 2
+#define MB 4
 #endif
 typedef float vfl __attribute__((vector_size(VL * 4)));
 typedef uint32_t vul __attribute__((vector_size(VL * 4)));
 typedef uint16_t vhl __attribute__((vector_size(VL * 2)));
 typedef _Float16 vfhl __attribute__((vector_size(VL * 2)));
-#define NB 4
-#define KB 16
+#define NP 32
+/* A panel is computed in sub-panels of two vectors (32 columns with AVX-512, 16 with AVX2, 8 with 4-float
+ * vectors), so the accumulators (MB x 2), two widened weight vectors and a broadcast fit the register file:
+ * 16 + 3 of AVX-512's 32, 8 + 3 of AVX2's 16. A sub-panel's reads are 2 VL values of every NP-value row. */
+#define SUB (2 * VL)
 /* Below this many weight values a product runs on one thread (the fork would cost more than it saves). */
 #define W16_PARALLEL_MIN 32768
 
 static inline vfl widen(const uint16_t *p, int is_bf16) {
-    vhl h;
-    memcpy(&h, p, sizeof h);
     if (is_bf16) {
 #if defined(__AVX512F__)
         return (vfl)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
 #elif defined(__AVX2__) && VL == 8
         return (vfl)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
-#endif
+#else
+        vhl h;
+        memcpy(&h, p, sizeof h);
         const vul u = __builtin_convertvector(h, vul) << 16;
         vfl f;
         memcpy(&f, &u, sizeof f);
         return f;
+#endif
     }
 #if defined(__AVX512F__)
     return (vfl)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 #elif defined(__F16C__) && VL == 8
     return (vfl)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 #else
-    vfhl f16;  /* no conversion instruction: the compiler converts element by element */
-    memcpy(&f16, &h, sizeof f16);
+    vfhl f16; /* no conversion instruction: the compiler converts element by element */
+    memcpy(&f16, p, sizeof f16);
     return __builtin_convertvector(f16, vfl);
 #endif
 }
 
-/* Horizontal sum as a tree of halves (a serial chain of VL scalar adds cost more than a row's whole dot
- * product at K = 576). */
-static inline float vsum(vfl v) {
-    float lanes[VL];
-    memcpy(lanes, &v, sizeof lanes);
-    for (int width = VL / 2; width >= 1; width /= 2)
-        for (int i = 0; i < width; i++) lanes[i] += lanes[i + width];
-    return lanes[0];
-}
-
-/* One tile (packed rows 4 t .. 4 t + 3) against activation rows [m0, m0 + mb). Always inlined with a
- * constant mb (see pk_w16_gemm), so the accumulators are registers, not a stack array indexed at run time. */
-static inline __attribute__((always_inline)) void tile(const float *x, int64_t x_s0, int64_t m0, int mb, int64_t K,
-                                                       const uint16_t *tile_w, int64_t n0, int nb, int is_bf16,
-                                                       float *out, int64_t o_s0) {
-    vfl acc[MB][NB];
+/* Columns [n0 + c0, n0 + c0 + SUB) of panel_w (nc of them valid, counted from c0) against activation rows
+ * [m0, m0 + mb). Always inlined with a constant mb (see pk_w16_gemm), so the accumulators are registers, not a
+ * stack array indexed at run time. */
+static inline __attribute__((always_inline)) void sub_panel(const float *x, int64_t x_s0, int64_t m0, int mb,
+                                                            int64_t K, const uint16_t *panel_w, int c0, int nc,
+                                                            int is_bf16, float *out, int64_t o_s0, int64_t n0) {
+    vfl acc[MB][2];
     memset(acc, 0, sizeof acc);
-    const uint16_t *p = tile_w;
-    for (int64_t k = 0; k < K; k += KB, p += NB * KB) {
-        for (int h = 0; h < KB; h += VL) {
-            vfl wv[NB];
-            for (int j = 0; j < NB; j++) wv[j] = widen(p + j * KB + h, is_bf16);
-            for (int i = 0; i < mb; i++) {
-                vfl xv;
-                memcpy(&xv, x + (m0 + i) * x_s0 + k + h, sizeof xv);
-                for (int j = 0; j < NB; j++) acc[i][j] += xv * wv[j];
-            }
+    const float *xr[MB];
+    for (int i = 0; i < mb; i++) xr[i] = x + (m0 + i) * x_s0;
+    const uint16_t *p = panel_w + c0;
+    for (int64_t k = 0; k < K; k++, p += NP) {
+        const vfl w0 = widen(p, is_bf16), w1 = widen(p + VL, is_bf16);
+        for (int i = 0; i < mb; i++) {
+            const float xs = xr[i][k];
+            acc[i][0] += w0 * xs;
+            acc[i][1] += w1 * xs;
         }
     }
-    for (int i = 0; i < mb; i++)
-        for (int j = 0; j < nb; j++) out[(m0 + i) * o_s0 + n0 + j] = vsum(acc[i][j]);
+    for (int i = 0; i < mb; i++) {
+        float *o = out + (m0 + i) * o_s0 + n0 + c0;
+        if (nc >= SUB) {
+            memcpy(o, acc[i], sizeof(float) * SUB);
+        } else {
+            float lanes[SUB];
+            memcpy(lanes, acc[i], sizeof lanes);
+            memcpy(o, lanes, sizeof(float) * nc);
+        }
+    }
 }
 
-/* x float32 [M, K] (row stride x_s0, unit column stride; K a multiple of 16), packed as above for N rows
- * (w_dt 1 = float16, 2 = bfloat16), out float32 [M, N] (row stride o_s0).
- * Returns 0, or -1 for an unsupported dtype or K. */
+/* The whole panel at once for one or two rows where it takes more than one sub-panel (AVX2 and narrower):
+ * split in sub-panels, such rows would stream the panel in strided halves, once per sub-panel (measured 1.4-2x
+ * slower at one row with AVX2); whole, NP / VL accumulators per row and as many weight vectors fit. */
+static inline __attribute__((always_inline)) void whole_panel(const float *x, int64_t x_s0, int64_t m0, int mb,
+                                                              int64_t K, const uint16_t *panel_w, int nc,
+                                                              int is_bf16, float *out, int64_t o_s0, int64_t n0) {
+    vfl acc[2][NP / VL];
+    memset(acc, 0, sizeof acc);
+    const float *xr[2] = {x + m0 * x_s0, x + (m0 + mb - 1) * x_s0};
+    const uint16_t *p = panel_w;
+    for (int64_t k = 0; k < K; k++, p += NP) {
+        vfl wv[NP / VL];
+        for (int v = 0; v < NP / VL; v++) wv[v] = widen(p + v * VL, is_bf16);
+        for (int i = 0; i < mb; i++) {
+            const float xs = xr[i][k];
+            for (int v = 0; v < NP / VL; v++) acc[i][v] += wv[v] * xs;
+        }
+    }
+    for (int i = 0; i < mb; i++) {
+        float lanes[NP];
+        memcpy(lanes, acc[i], sizeof lanes);
+        memcpy(out + (m0 + i) * o_s0 + n0, lanes, sizeof(float) * nc);
+    }
+}
+
+/* Rows [m0, m0 + mb) of one panel (columns n0 .. n0 + nc - 1). */
+static inline __attribute__((always_inline)) void panel(const float *x, int64_t x_s0, int64_t m0, int mb, int64_t K,
+                                                        const uint16_t *panel_w, int64_t n0, int nc, int is_bf16,
+                                                        float *out, int64_t o_s0) {
+    if (SUB < NP && mb <= 2) {
+        whole_panel(x, x_s0, m0, mb, K, panel_w, nc, is_bf16, out, o_s0, n0);
+        return;
+    }
+    for (int c0 = 0; c0 < nc; c0 += SUB)
+        sub_panel(x, x_s0, m0, mb, K, panel_w, c0, nc - c0, is_bf16, out, o_s0, n0);
+}
+
+/* x float32 [M, K] (row stride x_s0, unit column stride), packed as above for N columns (w_dt 1 = float16,
+ * 2 = bfloat16), out float32 [M, N] (row stride o_s0, unit column stride). Returns 0, or -1 for an unsupported
+ * dtype. */
 int pk_w16_gemm(const float *x, int64_t x_s0, int64_t M, int64_t K, const uint16_t *packed, int64_t N, int w_dt,
                 float *out, int64_t o_s0, int num_threads) {
-    if ((w_dt != 1 && w_dt != 2) || K <= 0 || K % KB) return -1;
+    if ((w_dt != 1 && w_dt != 2) || K < 0) return -1;
     if (M <= 0 || N <= 0) return 0;
     const int is_bf16 = w_dt == 2;
-    const int64_t tiles = (N + NB - 1) / NB;
+    const int64_t panels = (N + NP - 1) / NP;
     const int threads = N * K >= W16_PARALLEL_MIN ? num_threads : 1;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t n0 = t * NB;
-        const int nb = N - n0 < NB ? (int)(N - n0) : NB;
-        const uint16_t *tile_w = packed + t * K * NB;
+    for (int64_t t = 0; t < panels; t++) {
+        const int64_t n0 = t * NP;
+        const int nc = N - n0 < NP ? (int)(N - n0) : NP;
+        const uint16_t *panel_w = packed + t * K * NP;
         int64_t m0 = 0;
-        for (; m0 + MB <= M; m0 += MB) tile(x, x_s0, m0, MB, K, tile_w, n0, nb, is_bf16, out, o_s0);
-        switch (M - m0) {  /* the last rows: each count its own inlined copy */
-        case 1: tile(x, x_s0, m0, 1, K, tile_w, n0, nb, is_bf16, out, o_s0); break;
-#if MB > 2
-        case 2: tile(x, x_s0, m0, 2, K, tile_w, n0, nb, is_bf16, out, o_s0); break;
-        case 3: tile(x, x_s0, m0, 3, K, tile_w, n0, nb, is_bf16, out, o_s0); break;
+        for (; m0 + MB <= M; m0 += MB) panel(x, x_s0, m0, MB, K, panel_w, n0, nc, is_bf16, out, o_s0);
+        switch (M - m0) { /* the last rows: each count its own inlined copy */
+        case 1: panel(x, x_s0, m0, 1, K, panel_w, n0, nc, is_bf16, out, o_s0); break;
+        case 2: panel(x, x_s0, m0, 2, K, panel_w, n0, nc, is_bf16, out, o_s0); break;
+        case 3: panel(x, x_s0, m0, 3, K, panel_w, n0, nc, is_bf16, out, o_s0); break;
+#if MB > 4
+        case 4: panel(x, x_s0, m0, 4, K, panel_w, n0, nc, is_bf16, out, o_s0); break;
+        case 5: panel(x, x_s0, m0, 5, K, panel_w, n0, nc, is_bf16, out, o_s0); break;
+        case 6: panel(x, x_s0, m0, 6, K, panel_w, n0, nc, is_bf16, out, o_s0); break;
+        case 7: panel(x, x_s0, m0, 7, K, panel_w, n0, nc, is_bf16, out, o_s0); break;
 #endif
         default: break;
         }

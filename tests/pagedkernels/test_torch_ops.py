@@ -256,7 +256,7 @@ SPECS = {
                         ((40, 64), torch.bfloat16)),
     "fp8_gemm": ([("x", ((3, 48), None)), ("weight", ((40, 48), FP8)), ("weight_scale", ((40,), torch.float32)),
                   ("act_scale", ((1,), torch.float32))], ((3, 40), None)),
-    "w16_gemm": ([("x", ((3, 64), None)), ("packed", ((10, 4, 4, 16), torch.bfloat16)), ("n", 40)], ((3, 40), None)),
+    "w16_gemm": ([("x", ((3, 64), None)), ("packed", ((2, 64, 32), torch.bfloat16)), ("n", 40)], ((3, 40), None)),
     "rms_norm": ([("x", ((3, 96), None)), ("weight", ((96,), None)), ("eps", 1e-6)], ((3, 96), None)),
     "fused_add_rms_norm_": ([("x", ((3, 96), None)), ("residual", ((3, 96), None)), ("weight", ((96,), None)),
                              ("eps", 1e-6)], None),

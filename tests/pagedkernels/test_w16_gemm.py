@@ -13,7 +13,7 @@ import torch
 
 import pagedkernels as pk
 from pagedkernels import _native
-from pagedkernels.w16_gemm import BLOCK_COLS, TILE_ROWS, unpack_w16
+from pagedkernels.w16_gemm import PANEL, unpack_w16
 
 NATIVE = _native.library() is not None
 BACKENDS = ["torch", pytest.param("native", marks=pytest.mark.skipif(not NATIVE, reason="no C compiler here"))]
@@ -37,7 +37,7 @@ def assert_product(out, x, weight):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("M,N,K", [(1, 4, 16), (1, 37, 48), (2, 64, 576), (3, 130, 96), (4, 8, 1536), (5, 41, 64),
-                                   (7, 19, 32), (16, 96, 128)])
+                                   (7, 19, 33), (8, 32, 7), (9, 70, 100), (17, 96, 128), (40, 33, 1)])
 def test_matches_the_float64_product(backend, wdtype, M, N, K):
     gen = torch.Generator().manual_seed(M * 1000 + N + K)
     weight, x = _weight(N, K, wdtype, gen), torch.randn(M, K, generator=gen)
@@ -85,25 +85,26 @@ def test_native_and_torch_agree_to_float32_rounding():
 
 
 def test_pack_layout_is_the_documented_one():
-    weight = torch.arange(6 * 32, dtype=torch.float32).view(6, 32).to(torch.bfloat16)
+    weight = torch.arange(40 * 5, dtype=torch.float32).view(40, 5).to(torch.bfloat16)
     packed = pk.pack_w16(weight)
-    assert packed.shape == (2, 2, TILE_ROWS, BLOCK_COLS) and packed.is_contiguous() and packed.dtype == torch.bfloat16
-    for t, b, j, c in [(0, 0, 0, 0), (0, 1, 3, 5), (1, 0, 1, 15), (1, 1, 0, 9)]:
-        assert packed[t, b, j, c] == weight[TILE_ROWS * t + j, BLOCK_COLS * b + c]
-    assert (packed[1, :, 2:] == 0).all()  # rows 6 and 7 pad the last tile
-    assert torch.equal(unpack_w16(packed, 6), weight)
+    assert packed.shape == (2, 5, PANEL) and packed.is_contiguous() and packed.dtype == torch.bfloat16
+    for p, k, c in [(0, 0, 0), (0, 4, 31), (1, 2, 7), (1, 0, 3)]:
+        assert packed[p, k, c] == weight[PANEL * p + c, k]
+    assert (packed[1, :, 8:] == 0).all()  # columns 40..63 pad the last panel
+    assert torch.equal(unpack_w16(packed, 40), weight)
 
 
 @pytest.mark.parametrize("call,match", [
-    (lambda w, x: pk.pack_w16(torch.zeros(4, 24, dtype=torch.bfloat16)), r"K \(24\) must be a positive multiple of 16"),
     (lambda w, x: pk.pack_w16(torch.zeros(4, 32)), r"weight must have dtype in \(bfloat16, float16\)"),
-    (lambda w, x: pk.w16_gemm(x, w, 9), r"packed must be pack_w16 of an \[n=9, K=32\] weight"),
+    (lambda w, x: pk.w16_gemm(x, w, 40), r"packed must be pack_w16 of an \[n=40, K=32\] weight"),
     (lambda w, x: pk.w16_gemm(x[:, :16], w, 8), r"packed must be pack_w16 of an \[n=8, K=16\]"),
+    (lambda w, x: pk.w16_gemm(x, w[0], 8), "packed must have 3 dimensions"),
     (lambda w, x: pk.w16_gemm(x, w, -1), "n must be a non-negative int"),
     (lambda w, x: pk.w16_gemm(x, w, True), "n must be a non-negative int"),
     (lambda w, x: pk.w16_gemm(x.double(), w, 8), r"x must have dtype"),
     (lambda w, x: pk.w16_gemm(x.t().contiguous().t(), w, 8), "x must be contiguous in its last"),
-    (lambda w, x: pk.w16_gemm(x, w.transpose(2, 3), 8), "packed must be contiguous|packed must be pack_w16"),
+    (lambda w, x: pk.w16_gemm(x, torch.zeros(1, 32, 32, dtype=torch.bfloat16)[:, :, ::1].transpose(1, 2), 8),
+     "packed must be contiguous"),
     (lambda w, x: pk.w16_gemm(x, w, 8, out=torch.empty(3, 8, dtype=torch.float16)), "out must have dtype"),
     (lambda w, x: pk.w16_gemm(x, w, 8, out=torch.empty(3, 9)), "out must have shape"),
 ])
@@ -132,7 +133,7 @@ def test_portable_builds(march, tmp_path):
         assert _native.library() is not None, _native.build_error()
         gen = torch.Generator().manual_seed(7)
         for wdtype in (torch.bfloat16, torch.float16):
-            for M, N, K in [(1, 37, 48), (3, 130, 96), (5, 9, 576)]:
+            for M, N, K in [(1, 37, 48), (3, 130, 96), (5, 9, 576), (9, 33, 7)]:
                 w = (torch.randn(N, K, generator=gen) / 8).to(wdtype)
                 x = torch.randn(M, K, generator=gen)
                 with pk.use_backend("native"):

@@ -42,10 +42,12 @@ def _onednn_applies(x: torch.Tensor) -> bool:
 
 
 # Rows up to which a float32 CPU product takes the weight's 16-bit copy (pagedkernels.w16_gemm) when the layer
-# has one: a product of few rows is bound by the weight's bytes, and the 16-bit copy halves them. Measured on a
-# 2-core AMD EPYC (torch 2.13, weights cold as in a step): the 16-bit kernel ahead of oneDNN's prepacked float32
-# product at 1-4 rows, behind from 5 (where the product turns compute-bound).
-W16_MAX_ROWS = 4
+# has one: a decode step's product is bound by the weight's bytes up to a few dozen rows, and the 16-bit copy
+# halves them. Measured on a 2-core AMD EPYC (AVX-512, torch 2.13), weights cold as in a step: 2.5-4x faster than
+# oneDNN's prepacked float32 product at 1 row, level or ahead to 48-64 rows at SmolLM2's layer shapes, behind
+# beyond (compute-bound); over the 48-request workload (decode steps of up to 48 rows) thresholds 0 / 4 / 32 / 64
+# gave 258 / 261 / 268 / 278 output tok/s.
+W16_MAX_ROWS = 64
 
 
 def _w16_enabled() -> bool:
@@ -77,8 +79,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     A float32 weight whose values are all bf16 (or fp16) ones, as a 16-bit checkpoint's are, also gets a
     16-bit copy in ``pagedkernels.w16_gemm``'s layout (``w16_weight``): products of up to
-    :data:`W16_MAX_ROWS` rows (a decode step of few sequences) read it instead, half the bytes, the same
-    values and float32 arithmetic. ``ENGINE_CPU_W16=0`` turns it off."""
+    :data:`W16_MAX_ROWS` rows (decode steps) read it instead, half the bytes, the same values and float32
+    arithmetic. ``ENGINE_CPU_W16=0`` turns it off."""
 
     def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, weight_loader) -> None:
@@ -120,12 +122,12 @@ class UnquantizedLinearMethod(LinearMethodBase):
     @staticmethod
     def add_w16_copy(layer: nn.Module, weight: torch.Tensor) -> bool:
         """Give ``layer`` the 16-bit copy of its float32 CPU ``weight`` (see the class docstring) if every value
-        is a bf16 or fp16 one, K is a multiple of 16 and the native kernels built. Returns whether it did."""
+        is a bf16 or fp16 one and the native kernels built. Returns whether it did."""
         from pagedkernels import _native
-        from pagedkernels.w16_gemm import BLOCK_COLS, pack_w16
+        from pagedkernels.w16_gemm import pack_w16
 
         if (not _w16_enabled() or weight.dtype != torch.float32 or weight.device.type != "cpu"
-                or weight.shape[1] % BLOCK_COLS or _native.library() is None):
+                or _native.library() is None):
             return False
         dtype = exact_16bit_dtype(weight)
         if dtype is None:
