@@ -117,10 +117,7 @@ def use_native(tensor: torch.Tensor) -> bool:
     if _backend in ("torch", "triton"):
         return False
     if _backend == "auto":
-        if tensor.device.type != "cpu":
-            return False
-        from . import _native
-        return _native.library() is not None
+        return tensor.is_cpu and _native_library_built()
     # backend == "native"
     if tensor.device.type != "cpu":
         raise RuntimeError(f"pagedkernels backend 'native' runs on CPU tensors only, got a {tensor.device} tensor")
@@ -128,6 +125,20 @@ def use_native(tensor: torch.Tensor) -> bool:
     if _native.library() is None:
         raise RuntimeError(f"pagedkernels native CPU kernels are unavailable: {_native.build_error()}")
     return True
+
+
+_native_module = None
+
+
+def _native_library_built() -> bool:
+    """``_native.library() is not None``, the module looked up once (an import statement per op call cost
+    about a microsecond, hundreds of times a decode step)."""
+    global _native_module
+    if _native_module is None:
+        from . import _native
+
+        _native_module = _native
+    return _native_module.library() is not None
 
 
 def has_no_data(*tensors: torch.Tensor | None) -> bool:

@@ -43,7 +43,8 @@ def check_tensor(
     if ndim is not None and tensor.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(tensor.shape)}")
     if dtypes is not None:
-        dtypes = tuple(dtypes)
+        if not isinstance(dtypes, (tuple, frozenset, set)):
+            dtypes = tuple(dtypes)
         if tensor.dtype not in dtypes:
             allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
             raise ValueError(f"{name} must have dtype in ({allowed}), got {str(tensor.dtype).replace('torch.', '')}")
@@ -53,9 +54,14 @@ def check_tensor(
         raise ValueError(f"{name} is on {tensor.device} but {like[0]} is on {like[1].device}: the tensor "
                          f"arguments must all be on one device")
     if shape is not None:
-        if tensor.dim() != len(shape) or any(
-            want is not None and want != got for want, got in zip(shape, tensor.shape)
-        ):
+        got_shape = tensor.shape
+        mismatch = len(got_shape) != len(shape)
+        if not mismatch:
+            for want, got in zip(shape, got_shape):
+                if want is not None and want != got:
+                    mismatch = True
+                    break
+        if mismatch:
             want_str = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
             raise ValueError(f"{name} must have shape {want_str}, got {list(tensor.shape)}")
     return tensor
