@@ -18,6 +18,11 @@ GPU) and ``skip_tokenizer_init=True`` (the workloads are token ids).
 3. Decode-step time at batch 64 and 256 (context ``--context`` tokens each) through the ModelRunner (CUDA
    graphs unless ``--enforce-eager``), against its floor: (weight bytes + KV bytes of the batch) / copy
    bandwidth.
+4. Where a step's time goes (``profile``): the throughput workload's first ``PROFILE_REQUESTS`` requests, stepped,
+   with ``torch.profiler`` (CPU and CUDA) over steps ``PROFILE_STEPS``: wall time per step and the part of it the
+   host spends inside ``execute_model``, the GPU's kernel time per step (busy fraction = kernel time / wall), and
+   the top CUDA kernels and CPU ops. A busy fraction well under 1 says the engine waits on the host (scheduling,
+   input preparation, sampling), not on kernels.
 
 Every part checks a ``bench.budget.Budget`` and stops cleanly, marking what it cut (``"complete": false``).
 ``--dry-run`` runs the same code on CPU with tiny shapes (2-layer models, 8 requests of 4-16 tokens, batch
@@ -57,7 +62,7 @@ _TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_at
              eos_token_id=2)
 SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "llama-3-8b": LLAMA3_8B}
 TINY_SHAPES = {name: dict(shape, **_TINY) for name, shape in SHAPES.items()}
-PARTS = ("throughput", "transformers", "batch1", "decode_steps")
+PARTS = ("throughput", "transformers", "batch1", "decode_steps", "profile")
 
 
 @dataclass
@@ -154,6 +159,67 @@ def engine_throughput(llm, requests, temperature: float, budget: Budget) -> dict
     exact = complete and all(len(outputs[f"bench-{i}"].outputs[0].token_ids) == n for i, (_, n) in enumerate(requests))
     return {"seconds": seconds, "output_tokens": tokens, "output_tokens_per_s": tokens / seconds,
             "complete": complete, "output_lengths_exact": exact}
+
+
+PROFILE_REQUESTS = 256
+PROFILE_STEPS = (40, 60)   # [start, stop): past the first prefills, into the mixed prefill/decode steady state
+
+
+def step_profile(llm, requests, temperature: float, steps: tuple[int, int] = PROFILE_STEPS, top: int = 12) -> dict:
+    """Steps ``steps`` of the workload ``requests`` under torch.profiler (see the module docstring, part 4); the
+    requests are aborted afterwards."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine import SamplingParams
+
+    engine = llm.llm_engine
+    for i, (prompt, n) in enumerate(requests):
+        engine.add_request(f"profile-{i}", {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True))
+    executor = engine.executor
+    real_execute = executor.execute_model
+    inside = [0.0]
+
+    def timed_execute(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return real_execute(*args, **kwargs)
+        finally:
+            inside[0] += time.perf_counter() - start
+
+    for _ in range(steps[0]):
+        if engine.has_unfinished_requests():
+            engine.step()
+    synchronize(engine.device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    executor.execute_model = timed_execute
+    ran = 0
+    try:
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            for _ in range(steps[1] - steps[0]):
+                if not engine.has_unfinished_requests():
+                    break
+                engine.step()
+                ran += 1
+            synchronize(engine.device)
+            wall = time.perf_counter() - start
+    finally:
+        executor.execute_model = real_execute
+        for request_id in list(engine.requests):
+            engine.abort_request(request_id)
+    events = prof.key_averages()
+    device_us = lambda e: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))  # noqa: E731
+    kernels = sorted((e for e in events if device_us(e) > 0), key=device_us, reverse=True)
+    kernel_s = sum(device_us(e) for e in kernels) / 1e6
+    cpu_ops = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)
+    ran = max(ran, 1)
+    return {"steps": ran, "step_ms": wall / ran * 1e3, "execute_model_ms": inside[0] / ran * 1e3,
+            "kernel_ms_per_step": kernel_s / ran * 1e3, "gpu_busy_fraction": kernel_s / wall if kernels else None,
+            "top_kernels": [{"name": e.key[:120], "ms_per_step": device_us(e) / 1e3 / ran, "calls": e.count}
+                            for e in kernels[:top]],
+            "top_cpu_ops": [{"name": e.key[:120], "self_ms_per_step": e.self_cpu_time_total / 1e3 / ran,
+                             "calls": e.count} for e in cpu_ops[:top]]}
 
 
 def transformers_throughput(model_dir: str, requests, temperature: float, device: torch.device,
@@ -336,6 +402,14 @@ def run(device: torch.device, *, tiny: bool, models: list[str], parts: tuple[str
                     row["engine"] = engine_throughput(llm, requests, workload.temperature, budget)
                     log(f"{name}: engine {row['engine']['output_tokens_per_s']:.0f} output tok/s"
                         + ("" if row["engine"]["complete"] else " (cut at the budget)"))
+                    progress()
+                if "profile" in parts:
+                    row["profile"] = step_profile(llm, requests[:PROFILE_REQUESTS] if not tiny else requests,
+                                                  workload.temperature, PROFILE_STEPS if not tiny else (2, 4))
+                    busy = row["profile"]["gpu_busy_fraction"]
+                    log(f"{name}: profile: {row['profile']['step_ms']:.1f} ms a step, "
+                        f"{row['profile']['execute_model_ms']:.1f} ms in execute_model, GPU busy "
+                        f"{_fmt(busy, '.2f')}")
                     progress()
                 if "batch1" in parts:
                     row["batch1"] = batch1_decode(llm, 16 if tiny else 128, 8 if tiny else 256, copy_gbps)

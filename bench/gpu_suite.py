@@ -4,7 +4,7 @@
     PYTHONPATH=. python -m bench.gpu_suite --phase kernels --out $OUT    # ... or any phase by number or name
 
 1. headline (450 s): measured limits; the three kernel targets (paged decode vs copy BW, prefill vs
-   SDPA-flash, fused add-RMSNorm vs copy BW); the Qwen3-0.6B-shape engine throughput (nano-vllm protocol;
+   SDPA-flash, fused add-RMSNorm vs copy BW); the Qwen3-0.6B-shape engine throughput and step profile (nano-vllm protocol;
    it leaves the tests 100 s); tests/pagedkernels on CUDA (not the slow AOT compile; cut at 150 s);
    transformers on the same requests if 150 s are left (else phase 3 gives the ratio).
 2. kernels (540 s): the whole kernel matrix with every baseline (torch.compile, compiled FlexAttention).
@@ -16,6 +16,8 @@
 7. other-tests (540 s): every other test module, on the GPU machine (``--shard K/N`` splits it).
 8. quant (300 s): the W4A16 and FP8 GEMMs against the 16-bit GEMM at decode and prefill shapes, fp8-KV decode
    against 16-bit-KV decode.
+9. tune (300 s): the prefill kernel's launch configurations on the target shape against SDPA-flash (which tiles
+   launch_config should pick on this GPU).
 
 ``--phase all`` (the default) runs them one after another. Each phase writes
 ``OUT/<date>-<device>-phase<N>-<name>.json`` and ``.md`` after every case (``.png`` at the end, when matplotlib
@@ -233,7 +235,7 @@ class PhaseRun:
         print(kernels.format_peaks(self.result["peaks"]), flush=True)
 
     def kernels(self, *, headline: bool, baselines: set[str] | None = None, compile: bool = True,
-                case_s: float = 60.0, quant: bool = False) -> None:
+                case_s: float = 60.0, quant: bool = False, tune: bool = False) -> None:
         def progress(partial: dict) -> None:  # a run cut short keeps every case measured so far
             self.result.update(rows=partial["rows"], targets=partial["targets"],
                                kernel_cases_not_run=partial["not_run"])
@@ -243,7 +245,7 @@ class PhaseRun:
         partial = kernels.run_suite(self.device, tiny=self.dry_run, compile=compile and not self.args.no_compile,
                                     only=self.args.only, log=lambda line: print(line, flush=True),
                                     on_progress=progress, headline=headline, baselines=baselines,
-                                    budget=self.budget, case_s=case_s, peaks=peaks, quant=quant)
+                                    budget=self.budget, case_s=case_s, peaks=peaks, quant=quant, tune=tune)
         progress(partial)
 
     def tests(self, label: str, args: list[str], cap_s: float | None = None, reserve_s: float = 10.0) -> None:
@@ -288,7 +290,7 @@ def _headline(run: PhaseRun) -> None:
     run.step("limits", run.peaks) \
         and run.step("kernel targets", lambda: run.kernels(headline=True, baselines={"sdpa-flash", "torch eager"},
                                                            compile=False)) \
-        and run.step("engine throughput", lambda: run.engine(["qwen3-0.6b"], ("throughput",),
+        and run.step("engine throughput", lambda: run.engine(["qwen3-0.6b"], ("throughput", "profile"),
                                                              reserve_s=HEADLINE_TESTS_RESERVE_S)) \
         and run.step("kernel tests", lambda: run.tests("kernel tests", [*KERNEL_TESTS, "-m", "not slow"],
                                                        cap_s=HEADLINE_TESTS_CAP_S)) \
@@ -304,14 +306,19 @@ def _quant(run: PhaseRun) -> None:
     run.step("limits", run.peaks) and run.step("quantized ops", lambda: run.kernels(headline=False, quant=True))
 
 
+def _tune(run: PhaseRun) -> None:
+    run.step("limits", run.peaks) and run.step("prefill tiles", lambda: run.kernels(headline=False, tune=True,
+                                                                                     case_s=20.0))
+
+
 def _engine(run: PhaseRun) -> None:
     run.step("limits", run.peaks) and run.step("engine", lambda: run.engine(
-        ["qwen3-0.6b"], ("throughput", "batch1", "decode_steps", "transformers")))
+        ["qwen3-0.6b"], ("throughput", "profile", "batch1", "decode_steps", "transformers")))
 
 
 def _llama(run: PhaseRun) -> None:
     run.step("limits", run.peaks) and run.step("engine", lambda: run.engine(
-        ["llama-3-8b"], ("throughput", "batch1", "decode_steps")))
+        ["llama-3-8b"], ("throughput", "profile", "batch1", "decode_steps")))
 
 
 def _test_phase(label: str, args: list[str]) -> Callable[[PhaseRun], None]:
@@ -327,6 +334,7 @@ PHASES = [
     Phase(6, "engine-tests", 540.0, _test_phase("engine tests on CUDA", CUDA_ENGINE_TESTS)),
     Phase(7, "other-tests", 540.0, _test_phase("other tests", OTHER_TESTS)),
     Phase(8, "quant", 300.0, _quant),
+    Phase(9, "tune", 300.0, _tune),
 ]
 
 
@@ -372,7 +380,7 @@ def run_phase(phase: Phase, args: argparse.Namespace, device: torch.device, out_
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--phase", default="all", help="all (default), a number 1-8 or a name (see the module doc)")
+    parser.add_argument("--phase", default="all", help="all (default), a number 1-9 or a name (see the module doc)")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="output directory (default: bench/results)")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (= --dry-run)")
     parser.add_argument("--dry-run", action="store_true",

@@ -934,6 +934,60 @@ def quant_suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False)
     ]
 
 
+# Launch configurations (BLOCK_M, TILE_N, num_warps, num_stages) of the prefill kernel tried on the target shape
+# (head 128, GQA group 4, bf16) by the GPU suite's "tune" phase; the first is launch_config's own choice there.
+PREFILL_SWEEP = [(128, 32, 8, 3), (128, 32, 8, 2), (128, 32, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3),
+                 (64, 32, 4, 3), (64, 64, 8, 2), (128, 16, 8, 4), (256, 32, 8, 2), (128, 128, 8, 2)]
+TINY_PREFILL_SWEEP = [(32, 32, 4, 1), (64, 16, 4, 1)]
+
+
+@contextlib.contextmanager
+def prefill_launch_config(config: tuple[int, int, int, int]):
+    """pagedkernels' prefill wrapper launching with ``config`` for the body (its heuristic set aside)."""
+    from pagedkernels import prefill_attention as prefill_module
+
+    real = prefill_module.launch_config
+    prefill_module.launch_config = lambda head_dim_pad, group_pad, dtype, device_kind, kv_fp8=False: config
+    try:
+        yield
+    finally:
+        prefill_module.launch_config = real
+
+
+def prefill_tile_case(device, dtype, *, config: tuple[int, int, int, int], baseline: bool, **shape) -> Case:
+    """The prefill case with its kernel launched at ``config``; the SDPA-flash baseline only where ``baseline``
+    (once per sweep)."""
+    case = prefill_case(device, dtype, compile=False, **shape)
+    launch, check = case.fn, case.check
+
+    def fn():
+        with prefill_launch_config(config):
+            return launch()
+
+    def checked():
+        with prefill_launch_config(config):
+            check()
+
+    block_m, tile_n, warps, stages = config
+    case.op, case.fn, case.check = "paged_prefill_attention tiles", fn, checked
+    case.shape += f"; BLOCK_M {block_m} TILE_N {tile_n} warps {warps} stages {stages}"
+    case.baselines = [b for b in case.baselines if baseline and b.name == "sdpa-flash"]
+    return case
+
+
+def tune_suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False) -> list[functools.partial]:
+    """The prefill kernel's launch configurations on the target shape (8 x 2048 new tokens, 32q/8kv heads, d128),
+    against SDPA-flash measured once: which tiles the heuristic should pick on this GPU."""
+    d = dict(device=device, dtype=dtype)
+    if tiny:
+        shape = dict(num_seqs=2, new_tokens=32, num_q_heads=4, num_kv_heads=2, head_dim=64)
+        configs = TINY_PREFILL_SWEEP
+    else:
+        shape = dict(num_seqs=8, new_tokens=2048, num_q_heads=32, num_kv_heads=8, head_dim=128)
+        configs = PREFILL_SWEEP
+    return [partial(prefill_tile_case, **d, config=c, baseline=i == 0, **shape) for i, c in enumerate(configs)]
+
+
 # ------------------------------------------------------------------------------------------------
 # running and printing
 # ------------------------------------------------------------------------------------------------
@@ -943,7 +997,7 @@ def run_suite(device: torch.device | str, *, tiny: bool = False, compile: bool =
               log: Callable[[str], None] = print, timer: Timer | None = None,
               on_progress: Callable[[dict], None] | None = None, headline: bool = False,
               baselines: set[str] | None = None, budget=None, case_s: float = 60.0, peaks: Peaks | None = None,
-              quant: bool = False) -> dict:
+              quant: bool = False, tune: bool = False) -> dict:
     """Measure the limits (unless ``peaks`` are given), then every case. Returns {"peaks", "rows", "targets",
     "not_run"} (plain dicts), also handed to ``on_progress`` after each case (so a caller can save partial
     results). On CUDA: bf16 and do_bench; on CPU: fp32 and the wall-clock timer (``timer`` overrides).
@@ -951,7 +1005,7 @@ def run_suite(device: torch.device | str, *, tiny: bool = False, compile: bool =
     headline: only the cases that carry one of the issue's targets. baselines: keep only the baselines of these
     names. budget (a bench.budget.Budget): no case is started with less than ``case_s`` seconds left; the ones
     left out are listed in "not_run". quant: the quantized ops' cases (:func:`quant_suite`) instead of the main
-    matrix."""
+    matrix; tune: the prefill launch-configuration sweep (:func:`tune_suite`)."""
     device = torch.device(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
@@ -964,8 +1018,12 @@ def run_suite(device: torch.device | str, *, tiny: bool = False, compile: bool =
         log(format_peaks(dataclasses.asdict(peaks)))
     rows: list[Row] = []
     targets, not_run = [], []
-    builds = quant_suite(device, dtype, tiny=tiny) if quant else suite(device, dtype, tiny=tiny, compile=compile)
-    op_of = QUANT_OP_OF_CASE if quant else OP_OF_CASE
+    if tune:
+        builds, op_of = tune_suite(device, dtype, tiny=tiny), {prefill_tile_case: "paged_prefill_attention tiles"}
+    elif quant:
+        builds, op_of = quant_suite(device, dtype, tiny=tiny), QUANT_OP_OF_CASE
+    else:
+        builds, op_of = suite(device, dtype, tiny=tiny, compile=compile), OP_OF_CASE
     for build in builds:
         if (only and only not in op_of[build.func]) or (headline and build.keywords.get("target") is None):
             continue
@@ -1001,7 +1059,7 @@ def run_suite(device: torch.device | str, *, tiny: bool = False, compile: bool =
 
 def _case_keywords(build: functools.partial) -> str:
     return ", ".join(f"{k}={v}" for k, v in build.keywords.items()
-                     if k not in ("device", "dtype", "compile", "target"))
+                     if k not in ("device", "dtype", "compile", "target", "baseline"))
 
 
 def _result(peaks: Peaks, rows: list[Row], targets: list[dict], not_run: list[str]) -> dict:
@@ -1074,13 +1132,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the results to this JSON file")
     parser.add_argument("--quant", action="store_true",
                         help="the quantized ops (W4A16 and FP8 GEMMs, fp8-KV decode) instead of the main matrix")
+    parser.add_argument("--tune", action="store_true", help="the prefill kernel's launch-configuration sweep")
     args = parser.parse_args(argv)
     device = "cpu" if args.dry_run else args.device
     if device.startswith("cuda") and not torch.cuda.is_available():
         print("bench.kernels: CUDA is not available on this machine; run on a GPU, or use --dry-run "
               "(--device cpu) to exercise the reporting code on tiny CPU shapes", file=sys.stderr)
         return 2
-    result = run_suite(device, tiny=device == "cpu", compile=not args.no_compile, only=args.only, quant=args.quant)
+    result = run_suite(device, tiny=device == "cpu", compile=not args.no_compile, only=args.only, quant=args.quant,
+                       tune=args.tune)
     print()
     print(format_table(result["rows"]))
     print(format_targets(result["targets"]))

@@ -180,6 +180,21 @@ def engine_markdown(engine: dict) -> list[str]:
                                for s in row.get("decode_steps", [])) or "-"])
     lines += [_md_table(["model", "engine out tok/s", "transformers out tok/s", "ratio", "batch-1 tok/s",
                          "batch-1 frac of copy BW", "decode step"], rows), ""]
+    for name, row in engine.get("models", {}).items():
+        prof = row.get("profile")
+        if not prof:
+            continue
+        lines += [f"Where a step's time goes ({name}, {prof['steps']} steps of the workload under torch.profiler): "
+                  f"{prof['step_ms']:.2f} ms a step, {prof['execute_model_ms']:.2f} ms of it in execute_model; "
+                  f"GPU kernels {prof['kernel_ms_per_step']:.2f} ms a step (busy "
+                  f"{num(prof['gpu_busy_fraction'], '.2f')}).", ""]
+        if prof.get("top_kernels"):
+            lines += [_md_table(["CUDA kernel", "ms a step", "calls"],
+                                [[k["name"], f"{k['ms_per_step']:.3f}", str(k["calls"])] for k in prof["top_kernels"]]),
+                      ""]
+        lines += [_md_table(["CPU op", "self ms a step", "calls"],
+                            [[k["name"], f"{k['self_ms_per_step']:.3f}", str(k["calls"])]
+                             for k in prof["top_cpu_ops"]]), ""]
     if engine.get("targets"):
         lines += [_md_table(["target", "value", "status"],
                             [[t["target"], num(t["value"], ".3f"), t["status"] + (f" ({t['note']})" if t.get("note")

@@ -167,6 +167,7 @@ def _headline(result):
     assert result["tests"][0]["command"].startswith("python -m pytest tests/pagedkernels ")
     qwen = result["engine"]["models"]["qwen3-0.6b"]
     assert qwen["engine"]["complete"] and qwen["engine"]["output_lengths_exact"]
+    assert qwen["profile"]["steps"] > 0 and qwen["profile"]["step_ms"] > 0 and qwen["profile"]["top_cpu_ops"]
     assert qwen["transformers"]["complete"] and qwen["throughput_ratio"] > 0   # time was left for it
     assert result["engine"]["load_format"] == "dummy"
 
@@ -180,6 +181,7 @@ def _engine_model(name: str, transformers: bool):
     def check(result):
         row = result["engine"]["models"][name]
         assert row["engine"]["complete"] and row["engine"]["output_tokens"] > 0
+        assert row["profile"]["steps"] > 0 and row["profile"]["execute_model_ms"] > 0
         assert set(row["batch1"]) >= {"decode_tokens_per_s", "frac_of_copy_bandwidth"}
         assert [s["batch_size"] for s in row["decode_steps"]] == [2, 4]
         assert all(s["step_ms"] > 0 for s in row["decode_steps"])
@@ -198,6 +200,12 @@ def _quant(result):
     assert all(r["check"] == "ok" and r["ratio"] is not None for r in result["rows"])
 
 
-CHECKS = {"headline": _headline, "kernels": _kernels, "quant": _quant, "engine": _engine_model("qwen3-0.6b", True),
+def _tune(result):
+    assert len(result["rows"]) == len(gpu_suite.kernels.TINY_PREFILL_SWEEP)   # one row each, SDPA on the first
+    assert all(r["check"] == "ok" and r["ms"] for r in result["rows"])
+    assert sum(r["baseline"] == "sdpa-flash" for r in result["rows"]) == 1
+
+
+CHECKS = {"headline": _headline, "kernels": _kernels, "quant": _quant, "tune": _tune, "engine": _engine_model("qwen3-0.6b", True),
           "llama": _engine_model("llama-3-8b", False), "kernel-tests": _tests("kernel tests"),
           "engine-tests": _tests("engine tests on CUDA"), "other-tests": _tests("other tests")}
