@@ -408,7 +408,7 @@ def run_server(args) -> None:
             print(f"serving {name!r} on http://{args.host}:{port} (engine core: pid {core.process.pid})", flush=True)
             status = _run_frontend(args, core.address, core.info, sock)
         else:
-            status = _supervise(args, core, port, count, name)
+            status = _supervise(args, core, port, count, name, sock)
     except KeyboardInterrupt:
         status = 0
     finally:
@@ -419,9 +419,12 @@ def run_server(args) -> None:
         raise SystemExit(status)
 
 
-def _supervise(args, core, port: int, count: int, name: str) -> int:
+def _supervise(args, core, port: int, count: int, name: str, sock: socket.socket) -> int:
     """Start `count` API server processes on `port` and wait: the first process (or the core) to exit ends them
-    all (status 1); Ctrl-C/SIGTERM ends them all (status 0)."""
+    all (status 1); Ctrl-C/SIGTERM ends them all (status 0). `sock`, this process's listening socket on the port
+    (it held the port while the core started), is closed once the API servers listen on it: with SO_REUSEPORT the
+    kernel spreads connections over every listening socket of the port, and one left open here, never accepted,
+    held a third of the connections (of 2 API servers) unanswered."""
     import multiprocessing
     from multiprocessing.connection import wait
 
@@ -437,6 +440,7 @@ def _supervise(args, core, port: int, count: int, name: str) -> int:
             frontends.append(process)
             if not receiver.poll(120) or not isinstance(receiver.recv(), int):
                 raise RuntimeError(f"API server process {i} did not start")
+        sock.close()
         print(f"serving {name!r} on http://{args.host}:{port} ({count} API server processes, engine core: pid "
               f"{core.process.pid})", flush=True)
         watched = {p.sentinel: p for p in frontends}
