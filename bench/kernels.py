@@ -936,7 +936,7 @@ def quant_suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False)
 
 # Launch configurations (BLOCK_M, TILE_N, num_warps, num_stages) of the prefill kernel tried on the target shape
 # (head 128, GQA group 4, bf16) by the GPU suite's "tune" phase; the first is launch_config's own choice there.
-PREFILL_SWEEP = [(128, 32, 8, 3), (128, 32, 8, 2), (128, 32, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3),
+PREFILL_SWEEP = [(128, 32, 8, 2), (128, 32, 8, 3), (128, 32, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3),
                  (64, 32, 4, 3), (64, 64, 8, 2), (128, 16, 8, 4), (256, 32, 8, 2), (128, 128, 8, 2)]
 TINY_PREFILL_SWEEP = [(32, 32, 4, 1), (64, 16, 4, 1)]
 
@@ -947,7 +947,7 @@ def prefill_launch_config(config: tuple[int, int, int, int]):
     from pagedkernels import prefill_attention as prefill_module
 
     real = prefill_module.launch_config
-    prefill_module.launch_config = lambda head_dim_pad, group_pad, dtype, device_kind, kv_fp8=False: config
+    prefill_module.launch_config = lambda head_dim_pad, group_pad, dtype, device_kind, kv_fp8=False, head_dim=None: config
     try:
         yield
     finally:

@@ -267,7 +267,7 @@ def _prefill_attention_kernel(
 
 
 def launch_config(head_dim_pad: int, group_pad: int, dtype: torch.dtype,
-                  device_kind: str, kv_fp8: bool = False) -> tuple[int, int, int, int]:
+                  device_kind: str, kv_fp8: bool = False, head_dim: int | None = None) -> tuple[int, int, int, int]:
     """(BLOCK_M, TILE_N, num_warps, num_stages), chosen without autotuning, from shapes, dtype and
     the device kind (``"cuda"`` or ``"cpu"``, see ``_backend.launch_device_kind``) only, so the
     CUDA choice can be asked for (and compiled ahead of time) on any machine.
@@ -310,7 +310,14 @@ def launch_config(head_dim_pad: int, group_pad: int, dtype: torch.dtype,
     elif head_dim_pad <= 64:
         config = (128, 64, 8, 3)
     elif head_dim_pad <= 128:
-        config = (128, 32, 8, 3) if group_pad > 1 else (64, 32, 8, 3)
+        # An unpadded head 128 with GQA takes 2 stages, not 3: on an H100 (bench/results/
+        # 2026-11-26-nvidia-h100-80gb-hbm3-phase9-tune.md), 8 x 2048 tokens, 32q/8kv heads, 0.924 ms at 2 stages
+        # against 1.325 ms at 3 (SDPA-flash 0.888 ms). Padded heads (96, 112) keep 3: head 112 with a window and
+        # softcap spilled 24 B at 2 stages on sm_80 under Triton 3.9.
+        if group_pad == 1:
+            config = (64, 32, 8, 3)
+        else:
+            config = (128, 32, 8, 2 if head_dim in (None, head_dim_pad) else 3)
     else:
         config = (64, 16, 8, 2)
     block_m, tile_n, num_warps, num_stages = config
@@ -342,7 +349,8 @@ def _prefill_attention_triton(q, key_cache, value_cache, block_tables, cu_seqlen
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = triton.next_power_of_2(head_dim)
     block_m, tile_n, num_warps, num_stages = launch_config(head_dim_pad, group_pad, q.dtype,
-                                                           launch_device_kind(q.device), is_fp8(key_cache))
+                                                           launch_device_kind(q.device), is_fp8(key_cache),
+                                                           head_dim=head_dim)
     block_q = block_m // group_pad
     maxnreg = max_registers(q.dtype, launch_device_kind(q.device))
     register_limit = {} if maxnreg is None else {"maxnreg": maxnreg}

@@ -85,7 +85,7 @@ def test_recorded_configs_are_the_cuda_choice(recorded):
     for launch in prefill:
         c = _constexprs(launch)
         expected = prefill_attention.launch_config(c["HEAD_DIM_PAD"], c["GROUP_PAD"], _dtype(launch, "q_ptr"), "cuda",
-                                                   c["KV_FP8"])
+                                                   c["KV_FP8"], head_dim=c["HEAD_DIM"])
         got = (c["BLOCK_M"], c["TILE_N"], launch.kwargs["num_warps"], launch.kwargs["num_stages"])
         assert got == expected
         assert launch.kwargs.get("maxnreg") == prefill_attention.max_registers(_dtype(launch, "q_ptr"), "cuda")

@@ -189,14 +189,15 @@ def test_non_contiguous_caches(backend, device):
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("launch_config", [(128, 64, 8, 3), (128, 32, 8, 3), (64, 16, 8, 2), (16, 16, 4, 1)])
+@pytest.mark.parametrize("launch_config", [(128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 8, 2), (64, 16, 8, 2),
+                                           (16, 16, 4, 1)])
 def test_triton_gpu_tile_configs(launch_config, device, monkeypatch):
     """The interpreter normally runs 32 x 32 tiles; the GPU configurations (and the smallest legal
     one) must be just as correct: query tiles spanning several sequences' tokens, key tiles smaller
     and larger than a page."""
     monkeypatch.setattr(prefill_module, "launch_config",
-                        lambda head_dim_pad, group_pad, dtype, device_kind, kv_fp8=False: (max(launch_config[0], group_pad),
-                                                                             *launch_config[1:]))
+                        lambda head_dim_pad, group_pad, dtype, device_kind, kv_fp8=False, head_dim=None:
+                        (max(launch_config[0], group_pad), *launch_config[1:]))
     _check([70, 1, 90, 17], [70, 1, 12, 3], block_size=16, num_kv_heads=2, group=3, head_dim=96,
            dtype=torch.float32, backend="triton", device=device, sliding_window=50)
 
