@@ -204,6 +204,8 @@ def step_profile(llm, requests, temperature: float, steps: tuple[int, int] = PRO
                 ran += 1
             synchronize(engine.device)
             wall = time.perf_counter() - start
+        executor.execute_model = real_execute  # (the cProfile pass runs the engine as it is)
+        python = python_profile(engine, steps[1] - steps[0], top)
     finally:
         executor.execute_model = real_execute
         for request_id in list(engine.requests):
@@ -219,7 +221,55 @@ def step_profile(llm, requests, temperature: float, steps: tuple[int, int] = PRO
             "top_kernels": [{"name": e.key[:120], "ms_per_step": device_us(e) / 1e3 / ran, "calls": e.count}
                             for e in kernels[:top]],
             "top_cpu_ops": [{"name": e.key[:120], "self_ms_per_step": e.self_cpu_time_total / 1e3 / ran,
-                             "calls": e.count} for e in cpu_ops[:top]]}
+                             "calls": e.count} for e in cpu_ops[:top]],
+            "python": python}
+
+
+def python_profile(engine, steps: int, top: int) -> dict:
+    """The next ``steps`` steps under cProfile (after torch.profiler's window, not inside it): wall time a step
+    without any profiler and with cProfile, and the Python functions with the most own time (which part of the
+    host's time is the engine's Python: the GPU waits on it unless it overlaps)."""
+    import cProfile
+    import pstats
+
+    def run(n: int) -> tuple[int, float]:
+        done, start = 0, time.perf_counter()
+        for _ in range(n):
+            if not engine.has_unfinished_requests():
+                break
+            engine.step()
+            done += 1
+        synchronize(engine.device)
+        return done, time.perf_counter() - start
+
+    plain_steps, plain_s = run(steps)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    ran, wall = run(steps)
+    profiler.disable()
+    ran = max(ran, 1)
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, primitive, tottime, cumtime, callers)}
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top * 2]
+    short = lambda key: f"{os.path.basename(key[0])}:{key[1]}({key[2]})"[:120]  # noqa: E731
+    return {"steps": ran, "step_ms_unprofiled": plain_s / max(plain_steps, 1) * 1e3,
+            "step_ms_under_cprofile": wall / ran * 1e3,
+            "top_own_time": [{"function": short(k), "own_ms_per_step": v[2] / ran * 1e3,
+                              "cumulative_ms_per_step": v[3] / ran * 1e3, "calls_per_step": v[0] / ran}
+                             for k, v in rows]}
+
+
+def check_generate_batch(outputs: dict, wanted: list[int]) -> None:
+    """generate_batch logs a request that failed and returns it with ``error`` set (no exception): a result
+    is counted only when every request came back, without an error, with at least the tokens it asked for."""
+    results = list(outputs.values())
+    if len(results) != len(wanted):
+        raise RuntimeError(f"{len(wanted) - len(results)} of {len(wanted)} requests missing from the results")
+    errors = [r.error for r in results if getattr(r, "error", None)]
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {len(wanted)} requests failed: {errors[0]}")
+    short = [(len(r.generated_tokens), n) for r, n in zip(results, wanted) if len(r.generated_tokens) < n]
+    if short:
+        raise RuntimeError(f"{len(short)} requests came back short (generated, asked): {short[:3]}")
 
 
 def transformers_throughput(model_dir: str, requests, temperature: float, device: torch.device,
@@ -244,7 +294,8 @@ def transformers_throughput(model_dir: str, requests, temperature: float, device
         prompts = [requests[i][0] for i in indices]
         if api == "generate_batch":
             try:
-                model.generate_batch(inputs=prompts, generation_config=gen_config, progress_bar=False)
+                outputs = model.generate_batch(inputs=prompts, generation_config=gen_config, progress_bar=False)
+                check_generate_batch(outputs, [requests[i][1] for i in indices])
                 return
             except Exception as e:  # an API still settling across versions: fall back, and say so
                 api = "generate"
@@ -255,7 +306,9 @@ def transformers_throughput(model_dir: str, requests, temperature: float, device
         model.generate(input_ids=input_ids, attention_mask=mask, generation_config=gen_config)
 
     done = []
-    with torch.inference_mode():
+    # no_grad, not inference_mode: generate_batch steps on its own thread, outside an inference-mode context,
+    # and updates in place tensors made on this one (RuntimeError "Inplace update to inference tensor").
+    with torch.no_grad():
         run_group(groups[0][:2])  # warm-up
         synchronize(device)
         start = time.perf_counter()
@@ -416,6 +469,12 @@ def run(device: torch.device, *, tiny: bool, models: list[str], parts: tuple[str
                     log(f"{name}: batch-1 decode {_fmt(row['batch1']['decode_tokens_per_s'], '.1f')} tok/s, "
                         f"{_fmt(row['batch1']['frac_of_copy_bandwidth'], '.2f')} of copy bandwidth")
                     progress()
+                    if "profile" in parts:  # where a batch-1 step's time goes (greedy, one long request)
+                        one = [(list(range(100, 116 if tiny else 228)), 64 if tiny else 400)]
+                        row["batch1"]["profile"] = step_profile(llm, one, 0.0, (2, 4) if tiny else (20, 60))
+                        log(f"{name}: batch-1 profile: {row['batch1']['profile']['step_ms']:.2f} ms a step, GPU "
+                            f"busy {_fmt(row['batch1']['profile']['gpu_busy_fraction'], '.2f')}")
+                        progress()
                 if "decode_steps" in parts:
                     row["decode_steps"] = []
                     for b in ((2, 4) if tiny else (64, 256)):

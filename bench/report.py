@@ -158,12 +158,13 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def num(value, spec: str = ".0f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def engine_markdown(engine: dict) -> list[str]:
     """The engine benchmarks (bench.engine_gpu) as tables: throughput against transformers, batch-1 decode,
     decode-step time against its floor, the targets."""
-    def num(value, spec=".0f"):
-        return "-" if value is None else format(value, spec)
-
     lines = ["## Engine", "", f"{engine.get('dtype')}, {engine.get('load_format', 'checkpoint')} weights; workload "
              f"{engine.get('workload')}; copy bandwidth {num(engine.get('copy_gbps'), '.1f')} GB/s", ""]
     rows = []
@@ -181,25 +182,39 @@ def engine_markdown(engine: dict) -> list[str]:
     lines += [_md_table(["model", "engine out tok/s", "transformers out tok/s", "ratio", "batch-1 tok/s",
                          "batch-1 frac of copy BW", "decode step"], rows), ""]
     for name, row in engine.get("models", {}).items():
-        prof = row.get("profile")
-        if not prof:
-            continue
-        lines += [f"Where a step's time goes ({name}, {prof['steps']} steps of the workload under torch.profiler): "
-                  f"{prof['step_ms']:.2f} ms a step, {prof['execute_model_ms']:.2f} ms of it in execute_model; "
-                  f"GPU kernels {prof['kernel_ms_per_step']:.2f} ms a step (busy "
-                  f"{num(prof['gpu_busy_fraction'], '.2f')}).", ""]
-        if prof.get("top_kernels"):
-            lines += [_md_table(["CUDA kernel", "ms a step", "calls"],
-                                [[k["name"], f"{k['ms_per_step']:.3f}", str(k["calls"])] for k in prof["top_kernels"]]),
-                      ""]
-        lines += [_md_table(["CPU op", "self ms a step", "calls"],
-                            [[k["name"], f"{k['self_ms_per_step']:.3f}", str(k["calls"])]
-                             for k in prof["top_cpu_ops"]]), ""]
+        for label, prof in ((name, row.get("profile")), (f"{name}, batch 1", (row.get("batch1") or {}).get("profile"))):
+            if prof:
+                lines += _profile_lines(label, prof)
     if engine.get("targets"):
         lines += [_md_table(["target", "value", "status"],
                             [[t["target"], num(t["value"], ".3f"), t["status"] + (f" ({t['note']})" if t.get("note")
                                                                                   else "")]
                              for t in engine["targets"]]), ""]
+    return lines
+
+
+def _profile_lines(name: str, prof: dict) -> list[str]:
+    """bench.engine_gpu's step profile as markdown: the torch.profiler summary, top kernels and CPU ops, and the
+    cProfile pass's Python functions."""
+    lines = [f"Where a step's time goes ({name}, {prof['steps']} steps of the workload under torch.profiler): "
+             f"{prof['step_ms']:.2f} ms a step, {prof['execute_model_ms']:.2f} ms of it in execute_model; "
+             f"GPU kernels {prof['kernel_ms_per_step']:.2f} ms a step (busy "
+             f"{num(prof['gpu_busy_fraction'], '.2f')}).", ""]
+    if prof.get("top_kernels"):
+        lines += [_md_table(["CUDA kernel", "ms a step", "calls"],
+                            [[k["name"], f"{k['ms_per_step']:.3f}", str(k["calls"])] for k in prof["top_kernels"]]),
+                  ""]
+    lines += [_md_table(["CPU op", "self ms a step", "calls"],
+                        [[k["name"], f"{k['self_ms_per_step']:.3f}", str(k["calls"])]
+                         for k in prof["top_cpu_ops"]]), ""]
+    python = prof.get("python")
+    if python:
+        lines += [f"The next {python['steps']} steps: {python['step_ms_unprofiled']:.2f} ms a step without a profiler, "
+                  f"{python['step_ms_under_cprofile']:.2f} ms under cProfile, whose functions with the most own time "
+                  "are:", "",
+                  _md_table(["function", "own ms a step", "cumulative ms a step", "calls a step"],
+                            [[f["function"], f"{f['own_ms_per_step']:.3f}", f"{f['cumulative_ms_per_step']:.3f}",
+                              f"{f['calls_per_step']:.1f}"] for f in python["top_own_time"]]), ""]
     return lines
 
 

@@ -1,0 +1,23 @@
+"""bench.engine_gpu's pieces that decide what a GPU run reports (the run itself: test_gpu_suite_dry_run.py)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from bench.engine_gpu import check_generate_batch
+
+
+def _out(tokens: int, error: str | None = None) -> SimpleNamespace:
+    return SimpleNamespace(generated_tokens=list(range(tokens)), error=error)
+
+
+def test_generate_batch_results_count_only_when_every_request_came_back_whole():
+    check_generate_batch({"a": _out(8), "b": _out(9)}, [8, 8])  # more than asked is fine (grouped max)
+    # transformers 5.17 on the H100 returned every request with an error and raised nothing; the suite then
+    # reported 42,771 tok/s for requests that generated nothing
+    with pytest.raises(RuntimeError, match="2 of 2 requests failed: Inplace update"):
+        check_generate_batch({"a": _out(0, "Inplace update to inference tensor"), "b": _out(0, "x")}, [8, 8])
+    with pytest.raises(RuntimeError, match="1 of 2 requests missing"):
+        check_generate_batch({"a": _out(8)}, [8, 8])
+    with pytest.raises(RuntimeError, match="came back short"):
+        check_generate_batch({"a": _out(8), "b": _out(3)}, [8, 8])
