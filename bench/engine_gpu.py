@@ -134,15 +134,17 @@ def engine_throughput(llm, requests, temperature: float, budget: Budget) -> dict
     """All requests queued at once, stepped until done; past the budget the rest is aborted and the result
     says so (``complete`` False, tokens/s over what ran)."""
     from engine import SamplingParams
+    from engine.sampling_params import RequestOutputKind
 
     engine = llm.llm_engine
     warm_up = [{"prompt_token_ids": list(range(1, 17))}] * 2
     llm.generate(warm_up, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     synchronize(engine.device)
     start = time.perf_counter()
-    for i, (prompt, n) in enumerate(requests):
+    for i, (prompt, n) in enumerate(requests):  # FINAL_ONLY, as LLM.generate (nano-vllm's protocol calls generate)
         engine.add_request(f"bench-{i}", {"prompt_token_ids": prompt},
-                           SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True))
+                           SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True,
+                                          output_kind=RequestOutputKind.FINAL_ONLY))
     outputs, complete = {}, True
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -171,11 +173,13 @@ def step_profile(llm, requests, temperature: float, steps: tuple[int, int] = PRO
     from torch.profiler import ProfilerActivity, profile
 
     from engine import SamplingParams
+    from engine.sampling_params import RequestOutputKind
 
     engine = llm.llm_engine
     for i, (prompt, n) in enumerate(requests):
         engine.add_request(f"profile-{i}", {"prompt_token_ids": prompt},
-                           SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True))
+                           SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True,
+                                          output_kind=RequestOutputKind.FINAL_ONLY))
     executor = engine.executor
     real_execute = executor.execute_model
     inside = [0.0]
