@@ -159,6 +159,7 @@ def _matmul_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> No
 def _dequantize_tile(
     q,  # (TILE_K, BLOCK_N) uint8 / float8 weight values
     k_offs,  # (TILE_K,) the tile's weight columns
+    k_mask,  # (TILE_K,) k_offs < K
     k0,  # first column of the whole K tile
     offs_n,  # (BLOCK_N,)
     n_mask,
@@ -181,10 +182,14 @@ def _dequantize_tile(
         else:
             w = (qf - default_zero) * s[None, :]
     else:
+        # Columns past K (the last tile's tail) would name a group past the row's last one, past the
+        # tensor's end for the last row: garbage there (NaN, inf) times the masked-out zero activation
+        # is NaN, so they are masked too.
         ptrs = offs_n[None, :] * stride_s_n + (k_offs // group_size)[:, None]  # (TILE_K, BLOCK_N)
-        s = tl.load(scales_ptr + ptrs, mask=n_mask[None, :], other=0.0).to(tl.float32)
+        sz_mask = k_mask[:, None] & n_mask[None, :]
+        s = tl.load(scales_ptr + ptrs, mask=sz_mask, other=0.0).to(tl.float32)
         if HAS_ZEROS:
-            z = tl.load(zeros_ptr + ptrs, mask=n_mask[None, :], other=0.0).to(tl.float32)
+            z = tl.load(zeros_ptr + ptrs, mask=sz_mask, other=0.0).to(tl.float32)
             w = (qf - z) * s
         else:
             w = (qf - default_zero) * s
@@ -244,9 +249,9 @@ def _wq_gemm_kernel(
             k_mask = k_lo < K  # K is a multiple of 32: the high column is in range iff the low one is
             # B : (BLOCK_K / 2, BLOCK_N) uint8
             B = tl.load(w_rows + (k0 // 2 + c)[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0)
-            W_lo = _dequantize_tile(B & 0xF, k_lo, k0, offs_n, n_mask, scales_ptr, zeros_ptr, stride_s_n, group_size,
+            W_lo = _dequantize_tile(B & 0xF, k_lo, k_mask, k0, offs_n, n_mask, scales_ptr, zeros_ptr, stride_s_n, group_size,
                                     default_zero, HAS_ZEROS, SCALE_PER_TILE)
-            W_hi = _dequantize_tile(B >> 4, k_lo + 16, k0, offs_n, n_mask, scales_ptr, zeros_ptr, stride_s_n,
+            W_hi = _dequantize_tile(B >> 4, k_lo + 16, k_mask, k0, offs_n, n_mask, scales_ptr, zeros_ptr, stride_s_n,
                                     group_size, default_zero, HAS_ZEROS, SCALE_PER_TILE)
             x_mask = m_mask[:, None] & k_mask[None, :]
             # X_lo, X_hi : (BLOCK_M, BLOCK_K / 2), the activation columns matching the nibbles
@@ -261,7 +266,7 @@ def _wq_gemm_kernel(
             Q = tl.load(w_rows + k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0)
             if WEIGHT_FORMAT == 2:
                 Q = _e4m3_to_float(Q)
-            W = _dequantize_tile(Q, k, k0, offs_n, n_mask, scales_ptr, zeros_ptr, stride_s_n, group_size,
+            W = _dequantize_tile(Q, k, k_mask, k0, offs_n, n_mask, scales_ptr, zeros_ptr, stride_s_n, group_size,
                                  default_zero, HAS_ZEROS, SCALE_PER_TILE)
             X = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
             acc = tl.dot(X, W.to(X.dtype), acc, input_precision=DOT_PRECISION)

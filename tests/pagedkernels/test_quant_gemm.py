@@ -126,6 +126,28 @@ def test_wq_gemm_half_precision(backend, dtype, M, N, K, bits, group_size, devic
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("M,N,K,bits,group_size", [CASES[0], CASES[3], CASES[8]])
+def test_reads_nothing_past_scales_and_zeros(backend, M, N, K, bits, group_size, device):
+    """Scales and zeros end where NaNs begin: a kernel that reads one group past a row's last (the K
+    tail of the last tile, the last row) turns a masked-out product into NaN. (It did, in the Triton
+    path, whenever the allocator left a NaN there: about one run in fifty.)"""
+    gen = torch.Generator().manual_seed(N + K)
+    qweight, scales, zeros, weight = _weight(N, K, bits, group_size, False, gen)
+
+    def followed_by_nans(t):
+        buffer = torch.full((t.numel() + 256,), float("nan"), dtype=t.dtype, device=device)
+        buffer[:t.numel()] = t.reshape(-1).to(device)
+        return buffer[:t.numel()].view(t.shape)
+
+    x = torch.randn(M, K, generator=gen)
+    with pk.use_backend(backend):
+        out = pk.wq_gemm(x.to(device), qweight.to(device), followed_by_nans(scales), followed_by_nans(zeros),
+                         bits=bits, group_size=group_size)
+    assert torch.isfinite(out).all()
+    assert_gemm_close(out, x, weight, backend, msg=f"{backend} {M}x{N}x{K} g{group_size}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_out_argument_and_strided_rows(backend, device):
     """x and out as row-strided views (a slice of wider buffers); only out's columns are written."""
     gen = torch.Generator().manual_seed(3)
