@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 from contextlib import asynccontextmanager
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -143,8 +144,9 @@ class _APIKeyMiddleware:
 def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key: str | None = None,
               chat_template: str | None = None, trust_request_chat_template: bool = False,
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None) -> FastAPI:
-    """The server app around a (not yet started) AsyncLLMEngine; the step loop starts with the app.
+              reasoning_parser: str | None = None, on_ready: Callable[[], None] | None = None) -> FastAPI:
+    """The server app around a (not yet started) AsyncLLMEngine; the step loop starts with the app, and
+    on_ready is called once its start-up is done (the engine started, the chat-template workers imported).
 
     chat_template: the template text to use instead of the tokenizer's. trust_request_chat_template: let requests
     bring their own (it runs on the server). enable_auto_tool_choice with tool_call_parser ("hermes",
@@ -162,6 +164,9 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key:
     async def lifespan(app: FastAPI):
         engine.start()
         engine.chat_template_sandbox.start()   # its processes import the renderer now, not on the first chat
+        await asyncio.get_running_loop().run_in_executor(None, engine.chat_template_sandbox.wait_started)
+        if on_ready is not None:
+            on_ready()
         yield
         await engine.shutdown()
 
@@ -327,13 +332,13 @@ def _listen_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
     if reuse_port:   # several API server processes accept on one port (the kernel spreads the connections)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
-    # Listening from here on: connections made once the address is announced queue until uvicorn accepts them
-    # (it only listens when its start-up is done, which would refuse them meanwhile).
+    # Listening from here on: a connection made before uvicorn accepts (its start-up done, when the address is
+    # announced) queues instead of being refused.
     sock.listen(2048)
     return sock
 
 
-def _frontend_app(args, address: str, info: dict):
+def _frontend_app(args, address: str, info: dict, on_ready: Callable[[], None] | None = None):
     from engine.mp_engine import MPAsyncLLMEngine
 
     engine = MPAsyncLLMEngine(address, info)
@@ -341,15 +346,17 @@ def _frontend_app(args, address: str, info: dict):
                     chat_template=load_chat_template(args.chat_template),
                     trust_request_chat_template=args.trust_request_chat_template,
                     enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-                    reasoning_parser=args.reasoning_parser)
+                    reasoning_parser=args.reasoning_parser, on_ready=on_ready)
     return engine, app
 
 
-def _run_frontend(args, address: str, info: dict, sock: socket.socket) -> int:
-    """Serve HTTP on `sock` with a front end of the core at `address` until shut down (0) or the core dies (1)."""
+def _run_frontend(args, address: str, info: dict, sock: socket.socket,
+                  on_ready: Callable[[], None] | None = None) -> int:
+    """Serve HTTP on `sock` with a front end of the core at `address` until shut down (0) or the core dies (1);
+    on_ready is called once the app's start-up is done."""
     import uvicorn
 
-    engine, app = _frontend_app(args, address, info)
+    engine, app = _frontend_app(args, address, info, on_ready)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level))
     core_died = []
 
@@ -375,10 +382,12 @@ def _frontend_process_main(args, address: str, info: dict, port: int, ready) -> 
 
     logging.basicConfig(level=logging.INFO)
     sock = _listen_socket(args.host, port, reuse_port=True)
-    ready.send(os.getpid())
-    ready.close()
     signal.signal(signal.SIGTERM, _interrupt)
-    raise SystemExit(_run_frontend(args, address, info, sock))
+
+    def on_ready() -> None:
+        ready.send(os.getpid())
+        ready.close()
+    raise SystemExit(_run_frontend(args, address, info, sock, on_ready))
 
 
 def run_server(args) -> None:
@@ -405,8 +414,10 @@ def run_server(args) -> None:
     previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)
     try:
         if count == 1:
-            print(f"serving {name!r} on http://{args.host}:{port} (engine core: pid {core.process.pid})", flush=True)
-            status = _run_frontend(args, core.address, core.info, sock)
+            def announce() -> None:   # once requests are served at once (not queued behind the start-up)
+                print(f"serving {name!r} on http://{args.host}:{port} (engine core: pid {core.process.pid})",
+                      flush=True)
+            status = _run_frontend(args, core.address, core.info, sock, announce)
         else:
             status = _supervise(args, core, port, count, name, sock)
     except KeyboardInterrupt:
@@ -438,7 +449,7 @@ def _supervise(args, core, port: int, count: int, name: str, sock: socket.socket
             process.start()
             sender.close()
             frontends.append(process)
-            if not receiver.poll(120) or not isinstance(receiver.recv(), int):
+            if not receiver.poll(300) or not isinstance(receiver.recv(), int):
                 raise RuntimeError(f"API server process {i} did not start")
         sock.close()
         print(f"serving {name!r} on http://{args.host}:{port} ({count} API server processes, engine core: pid "
