@@ -250,7 +250,18 @@ def test_a_heavy_n_request_leaves_others_within_3x_their_latency(served):
         served.client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=16,
                                          temperature=0.0, extra_body={"ignore_eos": True})
         return time.monotonic() - start
-    unloaded = statistics.median(ordinary() for _ in range(3))
+    # Unloaded latency once the server is quiet: a fresh server, or one whose chat-template workers were just
+    # replaced (the looping-template tests above kill them), spends seconds warming up in the background, and
+    # on two cores that made the first ten or so requests 2-6x slower than the rest (measured here: 0.1-2.8 s,
+    # then 0.068 s each). Settled: the last three within 25% of each other.
+    recent: list[float] = []
+    deadline = time.monotonic() + 60
+    while True:
+        recent = (recent + [ordinary()])[-3:]
+        if len(recent) == 3 and max(recent) <= 1.25 * min(recent):
+            break
+        assert time.monotonic() < deadline, f"the unloaded latency never settled: {recent}"
+    unloaded = statistics.median(recent)
     with ThreadPoolExecutor(1) as pool:
         heavy = pool.submit(served.client.completions.create, model=MODEL, prompt="hello", n=256, max_tokens=64,
                             temperature=1.0, extra_body={"ignore_eos": True})
