@@ -212,7 +212,17 @@ class Scheduler:
             if group.forked or group.beam is not None or seq.num_computed_tokens + num_new_tokens < seq.num_tokens:
                 continue
             group.forked = True
-            forks += [(self.fork(seq, index), seq) for index in range(1, group.n)]
+            # A fork sampling now takes a row of this step. Admission counts a request's fair share, not its n,
+            # so an n = max_num_seqs request admitted beside another had more forks than rows (the step failed,
+            # and both requests with it): the forks past the rows left wait their turn, their prompt computed
+            # but for its last token, which they compute themselves (a copy of the shared last block) to sample.
+            room = max(self.max_num_seqs - len(scheduled) - len(forks), 0)
+            for index in range(1, group.n):
+                child = self.fork(seq, index)
+                if index <= room:
+                    forks.append((child, seq))
+                else:
+                    child.num_computed_tokens = seq.num_tokens - 1
         return forks
 
     def _worker_output(self, scheduled: list[tuple[Sequence, int]], forks: list[tuple[Sequence, Sequence]],

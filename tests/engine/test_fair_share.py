@@ -51,3 +51,40 @@ def test_a_heavy_request_takes_its_share_while_another_runs(llama_dir):
 def test_a_request_alone_runs_all_its_sequences(llama_dir):
     _, rows = run(llama_dir, 4, light=False)
     assert max(heavy for heavy, _, _ in rows[1:]) == 16
+
+
+def test_an_n_max_num_seqs_request_admitted_beside_another_forks_within_the_rows(llama_dir):
+    """Admission counts a request's share, not its n: an n = max_num_seqs request and a light one admitted in one
+    step had 16 forks + 1 rows for 16 (the step failed, and both requests with it). The forks past the step's
+    rows compute their prompt's last token themselves later; greedy tokens are those of the requests run alone."""
+    def engine_for(limit):
+        return make_engine(llama_dir, max_model_len=128, num_kv_blocks=256, max_num_seqs=16,
+                           max_num_seqs_per_request=limit)
+
+    def outputs(engine):
+        finished = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    assert out.error is None, out.error
+                    finished[out.request_id] = [c.token_ids for c in out.outputs]
+        return finished
+
+    alone = {}
+    for name, prompt, params in (("light", PROMPT_LIGHT, LIGHT), ("heavy", PROMPT_HEAVY, HEAVY)):
+        engine = engine_for(None)
+        engine.add_request(name, {"prompt_token_ids": prompt}, params)
+        alone.update(outputs(engine))
+    engine = engine_for(4)
+    rows = []
+    original = engine.executor.execute_model
+
+    def spy(scheduler_output):
+        rows.append(len(set(scheduler_output.num_scheduled_tokens) | set(scheduler_output.sample_from)))
+        return original(scheduler_output)
+    engine.executor.execute_model = spy
+    engine.add_request("light", {"prompt_token_ids": PROMPT_LIGHT}, LIGHT)
+    engine.add_request("heavy", {"prompt_token_ids": PROMPT_HEAVY}, HEAVY)
+    together = outputs(engine)
+    assert together == alone
+    assert rows[0] == 16 and max(rows) <= 16
