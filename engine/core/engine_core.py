@@ -391,6 +391,17 @@ def _param_of(error: ValueError) -> str | None:
     return word if word.isidentifier() else None
 
 
+def freeze_startup_objects() -> None:
+    """Move every object alive now (modules, the model's Python objects, tokenizer, caches) out of the garbage
+    collector's reach, as vLLM does after start-up: they live as long as the process, and a full collection
+    traversed them all. In the serving core one took 147 ms (tiny Llama; a step is 1-15 ms), every few seconds
+    under load: a pause in every running request's stream."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def run_engine_core(engine_args_fields: dict, address: str, parent_pid: int, ready_pipe) -> None:
     """The core process's entry point (multiprocessing spawn): build the engine, say it is ready (or why it is
     not) on ready_pipe, then serve until the parent is gone or the front ends are."""
@@ -406,6 +417,7 @@ def run_engine_core(engine_args_fields: dict, address: str, parent_pid: int, rea
 
         engine = EngineArgs(**engine_args_fields).create_engine()
         core = EngineCore(engine, address, parent_pid=parent_pid)
+        freeze_startup_objects()
         ready_pipe.send(("ready", core.info()))
         ready_pipe.close()
     except BaseException as e:   # noqa: BLE001 - tell the parent why, then exit
