@@ -249,8 +249,8 @@ def _wq_gemm_kernel(
             k_mask = k_lo < K  # K is a multiple of 32: the high column is in range iff the low one is
             # B : (BLOCK_K / 2, BLOCK_N) uint8
             B = tl.load(w_rows + (k0 // 2 + c)[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0)
-            W_lo = _dequantize_tile(B & 0xF, k_lo, k_mask, k0, offs_n, n_mask, scales_ptr, zeros_ptr, stride_s_n, group_size,
-                                    default_zero, HAS_ZEROS, SCALE_PER_TILE)
+            W_lo = _dequantize_tile(B & 0xF, k_lo, k_mask, k0, offs_n, n_mask, scales_ptr, zeros_ptr, stride_s_n,
+                                    group_size, default_zero, HAS_ZEROS, SCALE_PER_TILE)
             W_hi = _dequantize_tile(B >> 4, k_lo + 16, k_mask, k0, offs_n, n_mask, scales_ptr, zeros_ptr, stride_s_n,
                                     group_size, default_zero, HAS_ZEROS, SCALE_PER_TILE)
             x_mask = m_mask[:, None] & k_mask[None, :]

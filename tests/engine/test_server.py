@@ -374,7 +374,6 @@ def test_accepted_connections_have_nodelay(listener):
         sock = _listen_socket("127.0.0.1", 0, reuse_port=False)
     else:
         sock = ServerThread(None).sock   # never started: only its socket is used
-        sock.listen(8)
 
     async def main() -> int:
         accepted = asyncio.get_running_loop().create_future()

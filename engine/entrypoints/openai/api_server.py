@@ -281,7 +281,6 @@ def _respond(result):
 def serve_engine_args(args):
     """The EngineArgs of `serve`'s arguments, with the server's defaults (fair share of a step)."""
     from engine.engine_args import EngineArgs
-
     from engine.platform import DevicePolicy, resolve_device
 
     engine_args = EngineArgs.from_cli_args(args)
@@ -496,8 +495,7 @@ class ServerThread:
 
         import uvicorn
 
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)   # see _listen_socket
-        self.sock.bind((host, 0))
+        self.sock = _listen_socket(host, 0, reuse_port=False)
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
