@@ -29,6 +29,9 @@ class DevicePolicy:
     compile_by_default: bool
     # Pure-decode batches replay CUDA graphs (captured at start-up for the whole ladder).
     cuda_graphs: bool
+    # Pure-decode batches replay CPU graphs of the native kernels (pagedkernels.cpu_graph, captured on first use
+    # per ladder size) unless enforce_eager: a decode step's ~330 kernel calls without the Python between them.
+    cpu_graphs: bool
     # Float32 linears go to oneDNN with prepacked weights (engine/layers/linear.py).
     prepack_linears: bool
     # Half-precision checkpoints run in float32 (CPU half-precision matmuls and attention are slow or missing).
@@ -47,7 +50,8 @@ class DevicePolicy:
         device = torch.device(device)
         on_gpu = device.type == "cuda"
         return cls(device=device, default_max_num_batched_tokens=8192 if on_gpu else 1024,
-                   compile_by_default=on_gpu, cuda_graphs=on_gpu, prepack_linears=not on_gpu,
+                   compile_by_default=on_gpu, cuda_graphs=on_gpu, cpu_graphs=not on_gpu,
+                   prepack_linears=not on_gpu,
                    upcast_half_precision=not on_gpu, profile_gpu_memory=on_gpu,
                    serve_max_num_seqs_per_request=32 if on_gpu else 16)
 

@@ -34,6 +34,8 @@ import numpy as np
 import torch
 
 import pagedkernels as pk
+from pagedkernels import _native as pk_native
+from pagedkernels.cpu_graph import CPUGraph, GraphCaptureError
 from engine.config import EngineConfig, ModelConfig, kv_cache_torch_dtype
 from engine.distributed.communication import min_over_ranks
 from engine.distributed.parallel_state import get_tp_world_size, num_kv_heads_per_rank
@@ -134,9 +136,20 @@ class ModelRunner:
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.policy = DevicePolicy.for_device(self.device)
         enforce_eager = engine_config.enforce_eager
-        # CUDA graphs on CUDA; elsewhere only when a graph-runner class is given (tests' CPU double).
+        if compile_model is None:
+            env = os.environ.get("ENGINE_COMPILE", "").strip()
+            # as in vLLM, enforce_eager means no torch.compile either
+            compile_model = (env not in ("0", "false", "False") if env
+                             else self.policy.compile_by_default and not enforce_eager)
+        self.compiled = bool(compile_model)
+        # CUDA graphs on CUDA; CPU graphs of the native kernels on CPU (pagedkernels.cpu_graph) for an eager forward
+        # (inductor's own kernels are not recorded) on one rank (nor are collectives); a given graph-runner class
+        # (tests' CPU double) anywhere.
         if graph_runner_class is None and self.policy.cuda_graphs:
             graph_runner_class = CUDAGraphRunner
+        elif (graph_runner_class is None and self.policy.cpu_graphs and not enforce_eager and not self.compiled
+              and get_tp_world_size() == 1 and pk_native.library() is not None):
+            graph_runner_class = CPUGraph
         self.graph_runner_class = graph_runner_class
         self.enforce_eager = enforce_eager or graph_runner_class is None
         spec = engine_config.speculative_config
@@ -147,12 +160,6 @@ class ModelRunner:
         self.num_kv_heads = num_kv_heads_per_rank(model_config.num_key_value_heads)
         torch.manual_seed(engine_config.seed)
 
-        if compile_model is None:
-            env = os.environ.get("ENGINE_COMPILE", "").strip()
-            # as in vLLM, enforce_eager means no torch.compile either
-            compile_model = (env not in ("0", "false", "False") if env
-                             else self.policy.compile_by_default and not enforce_eager)
-        self.compiled = bool(compile_model)
         num_kv_blocks, gpu_memory_utilization = cache_config.num_gpu_blocks_override, cache_config.gpu_memory_utilization
         # The KV cache's budget on a GPU is measured (engine/worker/memory.py): counters from before the weights.
         # `memory`: the counters to use instead of the device's (a test double; it turns profiling on anywhere).
@@ -189,7 +196,11 @@ class ModelRunner:
                                       vocab_size=model_config.vocab_size, device=self.device)
         self.sampler = Sampler(seed=engine_config.seed, device=self.device)
         # Decode batch sizes a CUDA graph is captured for (a batch pads up to the next one).
-        self.graph_batch_sizes = graph_batch_sizes(max_num_seqs)
+        # On CPU every batch size gets its own graph: a padding row costs its share of every product there (not
+        # so on a GPU, where a decode step's rows are nearly free), and a CPU graph after the first is captured
+        # by the step that first needs it, for the cost of that step.
+        self.graph_batch_sizes = (list(range(1, max_num_seqs + 1)) if graph_runner_class is CPUGraph
+                                  else graph_batch_sizes(max_num_seqs))
         self.graphs: dict[int, object] = {}  # padded batch size -> captured graph runner
         if not self.enforce_eager:
             self._allocate_static_buffers()
@@ -820,7 +831,17 @@ class ModelRunner:
         self.static_block_tables[:num_seqs, :meta.block_tables.shape[1]].copy_(meta.block_tables)
         runner = self.graphs.get(batch_size)
         if runner is None:
-            runner = self.graphs[batch_size] = self._capture_decode_graph(batch_size)
+            try:
+                runner, output = self._capture_decode_graph(batch_size)
+                self.graphs[batch_size] = runner
+                if output is not None:   # a CPU graph's recording run was this step's forward
+                    return output[:num_seqs]
+            except GraphCaptureError as error:
+                # This model's decode step cannot be a CPU graph (it computes outside the native kernels in a
+                # way a replay cannot follow): decode eagerly from now on, as enforce_eager would.
+                logger.warning("decode graphs are off for this model: %s", error)
+                self.enforce_eager = True
+                return self._forward(input_ids, positions, meta)
         return runner.replay()[:num_seqs]
 
     def capture_all_graphs(self) -> None:
@@ -830,19 +851,27 @@ class ModelRunner:
         with torch.inference_mode():
             for batch_size in reversed(self.graph_batch_sizes):
                 if batch_size not in self.graphs:
-                    self.graphs[batch_size] = self._capture_decode_graph(batch_size)
+                    self.graphs[batch_size] = self._capture_decode_graph(batch_size)[0]
         logger.info("captured %d decode graphs (batch sizes %s) in %.1f s", len(self.graph_batch_sizes),
                     self.graph_batch_sizes, time.perf_counter() - start)
 
-    def _capture_decode_graph(self, batch_size: int):
+    def _capture_decode_graph(self, batch_size: int) -> tuple[object, torch.Tensor | None]:
+        """The graph runner of `batch_size`, captured on the static buffers, and the output of its capture's
+        forward on them when that is this step's result (a CPU graph's), else None."""
         meta = AttentionMetadata(slot_mapping=self.static_slot_mapping[:batch_size],
                                  block_tables=self.static_block_tables[:batch_size],
                                  seq_lens=self.static_seq_lens[:batch_size],
                                  cu_seqlens_q=self.static_cu_seqlens_q[:batch_size + 1], is_decode=True)
         input_ids, positions = self.static_input_ids[:batch_size], self.static_positions[:batch_size]
         runner = self.graph_runner_class(self.graph_pool)
-        runner.capture(lambda: self._forward(input_ids, positions, meta))
-        return runner
+        forward = lambda: self._forward(input_ids, positions, meta)  # noqa: E731
+        if isinstance(runner, CPUGraph):
+            # The first CPU graph warms up and checks its replay against the recorded run; the others record
+            # the same forward at another size, and their recording run serves the step that needed them.
+            first = not self.graphs
+            return runner, runner.capture(forward, warm_up=first, check=first)
+        runner.capture(forward)
+        return runner, None
 
     def copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks ``src -> dst`` in every layer (copy-on-write)."""

@@ -1,4 +1,4 @@
-"""Decode-graph logic of the ModelRunner on CPU, through the graph-runner test double.
+"""Decode-graph logic of the ModelRunner on CPU, through the graph-runner test double, and the CPU graphs.
 
 The double (EagerGraphRunner) captures by recording the forward on the static buffers and replays by
 calling it again, so everything but the CUDA graph itself runs here: the padding ladder, the copy
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine.worker.model_runner import EagerGraphRunner, ModelRunner, graph_batch_sizes
+from pagedkernels.cpu_graph import CPUGraph
 from tests.engine.models_util import engine_config, random_token_ids
 from tests.engine.test_model_runner import BLOCK_SIZE, Seq, scatter_blocks
 
@@ -145,15 +146,62 @@ def test_graphs_captured_at_startup_for_the_whole_ladder(tiny_model_dir, monkeyp
     assert [r["batch_size"] for r in RecordingGraphRunner.replays] == [4, 1, 8, 4]
 
 
-def test_no_graphs_with_enforce_eager_or_without_a_runner_class(tiny_model_dir, monkeypatch):
+def test_no_graphs_with_enforce_eager(tiny_model_dir, monkeypatch):
     model_dir = tiny_model_dir("llama")
     monkeypatch.setattr(RecordingGraphRunner, "replays", [])
     for runner in (make_runner(model_dir, enforce_eager=True, graph_runner_class=RecordingGraphRunner),
-                   make_runner(model_dir, enforce_eager=False)):  # CPU: no CUDA graphs by default
+                   make_runner(model_dir, enforce_eager=True)):
         assert runner.enforce_eager
         _run(runner, _sequences(runner.config.vocab_size))
         assert runner.graphs == {}
     assert RecordingGraphRunner.replays == []
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3", "opt", "gemma2", "phi3"])
+def test_cpu_graphs_by_default_on_cpu_equal_eager(tiny_model_dir, arch, monkeypatch):
+    """CPU graphs of the native kernels (pagedkernels.cpu_graph) are the CPU's default: every batch size its own
+    graph (no padding), captured by the first step of that size, replayed by the next; results as eager's. The
+    tiny models' random float32 weights take oneDNN's linears, which replay as torch operations between the
+    recorded kernels; every architecture's forward records."""
+    model_dir = tiny_model_dir(arch)
+    captures = []
+    capture = CPUGraph.capture
+    monkeypatch.setattr(CPUGraph, "capture", lambda self, fn, **kw: (captures.append(kw), capture(self, fn, **kw))[1])
+    eager = make_runner(model_dir, enforce_eager=True)
+    graphed = make_runner(model_dir, enforce_eager=False)
+    assert graphed.graph_runner_class is CPUGraph and graphed.graph_batch_sizes == list(range(1, 11))
+    expected = _run(eager, _sequences(eager.config.vocab_size))
+    got = _run(graphed, _sequences(graphed.config.vocab_size))
+    for step, (a, b) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step}: {m}")
+    torch.testing.assert_close(graphed.kv_cache, eager.kv_cache, atol=1e-4, rtol=1e-4, equal_nan=True)
+    assert not graphed.enforce_eager, "the capture fell back to eager"
+    # decode steps of 3, 1, 5, 10 and 3 sequences: four captures (the first warms up and checks), one replay
+    assert sorted(graphed.graphs) == [1, 3, 5, 10]
+    assert captures == [{"warm_up": True, "check": True}] + [{"warm_up": False, "check": False}] * 3
+    assert all(g.num_kernel_calls > 0 for g in graphed.graphs.values())
+
+
+def test_a_forward_a_cpu_graph_cannot_follow_runs_eagerly(tiny_model_dir, caplog):
+    """A forward that reads a tensor value on the host (here: a wrapper around the model) cannot be replayed: the
+    capture is refused, logged once, and the runner decodes eagerly from then on with eager's results."""
+    model_dir = tiny_model_dir("llama")
+    eager = make_runner(model_dir, enforce_eager=True)
+    graphed = make_runner(model_dir, enforce_eager=False)
+    model_forward = graphed.model.forward
+
+    def reads_a_value(input_ids, positions, meta):
+        if int(input_ids.sum()) < 0:
+            raise AssertionError("unreachable")
+        return model_forward(input_ids, positions, meta)
+
+    graphed.model.forward = reads_a_value
+    with caplog.at_level("WARNING", logger="engine.worker.model_runner"):
+        got = _run(graphed, _sequences(graphed.config.vocab_size))
+    assert graphed.enforce_eager and graphed.graphs == {}
+    assert sum("decode graphs are off" in r.getMessage() for r in caplog.records) == 1
+    for a, b in zip(got, _run(eager, _sequences(eager.config.vocab_size))):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 def test_compile_choice(tiny_model_dir, monkeypatch):

@@ -1,0 +1,388 @@
+"""CPU graphs: a callable's kernel calls recorded once, then replayed from C without the Python between them.
+
+On a CPU a small model's decode step is mostly Python: SmolLM2-135M's 30 layers make ~330 native kernel calls a
+token, and each costs ~20 us of module calls, argument checks and ctypes conversion around a kernel that often
+runs for less (2-core AMD EPYC: 7.6 ms of a 15-18 ms token). CUDA graphs remove the same overhead on GPUs;
+:class:`CPUGraph` does it for pagedkernels' native CPU kernels:
+
+- ``capture(fn)`` runs ``fn`` once to warm up, then once more while recording: every native kernel call (their
+  arguments are plain integers, pointers and floats) and every torch operation that computes something (seen
+  through a ``TorchDispatchMode``; views and allocations compute nothing). The second run's output tensor is the
+  graph's output.
+- ``replay()`` runs the recorded calls again, in order: runs of consecutive kernel calls in one C call
+  (``pk_graph_replay``), the few torch operations between them (an embedding lookup, a bias) through torch, their
+  results copied into the tensors the recording run produced. It returns the output tensor, rewritten.
+
+As with CUDA graphs, a replay reads whatever the callable's input tensors hold at the time, so inputs must stay
+the same tensors (static buffers, filled before each replay), shapes are fixed, and anything the callable decides
+in Python from tensor values is frozen at capture: such decisions (``.item()``, ``.tolist()``, ops whose output
+shape depends on values) make the capture fail with :class:`GraphCaptureError`, and so does a CUDA tensor. The
+intermediate tensors of the recording run that only kernels read and write are moved into a :class:`CPUGraphPool`
+arena and laid out by their lifetimes, so a graph holds about its peak of live activations, and the graphs of one
+pool (replayed one at a time) share one arena. Work that neither pagedkernels' native kernels nor torch's
+dispatcher does (a collective of ``torch.distributed``, numpy on a tensor's memory) is not recorded: capture
+replays once and raises :class:`GraphCaptureError` when that replay's output differs from the recording run's.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import functools
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import _native
+
+# Allocations: their outputs are the graph's intermediate buffers; nothing to replay.
+_ALLOCATIONS = frozenset({
+    torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
+    torch.ops.aten.empty_strided.default, torch.ops.aten.new_empty_strided.default,
+})
+# Operations whose output is always a view of their first argument (no compute, no allocation).
+_VIEWS = frozenset({
+    torch.ops.aten.view.default, torch.ops.aten.split_with_sizes.default, torch.ops.aten.split.Tensor,
+    torch.ops.aten.slice.Tensor, torch.ops.aten.select.int, torch.ops.aten.t.default,
+    torch.ops.aten.transpose.int, torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim,
+    torch.ops.aten.permute.default, torch.ops.aten.expand.default, torch.ops.aten.as_strided.default,
+    torch.ops.aten.alias.default, torch.ops.aten.detach.default, torch.ops.aten.unbind.int,
+})
+_ALIGN = 64
+
+
+class GraphCaptureError(RuntimeError):
+    """The callable cannot be replayed as a CPU graph (see the module docstring for what makes it so)."""
+
+
+class CPUGraphPool:
+    """The arena the intermediate tensors of a family of graphs live in. The graphs of one pool must not replay
+    concurrently (they overwrite each other's intermediates); the arena grows to the largest graph's need."""
+
+    def __init__(self) -> None:
+        self.arena = torch.empty(0, dtype=torch.uint8)
+        self.version = 0
+
+    def reserve(self, nbytes: int) -> None:
+        if nbytes > self.arena.numel():
+            self.arena = torch.empty(nbytes, dtype=torch.uint8)
+            self.version += 1
+
+
+@dataclass
+class _NativeCall:
+    kind: int
+    name: str
+    ints: list[int]
+    floats: list[float]
+    pointer_slots: list[int]   # indices into ints that hold pointers
+
+
+@dataclass
+class _TorchCall:
+    func: object
+    args: tuple
+    kwargs: dict
+    outputs: list[torch.Tensor]
+
+
+@dataclass
+class _ArenaView:
+    """Where a tensor of an intermediate buffer lives in the pool's arena: its buffer's offset (bytes) and its
+    dtype, shape, strides and storage offset (elements) within that buffer."""
+    offset: int
+    dtype: torch.dtype
+    size: tuple
+    stride: tuple
+    storage_offset: int
+
+    @classmethod
+    def of(cls, t: torch.Tensor, offset: int) -> "_ArenaView":
+        return cls(offset, t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
+
+    def tensor(self, arena: torch.Tensor) -> torch.Tensor:
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        return torch.empty(0, dtype=self.dtype).set_(arena.untyped_storage(), self.offset // itemsize
+                                                     + self.storage_offset, self.size, self.stride)
+
+
+@dataclass
+class _TorchStep:
+    """A recorded torch operation as it replays: its tensors of intermediate buffers as arena views."""
+    func: object
+    arg_templates: tuple
+    output_templates: list
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    outputs: list = field(default_factory=list)
+
+
+@dataclass
+class _Segment:
+    """Consecutive kernel calls replayed by one pk_graph_replay."""
+    names: list[str]
+    calls: ctypes.Array
+    # (call index, int slot, offset in the arena): pointers into the pool's arena, rewritten when it moves
+    patches: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+class _KernelRecorder:
+    """Stands in for the native library while a graph captures: each recordable kernel call is appended to the
+    event list with its arguments, then run."""
+
+    def __init__(self, lib, events: list) -> None:
+        self._lib, self._events = lib, events
+        self._kinds = {name: kind for kind, name in enumerate(_native.GRAPH_KERNELS)}
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._lib, name)
+        kind = self._kinds.get(name)
+        if kind is None:
+            return fn
+        argtypes = _native.SIGNATURES[name]
+
+        def record(*args):
+            ints, floats, pointer_slots = [], [], []
+            for argtype, value in zip(argtypes, args, strict=True):
+                if argtype is ctypes.c_float:
+                    floats.append(float(value))
+                elif argtype is ctypes.c_void_p:
+                    pointer_slots.append(len(ints))
+                    ints.append(0 if value is None else int(value))
+                else:
+                    ints.append(int(value))
+            self._events.append(_NativeCall(kind, name, ints, floats, pointer_slots))
+            return fn(*args)
+
+        return record
+
+
+def _storage_key(t: torch.Tensor) -> int | tuple:
+    """The address of ``t``'s storage; for a tensor without one (oneDNN's opaque prepacked weights), its identity."""
+    if t.layout != torch.strided or t.is_mkldnn:
+        return ("opaque", id(t))
+    return t.untyped_storage().data_ptr()
+
+
+def _tensor_leaves(tree) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Records the torch operations that compute (not views, not allocations) and the storages created."""
+
+    def __init__(self, events: list, buffers: dict) -> None:
+        super().__init__()
+        self.events, self.buffers = events, buffers
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _VIEWS:   # the common case first, cheaply (hundreds a forward)
+            return func(*args, **kwargs)
+        tags = getattr(func, "tags", ())
+        if torch.Tag.data_dependent_output in tags or torch.Tag.dynamic_output_shape in tags:
+            raise GraphCaptureError(f"{func} reads tensor values on the host or has a value-dependent shape: "
+                                    f"a replay could not follow it")
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        out = func(*args, **kwargs)
+        outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        for t in inputs + outputs:
+            if t.device.type != "cpu":
+                raise GraphCaptureError(f"{func} has a {t.device} tensor: CPU graphs record CPU work only")
+        if func in _ALLOCATIONS:
+            self._register(outputs)
+            return out
+        input_storages = {_storage_key(t) for t in inputs}
+        if not func._schema.is_mutable and all(_storage_key(t) in input_storages for t in outputs):
+            return out   # a view: its memory is its input's
+        self.events.append(_TorchCall(func, args, kwargs, outputs))
+        self._register([t for t in outputs if _storage_key(t) not in input_storages])
+        return out
+
+    def _register(self, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            if isinstance(_storage_key(t), tuple):
+                raise GraphCaptureError(f"an intermediate without a plain storage ({t.layout}, mkldnn "
+                                        f"{t.is_mkldnn}) cannot be laid out in the arena")
+            storage = t.untyped_storage()
+            if storage.nbytes() > 0:
+                self.buffers[storage.data_ptr()] = storage
+
+
+def _assign_offsets(lifetimes: dict[int, tuple[int, int, int]]) -> tuple[dict[int, int], int]:
+    """Offsets in one arena for buffers ``key -> (nbytes, first use, last use)`` such that buffers whose uses
+    overlap never share bytes (largest first, each at the lowest offset that fits). Returns offsets, total."""
+    placed: list[tuple[int, int, int, int]] = []   # offset, end, first, last
+    offsets, total = {}, 0
+    for key, (nbytes, first, last) in sorted(lifetimes.items(), key=lambda item: -item[1][0]):
+        size = -(-nbytes // _ALIGN) * _ALIGN
+        busy = sorted((start, end) for start, end, f, l in placed if f <= last and first <= l)
+        offset = 0
+        for start, end in busy:
+            if offset + size <= start:
+                break
+            offset = max(offset, end)
+        placed.append((offset, offset + size, first, last))
+        offsets[key] = offset
+        total = max(total, offset + size)
+    return offsets, total
+
+
+class CPUGraph:
+    """One callable's work recorded for replay (see the module docstring). Same contract as the engine's CUDA
+    graph runner: ``capture(fn)`` once, then ``replay()`` any number of times, returning the same tensor."""
+
+    def __init__(self, pool: CPUGraphPool | None = None) -> None:
+        self.pool = pool if pool is not None else CPUGraphPool()
+        self.output: torch.Tensor | None = None
+        self.num_kernel_calls = 0
+        self.num_torch_calls = 0
+        self.arena_bytes = 0
+        self._steps: list[_Segment | _TorchStep] = []
+        self._output_template = None
+        self._patched_version = -1
+
+    @staticmethod
+    def new_pool(device: torch.device | None = None) -> CPUGraphPool:
+        return CPUGraphPool()
+
+    def capture(self, fn, *, warm_up: bool = True, check: bool = True) -> torch.Tensor:
+        """Record ``fn`` (a callable returning one tensor) and return the recording run's output (a tensor of
+        its own, not the graph's output buffer). ``warm_up``: run ``fn`` once before recording, so that what it
+        creates lazily on a first call is not taken for an intermediate. ``check``: replay once and compare
+        with the recording run's output. A caller recording one callable at several sizes may skip both after
+        its first capture."""
+        lib = _native.library()
+        if lib is None:
+            raise GraphCaptureError(f"CPU graphs replay pagedkernels' native kernels, which are unavailable: "
+                                    f"{_native.build_error()}")
+        if warm_up:
+            fn()
+        events: list = []
+        buffers: dict = {}
+        _native._recorder = _KernelRecorder(lib, events)
+        try:
+            with _OpRecorder(events, buffers):
+                output = fn()
+        finally:
+            _native._recorder = None
+        if not isinstance(output, torch.Tensor):
+            raise GraphCaptureError(f"the captured callable must return one tensor, got {type(output).__name__}")
+        self._build(lib, events, buffers, output)
+        if not check:
+            return output
+        expected = output
+        got = self.replay()
+        if not (torch.equal(got, expected) or bool(((got == expected) | (got.isnan() & expected.isnan())).all())):
+            raise GraphCaptureError("the replay's output differs from the recording run's: the callable does work "
+                                    "that neither pagedkernels' native kernels nor torch's dispatcher does")
+        return output
+
+    def _build(self, lib, events: list, buffers: dict, output: torch.Tensor) -> None:
+        self._lib = lib
+        bases = sorted(buffers)
+
+        def buffer_of(pointer: int) -> int | None:
+            i = bisect.bisect_right(bases, pointer) - 1
+            if i >= 0 and pointer < bases[i] + buffers[bases[i]].nbytes():
+                return bases[i]
+            return None
+
+        lifetimes: dict[int, tuple[int, int, int]] = {}
+
+        def use(base: int, index: int) -> None:
+            nbytes, first, _ = lifetimes.get(base, (buffers[base].nbytes(), index, index))
+            lifetimes[base] = (nbytes, first, index)
+
+        references = []   # (event index, slot, buffer, delta): kernel pointers into intermediate buffers
+        for index, event in enumerate(events):
+            if isinstance(event, _NativeCall):
+                for slot in event.pointer_slots:
+                    base = buffer_of(event.ints[slot])
+                    if base is not None:
+                        use(base, index)
+                        references.append((index, slot, base, event.ints[slot] - base))
+            else:
+                for t in _tensor_leaves((event.args, event.kwargs, event.outputs)):
+                    if _storage_key(t) in buffers:
+                        use(_storage_key(t), index)
+        if _storage_key(output) in buffers:   # the output lives past the last call, until the next replay
+            use(_storage_key(output), len(events))
+        offsets, self.arena_bytes = _assign_offsets(lifetimes)
+        self.pool.reserve(self.arena_bytes)
+
+        def relocated(tree):
+            """Tensors of intermediate buffers as their places in the arena (materialized by _patch)."""
+            return pytree.tree_map(lambda x: _ArenaView.of(x, offsets[_storage_key(x)])
+                                   if isinstance(x, torch.Tensor) and _storage_key(x) in buffers else x, tree)
+
+        patches_by_event: dict[int, list[tuple[int, int]]] = {}
+        for index, slot, base, delta in references:
+            patches_by_event.setdefault(index, []).append((slot, offsets[base] + delta))
+        steps: list = []
+        run: list[tuple[int, _NativeCall]] = []
+
+        def close_run() -> None:
+            if not run:
+                return
+            calls = (_native.GraphCall * len(run))()
+            segment = _Segment(names=[call.name for _, call in run], calls=calls)
+            for position, (index, call) in enumerate(run):
+                record = calls[position]
+                record.kind = call.kind
+                for slot, value in enumerate(call.ints):
+                    record.i[slot] = value
+                for slot, value in enumerate(call.floats):
+                    record.f[slot] = value
+                segment.patches.extend((position, slot, offset) for slot, offset in patches_by_event.get(index, ()))
+            steps.append(segment)
+            run.clear()
+
+        for index, event in enumerate(events):
+            if isinstance(event, _NativeCall):
+                run.append((index, event))
+            else:
+                close_run()
+                steps.append(_TorchStep(event.func, relocated((event.args, event.kwargs)), relocated(event.outputs)))
+        close_run()
+        self._steps = steps
+        self._output_template = relocated(output)
+        self.num_kernel_calls = sum(isinstance(e, _NativeCall) for e in events)
+        self.num_torch_calls = len(events) - self.num_kernel_calls
+        self._patched_version = -1
+
+    def _patch(self) -> None:
+        """Point the recorded calls at the pool's arena where it is now."""
+        arena = self.pool.arena
+        base = arena.data_ptr()
+        materialize = functools.partial(pytree.tree_map, lambda x: x.tensor(arena) if isinstance(x, _ArenaView) else x)
+        for step in self._steps:
+            if isinstance(step, _Segment):
+                for position, slot, offset in step.patches:
+                    step.calls[position].i[slot] = base + offset
+            else:
+                step.args, step.kwargs = materialize(step.arg_templates)
+                step.outputs = materialize(step.output_templates)
+        self.output = materialize(self._output_template)
+        self._patched_version = self.pool.version
+
+    def replay(self) -> torch.Tensor:
+        if not self._steps and self._output_template is None:
+            raise RuntimeError("replay() before capture()")
+        if self._patched_version != self.pool.version:
+            self._patch()
+        rc = ctypes.c_int(0)
+        for step in self._steps:
+            if isinstance(step, _Segment):
+                failed = self._lib.pk_graph_replay(step.calls, len(step.names), ctypes.byref(rc))
+                if failed >= 0:
+                    raise RuntimeError(f"CPU graph replay: {step.names[failed]} failed (code {rc.value}); a replay "
+                                       f"skips the argument checks, so its inputs must hold what eager calls accept")
+            else:
+                result = step.func(*step.args, **step.kwargs)
+                for dst, src in zip(step.outputs, _tensor_leaves(result)):
+                    if dst.data_ptr() != src.data_ptr():
+                        dst.copy_(src)
+        return self.output

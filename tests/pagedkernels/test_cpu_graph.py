@@ -1,0 +1,169 @@
+"""pagedkernels.cpu_graph: native kernel calls recorded once, replayed from C on whatever the inputs hold then; the
+torch operations between them replayed through torch; intermediates laid out in a shared arena by lifetime;
+captures that a replay could not follow refused."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import pagedkernels as pk
+from pagedkernels import _native
+from pagedkernels.cpu_graph import CPUGraph, CPUGraphPool, GraphCaptureError, _assign_offsets
+
+pytestmark = pytest.mark.skipif(_native.library() is None, reason="native CPU kernels unavailable (no C compiler)")
+
+HIDDEN, INTER = 64, 96
+
+
+def _block(gen):
+    """A decoder-like chain: norm -> gate/up product -> SiLU-and-mul -> down product + bias (a torch op) ->
+    residual norm, over the static input ``x``; returns (static inputs, callable)."""
+    weights = {
+        "norm": torch.rand(HIDDEN, generator=gen) + 0.5,
+        "up": pk.pack_w16((torch.randn(2 * INTER, HIDDEN, generator=gen) / 8).to(torch.bfloat16)),
+        "down": pk.pack_w16((torch.randn(HIDDEN, INTER, generator=gen) / 8).to(torch.bfloat16)),
+        "bias": torch.randn(HIDDEN, generator=gen),
+    }
+    x = torch.randn(3, HIDDEN, generator=gen)
+    residual = torch.randn(3, HIDDEN, generator=gen)
+
+    def fn():
+        h = pk.rms_norm(x, weights["norm"], 1e-6)
+        up = pk.w16_gemm(h, weights["up"], 2 * INTER)
+        act = pk.silu_and_mul(up)
+        down = pk.w16_gemm(act, weights["down"], HIDDEN) + weights["bias"]
+        res = residual.clone()
+        out = pk.fused_add_rms_norm(down, res, weights["norm"], 1e-6)
+        return out[0] * 2.0
+
+    return x, residual, fn
+
+
+def test_replay_follows_the_inputs_and_equals_eager():
+    gen = torch.Generator().manual_seed(0)
+    x, residual, fn = _block(gen)
+    graph = CPUGraph()
+    recorded = graph.capture(fn)
+    torch.testing.assert_close(recorded, fn(), rtol=0, atol=0)
+    # norm, two products, SiLU-and-mul, the residual norm: kernels; the bias add, the clone, the scaling: torch
+    assert graph.num_kernel_calls == 5 and graph.num_torch_calls == 3
+    for step in range(3):
+        x.copy_(torch.randn(x.shape, generator=gen))
+        residual.copy_(torch.randn(residual.shape, generator=gen))
+        out = graph.replay()
+        assert out.data_ptr() == graph.output.data_ptr(), "a replay rewrites the same output tensor"
+        torch.testing.assert_close(out, fn(), rtol=0, atol=0, msg=lambda m: f"replay {step}: {m}")
+
+
+def test_intermediates_share_the_arena_by_lifetime():
+    """Twenty chained norms: each intermediate dies after the next norm reads it, so the arena holds about two
+    of them at a time, not twenty; the replay still equals the eager chain."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 256, generator=gen)
+    weight = torch.rand(256, generator=gen) + 0.5
+
+    def chain():
+        h = x
+        for _ in range(20):
+            h = pk.rms_norm(h, weight, 1e-6)
+        return h
+
+    graph = CPUGraph()
+    graph.capture(chain)
+    one = x.numel() * x.element_size()
+    assert graph.num_kernel_calls == 20 and graph.num_torch_calls == 0
+    assert graph.arena_bytes <= 3 * one, graph.arena_bytes
+    x.copy_(torch.randn(x.shape, generator=gen))
+    torch.testing.assert_close(graph.replay(), chain(), rtol=0, atol=0)
+
+
+def test_assign_offsets_never_overlaps_live_buffers():
+    rng = random.Random(0)
+    for _ in range(200):
+        lifetimes = {}
+        for key in range(rng.randint(1, 30)):
+            first = rng.randint(0, 40)
+            lifetimes[key] = (rng.randint(1, 5000), first, first + rng.randint(0, 10))
+        offsets, total = _assign_offsets(lifetimes)
+        for a, (na, fa, la) in lifetimes.items():
+            assert offsets[a] % 64 == 0 and offsets[a] + na <= total
+            for b, (nb, fb, lb) in lifetimes.items():
+                if a < b and fa <= lb and fb <= la:   # both live at some step
+                    assert offsets[a] + na <= offsets[b] or offsets[b] + nb <= offsets[a], (a, b)
+
+
+def test_graphs_of_one_pool_replay_in_turn_after_the_arena_grows():
+    """A small graph, then a larger one that grows the shared arena (moving it): both replay correctly, in any
+    order."""
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.rand(HIDDEN, generator=gen) + 0.5
+    up = pk.pack_w16((torch.randn(2 * INTER, HIDDEN, generator=gen) / 8).to(torch.bfloat16))
+    pool = CPUGraphPool()
+    inputs, graphs = [], []
+    for rows in (1, 16):
+        x = torch.randn(rows, HIDDEN, generator=gen)
+        fn = (lambda x=x: pk.silu_and_mul(pk.w16_gemm(pk.rms_norm(x, weight, 1e-6), up, 2 * INTER)))
+        graph = CPUGraph(pool)
+        graph.capture(fn)
+        inputs.append((x, fn))
+        graphs.append(graph)
+    assert pool.version == 2, "the second graph must have grown the arena"
+    for i in (0, 1, 1, 0):
+        x, fn = inputs[i]
+        x.copy_(torch.randn(x.shape, generator=gen))
+        torch.testing.assert_close(graphs[i].replay(), fn(), rtol=0, atol=0)
+
+
+def test_host_reads_of_values_are_refused():
+    x = torch.randn(4, HIDDEN)
+    weight = torch.ones(HIDDEN)
+
+    def reads_a_value():
+        h = pk.rms_norm(x, weight, 1e-6)
+        return h * float(h.sum())
+
+    with pytest.raises(GraphCaptureError, match="host"):
+        CPUGraph().capture(reads_a_value)
+
+
+def test_work_outside_the_kernels_and_the_dispatcher_is_caught():
+    """numpy changing an intermediate in place (as a torch.distributed collective would) is invisible to both
+    recorders: the capture's check replay differs from the recording run."""
+    x = torch.randn(4, HIDDEN)
+    weight = torch.ones(HIDDEN)
+
+    def numpy_side_effect():
+        h = pk.rms_norm(x, weight, 1e-6)
+        h.numpy()[:] += 1.0
+        return pk.rms_norm(h, weight, 1e-6)
+
+    with pytest.raises(GraphCaptureError, match="differs"):
+        CPUGraph().capture(numpy_side_effect)
+
+
+def test_a_kernel_refusing_its_inputs_at_replay_raises_naming_it():
+    """Replays skip the Python argument checks; the kernels' own value checks still hold: a slot past the cache
+    written into the static slot mapping after capture makes reshape_and_cache refuse, and the replay raise."""
+    key_cache = torch.zeros(4, 8, 2, 32)
+    value_cache = torch.zeros_like(key_cache)
+    k = torch.randn(3, 2, 32)
+    slots = torch.tensor([0, 5, 9])
+
+    def write():
+        pk.reshape_and_cache(k, k, key_cache, value_cache, slots)
+        return key_cache.view(-1)[:10] * 1.0
+
+    graph = CPUGraph()
+    graph.capture(write)
+    slots[1] = 4 * 8   # one past the last slot
+    with pytest.raises(RuntimeError, match="pk_reshape_and_cache failed"):
+        graph.replay()
+
+
+def test_tensors_off_the_cpu_are_refused():
+    x = torch.empty(2, 8, device="meta")
+    with pytest.raises(GraphCaptureError, match="CPU graphs record CPU work only"):
+        CPUGraph().capture(lambda: x * 2)
