@@ -168,9 +168,13 @@ typedef struct {
     int is_signed; /* WQ8 / Q8_0: q are signed bytes */
 } bparams;
 
-static inline bparams block_params(const wdesc *w, const uint8_t *row, int64_t n_row_param, int64_t b) {
+#define PK_INLINE static inline __attribute__((always_inline))
+
+/* fmt is w->fmt; the SIMD kernel passes it as a constant, so each format gets its own copy of the loop. */
+PK_INLINE bparams block_params_of(const int fmt, const wdesc *w, const uint8_t *row, int64_t n_row_param,
+                                  int64_t b) {
     bparams p = {0.0f, 0.0f, {0, 0}, 0};
-    switch (w->fmt) {
+    switch (fmt) {
     case WQ4:
     case WQ8: {
         const int64_t g = n_row_param + (b * QK) / w->group_size;
@@ -198,11 +202,19 @@ static inline bparams block_params(const wdesc *w, const uint8_t *row, int64_t n
         break;
     }
     case Q4_1: {
+#if PK_AVX2
+        int32_t dm;
+        memcpy(&dm, row + b * 20, 4);
+        const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
+        p.mul = _mm_cvtss_f32(f);
+        p.add = _mm_cvtss_f32(_mm_movehdup_ps(f));
+#else
         uint16_t d, m;
         memcpy(&d, row + b * 20, 2);
         memcpy(&m, row + b * 20 + 2, 2);
         p.mul = half_to_float(d);
         p.add = half_to_float(m);
+#endif
         break;
     }
     case Q4_K: {
@@ -229,6 +241,10 @@ static inline bparams block_params(const wdesc *w, const uint8_t *row, int64_t n
     }
     }
     return p;
+}
+
+static inline bparams block_params(const wdesc *w, const uint8_t *row, int64_t n_row_param, int64_t b) {
+    return block_params_of(w->fmt, w, row, n_row_param, b);
 }
 
 /* Unsigned (or, is_signed, two's-complement) bytes of block b's 32 values, in value order. */
@@ -309,72 +325,107 @@ static void row_dot_scalar(const wdesc *w, const uint8_t *row, int64_t n_row_par
  * mr activation blocks in dot_u8s8; 8 float lanes accumulate mul * dx * isum per activation row and a
  * scalar the add * sx terms. Signed weights (WQ8, Q8_0) use the sign trick: |w| (unsigned) against
  * xq with w's sign. */
-static void row_dot_avx2(const wdesc *w, const uint8_t *row, int64_t n_row_param, const qrow *xs, int mr,
-                         float *out) {
-    __m256 acc[MR];
+/* One block b of the row against the mr activation rows, into acc / acc_s. */
+PK_INLINE void block_step(const int fmt, const wdesc *w, const uint8_t *row, int64_t n_row_param, const qrow *xs,
+                          const int mr, int64_t b, __m256 *acc, float *acc_s) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256i q;
+    const bparams p = block_params_of(fmt, w, row, n_row_param, b);
+    switch (fmt) {
+    case WQ4: q = unpack_nibbles16(row + b * 16); break;
+    case Q4_0: q = unpack_nibbles16(row + b * 18 + 2); break;
+    case Q4_1: q = unpack_nibbles16(row + b * 20 + 4); break;
+    case WQ8:
+        q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(row + b * 32)), _mm256_set1_epi8((char)0x80));
+        break;
+    case Q8_0: q = _mm256_loadu_si256((const __m256i *)(row + b * 34 + 2)); break;
+    case Q4_K: {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(row + (b / 8) * 144 + 16 + ((b % 8) / 2) * 32));
+        q = (b % 2) ? _mm256_and_si256(_mm256_srli_epi16(v, 4), low4) : _mm256_and_si256(v, low4);
+        break;
+    }
+    default: { /* Q6_K */
+        const uint8_t *blk = row + (b / 8) * 210;
+        const int t = (int)(b % 8), part = t % 4;
+        const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + (t / 4) * 64 + (part & 1) * 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + (t / 4) * 32));
+        const __m256i lo = (part & 2) ? _mm256_and_si256(_mm256_srli_epi16(ql, 4), low4) : _mm256_and_si256(ql, low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * part), _mm256_set1_epi8(3));
+        q = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+        break;
+    }
+    }
+    if (fmt == Q6_K) {
+        /* per-16 scales: lanes 0..3 of the int32 dot are values 0..15, lanes 4..7 values 16..31 */
+        const __m256i sc = _mm256_setr_epi32(p.sc16[0], p.sc16[0], p.sc16[0], p.sc16[0], p.sc16[1], p.sc16[1],
+                                             p.sc16[1], p.sc16[1]);
+        for (int m = 0; m < mr; m++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xs[m].xq + b * QK));
+            const __m256i d = _mm256_mullo_epi32(dot_u8s8(q, xv), sc);
+            const float f = p.mul * xs[m].dx[b];
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(f), acc[m]);
+            acc_s[m] -= 32.0f * f * (float)(p.sc16[0] * xs[m].bs16[2 * b] + p.sc16[1] * xs[m].bs16[2 * b + 1]);
+        }
+    } else if (fmt == WQ8 || fmt == Q8_0) {
+        const __m256i aq = _mm256_sign_epi8(q, q);
+        for (int m = 0; m < mr; m++) {
+            const __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xs[m].xq + b * QK)), q);
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(aq, xv)), _mm256_set1_ps(p.mul * xs[m].dx[b]),
+                                     acc[m]);
+            if (fmt == WQ8) acc_s[m] += p.add * xs[m].sx[b];
+        }
+    } else {
+        for (int m = 0; m < mr; m++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xs[m].xq + b * QK));
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(q, xv)), _mm256_set1_ps(p.mul * xs[m].dx[b]),
+                                     acc[m]);
+            acc_s[m] += p.add * xs[m].sx[b];
+        }
+    }
+}
+
+/* AVX2 row kernel: per block, the weight bytes are unpacked once into a register and meet each of the
+ * mr activation blocks in dot_u8s8; 8 float lanes accumulate mul * dx * isum per activation row and a
+ * scalar the add * sx terms. Signed weights (WQ8, Q8_0) use the sign trick: |w| (unsigned) against
+ * xq with w's sign. Even and odd blocks accumulate apart (two chains of fused multiply-adds instead of
+ * one: at one activation row the chain's latency, not the work, bounds a block). */
+PK_INLINE void row_dot_avx2_of(const int fmt, const wdesc *w, const uint8_t *row, int64_t n_row_param,
+                               const qrow *xs, const int mr, float *out) {
+    __m256 acc0[MR], acc1[MR];
     float acc_s[MR];
     for (int m = 0; m < MR; m++) {
-        acc[m] = _mm256_setzero_ps();
+        acc0[m] = acc1[m] = _mm256_setzero_ps();
         acc_s[m] = 0.0f;
     }
     const int64_t nb = w->K / QK;
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    for (int64_t b = 0; b < nb; b++) {
-        __m256i q;
-        const bparams p = block_params(w, row, n_row_param, b);
-        switch (w->fmt) {
-        case WQ4: q = unpack_nibbles16(row + b * 16); break;
-        case Q4_0: q = unpack_nibbles16(row + b * 18 + 2); break;
-        case Q4_1: q = unpack_nibbles16(row + b * 20 + 4); break;
-        case WQ8:
-            q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(row + b * 32)), _mm256_set1_epi8((char)0x80));
-            break;
-        case Q8_0: q = _mm256_loadu_si256((const __m256i *)(row + b * 34 + 2)); break;
-        case Q4_K: {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(row + (b / 8) * 144 + 16 + ((b % 8) / 2) * 32));
-            q = (b % 2) ? _mm256_and_si256(_mm256_srli_epi16(v, 4), low4) : _mm256_and_si256(v, low4);
-            break;
-        }
-        default: { /* Q6_K */
-            const uint8_t *blk = row + (b / 8) * 210;
-            const int t = (int)(b % 8), part = t % 4;
-            const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + (t / 4) * 64 + (part & 1) * 32));
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + (t / 4) * 32));
-            const __m256i lo = (part & 2) ? _mm256_and_si256(_mm256_srli_epi16(ql, 4), low4) : _mm256_and_si256(ql, low4);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * part), _mm256_set1_epi8(3));
-            q = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
-            break;
-        }
-        }
-        if (w->fmt == Q6_K) {
-            /* per-16 scales: lanes 0..3 of the int32 dot are values 0..15, lanes 4..7 values 16..31 */
-            const __m256i sc = _mm256_setr_epi32(p.sc16[0], p.sc16[0], p.sc16[0], p.sc16[0], p.sc16[1], p.sc16[1],
-                                                 p.sc16[1], p.sc16[1]);
-            for (int m = 0; m < mr; m++) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xs[m].xq + b * QK));
-                const __m256i d = _mm256_mullo_epi32(dot_u8s8(q, xv), sc);
-                const float f = p.mul * xs[m].dx[b];
-                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(f), acc[m]);
-                acc_s[m] -= 32.0f * f * (float)(p.sc16[0] * xs[m].bs16[2 * b] + p.sc16[1] * xs[m].bs16[2 * b + 1]);
-            }
-        } else if (p.is_signed) {
-            const __m256i aq = _mm256_sign_epi8(q, q);
-            for (int m = 0; m < mr; m++) {
-                const __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xs[m].xq + b * QK)), q);
-                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(aq, xv)), _mm256_set1_ps(p.mul * xs[m].dx[b]),
-                                         acc[m]);
-                acc_s[m] += p.add * xs[m].sx[b];
-            }
-        } else {
-            for (int m = 0; m < mr; m++) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xs[m].xq + b * QK));
-                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(q, xv)), _mm256_set1_ps(p.mul * xs[m].dx[b]),
-                                         acc[m]);
-                acc_s[m] += p.add * xs[m].sx[b];
-            }
-        }
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        block_step(fmt, w, row, n_row_param, xs, mr, b, acc0, acc_s);
+        block_step(fmt, w, row, n_row_param, xs, mr, b + 1, acc1, acc_s);
     }
-    for (int m = 0; m < mr; m++) out[m] = hsum8(acc[m]) + acc_s[m];
+    if (b < nb) block_step(fmt, w, row, n_row_param, xs, mr, b, acc0, acc_s);
+    for (int m = 0; m < mr; m++) out[m] = hsum8(_mm256_add_ps(acc0[m], acc1[m])) + acc_s[m];
+}
+
+#define PK_ROW_DOT_CASES(MRC)                                                                              \
+    switch (w->fmt) {                                                                                       \
+    case WQ4: row_dot_avx2_of(WQ4, w, row, n_row_param, xs, MRC, out); break;                               \
+    case WQ8: row_dot_avx2_of(WQ8, w, row, n_row_param, xs, MRC, out); break;                               \
+    case Q8_0: row_dot_avx2_of(Q8_0, w, row, n_row_param, xs, MRC, out); break;                             \
+    case Q4_0: row_dot_avx2_of(Q4_0, w, row, n_row_param, xs, MRC, out); break;                             \
+    case Q4_1: row_dot_avx2_of(Q4_1, w, row, n_row_param, xs, MRC, out); break;                             \
+    case Q4_K: row_dot_avx2_of(Q4_K, w, row, n_row_param, xs, MRC, out); break;                             \
+    default: row_dot_avx2_of(Q6_K, w, row, n_row_param, xs, MRC, out); break;                               \
+    }
+
+/* A copy of the row kernel per format, and one more per format for a single activation row (decode). */
+static void row_dot_avx2(const wdesc *w, const uint8_t *row, int64_t n_row_param, const qrow *xs, int mr,
+                         float *out) {
+    if (mr == 1) {
+        PK_ROW_DOT_CASES(1)
+    } else {
+        PK_ROW_DOT_CASES(mr)
+    }
 }
 #endif
 

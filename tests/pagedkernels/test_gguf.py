@@ -9,6 +9,10 @@ finite float16 scale fields; quant_oracle.random_gguf.
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -159,3 +163,34 @@ def test_invalid_arguments(changes, name, backend, monkeypatch):
     if name in ("quant_type", "qweight"):
         with pk.use_backend(backend), pytest.raises(ValueError, match=rf"\b{name}\b"):
             pk.gguf_dequantize(args["qweight"], args["quant_type"])
+
+
+@pytest.mark.skipif(_native.library() is None or os.uname().machine != "x86_64", reason="needs a C compiler on x86-64")
+@pytest.mark.parametrize("march", ["x86-64", "x86-64-v3"])
+def test_native_gemm_portable_builds(march, tmp_path):
+    """The native block GEMM's other paths (this machine's build takes the widest): scalar C (x86-64) and AVX2
+    without VNNI (x86-64-v3: maddubs), each built afresh in a process of its own, every block type and format at
+    one row (each format's single-row copy of the loop) and a few, against the float64 product."""
+    script = textwrap.dedent("""
+        import torch, pagedkernels as pk
+        from pagedkernels import _native
+        from tests.pagedkernels.quant_oracle import gguf_reference, random_gguf
+        from tests.pagedkernels.test_quant_gemm import assert_gemm_close
+        assert _native.library() is not None, _native.build_error()
+        gen = torch.Generator().manual_seed(11)
+        for quant_type in pk.GGUF_BLOCKS:
+            for M in (1, 3, 6):
+                K = pk.GGUF_BLOCKS[quant_type][0] * (3 if quant_type.endswith("_K") else 7)
+                qweight = random_gguf(quant_type, 19, K, gen)
+                x = torch.randn(M, K, generator=gen)
+                with pk.use_backend("native"):
+                    out = pk.gguf_gemm(x, qweight, quant_type)
+                assert_gemm_close(out, x, gguf_reference(qweight, quant_type), "native", msg=f"{quant_type} M={M}")
+        print("ok", _native.library().pk_quant_simd_level())
+    """)
+    env = {**os.environ, "PAGEDKERNELS_NATIVE_MARCH": march, "PAGEDKERNELS_CACHE_DIR": str(tmp_path)}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] == ("0" if march == "x86-64" else "1"), proc.stdout   # portable C, AVX2
