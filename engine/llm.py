@@ -37,7 +37,7 @@ class LLM:
             scales come from the checkpoint (`*.self_attn.k_scale` / `v_scale`, compressed-tensors'
             `k_proj.output_scale` / `v_proj.output_scale`), else 1.0.
         enable_prefix_caching: reuse the KV of full blocks shared with earlier prompts.
-        enforce_eager: never capture CUDA graphs.
+        enforce_eager: decode eagerly: no CUDA graphs on GPUs, no CPU graphs on CPUs (and no torch.compile).
         seed: seeds the sampler of unseeded requests (seeded requests use their own generator).
         swap_space: GiB of CPU memory (pinned where CUDA exists) for KV blocks of requests preempted by swapping;
             allocated only with preemption_mode="swap".

@@ -29,6 +29,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -138,15 +139,17 @@ def graph_source() -> str:
     return "\n".join(lines)
 
 
-_recorder = None  # a pagedkernels.cpu_graph recorder while a CPU graph captures, else None
+# A pagedkernels.cpu_graph recorder while a CPU graph captures, else None; it records the capturing thread's calls.
+_recorder = None
 
 
 def library():
     """The loaded kernel library, building it if needed; None (see :func:`build_error`) if that fails. While a
     CPU graph captures (pagedkernels.cpu_graph), the recorder standing in for it: each kernel call is recorded,
     then run."""
-    if _recorder is not None:
-        return _recorder
+    recorder = _recorder
+    if recorder is not None and recorder.thread == threading.get_ident():
+        return recorder
     return _load_library()
 
 

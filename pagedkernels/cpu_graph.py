@@ -29,6 +29,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import functools
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -134,6 +135,7 @@ class _KernelRecorder:
 
     def __init__(self, lib, events: list) -> None:
         self._lib, self._events = lib, events
+        self.thread = threading.get_ident()   # other threads' calls run as usual, unrecorded
         self._kinds = {name: kind for kind, name in enumerate(_native.GRAPH_KERNELS)}
 
     def __getattr__(self, name: str):

@@ -8,10 +8,11 @@ pagedkernels), and computes logits only for the last new token of each sequence.
 Pure-decode batches on CUDA replay CUDA graphs: a batch is padded up the ``graph_batch_sizes``
 ladder (1, 2, 4, 8, then steps of 16 up to ``max_num_seqs``), copied into static input buffers,
 and the graph captured for that size (on first use) replays on them. Padded rows write no K/V
-(slot -1) and attend to nothing (seq_len 0); their outputs are dropped. Batches above the ladder,
-mixed batches, CPU and ``enforce_eager`` run eagerly. The capture/replay mechanics sit behind a
-small graph-runner interface, so a CPU double (:class:`EagerGraphRunner`) exercises the padding,
-buffer reuse and replay logic in tests.
+(slot -1) and attend to nothing (seq_len 0); their outputs are dropped. On CPU they replay CPU graphs
+of the native kernels (``pagedkernels.cpu_graph``), one per batch size (no padding), each captured by
+the first step of its size. Batches above the ladder, mixed batches and ``enforce_eager`` run eagerly.
+The capture/replay mechanics sit behind a small graph-runner interface, so a CPU double
+(:class:`EagerGraphRunner`) exercises the padding, buffer reuse and replay logic in tests.
 
 The forward runs under ``torch.compile`` (inductor, dynamic token count, fullgraph) by default on CUDA
 unless ``enforce_eager``, eagerly on CPU, where the engine's own oneDNN linears and native kernels beat

@@ -167,3 +167,23 @@ def test_tensors_off_the_cpu_are_refused():
     x = torch.empty(2, 8, device="meta")
     with pytest.raises(GraphCaptureError, match="CPU graphs record CPU work only"):
         CPUGraph().capture(lambda: x * 2)
+
+
+def test_only_the_capturing_thread_is_recorded():
+    """Another thread's kernel calls during a capture run as usual and stay out of the graph."""
+    import threading
+
+    x, y = torch.randn(4, HIDDEN), torch.randn(4, HIDDEN)
+    weight = torch.ones(HIDDEN)
+    other = torch.empty_like(y)
+
+    def fn():
+        thread = threading.Thread(target=lambda: pk.rms_norm(y, weight, 1e-6, out=other))
+        thread.start()
+        thread.join()
+        return pk.rms_norm(x, weight, 1e-6)
+
+    graph = CPUGraph()
+    graph.capture(fn)
+    assert graph.num_kernel_calls == 1
+    torch.testing.assert_close(other, pk.rms_norm(y, weight, 1e-6), rtol=0, atol=0)
