@@ -24,6 +24,7 @@
 #define KEY_TILE 32
 #define QUERY_CHUNK 16
 #define PREFETCH_TILES 2 /* how far ahead (in tiles of keys) the first query of a chunk prefetches */
+#define SPLIT_MIN_KEYS 64 /* keys of a decode split (decode_split_k) at least */
 
 static inline float dot(const float *a, const float *b, int n) {
     float acc = 0.0f;
@@ -142,7 +143,7 @@ static void attend_chunk(const void *q, int64_t q_s0, int64_t q_s1, const void *
                          const int32_t *table, int block_size, int head_dim, int group, int h, int64_t q_row0,
                          int q_begin, int q_end, int first_pos, float scale, int sliding_window, float softcap,
                          void *out, int64_t o_s0, int64_t o_s1, int dtype, int cache_dtype, float k_scale,
-                         float v_scale, int prefetch_bytes) {
+                         float v_scale, int prefetch_bytes, int key_begin, int key_end, float *partial) {
     float qf[MAX_GROUP][MAX_HEAD_DIM];
     float acc[MAX_GROUP][MAX_HEAD_DIM];
     float m[MAX_GROUP], l[MAX_GROUP];
@@ -153,8 +154,11 @@ static void attend_chunk(const void *q, int64_t q_s0, int64_t q_s1, const void *
     const float q_scale = cache_dtype == 3 ? scale * k_scale : scale; /* e4m3 keys: k_scale folded in */
     for (int i = q_begin; i < q_end; i++) {
         const int64_t row = q_row0 + i;
-        const int pos = first_pos + i; /* this query's position: it sees keys lo..pos */
-        const int lo = sliding_window > 0 && pos - sliding_window + 1 > 0 ? pos - sliding_window + 1 : 0;
+        const int pos_q = first_pos + i; /* this query's position: it sees keys lo_q..pos_q */
+        const int lo_q = sliding_window > 0 && pos_q - sliding_window + 1 > 0 ? pos_q - sliding_window + 1 : 0;
+        /* a split of a decode (partial != NULL) covers the keys in [key_begin, key_end) of those */
+        const int lo = lo_q > key_begin ? lo_q : key_begin;
+        const int pos = pos_q < key_end - 1 ? pos_q : key_end - 1;
         for (int g = 0; g < group; g++) {
             const int head = h * group + g;
             const float *src = load_row(q, row * q_s0 + head * q_s1, dtype, head_dim, tmp);
@@ -212,6 +216,15 @@ static void attend_chunk(const void *q, int64_t q_s0, int64_t q_s1, const void *
             for (int j = 0; j < n; j++) values[j] = load_row(vc, v_off[j], cache_dtype, head_dim, ktile[j]);
             tile_values(acc, group, values, n, head_dim, scores);
         }
+        if (partial) { /* unnormalized: max, sum of weights, weighted values (decode_split_k merges them) */
+            for (int g = 0; g < group; g++) {
+                float *p = partial + (int64_t)g * (head_dim + 2);
+                p[0] = m[g];
+                p[1] = l[g];
+                memcpy(p + 2, acc[g], sizeof(float) * head_dim);
+            }
+            continue;
+        }
         for (int g = 0; g < group; g++) {
             const float inv = (cache_dtype == 3 ? v_scale : 1.0f) / l[g];
             for (int d = 0; d < head_dim; d++) acc[g][d] *= inv;
@@ -239,6 +252,75 @@ static int metadata_ok(const int32_t *block_tables, int64_t table_stride, int64_
             if (row[b] < 0 || row[b] >= num_blocks) return 0;
     }
     return 1;
+}
+
+/* Decode with too few (sequence, KV head) items to occupy the threads (one sequence has as many items as KV
+ * heads): each item's keys are split in ranges of whole key tiles, each range an item of its own writing its
+ * unnormalized partial (max, weight sum, weighted values per query head), then the partials of an item merge
+ * into its output rows. Returns 0 when done, 1 when splitting does not pay (short sequences: the caller goes
+ * on unsplit), -2 out of memory. Rows of empty sequences are left to the caller. */
+static int decode_split_k(const void *q, int64_t q_s0, int64_t q_s1, const void *kc, const void *vc, int64_t k_s0,
+                          int64_t k_s1, int64_t k_s2, int64_t v_s0, int64_t v_s1, int64_t v_s2,
+                          const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                          int64_t num_seqs, int num_kv_heads, int head_dim, int block_size, int group, float scale,
+                          int sliding_window, float softcap, void *out, int64_t o_s0, int64_t o_s1, int dtype,
+                          int num_threads, int64_t num_items, int cache_dtype, float k_scale, float v_scale,
+                          int row_bytes) {
+    int64_t max_len = 0;
+    for (int64_t s = 0; s < num_seqs; s++) max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
+    /* ranges of at least SPLIT_MIN_KEYS keys, enough of them for four items a thread */
+    int64_t splits = (4 * (int64_t)num_threads + num_items - 1) / (num_items > 0 ? num_items : 1);
+    const int64_t most = max_len / SPLIT_MIN_KEYS;
+    splits = splits < most ? splits : most;
+    if (splits < 2) return 1;
+    const int64_t pairs = num_seqs * num_kv_heads, stride = (int64_t)group * (head_dim + 2);
+    float *partials = (float *)malloc(sizeof(float) * (size_t)(pairs * splits * stride));
+    if (!partials) return -2;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t item = 0; item < pairs * splits; item++) {
+        const int64_t s = item / (num_kv_heads * splits), h = (item / splits) % num_kv_heads, i = item % splits;
+        const int len = seq_lens[s];
+        if (len <= 0) continue;
+        /* range i: ceil(len / splits) keys rounded up to whole tiles */
+        const int chunk = (int)(((len + splits - 1) / splits + KEY_TILE - 1) / KEY_TILE * KEY_TILE);
+        const int begin = (int)i * chunk, end = begin + chunk < len ? begin + chunk : len;
+        float *partial = partials + item * stride;
+        if (begin >= end) { /* past the end: a partial that weighs nothing */
+            for (int g = 0; g < group; g++) {
+                float *p = partial + (int64_t)g * (head_dim + 2);
+                p[0] = -INFINITY;
+                memset(p + 1, 0, sizeof(float) * (size_t)(head_dim + 1));
+            }
+            continue;
+        }
+        attend_chunk(q, q_s0, q_s1, kc, vc, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, block_tables + s * table_stride,
+                     block_size, head_dim, group, (int)h, s, 0, 1, len - 1, scale, sliding_window, softcap, out,
+                     o_s0, o_s1, dtype, cache_dtype, k_scale, v_scale, row_bytes, begin, end, partial);
+    }
+    for (int64_t pair = 0; pair < pairs; pair++) {
+        const int64_t s = pair / num_kv_heads, h = pair % num_kv_heads;
+        if (seq_lens[s] <= 0) continue;
+        for (int g = 0; g < group; g++) {
+            float m = -INFINITY;
+            for (int64_t i = 0; i < splits; i++) {
+                const float mi = partials[(pair * splits + i) * stride + (int64_t)g * (head_dim + 2)];
+                m = mi > m ? mi : m;
+            }
+            float acc[MAX_HEAD_DIM] = {0}, l = 0.0f;
+            for (int64_t i = 0; i < splits; i++) {
+                const float *p = partials + (pair * splits + i) * stride + (int64_t)g * (head_dim + 2);
+                if (p[0] == -INFINITY) continue; /* saw no key (past the end, or before a sliding window) */
+                const float w = exp_nonpositive(p[0] - m);
+                l += w * p[1];
+                for (int d = 0; d < head_dim; d++) acc[d] += w * p[2 + d];
+            }
+            const float inv = (cache_dtype == 3 ? v_scale : 1.0f) / l;
+            for (int d = 0; d < head_dim; d++) acc[d] *= inv;
+            store_row(out, s * o_s0 + (h * group + g) * o_s1, dtype, head_dim, acc);
+        }
+    }
+    free(partials);
+    return 0;
 }
 
 /* Returns 0; 1 when the metadata index out of range (nothing written); -1 when a shape is beyond the
@@ -277,7 +359,18 @@ int pk_paged_attention(const void *q, int64_t q_s0, int64_t q_s1, const void *ke
         const int64_t chunks = seq_lens[s] > 0 ? (q_len + QUERY_CHUNK - 1) / QUERY_CHUNK : 0;
         item_start[s + 1] = item_start[s] + chunks * kv_items;
     }
-    const int64_t num_items = item_start[num_seqs];
+    int64_t num_items = item_start[num_seqs];
+    if (!cu_seqlens_q && num_threads > 1 && num_items < 4 * (int64_t)num_threads) {
+        const int rc = decode_split_k(q, q_s0, q_s1, key_cache, value_cache, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2,
+                                      block_tables, table_stride, seq_lens, num_seqs, num_kv_heads, head_dim,
+                                      block_size, group, scale, sliding_window, softcap, out, o_s0, o_s1, dtype,
+                                      num_threads, num_items, cache_dtype, k_scale, v_scale, row_bytes);
+        if (rc < 0) {
+            free(item_start);
+            return rc;
+        }
+        if (rc == 0) num_items = 0; /* done: only the rows of empty sequences are left (below) */
+    }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = 0; item < num_items; item++) {
         int64_t lo = 0, hi = num_seqs - 1; /* the sequence owning this item: last s with start <= item */
@@ -298,7 +391,7 @@ int pk_paged_attention(const void *q, int64_t q_s0, int64_t q_s1, const void *ke
             attend_chunk(q, q_s0, q_s1, key_cache, value_cache, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2,
                          block_tables + s * table_stride, block_size, head_dim, group, h, q_row0, q_begin, q_end,
                          seq_lens[s] - q_len, scale, sliding_window, softcap, out, o_s0, o_s1, dtype,
-                         cache_dtype, k_scale, v_scale, prefetch_bytes);
+                         cache_dtype, k_scale, v_scale, prefetch_bytes, 0, INT32_MAX, NULL);
         }
     }
     /* Decode rows of empty sequences (seq_len 0) are zeros. */

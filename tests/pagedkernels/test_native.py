@@ -1,6 +1,7 @@
 """The native CPU kernels' build and backend selection (their numerics are checked by the attention
 and cache-op suites under backend "native")."""
 
+import contextlib
 import shutil
 import subprocess
 import sys
@@ -154,3 +155,46 @@ def test_cpu_backends_run_bf16_themselves(backend, monkeypatch):
         pk.silu_and_mul(x)
         pk.reshape_and_cache(q[:, :2], q[:, 2:], cache, cache.clone(), torch.tensor([1, 17]))
     assert calls == _CPU_IMPLEMENTATIONS[backend]
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("lens,window,softcap,fp8", [([300], None, None, False), ([300, 70], None, None, False),
+                                                     ([257], 100, None, False), ([190, 0], None, 30.0, False),
+                                                     ([300], None, None, True)])
+def test_native_decode_splits_the_keys_of_few_sequences(lens, window, softcap, fp8):
+    """One or two decoding sequences give fewer (sequence, KV head) items than the threads want: the native
+    decode splits their keys in ranges and merges the partial softmaxes. Against the PyTorch twin: a sliding
+    window (early ranges see no key), softcap, an empty sequence (zeros), an fp8 cache with its scales."""
+    _native_or_skip()
+    g = torch.Generator().manual_seed(sum(lens))
+    block_size, num_kv_heads, group, head_dim = 16, 3, 3, 64
+    num_blocks = sum(-(-n // block_size) for n in lens) + 2
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    if fp8:
+        key_cache, value_cache = key_cache.to(torch.float8_e4m3fn), value_cache.to(torch.float8_e4m3fn)
+    order = torch.randperm(num_blocks, generator=g)
+    width = max(-(-n // block_size) for n in lens)
+    tables, used = torch.zeros(len(lens), width, dtype=torch.int32), 0
+    for s, n in enumerate(lens):
+        blocks = -(-n // block_size)
+        tables[s, :blocks] = order[used:used + blocks].to(torch.int32)
+        used += blocks
+    q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=g)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    kwargs = dict(sliding_window=window, softcap=softcap, k_scale=0.5 if fp8 else 1.0, v_scale=2.0 if fp8 else 1.0)
+    with pk.use_backend("native"), torch_threads(2):
+        got = pk.paged_decode_attention(q, key_cache, value_cache, tables, seq_lens, **kwargs)
+    with pk.use_backend("torch"):
+        expected = pk.paged_decode_attention(q, key_cache, value_cache, tables, seq_lens, **kwargs)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+    assert not got[seq_lens == 0].any()
