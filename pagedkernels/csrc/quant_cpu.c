@@ -321,10 +321,6 @@ static void row_dot_scalar(const wdesc *w, const uint8_t *row, int64_t n_row_par
 }
 
 #if PK_AVX2
-/* AVX2 row kernel: per block, the weight bytes are unpacked once into a register and meet each of the
- * mr activation blocks in dot_u8s8; 8 float lanes accumulate mul * dx * isum per activation row and a
- * scalar the add * sx terms. Signed weights (WQ8, Q8_0) use the sign trick: |w| (unsigned) against
- * xq with w's sign. */
 /* One block b of the row against the mr activation rows, into acc / acc_s. */
 PK_INLINE void block_step(const int fmt, const wdesc *w, const uint8_t *row, int64_t n_row_param, const qrow *xs,
                           const int mr, int64_t b, __m256 *acc, float *acc_s) {

@@ -187,3 +187,8 @@ def test_only_the_capturing_thread_is_recorded():
     graph.capture(fn)
     assert graph.num_kernel_calls == 1
     torch.testing.assert_close(other, pk.rms_norm(y, weight, 1e-6), rtol=0, atol=0)
+
+
+def test_replay_before_capture_raises():
+    with pytest.raises(RuntimeError, match="before capture"):
+        CPUGraph().replay()
