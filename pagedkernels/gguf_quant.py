@@ -15,6 +15,12 @@ the file (ggml's ``block_*`` structs, little-endian float16 scales):
     Q6_K   256 / 210     ql[128], qh[64], scales[16] int8, d f16         d * sc[16-value group] * (q - 32),
                          6-bit q: 4 low bits in ql, 2 high bits in qh    q from ql/qh as in ggml
 
+Two CPU layouts of the same blocks, ``Q4_0x8`` and ``Q4_1x8`` (:func:`gguf_interleave`; N a multiple of 8):
+each group of 8 rows stores, per block, the 8 rows' scales (and minima) side by side and their 16 bytes of
+nibbles 4 bytes of each row at a time, so the native GEMM computes 8 rows of a block in one set of vector
+instructions and scales them with one (``csrc/quant_cpu.c`` gives the byte layout). Same bytes in all; every
+op takes them, the native kernels directly, the Triton and PyTorch paths through :func:`gguf_deinterleave`.
+
 ``gguf_gemm`` on the CPU computes on the blocks directly (``csrc/quant_cpu.c``, llama.cpp's scheme: the
 activation quantized to int8 per 32 values, integer dot products per block; above
 ``wq_gemm.NATIVE_MAX_ROWS`` rows the weight is de-quantized natively and torch multiplies). On CUDA it
@@ -34,7 +40,8 @@ from . import _native
 from ._backend import has_no_data, use_native, use_triton
 from ._validate import FLOAT_DTYPES, check_tensor
 
-__all__ = ["GGUF_BLOCKS", "GGUF_TYPE_IDS", "gguf_dequantize", "gguf_gemm", "check_gguf_weight"]
+__all__ = ["GGUF_BLOCKS", "GGUF_TYPE_IDS", "GGUF_INTERLEAVED", "gguf_dequantize", "gguf_gemm", "gguf_interleave",
+           "gguf_deinterleave", "check_gguf_weight"]
 
 # type -> (values per block, bytes per block)
 GGUF_BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q6_K": (256, 210)}
@@ -42,26 +49,83 @@ GGUF_BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (25
 GGUF_TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 
 
+# The 8-row interleaved CPU layouts -> the block type they hold (module docstring).
+GGUF_INTERLEAVED = {"Q4_0x8": "Q4_0", "Q4_1x8": "Q4_1"}
+_INTERLEAVE_ROWS = 8
+
+
 def _type_name(quant_type: object) -> str:
-    if isinstance(quant_type, str) and quant_type in GGUF_BLOCKS:
+    if isinstance(quant_type, str) and (quant_type in GGUF_BLOCKS or quant_type in GGUF_INTERLEAVED):
         return quant_type
     if isinstance(quant_type, int) and not isinstance(quant_type, bool):
         for name, type_id in GGUF_TYPE_IDS.items():
             if type_id == int(quant_type):
                 return name
-    raise ValueError(f"quant_type must be one of {tuple(GGUF_BLOCKS)} (or its ggml id), got {quant_type!r}")
+    raise ValueError(f"quant_type must be one of {tuple(GGUF_BLOCKS) + tuple(GGUF_INTERLEAVED)} (or a ggml id of "
+                     f"the first five), got {quant_type!r}")
 
 
 def check_gguf_weight(qweight, quant_type, *, like=None) -> tuple[str, int, int]:
-    """qweight: uint8 ``[N, blocks * block_bytes]``, contiguous. Returns (type name, N, K)."""
+    """qweight: uint8 ``[N, blocks * block_bytes]``, contiguous (N a multiple of 8 for the interleaved layouts).
+    Returns (type name, N, K)."""
     name = _type_name(quant_type)
-    values, nbytes = GGUF_BLOCKS[name]
+    values, nbytes = GGUF_BLOCKS[GGUF_INTERLEAVED.get(name, name)]
     check_tensor("qweight", qweight, ndim=2, dtypes=(torch.uint8,), like=like)
     if qweight.shape[1] % nbytes:
         raise ValueError(f"qweight: rows of {qweight.shape[1]} bytes are not whole {name} blocks of {nbytes} bytes")
+    if name in GGUF_INTERLEAVED and qweight.shape[0] % _INTERLEAVE_ROWS:
+        raise ValueError(f"qweight: {name} holds groups of {_INTERLEAVE_ROWS} rows, got {qweight.shape[0]} rows")
     if not qweight.is_contiguous():
         raise ValueError("qweight must be contiguous")
     return name, qweight.shape[0], qweight.shape[1] // nbytes * values
+
+
+def _interleave_shape(N: int, row_bytes: int, name: str) -> tuple[int, int, int, int]:
+    """(groups, blocks, parameter bytes per row-block, nibble bytes per row-block) of a Q4_0/Q4_1 weight."""
+    nbytes = GGUF_BLOCKS[name][1]
+    head = nbytes - 16
+    return N // _INTERLEAVE_ROWS, row_bytes // nbytes, head, 16
+
+
+def gguf_interleave(qweight: torch.Tensor, quant_type: str | int) -> torch.Tensor:
+    """A Q4_0 or Q4_1 weight in its 8-row interleaved layout (``"Q4_0x8"`` / ``"Q4_1x8"``, module docstring):
+    a new uint8 tensor of qweight's shape. N must be a multiple of 8. Exact: :func:`gguf_deinterleave` gives the
+    same bytes back."""
+    name, N, K = check_gguf_weight(qweight, quant_type)
+    if name not in ("Q4_0", "Q4_1"):
+        raise ValueError(f"gguf_interleave takes Q4_0 or Q4_1 weights, got {name}")
+    if N % _INTERLEAVE_ROWS:
+        raise ValueError(f"gguf_interleave needs a multiple of {_INTERLEAVE_ROWS} rows, got {N}")
+    G, nb, head, _ = _interleave_shape(N, qweight.shape[1], name)
+    blocks = qweight.view(G, _INTERLEAVE_ROWS, nb, head + 16)
+    params = blocks[..., :head].reshape(G, _INTERLEAVE_ROWS, nb, head // 2, 2).permute(0, 2, 3, 1, 4)
+    nibbles = blocks[..., head:].reshape(G, _INTERLEAVE_ROWS, nb, 4, 4).permute(0, 2, 3, 1, 4)
+    out = torch.cat([params.reshape(G, nb, head * _INTERLEAVE_ROWS), nibbles.reshape(G, nb, 16 * _INTERLEAVE_ROWS)],
+                    dim=-1)
+    return out.reshape(N, -1).contiguous()
+
+
+def gguf_deinterleave(qweight: torch.Tensor, quant_type: str) -> torch.Tensor:
+    """The inverse of :func:`gguf_interleave`: a ``"Q4_0x8"`` / ``"Q4_1x8"`` weight's blocks in GGUF's own row
+    layout (a new tensor), for the paths that read that layout."""
+    name, N, K = check_gguf_weight(qweight, quant_type)
+    if name not in GGUF_INTERLEAVED:
+        raise ValueError(f"gguf_deinterleave takes {tuple(GGUF_INTERLEAVED)} weights, got {name}")
+    base = GGUF_INTERLEAVED[name]
+    G, nb, head, _ = _interleave_shape(N, qweight.shape[1], base)
+    blocks = qweight.view(G, nb, _INTERLEAVE_ROWS * (head + 16))
+    params = blocks[..., :head * _INTERLEAVE_ROWS].reshape(G, nb, head // 2, _INTERLEAVE_ROWS, 2)
+    nibbles = blocks[..., head * _INTERLEAVE_ROWS:].reshape(G, nb, 4, _INTERLEAVE_ROWS, 4)
+    out = torch.cat([params.permute(0, 3, 1, 2, 4).reshape(G, _INTERLEAVE_ROWS, nb, head),
+                     nibbles.permute(0, 3, 1, 2, 4).reshape(G, _INTERLEAVE_ROWS, nb, 16)], dim=-1)
+    return out.reshape(N, -1).contiguous()
+
+
+def _row_layout(qweight: torch.Tensor, name: str) -> tuple[torch.Tensor, str]:
+    """(weight, type) in GGUF's row layout: the interleaved layouts de-interleaved, others as they are."""
+    if name in GGUF_INTERLEAVED:
+        return gguf_deinterleave(qweight, name), GGUF_INTERLEAVED[name]
+    return qweight, name
 
 
 # ----------------------------------------------------------------------------------------------
@@ -203,7 +267,8 @@ def gguf_dequantize(qweight: torch.Tensor, quant_type: str | int, *, dtype: torc
 
     Args:
         qweight: uint8 ``[N, K / block_values * block_bytes]``, contiguous: the tensor's bytes as stored.
-        quant_type: ``"Q8_0"``, ``"Q4_0"``, ``"Q4_1"``, ``"Q4_K"``, ``"Q6_K"`` (or ggml's type id).
+        quant_type: ``"Q8_0"``, ``"Q4_0"``, ``"Q4_1"``, ``"Q4_K"``, ``"Q6_K"`` (or ggml's type id), or an
+            interleaved layout, ``"Q4_0x8"`` / ``"Q4_1x8"`` (:func:`gguf_interleave`).
         dtype: fp16/bf16/fp32 of the result (values computed in float32, rounded once).
         out: optional ``[N, K]`` of ``dtype``, last dimension contiguous.
 
@@ -221,11 +286,11 @@ def gguf_dequantize(qweight: torch.Tensor, quant_type: str | int, *, dtype: torc
     if has_no_data(qweight, out) or N == 0:
         return out
     if use_triton(qweight):
-        _dequantize_triton(qweight, name, out)
+        _dequantize_triton(*_row_layout(qweight, name), out)
     elif use_native(qweight):
         _native.quant_dequantize(qweight, N, K, name, 0, None, None, out)
     else:
-        out.copy_(_dequantize_torch(qweight, name))
+        out.copy_(_dequantize_torch(*_row_layout(qweight, name)))
     return out
 
 
@@ -252,7 +317,8 @@ def gguf_gemm(x: torch.Tensor, qweight: torch.Tensor, quant_type: str | int, *,
     Args:
         x: ``[M, K]`` fp16/bf16/fp32, last dimension contiguous.
         qweight: uint8 ``[N, K / block_values * block_bytes]`` (see :func:`gguf_dequantize`).
-        quant_type: ``"Q8_0"``, ``"Q4_0"``, ``"Q4_1"``, ``"Q4_K"``, ``"Q6_K"`` (or ggml's type id).
+        quant_type: ``"Q8_0"``, ``"Q4_0"``, ``"Q4_1"``, ``"Q4_K"``, ``"Q6_K"`` (or ggml's type id), or an
+            interleaved layout, ``"Q4_0x8"`` / ``"Q4_1x8"`` (:func:`gguf_interleave`).
         out: optional ``[M, N]`` in x's dtype, last dimension contiguous.
 
     Returns ``[M, N]`` in x's dtype. The native CPU path quantizes x to int8 per 32 values (as llama.cpp
@@ -267,7 +333,7 @@ def gguf_gemm(x: torch.Tensor, qweight: torch.Tensor, quant_type: str | int, *,
         return out
     if use_triton(x):
         weight = torch.empty(N, K, dtype=x.dtype, device=x.device)
-        _dequantize_triton(qweight, name, weight)
+        _dequantize_triton(*_row_layout(qweight, name), weight)
         torch.matmul(x, weight.t(), out=out)
     elif use_native(x):
         if M <= NATIVE_MAX_ROWS:
@@ -277,5 +343,5 @@ def gguf_gemm(x: torch.Tensor, qweight: torch.Tensor, quant_type: str | int, *,
             _native.quant_dequantize(qweight, N, K, name, 0, None, None, weight)
             _matmul_into(x, weight, out)
     else:
-        out.copy_(x.float() @ _dequantize_torch(qweight, name).t())
+        out.copy_(x.float() @ _dequantize_torch(*_row_layout(qweight, name)).t())
     return out

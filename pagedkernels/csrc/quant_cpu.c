@@ -7,6 +7,13 @@
  *         w = (q - zero[g]) * scale[g], g = k / group_size (group_size a multiple of 32)
  *   WQ8   canonical int8: row = K bytes, q unsigned, same scales and zeros
  *   Q8_0, Q4_0, Q4_1, Q4_K, Q6_K: GGUF's blocks, exactly as in a .gguf file (ggml-quants.h)
+ *   Q4_0X8, Q4_1X8: Q4_0 / Q4_1 with 8 rows interleaved (pagedkernels.gguf_interleave; N a multiple of 8):
+ *         per group of 8 rows and block b of 32 values, 144 (Q4_0X8) or 160 (Q4_1X8) bytes: the 8 rows'
+ *         d (f16), for Q4_1X8 their 8 m, then 4 chunks j of 32 bytes, chunk j holding row r's qs[4j..4j+3]
+ *         at bytes 4r..4r+3. One 32-bit lane per row: a chunk's low nibbles are values 4j..4j+3 of the
+ *         8 rows, its high nibbles values 16+4j..16+4j+3, so an integer dot against 4 broadcast
+ *         activation bytes sums 8 rows at once and the block's scales apply to the 8 rows in one vector
+ *         (llama.cpp's repacked q4_0x8 has the same aim; the lane order here is ours).
  *
  * The GEMM follows llama.cpp: each activation row is quantized to int8 in blocks of 32 (scale
  * dx = max|x| / 127, xq = round(x / dx)), and every block of 32 weights meets its activation block in
@@ -27,7 +34,7 @@
 #define PK_AVX2 0
 #endif
 
-enum { WQ4 = 0, WQ8 = 1, Q8_0 = 8, Q4_0 = 2, Q4_1 = 3, Q4_K = 12, Q6_K = 14 };
+enum { WQ4 = 0, WQ8 = 1, Q8_0 = 8, Q4_0 = 2, Q4_1 = 3, Q4_K = 12, Q6_K = 14, Q4_0X8 = 102, Q4_1X8 = 103 };
 
 #define QK 32        /* activation block */
 #define QK_K 256     /* K-quant super-block */
@@ -47,8 +54,8 @@ static int64_t row_bytes_of(int fmt, int64_t K) {
     case WQ4: return K / 2;
     case WQ8: return K;
     case Q8_0: return K / 32 * 34;
-    case Q4_0: return K / 32 * 18;
-    case Q4_1: return K / 32 * 20;
+    case Q4_0: case Q4_0X8: return K / 32 * 18;
+    case Q4_1: case Q4_1X8: return K / 32 * 20;
     case Q4_K: return K / QK_K * 144;
     case Q6_K: return K / QK_K * 210;
     default: return 0;
@@ -292,6 +299,56 @@ static inline void block_dequantize(const wdesc *w, const uint8_t *row, int64_t 
     }
 }
 
+/* ---------------------------------------------------------------------------------------------- */
+/* 8 rows interleaved (Q4_0X8, Q4_1X8)                                                            */
+/* ---------------------------------------------------------------------------------------------- */
+
+static inline int is_x8(int fmt) { return fmt == Q4_0X8 || fmt == Q4_1X8; }
+
+/* Bytes of one block of a group of 8 rows. */
+static inline int64_t x8_block_bytes(int fmt) { return fmt == Q4_0X8 ? 144 : 160; }
+
+/* Row r (0..7) of a group's block at blk: its 32 values as unsigned bytes and its parameters. */
+static inline bparams x8_row_block(int fmt, const uint8_t *blk, int r, uint8_t *q) {
+    bparams p = {0.0f, 0.0f, {0, 0}, 0};
+    uint16_t h;
+    memcpy(&h, blk + 2 * r, 2);
+    p.mul = half_to_float(h);
+    if (fmt == Q4_1X8) {
+        memcpy(&h, blk + 16 + 2 * r, 2);
+        p.add = half_to_float(h);
+    } else {
+        p.add = -8.0f * p.mul;
+    }
+    const uint8_t *qs = blk + (fmt == Q4_1X8 ? 32 : 16);
+    for (int j = 0; j < 4; j++)
+        for (int i = 0; i < 4; i++) {
+            const uint8_t byte = qs[32 * j + 4 * r + i];
+            q[4 * j + i] = byte & 0xF;
+            q[16 + 4 * j + i] = byte >> 4;
+        }
+    return p;
+}
+
+/* Portable kernel of one group of 8 rows: out[m * ldo + r] for mr activation rows. */
+static void x8_group_dot_scalar(int fmt, const uint8_t *grp, int64_t nb, const qrow *xs, int mr, float *out,
+                                int64_t ldo) {
+    for (int r = 0; r < 8; r++) {
+        double acc[MR] = {0};
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t q[32];
+            const bparams p = x8_row_block(fmt, grp + b * x8_block_bytes(fmt), r, q);
+            for (int m = 0; m < mr; m++) {
+                const int8_t *xq = xs[m].xq + b * QK;
+                int32_t dot = 0;
+                for (int j = 0; j < 32; j++) dot += (int32_t)q[j] * xq[j];
+                acc[m] += (double)(p.mul * xs[m].dx[b]) * dot + (double)p.add * xs[m].sx[b];
+            }
+        }
+        for (int m = 0; m < mr; m++) out[m * ldo + r] = (float)acc[m];
+    }
+}
+
 /* Portable row kernel: out[m] = sum_b contribution(b, m) for mr activation rows. */
 static void row_dot_scalar(const wdesc *w, const uint8_t *row, int64_t n_row_param, const qrow *xs, int mr,
                            float *out) {
@@ -403,6 +460,78 @@ PK_INLINE void row_dot_avx2_of(const int fmt, const wdesc *w, const uint8_t *row
     for (int m = 0; m < mr; m++) out[m] = hsum8(_mm256_add_ps(acc0[m], acc1[m])) + acc_s[m];
 }
 
+/* acc + the 8 int32 lanes of dot_u8s8(u, s). */
+static inline __m256i dot_acc_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, dot_u8s8(u, s));
+#endif
+}
+
+static inline __m256i broadcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* One block of a group of 8 rows against mr activation rows: lane r of acc[m] gathers row r. The 4 chunks
+ * are unpacked once (8 registers of 8 rows x 4 values) and meet 8 broadcast activation words per row m, in
+ * two chains of 4 integer dots; the block's d (and m or -8 d) scale the 8 rows' sums in one vector each. */
+PK_INLINE void x8_block_step(const int fmt, const uint8_t *blk, const qrow *xs, const int mr, int64_t b,
+                             __m256 *acc) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+    const __m256 add = fmt == Q4_1X8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)))
+                                     : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+    const uint8_t *qs = blk + (fmt == Q4_1X8 ? 32 : 16);
+    __m256i lo[4], hi[4];
+    for (int j = 0; j < 4; j++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+        lo[j] = _mm256_and_si256(v, low4);
+        hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    }
+    for (int m = 0; m < mr; m++) {
+        const int8_t *x = xs[m].xq + b * QK;
+        __m256i s0 = dot_u8s8(lo[0], broadcast4(x)), s1 = dot_u8s8(hi[0], broadcast4(x + 16));
+        for (int j = 1; j < 4; j++) {
+            s0 = dot_acc_u8s8(s0, lo[j], broadcast4(x + 4 * j));
+            s1 = dot_acc_u8s8(s1, hi[j], broadcast4(x + 16 + 4 * j));
+        }
+        const __m256 isum = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+        acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xs[m].dx[b])), isum, acc[m]);
+        acc[m] = _mm256_fmadd_ps(add, _mm256_set1_ps(xs[m].sx[b]), acc[m]);
+    }
+}
+
+/* One group of 8 rows: out[m * ldo + r]; even and odd blocks accumulate apart, as in row_dot_avx2_of. */
+PK_INLINE void x8_group_dot_of(const int fmt, const uint8_t *grp, int64_t nb, const qrow *xs, const int mr,
+                               float *out, int64_t ldo) {
+    __m256 acc0[MR], acc1[MR];
+    for (int m = 0; m < MR; m++) acc0[m] = acc1[m] = _mm256_setzero_ps();
+    const int64_t bs = x8_block_bytes(fmt);
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        x8_block_step(fmt, grp + b * bs, xs, mr, b, acc0);
+        x8_block_step(fmt, grp + (b + 1) * bs, xs, mr, b + 1, acc1);
+    }
+    if (b < nb) x8_block_step(fmt, grp + b * bs, xs, mr, b, acc0);
+    for (int m = 0; m < mr; m++) _mm256_storeu_ps(out + m * ldo, _mm256_add_ps(acc0[m], acc1[m]));
+}
+
+static void x8_group_dot_avx2(int fmt, const uint8_t *grp, int64_t nb, const qrow *xs, int mr, float *out,
+                              int64_t ldo) {
+    if (fmt == Q4_0X8) {
+        if (mr == 1) x8_group_dot_of(Q4_0X8, grp, nb, xs, 1, out, ldo);
+        else x8_group_dot_of(Q4_0X8, grp, nb, xs, mr, out, ldo);
+    } else {
+        if (mr == 1) x8_group_dot_of(Q4_1X8, grp, nb, xs, 1, out, ldo);
+        else x8_group_dot_of(Q4_1X8, grp, nb, xs, mr, out, ldo);
+    }
+}
+
 #define PK_ROW_DOT_CASES(MRC)                                                                              \
     switch (w->fmt) {                                                                                       \
     case WQ4: row_dot_avx2_of(WQ4, w, row, n_row_param, xs, MRC, out); break;                               \
@@ -425,8 +554,9 @@ static void row_dot_avx2(const wdesc *w, const uint8_t *row, int64_t n_row_param
 }
 #endif
 
-static int format_ok(int fmt, int64_t K, int64_t group_size) {
+static int format_ok(int fmt, int64_t N, int64_t K, int64_t group_size) {
     if (row_bytes_of(fmt, K) == 0 || K <= 0) return 0;
+    if (is_x8(fmt) && N % 8) return 0;
     if ((fmt == Q4_K || fmt == Q6_K) ? K % QK_K : K % QK) return 0;
     if ((fmt == WQ4 || fmt == WQ8) && (group_size <= 0 || group_size % QK || K % group_size)) return 0;
     return 1;
@@ -439,7 +569,7 @@ static int format_ok(int fmt, int64_t K, int64_t group_size) {
 int pk_quant_gemm(const void *x, int64_t x_s0, int x_dt, int64_t M, int64_t K, const uint8_t *weight, int64_t N,
                   int fmt, int64_t group_size, const void *scales, const void *zeros, int sz_dt, void *out,
                   int64_t o_s0, int o_dt, int num_threads) {
-    if (!format_ok(fmt, K, group_size)) return -1;
+    if (!format_ok(fmt, N, K, group_size)) return -1;
     if (M <= 0 || N <= 0) return 0;
     const wdesc w = {fmt, K, group_size, scales, zeros, sz_dt};
     const int64_t row_bytes = row_bytes_of(fmt, K), nb = K / QK;
@@ -469,7 +599,27 @@ int pk_quant_gemm(const void *x, int64_t x_s0, int x_dt, int64_t M, int64_t K, c
             free(tmp);
         }
     }
-    if (!failed) {
+    if (!failed && is_x8(fmt)) {
+        const int threads = N * K >= PARALLEL_MIN_WEIGHTS ? num_threads : 1;
+        const int64_t group_bytes = nb * x8_block_bytes(fmt);
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t g = 0; g < N / 8; g++) {
+            for (int64_t m0 = 0; m0 < M; m0 += MR) {
+                const int mr = M - m0 < MR ? (int)(M - m0) : MR;
+                qrow xs[MR];
+                for (int m = 0; m < mr; m++) {
+                    const int64_t r = m0 + m;
+                    xs[m] = (qrow){xq + r * K, dx + r * nb, dx + M * nb + r * nb, bs16 + 2 * r * nb};
+                }
+#if PK_AVX2
+                x8_group_dot_avx2(fmt, weight + g * group_bytes, nb, xs, mr, outf + m0 * N + g * 8, N);
+#else
+                x8_group_dot_scalar(fmt, weight + g * group_bytes, nb, xs, mr, outf + m0 * N + g * 8, N);
+#endif
+            }
+        }
+        for (int64_t m = 0; m < M; m++) store_row(out, m * o_s0, o_dt, N, outf + m * N);
+    } else if (!failed) {
         const int threads = N * K >= PARALLEL_MIN_WEIGHTS ? num_threads : 1;
         const int64_t tiles = (N + NT - 1) / NT;
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -500,6 +650,7 @@ int pk_quant_gemm(const void *x, int64_t x_s0, int x_dt, int64_t M, int64_t K, c
     free(bs16);
     free(outf);
     (void)row_dot_scalar;
+    (void)x8_group_dot_scalar;
     return failed ? -2 : 0;
 }
 
@@ -507,7 +658,7 @@ int pk_quant_gemm(const void *x, int64_t x_s0, int x_dt, int64_t M, int64_t K, c
 int pk_quant_dequantize(const uint8_t *weight, int64_t N, int64_t K, int fmt, int64_t group_size,
                         const void *scales, const void *zeros, int sz_dt, void *out, int64_t o_s0, int o_dt,
                         int num_threads) {
-    if (!format_ok(fmt, K, group_size)) return -1;
+    if (!format_ok(fmt, N, K, group_size)) return -1;
     const wdesc w = {fmt, K, group_size, scales, zeros, sz_dt};
     const int64_t row_bytes = row_bytes_of(fmt, K), nb = K / QK;
     const int64_t groups = (fmt == WQ4 || fmt == WQ8) ? K / group_size : 0;
@@ -522,7 +673,16 @@ int pk_quant_dequantize(const uint8_t *weight, int64_t N, int64_t K, int fmt, in
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; n++) {
             if (!tmp) continue;
-            for (int64_t b = 0; b < nb; b++) block_dequantize(&w, weight + n * row_bytes, n * groups, b, tmp + b * QK);
+            if (is_x8(fmt)) {
+                const uint8_t *grp = weight + (n / 8) * nb * x8_block_bytes(fmt);
+                for (int64_t b = 0; b < nb; b++) {
+                    uint8_t q[32];
+                    const bparams p = x8_row_block(fmt, grp + b * x8_block_bytes(fmt), (int)(n % 8), q);
+                    for (int j = 0; j < 32; j++) tmp[b * QK + j] = p.mul * (float)q[j] + p.add;
+                }
+            } else {
+                for (int64_t b = 0; b < nb; b++) block_dequantize(&w, weight + n * row_bytes, n * groups, b, tmp + b * QK);
+            }
             store_row(out, n * o_s0, o_dt, K, tmp);
         }
         free(tmp);

@@ -14,6 +14,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.gguf_file import (is_gguf_path, iter_gguf_tensors, permute_rows, read_gguf_config,
                               unpermute_rows)
+from pagedkernels import _native
 from tests.engine.gguf_util import HEADS, KV_HEADS, hf_model_from_gguf, tiny_llama_state, write_tiny_gguf
 from tests.engine.models_util import hf_log_softmax, make_tokenizer, random_token_ids
 
@@ -295,7 +296,9 @@ def test_engine_keeps_gguf_blocks_and_decodes_through_the_int8_path(gguf_files):
     llm = LLM(gguf_files("Q4_1"), num_kv_blocks=16, max_model_len=128, enforce_eager=True, skip_tokenizer_init=True)
     model = llm.llm_engine.model_runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.gguf_mode == "gguf" and m.gguf_types == ["Q4_1"] for m in linears)
+    # on the CPU with the native kernels, in the 8-row interleaved layout of the same blocks
+    expected = "Q4_1x8" if _native.library() is not None else "Q4_1"
+    assert linears and all(m.gguf_mode == "gguf" and m.gguf_types == [expected] for m in linears)
     assert all(m.qweight.dtype == torch.uint8 for m in linears)
 
 

@@ -125,6 +125,63 @@ def test_gguf_to_wq_through_wq_gemm(backend, quant_type, device):
     assert_gemm_close(out, x, weight, backend, msg=f"{quant_type} as wq")
 
 
+INTERLEAVED = list(pk.GGUF_INTERLEAVED)
+
+
+@pytest.mark.parametrize("quant_type", INTERLEAVED)
+def test_interleave_layout_and_round_trip(quant_type):
+    """The byte layout csrc/quant_cpu.c reads: per group of 8 rows and block, the 8 rows' f16 fields, then chunk j
+    holding row r's nibble bytes 4j..4j+3 at 4r; and de-interleaving gives the file's bytes back."""
+    base = pk.GGUF_INTERLEAVED[quant_type]
+    gen = torch.Generator().manual_seed(5)
+    N, K = 16, 96
+    qweight = random_gguf(base, N, K, gen)
+    packed = pk.gguf_interleave(qweight, base)
+    assert packed.shape == qweight.shape and packed.dtype == torch.uint8
+    nbytes, head = pk.GGUF_BLOCKS[base][1], pk.GGUF_BLOCKS[base][1] - 16
+    blocks = qweight.view(N, K // 32, nbytes)
+    group = packed.view(N // 8, K // 32, 8 * nbytes)
+    for g, b, r in [(0, 0, 0), (1, 2, 7), (0, 1, 3)]:
+        row = blocks[8 * g + r, b]
+        for field in range(head // 2):   # d, then m (Q4_1)
+            assert torch.equal(group[g, b, 16 * field + 2 * r:16 * field + 2 * r + 2], row[2 * field:2 * field + 2])
+        for j in range(4):
+            start = 8 * head + 32 * j + 4 * r
+            assert torch.equal(group[g, b, start:start + 4], row[head + 4 * j:head + 4 * j + 4])
+    assert torch.equal(pk.gguf_deinterleave(packed, quant_type), qweight)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("quant_type", INTERLEAVED)
+@pytest.mark.parametrize("M", [1, 4, 6, 70])
+def test_interleaved_gemm_and_dequantize(backend, quant_type, M, device):
+    """Every path takes the interleaved layouts: the native kernels directly (one row, a full row tile of 4, a
+    remainder, and the de-quantize + GEMM path above NATIVE_MAX_ROWS), Triton and torch through
+    gguf_deinterleave; the values are the row layout's."""
+    base = pk.GGUF_INTERLEAVED[quant_type]
+    gen = torch.Generator().manual_seed(M + 40)
+    N, K = 24, _k(base, 5)
+    qweight = random_gguf(base, N, K, gen)
+    weight = gguf_reference(qweight, base)
+    packed = pk.gguf_interleave(qweight, base)
+    x = torch.randn(M, K, generator=gen)
+    with pk.use_backend(backend):
+        out = pk.gguf_gemm(x.to(device), packed.to(device), quant_type)
+        dequantized = pk.gguf_dequantize(packed.to(device), quant_type)
+    assert_gemm_close(out, x, weight, backend, msg=f"{backend} {quant_type} M={M}")
+    torch.testing.assert_close(dequantized.cpu(), weight.float(), atol=0, rtol=0)
+
+
+def test_interleave_refuses_what_it_cannot_hold():
+    gen = torch.Generator().manual_seed(2)
+    with pytest.raises(ValueError, match="multiple of 8 rows"):
+        pk.gguf_interleave(random_gguf("Q4_0", 12, 64, gen), "Q4_0")
+    with pytest.raises(ValueError, match="Q4_0 or Q4_1"):
+        pk.gguf_interleave(random_gguf("Q8_0", 8, 64, gen), "Q8_0")
+    with pytest.raises(ValueError, match="groups of 8 rows"):
+        pk.gguf_gemm(torch.randn(1, 64), torch.zeros(12, 36, dtype=torch.uint8), "Q4_0x8")
+
+
 @pytest.mark.skipif(_native.library() is None, reason="native CPU kernels unavailable (no C compiler)")
 def test_auto_backend_on_cpu_runs_native(monkeypatch):
     calls = []
@@ -178,14 +235,16 @@ def test_native_gemm_portable_builds(march, tmp_path):
         from tests.pagedkernels.test_quant_gemm import assert_gemm_close
         assert _native.library() is not None, _native.build_error()
         gen = torch.Generator().manual_seed(11)
-        for quant_type in pk.GGUF_BLOCKS:
+        for quant_type in [*pk.GGUF_BLOCKS, *pk.GGUF_INTERLEAVED]:
+            base = pk.GGUF_INTERLEAVED.get(quant_type, quant_type)
             for M in (1, 3, 6):
-                K = pk.GGUF_BLOCKS[quant_type][0] * (3 if quant_type.endswith("_K") else 7)
-                qweight = random_gguf(quant_type, 19, K, gen)
+                K = pk.GGUF_BLOCKS[base][0] * (3 if base.endswith("_K") else 7)
+                qweight = random_gguf(base, 24 if base != quant_type else 19, K, gen)
                 x = torch.randn(M, K, generator=gen)
+                weight = qweight if base == quant_type else pk.gguf_interleave(qweight, base)
                 with pk.use_backend("native"):
-                    out = pk.gguf_gemm(x, qweight, quant_type)
-                assert_gemm_close(out, x, gguf_reference(qweight, quant_type), "native", msg=f"{quant_type} M={M}")
+                    out = pk.gguf_gemm(x, weight, quant_type)
+                assert_gemm_close(out, x, gguf_reference(qweight, base), "native", msg=f"{quant_type} M={M}")
         print("ok", _native.library().pk_quant_simd_level())
     """)
     env = {**os.environ, "PAGEDKERNELS_NATIVE_MARCH": march, "PAGEDKERNELS_CACHE_DIR": str(tmp_path)}
