@@ -122,7 +122,15 @@ static inline vf16 vload16(const float *p) {
     return v;
 }
 
+/* The sum of v's lanes. Halves by shuffles where the compiler has them: a memcpy out of v takes its address, and
+ * GCC then kept the accumulators of the loops feeding this in stack memory (a store and a reload per FMA,
+ * measured in the decode attention's key dots: 61% of its time in that loop). */
 static inline float vsum16(vf16 v) {
+#if defined(__has_builtin) && __has_builtin(__builtin_shufflevector)
+    const vf8 s8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const vf4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
+#else
     vf8 lo, hi;
     memcpy(&lo, &v, sizeof lo);
     memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
@@ -131,6 +139,7 @@ static inline float vsum16(vf16 v) {
     memcpy(&a, &s8, sizeof a);
     memcpy(&b, (const char *)&s8 + sizeof a, sizeof b);
     const vf4 s4 = a + b;
+#endif
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 

@@ -121,8 +121,11 @@ static inline int tile_offsets(const int32_t *table, int t0, int pos, int block_
     return n;
 }
 
-/* Prefetch row_bytes of every key and value row of the tile starting at t0 (nothing past pos). */
-static inline void prefetch_tile(const void *kc, const void *vc, const int32_t *table, int t0, int pos,
+/* Prefetch row_bytes of every key and value row of the tile starting at t0 (nothing past pos), into L2 (a tile of
+ * all heads' rows is more than L1 holds: prefetched into L1 they came in no faster). Always inlined:
+ * a function whose only effects are prefetches is, to GCC's IPA pure-const pass, a void const function, and its
+ * calls were deleted (GCC 12 -O1 and up emitted no prefetch instruction from this file before). */
+static inline __attribute__((always_inline)) void prefetch_tile(const void *kc, const void *vc, const int32_t *table, int t0, int pos,
                                  int block_size, int h, int64_t k_s0, int64_t k_s1, int64_t k_s2, int64_t v_s0,
                                  int64_t v_s1, int64_t v_s2, int row_bytes, int elem_size) {
     if (t0 > pos) return;
@@ -131,16 +134,19 @@ static inline void prefetch_tile(const void *kc, const void *vc, const int32_t *
     for (int j = 0; j < n; j++) {
         const char *krow = (const char *)kc + k_off[j] * elem_size, *vrow = (const char *)vc + v_off[j] * elem_size;
         for (int b = 0; b < row_bytes; b += 64) {
-            __builtin_prefetch(krow + b, 0, 3);
-            __builtin_prefetch(vrow + b, 0, 3);
+            __builtin_prefetch(krow + b, 0, 1);
+            __builtin_prefetch(vrow + b, 0, 1);
         }
     }
 }
 
-/* Queries [q_begin, q_end) of sequence s, KV head h: every query head of h's group. */
+/* Queries [q_begin, q_end) of sequence s, KV heads h .. h + heads - 1: every query head of their groups (heads > 1
+ * needs the heads' rows side by side in a token's row, k_s2 == v_s2 == head_dim, and heads * group <= MAX_GROUP).
+ * Several heads go through each tile of keys together, so a sequence's blocks are read in one pass, each token's
+ * rows of all heads at once. */
 static void attend_chunk(const void *q, int64_t q_s0, int64_t q_s1, const void *kc, const void *vc, int64_t k_s0,
                          int64_t k_s1, int64_t k_s2, int64_t v_s0, int64_t v_s1, int64_t v_s2,
-                         const int32_t *table, int block_size, int head_dim, int group, int h, int64_t q_row0,
+                         const int32_t *table, int block_size, int head_dim, int group, int h, int heads, int64_t q_row0,
                          int q_begin, int q_end, int first_pos, float scale, int sliding_window, float softcap,
                          void *out, int64_t o_s0, int64_t o_s1, int dtype, int cache_dtype, float k_scale,
                          float v_scale, int prefetch_bytes, int key_begin, int key_end, float *partial) {
@@ -159,7 +165,8 @@ static void attend_chunk(const void *q, int64_t q_s0, int64_t q_s1, const void *
         /* a split of a decode (partial != NULL) covers the keys in [key_begin, key_end) of those */
         const int lo = lo_q > key_begin ? lo_q : key_begin;
         const int pos = pos_q < key_end - 1 ? pos_q : key_end - 1;
-        for (int g = 0; g < group; g++) {
+        const int G = heads * group; /* query heads of this pass: head h * group + g for g < G */
+        for (int g = 0; g < G; g++) {
             const int head = h * group + g;
             const float *src = load_row(q, row * q_s0 + head * q_s1, dtype, head_dim, tmp);
             for (int d = 0; d < head_dim; d++) {
@@ -187,12 +194,15 @@ static void attend_chunk(const void *q, int64_t q_s0, int64_t q_s1, const void *
                 prefetch_tile(kc, vc, table, t0 + PREFETCH_TILES * KEY_TILE, pos, block_size, h, k_s0, k_s1, k_s2,
                               v_s0, v_s1, v_s2, prefetch_bytes, elem_size);
             const float *keys[KEY_TILE];
-            for (int j = 0; j < n; j++) keys[j] = load_row(kc, k_off[j], cache_dtype, head_dim, ktile[j]);
-            tile_scores(qf, group, keys, n, head_dim, scores);
+            for (int hh = 0; hh < heads; hh++) {
+                for (int j = 0; j < n; j++)
+                    keys[j] = load_row(kc, k_off[j] + hh * k_s2, cache_dtype, head_dim, ktile[j]);
+                tile_scores(qf + hh * group, group, keys, n, head_dim, scores + hh * group);
+            }
             if (softcap > 0.0f)
-                for (int g = 0; g < group; g++)
+                for (int g = 0; g < G; g++)
                     for (int j = 0; j < n; j++) scores[g][j] = softcap * tanhf(scores[g][j] / softcap);
-            for (int g = 0; g < group; g++) {
+            for (int g = 0; g < G; g++) {
                 float tile_max = m[g];
                 for (int j = 0; j < n; j++) tile_max = scores[g][j] > tile_max ? scores[g][j] : tile_max;
                 if (tile_max > m[g]) {
@@ -213,11 +223,14 @@ static void attend_chunk(const void *q, int64_t q_s0, int64_t q_s1, const void *
                 l[g] += lsum;
             }
             const float *values[KEY_TILE];
-            for (int j = 0; j < n; j++) values[j] = load_row(vc, v_off[j], cache_dtype, head_dim, ktile[j]);
-            tile_values(acc, group, values, n, head_dim, scores);
+            for (int hh = 0; hh < heads; hh++) {
+                for (int j = 0; j < n; j++)
+                    values[j] = load_row(vc, v_off[j] + hh * v_s2, cache_dtype, head_dim, ktile[j]);
+                tile_values(acc + hh * group, group, values, n, head_dim, scores + hh * group);
+            }
         }
         if (partial) { /* unnormalized: max, sum of weights, weighted values (decode_split_k merges them) */
-            for (int g = 0; g < group; g++) {
+            for (int g = 0; g < G; g++) {
                 float *p = partial + (int64_t)g * (head_dim + 2);
                 p[0] = m[g];
                 p[1] = l[g];
@@ -225,7 +238,7 @@ static void attend_chunk(const void *q, int64_t q_s0, int64_t q_s1, const void *
             }
             continue;
         }
-        for (int g = 0; g < group; g++) {
+        for (int g = 0; g < G; g++) {
             const float inv = (cache_dtype == 3 ? v_scale : 1.0f) / l[g];
             for (int d = 0; d < head_dim; d++) acc[g][d] *= inv;
             store_row(out, row * o_s0 + (h * group + g) * o_s1, dtype, head_dim, acc[g]);
@@ -294,7 +307,7 @@ static int decode_split_k(const void *q, int64_t q_s0, int64_t q_s1, const void 
             continue;
         }
         attend_chunk(q, q_s0, q_s1, kc, vc, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, block_tables + s * table_stride,
-                     block_size, head_dim, group, (int)h, s, 0, 1, len - 1, scale, sliding_window, softcap, out,
+                     block_size, head_dim, group, (int)h, 1, s, 0, 1, len - 1, scale, sliding_window, softcap, out,
                      o_s0, o_s1, dtype, cache_dtype, k_scale, v_scale, row_bytes, begin, end, partial);
     }
     for (int64_t pair = 0; pair < pairs; pair++) {
@@ -385,13 +398,25 @@ int pk_paged_attention(const void *q, int64_t q_s0, int64_t q_s1, const void *ke
         const int q_len = cu_seqlens_q ? cu_seqlens_q[s + 1] - cu_seqlens_q[s] : 1;
         const int q_begin = chunk * QUERY_CHUNK;
         const int q_end = q_begin + QUERY_CHUNK < q_len ? q_begin + QUERY_CHUNK : q_len;
-        for (int h = h0; h < h0 + heads_per_item; h++) {
-            /* one head per item: its own rows; all heads: the whole token rows, in head 0's pass */
-            const int prefetch_bytes = heads_per_item == 1 ? row_bytes : h == 0 ? row_bytes * num_kv_heads : 0;
+        if (!cu_seqlens_q && heads_per_item == num_kv_heads && item + num_threads < num_items) {
+            /* A decode item's first tiles have nothing to overlap their fetch with (its own prefetch runs a few
+             * tiles ahead of its own work): start on those of the item this thread likely takes next. */
+            const int64_t next = item + num_threads; /* decode: item = sequence */
+            const int next_pos = seq_lens[next] - 1;
+            for (int t = 0; t < PREFETCH_TILES; t++)
+                prefetch_tile(key_cache, value_cache, block_tables + next * table_stride, t * KEY_TILE, next_pos,
+                              block_size, 0, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, row_bytes * num_kv_heads,
+                              elem_size);
+        }
+        /* all heads of the item in one pass where their query heads fit (else one pass per head, head 0's
+         * prefetching the whole token rows) */
+        const int pass_heads = heads_per_item * group <= MAX_GROUP ? heads_per_item : 1;
+        for (int h = h0; h < h0 + heads_per_item; h += pass_heads) {
+            const int prefetch_bytes = h == h0 ? row_bytes * heads_per_item : 0;
             attend_chunk(q, q_s0, q_s1, key_cache, value_cache, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2,
-                         block_tables + s * table_stride, block_size, head_dim, group, h, q_row0, q_begin, q_end,
-                         seq_lens[s] - q_len, scale, sliding_window, softcap, out, o_s0, o_s1, dtype,
-                         cache_dtype, k_scale, v_scale, prefetch_bytes, 0, INT32_MAX, NULL);
+                         block_tables + s * table_stride, block_size, head_dim, group, h, pass_heads, q_row0,
+                         q_begin, q_end, seq_lens[s] - q_len, scale, sliding_window, softcap, out, o_s0, o_s1,
+                         dtype, cache_dtype, k_scale, v_scale, prefetch_bytes, 0, INT32_MAX, NULL);
         }
     }
     /* Decode rows of empty sequences (seq_len 0) are zeros. */

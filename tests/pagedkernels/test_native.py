@@ -2,9 +2,11 @@
 and cache-op suites under backend "native")."""
 
 import contextlib
+import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -198,3 +200,62 @@ def test_native_decode_splits_the_keys_of_few_sequences(lens, window, softcap, f
         expected = pk.paged_decode_attention(q, key_cache, value_cache, tables, seq_lens, **kwargs)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
     assert not got[seq_lens == 0].any()
+
+
+@pytest.mark.parametrize("num_kv_heads,group,head_dim,cache,window,softcap", [
+    (3, 3, 64, torch.float32, None, None), (4, 2, 32, torch.float16, 50, 20.0),
+    (2, 4, 64, torch.float8_e4m3fn, None, None),
+    (2, 40, 32, torch.float32, None, None)])   # 80 query heads: more than one pass holds (MAX_GROUP 64)
+def test_native_attention_takes_all_heads_of_a_sequence_in_one_pass(num_kv_heads, group, head_dim, cache, window,
+                                                                     softcap):
+    """Enough sequences for every thread: an item is a sequence (decode) or a chunk of its queries (prefill) with all
+    its KV heads, which go through each tile of keys together (one pass over the blocks), or one head per pass where
+    their query heads exceed the per-pass buffers. Against the PyTorch twin, decode and prefill, 16-bit and fp8
+    caches, a sliding window and softcap, blocks in random order."""
+    _native_or_skip()
+    g = torch.Generator().manual_seed(num_kv_heads * group + head_dim)
+    block_size, lens = 16, [37, 90, 1, 64, 130, 17, 48, 75, 5, 110]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(cache)
+    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(cache)
+    order = torch.randperm(num_blocks, generator=g)
+    width = max(-(-n // block_size) for n in lens)
+    tables, used = torch.zeros(len(lens), width, dtype=torch.int32), 0
+    for s, n in enumerate(lens):
+        blocks = -(-n // block_size)
+        tables[s, :blocks] = order[used:used + blocks].to(torch.int32)
+        used += blocks
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    scales = dict(k_scale=0.5, v_scale=2.0) if cache == torch.float8_e4m3fn else {}
+    dtype = torch.float16 if cache == torch.float16 else torch.float32
+    q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=g).to(dtype)
+    kwargs = dict(sliding_window=window, softcap=softcap, **scales)
+    with pk.use_backend("native"), torch_threads(2):
+        got = pk.paged_decode_attention(q, key_cache, value_cache, tables, seq_lens, **kwargs)
+    with pk.use_backend("torch"):
+        expected = pk.paged_decode_attention(q, key_cache, value_cache, tables, seq_lens, **kwargs)
+    tol = 2e-3 if dtype == torch.float16 else 2e-5
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+    # prefill: each sequence's last q_len positions
+    q_lens = [min(n, 20) for n in lens]
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    qp = torch.randn(int(cu[-1]), num_kv_heads * group, head_dim, generator=g).to(dtype)
+    with pk.use_backend("native"), torch_threads(2):
+        got = pk.paged_prefill_attention(qp, key_cache, value_cache, tables, cu, seq_lens, **kwargs)
+    with pk.use_backend("torch"):
+        expected = pk.paged_prefill_attention(qp, key_cache, value_cache, tables, cu, seq_lens, **kwargs)
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(_native.library() is None, reason="native CPU kernels unavailable (no C compiler)")
+def test_attention_prefetches_survive_the_compiler(tmp_path):
+    """The decode/prefill kernel's prefetches are its only access to the next tiles' rows before it reads them, and a
+    helper whose only effects are prefetches is a const function to GCC (its calls were deleted at -O1 and up):
+    the kernel's source, built as the library is, still has prefetch instructions."""
+    source = Path(_native.__file__).parent / "csrc" / "paged_attention_cpu.c"
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    command = _native._compile_command(compiler, (source,), tmp_path / "out.s")
+    command = [a for a in command if a not in ("-shared", "-fPIC", "-lm")] + ["-S"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "prefetch" in (tmp_path / "out.s").read_text()
