@@ -78,6 +78,30 @@ static inline vfl widen(const uint16_t *p, int is_bf16) {
 #endif
 }
 
+/* With AVX-512 a sub-panel is the whole panel (SUB == NP == 32), and its 32 bf16 weights of a k widen in two
+ * instructions instead of four: as 16 32-bit lanes each holding columns 2i (low half) and 2i + 1 (high half), a
+ * 16-bit left shift gives the even columns as float32 and a mask of the high halves the odd ones. The accumulators
+ * then hold even and odd columns, interleaved back once per row at the end. Zen 4 runs a 512-bit FMA on both of
+ * its FMA pipes, which the widening's shifts and zero-extensions share: 16 FMAs and 4 widening instructions a k
+ * ran at 0.8 of the FMA peak (measured 180 GFLOP/s at 48 rows against oneDNN's 210-220 at large shapes). */
+#if defined(__AVX512F__)
+#define PAIRED_BF16 1
+static inline void widen_bf16_pairs(const uint16_t *p, vfl *even, vfl *odd) {
+    const __m512i w = _mm512_loadu_si512((const void *)p);
+    *even = (vfl)_mm512_slli_epi32(w, 16);
+    *odd = (vfl)_mm512_and_si512(w, _mm512_set1_epi32((int)0xFFFF0000u));
+}
+/* out[0..31] = columns 0..31 from even (columns 0, 2, ..) and odd (1, 3, ..) lanes. */
+static inline void unpair(vfl even, vfl odd, float *out) {
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    _mm512_storeu_ps(out, _mm512_permutex2var_ps((__m512)even, lo, (__m512)odd));
+    _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps((__m512)even, hi, (__m512)odd));
+}
+#else
+#define PAIRED_BF16 0
+#endif
+
 /* Columns [n0 + c0, n0 + c0 + SUB) of panel_w (nc of them valid, counted from c0) against activation rows
  * [m0, m0 + mb). Always inlined with a constant mb (see pk_w16_gemm), so the accumulators are registers, not a
  * stack array indexed at run time. */
@@ -94,7 +118,16 @@ static inline __attribute__((always_inline)) void sub_panel(const float *x, int6
         vfl acc[MB][2];
         memset(acc, 0, sizeof acc);
         for (int64_t k = k0; k < k1; k++, p += NP) {
-            const vfl w0 = widen(p, is_bf16), w1 = widen(p + VL, is_bf16);
+            vfl w0, w1;
+#if PAIRED_BF16
+            if (is_bf16) {
+                widen_bf16_pairs(p, &w0, &w1);
+            } else
+#endif
+            {
+                w0 = widen(p, is_bf16);
+                w1 = widen(p + VL, is_bf16);
+            }
             for (int i = 0; i < mb; i++) {
                 const float xs = xr[i][k];
                 acc[i][0] += w0 * xs;
@@ -108,13 +141,24 @@ static inline __attribute__((always_inline)) void sub_panel(const float *x, int6
     }
     for (int i = 0; i < mb; i++) {
         float *o = out + (m0 + i) * o_s0 + n0 + c0;
-        if (nc >= SUB) {
-            memcpy(o, total[i], sizeof(float) * SUB);
-        } else {
-            float lanes[SUB];
+        float lanes[SUB];
+#if PAIRED_BF16
+        if (is_bf16) {
+            if (nc >= SUB) {
+                unpair(total[i][0], total[i][1], o);
+                continue;
+            }
+            unpair(total[i][0], total[i][1], lanes);
+        } else
+#endif
+        {
+            if (nc >= SUB) {
+                memcpy(o, total[i], sizeof(float) * SUB);
+                continue;
+            }
             memcpy(lanes, total[i], sizeof lanes);
-            memcpy(o, lanes, sizeof(float) * nc);
         }
+        memcpy(o, lanes, sizeof(float) * nc);
     }
 }
 
