@@ -64,6 +64,9 @@ class GuidedDecodingParams:
                     or not all(isinstance(c, str) and c for c in self.choice)):
                 raise ValueError(f"guided_decoding choice must be a non-empty list of non-empty str, "
                                  f"got {self.choice!r:.100}")
+            if any("\x00" in c for c in self.choice):
+                # xgrammar reads a literal as a C string: a NUL would end it (the choice would allow "")
+                raise ValueError("guided_decoding choice strings cannot contain NUL (\\x00)")
 
     @property
     def kind(self) -> str:

@@ -30,10 +30,14 @@ from engine.sampling_params import GuidedDecodingParams
 DEFAULT_GRAMMAR_CACHE_SIZE = 64
 
 
+_EBNF_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
 def _ebnf_string(text: str) -> str:
-    """`text` as a double-quoted EBNF (GBNF) string literal."""
-    escaped = (text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
-               .replace("\t", "\\t"))
+    """`text` as a double-quoted EBNF (GBNF) string literal: backslash, quote and the other control characters
+    escaped (a raw NUL ended the grammar compiler's parse of the literal)."""
+    escaped = "".join(_EBNF_ESCAPES.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x20 or ord(c) == 0x7F else c)
+                      for c in text)
     return f'"{escaped}"'
 
 

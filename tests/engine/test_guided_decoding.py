@@ -156,3 +156,15 @@ def test_unpack_bitmask_matches_xgrammar_kernel():
     got = logits.clone()
     got[[0, 2, 3]] = got[[0, 2, 3]].masked_fill(~allowed[[0, 2, 3]], float("-inf"))
     assert torch.equal(got, expected) and not allowed.all() and allowed.any()
+
+
+def test_choices_with_control_characters_are_generated_as_given(llm):
+    """Choice strings go into the grammar as EBNF literals: quotes, backslashes and control characters escaped (a
+    raw control character broke the grammar's parse: a 400 for a valid request); a NUL, which the grammar compiler
+    reads as the literal's end, is refused by name."""
+    choices = ['say "\\x01"\x01', "tab\there\x1f"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, guided_decoding=GuidedDecodingParams(choice=choices))
+    out = llm.generate(chat(llm, "Pick one."), params, use_tqdm=False)[0].outputs[0]
+    assert out.text in choices and out.finish_reason == "stop"
+    with pytest.raises(ValueError, match="cannot contain NUL"):
+        GuidedDecodingParams(choice=["a\x00b"])
