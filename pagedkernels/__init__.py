@@ -18,7 +18,7 @@ from .rms_norm import fused_add_rms_norm, rms_norm  # noqa: F401
 from .rotary import compute_cos_sin_cache, rotary_embedding  # noqa: F401
 from .wq_gemm import wq_gemm  # noqa: F401
 from .gguf_quant import (GGUF_BLOCKS, GGUF_INTERLEAVED, gguf_deinterleave, gguf_dequantize, gguf_gemm,  # noqa: F401
-                         gguf_interleave)
+                         gguf_interleave, gguf_take_rows)
 from .fp8_gemm import fp8_gemm, quantize_fp8_weight  # noqa: F401
 from .w16_gemm import pack_w16, w16_gemm  # noqa: F401
 from .cpu_graph import CPUGraph, CPUGraphPool, GraphCaptureError  # noqa: F401  (native kernel calls, replayed from C)

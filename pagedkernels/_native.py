@@ -296,7 +296,7 @@ def silu_and_mul(x2d, out2d) -> None:
 
 # Weight formats of csrc/quant_cpu.c: the canonical int4/int8 layouts and GGUF's block types (ggml's ids).
 QUANT_FORMATS = {"wq4": 0, "wq8": 1, "Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14, "Q4_0x8": 102,
-                 "Q4_1x8": 103}
+                 "Q4_1x8": 103, "Q8_0x8": 108}
 SIMD_LEVELS = ("portable C", "AVX2", "AVX-VNNI", "AVX-512 VNNI")
 
 

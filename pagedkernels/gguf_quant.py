@@ -15,9 +15,9 @@ the file (ggml's ``block_*`` structs, little-endian float16 scales):
     Q6_K   256 / 210     ql[128], qh[64], scales[16] int8, d f16         d * sc[16-value group] * (q - 32),
                          6-bit q: 4 low bits in ql, 2 high bits in qh    q from ql/qh as in ggml
 
-Two CPU layouts of the same blocks, ``Q4_0x8`` and ``Q4_1x8`` (:func:`gguf_interleave`; N a multiple of 8):
-each group of 8 rows stores, per block, the 8 rows' scales (and minima) side by side and their 16 bytes of
-nibbles 4 bytes of each row at a time, so the native GEMM computes 8 rows of a block in one set of vector
+Three CPU layouts of the same blocks, ``Q4_0x8``, ``Q4_1x8`` and ``Q8_0x8`` (:func:`gguf_interleave`; N a
+multiple of 8): each group of 8 rows stores, per block, the 8 rows' scales (and minima) side by side and their
+16 bytes of nibbles (32 int8 values) 4 bytes of each row at a time, so the native GEMM computes 8 rows of a block in one set of vector
 instructions and scales them with one (``csrc/quant_cpu.c`` gives the byte layout). Same bytes in all; every
 op takes them, the native kernels directly, the Triton and PyTorch paths through :func:`gguf_deinterleave`.
 
@@ -41,7 +41,7 @@ from ._backend import has_no_data, use_native, use_triton
 from ._validate import FLOAT_DTYPES, check_tensor
 
 __all__ = ["GGUF_BLOCKS", "GGUF_TYPE_IDS", "GGUF_INTERLEAVED", "gguf_dequantize", "gguf_gemm", "gguf_interleave",
-           "gguf_deinterleave", "check_gguf_weight"]
+           "gguf_deinterleave", "gguf_take_rows", "check_gguf_weight"]
 
 # type -> (values per block, bytes per block)
 GGUF_BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q6_K": (256, 210)}
@@ -50,7 +50,7 @@ GGUF_TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 
 
 # The 8-row interleaved CPU layouts -> the block type they hold (module docstring).
-GGUF_INTERLEAVED = {"Q4_0x8": "Q4_0", "Q4_1x8": "Q4_1"}
+GGUF_INTERLEAVED = {"Q4_0x8": "Q4_0", "Q4_1x8": "Q4_1", "Q8_0x8": "Q8_0"}
 _INTERLEAVE_ROWS = 8
 
 
@@ -81,27 +81,28 @@ def check_gguf_weight(qweight, quant_type, *, like=None) -> tuple[str, int, int]
 
 
 def _interleave_shape(N: int, row_bytes: int, name: str) -> tuple[int, int, int, int]:
-    """(groups, blocks, parameter bytes per row-block, nibble bytes per row-block) of a Q4_0/Q4_1 weight."""
+    """(groups, blocks, parameter bytes per row-block, value bytes per row-block) of a Q4_0/Q4_1/Q8_0 weight."""
     nbytes = GGUF_BLOCKS[name][1]
-    head = nbytes - 16
-    return N // _INTERLEAVE_ROWS, row_bytes // nbytes, head, 16
+    values = 32 if name == "Q8_0" else 16
+    return N // _INTERLEAVE_ROWS, row_bytes // nbytes, nbytes - values, values
 
 
 def gguf_interleave(qweight: torch.Tensor, quant_type: str | int) -> torch.Tensor:
-    """A Q4_0 or Q4_1 weight in its 8-row interleaved layout (``"Q4_0x8"`` / ``"Q4_1x8"``, module docstring):
+    """A Q4_0, Q4_1 or Q8_0 weight in its 8-row interleaved layout (``"Q4_0x8"`` / ``"Q4_1x8"`` / ``"Q8_0x8"``,
+    module docstring):
     a new uint8 tensor of qweight's shape. N must be a multiple of 8. Exact: :func:`gguf_deinterleave` gives the
     same bytes back."""
     name, N, K = check_gguf_weight(qweight, quant_type)
-    if name not in ("Q4_0", "Q4_1"):
-        raise ValueError(f"gguf_interleave takes Q4_0 or Q4_1 weights, got {name}")
+    if name not in GGUF_INTERLEAVED.values():
+        raise ValueError(f"gguf_interleave takes {', '.join(GGUF_INTERLEAVED.values())} weights, got {name}")
     if N % _INTERLEAVE_ROWS:
         raise ValueError(f"gguf_interleave needs a multiple of {_INTERLEAVE_ROWS} rows, got {N}")
-    G, nb, head, _ = _interleave_shape(N, qweight.shape[1], name)
-    blocks = qweight.view(G, _INTERLEAVE_ROWS, nb, head + 16)
+    G, nb, head, values = _interleave_shape(N, qweight.shape[1], name)
+    blocks = qweight.view(G, _INTERLEAVE_ROWS, nb, head + values)
     params = blocks[..., :head].reshape(G, _INTERLEAVE_ROWS, nb, head // 2, 2).permute(0, 2, 3, 1, 4)
-    nibbles = blocks[..., head:].reshape(G, _INTERLEAVE_ROWS, nb, 4, 4).permute(0, 2, 3, 1, 4)
-    out = torch.cat([params.reshape(G, nb, head * _INTERLEAVE_ROWS), nibbles.reshape(G, nb, 16 * _INTERLEAVE_ROWS)],
-                    dim=-1)
+    chunks = blocks[..., head:].reshape(G, _INTERLEAVE_ROWS, nb, values // 4, 4).permute(0, 2, 3, 1, 4)
+    out = torch.cat([params.reshape(G, nb, head * _INTERLEAVE_ROWS),
+                     chunks.reshape(G, nb, values * _INTERLEAVE_ROWS)], dim=-1)
     return out.reshape(N, -1).contiguous()
 
 
@@ -112,13 +113,28 @@ def gguf_deinterleave(qweight: torch.Tensor, quant_type: str) -> torch.Tensor:
     if name not in GGUF_INTERLEAVED:
         raise ValueError(f"gguf_deinterleave takes {tuple(GGUF_INTERLEAVED)} weights, got {name}")
     base = GGUF_INTERLEAVED[name]
-    G, nb, head, _ = _interleave_shape(N, qweight.shape[1], base)
-    blocks = qweight.view(G, nb, _INTERLEAVE_ROWS * (head + 16))
+    G, nb, head, values = _interleave_shape(N, qweight.shape[1], base)
+    blocks = qweight.view(G, nb, _INTERLEAVE_ROWS * (head + values))
     params = blocks[..., :head * _INTERLEAVE_ROWS].reshape(G, nb, head // 2, _INTERLEAVE_ROWS, 2)
-    nibbles = blocks[..., head * _INTERLEAVE_ROWS:].reshape(G, nb, 4, _INTERLEAVE_ROWS, 4)
+    chunks = blocks[..., head * _INTERLEAVE_ROWS:].reshape(G, nb, values // 4, _INTERLEAVE_ROWS, 4)
     out = torch.cat([params.permute(0, 3, 1, 2, 4).reshape(G, _INTERLEAVE_ROWS, nb, head),
-                     nibbles.permute(0, 3, 1, 2, 4).reshape(G, _INTERLEAVE_ROWS, nb, 16)], dim=-1)
+                     chunks.permute(0, 3, 1, 2, 4).reshape(G, _INTERLEAVE_ROWS, nb, values)], dim=-1)
     return out.reshape(N, -1).contiguous()
+
+
+def gguf_take_rows(qweight: torch.Tensor, quant_type: str, ids: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """Rows ``ids`` (int64 ``[n]``) of a GGUF weight in GGUF's row layout, and their block type: an index_select
+    for the row layouts; for the interleaved ones the ids' groups of 8 rows, de-interleaved, each id's row taken
+    (an embedding lookup in blocks shared with an interleaved LM head). Reads no value on the host."""
+    name, N, _ = check_gguf_weight(qweight, quant_type)
+    if name not in GGUF_INTERLEAVED:
+        return qweight.index_select(0, ids), name
+    row_bytes = qweight.shape[1]
+    groups = qweight.view(N // _INTERLEAVE_ROWS, _INTERLEAVE_ROWS * row_bytes).index_select(
+        0, torch.div(ids, _INTERLEAVE_ROWS, rounding_mode="floor"))
+    rows = gguf_deinterleave(groups.view(-1, row_bytes), name).view(-1, _INTERLEAVE_ROWS, row_bytes)
+    which = torch.remainder(ids, _INTERLEAVE_ROWS).view(-1, 1, 1).expand(-1, 1, row_bytes)
+    return rows.gather(1, which).view(-1, row_bytes), GGUF_INTERLEAVED[name]
 
 
 def _row_layout(qweight: torch.Tensor, name: str) -> tuple[torch.Tensor, str]:

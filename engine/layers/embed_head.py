@@ -58,8 +58,9 @@ class VocabEmbedding(nn.Module):
         if self.gguf_qweight is None:
             return F.embedding(ids, self.weight)
         from engine.layers import pk_ops
-        rows = self.gguf_qweight.index_select(0, ids.reshape(-1))
-        values = pk_ops().gguf_dequantize(rows, self.gguf_type, dtype=self.gguf_dtype)
+        from pagedkernels import gguf_take_rows
+        rows, row_type = gguf_take_rows(self.gguf_qweight, self.gguf_type, ids.reshape(-1))
+        values = pk_ops().gguf_dequantize(rows, row_type, dtype=self.gguf_dtype)
         return values.reshape(*ids.shape, values.shape[-1])
 
 

@@ -221,7 +221,8 @@ def _install_gguf_vocab(head, embed, tensors: dict) -> None:
     tied = head is not None and embed is not None and head.weight is embed.weight
     head_done = "head" in tensors and install_gguf_lm_head(head, tensors["head"])
     shared = head.gguf_qweight if tied and head_done else None
-    embed_done = "embed" in tensors and install_gguf_embedding(embed, tensors["embed"], shared=shared)
+    embed_done = "embed" in tensors and install_gguf_embedding(
+        embed, tensors["embed"], shared=shared, shared_type=head.quant_method.quant_type if shared is not None else None)
 
     def empty(param: nn.Parameter) -> nn.Parameter:
         return nn.Parameter(param.new_empty(0), requires_grad=False)

@@ -7,13 +7,15 @@
  *         w = (q - zero[g]) * scale[g], g = k / group_size (group_size a multiple of 32)
  *   WQ8   canonical int8: row = K bytes, q unsigned, same scales and zeros
  *   Q8_0, Q4_0, Q4_1, Q4_K, Q6_K: GGUF's blocks, exactly as in a .gguf file (ggml-quants.h)
- *   Q4_0X8, Q4_1X8: Q4_0 / Q4_1 with 8 rows interleaved (pagedkernels.gguf_interleave; N a multiple of 8):
- *         per group of 8 rows and block b of 32 values, 144 (Q4_0X8) or 160 (Q4_1X8) bytes: the 8 rows'
- *         d (f16), for Q4_1X8 their 8 m, then 4 chunks j of 32 bytes, chunk j holding row r's qs[4j..4j+3]
- *         at bytes 4r..4r+3. One 32-bit lane per row: a chunk's low nibbles are values 4j..4j+3 of the
- *         8 rows, its high nibbles values 16+4j..16+4j+3, so an integer dot against 4 broadcast
- *         activation bytes sums 8 rows at once and the block's scales apply to the 8 rows in one vector
- *         (llama.cpp's repacked q4_0x8 has the same aim; the lane order here is ours).
+ *   Q4_0X8, Q4_1X8, Q8_0X8: Q4_0 / Q4_1 / Q8_0 with 8 rows interleaved (pagedkernels.gguf_interleave; N a
+ *         multiple of 8): per group of 8 rows and block b of 32 values, 144 (Q4_0X8), 160 (Q4_1X8) or 272
+ *         (Q8_0X8) bytes: the 8 rows' d (f16), for Q4_1X8 their 8 m, then chunks j of 32 bytes, chunk j
+ *         holding row r's qs[4j..4j+3] at bytes 4r..4r+3 (4 chunks of nibbles, or 8 of Q8_0's int8 values).
+ *         One 32-bit lane per row: a Q4 chunk's low nibbles are values
+ *         4j..4j+3 of the 8 rows, its high nibbles values 16+4j..16+4j+3 (a Q8 chunk: values 4j..4j+3), so
+ *         an integer dot against 4 broadcast activation bytes sums 8 rows at once and the block's scales
+ *         apply to the 8 rows in one vector (llama.cpp's repacked q4_0x8 has the same aim; the lane order
+ *         here is ours).
  *
  * The GEMM follows llama.cpp: each activation row is quantized to int8 in blocks of 32 (scale
  * dx = max|x| / 127, xq = round(x / dx)), and every block of 32 weights meets its activation block in
@@ -34,7 +36,8 @@
 #define PK_AVX2 0
 #endif
 
-enum { WQ4 = 0, WQ8 = 1, Q8_0 = 8, Q4_0 = 2, Q4_1 = 3, Q4_K = 12, Q6_K = 14, Q4_0X8 = 102, Q4_1X8 = 103 };
+enum { WQ4 = 0, WQ8 = 1, Q8_0 = 8, Q4_0 = 2, Q4_1 = 3, Q4_K = 12, Q6_K = 14, Q4_0X8 = 102, Q4_1X8 = 103,
+       Q8_0X8 = 108 };
 
 #define QK 32        /* activation block */
 #define QK_K 256     /* K-quant super-block */
@@ -53,7 +56,7 @@ static int64_t row_bytes_of(int fmt, int64_t K) {
     switch (fmt) {
     case WQ4: return K / 2;
     case WQ8: return K;
-    case Q8_0: return K / 32 * 34;
+    case Q8_0: case Q8_0X8: return K / 32 * 34;
     case Q4_0: case Q4_0X8: return K / 32 * 18;
     case Q4_1: case Q4_1X8: return K / 32 * 20;
     case Q4_K: return K / QK_K * 144;
@@ -303,10 +306,10 @@ static inline void block_dequantize(const wdesc *w, const uint8_t *row, int64_t 
 /* 8 rows interleaved (Q4_0X8, Q4_1X8)                                                            */
 /* ---------------------------------------------------------------------------------------------- */
 
-static inline int is_x8(int fmt) { return fmt == Q4_0X8 || fmt == Q4_1X8; }
+static inline int is_x8(int fmt) { return fmt == Q4_0X8 || fmt == Q4_1X8 || fmt == Q8_0X8; }
 
 /* Bytes of one block of a group of 8 rows. */
-static inline int64_t x8_block_bytes(int fmt) { return fmt == Q4_0X8 ? 144 : 160; }
+static inline int64_t x8_block_bytes(int fmt) { return fmt == Q4_0X8 ? 144 : fmt == Q4_1X8 ? 160 : 272; }
 
 /* Row r (0..7) of a group's block at blk: its 32 values as unsigned bytes and its parameters. */
 static inline bparams x8_row_block(int fmt, const uint8_t *blk, int r, uint8_t *q) {
@@ -318,9 +321,14 @@ static inline bparams x8_row_block(int fmt, const uint8_t *blk, int r, uint8_t *
         memcpy(&h, blk + 16 + 2 * r, 2);
         p.add = half_to_float(h);
     } else {
-        p.add = -8.0f * p.mul;
+        p.add = (fmt == Q8_0X8 ? -128.0f : -8.0f) * p.mul;
     }
     const uint8_t *qs = blk + (fmt == Q4_1X8 ? 32 : 16);
+    if (fmt == Q8_0X8) { /* int8 w as q = w + 128 (unsigned), w = d * q - 128 d */
+        for (int j = 0; j < 8; j++)
+            for (int i = 0; i < 4; i++) q[4 * j + i] = qs[32 * j + 4 * r + i] ^ 0x80;
+        return p;
+    }
     for (int j = 0; j < 4; j++)
         for (int i = 0; i < 4; i++) {
             const uint8_t byte = qs[32 * j + 4 * r + i];
@@ -484,14 +492,41 @@ PK_INLINE void x8_block_step(const int fmt, const uint8_t *blk, const qrow *xs, 
                              __m256 *acc) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-    const __m256 add = fmt == Q4_1X8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)))
-                                     : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
     const uint8_t *qs = blk + (fmt == Q4_1X8 ? 32 : 16);
+    /* lo[j]: values 4j..4j+3 of the 8 rows, hi[j]: values 16+4j..16+4j+3, as unsigned bytes */
     __m256i lo[4], hi[4];
+#if !defined(__AVX512VNNI__) && !defined(__AVXVNNI__)
+    /* Q8_0X8 without VNNI: maddubs saturates its int16 pairs, so the sign trick of the row kernel (|w| against
+     * x with w's sign: pairs of at most 2 * 128 * 127) instead of w + 128 (up to 2 * 255 * 127) */
+    __m256i sgn[8];
+    if (fmt == Q8_0X8) {
+        for (int m = 0; m < mr; m++) {
+            const int8_t *x = xs[m].xq + b * QK;
+            __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) {
+                sgn[j] = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+                const __m256i xv = _mm256_sign_epi8(broadcast4(x + 4 * j), sgn[j]);
+                if (j < 4) s0 = dot_acc_u8s8(s0, _mm256_sign_epi8(sgn[j], sgn[j]), xv);
+                else s1 = dot_acc_u8s8(s1, _mm256_sign_epi8(sgn[j], sgn[j]), xv);
+            }
+            const __m256 isum = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+            acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xs[m].dx[b])), isum, acc[m]);
+        }
+        return;
+    }
+#endif
+    const __m256 add = fmt == Q4_1X8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)))
+                                     : _mm256_mul_ps(d, _mm256_set1_ps(fmt == Q8_0X8 ? -128.0f : -8.0f));
     for (int j = 0; j < 4; j++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
-        lo[j] = _mm256_and_si256(v, low4);
-        hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        if (fmt == Q8_0X8) { /* VNNI: w + 128 as unsigned bytes, the -128 d sx term below */
+            const __m256i flip = _mm256_set1_epi8((char)0x80);
+            lo[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(qs + 32 * j)), flip);
+            hi[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(qs + 32 * (j + 4))), flip);
+        } else {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            lo[j] = _mm256_and_si256(v, low4);
+            hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        }
     }
     for (int m = 0; m < mr; m++) {
         const int8_t *x = xs[m].xq + b * QK;
@@ -526,6 +561,9 @@ static void x8_group_dot_avx2(int fmt, const uint8_t *grp, int64_t nb, const qro
     if (fmt == Q4_0X8) {
         if (mr == 1) x8_group_dot_of(Q4_0X8, grp, nb, xs, 1, out, ldo);
         else x8_group_dot_of(Q4_0X8, grp, nb, xs, mr, out, ldo);
+    } else if (fmt == Q8_0X8) {
+        if (mr == 1) x8_group_dot_of(Q8_0X8, grp, nb, xs, 1, out, ldo);
+        else x8_group_dot_of(Q8_0X8, grp, nb, xs, mr, out, ldo);
     } else {
         if (mr == 1) x8_group_dot_of(Q4_1X8, grp, nb, xs, 1, out, ldo);
         else x8_group_dot_of(Q4_1X8, grp, nb, xs, mr, out, ldo);

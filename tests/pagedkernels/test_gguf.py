@@ -138,14 +138,16 @@ def test_interleave_layout_and_round_trip(quant_type):
     qweight = random_gguf(base, N, K, gen)
     packed = pk.gguf_interleave(qweight, base)
     assert packed.shape == qweight.shape and packed.dtype == torch.uint8
-    nbytes, head = pk.GGUF_BLOCKS[base][1], pk.GGUF_BLOCKS[base][1] - 16
+    values = 32 if base == "Q8_0" else 16   # bytes of values in a row's block (int8, or nibbles)
+    nbytes = pk.GGUF_BLOCKS[base][1]
+    head = nbytes - values
     blocks = qweight.view(N, K // 32, nbytes)
     group = packed.view(N // 8, K // 32, 8 * nbytes)
     for g, b, r in [(0, 0, 0), (1, 2, 7), (0, 1, 3)]:
         row = blocks[8 * g + r, b]
         for field in range(head // 2):   # d, then m (Q4_1)
             assert torch.equal(group[g, b, 16 * field + 2 * r:16 * field + 2 * r + 2], row[2 * field:2 * field + 2])
-        for j in range(4):
+        for j in range(values // 4):
             start = 8 * head + 32 * j + 4 * r
             assert torch.equal(group[g, b, start:start + 4], row[head + 4 * j:head + 4 * j + 4])
     assert torch.equal(pk.gguf_deinterleave(packed, quant_type), qweight)
@@ -172,12 +174,25 @@ def test_interleaved_gemm_and_dequantize(backend, quant_type, M, device):
     torch.testing.assert_close(dequantized.cpu(), weight.float(), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("quant_type", ["Q8_0", *INTERLEAVED])
+def test_take_rows_gives_row_layout_blocks(quant_type):
+    """gguf_take_rows: the ids' rows in GGUF's row layout (an embedding's lookup in blocks an interleaved LM head
+    shares), repeated and out-of-order ids included."""
+    base = pk.GGUF_INTERLEAVED.get(quant_type, quant_type)
+    gen = torch.Generator().manual_seed(9)
+    qweight = random_gguf(base, 24, 64, gen)
+    stored = pk.gguf_interleave(qweight, base) if quant_type != base else qweight
+    ids = torch.tensor([5, 0, 23, 5, 8, 15, 16])
+    rows, row_type = pk.gguf_take_rows(stored, quant_type, ids)
+    assert row_type == base and torch.equal(rows, qweight[ids])
+
+
 def test_interleave_refuses_what_it_cannot_hold():
     gen = torch.Generator().manual_seed(2)
     with pytest.raises(ValueError, match="multiple of 8 rows"):
         pk.gguf_interleave(random_gguf("Q4_0", 12, 64, gen), "Q4_0")
-    with pytest.raises(ValueError, match="Q4_0 or Q4_1"):
-        pk.gguf_interleave(random_gguf("Q8_0", 8, 64, gen), "Q8_0")
+    with pytest.raises(ValueError, match="takes Q4_0, Q4_1, Q8_0 weights"):
+        pk.gguf_interleave(random_gguf("Q4_K", 8, 256, gen), "Q4_K")
     with pytest.raises(ValueError, match="groups of 8 rows"):
         pk.gguf_gemm(torch.randn(1, 64), torch.zeros(12, 36, dtype=torch.uint8), "Q4_0x8")
 

@@ -33,7 +33,7 @@ from torch import nn
 from engine.gguf_file import GGUFTensor
 from engine.layers.quantization import register_quantization_config
 from engine.layers.quantization.base import LinearMethodBase, QuantizationConfig, new_param, replace_param
-from pagedkernels import GGUF_BLOCKS
+from pagedkernels import GGUF_BLOCKS, GGUF_INTERLEAVED
 
 # Block types wq_gemm can take exactly (quant_formats.gguf_to_wq); used on CUDA.
 WQ_CONVERTIBLE = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
@@ -209,13 +209,14 @@ class GGUFLinearMethod(LinearMethodBase):
 
 
 def _cpu_layout(qweight: torch.Tensor, quant_type: str) -> tuple[torch.Tensor, str]:
-    """The layout gguf_gemm runs fastest on for this weight: on the CPU with the native kernels, Q4_0/Q4_1
-    weights of whole groups of 8 rows interleaved (``"Q4_0x8"``/``"Q4_1x8"``: 1.7-2.2x the row layout's GEMM at
-    one activation row, 2.3-4x at four, measured on the 2-core EPYC); everything else as the file has it."""
+    """The layout gguf_gemm runs fastest on for this weight: on the CPU with the native kernels, Q4_0/Q4_1/Q8_0
+    weights of whole groups of 8 rows interleaved (``"Q4_0x8"``/``"Q4_1x8"``/``"Q8_0x8"``: Q4 1.7-2.2x the row
+    layout's GEMM at one activation row, 2.3-4x at four, measured on the 2-core EPYC); everything else as the file
+    has it."""
     from pagedkernels import gguf_interleave
     from pagedkernels._backend import _native_library_built
 
-    if (CPU_KERNEL == "gguf" and quant_type in ("Q4_0", "Q4_1") and qweight.device.type == "cpu"
+    if (CPU_KERNEL == "gguf" and quant_type in GGUF_INTERLEAVED.values() and qweight.device.type == "cpu"
             and qweight.shape[0] % 8 == 0 and _native_library_built()):
         return gguf_interleave(qweight, quant_type), quant_type + "x8"
     return qweight, quant_type
@@ -253,14 +254,17 @@ def _rank_rows(module: nn.Module, tensor: GGUFTensor) -> torch.Tensor:
     return blocks
 
 
-def install_gguf_embedding(embedding: nn.Module, tensor: GGUFTensor, shared: torch.Tensor | None = None) -> bool:
+def install_gguf_embedding(embedding: nn.Module, tensor: GGUFTensor, shared: torch.Tensor | None = None,
+                           shared_type: str | None = None) -> bool:
     """Make a VocabEmbedding look its rows up in ``tensor``'s blocks (de-quantizing only the rows it gathers);
-    ``shared``: the same blocks already installed on the tied LM head. Returns False for a float tensor or a
-    block type pagedkernels does not de-quantize. The caller frees the float weight."""
+    ``shared``: the same blocks already installed on the tied LM head, in its layout ``shared_type`` (an
+    interleaved one gathers whole groups of 8 rows: ``pagedkernels.gguf_take_rows``). Returns False for a float
+    tensor or a block type pagedkernels does not de-quantize. The caller frees the float weight."""
     if tensor.quant_type not in GGUF_BLOCKS:
         return False
     embedding.gguf_qweight = shared if shared is not None else _rank_rows(embedding, tensor)
-    embedding.gguf_type, embedding.gguf_dtype = tensor.quant_type, embedding.weight.dtype
+    embedding.gguf_type = shared_type if shared is not None and shared_type else tensor.quant_type
+    embedding.gguf_dtype = embedding.weight.dtype
     return True
 
 
@@ -270,6 +274,7 @@ def install_gguf_lm_head(head: nn.Module, tensor: GGUFTensor) -> bool:
     or a block type gguf_gemm does not take. An untied head's float weight is freed."""
     if tensor.quant_type not in GGUF_BLOCKS:
         return False
-    head.gguf_qweight = _rank_rows(head, tensor)   # a buffer; padding rows give zero logits, cut after the gather
-    head.quant_method = GGUFLMHeadMethod(tensor.quant_type)
+    # a buffer; padding rows give zero logits, cut after the gather
+    head.gguf_qweight, quant_type = _cpu_layout(_rank_rows(head, tensor), tensor.quant_type)
+    head.quant_method = GGUFLMHeadMethod(quant_type)
     return True
