@@ -498,16 +498,18 @@ PK_INLINE void x8_block_step(const int fmt, const uint8_t *blk, const qrow *xs, 
 #if !defined(__AVX512VNNI__) && !defined(__AVXVNNI__)
     /* Q8_0X8 without VNNI: maddubs saturates its int16 pairs, so the sign trick of the row kernel (|w| against
      * x with w's sign: pairs of at most 2 * 128 * 127) instead of w + 128 (up to 2 * 255 * 127) */
-    __m256i sgn[8];
     if (fmt == Q8_0X8) {
+        __m256i w[8], aw[8]; /* the chunks, and their absolute values (once per block, not per row m) */
+        for (int j = 0; j < 8; j++) {
+            w[j] = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            aw[j] = _mm256_sign_epi8(w[j], w[j]);
+        }
         for (int m = 0; m < mr; m++) {
             const int8_t *x = xs[m].xq + b * QK;
             __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-            for (int j = 0; j < 8; j++) {
-                sgn[j] = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
-                const __m256i xv = _mm256_sign_epi8(broadcast4(x + 4 * j), sgn[j]);
-                if (j < 4) s0 = dot_acc_u8s8(s0, _mm256_sign_epi8(sgn[j], sgn[j]), xv);
-                else s1 = dot_acc_u8s8(s1, _mm256_sign_epi8(sgn[j], sgn[j]), xv);
+            for (int j = 0; j < 4; j++) {
+                s0 = dot_acc_u8s8(s0, aw[j], _mm256_sign_epi8(broadcast4(x + 4 * j), w[j]));
+                s1 = dot_acc_u8s8(s1, aw[j + 4], _mm256_sign_epi8(broadcast4(x + 16 + 4 * j), w[j + 4]));
             }
             const __m256 isum = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
             acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xs[m].dx[b])), isum, acc[m]);
@@ -592,6 +594,18 @@ static void row_dot_avx2(const wdesc *w, const uint8_t *row, int64_t n_row_param
 }
 #endif
 
+/* The quantized activation rows m0 .. m0 + mr - 1 (mr = up to MR of them) of the buffers pk_quant_gemm fills:
+ * xq [M, K], dx then sx [M, nb] each, bs16 [M, 2 nb]. Returns mr. */
+static inline int activation_rows(int8_t *xq, float *dx, int32_t *bs16, int64_t M, int64_t K, int64_t nb, int64_t m0,
+                                  qrow *xs) {
+    const int mr = M - m0 < MR ? (int)(M - m0) : MR;
+    for (int m = 0; m < mr; m++) {
+        const int64_t r = m0 + m;
+        xs[m] = (qrow){xq + r * K, dx + r * nb, dx + M * nb + r * nb, bs16 + 2 * r * nb};
+    }
+    return mr;
+}
+
 static int format_ok(int fmt, int64_t N, int64_t K, int64_t group_size) {
     if (row_bytes_of(fmt, K) == 0 || K <= 0) return 0;
     if (is_x8(fmt) && N % 8) return 0;
@@ -643,12 +657,8 @@ int pk_quant_gemm(const void *x, int64_t x_s0, int x_dt, int64_t M, int64_t K, c
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t g = 0; g < N / 8; g++) {
             for (int64_t m0 = 0; m0 < M; m0 += MR) {
-                const int mr = M - m0 < MR ? (int)(M - m0) : MR;
                 qrow xs[MR];
-                for (int m = 0; m < mr; m++) {
-                    const int64_t r = m0 + m;
-                    xs[m] = (qrow){xq + r * K, dx + r * nb, dx + M * nb + r * nb, bs16 + 2 * r * nb};
-                }
+                const int mr = activation_rows(xq, dx, bs16, M, K, nb, m0, xs);
 #if PK_AVX2
                 x8_group_dot_avx2(fmt, weight + g * group_bytes, nb, xs, mr, outf + m0 * N + g * 8, N);
 #else
@@ -664,12 +674,8 @@ int pk_quant_gemm(const void *x, int64_t x_s0, int x_dt, int64_t M, int64_t K, c
         for (int64_t tile = 0; tile < tiles; tile++) {
             const int64_t n_end = (tile + 1) * NT < N ? (tile + 1) * NT : N;
             for (int64_t m0 = 0; m0 < M; m0 += MR) {
-                const int mr = M - m0 < MR ? (int)(M - m0) : MR;
                 qrow xs[MR];
-                for (int m = 0; m < mr; m++) {
-                    const int64_t r = m0 + m;
-                    xs[m] = (qrow){xq + r * K, dx + r * nb, dx + M * nb + r * nb, bs16 + 2 * r * nb};
-                }
+                const int mr = activation_rows(xq, dx, bs16, M, K, nb, m0, xs);
                 for (int64_t n = tile * NT; n < n_end; n++) {
                     float res[MR];
 #if PK_AVX2

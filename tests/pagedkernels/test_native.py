@@ -169,6 +169,21 @@ def torch_threads(n: int):
         torch.set_num_threads(before)
 
 
+def _scattered_cache(lens, block_size, num_kv_heads, head_dim, spare_blocks, g):
+    """float32 key and value caches with ``spare_blocks`` unused blocks, and block tables giving each sequence of
+    ``lens`` its blocks in a random order of the cache."""
+    num_blocks = sum(-(-n // block_size) for n in lens) + spare_blocks
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    order = torch.randperm(num_blocks, generator=g)
+    tables, used = torch.zeros(len(lens), max(-(-n // block_size) for n in lens), dtype=torch.int32), 0
+    for s, n in enumerate(lens):
+        blocks = -(-n // block_size)
+        tables[s, :blocks] = order[used:used + blocks].to(torch.int32)
+        used += blocks
+    return key_cache, value_cache, tables
+
+
 @pytest.mark.parametrize("lens,window,softcap,fp8", [([300], None, None, False), ([300, 70], None, None, False),
                                                      ([257], 100, None, False), ([190, 0], None, 30.0, False),
                                                      ([300], None, None, True)])
@@ -179,18 +194,9 @@ def test_native_decode_splits_the_keys_of_few_sequences(lens, window, softcap, f
     _native_or_skip()
     g = torch.Generator().manual_seed(sum(lens))
     block_size, num_kv_heads, group, head_dim = 16, 3, 3, 64
-    num_blocks = sum(-(-n // block_size) for n in lens) + 2
-    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
-    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    key_cache, value_cache, tables = _scattered_cache(lens, block_size, num_kv_heads, head_dim, 2, g)
     if fp8:
         key_cache, value_cache = key_cache.to(torch.float8_e4m3fn), value_cache.to(torch.float8_e4m3fn)
-    order = torch.randperm(num_blocks, generator=g)
-    width = max(-(-n // block_size) for n in lens)
-    tables, used = torch.zeros(len(lens), width, dtype=torch.int32), 0
-    for s, n in enumerate(lens):
-        blocks = -(-n // block_size)
-        tables[s, :blocks] = order[used:used + blocks].to(torch.int32)
-        used += blocks
     q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=g)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     kwargs = dict(sliding_window=window, softcap=softcap, k_scale=0.5 if fp8 else 1.0, v_scale=2.0 if fp8 else 1.0)
@@ -215,16 +221,8 @@ def test_native_attention_takes_all_heads_of_a_sequence_in_one_pass(num_kv_heads
     _native_or_skip()
     g = torch.Generator().manual_seed(num_kv_heads * group + head_dim)
     block_size, lens = 16, [37, 90, 1, 64, 130, 17, 48, 75, 5, 110]
-    num_blocks = sum(-(-n // block_size) for n in lens) + 3
-    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(cache)
-    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(cache)
-    order = torch.randperm(num_blocks, generator=g)
-    width = max(-(-n // block_size) for n in lens)
-    tables, used = torch.zeros(len(lens), width, dtype=torch.int32), 0
-    for s, n in enumerate(lens):
-        blocks = -(-n // block_size)
-        tables[s, :blocks] = order[used:used + blocks].to(torch.int32)
-        used += blocks
+    key_cache, value_cache, tables = _scattered_cache(lens, block_size, num_kv_heads, head_dim, 3, g)
+    key_cache, value_cache = key_cache.to(cache), value_cache.to(cache)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     scales = dict(k_scale=0.5, v_scale=2.0) if cache == torch.float8_e4m3fn else {}
     dtype = torch.float16 if cache == torch.float16 else torch.float32
