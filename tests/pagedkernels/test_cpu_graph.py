@@ -117,6 +117,27 @@ def test_graphs_of_one_pool_replay_in_turn_after_the_arena_grows():
         torch.testing.assert_close(graphs[i].replay(), fn(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("inference", [False, True], ids=["grad-mode", "inference-mode"])
+def test_a_reshape_that_copies_is_replayed(inference):
+    """reshape is a view when it can be and a copy when not (a transposed input): the copy is computation, so
+    the replay redoes it on the inputs of the time; views of the same tensors stay memory only."""
+    x = torch.randn(6, HIDDEN)
+    weight = torch.rand(HIDDEN) + 0.5
+
+    def fn():
+        h = pk.rms_norm(x, weight, 1e-6)
+        flat = h.t().reshape(-1)              # copies: h.t() is not contiguous
+        again = flat.view(HIDDEN, 6).reshape(6, HIDDEN)   # views
+        return pk.rms_norm(again, weight, 1e-6)
+
+    with torch.inference_mode(inference):
+        graph = CPUGraph()
+        graph.capture(fn)
+        assert graph.num_kernel_calls == 2 and graph.num_torch_calls == 1
+        x.copy_(torch.randn(x.shape))
+        torch.testing.assert_close(graph.replay(), fn(), rtol=0, atol=0)
+
+
 def test_host_reads_of_values_are_refused():
     x = torch.randn(4, HIDDEN)
     weight = torch.ones(HIDDEN)
