@@ -1,5 +1,8 @@
 """The user API: `LLM(model).generate(prompts, SamplingParams(...))` and `LLM.chat(messages)`."""
+import contextlib
+import gc
 import itertools
+import threading
 import time
 from collections.abc import Iterator
 
@@ -10,6 +13,36 @@ from engine.core.beam_search import BeamSearchOutput, BeamSearchParams, BeamSear
 from engine.engine_args import EngineArgs
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+
+
+_freeze_lock = threading.Lock()
+_freeze_depth = 0
+_froze = False
+
+
+@contextlib.contextmanager
+def _heap_frozen():
+    """The objects alive when a run starts (the model's modules, the tokenizer, the caller's own) kept out of the
+    garbage collector's reach until it ends: a full collection walks every tracked object, and one that the run's
+    own allocations set off cost 184 ms in the middle of a 12 s batch (SmolLM2, 48 requests, 2-core EPYC). vLLM
+    freezes its engine core's heap once after start-up; this unfreezes at the end instead, because the engine's
+    modules sit in reference cycles and a dropped LLM's weights must stay collectable. A heap someone else froze
+    is left as it is; nested and concurrent runs freeze once."""
+    global _freeze_depth, _froze
+    with _freeze_lock:
+        if _freeze_depth == 0:
+            _froze = gc.isenabled() and gc.get_freeze_count() == 0
+            if _froze:
+                gc.freeze()
+        _freeze_depth += 1
+    try:
+        yield
+    finally:
+        with _freeze_lock:
+            _freeze_depth -= 1
+            if _freeze_depth == 0 and _froze:
+                gc.unfreeze()
+                _froze = False
 
 
 class LLM:
@@ -232,6 +265,10 @@ class LLM:
                 engine.abort_request(request_id)
 
     def _run_engine(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        with _heap_frozen():
+            return self._run_steps(num_requests, use_tqdm)
+
+    def _run_steps(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
         engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=num_requests, desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm,

@@ -405,3 +405,41 @@ def test_broken_model_directory_is_a_clear_error(tiny_model_dir, tmp_path, damag
             os.remove(os.path.join(model_dir, name))
     with pytest.raises(ValueError, match=message):
         LLM(model_dir, num_kv_blocks=8)
+
+
+def test_a_run_freezes_the_heap_it_started_with_and_thaws_it_after(tiny_model_dir):
+    """During generate the objects alive at its start are out of the garbage collector's walks (no full
+    collection over the model's modules mid-batch); after it they are back, so a dropped LLM, whose modules sit in
+    reference cycles, is collected. A heap the caller froze stays frozen."""
+    import gc
+    import weakref
+
+    llm = LLM(tiny_model_dir("llama"), num_kv_blocks=16, max_model_len=64)
+    runner = llm.llm_engine.executor.model_runner
+    seen = []
+    original = runner.execute_model
+
+    def watch(*args, **kwargs):
+        seen.append(gc.get_freeze_count())
+        return original(*args, **kwargs)
+
+    runner.execute_model = watch
+    assert gc.get_freeze_count() == 0
+    llm.generate([{"prompt_token_ids": random_token_ids(5, seed=1)}], GREEDY, use_tqdm=False)
+    assert seen and all(count > 0 for count in seen)
+    assert gc.get_freeze_count() == 0
+
+    gc.freeze()   # the caller's own freeze: a run neither adds to it nor undoes it
+    try:
+        frozen = gc.get_freeze_count()
+        seen.clear()
+        llm.generate([{"prompt_token_ids": random_token_ids(5, seed=2)}], GREEDY, use_tqdm=False)
+        # (frozen objects that die by reference counting leave the count: it can only fall)
+        assert seen and all(0 < count <= frozen for count in seen) and 0 < gc.get_freeze_count() <= frozen
+    finally:
+        gc.unfreeze()
+
+    weight = weakref.ref(next(runner.model.parameters()))
+    del llm, runner, original, watch
+    gc.collect()
+    assert weight() is None, "the dropped LLM's weights were not collected"
