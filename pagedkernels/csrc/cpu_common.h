@@ -111,36 +111,70 @@ static inline float round_to_dtype(float f, int dtype) {
     return f;
 }
 
-/* 16-float vectors (GCC/Clang vector extensions: one AVX-512 register, two AVX2 ones, four NEON). */
-typedef float vf16 __attribute__((vector_size(64)));
-typedef float vf8 __attribute__((vector_size(32)));
+/* Float vectors of the machine's width (GCC/Clang vector extensions): one register of 16 floats with AVX-512, 8 with
+ * AVX, 4 otherwise (SSE, NEON). A wider vector type than the machine's is split into pieces by the compiler, and
+ * arrays of them into stack memory: the decode attention built for AVX2 with 16-float vectors ran 8x slower than
+ * with its own width (in-cache, 2-core EPYC built with -march=x86-64-v3). */
+#if defined(__AVX512F__)
+#define VW 16
+#elif defined(__AVX__)
+#define VW 8
+#else
+#define VW 4
+#endif
+typedef float vfw __attribute__((vector_size(4 * VW)));
 typedef float vf4 __attribute__((vector_size(16)));
 
-static inline vf16 vload16(const float *p) {
-    vf16 v;
+static inline vfw vloadw(const float *p) {
+    vfw v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-/* The sum of v's lanes. Halves by shuffles where the compiler has them: a memcpy out of v takes its address, and
- * GCC then kept the accumulators of the loops feeding this in stack memory (a store and a reload per FMA,
- * measured in the decode attention's key dots: 61% of its time in that loop). */
-static inline float vsum16(vf16 v) {
+/* {sum of a's lanes, b's, c's, d's}: halves, then quarters (and so on) of the four vectors side by side, added by
+ * shuffles across them (about three vector operations a sum, against eight for one vector summed alone). The
+ * lanes are added in the same order for each; a memcpy out of a vector takes its address, and GCC then kept the
+ * accumulators of the loops feeding it in stack memory (a store and a reload per FMA), so shuffles it is where the
+ * compiler has them. */
+static inline vf4 vsumw4(vfw a, vfw b, vfw c, vfw d) {
 #if defined(__has_builtin) && __has_builtin(__builtin_shufflevector)
-    const vf8 s8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    const vf4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
+#if VW == 16
+    const vfw ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                   __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const vfw cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                   __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    /* ab = [a 8 | b 8], cd = [c 8 | d 8] -> x = [a 4 | b 4 | c 4 | d 4] */
+    const vfw x = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                  __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    const vfw y = x + __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    const vfw z = y + __builtin_shufflevector(y, y, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return __builtin_shufflevector(z, z, 0, 4, 8, 12);
+#elif VW == 8
+    /* [a 4 | b 4], [c 4 | d 4] */
+    const vfw ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
+                   __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+    const vfw cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 8, 9, 10, 11) +
+                   __builtin_shufflevector(c, d, 4, 5, 6, 7, 12, 13, 14, 15);
+    /* [a0 + a2, a1 + a3, b.., b.., c.., c.., d.., d..] */
+    const vfw y = __builtin_shufflevector(ab, cd, 0, 1, 4, 5, 8, 9, 12, 13) +
+                  __builtin_shufflevector(ab, cd, 2, 3, 6, 7, 10, 11, 14, 15);
+    return __builtin_shufflevector(y, y, 0, 2, 4, 6) + __builtin_shufflevector(y, y, 1, 3, 5, 7);
 #else
-    vf8 lo, hi;
-    memcpy(&lo, &v, sizeof lo);
-    memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
-    const vf8 s8 = lo + hi;
-    vf4 a, b;
-    memcpy(&a, &s8, sizeof a);
-    memcpy(&b, (const char *)&s8 + sizeof a, sizeof b);
-    const vf4 s4 = a + b;
+    const vfw ab = __builtin_shufflevector(a, b, 0, 1, 4, 5) + __builtin_shufflevector(a, b, 2, 3, 6, 7);
+    const vfw cd = __builtin_shufflevector(c, d, 0, 1, 4, 5) + __builtin_shufflevector(c, d, 2, 3, 6, 7);
+    return __builtin_shufflevector(ab, cd, 0, 2, 4, 6) + __builtin_shufflevector(ab, cd, 1, 3, 5, 7);
 #endif
-    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+#else
+    float lanes[4][VW];
+    memcpy(lanes[0], &a, sizeof a);
+    memcpy(lanes[1], &b, sizeof b);
+    memcpy(lanes[2], &c, sizeof c);
+    memcpy(lanes[3], &d, sizeof d);
+    vf4 sums = {0, 0, 0, 0};
+    for (int v = 0; v < 4; v++)
+        for (int i = 0; i < VW; i++) sums[v] += lanes[v][i];
+    return sums;
+#endif
 }
 
 #endif

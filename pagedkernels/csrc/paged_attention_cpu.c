@@ -33,29 +33,50 @@ static inline float dot(const float *a, const float *b, int n) {
     return acc;
 }
 
-/* scores[g][j] = qf[g] . keys[j] for the n keys of a tile and every query head of the group. Four keys
- * at a time with a vector accumulator each: four independent FMA chains per head instead of one
- * latency-bound chain per dot product (head_dim a multiple of 16; other sizes take the plain dots). */
-static inline void tile_scores(float qf[][MAX_HEAD_DIM], int group, const float *const *keys, int n, int head_dim,
-                               float scores[][KEY_TILE]) {
+/* Query heads a pass keeps in registers: 4 x HEADS vector accumulators and 4 vectors of keys (or values) fill the
+ * machine's registers (32 with AVX-512, 16 otherwise). */
+#define HEADS (VW == 16 ? 4 : 3)
+
+/* scores[g][j] = qf[g] . keys[j], j .. j + 3, for query heads g0 .. g0 + G - 1 (G a constant where inlined, so the
+ * 4 x G accumulators live in registers): 4 x G independent FMA chains, each slice of a key loaded once for the
+ * heads, then a head's four accumulators summed together (vsumw4). */
+static inline __attribute__((always_inline)) void four_keys(float qf[][MAX_HEAD_DIM], int g0, const int G,
+                                                            const float *const *keys, int j, int head_dim,
+                                                            float scores[][KEY_TILE]) {
+    const float *k0 = keys[j], *k1 = keys[j + 1], *k2 = keys[j + 2], *k3 = keys[j + 3];
+    vfw a[HEADS][4];
+    for (int g = 0; g < G; g++) a[g][0] = a[g][1] = a[g][2] = a[g][3] = (vfw){0};
+    for (int d = 0; d < head_dim; d += VW) {
+        const vfw x0 = vloadw(k0 + d), x1 = vloadw(k1 + d), x2 = vloadw(k2 + d), x3 = vloadw(k3 + d);
+        for (int g = 0; g < G; g++) {
+            const vfw qv = vloadw(qf[g0 + g] + d);
+            a[g][0] += qv * x0;
+            a[g][1] += qv * x1;
+            a[g][2] += qv * x2;
+            a[g][3] += qv * x3;
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const vf4 sums = vsumw4(a[g][0], a[g][1], a[g][2], a[g][3]);
+        memcpy(&scores[g0 + g][j], &sums, sizeof sums);
+    }
+}
+
+/* scores[g][j] = qf[g] . keys[j] for the n keys of a tile and every query head of the group: four keys and up to
+ * HEADS query heads at a time (head_dim a multiple of the vector width; other sizes take the plain dots). */
+static inline __attribute__((always_inline)) void tile_scores(float qf[][MAX_HEAD_DIM], int group,
+                                                              const float *const *keys, int n, int head_dim,
+                                                              float scores[][KEY_TILE]) {
     int j = 0;
-    if (head_dim % 16 == 0) {
+    if (head_dim % VW == 0) {
         for (; j + 4 <= n; j += 4) {
-            const float *k0 = keys[j], *k1 = keys[j + 1], *k2 = keys[j + 2], *k3 = keys[j + 3];
-            for (int g = 0; g < group; g++) {
-                const float *qg = qf[g];
-                vf16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-                for (int d = 0; d < head_dim; d += 16) {
-                    const vf16 qv = vload16(qg + d);
-                    a0 += qv * vload16(k0 + d);
-                    a1 += qv * vload16(k1 + d);
-                    a2 += qv * vload16(k2 + d);
-                    a3 += qv * vload16(k3 + d);
-                }
-                scores[g][j] = vsum16(a0);
-                scores[g][j + 1] = vsum16(a1);
-                scores[g][j + 2] = vsum16(a2);
-                scores[g][j + 3] = vsum16(a3);
+            int g0 = 0;
+            for (; g0 + HEADS <= group; g0 += HEADS) four_keys(qf, g0, HEADS, keys, j, head_dim, scores);
+            switch (group - g0) {
+            case 3: four_keys(qf, g0, 3, keys, j, head_dim, scores); break;
+            case 2: four_keys(qf, g0, 2, keys, j, head_dim, scores); break;
+            case 1: four_keys(qf, g0, 1, keys, j, head_dim, scores); break;
+            default: break;
             }
         }
     }
@@ -63,12 +84,36 @@ static inline void tile_scores(float qf[][MAX_HEAD_DIM], int group, const float 
         for (int g = 0; g < group; g++) scores[g][j] = dot(qf[g], keys[j], head_dim);
 }
 
-/* acc[g] += sum_j scores[g][j] * values[j] over the tile. With head_dim a multiple of 64, slices of 64
- * dims of up to four query heads stay in registers across the tile (16 vector accumulators) and each
- * value slice is loaded once for the four; otherwise one head at a time through memory. */
-static inline void tile_values(float acc[][MAX_HEAD_DIM], int group, const float *const *values, int n,
-                               int head_dim, float scores[][KEY_TILE]) {
-    if (head_dim % 64 != 0) {
+/* acc[g][d .. d + 4 VW - 1] += sum_j scores[g][j] * values[j][d .. d + 4 VW - 1] for query heads g0 .. g0 + G - 1
+ * (G a constant where inlined, so the 4 x G accumulators live in registers across the tile). */
+static inline __attribute__((always_inline)) void values_slice(float acc[][MAX_HEAD_DIM], int g0, const int G,
+                                                               const float *const *values, int n, int d,
+                                                               float scores[][KEY_TILE]) {
+    vfw a[HEADS][4];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < 4; c++) a[g][c] = vloadw(acc[g0 + g] + d + VW * c);
+    for (int j = 0; j < n; j++) {
+        const float *v = values[j] + d;
+        const vfw v0 = vloadw(v), v1 = vloadw(v + VW), v2 = vloadw(v + 2 * VW), v3 = vloadw(v + 3 * VW);
+        for (int g = 0; g < G; g++) {
+            const float p = scores[g0 + g][j];
+            a[g][0] += p * v0;
+            a[g][1] += p * v1;
+            a[g][2] += p * v2;
+            a[g][3] += p * v3;
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < 4; c++) memcpy(acc[g0 + g] + d + VW * c, &a[g][c], sizeof(vfw));
+}
+
+/* acc[g] += sum_j scores[g][j] * values[j] over the tile. With head_dim a multiple of 4 vectors, slices of 4
+ * vectors of up to HEADS query heads stay in registers across the tile and each value slice is loaded once for
+ * them; otherwise one head at a time through memory. */
+static inline __attribute__((always_inline)) void tile_values(float acc[][MAX_HEAD_DIM], int group,
+                                                              const float *const *values, int n, int head_dim,
+                                                              float scores[][KEY_TILE]) {
+    if (head_dim % (4 * VW) != 0) {
         for (int j = 0; j < n; j++)
             for (int g = 0; g < group; g++) {
                 const float p = scores[g][j];
@@ -79,25 +124,14 @@ static inline void tile_values(float acc[][MAX_HEAD_DIM], int group, const float
             }
         return;
     }
-    for (int d = 0; d < head_dim; d += 64) {
-        for (int g0 = 0; g0 < group; g0 += 4) {
-            const int gn = group - g0 < 4 ? group - g0 : 4;
-            vf16 a[4][4];
-            for (int g = 0; g < gn; g++)
-                for (int c = 0; c < 4; c++) a[g][c] = vload16(acc[g0 + g] + d + 16 * c);
-            for (int j = 0; j < n; j++) {
-                const float *v = values[j] + d;
-                const vf16 v0 = vload16(v), v1 = vload16(v + 16), v2 = vload16(v + 32), v3 = vload16(v + 48);
-                for (int g = 0; g < gn; g++) {
-                    const float p = scores[g0 + g][j];
-                    a[g][0] += p * v0;
-                    a[g][1] += p * v1;
-                    a[g][2] += p * v2;
-                    a[g][3] += p * v3;
-                }
-            }
-            for (int g = 0; g < gn; g++)
-                for (int c = 0; c < 4; c++) memcpy(acc[g0 + g] + d + 16 * c, &a[g][c], sizeof(vf16));
+    for (int d = 0; d < head_dim; d += 4 * VW) {
+        int g0 = 0;
+        for (; g0 + HEADS <= group; g0 += HEADS) values_slice(acc, g0, HEADS, values, n, d, scores);
+        switch (group - g0) {
+        case 3: values_slice(acc, g0, 3, values, n, d, scores); break;
+        case 2: values_slice(acc, g0, 2, values, n, d, scores); break;
+        case 1: values_slice(acc, g0, 1, values, n, d, scores); break;
+        default: break;
         }
     }
 }
@@ -127,15 +161,15 @@ static inline int tile_offsets(const int32_t *table, int t0, int pos, int block_
  * calls were deleted (GCC 12 -O1 and up emitted no prefetch instruction from this file before). */
 static inline __attribute__((always_inline)) void prefetch_tile(const void *kc, const void *vc, const int32_t *table, int t0, int pos,
                                  int block_size, int h, int64_t k_s0, int64_t k_s1, int64_t k_s2, int64_t v_s0,
-                                 int64_t v_s1, int64_t v_s2, int row_bytes, int elem_size) {
+                                 int64_t v_s1, int64_t v_s2, int row_bytes, int elem_size, const int which) {
     if (t0 > pos) return;
     int64_t k_off[KEY_TILE], v_off[KEY_TILE];
     const int n = tile_offsets(table, t0, pos, block_size, h, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, k_off, v_off);
     for (int j = 0; j < n; j++) {
         const char *krow = (const char *)kc + k_off[j] * elem_size, *vrow = (const char *)vc + v_off[j] * elem_size;
         for (int b = 0; b < row_bytes; b += 64) {
-            __builtin_prefetch(krow + b, 0, 1);
-            __builtin_prefetch(vrow + b, 0, 1);
+            if (which & 1) __builtin_prefetch(krow + b, 0, 1);
+            if (which & 2) __builtin_prefetch(vrow + b, 0, 1);
         }
     }
 }
@@ -186,15 +220,15 @@ static void attend_chunk(const void *q, int64_t q_s0, int64_t q_s1, const void *
         if (prefetch)
             for (int t = 0; t < PREFETCH_TILES; t++)
                 prefetch_tile(kc, vc, table, lo + t * KEY_TILE, pos, block_size, h, k_s0, k_s1, k_s2, v_s0, v_s1,
-                              v_s2, prefetch_bytes, elem_size);
+                              v_s2, prefetch_bytes, elem_size, 3);
         for (int t0 = lo; t0 <= pos; t0 += KEY_TILE) {
             const int n = tile_offsets(table, t0, pos, block_size, h, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, k_off,
                                        v_off);
-            if (prefetch)
-                prefetch_tile(kc, vc, table, t0 + PREFETCH_TILES * KEY_TILE, pos, block_size, h, k_s0, k_s1, k_s2,
-                              v_s0, v_s1, v_s2, prefetch_bytes, elem_size);
             const float *keys[KEY_TILE];
             for (int hh = 0; hh < heads; hh++) {
+                if (prefetch)
+                    prefetch_tile(kc, vc, table, t0 + PREFETCH_TILES * KEY_TILE, pos, block_size, h + hh, k_s0, k_s1, k_s2,
+                                  v_s0, v_s1, v_s2, prefetch_bytes / heads, elem_size, 1);
                 for (int j = 0; j < n; j++)
                     keys[j] = load_row(kc, k_off[j] + hh * k_s2, cache_dtype, head_dim, ktile[j]);
                 tile_scores(qf + hh * group, group, keys, n, head_dim, scores + hh * group);
@@ -202,9 +236,14 @@ static void attend_chunk(const void *q, int64_t q_s0, int64_t q_s1, const void *
             if (softcap > 0.0f)
                 for (int g = 0; g < G; g++)
                     for (int j = 0; j < n; j++) scores[g][j] = softcap * tanhf(scores[g][j] / softcap);
+            /* The softmax over the tile, a whole tile wide (fixed trip counts vectorize with tree reductions): the
+             * scores past n are -inf for the max, and weigh 0. */
             for (int g = 0; g < G; g++) {
+                float *sg = scores[g];
+                for (int j = n; j < KEY_TILE; j++) sg[j] = -INFINITY;
                 float tile_max = m[g];
-                for (int j = 0; j < n; j++) tile_max = scores[g][j] > tile_max ? scores[g][j] : tile_max;
+#pragma omp simd reduction(max : tile_max)
+                for (int j = 0; j < KEY_TILE; j++) tile_max = sg[j] > tile_max ? sg[j] : tile_max;
                 if (tile_max > m[g]) {
                     /* the first tile rescales zeros (m = -inf) */
                     const float correction = m[g] == -INFINITY ? 0.0f : exp_nonpositive(m[g] - tile_max);
@@ -213,17 +252,20 @@ static void attend_chunk(const void *q, int64_t q_s0, int64_t q_s1, const void *
                     m[g] = tile_max;
                 }
                 const float mg = m[g];
-                float *sg = scores[g];
                 float lsum = 0.0f;
 #pragma omp simd reduction(+ : lsum)
-                for (int j = 0; j < n; j++) {
-                    sg[j] = exp_nonpositive(sg[j] - mg);
-                    lsum += sg[j];
+                for (int j = 0; j < KEY_TILE; j++) {
+                    const float w = j < n ? exp_nonpositive(sg[j] - mg) : 0.0f;
+                    sg[j] = w;
+                    lsum += w;
                 }
                 l[g] += lsum;
             }
             const float *values[KEY_TILE];
             for (int hh = 0; hh < heads; hh++) {
+                if (prefetch)
+                    prefetch_tile(kc, vc, table, t0 + PREFETCH_TILES * KEY_TILE, pos, block_size, h + hh, k_s0, k_s1, k_s2,
+                                  v_s0, v_s1, v_s2, prefetch_bytes / heads, elem_size, 2);
                 for (int j = 0; j < n; j++)
                     values[j] = load_row(vc, v_off[j] + hh * v_s2, cache_dtype, head_dim, ktile[j]);
                 tile_values(acc + hh * group, group, values, n, head_dim, scores + hh * group);
@@ -406,7 +448,7 @@ int pk_paged_attention(const void *q, int64_t q_s0, int64_t q_s1, const void *ke
             for (int t = 0; t < PREFETCH_TILES; t++)
                 prefetch_tile(key_cache, value_cache, block_tables + next * table_stride, t * KEY_TILE, next_pos,
                               block_size, 0, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, row_bytes * num_kv_heads,
-                              elem_size);
+                              elem_size, 3);
         }
         /* all heads of the item in one pass where their query heads fit (else one pass per head, head 0's
          * prefetching the whole token rows) */

@@ -211,7 +211,10 @@ def test_native_decode_splits_the_keys_of_few_sequences(lens, window, softcap, f
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,cache,window,softcap", [
     (3, 3, 64, torch.float32, None, None), (4, 2, 32, torch.float16, 50, 20.0),
     (2, 4, 64, torch.float8_e4m3fn, None, None),
-    (2, 40, 32, torch.float32, None, None)])   # 80 query heads: more than one pass holds (MAX_GROUP 64)
+    (2, 40, 32, torch.float32, None, None),   # 80 query heads: more than one pass holds (MAX_GROUP 64)
+    # groups past 4 heads of registers, with 3, 1 and 2 left over; head sizes of two value slices, none, and 16s
+    (1, 7, 128, torch.float32, None, None), (2, 5, 80, torch.float16, None, None),
+    (1, 6, 48, torch.float32, 40, None), (8, 1, 64, torch.bfloat16, None, None)])
 def test_native_attention_takes_all_heads_of_a_sequence_in_one_pass(num_kv_heads, group, head_dim, cache, window,
                                                                      softcap):
     """Enough sequences for every thread: an item is a sequence (decode) or a chunk of its queries (prefill) with all
@@ -225,14 +228,14 @@ def test_native_attention_takes_all_heads_of_a_sequence_in_one_pass(num_kv_heads
     key_cache, value_cache = key_cache.to(cache), value_cache.to(cache)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     scales = dict(k_scale=0.5, v_scale=2.0) if cache == torch.float8_e4m3fn else {}
-    dtype = torch.float16 if cache == torch.float16 else torch.float32
+    dtype = cache if cache in (torch.float16, torch.bfloat16) else torch.float32
     q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=g).to(dtype)
     kwargs = dict(sliding_window=window, softcap=softcap, **scales)
     with pk.use_backend("native"), torch_threads(2):
         got = pk.paged_decode_attention(q, key_cache, value_cache, tables, seq_lens, **kwargs)
     with pk.use_backend("torch"):
         expected = pk.paged_decode_attention(q, key_cache, value_cache, tables, seq_lens, **kwargs)
-    tol = 2e-3 if dtype == torch.float16 else 2e-5
+    tol = {torch.float16: 2e-3, torch.bfloat16: 2e-2}.get(dtype, 2e-5)
     torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
     # prefill: each sequence's last q_len positions
     q_lens = [min(n, 20) for n in lens]
@@ -257,3 +260,18 @@ def test_attention_prefetches_survive_the_compiler(tmp_path):
     proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "prefetch" in (tmp_path / "out.s").read_text()
+
+
+@pytest.mark.skipif(_native.library() is None or os.uname().machine != "x86_64", reason="needs a C compiler on x86-64")
+@pytest.mark.parametrize("march", ["x86-64", "x86-64-v3"])
+def test_attention_portable_builds(march, tmp_path):
+    """The attention's vectors are the machine's width (16 floats with AVX-512, 8 with AVX2, 4 with SSE), and so are
+    the heads a pass keeps in registers: the tests of the one-pass and split decode paths, again on builds for SSE2
+    (x86-64) and AVX2 (x86-64-v3), each built afresh in a process of its own."""
+    env = {**os.environ, "PAGEDKERNELS_NATIVE_MARCH": march, "PAGEDKERNELS_CACHE_DIR": str(tmp_path)}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "one_pass or splits_the_keys"], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and " passed" in proc.stdout and "skipped" not in proc.stdout, \
+        proc.stdout[-3000:] + proc.stderr[-2000:]
