@@ -216,9 +216,32 @@ class VLLMSide:
         self._signal(signal.SIGSTOP)
 
     def _signal(self, signum: int) -> None:
-        """``signum`` to every process of vLLM's (its engine core is a child of the driver's)."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signum)
+        """``signum`` to every process of vLLM's (its engine core is a child of the driver's). A stop is waited for
+        (up to 2 s, where /proc tells): a signal is delivered asynchronously, and the next side's timing must not
+        start while vLLM still runs."""
+        if self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signum)
+        deadline = time.monotonic() + 2.0
+        while signum == signal.SIGSTOP and time.monotonic() < deadline:
+            if all(state in "TtZX" for state in self._group_states().values()):
+                break
+            time.sleep(0.001)
+
+    def _group_states(self) -> dict[int, str]:
+        """pid -> state letter of each process in vLLM's process group (empty without /proc)."""
+        states = {}
+        for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == self.proc.pid:   # fields: state, ppid, pgrp, ...
+                states[int(entry)] = fields[0]
+        return states
 
     def _log_tail(self, lines: int = 30) -> str:
         self.log.flush()
