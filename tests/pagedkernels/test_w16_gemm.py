@@ -47,6 +47,22 @@ def test_matches_the_float64_product(backend, wdtype, M, N, K):
     assert_product(out, x, weight)
 
 
+@pytest.mark.skipif(not NATIVE, reason="native CPU kernels unavailable (no C compiler)")
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,N,K", [(9, 70, 100), (48, 96, 576), (10, 40, 4100)])
+def test_a_row_gets_the_same_bits_in_any_batch(wdtype, M, N, K):
+    """A row's products are the same additions in the same order whatever the rows beside it (blocks of MB rows,
+    the last rows' own copies, a row alone): a decode step's tokens do not depend on the batch they run in."""
+    gen = torch.Generator().manual_seed(M + N + K)
+    weight, x = _weight(N, K, wdtype, gen), torch.randn(M, K, generator=gen)
+    packed = pk.pack_w16(weight)
+    with pk.use_backend("native"):
+        together = pk.w16_gemm(x, packed, N)
+        alone = torch.cat([pk.w16_gemm(x[i:i + 1], packed, N) for i in range(M)])
+    assert torch.equal(together, alone)
+    assert_product(together, x, weight)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_out_argument_and_strided_rows(backend):
     """x rows with a stride (a view of a wider tensor) and an ``out`` view of a wider buffer: only its
