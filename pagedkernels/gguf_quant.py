@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _native
+from . import _huge_pages, _native
 from ._backend import has_no_data, use_native, use_triton
 from ._validate import FLOAT_DTYPES, check_tensor
 
@@ -102,8 +102,11 @@ def gguf_interleave(qweight: torch.Tensor, quant_type: str | int) -> torch.Tenso
     params = blocks[..., :head].reshape(G, _INTERLEAVE_ROWS, nb, head // 2, 2).permute(0, 2, 3, 1, 4)
     chunks = blocks[..., head:].reshape(G, _INTERLEAVE_ROWS, nb, values // 4, 4).permute(0, 2, 3, 1, 4)
     out = torch.cat([params.reshape(G, nb, head * _INTERLEAVE_ROWS),
-                     chunks.reshape(G, nb, values * _INTERLEAVE_ROWS)], dim=-1)
-    return out.reshape(N, -1).contiguous()
+                     chunks.reshape(G, nb, values * _INTERLEAVE_ROWS)], dim=-1).reshape(N, -1)
+    if qweight.device.type != "cpu":
+        return out.contiguous()
+    # A decode step streams the whole weight: huge pages where the system gives them (_huge_pages).
+    return _huge_pages.empty(out.shape, out.dtype).copy_(out)
 
 
 def gguf_deinterleave(qweight: torch.Tensor, quant_type: str) -> torch.Tensor:

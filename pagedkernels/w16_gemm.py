@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _native
+from . import _huge_pages, _native
 from ._backend import has_no_data, use_native
 from ._validate import FLOAT_DTYPES, check_tensor
 
@@ -52,7 +52,11 @@ def pack_w16(weight: torch.Tensor) -> torch.Tensor:
     panels = -(-n // PANEL)
     padded = weight.new_zeros(panels * PANEL, k)
     padded[:n] = weight
-    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+    panelled = padded.view(panels, PANEL, k).transpose(1, 2)
+    if weight.device.type != "cpu":
+        return panelled.contiguous()
+    # On the CPU a decode step streams the whole weight: huge pages where the system gives them (_huge_pages).
+    return _huge_pages.empty(panelled.shape, weight.dtype).copy_(panelled)
 
 
 def unpack_w16(packed: torch.Tensor, n: int) -> torch.Tensor:
