@@ -46,7 +46,7 @@ def empty(shape, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized contiguous CPU tensor of ``shape`` and ``dtype``, backed by huge pages where it can be
     (see the module docstring)."""
     shape = tuple(shape)
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     madvise = _madvise()
     if madvise is None or nbytes < HUGE_PAGE:
         return torch.empty(shape, dtype=dtype)

@@ -206,8 +206,9 @@ class _OpRecorder(TorchDispatchMode):
             if all(_storage_key(t) == key for t in ((out,) if isinstance(out, torch.Tensor) else out)):
                 return out
             # A view-or-copy operator (reshape) that copied: record the call as any other computation's.
-            self.events.append(_TorchCall(func, args, kwargs, _tensor_leaves(out)))
-            self._register([t for t in _tensor_leaves(out) if _storage_key(t) != key])
+            outputs = _tensor_leaves(out)
+            self.events.append(_TorchCall(func, args, kwargs, outputs))
+            self._register([t for t in outputs if _storage_key(t) != key])
             return out
         if kind == _ALLOCATION:
             out = func(*args, **kwargs)

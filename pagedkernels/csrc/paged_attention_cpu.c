@@ -155,23 +155,27 @@ static inline int tile_offsets(const int32_t *table, int t0, int pos, int block_
     return n;
 }
 
-/* Prefetch row_bytes of every key and value row of the tile starting at t0 (nothing past pos), into L2 (a tile of
- * all heads' rows is more than L1 holds: prefetched into L1 they came in no faster). Always inlined:
- * a function whose only effects are prefetches is, to GCC's IPA pure-const pass, a void const function, and its
+/* Prefetch row_bytes from each of the n rows at base + (off[j] + shift) elements, into L2 (a tile of all heads'
+ * rows is more than L1 holds: prefetched into L1 they came in no faster). Always inlined, as is prefetch_tile: a
+ * function whose only effects are prefetches is, to GCC's IPA pure-const pass, a void const function, and its
  * calls were deleted (GCC 12 -O1 and up emitted no prefetch instruction from this file before). */
+static inline __attribute__((always_inline)) void prefetch_rows(const void *base, const int64_t *off, int n,
+                                                                int64_t shift, int row_bytes, int elem_size) {
+    for (int j = 0; j < n; j++) {
+        const char *row = (const char *)base + (off[j] + shift) * elem_size;
+        for (int b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 1);
+    }
+}
+
+/* Prefetch row_bytes of every key and value row of the tile starting at t0 (nothing past pos). */
 static inline __attribute__((always_inline)) void prefetch_tile(const void *kc, const void *vc, const int32_t *table, int t0, int pos,
                                  int block_size, int h, int64_t k_s0, int64_t k_s1, int64_t k_s2, int64_t v_s0,
-                                 int64_t v_s1, int64_t v_s2, int row_bytes, int elem_size, const int which) {
+                                 int64_t v_s1, int64_t v_s2, int row_bytes, int elem_size) {
     if (t0 > pos) return;
     int64_t k_off[KEY_TILE], v_off[KEY_TILE];
     const int n = tile_offsets(table, t0, pos, block_size, h, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, k_off, v_off);
-    for (int j = 0; j < n; j++) {
-        const char *krow = (const char *)kc + k_off[j] * elem_size, *vrow = (const char *)vc + v_off[j] * elem_size;
-        for (int b = 0; b < row_bytes; b += 64) {
-            if (which & 1) __builtin_prefetch(krow + b, 0, 1);
-            if (which & 2) __builtin_prefetch(vrow + b, 0, 1);
-        }
-    }
+    prefetch_rows(kc, k_off, n, 0, row_bytes, elem_size);
+    prefetch_rows(vc, v_off, n, 0, row_bytes, elem_size);
 }
 
 /* Queries [q_begin, q_end) of sequence s, KV heads h .. h + heads - 1: every query head of their groups (heads > 1
@@ -220,15 +224,22 @@ static void attend_chunk(const void *q, int64_t q_s0, int64_t q_s1, const void *
         if (prefetch)
             for (int t = 0; t < PREFETCH_TILES; t++)
                 prefetch_tile(kc, vc, table, lo + t * KEY_TILE, pos, block_size, h, k_s0, k_s1, k_s2, v_s0, v_s1,
-                              v_s2, prefetch_bytes, elem_size, 3);
+                              v_s2, prefetch_bytes, elem_size);
         for (int t0 = lo; t0 <= pos; t0 += KEY_TILE) {
             const int n = tile_offsets(table, t0, pos, block_size, h, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, k_off,
                                        v_off);
+            /* The tile PREFETCH_TILES ahead goes out head by head, each head's keys before its dots and its values
+             * before its value sums (its block table walked once): issued all at the tile's start, batch 48 x 140
+             * tokens over 30 layers took 19.3-19.6 ms against 17.1-17.2 (2-core EPYC, 2 threads). */
+            int64_t pk_off[KEY_TILE], pv_off[KEY_TILE];
+            const int t_ahead = t0 + PREFETCH_TILES * KEY_TILE;
+            const int pn = prefetch && t_ahead <= pos ? tile_offsets(table, t_ahead, pos, block_size, h, k_s0, k_s1,
+                                                                     k_s2, v_s0, v_s1, v_s2, pk_off, pv_off)
+                                                      : 0;
+            const int head_bytes = prefetch_bytes / heads;
             const float *keys[KEY_TILE];
             for (int hh = 0; hh < heads; hh++) {
-                if (prefetch)
-                    prefetch_tile(kc, vc, table, t0 + PREFETCH_TILES * KEY_TILE, pos, block_size, h + hh, k_s0, k_s1, k_s2,
-                                  v_s0, v_s1, v_s2, prefetch_bytes / heads, elem_size, 1);
+                prefetch_rows(kc, pk_off, pn, hh * k_s2, head_bytes, elem_size);
                 for (int j = 0; j < n; j++)
                     keys[j] = load_row(kc, k_off[j] + hh * k_s2, cache_dtype, head_dim, ktile[j]);
                 tile_scores(qf + hh * group, group, keys, n, head_dim, scores + hh * group);
@@ -263,9 +274,7 @@ static void attend_chunk(const void *q, int64_t q_s0, int64_t q_s1, const void *
             }
             const float *values[KEY_TILE];
             for (int hh = 0; hh < heads; hh++) {
-                if (prefetch)
-                    prefetch_tile(kc, vc, table, t0 + PREFETCH_TILES * KEY_TILE, pos, block_size, h + hh, k_s0, k_s1, k_s2,
-                                  v_s0, v_s1, v_s2, prefetch_bytes / heads, elem_size, 2);
+                prefetch_rows(vc, pv_off, pn, hh * v_s2, head_bytes, elem_size);
                 for (int j = 0; j < n; j++)
                     values[j] = load_row(vc, v_off[j] + hh * v_s2, cache_dtype, head_dim, ktile[j]);
                 tile_values(acc + hh * group, group, values, n, head_dim, scores + hh * group);
@@ -448,7 +457,7 @@ int pk_paged_attention(const void *q, int64_t q_s0, int64_t q_s1, const void *ke
             for (int t = 0; t < PREFETCH_TILES; t++)
                 prefetch_tile(key_cache, value_cache, block_tables + next * table_stride, t * KEY_TILE, next_pos,
                               block_size, 0, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, row_bytes * num_kv_heads,
-                              elem_size, 3);
+                              elem_size);
         }
         /* all heads of the item in one pass where their query heads fit (else one pass per head, head 0's
          * prefetching the whole token rows) */
