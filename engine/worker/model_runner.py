@@ -9,8 +9,10 @@ Pure-decode batches on CUDA replay CUDA graphs: a batch is padded up the ``graph
 ladder (1, 2, 4, 8, then steps of 16 up to ``max_num_seqs``), copied into static input buffers,
 and the graph captured for that size (on first use) replays on them. Padded rows write no K/V
 (slot -1) and attend to nothing (seq_len 0); their outputs are dropped. On CPU they replay CPU graphs
-of the native kernels (``pagedkernels.cpu_graph``), one per batch size (no padding), each captured by
-the first step of its size. Batches above the ladder, mixed batches and ``enforce_eager`` run eagerly.
+of the native kernels (``pagedkernels.cpu_graph``) on a ladder of their own (``cpu_graph_batch_sizes``),
+each captured by the first step that needs it; the kernels of a CPU graph process just the batch's rows, not
+the padding (only the few torch operations between them do). Batches above the ladder, mixed batches and
+``enforce_eager`` run eagerly.
 The capture/replay mechanics sit behind a small graph-runner interface, so a CPU double
 (:class:`EagerGraphRunner`) exercises the padding, buffer reuse and replay logic in tests.
 
@@ -38,6 +40,7 @@ import pagedkernels as pk
 from pagedkernels import _native as pk_native
 from pagedkernels.cpu_graph import CPUGraph, GraphCaptureError
 from engine.config import EngineConfig, ModelConfig, kv_cache_torch_dtype
+from engine.worker import cpu_malloc
 from engine.distributed.communication import min_over_ranks
 from engine.distributed.parallel_state import get_tp_world_size, num_kv_heads_per_rank
 from engine.layers.attention import Attention, AttentionMetadata, forward_context
@@ -115,6 +118,15 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return [s for s in (1, 2, 4, 8) if s <= max_num_seqs] + list(range(16, max_num_seqs + 1, 16))
 
 
+def cpu_graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Decode batch sizes CPU graphs are recorded for: 1, 2, 4, 8, then 1.5x and 4/3x steps (16, 24, 32, 48, 64,
+    96, 128, ...), and ``max_num_seqs``. A CPU graph replays a smaller batch over just its rows (see
+    :meth:`pagedkernels.cpu_graph.CPUGraph.capture`), so a step pays only the torch operations' padding rows
+    (an embedding lookup; oneDNN's linears past the 16-bit kernel's 64 rows), at most half the batch more."""
+    ladder = [1, 2, 4, 8] + [base << shift for shift in range(max_num_seqs.bit_length()) for base in (16, 24)]
+    return sorted({size for size in ladder if size < max_num_seqs} | {max_num_seqs})
+
+
 class ModelRunner:
     """One rank's model, KV cache, persistent batch and sampler (see the module docstring).
 
@@ -136,6 +148,8 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.policy = DevicePolicy.for_device(self.device)
+        if self.policy.keep_freed_host_memory:
+            cpu_malloc.keep_freed_memory()
         enforce_eager = engine_config.enforce_eager
         if compile_model is None:
             env = os.environ.get("ENGINE_COMPILE", "").strip()
@@ -196,11 +210,12 @@ class ModelRunner:
                                       max_num_spec_tokens=self.num_spec_tokens, block_size=block_size,
                                       vocab_size=model_config.vocab_size, device=self.device)
         self.sampler = Sampler(seed=engine_config.seed, device=self.device)
-        # Decode batch sizes a CUDA graph is captured for (a batch pads up to the next one).
-        # On CPU every batch size gets its own graph: a padding row costs its share of every product there (not
-        # so on a GPU, where a decode step's rows are nearly free), and a CPU graph after the first is captured
-        # by the step that first needs it, for the cost of that step.
-        self.graph_batch_sizes = (list(range(1, max_num_seqs + 1)) if graph_runner_class is CPUGraph
+        # Decode batch sizes a graph is captured for (a batch pads up to the next one). A CPU graph after the
+        # first is captured by the step that first needs it, for ~20 ms more than a replay, and replays smaller
+        # batches over just their rows: a padding row would cost its share of every product there (not so on a
+        # GPU, where a decode step's rows are nearly free). If the model's CPU graphs cannot replay fewer rows than
+        # they recorded (CPUGraph.resizable), every batch size gets its own.
+        self.graph_batch_sizes = (cpu_graph_batch_sizes(max_num_seqs) if graph_runner_class is CPUGraph
                                   else graph_batch_sizes(max_num_seqs))
         self.graphs: dict[int, object] = {}  # padded batch size -> captured graph runner
         if not self.enforce_eager:
@@ -835,6 +850,11 @@ class ModelRunner:
             try:
                 runner, output = self._capture_decode_graph(batch_size)
                 self.graphs[batch_size] = runner
+                every_size = list(range(1, self.graph_batch_sizes[-1] + 1))
+                if isinstance(runner, CPUGraph) and not runner.resizable and self.graph_batch_sizes != every_size:
+                    logger.info("this model's CPU graphs cannot replay fewer rows than they recorded: one graph "
+                                "per decode batch size from now on")
+                    self.graph_batch_sizes = every_size
                 if output is not None:   # a CPU graph's recording run was this step's forward
                     return output[:num_seqs]
             except GraphCaptureError as error:
@@ -843,6 +863,8 @@ class ModelRunner:
                 logger.warning("decode graphs are off for this model: %s", error)
                 self.enforce_eager = True
                 return self._forward(input_ids, positions, meta)
+        if isinstance(runner, CPUGraph):
+            return runner.replay(num_seqs)[:num_seqs]
         return runner.replay()[:num_seqs]
 
     def capture_all_graphs(self) -> None:
@@ -870,7 +892,7 @@ class ModelRunner:
             # The first CPU graph warms up and checks its replay against the recorded run; the others record
             # the same forward at another size, and their recording run serves the step that needed them.
             first = not self.graphs
-            return runner, runner.capture(forward, warm_up=first, check=first)
+            return runner, runner.capture(forward, warm_up=first, check=first, rows=batch_size)
         runner.capture(forward)
         return runner, None
 

@@ -159,27 +159,47 @@ def test_no_graphs_with_enforce_eager(tiny_model_dir, monkeypatch):
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3", "opt", "gemma2", "phi3"])
 def test_cpu_graphs_by_default_on_cpu_equal_eager(tiny_model_dir, arch, monkeypatch):
-    """CPU graphs of the native kernels (pagedkernels.cpu_graph) are the CPU's default: every batch size its own
-    graph (no padding), captured by the first step of that size, replayed by the next; results as eager's. The
-    tiny models' random float32 weights take oneDNN's linears, which replay as torch operations between the
-    recorded kernels; every architecture's forward records."""
+    """CPU graphs of the native kernels (pagedkernels.cpu_graph) are the CPU's default: a graph per size of the CPU
+    ladder, captured by the first step that needs it, replayed by the next; a smaller batch replays a larger graph
+    over just its rows. Results as eager's. The tiny models' random float32 weights take oneDNN's linears, which
+    replay as torch operations between the recorded kernels (over the padding rows too); every architecture's
+    forward records, and keeps its rows outermost so that its graphs replay fewer rows."""
     model_dir = tiny_model_dir(arch)
     captures = []
     capture = CPUGraph.capture
     monkeypatch.setattr(CPUGraph, "capture", lambda self, fn, **kw: (captures.append(kw), capture(self, fn, **kw))[1])
     eager = make_runner(model_dir, enforce_eager=True)
     graphed = make_runner(model_dir, enforce_eager=False)
-    assert graphed.graph_runner_class is CPUGraph and graphed.graph_batch_sizes == list(range(1, 11))
+    assert graphed.graph_runner_class is CPUGraph and graphed.graph_batch_sizes == [1, 2, 4, 8, 10]
     expected = _run(eager, _sequences(eager.config.vocab_size))
     got = _run(graphed, _sequences(graphed.config.vocab_size))
     for step, (a, b) in enumerate(zip(got, expected)):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step}: {m}")
     torch.testing.assert_close(graphed.kv_cache, eager.kv_cache, atol=1e-4, rtol=1e-4, equal_nan=True)
     assert not graphed.enforce_eager, "the capture fell back to eager"
-    # decode steps of 3, 1, 5, 10 and 3 sequences: four captures (the first warms up and checks), one replay
-    assert sorted(graphed.graphs) == [1, 3, 5, 10]
-    assert captures == [{"warm_up": True, "check": True}] + [{"warm_up": False, "check": False}] * 3
-    assert all(g.num_kernel_calls > 0 for g in graphed.graphs.values())
+    # decode steps of 3, 1, 5, 10 and 3 sequences: four captures (the first warms up and checks), one replay of
+    # the graph of 4 over 3 rows
+    assert sorted(graphed.graphs) == [1, 4, 8, 10]
+    assert captures == [{"warm_up": True, "check": True, "rows": 4}] + [
+        {"warm_up": False, "check": False, "rows": rows} for rows in (1, 8, 10)]
+    assert all(g.num_kernel_calls > 0 and g.resizable for g in graphed.graphs.values())
+
+
+def test_cpu_graphs_that_cannot_replay_fewer_rows_get_one_per_batch_size(tiny_model_dir, monkeypatch, caplog):
+    """Should a model's graph fail the check that it replays fewer rows than it recorded, the runner says so once and
+    records a graph per batch size from then on (the failed one still serves its own size); results as eager's."""
+    model_dir = tiny_model_dir("llama")
+    monkeypatch.setattr(CPUGraph, "_replays_fewer_rows", lambda self, output: False)
+    eager = make_runner(model_dir, enforce_eager=True)
+    graphed = make_runner(model_dir, enforce_eager=False)
+    with caplog.at_level("INFO", logger="engine.worker.model_runner"):
+        got = _run(graphed, _sequences(graphed.config.vocab_size))
+    for a, b in zip(got, _run(eager, _sequences(eager.config.vocab_size))):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(graphed.kv_cache, eager.kv_cache, atol=1e-4, rtol=1e-4, equal_nan=True)
+    # decode steps of 3 (the graph of 4, padded), then 1, 5, 10 and 3 sequences at their own sizes
+    assert sorted(graphed.graphs) == [1, 3, 4, 5, 10] and graphed.graph_batch_sizes == list(range(1, 11))
+    assert sum("cannot replay fewer rows" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_a_forward_a_cpu_graph_cannot_follow_runs_eagerly(tiny_model_dir, caplog):

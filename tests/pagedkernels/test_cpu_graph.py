@@ -4,6 +4,7 @@ captures that a replay could not follow refused."""
 
 from __future__ import annotations
 
+import ctypes
 import random
 
 import pytest
@@ -213,3 +214,81 @@ def test_only_the_capturing_thread_is_recorded():
 def test_replay_before_capture_raises():
     with pytest.raises(RuntimeError, match="before capture"):
         CPUGraph().replay()
+
+
+def _rows_block(gen, rows):
+    """A decoder-like chain over ``rows`` rows, every row on its own and every step a native kernel (norm -> gate/up
+    product -> SiLU-and-mul -> down product -> norm); returns (static input, callable returning [rows, HIDDEN])."""
+    norm = torch.rand(HIDDEN, generator=gen) + 0.5
+    up = pk.pack_w16((torch.randn(2 * INTER, HIDDEN, generator=gen) / 8).to(torch.bfloat16))
+    down = pk.pack_w16((torch.randn(HIDDEN, INTER, generator=gen) / 8).to(torch.bfloat16))
+    x = torch.randn(rows, HIDDEN, generator=gen)
+
+    def fn():
+        act = pk.silu_and_mul(pk.w16_gemm(pk.rms_norm(x, norm, 1e-6), up, 2 * INTER))
+        return pk.rms_norm(pk.w16_gemm(act, down, HIDDEN), norm, 1e-6)
+
+    return x, fn
+
+
+def test_a_graph_replays_fewer_rows_over_just_those():
+    """Recorded for 8 rows, a replay of 3 gives eager's first 3 rows and leaves the kernels' other rows alone (the
+    output's rows 3..8 still hold the previous replay's); a replay of all 8 after it is whole again."""
+    gen = torch.Generator().manual_seed(7)
+    x, fn = _rows_block(gen, 8)
+    graph = CPUGraph()
+    graph.capture(fn, rows=8)
+    assert graph.rows == 8 and graph.resizable and graph.num_torch_calls == 0
+    before = graph.replay().clone()
+    torch.testing.assert_close(before, fn(), rtol=0, atol=0)
+    x.copy_(torch.randn(x.shape, generator=gen))
+    eager = fn()
+    out = graph.replay(3)
+    torch.testing.assert_close(out[:3], eager[:3], rtol=0, atol=0)
+    torch.testing.assert_close(out[3:], before[3:], rtol=0, atol=0)
+    assert not torch.equal(before[3:], eager[3:])
+    torch.testing.assert_close(graph.replay(8), eager, rtol=0, atol=0)
+    torch.testing.assert_close(graph.replay(1)[:1], eager[:1], rtol=0, atol=0)
+
+
+def test_a_graph_whose_rows_are_not_outermost_replays_them_all():
+    """A kernel run over the transposed rows ([features, rows]: its row count a multiple of the graph's rows) would
+    compute the wrong half at fewer rows: the capture's check sees it, and every replay then runs all the rows,
+    giving eager's result for the rows asked for."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(8, HIDDEN, generator=gen)
+    weight = torch.rand(8, generator=gen) + 0.5
+
+    def transposed():
+        return pk.rms_norm(x.t().contiguous(), weight, 1e-6).t().contiguous()
+
+    graph = CPUGraph()
+    recorded = graph.capture(transposed, rows=8)
+    assert not graph.resizable
+    torch.testing.assert_close(graph.replay(), recorded, rtol=0, atol=0)
+    x.copy_(torch.randn(x.shape, generator=gen))
+    torch.testing.assert_close(graph.replay(4)[:4], transposed()[:4], rtol=0, atol=0)
+
+
+def test_replays_of_rows_a_graph_was_not_recorded_for_are_refused():
+    gen = torch.Generator().manual_seed(9)
+    _, fn = _rows_block(gen, 4)
+    graph = CPUGraph()
+    graph.capture(fn, rows=4)
+    for rows in (0, 5):
+        with pytest.raises(ValueError, match="recorded for 4 rows"):
+            graph.replay(rows)
+    unsized = CPUGraph()
+    unsized.capture(fn)
+    assert not unsized.resizable
+    with pytest.raises(ValueError, match="unstated number"):
+        unsized.replay(2)
+
+
+def test_row_arguments_are_integer_arguments_of_graph_kernels():
+    """ROW_ARGS names integer (not pointer or float) arguments of kernels a graph records, at most
+    GRAPH_MAX_ROW_ARGS per kernel."""
+    for name, positions in _native.ROW_ARGS.items():
+        assert name in _native.GRAPH_KERNELS and len(positions) <= _native.GRAPH_MAX_ROW_ARGS
+        for position in positions:
+            assert _native.SIGNATURES[name][position] in (ctypes.c_int64, ctypes.c_int), (name, position)
