@@ -304,8 +304,8 @@ class CPUGraph:
         up to its size: the inputs' rows past n must hold valid padding, and the output's first n rows are the
         result. Kernels that count their rows (``_native.ROW_ARGS``) then process just n rows, when each of their
         counts is a multiple of ``rows``; torch operations process them all. Whether that layout holds (rows
-        outermost all through the callable) is checked here: a replay of ``rows // 2`` rows on an arena of NaNs
-        must give the recording run's first rows. If it does not, :attr:`resizable` is False and every replay
+        outermost all through the callable) is checked here: a replay of one row on an arena of NaNs must give
+        the recording run's first row. If it does not, :attr:`resizable` is False and every replay
         processes all the rows."""
         lib = _native.library()
         if lib is None:
@@ -334,11 +334,12 @@ class CPUGraph:
         return output
 
     def _replays_fewer_rows(self, output: torch.Tensor) -> bool:
-        """Whether a replay of half the recorded rows, on an arena of NaNs (every intermediate it does not compute
-        stays NaN), gives the recording run's first rows (see :meth:`capture`). Kernels count rows alike at any
-        batch size, not bit for bit: a near match passes. A mismatch replays all the rows once more, so that
+        """Whether a replay of one row, on an arena of NaNs (every intermediate it does not compute stays NaN),
+        gives the recording run's first row (see :meth:`capture`): a kernel whose rows are not outermost would
+        compute the wrong sliver. Kernels may pick other paths for one row than for all (attention splits a
+        sequence's keys between threads): a near match passes. A mismatch replays all the rows once more, so that
         whatever the replay wrote outside the arena (a KV cache) is the recording run's again."""
-        fewer = self.rows // 2
+        fewer = 1
         self.pool.arena.fill_(0xFF)   # NaN in every float format
         try:
             got = self._run(fewer)[:fewer]
