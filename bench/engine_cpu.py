@@ -298,18 +298,18 @@ class TransformersProcessSide(PipedSide):
                           str(batch_size), "--threads", str(torch.get_num_threads()), "--serve-transformers"], env)
 
 
-def serve_side(side, mark: str = PipedSide.MARK, stdin=None, stdout=None) -> None:
-    """Answer :class:`PipedSide`'s calls with ``side`` until ``{"exit": true}`` or the end of stdin."""
-    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
-    stdout.write(mark + json.dumps({"ready": True}) + "\n")
-    stdout.flush()
-    for line in stdin:
+def serve_side(side) -> None:
+    """Answer :class:`PipedSide`'s calls on stdin/stdout with ``side`` until ``{"exit": true}`` or stdin's end."""
+    mark, out = PipedSide.MARK, sys.stdout
+    out.write(mark + json.dumps({"ready": True}) + "\n")
+    out.flush()
+    for line in sys.stdin:
         call = json.loads(line)
         if call.get("exit"):
             break
         requests = [Request(ids, n) for ids, n in zip(call["prompts"], call["max_tokens"], strict=True)]
-        stdout.write(mark + json.dumps({"outputs": side.generate(requests)}) + "\n")
-        stdout.flush()
+        out.write(mark + json.dumps({"outputs": side.generate(requests)}) + "\n")
+        out.flush()
 
 
 def timed(fn, *args):

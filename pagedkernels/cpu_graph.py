@@ -339,11 +339,9 @@ class CPUGraph:
         compute the wrong sliver. Kernels may pick other paths for one row than for all (attention splits a
         sequence's keys between threads): a near match passes. A mismatch replays all the rows once more, so that
         whatever the replay wrote outside the arena (a KV cache) is the recording run's again."""
-        fewer = 1
         self.pool.arena.fill_(0xFF)   # NaN in every float format
         try:
-            got = self._run(fewer)[:fewer]
-            want = output[:fewer]
+            got, want = self._run(1)[:1], output[:1]
             close = got.shape == want.shape and bool(torch.allclose(
                 got.float(), want.float(), rtol=1e-3, atol=1e-3 * float(want.float().abs().nan_to_num().max()),
                 equal_nan=True))
@@ -413,8 +411,9 @@ class CPUGraph:
                 counts = [call.ints[slot] for slot in call.row_slots]
                 scaled = bool(self.rows) and bool(counts) and all(c > 0 and c % self.rows == 0 for c in counts)
                 for j in range(_native.GRAPH_MAX_ROW_ARGS):
-                    record.row_slot[j] = call.row_slots[j] if scaled and j < len(counts) else -1
-                    record.row_per[j] = counts[j] // self.rows if scaled and j < len(counts) else 0
+                    rewritten = scaled and j < len(counts)
+                    record.row_slot[j] = call.row_slots[j] if rewritten else -1
+                    record.row_per[j] = counts[j] // self.rows if rewritten else 0
                 segment.patches.extend((position, slot, offset) for slot, offset in patches_by_event.get(index, ()))
             steps.append(segment)
             run.clear()
