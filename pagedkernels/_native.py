@@ -65,8 +65,12 @@ def _march() -> str:
 
 
 def _compile_command(compiler: str, sources: tuple[Path, ...], dst: Path) -> list[str]:
-    return [compiler, "-O3", f"-march={_march()}", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", *map(str, sources),
-            "-o", str(dst), "-lm"]
+    # -fno-trapping-math: no kernel reads the floating-point exception flags, and without it GCC will not
+    # if-convert a float comparison (it might raise "invalid"), so every loop with a select (the exp's clamp,
+    # SiLU's sign, the softmax's tile mask) stayed scalar wherever there are no AVX-512 masks: SiLU-and-mul
+    # built for AVX2 ran element by element. It allows no reassociation: results are the same bits.
+    return [compiler, "-O3", f"-march={_march()}", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC",
+            "-std=gnu11", *map(str, sources), "-o", str(dst), "-lm"]
 
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
