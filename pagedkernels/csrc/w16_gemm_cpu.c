@@ -28,7 +28,7 @@
 #define MB 8
 #elif defined(__AVX__)
 #define VL 8
-#define MB 4
+#define MB 6
 #else
 #define VL 4
 #define MB 4
@@ -78,12 +78,16 @@ static inline vfl widen(const uint16_t *p, int is_bf16) {
 #endif
 }
 
-/* With AVX-512 a sub-panel is the whole panel (SUB == NP == 32), and its 32 bf16 weights of a k widen in two
- * instructions instead of four: as 16 32-bit lanes each holding columns 2i (low half) and 2i + 1 (high half), a
- * 16-bit left shift gives the even columns as float32 and a mask of the high halves the odd ones. The accumulators
- * then hold even and odd columns, interleaved back once per row at the end. Zen 4 runs a 512-bit FMA on both of
- * its FMA pipes, which the widening's shifts and zero-extensions share: 16 FMAs and 4 widening instructions a k
- * ran at 0.8 of the FMA peak (measured 180 GFLOP/s at 48 rows against oneDNN's 210-220 at large shapes). */
+/* A sub-panel's 2 VL bf16 weights of a k widen in two instructions instead of four (and one load instead of two):
+ * as VL 32-bit lanes each holding columns 2i (low half) and 2i + 1 (high half), a 16-bit left shift gives the even
+ * columns as float32 and a mask of the high halves the odd ones. The accumulators then hold even and odd columns,
+ * interleaved back once per row at the end. With AVX-512 (SUB == NP == 32): Zen 4 runs a 512-bit FMA on both of its
+ * FMA pipes, which the widening's shifts and zero-extensions share; 16 FMAs and 4 widening instructions a k ran at
+ * 0.8 of the FMA peak (measured 180 GFLOP/s at 48 rows against oneDNN's 210-220 at large shapes). With AVX2 (SUB ==
+ * 16) the 6 x 2 accumulators, the pair and a broadcast take 15 of the 16 registers: 12 FMAs a k against 2 widening
+ * instructions, where zero-extending each vector for 4 x 2 accumulators gave 8 against 4. Built for AVX2 on a 2-core
+ * Zen 5, 48 rows of SmolLM2's layers went from 183-189 to 200-216 GFLOP/s (oneDNN's AVX2 float32 GEMM peaks at
+ * ~235), and the decode GEMMs of the 48-request workload from 5.2 to 4.6 s. */
 #if defined(__AVX512F__)
 #define PAIRED_BF16 1
 static inline void widen_bf16_pairs(const uint16_t *p, vfl *even, vfl *odd) {
@@ -97,6 +101,20 @@ static inline void unpair(vfl even, vfl odd, float *out) {
     const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
     _mm512_storeu_ps(out, _mm512_permutex2var_ps((__m512)even, lo, (__m512)odd));
     _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps((__m512)even, hi, (__m512)odd));
+}
+#elif defined(__AVX2__) && VL == 8
+#define PAIRED_BF16 1
+static inline void widen_bf16_pairs(const uint16_t *p, vfl *even, vfl *odd) {
+    const __m256i w = _mm256_loadu_si256((const __m256i *)p);
+    *even = (vfl)_mm256_slli_epi32(w, 16);
+    *odd = (vfl)_mm256_and_si256(w, _mm256_set1_epi32((int)0xFFFF0000u));
+}
+/* out[0..15] from even and odd lanes: the unpacks interleave within 128-bit halves (columns 0-3 | 8-11 and
+ * 4-7 | 12-15), the permutes put the halves in order. */
+static inline void unpair(vfl even, vfl odd, float *out) {
+    const __m256 lo = _mm256_unpacklo_ps((__m256)even, (__m256)odd), hi = _mm256_unpackhi_ps((__m256)even, (__m256)odd);
+    _mm256_storeu_ps(out, _mm256_permute2f128_ps(lo, hi, 0x20));
+    _mm256_storeu_ps(out + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
 }
 #else
 #define PAIRED_BF16 0
@@ -222,14 +240,22 @@ int pk_w16_gemm(const float *x, int64_t x_s0, int64_t M, int64_t K, const uint16
         const int nc = N - n0 < NP ? (int)(N - n0) : NP;
         const uint16_t *panel_w = packed + t * K * NP;
         int64_t m0 = 0;
-        for (; m0 + MB <= M; m0 += MB) panel(x, x_s0, m0, MB, K, panel_w, n0, nc, is_bf16, out, o_s0);
+        /* With 6-row blocks, 1 or 2 rows left over after a block run as 4 + 3 or 4 + 4 rows instead. */
+        const int64_t blocks = MB == 6 && M > MB && M % MB <= 2 && M % MB > 0 ? M / MB - 1 : M / MB;
+        for (; m0 < blocks * MB; m0 += MB) panel(x, x_s0, m0, MB, K, panel_w, n0, nc, is_bf16, out, o_s0);
+        if (M - m0 > MB) {
+            panel(x, x_s0, m0, 4, K, panel_w, n0, nc, is_bf16, out, o_s0);
+            m0 += 4;
+        }
         switch (M - m0) { /* the last rows: each count its own inlined copy */
         case 1: panel(x, x_s0, m0, 1, K, panel_w, n0, nc, is_bf16, out, o_s0); break;
         case 2: panel(x, x_s0, m0, 2, K, panel_w, n0, nc, is_bf16, out, o_s0); break;
         case 3: panel(x, x_s0, m0, 3, K, panel_w, n0, nc, is_bf16, out, o_s0); break;
-#if MB > 4
         case 4: panel(x, x_s0, m0, 4, K, panel_w, n0, nc, is_bf16, out, o_s0); break;
+#if MB > 4
         case 5: panel(x, x_s0, m0, 5, K, panel_w, n0, nc, is_bf16, out, o_s0); break;
+#endif
+#if MB > 6
         case 6: panel(x, x_s0, m0, 6, K, panel_w, n0, nc, is_bf16, out, o_s0); break;
         case 7: panel(x, x_s0, m0, 7, K, panel_w, n0, nc, is_bf16, out, o_s0); break;
 #endif

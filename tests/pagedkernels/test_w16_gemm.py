@@ -141,7 +141,8 @@ def test_empty_products():
 @pytest.mark.parametrize("march", ["x86-64", "x86-64-v3"])
 def test_portable_builds(march, tmp_path):
     """The kernel's other SIMD paths (this machine's build takes the widest): generic vectors (x86-64: SSE2,
-    fp16 converted element by element) and AVX2/F16C (x86-64-v3), each built afresh in a process of its own."""
+    fp16 converted element by element) and AVX2/F16C (x86-64-v3: bf16 widened in even/odd pairs), each built
+    afresh in a process of its own, at row counts that take every block size and remainder."""
     script = textwrap.dedent("""
         import torch, pagedkernels as pk
         from pagedkernels import _native
@@ -149,7 +150,10 @@ def test_portable_builds(march, tmp_path):
         assert _native.library() is not None, _native.build_error()
         gen = torch.Generator().manual_seed(7)
         for wdtype in (torch.bfloat16, torch.float16):
-            for M, N, K in [(1, 37, 48), (3, 130, 96), (5, 9, 576), (9, 33, 7)]:
+            # rows: AVX2 runs blocks of 6 (7 and 8 as 4 + 3 and 4 + 4, 13 and 14 as 6 + 4 + 3 / 4), AVX-512 blocks
+            # of 8, the generic vectors blocks of 4, each with its last rows' own copy
+            for M, N, K in [(1, 37, 48), (3, 130, 96), (5, 9, 576), (9, 33, 7), (6, 64, 64), (7, 40, 96),
+                            (8, 33, 130), (13, 70, 50), (14, 32, 64), (18, 100, 33)]:
                 w = (torch.randn(N, K, generator=gen) / 8).to(wdtype)
                 x = torch.randn(M, K, generator=gen)
                 with pk.use_backend("native"):
