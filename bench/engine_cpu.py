@@ -26,6 +26,10 @@ greedy outputs compared request by request.
    per logits row + 4 x heads x head_dim x layers per visible (query, key) pair. A request with P
    prompt and O output tokens runs P + O - 1 tokens and needs O logits rows.
 
+An AVX-512 machine measures as an AVX2 one would with ``PAGEDKERNELS_NATIVE_MARCH=haswell ONEDNN_MAX_CPU_ISA=AVX2``
+(pagedkernels' kernels built for AVX2, oneDNN held to it; transformers' MKL sgemm takes AVX2 on AMD CPUs anyway);
+the report's environment names the machine's widest SIMD and what the run built for.
+
 Figures are printed; ``--out DIR`` also writes ``DIR/<date>-engine-cpu-<cpu>.json``. The machine's
 load average is recorded next to them: on a shared 2-core machine other processes skew both sides,
 and badly so with torch's two intra-op threads (a parallel region waits for a descheduled thread:
@@ -312,6 +316,17 @@ def serve_side(side) -> None:
         out.flush()
 
 
+def cpu_simd() -> str:
+    """The widest float SIMD the machine has (from /proc/cpuinfo's flags): "avx512", "avx2", or "other". A run may
+    build for less (``PAGEDKERNELS_NATIVE_MARCH``, ``ONEDNN_MAX_CPU_ISA``): the report names both."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other"
+
+
 def timed(fn, *args):
     start = time.perf_counter()
     result = fn(*args)
@@ -386,7 +401,10 @@ def _measure(args, sides: list, requests: list[Request], single_prompt: list[int
 
     report = {
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "environment": {"cpu": _native.cpu_name(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "environment": {"cpu": _native.cpu_name(), "cpu_count": os.cpu_count(), "cpu_simd": cpu_simd(),
+                        "native_march": _native.native_march(),
+                        "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "(unset: the machine's widest)"),
+                        "torch_threads": torch.get_num_threads(),
                         "torch": torch.__version__, "python": platform.python_version(),
                         "load_average_before": load_before, "load_average_after": os.getloadavg()},
         "model": args.model, "dtype": "float32", "matrix_params": flop_model.matrix_params,

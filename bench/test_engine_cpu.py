@@ -7,6 +7,7 @@ import json
 import pytest
 
 from bench import engine_cpu
+from pagedkernels import _native
 
 pytest.importorskip("transformers")
 
@@ -54,6 +55,9 @@ def test_benchmark_runs_both_sides_and_writes_json(tiny_llama, tmp_path):
     # Same weights, same greedy work: a benchmark of two different computations would be meaningless.
     assert report["greedy_outputs_identical"] == "5/5"
     assert report["throughput_ratio"] > 0 and {t["status"] for t in report["targets"]} <= {"pass", "fail"}
+    # what the figures were built for: a run may build for less than the machine has
+    env = report["environment"]
+    assert env["cpu_simd"] in ("avx512", "avx2", "other") and env["native_march"] == _native.native_march()
 
 
 _FAKE_VLLM = '''

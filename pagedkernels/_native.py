@@ -58,7 +58,7 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
-def _march() -> str:
+def native_march() -> str:
     """The ``-march`` the kernels are built for: ``native`` unless ``PAGEDKERNELS_NATIVE_MARCH`` says
     otherwise (the tests build ``x86-64`` too, so the portable C paths behind the SIMD ones run)."""
     return os.environ.get("PAGEDKERNELS_NATIVE_MARCH", "native").strip() or "native"
@@ -69,7 +69,7 @@ def _compile_command(compiler: str, sources: tuple[Path, ...], dst: Path) -> lis
     # if-convert a float comparison (it might raise "invalid"), so every loop with a select (the exp's clamp,
     # SiLU's sign, the softmax's tile mask) stayed scalar wherever there are no AVX-512 masks: SiLU-and-mul
     # built for AVX2 ran element by element. It allows no reassociation: results are the same bits.
-    return [compiler, "-O3", f"-march={_march()}", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC",
+    return [compiler, "-O3", f"-march={native_march()}", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC",
             "-std=gnu11", *map(str, sources), "-o", str(dst), "-lm"]
 
 
