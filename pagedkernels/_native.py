@@ -64,6 +64,11 @@ def native_march() -> str:
     return os.environ.get("PAGEDKERNELS_NATIVE_MARCH", "native").strip() or "native"
 
 
+def c_compiler() -> str | None:
+    """The C compiler the kernels build with: ``CC``, else ``cc``, else ``gcc`` on PATH (None if none)."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def _compile_command(compiler: str, sources: tuple[Path, ...], dst: Path) -> list[str]:
     # -fno-trapping-math: no kernel reads the floating-point exception flags, and without it GCC will not
     # if-convert a float comparison (it might raise "invalid"), so every loop with a select (the exp's clamp,

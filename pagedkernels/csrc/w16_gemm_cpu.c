@@ -126,7 +126,7 @@ static inline void unpair(vfl even, vfl odd, float *out) {
 static inline __attribute__((always_inline)) void sub_panel(const float *x, int64_t x_s0, int64_t m0, int mb,
                                                             int64_t K, const uint16_t *panel_w, int c0, int nc,
                                                             int is_bf16, float *out, int64_t o_s0, int64_t n0,
-                                                            const char *ahead) {
+                                                            const uint16_t *ahead) {
     vfl total[MB][2];
     memset(total, 0, sizeof total);
     const float *xr[MB];
@@ -137,7 +137,7 @@ static inline __attribute__((always_inline)) void sub_panel(const float *x, int6
         vfl acc[MB][2];
         memset(acc, 0, sizeof acc);
         for (int64_t k = k0; k < k1; k++, p += NP) {
-            if (ahead) __builtin_prefetch(ahead + k * NP * 2, 0, 1);
+            if (ahead) __builtin_prefetch(ahead + k * NP, 0, 1);
             vfl w0, w1;
 #if PAIRED_BF16
             if (is_bf16) {
@@ -188,7 +188,7 @@ static inline __attribute__((always_inline)) void sub_panel(const float *x, int6
 static inline __attribute__((always_inline)) void whole_panel(const float *x, int64_t x_s0, int64_t m0, int mb,
                                                               int64_t K, const uint16_t *panel_w, int nc,
                                                               int is_bf16, float *out, int64_t o_s0, int64_t n0,
-                                                              const char *ahead) {
+                                                              const uint16_t *ahead) {
     vfl total[2][NP / VL];
     memset(total, 0, sizeof total);
     const float *xr[2] = {x + m0 * x_s0, x + (m0 + mb - 1) * x_s0};
@@ -198,7 +198,7 @@ static inline __attribute__((always_inline)) void whole_panel(const float *x, in
         vfl acc[2][NP / VL];
         memset(acc, 0, sizeof acc);
         for (int64_t k = k0; k < k1; k++, p += NP) {
-            if (ahead) __builtin_prefetch(ahead + k * NP * 2, 0, 1);
+            if (ahead) __builtin_prefetch(ahead + k * NP, 0, 1);
             vfl wv[NP / VL];
             for (int v = 0; v < NP / VL; v++) wv[v] = widen(p + v * VL, is_bf16);
             for (int i = 0; i < mb; i++) {
@@ -219,7 +219,7 @@ static inline __attribute__((always_inline)) void whole_panel(const float *x, in
 /* Rows [m0, m0 + mb) of one panel (columns n0 .. n0 + nc - 1). */
 static inline __attribute__((always_inline)) void panel(const float *x, int64_t x_s0, int64_t m0, int mb, int64_t K,
                                                         const uint16_t *panel_w, int64_t n0, int nc, int is_bf16,
-                                                        float *out, int64_t o_s0, const char *ahead) {
+                                                        float *out, int64_t o_s0, const uint16_t *ahead) {
     if (SUB < NP && mb <= 2) {
         whole_panel(x, x_s0, m0, mb, K, panel_w, nc, is_bf16, out, o_s0, n0, ahead);
         return;
@@ -249,29 +249,33 @@ int pk_w16_gemm(const float *x, int64_t x_s0, int64_t M, int64_t K, const uint16
          * body of SmolLM2 (30 layers, 212 MB of bf16) on a 2-core Zen 5: 8 rows 13.7 -> 11.2 ms built for AVX2,
          * 8.3-8.9 -> 6.0-6.4 for AVX-512; 16 rows 20.0-20.4 -> 16.5-17.2 and 12.3-12.8 -> 9.3-9.4; one row level.
          * The decode GEMMs of the 48-request workload: 4.60-4.67 -> 4.16-4.18 s (AVX2), 2.81 -> 2.37 s (AVX-512). */
-        const char *ahead = t + 1 < panels ? (const char *)(panel_w + K * NP) : NULL;
+        const uint16_t *ahead = t + 1 < panels ? panel_w + K * NP : NULL;
         int64_t m0 = 0;
+/* rows [m0, m0 + ROWS) of this panel, a constant ROWS per call site (its own inlined copy) */
+#define ROWS_OF_PANEL(ROWS) \
+    panel(x, x_s0, m0, ROWS, K, panel_w, n0, nc, is_bf16, out, o_s0, m0 == 0 ? ahead : NULL)
         /* With 6-row blocks, 1 or 2 rows left over after a block run as 4 + 3 or 4 + 4 rows instead. */
         const int64_t blocks = MB == 6 && M > MB && M % MB <= 2 && M % MB > 0 ? M / MB - 1 : M / MB;
-        for (; m0 < blocks * MB; m0 += MB) panel(x, x_s0, m0, MB, K, panel_w, n0, nc, is_bf16, out, o_s0, m0 == 0 ? ahead : NULL);
+        for (; m0 < blocks * MB; m0 += MB) ROWS_OF_PANEL(MB);
         if (M - m0 > MB) {
-            panel(x, x_s0, m0, 4, K, panel_w, n0, nc, is_bf16, out, o_s0, m0 == 0 ? ahead : NULL);
+            ROWS_OF_PANEL(4);
             m0 += 4;
         }
         switch (M - m0) { /* the last rows: each count its own inlined copy */
-        case 1: panel(x, x_s0, m0, 1, K, panel_w, n0, nc, is_bf16, out, o_s0, m0 == 0 ? ahead : NULL); break;
-        case 2: panel(x, x_s0, m0, 2, K, panel_w, n0, nc, is_bf16, out, o_s0, m0 == 0 ? ahead : NULL); break;
-        case 3: panel(x, x_s0, m0, 3, K, panel_w, n0, nc, is_bf16, out, o_s0, m0 == 0 ? ahead : NULL); break;
-        case 4: panel(x, x_s0, m0, 4, K, panel_w, n0, nc, is_bf16, out, o_s0, m0 == 0 ? ahead : NULL); break;
+        case 1: ROWS_OF_PANEL(1); break;
+        case 2: ROWS_OF_PANEL(2); break;
+        case 3: ROWS_OF_PANEL(3); break;
+        case 4: ROWS_OF_PANEL(4); break;
 #if MB > 4
-        case 5: panel(x, x_s0, m0, 5, K, panel_w, n0, nc, is_bf16, out, o_s0, m0 == 0 ? ahead : NULL); break;
+        case 5: ROWS_OF_PANEL(5); break;
 #endif
 #if MB > 6
-        case 6: panel(x, x_s0, m0, 6, K, panel_w, n0, nc, is_bf16, out, o_s0, m0 == 0 ? ahead : NULL); break;
-        case 7: panel(x, x_s0, m0, 7, K, panel_w, n0, nc, is_bf16, out, o_s0, m0 == 0 ? ahead : NULL); break;
+        case 6: ROWS_OF_PANEL(6); break;
+        case 7: ROWS_OF_PANEL(7); break;
 #endif
         default: break;
         }
+#undef ROWS_OF_PANEL
     }
     return 0;
 }

@@ -4,7 +4,6 @@ and cache-op suites under backend "native")."""
 import contextlib
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import pagedkernels as pk
 from pagedkernels import _native
 
 
-@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler on this machine")
+@pytest.mark.skipif(_native.c_compiler() is None, reason="no C compiler on this machine")
 def test_library_builds_where_a_compiler_exists():
     assert _native.library() is not None, _native.build_error()
 
@@ -255,29 +254,30 @@ def test_attention_prefetches_survive_the_compiler(tmp_path):
     """The decode/prefill kernel's prefetches are its only access to the next tiles' rows before it reads them, and a
     helper whose only effects are prefetches is a const function to GCC (its calls were deleted at -O1 and up):
     the kernel's source, built as the library is, still has prefetch instructions."""
-    source = Path(_native.__file__).parent / "csrc" / "paged_attention_cpu.c"
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    command = _native._compile_command(compiler, (source,), tmp_path / "out.s")
-    command = [a for a in command if a not in ("-shared", "-fPIC", "-lm")] + ["-S"]
+    _compile_alone(Path(_native.__file__).parent / "csrc" / "paged_attention_cpu.c", tmp_path / "out.s", "-S")
+    assert "prefetch" in (tmp_path / "out.s").read_text()
+
+
+def _compile_alone(source: Path, dst: Path, *extra: str, march: str | None = None) -> str:
+    """Compile ``source`` by itself with the library's own flags (for ``march`` if given) plus ``extra``, into
+    ``dst``; returns the compiler's stderr."""
+    with mock.patch.dict(os.environ, {"PAGEDKERNELS_NATIVE_MARCH": march} if march else {}):
+        command = _native._compile_command(_native.c_compiler(), (source,), dst)
+    command = [a for a in command if a not in ("-shared", "-fPIC", "-lm")] + list(extra)
     proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "prefetch" in (tmp_path / "out.s").read_text()
+    return proc.stderr
 
 
 def _gcc_vectorized_lines(source: Path, march: str, tmp_path: Path) -> set[int] | None:
     """Lines of ``source`` holding a loop that GCC vectorized, built with the library's own flags for ``march``
     (None when the compiler is not GCC: the report is GCC's -fopt-info)."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    if "clang" in version.lower() or "gcc" not in version.lower() and "free software" not in version.lower():
+    version = subprocess.run([_native.c_compiler(), "--version"], capture_output=True, text=True).stdout
+    if "Free Software Foundation" not in version:   # GCC's banner; clang's has none
         return None
-    with mock.patch.dict(os.environ, {"PAGEDKERNELS_NATIVE_MARCH": march}):
-        command = _native._compile_command(compiler, (source,), tmp_path / "out.o")
-    command = [a for a in command if a not in ("-shared", "-fPIC", "-lm")] + ["-c", "-fopt-info-vec-optimized"]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = _compile_alone(source, tmp_path / "out.o", "-c", "-fopt-info-vec-optimized", march=march)
     return {int(m.group(1)) for m in re.finditer(re.escape(source.name) + r":(\d+):\d+: optimized: loop vectorized",
-                                                  proc.stderr)}
+                                                  report)}
 
 
 @pytest.mark.skipif(_native.library() is None or os.uname().machine != "x86_64", reason="needs a C compiler on x86-64")
@@ -287,8 +287,9 @@ def _gcc_vectorized_lines(source: Path, march: str, tmp_path: Path) -> set[int] 
 ])
 def test_loops_with_selects_vectorize_without_avx512(source_name, marker, tmp_path):
     """Built for AVX2 (x86-64-v3: no mask registers), a loop whose body has a float select is vectorized only if
-    the compiler may if-convert a comparison, which -ftrapping-math (GCC's default) forbids (it might raise "invalid"): GCC 12
-    left SiLU-and-mul element by element there, 12x slower than vectorized. The library's flags let it."""
+    the compiler may if-convert a comparison, which GCC's default -ftrapping-math forbids (it might raise
+    "invalid"): GCC 12 left SiLU-and-mul element by element there, 12x slower than vectorized. The library's
+    flags let it."""
     source = Path(_native.__file__).parent / "csrc" / source_name
     lines = source.read_text().splitlines()
     marked = [i + 1 for i, line in enumerate(lines) if marker in line]
