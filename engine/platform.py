@@ -41,6 +41,12 @@ class DevicePolicy:
     # glibc's malloc keeps what a step frees for the next (engine/worker/cpu_malloc.py) instead of handing it back
     # to the system and faulting it in again: 205,000 -> 38,000 page faults in a 3324-token prefill on CPU.
     keep_freed_host_memory: bool = False
+    # The KV cache's pages are committed at start-up (engine/worker/cpu_malloc.py: prefault), as vLLM's CPU backend
+    # does by allocating it with torch.zeros, instead of each being faulted in by the first step that writes it.
+    # Those faults fell inside the first requests: 75,000 of them (the 48-request workload's 300 MB of K/V) took
+    # 0.1-0.7 s of its 8-9 s on a 2-core AMD EPYC VM, the most where other processes held the memory the guest had
+    # recycled. Start-up pays instead (here 1.6 s a GiB; bare metal ~0.2). ENGINE_CPU_KV_PREFAULT=0 turns it off.
+    prefault_kv_cache: bool = False
     # serve's default --max-num-seqs-per-request: the rows of a step one request (n > 1) takes while others are
     # served. On CPU each row costs step time (tiny Llama, 2 cores: a step of 1 + 32 rows 3 ms, of 1 + 16 rows
     # 2.2 ms, of 1 row 1.3 ms), and others' latency with it: an ordinary request beside an n=256 one took 2.5x its
@@ -56,6 +62,7 @@ class DevicePolicy:
                    compile_by_default=on_gpu, cuda_graphs=on_gpu, cpu_graphs=not on_gpu,
                    prepack_linears=not on_gpu,
                    upcast_half_precision=not on_gpu, profile_gpu_memory=on_gpu, keep_freed_host_memory=not on_gpu,
+                   prefault_kv_cache=not on_gpu,
                    serve_max_num_seqs_per_request=32 if on_gpu else 16)
 
     def decode_kernel_in_eager(self) -> bool:

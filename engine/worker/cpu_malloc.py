@@ -14,6 +14,11 @@ no mapping of its own below 32 MB (glibc's limit for the setting), and the heap'
 memory a process keeps so is at most what its steps had in use at once. Other C libraries, and a process whose
 environment sets those settings of glibc's malloc itself (``MALLOC_TRIM_THRESHOLD_`` and the like, or in
 ``GLIBC_TUNABLES``), are left as they are.
+
+:func:`prefault` commits a fresh tensor's pages at once (the KV cache, at start-up: see ``DevicePolicy``): Linux
+gives anonymous memory a page at a time, each zeroed in a fault when first written, and a virtual machine whose
+host backs guest memory lazily (and takes back what the guest frees) faults twice: measured on a 2-core AMD EPYC
+Firecracker VM, 6.4 us a 4 KB page the first time, 1.1 us a page recycled within the guest.
 """
 
 from __future__ import annotations
@@ -23,10 +28,15 @@ import functools
 import logging
 import os
 import sys
+import threading
+
+import torch
 
 logger = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3   # glibc's malloc.h
+_MADV_POPULATE_WRITE = 23   # Linux 5.14+
+_PAGE = 4096
 MMAP_THRESHOLD = 32 << 20
 TRIM_THRESHOLD = 1 << 30
 
@@ -57,3 +67,49 @@ def keep_freed_memory() -> bool:
     if not done:
         logger.debug("glibc's mallopt refused the thresholds; malloc left as it is")
     return done
+
+
+@functools.lru_cache(maxsize=None)
+def _madvise():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return madvise
+
+
+def prefault(tensor, threads: int | None = None) -> str:
+    """Make every page of a freshly allocated CPU tensor resident and writable now, instead of at its first write.
+    Its values are unspecified afterwards (it must not hold data yet). Linux: ``MADV_POPULATE_WRITE`` over its
+    pages (the kernel zeroes them; nothing is written from here), in ``threads`` slices at once (default: torch's
+    threads; ctypes lets go of the GIL, and the faults of two vCPUs went twice as fast as one's); elsewhere, or
+    where the kernel refuses it (before 5.14), the tensor is zeroed, which faults each page in the same way.
+    Returns which of the two it did."""
+    nbytes = tensor.numel() * tensor.element_size()
+    madvise = _madvise()
+    if madvise is not None and nbytes:
+        # The whole pages the storage touches: populating changes no page's contents, so a page the tensor shares
+        # with a neighbour at either end is populated as it is.
+        start = tensor.data_ptr() // _PAGE * _PAGE
+        pages = (-(-(tensor.data_ptr() + nbytes) // _PAGE) * _PAGE - start) // _PAGE
+        threads = max(1, min(threads or torch.get_num_threads(), pages))
+        bounds = [start + pages * i // threads * _PAGE for i in range(threads + 1)]
+        results = [0] * threads
+
+        def populate(i: int) -> None:
+            results[i] = madvise(bounds[i], bounds[i + 1] - bounds[i], _MADV_POPULATE_WRITE)
+
+        workers = [threading.Thread(target=populate, args=(i,)) for i in range(1, threads)]
+        for worker in workers:
+            worker.start()
+        populate(0)
+        for worker in workers:
+            worker.join()
+        if not any(results):
+            return "madvise"
+        logger.debug("MADV_POPULATE_WRITE refused (errno %d); zeroing the tensor instead", ctypes.get_errno())
+    tensor.zero_()
+    return "zeroed"

@@ -59,6 +59,7 @@ class DraftModel:
         total = num_blocks + runner.max_num_seqs * self.scratch_per_seq
         self.kv_cache = torch.empty(2, c.num_hidden_layers, total, runner.block_size, self.num_kv_heads, c.head_dim,
                                     dtype=runner.kv_cache_dtype, device=runner.device)
+        runner.commit_kv_cache(self.kv_cache, "draft model's KV cache")
         self.key_caches, self.value_caches = list(self.kv_cache[0]), list(self.kv_cache[1])
         decode_kernel = runner.policy.decode_kernel_in_eager()
         for i, layer in enumerate(self.layers):

@@ -363,9 +363,22 @@ class ModelRunner:
         # One allocation for all layers: [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim].
         self.kv_cache = torch.empty(2, c.num_hidden_layers, self.num_kv_blocks, self.block_size,
                                     self.num_kv_heads, c.head_dim, dtype=self.kv_cache_dtype, device=self.device)
+        self.commit_kv_cache(self.kv_cache, "KV cache")
         self._bind_kv_cache(self.kv_cache)
         self.key_caches = list(self.kv_cache[0])
         self.value_caches = list(self.kv_cache[1])
+
+    def commit_kv_cache(self, kv_cache: torch.Tensor, what: str) -> None:
+        """Commit a freshly allocated KV cache's host memory now (``DevicePolicy.prefault_kv_cache``, on CPU, unless
+        ``ENGINE_CPU_KV_PREFAULT=0``), so that no step waits on its page faults."""
+        env = os.environ.get("ENGINE_CPU_KV_PREFAULT", "").strip()
+        if kv_cache.device.type != "cpu" or not (env not in ("0", "false", "False") if env
+                                                 else self.policy.prefault_kv_cache):
+            return
+        start = time.perf_counter()
+        how = cpu_malloc.prefault(kv_cache)
+        logger.info("%s: %.2f GiB committed in %.1f s (%s; ENGINE_CPU_KV_PREFAULT=0 leaves it to first writes)", what,
+                    kv_cache.numel() * kv_cache.element_size() / 2**30, time.perf_counter() - start, how)
 
     def _bind_kv_cache(self, kv_cache: torch.Tensor | None) -> None:
         layers = self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]

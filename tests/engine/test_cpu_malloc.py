@@ -73,3 +73,60 @@ def test_malloc_settings_of_the_environment_are_left_alone():
         assert lines == ["set False"] and faults > pages / 2, env
     lines, _, _ = _churn("runner", MALLOC_ARENA_MAX="2")
     assert lines == ["set True"]
+
+
+# --- prefault: the KV cache committed at start-up --------------------------------------------------------------
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="residency is read with Linux's mincore")
+
+
+def _resident_fraction(tensor) -> float:
+    """Share of the whole pages inside ``tensor``'s bytes that are in memory (mincore)."""
+    import ctypes
+
+    page = 4096
+    start = -(-tensor.data_ptr() // page) * page
+    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page * page
+    pages = (end - start) // page
+    vec = (ctypes.c_ubyte * pages)()
+    mincore = ctypes.CDLL(None, use_errno=True).mincore
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert mincore(start, end - start, vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec) / pages
+
+
+@linux_only
+@pytest.mark.parametrize("path", ["madvise", "zeroed"])
+def test_prefault_makes_a_fresh_tensor_resident(monkeypatch, path):
+    """A 64 MB tensor (a mapping of its own in glibc's malloc: above its 32 MB threshold) has no page in memory until
+    written; prefault brings them all in, by MADV_POPULATE_WRITE or, where that is missing, by zeroing."""
+    import torch
+
+    from engine.worker import cpu_malloc
+
+    if path == "zeroed":
+        monkeypatch.setattr(cpu_malloc, "_madvise", lambda: None)
+    tensor = torch.empty(16 << 20, dtype=torch.float32)
+    assert _resident_fraction(tensor) < 0.1
+    assert cpu_malloc.prefault(tensor, threads=2) == path
+    assert _resident_fraction(tensor) == 1.0
+
+
+@linux_only
+@pytest.mark.parametrize("prefault", ["1", "0"])
+def test_cpu_engine_commits_its_kv_cache_at_start_up(monkeypatch, llama_dir, prefault):
+    """On CPU the runner's KV cache is in memory once the runner is built (the policy's default; the suite's
+    conftest sets ENGINE_CPU_KV_PREFAULT=0 for its many engines), and is left to its first writes with the
+    variable at 0."""
+    from engine.platform import DevicePolicy
+    from engine.worker.model_runner import ModelRunner
+    from tests.engine.models_util import engine_config
+
+    assert DevicePolicy.for_device("cpu").prefault_kv_cache and not DevicePolicy.for_device("cuda").prefault_kv_cache
+    monkeypatch.setenv("ENGINE_CPU_KV_PREFAULT", prefault)
+    config = engine_config(llama_dir, device="cpu", max_model_len=256, block_size=16,
+                           num_kv_blocks=16384, max_num_seqs=8, max_num_batched_tokens=512)
+    runner = ModelRunner(config)
+    assert runner.kv_cache.numel() * runner.kv_cache.element_size() > 32 << 20   # a mapping of its own
+    resident = _resident_fraction(runner.kv_cache)
+    assert resident == 1.0 if prefault == "1" else resident < 0.1
