@@ -44,8 +44,9 @@ class DevicePolicy:
     # The KV cache's pages are committed at start-up (engine/worker/cpu_malloc.py: prefault), as vLLM's CPU backend
     # does by allocating it with torch.zeros, instead of each being faulted in by the first step that writes it.
     # Those faults fell inside the first requests: 75,000 of them (the 48-request workload's 300 MB of K/V) took
-    # 0.1-0.7 s of its 8-9 s on a 2-core AMD EPYC VM, the most where other processes held the memory the guest had
-    # recycled. Start-up pays instead (here 1.6 s a GiB; bare metal ~0.2). ENGINE_CPU_KV_PREFAULT=0 turns it off.
+    # 0.1-0.8 s of its 8-9 s on a 2-core AMD EPYC VM, the most where other processes held the memory the guest had
+    # recycled (48 requests beside such a process: 9.0-9.2 -> 8.4-8.5 s). Start-up pays instead, on all cores: there
+    # 0.8-3.5 s for 3.4-5.4 GiB. ENGINE_CPU_KV_PREFAULT=0 turns it off.
     prefault_kv_cache: bool = False
     # serve's default --max-num-seqs-per-request: the rows of a step one request (n > 1) takes while others are
     # served. On CPU each row costs step time (tiny Llama, 2 cores: a step of 1 + 32 rows 3 ms, of 1 + 16 rows

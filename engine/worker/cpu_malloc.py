@@ -24,6 +24,7 @@ Firecracker VM, 6.4 us a 4 KB page the first time, 1.1 us a page recycled within
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import logging
 import os
@@ -87,7 +88,8 @@ def prefault(tensor, threads: int | None = None) -> str:
     pages (the kernel zeroes them; nothing is written from here), in ``threads`` slices at once (default: torch's
     threads; ctypes lets go of the GIL, and the faults of two vCPUs went twice as fast as one's); elsewhere, or
     where the kernel refuses it (before 5.14), the tensor is zeroed, which faults each page in the same way.
-    Returns which of the two it did."""
+    Returns which of the two it did; raises MemoryError where the kernel answers that it has not the memory
+    (ENOMEM)."""
     nbytes = tensor.numel() * tensor.element_size()
     madvise = _madvise()
     if madvise is not None and nbytes:
@@ -97,10 +99,11 @@ def prefault(tensor, threads: int | None = None) -> str:
         pages = (-(-(tensor.data_ptr() + nbytes) // _PAGE) * _PAGE - start) // _PAGE
         threads = max(1, min(threads or torch.get_num_threads(), pages))
         bounds = [start + pages * i // threads * _PAGE for i in range(threads + 1)]
-        results = [0] * threads
+        errors = [0] * threads   # errno of each slice's call, 0 when it succeeded
 
         def populate(i: int) -> None:
-            results[i] = madvise(bounds[i], bounds[i + 1] - bounds[i], _MADV_POPULATE_WRITE)
+            if madvise(bounds[i], bounds[i + 1] - bounds[i], _MADV_POPULATE_WRITE) != 0:
+                errors[i] = ctypes.get_errno() or -1
 
         workers = [threading.Thread(target=populate, args=(i,)) for i in range(1, threads)]
         for worker in workers:
@@ -108,8 +111,11 @@ def prefault(tensor, threads: int | None = None) -> str:
         populate(0)
         for worker in workers:
             worker.join()
-        if not any(results):
+        if not any(errors):
             return "madvise"
-        logger.debug("MADV_POPULATE_WRITE refused (errno %d); zeroing the tensor instead", ctypes.get_errno())
+        if errno.ENOMEM in errors:
+            size = f"{nbytes / 2**30:.2f} GiB" if nbytes >= 1 << 30 else f"{nbytes / 2**20:.1f} MiB"
+            raise MemoryError(f"not enough memory to commit {size} (MADV_POPULATE_WRITE: ENOMEM)")
+        logger.debug("MADV_POPULATE_WRITE refused (errno %s); zeroing the tensor instead", errors)
     tensor.zero_()
     return "zeroed"

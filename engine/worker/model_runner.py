@@ -376,7 +376,11 @@ class ModelRunner:
                                                  else self.policy.prefault_kv_cache):
             return
         start = time.perf_counter()
-        how = cpu_malloc.prefault(kv_cache)
+        try:
+            how = cpu_malloc.prefault(kv_cache)
+        except MemoryError as error:
+            raise MemoryError(f"{what}: {error}. Give it fewer blocks (num_kv_blocks=), or leave its pages to their "
+                              f"first writes with ENGINE_CPU_KV_PREFAULT=0") from error
         logger.info("%s: %.2f GiB committed in %.1f s (%s; ENGINE_CPU_KV_PREFAULT=0 leaves it to first writes)", what,
                     kv_cache.numel() * kv_cache.element_size() / 2**30, time.perf_counter() - start, how)
 

@@ -130,3 +130,48 @@ def test_cpu_engine_commits_its_kv_cache_at_start_up(monkeypatch, llama_dir, pre
     assert runner.kv_cache.numel() * runner.kv_cache.element_size() > 32 << 20   # a mapping of its own
     resident = _resident_fraction(runner.kv_cache)
     assert resident == 1.0 if prefault == "1" else resident < 0.1
+
+
+def _refusing_madvise(code: int):
+    """A stand-in for libc's madvise that fails with errno ``code``."""
+    import ctypes
+
+    def madvise(addr, length, advice):
+        ctypes.set_errno(code)
+        return -1
+
+    return lambda: madvise
+
+
+@linux_only
+def test_prefault_zeroes_where_the_kernel_lacks_populate_and_reports_missing_memory(monkeypatch):
+    """A kernel before 5.14 answers EINVAL: the tensor is zeroed instead. ENOMEM is the system out of memory: a
+    MemoryError, which the runner words with what to do about it."""
+    import errno
+
+    import torch
+
+    from engine.worker import cpu_malloc
+
+    tensor = torch.empty(1 << 20, dtype=torch.float32)
+    monkeypatch.setattr(cpu_malloc, "_madvise", _refusing_madvise(errno.EINVAL))
+    assert cpu_malloc.prefault(tensor) == "zeroed" and _resident_fraction(tensor) == 1.0
+    monkeypatch.setattr(cpu_malloc, "_madvise", _refusing_madvise(errno.ENOMEM))
+    with pytest.raises(MemoryError, match="not enough memory to commit 4.0 MiB"):
+        cpu_malloc.prefault(tensor)
+
+
+@linux_only
+def test_a_kv_cache_the_system_cannot_commit_fails_the_start_with_what_to_do(monkeypatch, llama_dir):
+    import errno
+
+    from engine.worker import cpu_malloc
+    from engine.worker.model_runner import ModelRunner
+    from tests.engine.models_util import engine_config
+
+    monkeypatch.setenv("ENGINE_CPU_KV_PREFAULT", "1")
+    monkeypatch.setattr(cpu_malloc, "_madvise", _refusing_madvise(errno.ENOMEM))
+    config = engine_config(llama_dir, device="cpu", max_model_len=256, num_kv_blocks=64, max_num_seqs=8,
+                           max_num_batched_tokens=512)
+    with pytest.raises(MemoryError, match="KV cache: not enough memory .*num_kv_blocks=.*ENGINE_CPU_KV_PREFAULT=0"):
+        ModelRunner(config)
