@@ -95,18 +95,33 @@ def _resident_fraction(tensor) -> float:
     return sum(v & 1 for v in vec) / pages
 
 
+def _fresh_tensor(nbytes: int):
+    """A float32 tensor on a fresh anonymous mapping, none of whose pages has been touched. (torch.empty cannot
+    promise that: glibc's malloc may carve even a large block out of the free top of its heap, which the engine's
+    setting keeps, written before, up to 1 GB.)"""
+    import mmap
+    import warnings
+
+    import torch
+
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mapping, dtype=torch.float32)
+
+
 @linux_only
 @pytest.mark.parametrize("path", ["madvise", "zeroed"])
 def test_prefault_makes_a_fresh_tensor_resident(monkeypatch, path):
-    """A 64 MB tensor (a mapping of its own in glibc's malloc: above its 32 MB threshold) has no page in memory until
-    written; prefault brings them all in, by MADV_POPULATE_WRITE or, where that is missing, by zeroing."""
+    """A tensor on a fresh mapping has no page in memory until written; prefault brings them all in, by
+    MADV_POPULATE_WRITE or, where that is missing, by zeroing."""
     import torch
 
     from engine.worker import cpu_malloc
 
     if path == "zeroed":
         monkeypatch.setattr(cpu_malloc, "_madvise", lambda: None)
-    tensor = torch.empty(16 << 20, dtype=torch.float32)
+    tensor = _fresh_tensor(64 << 20)
     assert _resident_fraction(tensor) < 0.1
     assert cpu_malloc.prefault(tensor, threads=2) == path
     assert _resident_fraction(tensor) == 1.0
@@ -115,21 +130,26 @@ def test_prefault_makes_a_fresh_tensor_resident(monkeypatch, path):
 @linux_only
 @pytest.mark.parametrize("prefault", ["1", "0"])
 def test_cpu_engine_commits_its_kv_cache_at_start_up(monkeypatch, llama_dir, prefault):
-    """On CPU the runner's KV cache is in memory once the runner is built (the policy's default; the suite's
-    conftest sets ENGINE_CPU_KV_PREFAULT=0 for its many engines), and is left to its first writes with the
-    variable at 0."""
+    """On CPU the runner's KV cache is committed (prefault) and in memory once the runner is built (the policy's
+    default; the suite's conftest sets ENGINE_CPU_KV_PREFAULT=0 for its many engines), and left to its first writes
+    with the variable at 0. (Whether memory is resident before then depends on where malloc took it from.)"""
     from engine.platform import DevicePolicy
+    from engine.worker import cpu_malloc
     from engine.worker.model_runner import ModelRunner
     from tests.engine.models_util import engine_config
 
     assert DevicePolicy.for_device("cpu").prefault_kv_cache and not DevicePolicy.for_device("cuda").prefault_kv_cache
+    committed = []
+    real_prefault = cpu_malloc.prefault
+    monkeypatch.setattr(cpu_malloc, "prefault", lambda t, *a, **k: committed.append(t.data_ptr()) or real_prefault(t))
     monkeypatch.setenv("ENGINE_CPU_KV_PREFAULT", prefault)
     config = engine_config(llama_dir, device="cpu", max_model_len=256, block_size=16,
                            num_kv_blocks=16384, max_num_seqs=8, max_num_batched_tokens=512)
     runner = ModelRunner(config)
-    assert runner.kv_cache.numel() * runner.kv_cache.element_size() > 32 << 20   # a mapping of its own
-    resident = _resident_fraction(runner.kv_cache)
-    assert resident == 1.0 if prefault == "1" else resident < 0.1
+    if prefault == "1":
+        assert committed == [runner.kv_cache.data_ptr()] and _resident_fraction(runner.kv_cache) == 1.0
+    else:
+        assert committed == []
 
 
 def _refusing_madvise(code: int):
