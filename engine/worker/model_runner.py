@@ -112,6 +112,13 @@ class EagerGraphRunner:
         return self.output.copy_(self.fn())
 
 
+def _env_flag(name: str, default: bool) -> bool:
+    """An engine switch from the environment: ``0`` / ``false`` turn it off, any other value on, unset or empty
+    leaves ``default``."""
+    env = os.environ.get(name, "").strip()
+    return env not in ("0", "false", "False") if env else default
+
+
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """Padded decode batch sizes graphs are captured for: 1, 2, 4, 8, then multiples of 16 up to
     ``max_num_seqs``."""
@@ -152,11 +159,10 @@ class ModelRunner:
             cpu_malloc.keep_freed_memory()
         enforce_eager = engine_config.enforce_eager
         if compile_model is None:
-            env = os.environ.get("ENGINE_COMPILE", "").strip()
             # as in vLLM, enforce_eager means no torch.compile either
-            compile_model = (env not in ("0", "false", "False") if env
-                             else self.policy.compile_by_default and not enforce_eager)
+            compile_model = _env_flag("ENGINE_COMPILE", self.policy.compile_by_default and not enforce_eager)
         self.compiled = bool(compile_model)
+        self.prefault_kv_cache = _env_flag("ENGINE_CPU_KV_PREFAULT", self.policy.prefault_kv_cache)
         # CUDA graphs on CUDA; CPU graphs of the native kernels on CPU (pagedkernels.cpu_graph) for an eager forward
         # (inductor's own kernels are not recorded) on one rank (nor are collectives); a given graph-runner class
         # (tests' CPU double) anywhere.
@@ -371,9 +377,7 @@ class ModelRunner:
     def commit_kv_cache(self, kv_cache: torch.Tensor, what: str) -> None:
         """Commit a freshly allocated KV cache's host memory now (``DevicePolicy.prefault_kv_cache``, on CPU, unless
         ``ENGINE_CPU_KV_PREFAULT=0``), so that no step waits on its page faults."""
-        env = os.environ.get("ENGINE_CPU_KV_PREFAULT", "").strip()
-        if kv_cache.device.type != "cpu" or not (env not in ("0", "false", "False") if env
-                                                 else self.policy.prefault_kv_cache):
+        if kv_cache.device.type != "cpu" or not self.prefault_kv_cache:
             return
         start = time.perf_counter()
         try:

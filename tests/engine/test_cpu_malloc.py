@@ -115,8 +115,6 @@ def _fresh_tensor(nbytes: int):
 def test_prefault_makes_a_fresh_tensor_resident(monkeypatch, path):
     """A tensor on a fresh mapping has no page in memory until written; prefault brings them all in, by
     MADV_POPULATE_WRITE or, where that is missing, by zeroing."""
-    import torch
-
     from engine.worker import cpu_malloc
 
     if path == "zeroed":
