@@ -35,8 +35,9 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "elementwise_cpu.c", CSRC / "quant_cpu.c", CSRC / "w16_gemm_cpu.c")
-HEADERS = (CSRC / "cpu_common.h",)
+SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "elementwise_cpu.c", CSRC / "quant_cpu.c", CSRC / "w16_gemm_cpu.c",
+           CSRC / "moe_cpu.c")
+HEADERS = (CSRC / "cpu_common.h", CSRC / "w16_panel.h")
 MAX_HEAD_DIM, MAX_GROUP = 256, 64
 MAX_ROTARY_DIM = 512
 # Return codes of the kernels.
@@ -95,6 +96,9 @@ SIGNATURES = {
     "pk_quant_dequantize": [_ptr, _i64, _i64, _i32, _i64, _ptr, _ptr, _i32, _ptr, _i64, _i32, _i32],
     "pk_quant_simd_level": [],
     "pk_w16_gemm": [_ptr, _i64, _i64, _i64, _ptr, _i64, _i32, _ptr, _i64, _i32],
+    "pk_moe_topk": [_ptr, _i64, _i32, _i64, _i64, _i64, _i32, _i32, _ptr, _i32, _i64, _i64, _ptr, _i32, _ptr, _i32],
+    "pk_fused_moe": [_ptr, _i64, _i64, _i64, _ptr, _i32, _ptr, _i32, _i64, _ptr, _ptr, _i32, _i64, _i64, _ptr, _i64,
+                     _i32, _ptr, _i64, _ptr, _i32],
 }
 # Kernels a CPU graph (pagedkernels.cpu_graph) can record and replay, by their index in this tuple.
 GRAPH_KERNELS = tuple(name for name, argtypes in SIGNATURES.items() if argtypes)
@@ -110,6 +114,8 @@ ROW_ARGS = {
     "pk_silu_and_mul": (4,),          # rows
     "pk_quant_gemm": (3,),            # M
     "pk_w16_gemm": (2,),              # M
+    "pk_moe_topk": (3,),              # num_tokens
+    "pk_fused_moe": (2,),             # num_tokens
 }
 
 
@@ -362,3 +368,39 @@ def quant_dequantize(weight, N: int, K: int, fmt: str, group_size: int, scales, 
         None if zeros is None else zeros.data_ptr(), 0 if scales is None else DTYPE_CODES[scales.dtype],
         out2d.data_ptr(), out2d.stride(0), DTYPE_CODES[out2d.dtype], torch.get_num_threads())
     _check_rc(rc, "de-quantization")
+
+
+def moe_topk(logits2d, top_k: int, scoring: int, renormalize: bool, bias, num_groups: int, topk_groups: int,
+             weights_out, ids_out) -> None:
+    """Checked arguments (``logits2d`` last dim contiguous; outputs contiguous, ids int32); ``scoring`` 0 softmax,
+    1 sigmoid."""
+    num_tokens, num_experts = logits2d.shape
+    rc = library().pk_moe_topk(
+        logits2d.data_ptr(), logits2d.stride(0), DTYPE_CODES[logits2d.dtype], num_tokens, num_experts, top_k,
+        int(scoring), int(bool(renormalize)), None if bias is None else bias.data_ptr(),
+        0 if bias is None else DTYPE_CODES[bias.dtype], num_groups, topk_groups, weights_out.data_ptr(),
+        DTYPE_CODES[weights_out.dtype], ids_out.data_ptr(), torch.get_num_threads())
+    _check_rc(rc, "moe_topk")
+
+
+def fused_moe(hidden, w13_packed, w2_packed, topk_weights, topk_ids, activation: int, expert_map,
+              intermediate: int, out) -> bool:
+    """The MoE MLP for float32 ``hidden`` and pack_moe_weight panels (arguments checked by the op); ``out``
+    float32 [M, H] written in place. Returns False, having written nothing, when an id is outside its table."""
+    from .fused_moe import native_scratch_bytes
+
+    num_tokens, hidden_size = hidden.shape
+    top_k = topk_ids.shape[1]
+    num_experts = w13_packed.shape[0]
+    ids = topk_ids.contiguous()
+    weights = topk_weights.contiguous()
+    expert_map = None if expert_map is None else expert_map.contiguous()
+    scratch = torch.empty(native_scratch_bytes(num_tokens, top_k, hidden_size, intermediate, num_experts),
+                          dtype=torch.uint8)
+    rc = library().pk_fused_moe(
+        hidden.data_ptr(), hidden.stride(0), num_tokens, hidden_size, ids.data_ptr(), int(ids.dtype == torch.int64),
+        weights.data_ptr(), DTYPE_CODES[weights.dtype], top_k, w13_packed.data_ptr(), w2_packed.data_ptr(),
+        DTYPE_CODES[w13_packed.dtype], num_experts, intermediate, None if expert_map is None else expert_map.data_ptr(),
+        0 if expert_map is None else expert_map.numel(), int(activation), out.data_ptr(), out.stride(0),
+        scratch.data_ptr(), torch.get_num_threads())
+    return _check_rc(rc, "fused_moe")

@@ -35,8 +35,11 @@ from .activation import silu_and_mul as _silu_and_mul
 from .cache_ops import reshape_and_cache as _reshape_and_cache
 from .decode_attention import paged_decode_attention as _paged_decode_attention
 from .fp8_gemm import fp8_gemm as _fp8_gemm
+from .fused_moe import fused_moe as _fused_moe
 from .gguf_quant import gguf_dequantize as _gguf_dequantize
 from .gguf_quant import gguf_gemm as _gguf_gemm
+from .moe_align import moe_align_block_size as _moe_align_block_size
+from .moe_topk import moe_topk as _moe_topk
 from .prefill_attention import paged_prefill_attention as _paged_prefill_attention
 from .rms_norm import fused_add_rms_norm as _fused_add_rms_norm
 from .rms_norm import rms_norm as _rms_norm
@@ -46,12 +49,12 @@ from .wq_gemm import wq_gemm as _wq_gemm
 
 __all__ = ["reshape_and_cache", "paged_decode_attention", "paged_prefill_attention", "rms_norm",
            "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "wq_gemm", "gguf_gemm", "gguf_dequantize",
-           "fp8_gemm", "w16_gemm", "OPS"]
+           "fp8_gemm", "w16_gemm", "moe_topk", "moe_align_block_size", "fused_moe", "OPS"]
 
 # Every op this module registers, by its name under torch.ops.pagedkernels.
 OPS = ("reshape_and_cache", "paged_decode_attention", "paged_decode_attention_workspace", "paged_prefill_attention",
        "rms_norm", "fused_add_rms_norm_", "rotary_embedding", "silu_and_mul", "wq_gemm", "gguf_gemm",
-       "gguf_dequantize", "fp8_gemm", "w16_gemm")
+       "gguf_dequantize", "fp8_gemm", "w16_gemm", "moe_topk", "moe_align_block_size", "fused_moe")
 
 
 # -- KV cache -----------------------------------------------------------------------------------
@@ -280,3 +283,58 @@ def w16_gemm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
 @w16_gemm.register_fake
 def _(x, packed, n):
     return _w16_gemm(x, packed, n)
+
+
+# -- mixture of experts -------------------------------------------------------------------------
+
+
+@torch.library.custom_op("pagedkernels::moe_topk", mutates_args=())
+def _moe_topk_op(logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool,
+                 correction_bias: torch.Tensor | None, num_expert_group: int, topk_group: int,
+                 weights_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return _moe_topk(logits, top_k, scoring=scoring, renormalize=renormalize, correction_bias=correction_bias,
+                     num_expert_group=num_expert_group, topk_group=topk_group, weights_dtype=weights_dtype)
+
+
+@_moe_topk_op.register_fake
+def _(logits, top_k, scoring, renormalize, correction_bias, num_expert_group, topk_group, weights_dtype):
+    return _moe_topk(logits, top_k, scoring=scoring, renormalize=renormalize, correction_bias=correction_bias,
+                     num_expert_group=num_expert_group, topk_group=topk_group, weights_dtype=weights_dtype)
+
+
+def moe_topk(logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", renormalize: bool = False,
+             correction_bias: torch.Tensor | None = None, num_expert_group: int = 1, topk_group: int = 1,
+             weights_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`pagedkernels.moe_topk`; returns new ``(topk_weights, topk_ids)``."""
+    return _moe_topk_op(logits, top_k, scoring, renormalize, correction_bias, num_expert_group, topk_group,
+                        weights_dtype)
+
+
+@torch.library.custom_op("pagedkernels::moe_align_block_size", mutates_args=())
+def moe_align_block_size(topk_ids: torch.Tensor, block_size: int,
+                         num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See :func:`pagedkernels.moe_align_block_size`."""
+    return _moe_align_block_size(topk_ids, block_size, num_experts)
+
+
+@moe_align_block_size.register_fake
+def _(topk_ids, block_size, num_experts):
+    return _moe_align_block_size(topk_ids, block_size, num_experts)
+
+
+@torch.library.custom_op("pagedkernels::fused_moe", mutates_args=())
+def _fused_moe_op(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, activation: str, expert_map: torch.Tensor | None) -> torch.Tensor:
+    return _fused_moe(hidden, w13, w2, topk_weights, topk_ids, activation=activation, expert_map=expert_map)
+
+
+@_fused_moe_op.register_fake
+def _(hidden, w13, w2, topk_weights, topk_ids, activation, expert_map):
+    return _fused_moe(hidden, w13, w2, topk_weights, topk_ids, activation=activation, expert_map=expert_map)
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, *, activation: str = "silu",
+              expert_map: torch.Tensor | None = None) -> torch.Tensor:
+    """See :func:`pagedkernels.fused_moe`; returns a new ``[num_tokens, hidden_size]``."""
+    return _fused_moe_op(hidden, w13, w2, topk_weights, topk_ids, activation, expert_map)

@@ -1,0 +1,485 @@
+"""A mixture-of-experts MLP: two grouped GEMMs with the gated activation between them, weighted and summed
+over each token's experts (vLLM's ``fused_experts``).
+
+For token t routed to experts ``topk_ids[t, j]`` with weights ``topk_weights[t, j]`` (j < top_k), expert e
+holding ``w13[e] = [W_gate; W_up]`` (``[2I, H]``) and ``w2[e]`` (``[H, I]``):
+
+    y_j = act(W_gate x_t) * (W_up x_t)           [I]   act = silu (or gelu_tanh)
+    out[t] = sum_j topk_weights[t, j] * (w2[e_j] y_j)     [H]
+
+Under expert parallelism ``expert_map`` (``[num_global_experts]``) maps a global expert id to this rank's
+expert, or -1: slots of experts held elsewhere add nothing here (the ranks' outputs are then summed).
+
+Backends:
+
+- Triton (CUDA): :func:`pagedkernels.moe_align_block_size` sorts the slots by expert and pads each expert's
+  run to the GEMM's row block; ``_fused_moe_kernel`` runs GEMM 1 with one program per (block of slots,
+  block of I columns): it reads its expert's gate and up rows for the same columns, and writes
+  ``act(gate) * up`` (the activation fused, so the ``[slots, 2I]`` product is never stored); the same kernel
+  runs GEMM 2 over the activated rows; ``_moe_sum_kernel`` weights and sums each token's top_k rows. Four
+  launches, no Python loop over experts, no host sync: every buffer is sized from shapes.
+- Native (CPU, float32 hidden, weights packed by :func:`pack_moe_weight`): ``csrc/moe_cpu.c`` sorts the slots by
+  expert (a counting sort), then each expert's slots are one GEMM through the 16-bit-weight GEMM's panel
+  kernel (``csrc/w16_panel.h``, shared with :func:`pagedkernels.w16_gemm`; float32, fp16 or bf16 panels), the
+  activation, the second GEMM, and the weighted sum: one call, parallel over (expert, panel) pairs, so a CPU
+  graph records it like any native kernel (its row count is the token count).
+- PyTorch twin (the reference): a loop over experts, each a float32 GEMM of its tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _huge_pages, _native
+from ._backend import (has_no_data, launch_device_kind, num_multiprocessors, use_native, use_triton,
+                       value_checks_enabled)
+from ._validate import FLOAT_DTYPES, check_tensor
+from .moe_align import moe_align_block_size
+
+__all__ = ["fused_moe", "check_fused_moe_args", "pack_moe_weight", "unpack_moe_weight", "MoELaunchConfig",
+           "fused_moe_launch_config", "ACTIVATIONS", "PANEL", "native_scratch_bytes"]
+
+ACTIVATIONS = ("silu", "gelu_tanh")
+# Output columns per panel of a packed weight (the native kernel's layout, pagedkernels.w16_gemm's PANEL).
+PANEL = 32
+
+
+# ----------------------------------------------------------------------------------------------
+# packed weights (native CPU backend)
+# ----------------------------------------------------------------------------------------------
+
+
+def pack_moe_weight(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``weight [E, N, K]`` (w13 or w2) in the native kernel's panels: ``[E, ceil(N / 32), K, 32]``,
+    ``packed[e, p, k, c] = weight[e, 32 p + c, k]`` (columns past N zero), in ``dtype`` (default the
+    weight's; bf16 or fp16 halve the bytes of a weight whose values are all such numbers, as a 16-bit
+    checkpoint's are), contiguous, on the weight's device (huge pages on the CPU where the system gives them).
+    Packed one expert at a time: no temporary of the whole weight."""
+    check_tensor("weight", weight, ndim=3, dtypes=FLOAT_DTYPES)
+    dtype = weight.dtype if dtype is None else dtype
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
+    experts, n, k = weight.shape
+    panels = -(-n // PANEL)
+    shape = (experts, panels, k, PANEL)
+    packed = (_huge_pages.empty(shape, dtype) if weight.device.type == "cpu"
+              else torch.empty(shape, dtype=dtype, device=weight.device))
+    padded = torch.zeros(panels * PANEL, k, dtype=dtype, device=weight.device)
+    for e in range(experts):
+        padded[:n] = weight[e]
+        packed[e] = padded.view(panels, PANEL, k).transpose(1, 2)
+    return packed
+
+
+def unpack_moe_weight(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The ``[E, n, K]`` weight a :func:`pack_moe_weight` result holds (a copy)."""
+    experts, panels, k, _ = packed.shape
+    return packed.transpose(2, 3).reshape(experts, panels * PANEL, k)[:, :n]
+
+
+# ----------------------------------------------------------------------------------------------
+# checks
+# ----------------------------------------------------------------------------------------------
+
+
+def check_fused_moe_args(hidden, w13, w2, topk_weights, topk_ids, activation="silu", expert_map=None,
+                         out=None) -> tuple[int, int, int, int, bool]:
+    """Every check of :func:`fused_moe`'s arguments that reads no tensor value, shared with its fake
+    implementation. Returns (num_tokens, hidden_size, intermediate_size, num_experts, packed)."""
+    check_tensor("hidden", hidden, ndim=2, dtypes=FLOAT_DTYPES)
+    if hidden.stride(-1) != 1:
+        raise ValueError("hidden must be contiguous in its last (hidden_size) dimension")
+    on_hidden = ("hidden", hidden)
+    num_tokens, hidden_size = hidden.shape
+    check_tensor("w13", w13, dtypes=FLOAT_DTYPES, like=on_hidden)
+    check_tensor("w2", w2, dtypes=FLOAT_DTYPES, like=on_hidden)
+    packed = w13.dim() == 4
+    if packed:
+        # pack_moe_weight's panels: w13 [E, ceil(2I / 32), H, 32], w2 [E, ceil(H / 32), I, 32]
+        check_tensor("w2", w2, ndim=4)
+        num_experts, intermediate = w13.shape[0], w2.shape[2]
+        check_tensor("w13", w13, shape=(num_experts, -(-2 * intermediate // PANEL), hidden_size, PANEL))
+        check_tensor("w2", w2, shape=(num_experts, -(-hidden_size // PANEL), intermediate, PANEL))
+        if w2.dtype != w13.dtype:
+            raise ValueError(f"w2 must have w13's dtype ({w13.dtype}), got {w2.dtype}")
+        if hidden.dtype != torch.float32:
+            raise ValueError(f"hidden must be float32 with packed (pack_moe_weight) weights, got {hidden.dtype}")
+        if hidden.device.type != "cpu":
+            raise ValueError(f"packed (pack_moe_weight) weights are for the native CPU backend; hidden is on "
+                             f"{hidden.device}")
+    else:
+        check_tensor("w13", w13, ndim=3)
+        num_experts, two_i, _ = w13.shape
+        if two_i % 2:
+            raise ValueError(f"w13 must be [num_experts, 2 * intermediate_size, hidden_size] (gate rows, then up "
+                             f"rows), got {list(w13.shape)}")
+        intermediate = two_i // 2
+        check_tensor("w13", w13, shape=(num_experts, 2 * intermediate, hidden_size))
+        check_tensor("w2", w2, ndim=3, shape=(num_experts, hidden_size, intermediate))
+        for name, w in (("w13", w13), ("w2", w2)):
+            if w.dtype != hidden.dtype:
+                raise ValueError(f"{name} must have hidden's dtype ({hidden.dtype}), got {w.dtype}")
+            if w.stride(-1) != 1:
+                raise ValueError(f"{name} must be contiguous in its last dimension")
+    for name, w in (("w13", w13), ("w2", w2)):
+        if packed and not w.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (as pack_moe_weight makes it)")
+    if num_experts < 1 or intermediate < 1 or hidden_size < 1:
+        raise ValueError(f"w13, w2: need at least one expert of non-empty sizes, got w13 {list(w13.shape)} and "
+                         f"w2 {list(w2.shape)}")
+    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64), like=on_hidden)
+    top_k = topk_ids.shape[1]
+    check_tensor("topk_ids", topk_ids, shape=(num_tokens, top_k))
+    if top_k < 1:
+        raise ValueError(f"topk_ids: top_k must be >= 1, got shape {list(topk_ids.shape)}")
+    check_tensor("topk_weights", topk_weights, dtypes=FLOAT_DTYPES, like=on_hidden, shape=(num_tokens, top_k))
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if expert_map is not None:
+        check_tensor("expert_map", expert_map, ndim=1, dtypes=(torch.int32,), like=on_hidden)
+        if expert_map.numel() < num_experts:
+            raise ValueError(f"expert_map maps {expert_map.numel()} global experts, fewer than the weights' "
+                             f"{num_experts} local ones")
+    if out is not None:
+        check_tensor("out", out, dtypes=(hidden.dtype,), like=on_hidden, shape=(num_tokens, hidden_size))
+        if out.stride(-1) != 1:
+            raise ValueError("out must be contiguous in its last (hidden_size) dimension")
+    return num_tokens, hidden_size, intermediate, num_experts, packed
+
+
+def _check_routing_values(topk_ids, expert_map, num_experts) -> None:
+    """Expert ids inside the table they index: the weights' experts, or expert_map's global ones, which map to
+    local experts or -1. Reads values: on a GPU only with PAGEDKERNELS_DEBUG=1."""
+    if not value_checks_enabled(topk_ids) or topk_ids.numel() == 0:
+        return
+    table = num_experts if expert_map is None else expert_map.numel()
+    low, high = int(topk_ids.min()), int(topk_ids.max())
+    if low < 0 or high >= table:
+        what = "expert ids" if expert_map is None else "global expert ids (expert_map's length)"
+        raise ValueError(f"topk_ids must be {what} in [0, {table}), got range [{low}, {high}]")
+    if expert_map is not None and expert_map.numel():
+        low, high = int(expert_map.min()), int(expert_map.max())
+        if low < -1 or high >= num_experts:
+            raise ValueError(f"expert_map must hold local expert ids in [0, {num_experts}) or -1, got range "
+                             f"[{low}, {high}]")
+
+
+# ----------------------------------------------------------------------------------------------
+# the op
+# ----------------------------------------------------------------------------------------------
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: str = "silu",
+    expert_map: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The MoE MLP of each token over its routed experts (see the module docstring for the math).
+
+    Args:
+        hidden: ``[num_tokens, H]`` fp16/bf16/fp32, last dimension contiguous.
+        w13: ``[E, 2I, H]`` in hidden's dtype, each expert's gate rows then its up rows; or, for float32
+            hidden on the CPU, ``pack_moe_weight(w13)`` (any float dtype: the native kernel's panels).
+        w2: ``[E, H, I]`` in hidden's dtype; or ``pack_moe_weight(w2)`` in w13's packed dtype.
+        topk_weights: ``[num_tokens, top_k]`` fp32/fp16/bf16 (:func:`pagedkernels.moe_topk`'s weights).
+        topk_ids: int32/int64 ``[num_tokens, top_k]``: expert ids in ``[0, E)``, or global ids when
+            ``expert_map`` is given.
+        activation: ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU, tanh approximation).
+        expert_map: int32 ``[num_global_experts]``: global expert id -> this rank's expert in ``[0, E)``, or -1
+            for an expert held elsewhere (its slots add nothing).
+        out: optional ``[num_tokens, H]`` in hidden's dtype.
+
+    Returns ``[num_tokens, H]`` in hidden's dtype (``out`` when given). Every backend accumulates in float32;
+    the Triton kernel keeps the activated intermediate and the per-expert outputs in hidden's dtype.
+    """
+    num_tokens, hidden_size, intermediate, num_experts, packed = check_fused_moe_args(
+        hidden, w13, w2, topk_weights, topk_ids, activation, expert_map, out)
+    if out is None:
+        out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    if has_no_data(hidden, w13, w2, topk_weights, topk_ids, expert_map, out):
+        return out  # meta or fake tensors: checked, nothing to compute (the fake implementation)
+    if num_tokens == 0:
+        return out
+    native = packed and use_native(hidden)
+    if not native:  # the native kernel checks the ids itself, in the pass that sorts them
+        _check_routing_values(topk_ids, expert_map, num_experts)
+    if native:
+        if not _native.fused_moe(hidden, w13, w2, topk_weights, topk_ids, ACTIVATIONS.index(activation),
+                                 expert_map, intermediate, out):
+            _check_routing_values(topk_ids, expert_map, num_experts)
+            raise RuntimeError("pagedkernels native fused_moe rejected expert ids the checks accept")
+    elif not packed and use_triton(hidden):
+        _fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, activation, expert_map, out)
+    else:
+        if packed:
+            w13, w2 = unpack_moe_weight(w13, 2 * intermediate), unpack_moe_weight(w2, hidden_size)
+        out.copy_(_fused_moe_torch(hidden, w13, w2, topk_weights, topk_ids, activation, expert_map))
+    return out
+
+
+def _activate(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "silu":
+        return torch.nn.functional.silu(gate) * up
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+
+def _fused_moe_torch(hidden, w13, w2, topk_weights, topk_ids, activation, expert_map) -> torch.Tensor:
+    """The PyTorch twin: per expert, its tokens' rows through two float32 GEMMs, added into the output with
+    their routing weights (transformers' loop over experts)."""
+    ids = topk_ids.long()
+    if expert_map is not None:
+        ids = expert_map.long()[ids]
+    num_experts, intermediate = w13.shape[0], w13.shape[1] // 2
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat[flat >= 0], minlength=num_experts).tolist()
+    start = int((flat < 0).sum())  # slots of experts held elsewhere sort first
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    weights = topk_weights.float().flatten()
+    top_k = ids.shape[1]
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        slots = order[start:start + count]
+        start += count
+        tokens = slots // top_k
+        gate_up = hidden[tokens].float() @ w13[expert].float().t()
+        y = _activate(gate_up[:, :intermediate], gate_up[:, intermediate:], activation)
+        out.index_add_(0, tokens, (y @ w2[expert].float().t()) * weights[slots, None])
+    return out.to(hidden.dtype)
+
+
+def native_scratch_bytes(num_tokens: int, top_k: int, hidden_size: int, intermediate: int, num_experts: int) -> int:
+    """Bytes of scratch the native kernel takes (``csrc/moe_cpu.c``, its layout): the sort's int32 tables
+    (expert offsets, cursors and the active experts; each slot's row and each row's token), then, 64-byte
+    aligned, float32 rows of the slots: the first GEMM's ``[slots, 2I]`` (whose buffer the second GEMM's
+    ``[slots, H]`` reuses) and the activated ``[slots, I]``."""
+    slots = num_tokens * top_k
+    ints = -(-(3 * num_experts + 1 + 2 * slots) // 16) * 16
+    return 4 * (ints + slots * max(2 * intermediate, hidden_size) + slots * intermediate)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gelu_tanh(x):
+    # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), tanh(u) = 1 - 2 / (exp(2u) + 1) (no overflow to NaN)
+    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    return 0.5 * x * (2.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))
+
+
+@triton.jit
+def _fused_moe_kernel(
+    a_ptr,  # GEMM 1: hidden [num_tokens, K]; GEMM 2: the activated rows [num_slots, K]
+    b_ptr,  # [E, N_B, K]: w13 (N_B = 2N: gate rows [0, N), up rows [N, 2N)) or w2 (N_B = N)
+    c_ptr,  # [num_slots, N], rows written for the slots of local experts only
+    sorted_token_ids_ptr,  # int32 [EM]: slots sorted by expert, padding rows = num_slots
+    expert_ids_ptr,  # int32 [EM // BLOCK_M]
+    num_tokens_post_padded_ptr,  # int32 [1]
+    N,
+    K,
+    EM,
+    num_slots,
+    stride_am: tl.int64,
+    stride_be: tl.int64,
+    stride_bn: tl.int64,
+    stride_cm: tl.int64,
+    A_ROW_DIV: tl.constexpr,  # slot s reads row s // A_ROW_DIV of A: top_k for GEMM 1, 1 for GEMM 2
+    GATED: tl.constexpr,  # 0: C = A B^T; 1: silu(gate) * up; 2: gelu_tanh(gate) * up
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (exact products), None for 16-bit
+):
+    # grid: (cdiv(EM, BLOCK_M) * cdiv(N, BLOCK_N),). Program -> (block of sorted slots, block of columns),
+    # GROUP_M row blocks per column block in a row, so consecutive programs share B's columns in L2.
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(EM, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = pid // per_group * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    # Blocks past the padded length (the buffers are sized for the worst case) have nothing to do.
+    if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
+        return
+    offs_sorted = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    slots = tl.load(sorted_token_ids_ptr + offs_sorted)  # padding rows hold num_slots
+    slot_mask = slots < num_slots
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)  # (BLOCK_K,)
+    a_rows = a_ptr + (slots // A_ROW_DIV).to(tl.int64)[:, None] * stride_am  # (BLOCK_M, 1)
+    b_cols = b_ptr + expert * stride_be + offs_n.to(tl.int64)[None, :] * stride_bn  # (1, BLOCK_N)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if GATED:
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        b_up = b_cols + N * stride_bn
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        k_mask = k < K
+        A = tl.load(a_rows + k[None, :], mask=slot_mask[:, None] & k_mask[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
+        b_mask = k_mask[:, None] & n_mask[None, :]
+        B = tl.load(b_cols + k[:, None], mask=b_mask, other=0.0)  # (BLOCK_K, BLOCK_N)
+        acc = tl.dot(A, B, acc, input_precision=DOT_PRECISION)
+        if GATED:
+            B_up = tl.load(b_up + k[:, None], mask=b_mask, other=0.0)  # (BLOCK_K, BLOCK_N)
+            acc_up = tl.dot(A, B_up, acc_up, input_precision=DOT_PRECISION)
+    if GATED == 1:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    elif GATED == 2:
+        acc = _gelu_tanh(acc) * acc_up
+    c_ptrs = c_ptr + slots.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=slot_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _moe_sum_kernel(
+    c_ptr,  # [num_tokens * TOP_K, N]: expert outputs per slot (rows of non-local slots unwritten, unread)
+    weights_ptr,  # [num_tokens, TOP_K]
+    ids_ptr,  # [num_tokens, TOP_K] local expert ids, -1 for a slot no local expert takes
+    out_ptr,  # [num_tokens, N]
+    num_tokens,
+    N,
+    num_experts,
+    stride_cm: tl.int64,
+    stride_om: tl.int64,
+    TOP_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # grid: (cdiv(num_tokens, BLOCK_T), cdiv(N, BLOCK_N)). out[t] = sum_j w[t, j] c[t * TOP_K + j], in float32,
+    # in slot order.
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # (BLOCK_T,)
+    t_mask = tokens < num_tokens
+    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    n_mask = offs < N
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        slots = tokens.to(tl.int64) * TOP_K + j
+        expert = tl.load(ids_ptr + slots, mask=t_mask, other=-1)
+        local = t_mask & (expert >= 0) & (expert < num_experts)  # as the alignment placed them
+        w = tl.load(weights_ptr + slots, mask=local, other=0.0).to(tl.float32)  # (BLOCK_T,)
+        # R : (BLOCK_T, BLOCK_N); the row of a slot no local expert took is never read
+        R = tl.load(c_ptr + slots[:, None] * stride_cm + offs[None, :], mask=local[:, None] & n_mask[None, :],
+                    other=0.0)
+        acc += w[:, None] * R.to(tl.float32)
+    tl.store(out_ptr + tokens.to(tl.int64)[:, None] * stride_om + offs[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=t_mask[:, None] & n_mask[None, :])
+
+
+@dataclass(frozen=True)
+class MoELaunchConfig:
+    """The tiles of one grouped GEMM launch (BLOCK_M is the alignment's block, shared by both GEMMs)."""
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+# Decode-shaped launches pick the widest column block that still gives this many programs per SM: the
+# weights of a few experts must stream through every SM at once.
+PROGRAMS_PER_SM = 4
+
+
+def fused_moe_launch_config(num_tokens: int, num_experts: int, top_k: int, n: int, k: int, gated: bool,
+                            dtype: torch.dtype, device_kind: str, num_multiprocessors: int) -> MoELaunchConfig:
+    """Tiles of a grouped GEMM with ``n`` output columns (GEMM 1: I, gated over 2I weight rows; GEMM 2: H) and
+    ``k`` reduction columns, from shapes, dtype and the device kind only (no autotuning, no host sync; the CUDA
+    choice can be compiled ahead of time anywhere).
+
+    BLOCK_M follows the mean slots per expert, ``r = num_tokens * top_k / num_experts``: a block of an expert's
+    slots reads its weight tile once, so a block should be about as tall as an expert's run but no taller
+    (padding rows cost a full tile's products): 16 rows (tl.dot's least) up to r = 16, 32 up to 64, then 64.
+    With few slots per expert (BLOCK_M 16, decode) the launch is bound by the weights' bytes and there are
+    only ``min(num_slots, E)`` busy row blocks: the column block is the widest of 64 / 32 / 16 that gives
+    ``PROGRAMS_PER_SM`` programs per SM, else 16 (Qwen3-30B-A3B on an H100's 132 SMs: at one token 8 busy
+    experts x 768 / 16 = 384 programs of GEMM 1, where 32 columns would leave 192; at 16 tokens 128 experts x
+    768 / 64), with 128-column K tiles and 3 stages to keep loads in flight. Larger r: 64-column blocks (gated: two accumulators) or 128 (plain), 64-column K tiles,
+    8 warps from 64 rows, GROUP_M 8 so neighbouring programs share a column block. fp32 (ieee FMA dots, a
+    correctness dtype): 32-column tiles over 8 warps and 2 stages, as the quantized GEMM's fp32 launches.
+    Interpreter (CPU): BLOCK_M as on CUDA, 16/32-column and 32-deep tiles, so tests cross every tile edge at
+    small sizes.
+    Every CUDA choice compiles for sm_90 and sm_80 without spills (``python -m pagedkernels._aot``)."""
+    slots = num_tokens * top_k
+    rows_per_expert = slots / num_experts
+    block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 64 else 64
+    if device_kind != "cuda":
+        return MoELaunchConfig(block_m, 16 if gated else 32, 32, 1, 4, 1)
+    if dtype == torch.float32:
+        return MoELaunchConfig(min(block_m, 32), 32, 32, 8, 8, 2)
+    if block_m == 16:
+        busy_blocks = min(slots, num_experts)
+        block_n = 16
+        for candidate in (64, 32):
+            if busy_blocks * triton.cdiv(n, candidate) >= PROGRAMS_PER_SM * num_multiprocessors:
+                block_n = candidate
+                break
+        return MoELaunchConfig(16, block_n, 128, 1, 4, 3)
+    block_n = 64 if gated else 128
+    warps = 8 if block_m == 64 else 4
+    return MoELaunchConfig(block_m, block_n, 64, 8, warps, 3)
+
+
+# Values per program of the top-k sum: 32 float32 accumulators per thread of 4 warps.
+SUM_TILE = 4096
+
+
+def _fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, activation, expert_map, out) -> None:
+    num_tokens, hidden_size = hidden.shape
+    num_experts, two_i, _ = w13.shape
+    intermediate = two_i // 2
+    top_k = topk_ids.shape[1]
+    num_slots = num_tokens * top_k
+    device_kind, sms = launch_device_kind(hidden.device), num_multiprocessors(hidden.device)
+    ids = topk_ids if expert_map is None else expert_map[topk_ids.long()]  # local ids, -1: elsewhere
+    config1 = fused_moe_launch_config(num_tokens, num_experts, top_k, intermediate, hidden_size, True,
+                                      hidden.dtype, device_kind, sms)
+    config2 = fused_moe_launch_config(num_tokens, num_experts, top_k, hidden_size, intermediate, False,
+                                      hidden.dtype, device_kind, sms)
+    block_m = config1.block_m
+    sorted_ids, expert_ids, num_post_padded = moe_align_block_size(ids, block_m, num_experts)
+    em = sorted_ids.numel()
+    activated = torch.empty(num_slots, intermediate, dtype=hidden.dtype, device=hidden.device)
+    expert_out = torch.empty(num_slots, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    precision = "ieee" if hidden.dtype == torch.float32 else None
+    for a, b, c, n, k, a_row_div, gated, config in (
+            (hidden, w13, activated, intermediate, hidden_size, top_k, ACTIVATIONS.index(activation) + 1, config1),
+            (activated, w2, expert_out, hidden_size, intermediate, 1, 0, config2)):
+        grid = (triton.cdiv(em, block_m) * triton.cdiv(n, config.block_n),)
+        _fused_moe_kernel[grid](
+            a, b, c, sorted_ids, expert_ids, num_post_padded, n, k, em, num_slots,
+            a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+            A_ROW_DIV=a_row_div, GATED=gated, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            GROUP_M=config.group_m, DOT_PRECISION=precision, num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+    ids = ids if ids.is_contiguous() else ids.contiguous()
+    weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
+    # Tiles of SUM_TILE values: a row of up to 1024 columns, as many tokens as fill the rest.
+    block_n = min(1024, triton.next_power_of_2(hidden_size))
+    block_t = SUM_TILE // block_n
+    _moe_sum_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(hidden_size, block_n))](
+        expert_out, weights, ids, out, num_tokens, hidden_size, num_experts, expert_out.stride(0), out.stride(0),
+        TOP_K=top_k, BLOCK_T=block_t, BLOCK_N=block_n, num_warps=4,
+    )
