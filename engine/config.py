@@ -71,6 +71,17 @@ class ModelConfig:
     final_logit_softcap: float | None = None  # logits -> softcap * tanh(logit / softcap)
     layer_norm_before: bool = True  # OPT: pre-LN (True) or post-LN blocks
     word_embed_proj_dim: int | None = None  # OPT: embedding width, projected in/out when not hidden_size
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE: engine/models/moe.py).
+    num_experts: int = 0  # routed experts of a MoE layer (0: a dense model)
+    num_experts_per_tok: int = 0  # top_k
+    moe_intermediate_size: int = 0  # each expert's intermediate size
+    norm_topk_prob: bool = False  # the top-k routing weights renormalized to sum to 1
+    moe_layers: tuple[bool, ...] = ()  # per layer: experts (True) or the dense MLP of intermediate_size
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: the expert every token also takes (0: none)
+    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv]
+    # Set by the engine's options, not the checkpoint: the experts split across the ranks whole instead of each
+    # expert's intermediate size (vLLM's --enable-expert-parallel).
+    enable_expert_parallel: bool = False
     hf_config: dict = field(default_factory=dict, repr=False)
     max_model_len_set_by_user: bool = False   # given, not the model's max_position_embeddings
     # The linear layers' quantization (engine/layers/quantization/): config.json's quantization_config or
@@ -330,6 +341,7 @@ class SchedulerConfig:
 @dataclass(slots=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE experts split across the tensor-parallel ranks whole
 
 
 @dataclass(slots=True)

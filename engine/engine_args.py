@@ -42,6 +42,7 @@ class EngineArgs:
     preemption_mode: str = "recompute"
     generation_config: str = "auto"
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
     speculative_config: dict | None = None
@@ -85,6 +86,10 @@ class EngineArgs:
                                 "or a directory holding a generation_config.json")
         group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                            help="processes (one GPU each, or a share of the CPU cores) the model is sharded over")
+        group.add_argument("--enable-expert-parallel", action="store_true",
+                           help="MoE models: split the experts across the tensor-parallel ranks whole (each rank "
+                                "holds its share of the experts) instead of splitting each expert's intermediate "
+                                "size")
         group.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                            help="auto: the model's safetensors; dummy: random weights (the directory needs only its "
                                 "config.json)")
@@ -141,7 +146,7 @@ class EngineArgs:
         _check_int("seed", self.seed)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check_choice("load_format", self.load_format, ("auto", "dummy"))
-        for name in ("enable_prefix_caching", "enforce_eager", "skip_tokenizer_init"):
+        for name in ("enable_prefix_caching", "enforce_eager", "skip_tokenizer_init", "enable_expert_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.generation_config is None or not isinstance(self.generation_config, str):
@@ -157,6 +162,8 @@ class EngineArgs:
                                                    quantization=self.quantization)
         if self.kv_cache_dtype != "auto":
             check_kv_cache_scheme(model_config.hf_config, model_config.model_dir)
+        if self.enable_expert_parallel:   # how the model's experts shard: the layers read it from the model config
+            model_config = dataclasses.replace(model_config, enable_expert_parallel=True)
         policy = DevicePolicy.for_device(device)
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
@@ -167,7 +174,7 @@ class EngineArgs:
                                    num_gpu_blocks_override=self.num_kv_blocks, kv_cache_dtype=self.kv_cache_dtype)
         speculative_config = _speculative_config(self.speculative_config, model_config, device, self.dtype)
         return EngineConfig(model_config=model_config, cache_config=cache_config, scheduler_config=scheduler_config,
-                            parallel_config=ParallelConfig(self.tensor_parallel_size),
+                            parallel_config=ParallelConfig(self.tensor_parallel_size, self.enable_expert_parallel),
                             device_config=DeviceConfig(device), load_config=LoadConfig(self.load_format),
                             speculative_config=speculative_config, quant_config=model_config.quant_config,
                             seed=self.seed, enforce_eager=self.enforce_eager,

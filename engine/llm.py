@@ -92,6 +92,8 @@ class LLM:
         quantization: the linear layers' quantization method (vLLM's name): None follows config.json's
             quantization_config (GPTQ, AWQ, fp8, compressed-tensors fp8 checkpoints load as published); "fp8" on
             a float checkpoint quantizes its linear weights to fp8 on load. README "Quantized models".
+        enable_expert_parallel: MoE models under tensor parallelism: each rank holds a share of the experts whole
+            (vLLM's name) instead of a slice of every expert's intermediate size.
 
     The options are `engine.engine_args.EngineArgs` (shared with `python -m engine` and the server).
     """
@@ -105,7 +107,8 @@ class LLM:
                  enforce_eager: bool = False, seed: int = 0, swap_space: float = 4,
                  preemption_mode: str = "recompute", generation_config: str = "auto",
                  tensor_parallel_size: int = 1, load_format: str = "auto", skip_tokenizer_init: bool = False,
-                 speculative_config: dict | None = None, quantization: str | None = None):
+                 speculative_config: dict | None = None, quantization: str | None = None,
+                 enable_expert_parallel: bool = False):
         self.llm_engine = EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, device=device, block_size=block_size,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_seqs_per_request=max_num_seqs_per_request,
@@ -115,7 +118,7 @@ class LLM:
             swap_space=swap_space, preemption_mode=preemption_mode,
             generation_config=generation_config, tensor_parallel_size=tensor_parallel_size, load_format=load_format,
             skip_tokenizer_init=skip_tokenizer_init, speculative_config=speculative_config,
-            quantization=quantization).create_engine()
+            quantization=quantization, enable_expert_parallel=enable_expert_parallel).create_engine()
         self.request_counter = itertools.count()
 
     def get_tokenizer(self):

@@ -61,11 +61,12 @@ from typing import Any, Callable, Iterator
 import torch
 
 KERNEL_MODULES = ("decode_attention", "prefill_attention", "cache_ops", "rms_norm", "rotary", "activation", "wq_gemm",
-                  "gguf_quant")
+                  "gguf_quant", "moe_topk", "moe_align", "fused_moe")
 RESULTS_CACHE = Path(__file__).with_name("aot_results.json")
 # Kernels on the per-token path of every model step: a register spill there is a failure.
 HOT_KERNELS = frozenset({"_decode_split_kernel", "_decode_reduce_kernel", "_prefill_attention_kernel",
-                         "_reshape_and_cache_kernel", "_rms_norm_kernel", "_wq_gemm_kernel"})
+                         "_reshape_and_cache_kernel", "_rms_norm_kernel", "_wq_gemm_kernel", "_fused_moe_kernel",
+                         "_moe_sum_kernel", "_moe_topk_kernel", "_moe_align_kernel"})
 # Shared memory one block may use (opt-in maximum), bytes: sm_90 (H100) 227 KiB, sm_80 (A100) 163 KiB.
 SHARED_MEMORY_LIMITS = {90: 227 * 1024, 80: 163 * 1024}
 DEFAULT_TARGETS = (90, 80)
@@ -119,15 +120,28 @@ class Launch:
     case: str
 
 
+def _stand_in(value: Any) -> Any:
+    """A tensor argument as a 16-element tensor of its dtype, its address a multiple of 16 bytes or not as the
+    argument's was (all Triton specializes a pointer on), other arguments as they are. A launch then keeps no
+    activation or weight of its case alive: the matrix's layer-sized cases (a Mixtral layer's weights are 2 GB)
+    cost no memory once recorded, and the compile pool can fork."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    small = torch.empty(32, dtype=value.dtype)
+    return small[:16] if value.data_ptr() % 16 == 0 else small[1:17]
+
+
 class _Recorder:
-    """Stands in for a kernel in its module while recording: ``kernel[grid](...)`` appends a Launch."""
+    """Stands in for a kernel in its module while recording: ``kernel[grid](...)`` appends a Launch (its tensors
+    replaced by :func:`_stand_in`'s)."""
 
     def __init__(self, kernel: Any, launches: list[Launch], case: list[str]):
         self.kernel, self.launches, self.case = kernel, launches, case
 
     def __getitem__(self, grid):
         def record(*args, **kwargs):
-            self.launches.append(Launch(self.kernel, tuple(int(g) for g in grid), args, dict(kwargs), self.case[0]))
+            self.launches.append(Launch(self.kernel, tuple(int(g) for g in grid), tuple(map(_stand_in, args)),
+                                        {k: _stand_in(v) for k, v in kwargs.items()}, self.case[0]))
         return record
 
 
@@ -374,9 +388,51 @@ def _quant_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
             yield f"gguf_dequantize {quant_type} -> {name}", dequantize
 
 
+# Mixture-of-experts layer shapes (experts, top_k, hidden, intermediate): Qwen3-30B-A3B, Mixtral-8x7B, OLMoE-1B-7B,
+# and sizes that are no multiple of 16 (unaligned strides).
+MOE_SHAPES = ((128, 8, 2048, 768), (8, 2, 4096, 14336), (64, 8, 2048, 1024), (6, 2, 1000, 360))
+
+
+def _moe_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
+    """fused_moe (both grouped GEMMs, the top-k sum, the alignment) for every dtype at the layer shapes of
+    MOE_SHAPES and token counts that take each row block (decode: BLOCK_M 16 and its column-block choices; 32;
+    64), GeGLU once; the router's top-k for every logits dtype at 8 / 60 / 128 experts and DeepSeek-V3's grouped
+    sigmoid routing; the alignment with int64 ids. Activations and weights are never read while recording:
+    torch.empty, so the large ones take no memory and no time."""
+    import pagedkernels as pk
+
+    for dtype in DTYPES:
+        name = str(dtype).replace("torch.", "")
+        for experts, top_k, hidden, intermediate in MOE_SHAPES:
+            for tokens in (1, 16, 256, 4096):
+                def moe(gen, dtype=dtype, experts=experts, top_k=top_k, hidden=hidden, intermediate=intermediate,
+                        tokens=tokens):
+                    w13 = torch.empty(experts, 2 * intermediate, hidden, dtype=dtype)
+                    w2 = torch.empty(experts, hidden, intermediate, dtype=dtype)
+                    ids = torch.randint(0, experts, (tokens, top_k), generator=gen, dtype=torch.int32)
+                    pk.fused_moe(torch.empty(tokens, hidden, dtype=dtype), w13, w2,
+                                 torch.rand(tokens, top_k, generator=gen), ids,
+                                 activation="gelu_tanh" if experts == 6 and tokens == 16 else "silu")
+                yield f"fused_moe {name} E={experts} top{top_k} H={hidden} I={intermediate} tokens={tokens}", moe
+        for experts, top_k, scoring, groups in ((8, 2, "softmax", 1), (60, 4, "softmax", 1), (128, 8, "softmax", 1),
+                                                (256, 8, "sigmoid", 8)):
+            def topk(gen, dtype=dtype, experts=experts, top_k=top_k, scoring=scoring, groups=groups):
+                bias = torch.randn(experts, generator=gen) if groups > 1 else None
+                for tokens in (1, 300):
+                    pk.moe_topk(_randn(tokens, experts, dtype=dtype, generator=gen), top_k, scoring=scoring,
+                                renormalize=True, correction_bias=bias, num_expert_group=groups,
+                                topk_group=4 if groups > 1 else 1, weights_dtype=dtype)
+            yield f"moe_topk {name} E={experts} top{top_k} {scoring} groups={groups}", topk
+
+    def align(gen):
+        pk.moe_align_block_size(torch.randint(0, 128, (4096, 8), generator=gen), 64, 128)
+    yield "moe_align_block_size int64 ids E=128 block 64", align
+
+
 def launch_matrix() -> list[tuple[str, Callable[[torch.Generator], None]]]:
     """(label, call) for every case: each call runs public ops on small CPU tensors."""
-    return [*_attention_cases(), *_cache_op_cases(), *_elementwise_cases(), *_fp8_kv_cases(), *_quant_cases()]
+    return [*_attention_cases(), *_cache_op_cases(), *_elementwise_cases(), *_fp8_kv_cases(), *_quant_cases(),
+            *_moe_cases()]
 
 
 def record_matrix() -> list[Launch]:
@@ -481,6 +537,8 @@ VALUE_CONSTEXPRS = {
     "_prefill_attention_kernel": ("GROUP", "GROUP_PAD", "HEAD_DIM", "BLOCK_SIZE", "BLOCK_Q", "SLIDING_WINDOW",
                                   "USE_SOFTCAP"),
     "_rotary_kernel": ("Q_HEAD_BLOCKS", "K_HEAD_BLOCKS"),
+    "_fused_moe_kernel": ("A_ROW_DIV",),
+    "_moe_sum_kernel": ("TOP_K",),
 }
 # fp16 and bf16 pointers also fall in one class: the configs never tell them apart, and every
 # kernel compiled to the same registers and shared memory for both (Triton 3.6 and 3.9, sm_90 and
@@ -668,7 +726,7 @@ def problems(rows: list[dict]) -> list[str]:
 
 
 def run(targets: tuple[int, ...] = DEFAULT_TARGETS, jobs: int = 1, representatives_only: bool = False,
-        use_cache: bool = True, update_cache: bool = False) -> dict:
+        use_cache: bool = True, update_cache: bool = False, kernels: tuple[str, ...] | None = None) -> dict:
     """Record, specialize and compile (every distinct variant, or with ``representatives_only`` one
     per class of :data:`VALUE_CONSTEXPRS`), taking unchanged results from the results cache unless
     ``use_cache`` is off; returns the report (see :func:`main` for its use). ``update_cache`` writes this
@@ -682,9 +740,16 @@ def run(targets: tuple[int, ...] = DEFAULT_TARGETS, jobs: int = 1, representativ
 
     distinct = distinct_variants(launches, GPUTarget("cuda", targets[0], 32))
     variants = representatives(distinct) if representatives_only else distinct
+    if kernels is not None:
+        unknown = set(kernels) - set(launched_kernels())
+        if unknown:
+            raise ValueError(f"kernels {sorted(unknown)} are not launched by any op (known: {sorted(launched_kernels())})")
+        variants = [v for v in variants if v.kernel.__name__ in kernels]
     results = compile_all(variants, targets, jobs, load_results_cache() if use_cache else None)
     if update_cache:
-        save_results_cache({result_key(variants[i], cc): r for (i, cc), r in results.items()})
+        fresh = {result_key(variants[i], cc): r for (i, cc), r in results.items()}
+        # A run over some kernels adds its results to the cache; the other kernels' entries stay.
+        save_results_cache({**load_results_cache(), **fresh} if kernels is not None else fresh)
     rows = []
     for i, variant in enumerate(variants):
         for cc in targets:
@@ -700,6 +765,7 @@ def run(targets: tuple[int, ...] = DEFAULT_TARGETS, jobs: int = 1, representativ
         "distinct_variants": len(distinct),
         "variants": len(variants),
         "representatives_only": representatives_only,
+        "kernels_only": None if kernels is None else sorted(kernels),
         "kernels_recorded": sorted({v.kernel.__name__ for v in distinct}),
         "kernels_launchable": sorted(launched_kernels()),
         "record_s": round(recorded - start, 2),
@@ -782,7 +848,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-cache", action="store_true",
                         help=f"compile every variant, ignoring the results cache ({RESULTS_CACHE.name})")
     parser.add_argument("--update-cache", action="store_true",
-                        help="write this run's results as this Triton's part of the results cache")
+                        help="write this run's results as this Triton's part of the results cache (with --kernels: "
+                             "add them to it)")
+    parser.add_argument("--kernels", help="compile only these kernels (comma-separated names, e.g. "
+                                          "_fused_moe_kernel,_moe_sum_kernel)")
     args = parser.parse_args(argv)
     if args.update_cache and args.representatives:
         parser.error("--update-cache records every variant: it cannot be combined with --representatives")
@@ -796,7 +865,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TRITON_CACHE_DIR"] = triton_cache
         os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
         report = run(targets, max(1, args.jobs), args.representatives, use_cache=not args.no_cache,
-                     update_cache=args.update_cache)
+                     update_cache=args.update_cache,
+                     kernels=tuple(args.kernels.split(",")) if args.kernels else None)
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
     if args.md:

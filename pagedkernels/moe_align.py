@@ -36,8 +36,9 @@ __all__ = ["moe_align_block_size", "check_moe_align_args", "max_num_tokens_padde
 
 
 def max_num_tokens_padded(num_slots: int, num_experts: int, block_size: int) -> int:
-    """Rows of ``sorted_token_ids``: the most the padded layout can take (see the module docstring)."""
-    return num_slots + min(num_slots, num_experts) * (block_size - 1)
+    """Rows of ``sorted_token_ids``: the most the padded layout can take (see the module docstring). A symbolic
+    num_slots (torch.compile with dynamic shapes) stays symbolic."""
+    return num_slots + torch.sym_min(num_slots, num_experts) * (block_size - 1)
 
 
 def check_moe_align_args(topk_ids, block_size, num_experts) -> int:
@@ -80,13 +81,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int,
         return sorted_ids, expert_ids, num_post_padded
     check_expert_ids(topk_ids, num_experts)
     if use_triton(topk_ids):
-        cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
-        _moe_align_kernel[(1,)](
-            topk_ids, sorted_ids, expert_ids, num_post_padded, cursor, num_slots, num_experts, max_padded,
-            expert_ids.numel(), BLOCK_SIZE=block_size, E_PAD=triton.next_power_of_2(num_experts + 1),
-            CHUNK=ALIGN_CHUNK, BLOCK_CHUNK=max(16, ALIGN_CHUNK * 16 // triton.next_power_of_2(num_experts + 1)),
-            num_warps=8,
-        )
+        _moe_align_triton(topk_ids, block_size, num_experts, sorted_ids, expert_ids, num_post_padded)
     else:
         _moe_align_torch(topk_ids, block_size, num_experts, sorted_ids, expert_ids, num_post_padded)
     return sorted_ids, expert_ids, num_post_padded
@@ -178,3 +173,14 @@ def _moe_align_kernel(
         local = (ids >= 0) & (ids < num_experts)  # ids past the table (unchecked on a GPU) are dropped
         row = tl.atomic_add(cursor_ptr + ids, 1, mask=local)
         tl.store(sorted_ids_ptr + row, idx, mask=local)
+
+
+def _moe_align_triton(topk_ids, block_size, num_experts, sorted_ids, expert_ids, num_post_padded) -> None:
+    topk_ids = topk_ids.contiguous()
+    e_pad = triton.next_power_of_2(num_experts + 1)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=topk_ids.device)
+    _moe_align_kernel[(1,)](
+        topk_ids, sorted_ids, expert_ids, num_post_padded, cursor, topk_ids.numel(), num_experts, sorted_ids.numel(),
+        expert_ids.numel(), BLOCK_SIZE=block_size, E_PAD=e_pad, CHUNK=ALIGN_CHUNK,
+        BLOCK_CHUNK=max(16, ALIGN_CHUNK * 16 // e_pad), num_warps=8,
+    )

@@ -73,11 +73,16 @@ class Linear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, *, parallel: str | None = None,
                  quant_config: QuantizationConfig | None = None, prefix: str = "",
-                 shards: dict | None = None, source: dict | None = None):
+                 shards: dict | None = None, source: dict | None = None, reduce_results: bool = True):
         super().__init__()
         if parallel not in (None, "column", "row"):
             raise ValueError(f"parallel must be None, 'column' or 'row', got {parallel!r}")
+        if not reduce_results and bias:
+            raise ValueError("a row-parallel layer without its all-reduce cannot add its bias (once, after the sum)")
         self.parallel, self.prefix = parallel, prefix
+        # False: a row-parallel layer returns this rank's partial product, for a caller that adds more to it
+        # before one all-reduce of its own (the MoE block's shared expert).
+        self.reduce_results = reduce_results
         self.tp_size, self.tp_rank = get_tp_world_size(), get_tp_rank()
         self.full_input_size, self.full_output_size = input_size, output_size
         if parallel == "column":
@@ -175,7 +180,7 @@ class Linear(nn.Module):
     # -- forward ------------------------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.parallel != "row" or self.tp_size == 1:
+        if self.parallel != "row" or self.tp_size == 1 or not self.reduce_results:
             return self.quant_method.apply(self, x, self.bias)
         out = tensor_model_parallel_all_reduce(self.quant_method.apply(self, x, None))
         return out if self.bias is None else out + self.bias

@@ -18,6 +18,10 @@ _MODELS = {
     "OPTForCausalLM": ("engine.models.opt", "OPTForCausalLM"),
     "Gemma2ForCausalLM": ("engine.models.gemma2", "Gemma2ForCausalLM"),
     "Phi3ForCausalLM": ("engine.models.phi3", "Phi3ForCausalLM"),
+    "MixtralForCausalLM": ("engine.models.mixtral", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("engine.models.qwen2_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("engine.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "OlmoeForCausalLM": ("engine.models.olmoe", "OlmoeForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
 # model_type -> architecture, for configs that lack an "architectures" list.
@@ -25,6 +29,8 @@ _MODEL_TYPE_ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
     "opt": "OPTForCausalLM", "gemma2": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 
 

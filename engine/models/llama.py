@@ -56,13 +56,18 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, prefix: str = ""):
+    """The gated MLP; ``intermediate_size`` (default the config's) and ``reduce_results`` (False: this rank's
+    partial sum) for the MoE models' dense and shared experts."""
+
+    def __init__(self, config: ModelConfig, prefix: str = "", *, intermediate_size: int | None = None,
+                 reduce_results: bool = True):
         super().__init__()
         quant = config.quant_config
-        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=config.mlp_bias,
+        intermediate_size = intermediate_size or config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [intermediate_size] * 2, bias=config.mlp_bias,
                                          quant_config=quant, prefix=f"{prefix}.gate_up_proj")
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias, parallel="row",
-                                quant_config=quant, prefix=f"{prefix}.down_proj")
+        self.down_proj = Linear(intermediate_size, config.hidden_size, bias=config.mlp_bias, parallel="row",
+                                quant_config=quant, prefix=f"{prefix}.down_proj", reduce_results=reduce_results)
         self.act_fn = gated_activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,12 +75,18 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Attention and MLP, each behind an RMSNorm. ``parts``: the model class whose ``make_attention`` and
+    ``make_mlp`` build them (Llama's own by default; the MoE models put their expert blocks in as the MLP)."""
+
     def __init__(self, config: ModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, *, o_bias: bool,
-                 qk_norm: bool, prefix: str = ""):
+                 qk_norm: bool, prefix: str = "", parts: type | None = None):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, rotary_emb, o_bias=o_bias, qk_norm=qk_norm,
-                                        prefix=f"{prefix}.self_attn")
-        self.mlp = LlamaMLP(config, prefix=f"{prefix}.mlp")
+        parts = parts or LlamaForCausalLM
+        self.self_attn = parts.make_attention(config, layer_idx, rotary_emb, o_bias=o_bias, qk_norm=qk_norm,
+                                              prefix=f"{prefix}.self_attn")
+        # Registered under the checkpoint's name for it (Mixtral's block_sparse_moe), so parameters load by name.
+        self.mlp_name = parts.mlp_name
+        self.add_module(self.mlp_name, parts.make_mlp(config, layer_idx, prefix=f"{prefix}.{self.mlp_name}"))
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
 
@@ -89,11 +100,11 @@ class LlamaDecoderLayer(nn.Module):
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states, meta)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        return self._modules[self.mlp_name](hidden_states), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, *, o_bias: bool, qk_norm: bool):
+    def __init__(self, config: ModelConfig, *, o_bias: bool, qk_norm: bool, parts: type | None = None):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         # One cos/sin table (max_model_len positions) shared by every layer.
@@ -101,7 +112,7 @@ class LlamaModel(nn.Module):
             config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling,
             rotary_dim=int(config.head_dim * config.partial_rotary_factor))
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, rotary_emb, o_bias=o_bias, qk_norm=qk_norm,
-                                                      prefix=f"model.layers.{i}")
+                                                      prefix=f"model.layers.{i}", parts=parts)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
 
@@ -125,6 +136,18 @@ class LlamaForCausalLM(nn.Module):
     o_bias_follows_attention_bias = True  # Llama: o_proj has a bias iff attention_bias
     qk_norm = False
     rope_types = ("linear", "llama3")
+    mlp_name = "mlp"  # the MLP's module name in the checkpoint (Mixtral: block_sparse_moe)
+
+    @classmethod
+    def make_attention(cls, config: ModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, *, o_bias: bool,
+                       qk_norm: bool, prefix: str) -> nn.Module:
+        """The attention block of layer ``layer_idx`` (a subclass may build its own)."""
+        return LlamaAttention(config, layer_idx, rotary_emb, o_bias=o_bias, qk_norm=qk_norm, prefix=prefix)
+
+    @classmethod
+    def make_mlp(cls, config: ModelConfig, layer_idx: int, prefix: str) -> nn.Module:
+        """The MLP of layer ``layer_idx``: ``forward(x [T, H]) -> [T, H]`` (the MoE models' expert blocks)."""
+        return LlamaMLP(config, prefix=prefix)
 
     @classmethod
     def config_from_hf(cls, text: dict, common: ModelConfig) -> dict:
@@ -162,7 +185,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         o_bias = config.attention_bias and self.o_bias_follows_attention_bias
-        self.model = LlamaModel(config, o_bias=o_bias, qk_norm=self.qk_norm)
+        self.model = LlamaModel(config, o_bias=o_bias, qk_norm=self.qk_norm, parts=type(self))
         self.lm_head = LMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

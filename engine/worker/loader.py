@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import torch
 from safetensors import safe_open
@@ -81,6 +82,7 @@ def load_model(model: nn.Module, model_dir: str) -> None:
         return
     packed = getattr(model, "packed_modules_mapping", {})
     prefixes = getattr(model, "checkpoint_prefix_mapping", {})
+    experts = getattr(model, "expert_weight_names", {})
     params = dict(model.named_parameters())  # tied weights appear once, under their first name
     # Every parameter must come from the checkpoint, except those a quantization method can do without
     # (GPTQ's g_idx without act-order: its default is the in-order grouping).
@@ -94,7 +96,7 @@ def load_model(model: nn.Module, model_dir: str) -> None:
                 for ckpt_name in f.keys():
                     if _load_kv_scale(ckpt_name, prefixes, attention_layers, f, path):
                         continue
-                    target = _target(ckpt_name, packed, prefixes)
+                    target = _target(ckpt_name, packed, prefixes, experts)
                     if target is None:
                         continue
                     param_name, shard_id = target
@@ -116,7 +118,7 @@ def load_model(model: nn.Module, model_dir: str) -> None:
     missing = sorted(expected - loaded, key=str)
     if missing:
         # A fused checkpoint tensor (Phi-3) is missing once, not once per shard.
-        names = list(dict.fromkeys(_checkpoint_name(name, shard, packed) for name, shard in missing))
+        names = list(dict.fromkeys(_checkpoint_name(name, shard, packed, experts) for name, shard in missing))
         raise ValueError(f"weights missing from {model_dir}: {', '.join(names[:10])}"
                          + (f" and {len(names) - 10} more" if len(names) > 10 else ""))
 
@@ -246,18 +248,34 @@ def _gguf_checkpoint_name(param_name: str, shard_id, packed: dict, param: nn.Par
     return name
 
 
-def _target(ckpt_name: str, packed: dict, prefixes: dict) -> tuple[str, object] | None:
-    """(parameter name, shard id) a checkpoint tensor loads into; None for tensors to skip."""
+# A MoE expert's projection: ``{block}.experts.{expert id}.{projection}.weight``.
+_EXPERT_TENSOR = re.compile(r"^(?P<block>.*\.experts)\.(?P<expert>\d+)\.(?P<name>\w+)\.weight$")
+# An expert shard kind's stacked parameter (engine/layers/fused_moe.py): gate (w1) and up (w3) share w13.
+_EXPERT_PARAMS = {"w1": "w13_weight", "w3": "w13_weight", "w2": "w2_weight"}
+
+
+def _target(ckpt_name: str, packed: dict, prefixes: dict, experts: dict | None = None) -> tuple[str, object] | None:
+    """(parameter name, shard id) a checkpoint tensor loads into; None for tensors to skip. A MoE expert's tensor
+    (``experts``: its projection names -> shard kinds) loads into the block's stacked weight, shard
+    ``(expert, kind)``."""
     if ckpt_name.endswith(_IGNORED_SUFFIXES):
         return None
     ckpt_name = _with_prefix_mapping(ckpt_name, prefixes)
+    match = _EXPERT_TENSOR.match(ckpt_name) if experts else None
+    if match is not None and match["name"] in experts:
+        kind = experts[match["name"]]
+        return f"{match['block']}.{_EXPERT_PARAMS[kind]}", (int(match["expert"]), kind)
     for fragment, (fused, shard_id) in packed.items():
         if f".{fragment}." in ckpt_name:
             return ckpt_name.replace(f".{fragment}.", f".{fused}."), shard_id
     return ckpt_name, None
 
 
-def _checkpoint_name(param_name: str, shard_id, packed: dict) -> str:
+def _checkpoint_name(param_name: str, shard_id, packed: dict, experts: dict | None = None) -> str:
+    if experts and isinstance(shard_id, tuple) and param_name.endswith(tuple(_EXPERT_PARAMS.values())):
+        expert, kind = shard_id
+        name = next(name for name, k in experts.items() if k == kind)
+        return f"{param_name.rpartition('.')[0]}.{expert}.{name}.weight"
     for fragment, (fused, sid) in packed.items():
         if sid == shard_id and f".{fused}." in param_name:
             return param_name.replace(f".{fused}.", f".{fragment}.")

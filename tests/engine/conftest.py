@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine.models_util import TINY_ARCHITECTURES, build_tiny_model_dir
+from tests.engine.models_util import TINY_ARCHITECTURES, TINY_MOE_ARCHITECTURES, build_tiny_model_dir
 from tests.extras import default_model_or_skip
 
 
@@ -18,12 +18,12 @@ def smollm2_dir() -> str:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """Factory: ``tiny_model_dir(arch)`` -> path of a random-weight float32 model directory of
-    ``arch`` in ``TINY_ARCHITECTURES``, built once per session."""
+    ``arch`` in ``TINY_ARCHITECTURES`` or ``TINY_MOE_ARCHITECTURES``, built once per session."""
     built: dict[str, str] = {}
 
     def get(arch: str) -> str:
-        if arch not in TINY_ARCHITECTURES:
-            raise ValueError(f"arch must be one of {TINY_ARCHITECTURES}, got {arch!r}")
+        if arch not in TINY_ARCHITECTURES + TINY_MOE_ARCHITECTURES:
+            raise ValueError(f"arch must be one of {TINY_ARCHITECTURES + TINY_MOE_ARCHITECTURES}, got {arch!r}")
         if arch not in built:
             out_dir = str(tmp_path_factory.mktemp(f"tiny-{arch}"))
             built[arch] = build_tiny_model_dir(arch, out_dir)

@@ -19,6 +19,18 @@ with a ChatML chat template, and a generation_config. Each architecture exercise
   in the shared tests, rotate by the short factors, longer ones by the long factors: test_models_phi3.py),
   a sliding window of 40 in every layer.
 
+The mixture-of-experts architectures (``TINY_MOE_ARCHITECTURES``, tests/engine/test_models_moe.py; kept out of
+``TINY_ARCHITECTURES`` so that the suites parametrized over that list do not grow by four models each):
+
+- ``mixtral``:   8 experts, top-2 (renormalized, float32 weights), intermediate 96 per expert, ``block_sparse_moe``
+  with w1/w2/w3 names, GQA 4 on 2 heads.
+- ``qwen2_moe``: 8 experts, top-4 (not renormalized), 48 per expert, a shared expert of 96 behind its sigmoid
+  gate, q/k/v biases, tied embeddings.
+- ``qwen3_moe``: 16 experts, top-4 (renormalized), 48 per expert, layer 1 a dense MLP of 192 (``mlp_only_layers``),
+  per-head q/k norms; 6 query heads on 3 KV heads of 32 (so that 2 and 3 ranks both split it).
+- ``olmoe``:     8 experts, top-2, 64 per expert, q/k norms over all heads, ``clip_qkv`` 3 (which bites: q/k
+  reach ~5 and v ~12 here), 4 heads, no GQA.
+
 All but OPT and Phi-3 use GQA with 4 query heads on 2 KV heads (Phi-3: 2 on 1, OPT: none); all use head_dim 64 (a pagedkernels head size) and a
 512-token vocabulary. The weights are drawn with a larger spread than transformers' default init so that the
 next-token distributions are peaked: greedy ties (which would make token-for-token parity depend on
@@ -34,6 +46,8 @@ from dataclasses import dataclass, field
 import torch
 
 TINY_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "opt", "gemma2", "phi3")
+TINY_MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+OLMOE_CLIP_QKV = 3.0
 TINY_VOCAB_SIZE = 512
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
 EOS_TOKEN_IDS = [2, 0]  # generation_config lists both; config.json names only 0
@@ -66,11 +80,11 @@ Die Katze schläft auf dem Sofa. Le café est très chaud. 東京は日本の首
 
 def tiny_config(arch: str, **overrides):
     """A small transformers config of architecture ``arch`` (see module docstring)."""
-    from transformers import (Gemma2Config, LlamaConfig, MistralConfig, OPTConfig, Phi3Config, Qwen2Config,
-                              Qwen3Config)
+    from transformers import (Gemma2Config, LlamaConfig, MistralConfig, MixtralConfig, OlmoeConfig, OPTConfig,
+                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
-    if arch not in TINY_ARCHITECTURES:
-        raise ValueError(f"arch must be one of {TINY_ARCHITECTURES}, got {arch!r}")
+    if arch not in TINY_ARCHITECTURES + TINY_MOE_ARCHITECTURES:
+        raise ValueError(f"arch must be one of {TINY_ARCHITECTURES + TINY_MOE_ARCHITECTURES}, got {arch!r}")
     common = dict(
         vocab_size=TINY_VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
@@ -94,6 +108,22 @@ def tiny_config(arch: str, **overrides):
                            do_layer_norm_before=True, activation_function="relu", enable_bias=True,
                            init_std=0.25, bos_token_id=1, eos_token_id=0, pad_token_id=2, dtype="float32",
                            tie_word_embeddings=True)
+    elif arch == "mixtral":
+        config = MixtralConfig(**{**common, "intermediate_size": 96}, tie_word_embeddings=False, rope_theta=1e6,
+                               num_local_experts=8, num_experts_per_tok=2, sliding_window=None)
+    elif arch == "qwen2_moe":
+        config = Qwen2MoeConfig(**common, tie_word_embeddings=True, rope_theta=1e6, num_experts=8,
+                                num_experts_per_tok=4, moe_intermediate_size=48, shared_expert_intermediate_size=96,
+                                norm_topk_prob=False)
+    elif arch == "qwen3_moe":
+        config = Qwen3MoeConfig(**{**common, "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 32,
+                                   "intermediate_size": 192}, tie_word_embeddings=True, rope_theta=1e6,
+                                num_experts=16, num_experts_per_tok=4, moe_intermediate_size=48, norm_topk_prob=True,
+                                mlp_only_layers=[1])
+    elif arch == "olmoe":
+        olmoe = {key: value for key, value in common.items() if key != "head_dim"} | {"num_key_value_heads": 4}
+        config = OlmoeConfig(**{**olmoe, "intermediate_size": 64}, tie_word_embeddings=False, rope_theta=1e4,
+                             num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, clip_qkv=OLMOE_CLIP_QKV)
     elif arch == "gemma2":
         config = Gemma2Config(**common, tie_word_embeddings=True, rope_theta=10000.0,
                               sliding_window=GEMMA2_SLIDING_WINDOW, query_pre_attn_scalar=GEMMA2_QUERY_PRE_ATTN_SCALAR,

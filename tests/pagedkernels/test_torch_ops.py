@@ -62,6 +62,10 @@ def _inputs(seed=0):
         gguf=random_gguf("Q4_K", 48, 256, gen),
         fp8=pk.quantize_fp8_weight(torch.randn(64, 48, generator=gen) / 10),
         w16=pk.pack_w16((torch.randn(40, 64, generator=gen) / 10).to(torch.bfloat16)),
+        # a mixture of experts on the step's output: 6 experts of intermediate size 24, top-2
+        router=torch.randn(40, 6, generator=gen),
+        w13=torch.randn(6, 48, 40, generator=gen) / 6,
+        w2=torch.randn(6, 40, 24, generator=gen) / 5,
     )
 
 
@@ -97,7 +101,11 @@ def _step(ops, inp, key_cache, value_cache):
     gguf_weight = ops.gguf_dequantize(inp["gguf"], "Q4_K", dtype=torch.float32)
     fp8_out = ops.fp8_gemm(gguf_out, *inp["fp8"])
     w16_out = ops.w16_gemm(fp8_out, inp["w16"], 40)
-    return act, residual, decode_ws, projected, gguf_out, gguf_weight, fp8_out, w16_out
+    topk_weights, topk_ids = ops.moe_topk(w16_out @ inp["router"], 2, renormalize=True)
+    moe_out = ops.fused_moe(w16_out, inp["w13"], inp["w2"], topk_weights, topk_ids)
+    sorted_ids, expert_ids, num_post_padded = ops.moe_align_block_size(topk_ids, 16, 6)
+    return (act, residual, decode_ws, projected, gguf_out, gguf_weight, fp8_out, w16_out, topk_weights, moe_out,
+            sorted_ids, expert_ids, num_post_padded)
 
 
 def test_every_registered_op_is_listed_and_tested():
@@ -166,6 +174,11 @@ def _opcheck_cases():
         "fused_add_rms_norm_": (hidden.clone(), hidden.flip(0).clone(), weight, 1e-6),
         "rotary_embedding": (inp["positions"], q.clone(), k.clone(), inp["cos_sin"], True),
         "silu_and_mul": (hidden,),
+        "moe_topk": (torch.randn(num_tokens, 8, generator=gen), 2, "softmax", True, None, 1, 1, torch.float32),
+        "moe_align_block_size": (torch.tensor([[3, 1], [1, 0], [7, 3]], dtype=torch.int32), 16, 8),
+        "fused_moe": (torch.randn(num_tokens, 40, generator=gen), inp["w13"], inp["w2"], torch.rand(num_tokens, 2),
+                      torch.tensor([[3, 1], [1, 0], [5, 3]], dtype=torch.int32), "silu",
+                      torch.tensor([0, 1, -1, 2, 3, 4, 5, -1], dtype=torch.int32)),
     }
 
 
@@ -263,6 +276,15 @@ SPECS = {
     "rotary_embedding": ([("positions", ((3,), torch.int64)), ("q", _Q), ("k", _KV),
                           ("cos_sin_cache", ((64, HEAD_DIM), torch.float32)), ("is_neox", True)], None),
     "silu_and_mul": ([("x", ((3, 96), None))], ((3, 48), None)),
+    "moe_topk": ([("logits", ((3, 8), None)), ("top_k", 2), ("scoring", "softmax"), ("renormalize", True),
+                  ("correction_bias", ((8,), torch.float32)), ("num_expert_group", 1), ("topk_group", 1),
+                  ("weights_dtype", torch.float32)], [((3, 2), torch.float32), ((3, 2), torch.int32)]),
+    # 6 slots over 8 experts in blocks of 16: at most 6 busy experts, 6 + 6 * 15 rows
+    "moe_align_block_size": ([("topk_ids", ((3, 2), torch.int32)), ("block_size", 16), ("num_experts", 8)],
+                             [((96,), torch.int32), ((6,), torch.int32), ((1,), torch.int32)]),
+    "fused_moe": ([("hidden", ((3, 40), None)), ("w13", ((4, 48, 40), None)), ("w2", ((4, 40, 24), None)),
+                   ("topk_weights", ((3, 2), torch.float32)), ("topk_ids", ((3, 2), torch.int32)),
+                   ("activation", "silu"), ("expert_map", ((6,), torch.int32))], ((3, 40), None)),
 }
 TENSOR_ARGS = [(op, arg) for op, (args, _) in SPECS.items() for arg, spec in args if isinstance(spec, tuple)]
 # The arguments that can be on another device than the op's other tensors (silu_and_mul has one tensor).
@@ -290,9 +312,14 @@ def _check_output(op, result, device, dtype):
     if expected is None:
         assert result is None
         return
-    shape, out_dtype = expected
-    assert tuple(result.shape) == shape and result.dtype == (out_dtype or dtype)
-    assert result.device.type == device and result.is_contiguous()
+    if isinstance(expected, list):  # several outputs
+        assert isinstance(result, tuple) and len(result) == len(expected)
+        results = result
+    else:
+        expected, results = [expected], [result]
+    for (shape, out_dtype), out in zip(expected, results):
+        assert tuple(out.shape) == shape and out.dtype == (out_dtype or dtype)
+        assert out.device.type == device and out.is_contiguous()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -348,6 +375,10 @@ def _public_call(op, args):
         return None
     if op == "rotary_embedding":
         return pk.rotary_embedding(*args[:4], is_neox=kw["is_neox"])
+    if op == "moe_topk":
+        return pk.moe_topk(*args[:2], **{k: kw[k] for k in names[2:]})
+    if op == "fused_moe":
+        return pk.fused_moe(*args[:5], activation=kw["activation"], expert_map=kw["expert_map"])
     return getattr(pk, op)(*args)
 
 
@@ -361,8 +392,9 @@ def test_public_ops_on_fake_and_meta_tensors(op, backend, monkeypatch):
     from pagedkernels import _native, cache_ops, decode_attention, gguf_quant, prefill_attention
 
     # the modules, not the functions of the same names that pagedkernels re-exports
-    wq_gemm, fp8_gemm, w16_gemm = (importlib.import_module(f"pagedkernels.{m}") for m in ("wq_gemm", "fp8_gemm",
-                                                                                          "w16_gemm"))
+    wq_gemm, fp8_gemm, w16_gemm, fused_moe, moe_topk, moe_align = (
+        importlib.import_module(f"pagedkernels.{m}")
+        for m in ("wq_gemm", "fp8_gemm", "w16_gemm", "fused_moe", "moe_topk", "moe_align"))
 
     def no_kernel(*args, **kwargs):
         raise AssertionError("a kernel was reached with tensors that hold no data")
@@ -375,7 +407,10 @@ def test_public_ops_on_fake_and_meta_tensors(op, backend, monkeypatch):
                          (wq_gemm, "_wq_gemm_triton"), (wq_gemm, "dequantize_wq"), (_native, "quant_gemm"),
                          (_native, "quant_dequantize"), (gguf_quant, "_dequantize_triton"),
                          (gguf_quant, "_dequantize_torch"), (fp8_gemm, "_scaled_mm"), (_native, "w16_gemm"),
-                         (w16_gemm, "unpack_w16")):
+                         (w16_gemm, "unpack_w16"), (moe_topk, "_moe_topk_triton"), (moe_topk, "_moe_topk_torch"),
+                         (_native, "moe_topk"), (moe_align, "_moe_align_triton"), (moe_align, "_moe_align_torch"),
+                         (fused_moe, "_fused_moe_triton"), (fused_moe, "_fused_moe_torch"), (_native, "fused_moe"),
+                         (fused_moe, "unpack_moe_weight")):
         monkeypatch.setattr(module, attr, no_kernel)
     with pk.use_backend(backend):
         with FakeTensorMode():

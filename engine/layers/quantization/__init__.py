@@ -88,11 +88,16 @@ def resolve_quant_config(hf_config: dict, quantization: str | None, *,
 
 
 def process_weights_after_loading(model: nn.Module, *, prepack: bool = False) -> None:
-    """Run every layer's ``quant_method.process_weights_after_loading`` once the checkpoint is in; then, with
-    ``prepack``, reorder the unquantized float32 CPU weights for oneDNN (:func:`prepack_linears`)."""
+    """Run every layer's ``quant_method.process_weights_after_loading`` once the checkpoint is in (and that of
+    the layers that carry their own, the MoE experts: engine/layers/fused_moe.py); then, with ``prepack``,
+    reorder the unquantized float32 CPU weights for oneDNN (:func:`prepack_linears`)."""
+    from engine.layers.fused_moe import FusedMoE
+
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if isinstance(method, LinearMethodBase):
             method.process_weights_after_loading(module)
+        elif isinstance(module, FusedMoE):
+            module.process_weights_after_loading()
     if prepack:
         prepack_linears(model)
