@@ -170,8 +170,18 @@ def _field(reader: GGUFFile, key: str, default=None):
 
 
 def gguf_architecture(reader, path: str) -> tuple[str, str, bool]:
-    """(GGUF architecture, HF architecture, q/k permuted) of a GGUF file; ValueError for unsupported ones."""
+    """(GGUF architecture, HF architecture, q/k permuted) of a GGUF file; ValueError for unsupported ones, and for
+    mixture-of-experts files (their experts are llama.cpp's stacked ``ffn_*_exps`` tensors, which the engine does
+    not load: MoE models load from their HF checkpoints)."""
     arch = _field(reader, "general.architecture")
+    experts = _field(reader, f"{arch}.expert_count", 0) or 0
+    stacked = [t.name for t in reader.tensors if "_exps." in t.name]
+    if experts or stacked:
+        raise ValueError(f"{path}: a mixture-of-experts GGUF ({arch}, {experts} experts; tensors such as "
+                         f"{(stacked or ['ffn_gate_exps'])[0]!r}) is not supported: the engine has no loader for "
+                         f"llama.cpp's stacked expert tensors (ffn_gate_exps / ffn_up_exps / ffn_down_exps). Load "
+                         f"the model's HF safetensors checkpoint instead (Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE "
+                         f"are supported there)")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: "
                          f"{', '.join(GGUF_ARCHITECTURES)})")

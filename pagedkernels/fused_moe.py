@@ -415,17 +415,19 @@ def fused_moe_launch_config(num_tokens: int, num_experts: int, top_k: int, n: in
     only ``min(num_slots, E)`` busy row blocks: the column block is the widest of 64 / 32 / 16 that gives
     ``PROGRAMS_PER_SM`` programs per SM, else 16 (Qwen3-30B-A3B on an H100's 132 SMs: at one token 8 busy
     experts x 768 / 16 = 384 programs of GEMM 1, where 32 columns would leave 192; at 16 tokens 128 experts x
-    768 / 64), with 128-column K tiles and 3 stages to keep loads in flight. Larger r: 64-column blocks (gated: two accumulators) or 128 (plain), 64-column K tiles,
-    8 warps from 64 rows, GROUP_M 8 so neighbouring programs share a column block. fp32 (ieee FMA dots, a
+    768 / 64), with 128-column K tiles and 3 stages to keep loads in flight. Larger r: 64-column blocks (32 gated:
+    its two accumulators make the same 64 x 64 of float32 per 64-row block), 64-column K tiles, 4 warps, 3 stages,
+    GROUP_M 8 so that neighbouring programs share a column block: the quantized GEMM's 64 x 64 x 64 (64 x 128
+    plain and 64 x 64 gated over 8 warps spilled 88-192 B on sm_80 with Triton 3.9). fp32 (ieee FMA dots, a
     correctness dtype): 32-column tiles over 8 warps and 2 stages, as the quantized GEMM's fp32 launches.
-    Interpreter (CPU): BLOCK_M as on CUDA, 16/32-column and 32-deep tiles, so tests cross every tile edge at
-    small sizes.
+    Interpreter (CPU): BLOCK_M and GROUP_M as on CUDA, 16/32-column and 32-deep tiles, so tests cross every tile
+    edge (and the last, partial group of row blocks) at small sizes.
     Every CUDA choice compiles for sm_90 and sm_80 without spills (``python -m pagedkernels._aot``)."""
     slots = num_tokens * top_k
     rows_per_expert = slots / num_experts
     block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 64 else 64
     if device_kind != "cuda":
-        return MoELaunchConfig(block_m, 16 if gated else 32, 32, 1, 4, 1)
+        return MoELaunchConfig(block_m, 16 if gated else 32, 32, 1 if block_m == 16 else 8, 4, 1)
     if dtype == torch.float32:
         return MoELaunchConfig(min(block_m, 32), 32, 32, 8, 8, 2)
     if block_m == 16:
@@ -436,9 +438,7 @@ def fused_moe_launch_config(num_tokens: int, num_experts: int, top_k: int, n: in
                 block_n = candidate
                 break
         return MoELaunchConfig(16, block_n, 128, 1, 4, 3)
-    block_n = 64 if gated else 128
-    warps = 8 if block_m == 64 else 4
-    return MoELaunchConfig(block_m, block_n, 64, 8, warps, 3)
+    return MoELaunchConfig(block_m, 32 if gated else 64, 64, 8, 4, 3)
 
 
 # Values per program of the top-k sum: 32 float32 accumulators per thread of 4 warps.

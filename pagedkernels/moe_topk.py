@@ -238,9 +238,10 @@ def _moe_topk_kernel(
 
 
 def topk_block_rows(num_experts: int) -> int:
-    """Tokens per program: a [rows, next_power_of_2(num_experts)] float32 tile of at most 4096 values (32 per
-    thread of 4 warps): 16 rows of 256 experts, 32 of 128, 64 (the most) of 64 or fewer."""
-    return max(1, min(64, 4096 // triton.next_power_of_2(num_experts)))
+    """Tokens per program: a [rows, next_power_of_2(num_experts)] float32 tile of at most 2048 values (16 per
+    thread of 4 warps; the kernel keeps four such tiles live): 8 rows of 256 experts, 16 of 128, 32 of 64, 64
+    (the most) of 32 or fewer. Tiles of 4096 spilled at 64 experts (sm_90 and sm_80, Triton 3.9)."""
+    return max(1, min(64, 2048 // triton.next_power_of_2(num_experts)))
 
 
 def _moe_topk_triton(logits, top_k, scoring, renormalize, correction_bias, num_expert_group, topk_group,

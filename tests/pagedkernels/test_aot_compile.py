@@ -6,7 +6,7 @@ no compile errors, no register spills in a hot kernel, shared memory within each
 The recording tests run in this process (recording launches nothing, so the interpreter does not
 matter); the compile test runs ``python -m pagedkernels._aot`` over every distinct variant once per Triton
 version, both at once, and writes the combined table to its tmp dir (``aot_report.md``). Compiling all of
-them costs about 800 CPU-seconds (312 variants x 2 targets x 2 Tritons); results of unchanged variants come
+them costs about 1,300 CPU-seconds (431 variants x 2 targets x 2 Tritons); results of unchanged variants come
 from ``pagedkernels/aot_results.json`` (keyed by Triton version, target, the kernel's source hash and the
 specialization; see ``pagedkernels._aot``), so a run compiles only what changed since it was written.
 (The one-per-class tier, ``--representatives``, missed fp32 prefill spills that only some masked head
@@ -62,7 +62,8 @@ def test_every_kernel_is_recorded_for_every_dtype(recorded):
     for name, arg in (("_decode_split_kernel", "q_ptr"), ("_prefill_attention_kernel", "q_ptr"),
                       ("_reshape_and_cache_kernel", "key_ptr"), ("_rms_norm_kernel", "x_ptr"),
                       ("_rotary_kernel", "q_ptr"), ("_silu_and_mul_kernel", "x_ptr"), ("_wq_gemm_kernel", "x_ptr"),
-                      ("_gguf_dequantize_kernel", "out_ptr")):
+                      ("_gguf_dequantize_kernel", "out_ptr"), ("_fused_moe_kernel", "a_ptr"),
+                      ("_moe_sum_kernel", "out_ptr"), ("_moe_topk_kernel", "logits_ptr")):
         dtypes = {_dtype(launch, arg) for launch in recorded if launch.kernel.__name__ == name}
         assert dtypes == set(_aot.DTYPES), name
     # the caches: every float dtype and float8 (as the uint8 codes the kernels read)
@@ -75,6 +76,11 @@ def test_every_kernel_is_recorded_for_every_dtype(recorded):
             if launch.kernel.__name__ == "_wq_gemm_kernel"} == {0, 1, 2}
     assert {_constexprs(launch)["QTYPE"] for launch in recorded
             if launch.kernel.__name__ == "_gguf_dequantize_kernel"} == {2, 3, 8, 12, 14}
+    # both grouped GEMMs of the MoE layer (silu- and gelu-gated, then plain), every row block of the alignment
+    moe = [_constexprs(launch) for launch in recorded if launch.kernel.__name__ == "_fused_moe_kernel"]
+    assert {c["GATED"] for c in moe} == {0, 1, 2} and {c["BLOCK_M"] for c in moe} == {16, 32, 64}
+    assert {_constexprs(launch)["BLOCK_SIZE"] for launch in recorded
+            if launch.kernel.__name__ == "_moe_align_kernel"} == {16, 32, 64}
 
 
 def test_recorded_configs_are_the_cuda_choice(recorded):
@@ -123,6 +129,8 @@ def test_dot_tiles_are_at_least_16(recorded):
             assert min(c["BLOCK_H"], c["HEAD_PAD"], c["TILE_N"]) >= 16
         elif launch.kernel.__name__ == "_prefill_attention_kernel":  # (BLOCK_M x HEAD_DIM_PAD) @ (.. x TILE_N)
             assert min(c["BLOCK_M"], c["HEAD_DIM_PAD"], c["TILE_N"]) >= 16
+        elif launch.kernel.__name__ == "_fused_moe_kernel":  # (BLOCK_M x BLOCK_K) @ (BLOCK_K x BLOCK_N)
+            assert min(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]) >= 16
         elif launch.kernel.__name__ == "_wq_gemm_kernel":  # (BLOCK_M x BLOCK_K[/2]) @ (.. x BLOCK_N)
             k_dim = c["BLOCK_K"] // 2 if c["WEIGHT_FORMAT"] == 0 else c["BLOCK_K"]
             assert min(c["BLOCK_M"], c["BLOCK_N"], k_dim) >= 16 and c["BLOCK_K"] % 32 == 0

@@ -150,6 +150,32 @@ def test_native_token_results_do_not_depend_on_the_batch():
     assert torch.equal(together, alone) and torch.equal(together, float_panels)
 
 
+@pytest.mark.skipif(not NATIVE, reason="native CPU kernels unavailable (no C compiler)")
+def test_native_moe_layer_replays_as_a_cpu_graph_over_fewer_rows():
+    """Router product, top-k and the experts: three native kernel calls a CPU graph records (a decode step of a
+    MoE model); recorded for 8 tokens, a replay of 3 gives eager's first 3 rows from the inputs of the time, and
+    of all 8 eager's whole result. The sorted layout, sized for 8 tokens, serves 3."""
+    from pagedkernels.cpu_graph import CPUGraph
+
+    gen = torch.Generator().manual_seed(13)
+    x, w13, w2, _, _ = random_moe(8, 48, 40, 6, 2, torch.float32, gen)
+    router = pk.pack_w16((torch.randn(6, 48, generator=gen) / 4).to(torch.bfloat16))
+    packed = (pk.pack_moe_weight(w13), pk.pack_moe_weight(w2))
+
+    def layer():
+        weights, ids = pk.moe_topk(pk.w16_gemm(x, router, 6), 2, renormalize=True)
+        return pk.fused_moe(x, *packed, weights, ids)
+
+    with pk.use_backend("native"):
+        graph = CPUGraph()
+        graph.capture(layer, rows=8)
+        assert graph.resizable and graph.num_kernel_calls == 3 and graph.num_torch_calls == 0
+        x.copy_(torch.randn(x.shape, generator=gen))
+        eager = layer()
+        torch.testing.assert_close(graph.replay(3)[:3], eager[:3], rtol=0, atol=0)
+        torch.testing.assert_close(graph.replay(8), eager, rtol=0, atol=0)
+
+
 def test_native_scratch_layout_is_what_the_kernel_takes():
     """The Python size of the native kernel's scratch: its int32 tables, padded to 64 bytes, then the float rows."""
     assert native_scratch_bytes(3, 2, 10, 6, 4) == 4 * (32 + 6 * 12 + 6 * 6)
@@ -256,7 +282,7 @@ def test_launch_configs_from_shapes():
     down = fused_moe_launch_config(64, 128, 8, 2048, 768, False, torch.bfloat16, "cuda", 132)
     assert (down.block_m, down.block_n) == (16, 64)
     big = fused_moe_launch_config(4096, 128, 8, 768, 2048, True, torch.bfloat16, "cuda", 132)
-    assert (big.block_m, big.block_n, big.num_warps) == (64, 64, 8)
+    assert (big.block_m, big.block_n, big.block_k) == (64, 32, 64)
     for tokens in (1, 64, 4096):
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             for gated, n, k in ((True, 768, 2048), (False, 2048, 768), (True, 14336, 4096)):
