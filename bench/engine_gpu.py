@@ -3,7 +3,7 @@
 ``bench.gpu_suite``, phases headline, engine and llama).
 
 The models are made on the spot, nothing is read or downloaded: a directory holding only the config.json of
-the Qwen3-0.6B or Llama-3-8B shape (bf16), loaded with ``load_format="dummy"`` (random weights drawn on the
+the Qwen3-0.6B, Llama-3-8B or Qwen3-30B-A3B (mixture of experts) shape (bf16), loaded with ``load_format="dummy"`` (random weights drawn on the
 GPU) and ``skip_tokenizer_init=True`` (the workloads are token ids).
 
 1. Offline throughput, nano-vllm's protocol: 256 requests, seed 0, random prompt token ids, prompt and output
@@ -14,7 +14,8 @@ GPU) and ``skip_tokenizer_init=True`` (the workloads are token ids).
    padding, if it fails), in output-length-sorted groups of ``--hf-group`` run to the group's longest length
    and credited only the requested tokens.
 2. Batch-1 decode (gpt-fast style): tokens/s = (N - 1) / (t(N) - t(1)) and achieved bandwidth =
-   (weight bytes + mean KV bytes read per token) x tokens/s, against the measured copy bandwidth.
+   (weight bytes + mean KV bytes read per token) x tokens/s, against the measured copy bandwidth (a MoE model's
+   experts counted at the share one token reads: top_k of E).
 3. Decode-step time at batch 64 and 256 (context ``--context`` tokens each) through the ModelRunner (CUDA
    graphs unless ``--enforce-eager``), against its floor: (weight bytes + KV bytes of the batch) / copy
    bandwidth.
@@ -57,11 +58,21 @@ LLAMA3_8B = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_
                  vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
                  tie_word_embeddings=False, attention_bias=False, hidden_act="silu", initializer_range=0.02,
                  bos_token_id=128000, eos_token_id=128001, torch_dtype="bfloat16")
+# Qwen3-30B-A3B: 48 layers of 128 experts (768 each), top-8; 30.5 B parameters (61 GB in bf16), 3.3 B active.
+QWEN3_30B_A3B = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                     intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                     norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                     max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                     attention_bias=False, hidden_act="silu", initializer_range=0.02, bos_token_id=151643,
+                     eos_token_id=151645, torch_dtype="bfloat16")
 _TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64, vocab_size=1024, max_position_embeddings=512, bos_token_id=1,
              eos_token_id=2)
-SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "llama-3-8b": LLAMA3_8B}
-TINY_SHAPES = {name: dict(shape, **_TINY) for name, shape in SHAPES.items()}
+_TINY_MOE = dict(moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2)
+SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "llama-3-8b": LLAMA3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B}
+TINY_SHAPES = {name: dict(shape, **_TINY, **(_TINY_MOE if "num_experts" in shape else {}))
+               for name, shape in SHAPES.items()}
 PARTS = ("throughput", "transformers", "batch1", "decode_steps", "profile")
 
 
@@ -102,14 +113,28 @@ def make_requests(workload: Workload, vocab_size: int, seed: int = 0) -> list[tu
              rng.randint(workload.min_len, workload.max_len)) for _ in range(workload.num_requests)]
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every distinct parameter (a tied LM head counts once: read once per token)."""
+def weight_bytes(model: torch.nn.Module, tokens: int | None = None) -> int:
+    """Bytes of every distinct parameter (a tied LM head counts once: read once per token). With ``tokens``, a
+    mixture-of-experts layer's experts count at the share a step of that many tokens reads: each token takes top_k
+    of E experts, so under uniform routing an expert is read with probability 1 - (1 - top_k / E) ** tokens (one
+    token of Qwen3-30B-A3B: 8 of 128 experts; 64 tokens: 98% of them)."""
+    from engine.layers.fused_moe import FusedMoE
+
+    share, experts = {}, []
+    for module in model.modules():
+        if isinstance(module, FusedMoE):
+            # on the CPU the experts live in their packed panels (buffers), the parameters emptied
+            tensors = [t for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))
+                       if t is not None and t.numel() and t.is_floating_point()]
+            experts += tensors
+            read = 1.0 if tokens is None else 1.0 - (1.0 - module.top_k / module.num_experts) ** tokens
+            share.update((t.data_ptr(), read) for t in tensors)
     seen, total = set(), 0
-    for p in model.parameters():
+    for p in [*model.parameters(), *experts]:
         if p.data_ptr() not in seen:
             seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
+            total += p.numel() * p.element_size() * share.get(p.data_ptr(), 1.0)
+    return int(total)
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
@@ -354,7 +379,8 @@ def batch1_decode(llm, prompt_len: int, new_tokens: int, copy_gbps: float) -> di
     t_full = min(run(new_tokens) for _ in range(2))
     runner = llm.llm_engine.model_runner
     mean_context = prompt_len + new_tokens / 2
-    bytes_per_token = weight_bytes(runner.model) + mean_context * kv_bytes_per_token(runner.config, runner.dtype)
+    bytes_per_token = weight_bytes(runner.model, tokens=1) + mean_context * kv_bytes_per_token(runner.config,
+                                                                                                runner.dtype)
     result = {"prompt_len": prompt_len, "new_tokens": new_tokens, "t1_s": t_first, "tN_s": t_full,
               "decode_tokens_per_s": None, "bytes_per_token": bytes_per_token, "achieved_gbps": None,
               "frac_of_copy_bandwidth": None}
@@ -400,8 +426,8 @@ def decode_step_time(llm, batch_size: int, context: int, copy_gbps: float, repea
         runner.compute_logits_for(step)
     synchronize(runner.device)
     ms = (time.perf_counter() - start) / repeats * 1e3
-    floor_bytes = weight_bytes(runner.model) + batch_size * (context + 1) * kv_bytes_per_token(runner.config,
-                                                                                                 runner.dtype)
+    floor_bytes = weight_bytes(runner.model, tokens=batch_size) + batch_size * (context + 1) * kv_bytes_per_token(
+        runner.config, runner.dtype)
     floor_ms = floor_bytes / copy_gbps / 1e6
     return {"batch_size": batch_size, "context": context, "step_ms": ms, "floor_ms": floor_ms,
             "frac_of_floor": floor_ms / ms, "cuda_graphs": not runner.enforce_eager}

@@ -18,6 +18,10 @@
    against 16-bit-KV decode.
 9. tune (300 s): the prefill kernel's launch configurations on the target shape against SDPA-flash (which tiles
    launch_config should pick on this GPU).
+10. moe (540 s): the mixture-of-experts layer (pagedkernels.fused_moe) at Qwen3-30B-A3B's shape, 1 / 16 / 64 tokens
+   against copy bandwidth (the routed experts' weights) and 4096 against the bf16 matmul rate, Mixtral-8x7B's at 1
+   and 4096, each against the per-expert loop; then the engine on a Qwen3-30B-A3B-shaped dummy model (61 GB of
+   bf16), nano-vllm's protocol and batch-1 decode, its output tok/s beside phase 1's dense Qwen3-0.6B figure.
 
 ``--phase all`` (the default) runs them one after another. Each phase writes
 ``OUT/<date>-<device>-phase<N>-<name>.json`` and ``.md`` after every case (``.png`` at the end, when matplotlib
@@ -235,7 +239,7 @@ class PhaseRun:
         print(kernels.format_peaks(self.result["peaks"]), flush=True)
 
     def kernels(self, *, headline: bool, baselines: set[str] | None = None, compile: bool = True,
-                case_s: float = 60.0, quant: bool = False, tune: bool = False) -> None:
+                case_s: float = 60.0, quant: bool = False, tune: bool = False, moe: bool = False) -> None:
         def progress(partial: dict) -> None:  # a run cut short keeps every case measured so far
             self.result.update(rows=partial["rows"], targets=partial["targets"],
                                kernel_cases_not_run=partial["not_run"])
@@ -245,7 +249,8 @@ class PhaseRun:
         partial = kernels.run_suite(self.device, tiny=self.dry_run, compile=compile and not self.args.no_compile,
                                     only=self.args.only, log=lambda line: print(line, flush=True),
                                     on_progress=progress, headline=headline, baselines=baselines,
-                                    budget=self.budget, case_s=case_s, peaks=peaks, quant=quant, tune=tune)
+                                    budget=self.budget, case_s=case_s, peaks=peaks, quant=quant, tune=tune,
+                                    moe=moe)
         progress(partial)
 
     def tests(self, label: str, args: list[str], cap_s: float | None = None, reserve_s: float = 10.0) -> None:
@@ -311,6 +316,12 @@ def _tune(run: PhaseRun) -> None:
                                                                                      case_s=20.0))
 
 
+def _moe(run: PhaseRun) -> None:
+    run.step("limits", run.peaks) \
+        and run.step("MoE layers", lambda: run.kernels(headline=False, moe=True, case_s=45.0)) \
+        and run.step("MoE engine", lambda: run.engine(["qwen3-30b-a3b"], ("throughput", "batch1")))
+
+
 def _engine(run: PhaseRun) -> None:
     run.step("limits", run.peaks) and run.step("engine", lambda: run.engine(
         ["qwen3-0.6b"], ("throughput", "profile", "batch1", "decode_steps", "transformers")))
@@ -335,6 +346,7 @@ PHASES = [
     Phase(7, "other-tests", 540.0, _test_phase("other tests", OTHER_TESTS)),
     Phase(8, "quant", 300.0, _quant),
     Phase(9, "tune", 300.0, _tune),
+    Phase(10, "moe", 540.0, _moe),
 ]
 
 
@@ -380,7 +392,7 @@ def run_phase(phase: Phase, args: argparse.Namespace, device: torch.device, out_
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--phase", default="all", help="all (default), a number 1-9 or a name (see the module doc)")
+    parser.add_argument("--phase", default="all", help="all (default), a number 1-10 or a name (see the module doc)")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="output directory (default: bench/results)")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (= --dry-run)")
     parser.add_argument("--dry-run", action="store_true",

@@ -850,6 +850,47 @@ def fp8_kv_decode_case(device, dtype, *, num_seqs: int, seq_len: int, num_q_head
                 baselines=[Baseline(f"{DTYPE_NAMES[dtype]}-KV decode", make_16bit)], check=lambda: reference(fn()))
 
 
+def fused_moe_case(device, dtype, *, tokens: int, experts: int, top_k: int, hidden: int, intermediate: int,
+                   target: Target | None = None) -> Case:
+    """One MoE layer (``pk.fused_moe``: both grouped GEMMs, the activation, the top-k sum, the alignment) on
+    routing drawn from a softmax of random logits, against the per-expert loop (its PyTorch twin: a GEMM of each
+    expert's tokens, transformers' eager loop). Bytes: the weights of the experts the batch routes to (each read
+    once) and the activations; FLOPs: 2 x slots x 3 x H x I. Up to 64 tokens the layer is bound by those bytes
+    (frac of copy bandwidth), from there by the matmul rate. On the CPU dry run the native kernel (bf16 panels,
+    float32 activations) runs as the engine runs it."""
+    gen = _generator(device)
+    w13 = _randn(experts, 2 * intermediate, hidden, dtype=dtype, device=device, gen=gen) * 0.02
+    w2 = _randn(experts, hidden, intermediate, dtype=dtype, device=device, gen=gen) * 0.02
+    x = _randn(tokens, hidden, dtype=dtype, device=device, gen=gen)
+    weights, ids = pk.moe_topk(_randn(tokens, experts, dtype=torch.float32, device=device, gen=gen), top_k,
+                               renormalize=True)
+    out = torch.empty(tokens, hidden, dtype=dtype, device=device)
+    w13_kernel, w2_kernel = w13, w2
+    if device.type == "cpu":
+        w13, w2 = w13.bfloat16().to(dtype), w2.bfloat16().to(dtype)
+        w13_kernel, w2_kernel = pk.pack_moe_weight(w13, torch.bfloat16), pk.pack_moe_weight(w2, torch.bfloat16)
+
+    def fn():
+        return pk.fused_moe(x, w13_kernel, w2_kernel, weights, ids, out=out)
+
+    def reference():
+        with pk.use_backend("torch"):
+            return pk.fused_moe(x.float(), w13.float(), w2.float(), weights, ids)
+
+    def loop():
+        loop_out = torch.empty_like(out)
+        return (lambda: pk.fused_moe(x, w13, w2, weights, ids, out=loop_out)), ""
+
+    active = int(torch.unique(ids).numel())
+    weight_bytes = active * 3 * hidden * intermediate * (2 if device.type == "cpu" else w13.element_size())
+    bytes_moved = weight_bytes + 2 * x.numel() * x.element_size()
+    return Case("fused_moe", f"{tokens} tokens, E={experts} top-{top_k}, H={hidden} I={intermediate} "
+                             f"({active} experts routed to)", dtype, fn, bytes_moved,
+                flops=2 * tokens * top_k * 3 * hidden * intermediate, bound="copy" if tokens <= 64 else "matmul",
+                baselines=[Baseline("per-expert loop", loop, context=lambda: pk.use_backend("torch"))],
+                check=lambda: assert_close(fn(), reference(), dtype, "fused_moe"), target=target)
+
+
 OP_OF_CASE = {decode_case: "paged_decode_attention", prefill_case: "paged_prefill_attention",
               reshape_and_cache_case: "reshape_and_cache", copy_blocks_case: "copy_blocks",
               swap_blocks_case: "swap_blocks", rms_norm_case: "rms_norm", fused_add_rms_norm_case: "fused_add_rms_norm",
@@ -857,6 +898,9 @@ OP_OF_CASE = {decode_case: "paged_decode_attention", prefill_case: "paged_prefil
 # The quantized ops (the GPU suite's phase "quant"), kept out of the main matrix.
 QUANT_OP_OF_CASE = {wq_gemm_case: "wq_gemm", fp8_gemm_case: "fp8_gemm",
                     fp8_kv_decode_case: "paged_decode_attention fp8-KV"}
+
+# The mixture-of-experts layers (the GPU suite's phase "moe"), kept out of the main matrix.
+MOE_OP_OF_CASE = {fused_moe_case: "fused_moe"}
 
 # The issue's targets (H100, bf16).
 DECODE_TARGET = Target("decode >= 0.90 of copy BW", "frac_of_peak", 0.90)
@@ -934,6 +978,29 @@ def quant_suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False)
     ]
 
 
+# Qwen3-30B-A3B's MoE layer (experts, top_k, hidden, intermediate), and Mixtral-8x7B's.
+QWEN3_30B_A3B_MOE = dict(experts=128, top_k=8, hidden=2048, intermediate=768)
+MIXTRAL_MOE = dict(experts=8, top_k=2, hidden=4096, intermediate=14336)
+MOE_DECODE_TARGET = Target("MoE layer, 1-64 tokens >= 0.80 of copy BW (active experts' weights)", "frac_of_peak", 0.80)
+MOE_PREFILL_TARGET = Target("MoE layer, 4096 tokens >= 0.60 of the bf16 matmul rate", "frac_of_peak", 0.60)
+
+
+def moe_suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False) -> list[functools.partial]:
+    """Qwen3-30B-A3B's layer at 1, 16, 64 tokens (each against copy bandwidth) and 4096 (against the matmul
+    rate), Mixtral-8x7B's at 1 and 4096; each against the per-expert loop."""
+    d = dict(device=device, dtype=dtype)
+    if tiny:
+        shape = dict(experts=8, top_k=2, hidden=128, intermediate=96)
+        return [partial(fused_moe_case, **d, tokens=1, **shape, target=MOE_DECODE_TARGET),
+                partial(fused_moe_case, **d, tokens=96, **shape, target=MOE_PREFILL_TARGET)]
+    return [
+        *(partial(fused_moe_case, **d, tokens=t, **QWEN3_30B_A3B_MOE, target=MOE_DECODE_TARGET) for t in (1, 16, 64)),
+        partial(fused_moe_case, **d, tokens=4096, **QWEN3_30B_A3B_MOE, target=MOE_PREFILL_TARGET),
+        partial(fused_moe_case, **d, tokens=1, **MIXTRAL_MOE),
+        partial(fused_moe_case, **d, tokens=4096, **MIXTRAL_MOE),
+    ]
+
+
 # Launch configurations (BLOCK_M, TILE_N, num_warps, num_stages) of the prefill kernel tried on the target shape
 # (head 128, GQA group 4, bf16) by the GPU suite's "tune" phase; the first is launch_config's own choice there.
 PREFILL_SWEEP = [(128, 32, 8, 2), (128, 32, 8, 3), (128, 32, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3),
@@ -997,7 +1064,7 @@ def run_suite(device: torch.device | str, *, tiny: bool = False, compile: bool =
               log: Callable[[str], None] = print, timer: Timer | None = None,
               on_progress: Callable[[dict], None] | None = None, headline: bool = False,
               baselines: set[str] | None = None, budget=None, case_s: float = 60.0, peaks: Peaks | None = None,
-              quant: bool = False, tune: bool = False) -> dict:
+              quant: bool = False, tune: bool = False, moe: bool = False) -> dict:
     """Measure the limits (unless ``peaks`` are given), then every case. Returns {"peaks", "rows", "targets",
     "not_run"} (plain dicts), also handed to ``on_progress`` after each case (so a caller can save partial
     results). On CUDA: bf16 and do_bench; on CPU: fp32 and the wall-clock timer (``timer`` overrides).
@@ -1005,7 +1072,8 @@ def run_suite(device: torch.device | str, *, tiny: bool = False, compile: bool =
     headline: only the cases that carry one of the issue's targets. baselines: keep only the baselines of these
     names. budget (a bench.budget.Budget): no case is started with less than ``case_s`` seconds left; the ones
     left out are listed in "not_run". quant: the quantized ops' cases (:func:`quant_suite`) instead of the main
-    matrix; tune: the prefill launch-configuration sweep (:func:`tune_suite`)."""
+    matrix; tune: the prefill launch-configuration sweep (:func:`tune_suite`); moe: the MoE layers
+    (:func:`moe_suite`)."""
     device = torch.device(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
@@ -1022,6 +1090,8 @@ def run_suite(device: torch.device | str, *, tiny: bool = False, compile: bool =
         builds, op_of = tune_suite(device, dtype, tiny=tiny), {prefill_tile_case: "paged_prefill_attention tiles"}
     elif quant:
         builds, op_of = quant_suite(device, dtype, tiny=tiny), QUANT_OP_OF_CASE
+    elif moe:
+        builds, op_of = moe_suite(device, dtype, tiny=tiny), MOE_OP_OF_CASE
     else:
         builds, op_of = suite(device, dtype, tiny=tiny, compile=compile), OP_OF_CASE
     for build in builds:
@@ -1133,6 +1203,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quant", action="store_true",
                         help="the quantized ops (W4A16 and FP8 GEMMs, fp8-KV decode) instead of the main matrix")
     parser.add_argument("--tune", action="store_true", help="the prefill kernel's launch-configuration sweep")
+    parser.add_argument("--moe", action="store_true", help="the mixture-of-experts layers instead of the main matrix")
     args = parser.parse_args(argv)
     device = "cpu" if args.dry_run else args.device
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -1140,7 +1211,7 @@ def main(argv: list[str] | None = None) -> int:
               "(--device cpu) to exercise the reporting code on tiny CPU shapes", file=sys.stderr)
         return 2
     result = run_suite(device, tiny=device == "cpu", compile=not args.no_compile, only=args.only, quant=args.quant,
-                       tune=args.tune)
+                       tune=args.tune, moe=args.moe)
     print()
     print(format_table(result["rows"]))
     print(format_targets(result["targets"]))

@@ -206,6 +206,15 @@ def _tune(result):
     assert sum(r["baseline"] == "sdpa-flash" for r in result["rows"]) == 1
 
 
+def _moe(result):
+    assert {r["op"] for r in result["rows"]} == set(gpu_suite.kernels.MOE_OP_OF_CASE.values())
+    assert all(r["check"] == "ok" and r["ratio"] is not None for r in result["rows"])
+    assert {t["target"] for t in result["targets"]} == {gpu_suite.kernels.MOE_DECODE_TARGET.name,
+                                                        gpu_suite.kernels.MOE_PREFILL_TARGET.name}
+    row = result["engine"]["models"]["qwen3-30b-a3b"]
+    assert row["engine"]["complete"] and row["engine"]["output_tokens"] > 0 and "decode_tokens_per_s" in row["batch1"]
+
+
 CHECKS = {"headline": _headline, "kernels": _kernels, "quant": _quant, "tune": _tune, "engine": _engine_model("qwen3-0.6b", True),
           "llama": _engine_model("llama-3-8b", False), "kernel-tests": _tests("kernel tests"),
-          "engine-tests": _tests("engine tests on CUDA"), "other-tests": _tests("other tests")}
+          "engine-tests": _tests("engine tests on CUDA"), "other-tests": _tests("other tests"), "moe": _moe}

@@ -416,9 +416,12 @@ def fused_moe_launch_config(num_tokens: int, num_experts: int, top_k: int, n: in
     ``PROGRAMS_PER_SM`` programs per SM, else 16 (Qwen3-30B-A3B on an H100's 132 SMs: at one token 8 busy
     experts x 768 / 16 = 384 programs of GEMM 1, where 32 columns would leave 192; at 16 tokens 128 experts x
     768 / 64), with 128-column K tiles and 3 stages to keep loads in flight. Larger r: 64-column blocks (32 gated:
-    its two accumulators make the same 64 x 64 of float32 per 64-row block), 64-column K tiles, 4 warps, 3 stages,
-    GROUP_M 8 so that neighbouring programs share a column block: the quantized GEMM's 64 x 64 x 64 (64 x 128
-    plain and 64 x 64 gated over 8 warps spilled 88-192 B on sm_80 with Triton 3.9). fp32 (ieee FMA dots, a
+    its two accumulators make the same 64 x 64 of float32 per row block), 64-column K tiles, 3 stages, GROUP_M 8 so
+    that neighbouring programs share a column block; 8 warps for 64-row blocks. The gathered A rows make each
+    program hold its (BLOCK_M, BLOCK_K) pointers, and where strides are no multiple of 16 (hidden 1000) loads are
+    not vectorized: 64-row blocks over 4 warps then took 255 registers and spilled 92-240 B (sm_90 and sm_80,
+    Triton 3.9), over 8 warps 159-223 and none; aligned shapes take 46-80. 64 x 128 plain and 64 x 64 gated
+    spilled even aligned (88-192 B, sm_80). fp32 (ieee FMA dots, a
     correctness dtype): 32-column tiles over 8 warps and 2 stages, as the quantized GEMM's fp32 launches.
     Interpreter (CPU): BLOCK_M and GROUP_M as on CUDA, 16/32-column and 32-deep tiles, so tests cross every tile
     edge (and the last, partial group of row blocks) at small sizes.
@@ -438,7 +441,7 @@ def fused_moe_launch_config(num_tokens: int, num_experts: int, top_k: int, n: in
                 block_n = candidate
                 break
         return MoELaunchConfig(16, block_n, 128, 1, 4, 3)
-    return MoELaunchConfig(block_m, 32 if gated else 64, 64, 8, 4, 3)
+    return MoELaunchConfig(block_m, 32 if gated else 64, 64, 8, 8 if block_m == 64 else 4, 3)
 
 
 # Values per program of the top-k sum: 32 float32 accumulators per thread of 4 warps.

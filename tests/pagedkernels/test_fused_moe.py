@@ -282,7 +282,7 @@ def test_launch_configs_from_shapes():
     down = fused_moe_launch_config(64, 128, 8, 2048, 768, False, torch.bfloat16, "cuda", 132)
     assert (down.block_m, down.block_n) == (16, 64)
     big = fused_moe_launch_config(4096, 128, 8, 768, 2048, True, torch.bfloat16, "cuda", 132)
-    assert (big.block_m, big.block_n, big.block_k) == (64, 32, 64)
+    assert (big.block_m, big.block_n, big.block_k, big.num_warps) == (64, 32, 64, 8)
     for tokens in (1, 64, 4096):
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             for gated, n, k in ((True, 768, 2048), (False, 2048, 768), (True, 14336, 4096)):
