@@ -72,9 +72,10 @@ def test_greedy_matches_transformers(tiny_model_dir, arch):
 # tensor and expert parallelism
 # ---------------------------------------------------------------------------------------------
 
-# world size -> (arch, enable_expert_parallel): every architecture whose heads split that way, both ways.
-PARALLEL_CASES = {2: [("mixtral", False), ("qwen2_moe", False), ("olmoe", False), ("mixtral", True),
-                      ("qwen2_moe", True)],
+# world size -> (arch, enable_expert_parallel): the shared expert's partial sum (Qwen2-MoE) and OLMoE's q/k norms
+# over gathered heads under expert slices, Mixtral's experts whole; 3 ranks slicing Qwen3-MoE's experts and
+# sharing its 16 experts unevenly (6, 5, 5). (Qwen2-MoE whole over 2 ranks: the engine test below.)
+PARALLEL_CASES = {2: [("qwen2_moe", False), ("olmoe", False), ("mixtral", True)],
                   3: [("qwen3_moe", False), ("qwen3_moe", True)]}
 
 
@@ -210,6 +211,20 @@ def test_dummy_weights_from_a_config_alone(tmp_path):
     assert len(out[0].outputs[0].token_ids) == 5
     layer = next(m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, FusedMoE))
     assert layer.w13_packed.dtype == torch.float32 and torch.isfinite(layer.w13_packed).all()
+
+
+def test_cli_generate_runs_a_moe_directory(tiny_model_dir, capsys):
+    """``python -m engine generate --model <MoE dir>`` as for dense models (in-process), greedy: the text of the
+    engine's tokens."""
+    from engine.__main__ import main
+
+    model_dir = tiny_model_dir("qwen3_moe")
+    main(["generate", "Once upon a time", "--model", model_dir, "--max-tokens", "6", "--num-kv-blocks", "16",
+          "--max-model-len", "128"])
+    printed = capsys.readouterr().out
+    llm = LLM(model_dir, num_kv_blocks=16, max_model_len=128, enforce_eager=True)
+    expected = llm.generate("Once upon a time", SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+    assert printed == expected[0].outputs[0].text + "\n" and expected[0].outputs[0].token_ids
 
 
 def test_the_cuda_paths_capture_with_no_host_sync(tiny_model_dir):
