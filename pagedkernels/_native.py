@@ -5,8 +5,10 @@ decoding sequences the attention twin spends ~100 us per sequence and layer, and
 rotary embedding of a decode batch is half a dozen small tensor ops. ``paged_attention_cpu.c`` walks
 the block table directly (no gathered copy of K/V) with an online softmax, one OpenMP work item per
 (sequence, KV head, chunk of 16 queries); ``elementwise_cpu.c`` does RMSNorm (with the residual add),
-rotary embedding and SiLU-and-mul in one pass each. Both run on torch's own OpenMP runtime (same
-soname, already loaded by torch).
+rotary embedding and SiLU-and-mul in one pass each; ``moe_cpu.c`` does a mixture-of-experts layer in one call
+(the routing's top-k; the experts: a counting sort of the routed slots by expert, then each expert's slots one
+GEMM through the 16-bit-weight GEMM's panel kernel, ``w16_panel.h``). All run on torch's own OpenMP runtime
+(same soname, already loaded by torch).
 
 The kernels check the metadata values that index memory (block ids, lengths, slots, positions) in
 the same pass that uses them and report a bad one with a return code; the op then runs its Python

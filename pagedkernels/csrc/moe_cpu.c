@@ -51,7 +51,7 @@ int pk_moe_topk(const void *logits, int64_t l_s0, int l_dt, int64_t M, int64_t E
         } else {
             float z_max = z[0], sum = 0.0f;
             for (int64_t e = 1; e < E; e++) z_max = z[e] > z_max ? z[e] : z_max;
-            for (int64_t e = 0; e < E; e++) sum += score[e] = expf(z[e] - z_max);
+            for (int64_t e = 0; e < E; e++) sum += score[e] = exp_nonpositive(z[e] - z_max);
             for (int64_t e = 0; e < E; e++) score[e] /= sum;
         }
         for (int64_t e = 0; e < E; e++) select[e] = bias ? score[e] + bias_f[e] : score[e];
@@ -94,11 +94,18 @@ int pk_moe_topk(const void *logits, int64_t l_s0, int l_dt, int64_t M, int64_t E
 
 /* ---------------------------------------------------------------------------------------------- experts */
 
-static inline float silu(float g) { return g / (1.0f + expf(-g)); }
+/* silu(g) = g / (1 + exp(-g)) with exp taken of -|g| (never overflows), as pk_silu_and_mul: vectorizable. */
+static inline float silu(float g) {
+    const float e = exp_nonpositive(g >= 0.0f ? -g : g);
+    return (g >= 0.0f ? g : g * e) / (1.0f + e);
+}
 
+/* 0.5 g (1 + tanh(u)), u = sqrt(2 / pi) (g + 0.044715 g^3), tanh(u) = sign(u) (1 - e) / (1 + e), e = exp(-2|u|). */
 static inline float gelu_tanh(float g) {
     const float u = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-    return 0.5f * g * (1.0f + tanhf(u));
+    const float e = exp_nonpositive(-2.0f * (u >= 0.0f ? u : -u));
+    const float t = (1.0f - e) / (1.0f + e);
+    return 0.5f * g * (1.0f + (u >= 0.0f ? t : -t));
 }
 
 static inline int64_t read_id(const void *ids, int ids_64, int64_t i) {
@@ -184,8 +191,10 @@ int pk_fused_moe(const float *x, int64_t x_s0, int64_t M, int64_t H, const void 
             const float *y = Y + r * 2 * I;
             float *a = A + r * I;
             if (act == 0) {
+#pragma omp simd
                 for (int64_t i = 0; i < I; i++) a[i] = silu(y[i]) * y[I + i];
             } else {
+#pragma omp simd
                 for (int64_t i = 0; i < I; i++) a[i] = gelu_tanh(y[i]) * y[I + i];
             }
         }
@@ -212,6 +221,7 @@ int pk_fused_moe(const float *x, int64_t x_s0, int64_t M, int64_t H, const void 
                 if (row < 0) continue;
                 const float wj = w[j];
                 const float *z = Y + (int64_t)row * H;
+#pragma omp simd
                 for (int64_t h = 0; h < H; h++) o[h] += wj * z[h];
             }
         }
