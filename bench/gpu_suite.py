@@ -18,7 +18,9 @@
    against 16-bit-KV decode.
 9. tune (300 s): the prefill kernel's launch configurations on the target shape against SDPA-flash (which tiles
    launch_config should pick on this GPU).
-10. moe (540 s): the mixture-of-experts layer (pagedkernels.fused_moe) at Qwen3-30B-A3B's shape, 1 / 16 / 64 tokens
+10. async (540 s): host syncs per step kind under torch.cuda.set_sync_debug_mode (bench/sync_audit.py), then the
+   Qwen3-0.6B-shape throughput and step profile without and with async scheduling, side by side.
+11. moe (540 s): the mixture-of-experts layer (pagedkernels.fused_moe) at Qwen3-30B-A3B's shape, 1 / 16 / 64 tokens
    against copy bandwidth (the routed experts' weights) and 4096 against the bf16 matmul rate, Mixtral-8x7B's at 1
    and 4096, each against the per-expert loop; then the engine on a Qwen3-30B-A3B-shaped dummy model (61 GB of
    bf16), nano-vllm's protocol and batch-1 decode, its output tok/s beside phase 1's dense Qwen3-0.6B figure.
@@ -270,14 +272,14 @@ class PhaseRun:
             self.result["errors"].append(f"{label}: {run['summary']}")
 
     def engine(self, models: list[str], parts: tuple[str, ...], transformers_min_s: float = 0.0,
-               reserve_s: float = 0.0) -> None:
-        """bench.engine_gpu's ``parts`` (added to this phase's earlier engine results), within the budget less
-        ``reserve_s`` seconds kept for the steps after it."""
+               reserve_s: float = 0.0, async_scheduling: bool | None = None, key: str = "engine") -> None:
+        """bench.engine_gpu's ``parts`` (added to this phase's earlier engine results under ``key``), within the
+        budget less ``reserve_s`` seconds kept for the steps after it."""
         from bench import engine_gpu
 
         def progress(partial: dict) -> None:
-            self.result["engine"] = partial
-            self.result["engine_targets"] = partial["targets"]
+            self.result[key] = partial
+            self.result[f"{key}_targets"] = partial["targets"]
             self.save()
 
         peaks = self.result.get("peaks") or {}
@@ -285,7 +287,13 @@ class PhaseRun:
         engine_gpu.run(self.device, tiny=self.dry_run, models=models, parts=parts,
                        copy_gbps=peaks.get("copy_gbps"), budget=budget, transformers_min_s=transformers_min_s,
                        on_progress=progress, log=lambda line: print(line, flush=True),
-                       results=self.result.get("engine"))
+                       results=self.result.get(key), async_scheduling=async_scheduling)
+
+    def sync_audit(self) -> None:
+        from bench import sync_audit
+
+        self.result["sync_audit"] = sync_audit.run(self.device, tiny=self.dry_run,
+                                                   log=lambda line: print(line, flush=True))
 
 
 def _headline(run: PhaseRun) -> None:
@@ -332,6 +340,16 @@ def _llama(run: PhaseRun) -> None:
         ["llama-3-8b"], ("throughput", "profile", "batch1", "decode_steps")))
 
 
+def _async(run: PhaseRun) -> None:
+    run.step("limits", run.peaks) \
+        and run.step("sync audit", run.sync_audit) \
+        and run.step("engine without async scheduling", lambda: run.engine(
+            ["qwen3-0.6b"], ("throughput", "profile"), async_scheduling=False, key="engine_sync",
+            reserve_s=run.budget.remaining() / 2)) \
+        and run.step("engine with async scheduling", lambda: run.engine(
+            ["qwen3-0.6b"], ("throughput", "profile"), async_scheduling=True))
+
+
 def _test_phase(label: str, args: list[str]) -> Callable[[PhaseRun], None]:
     return lambda run: run.step(label, lambda: run.tests(label, args))
 
@@ -346,7 +364,8 @@ PHASES = [
     Phase(7, "other-tests", 540.0, _test_phase("other tests", OTHER_TESTS)),
     Phase(8, "quant", 300.0, _quant),
     Phase(9, "tune", 300.0, _tune),
-    Phase(10, "moe", 540.0, _moe),
+    Phase(10, "async", 540.0, _async),
+    Phase(11, "moe", 540.0, _moe),
 ]
 
 
@@ -392,7 +411,7 @@ def run_phase(phase: Phase, args: argparse.Namespace, device: torch.device, out_
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--phase", default="all", help="all (default), a number 1-10 or a name (see the module doc)")
+    parser.add_argument("--phase", default="all", help="all (default), a number 1-11 or a name (see the module doc)")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="output directory (default: bench/results)")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (= --dry-run)")
     parser.add_argument("--dry-run", action="store_true",

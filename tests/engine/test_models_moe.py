@@ -24,7 +24,7 @@ from engine import distributed as engine_dist
 from engine.config import ModelConfig
 from engine.distributed.parallel_state import free_port, planned_layout
 from engine.layers.fused_moe import FusedMoE, expert_range
-from engine.models import get_model_class
+from engine.models import get_model_class, load_model_config
 from engine.worker.model_runner import ModelRunner
 from tests.engine.models_util import (TINY_MOE_ARCHITECTURES, engine_config, load_hf_model, random_token_ids,
                                       tiny_config)
@@ -151,7 +151,7 @@ def test_expert_shares():
 def _config(arch: str, tmp_path, **overrides) -> ModelConfig:
     config = tiny_config(arch, **overrides)
     config.to_json_file(str(tmp_path / "config.json"))
-    return ModelConfig.from_pretrained(str(tmp_path), device="cpu")
+    return load_model_config(str(tmp_path), device="cpu")
 
 
 def test_config_mapping(tmp_path):
@@ -171,10 +171,10 @@ def test_config_mapping(tmp_path):
                                                                    "moe_intermediate_size": 32}
     text.pop("num_local_experts", None)
     (tmp_path / "config.json").write_text(json.dumps(text))
-    assert ModelConfig.from_pretrained(str(tmp_path), device="cpu").num_experts == 12
+    assert load_model_config(str(tmp_path), device="cpu").num_experts == 12
     (tmp_path / "config.json").write_text(json.dumps(text | {"num_experts_per_tok": 13}))
     with pytest.raises(ValueError, match=r"num_experts_per_tok must be in \[1, num_experts=12\]"):
-        ModelConfig.from_pretrained(str(tmp_path), device="cpu")
+        load_model_config(str(tmp_path), device="cpu")
 
 
 def test_shapes_that_do_not_shard_are_refused(tmp_path):
