@@ -28,7 +28,6 @@ Backends:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
