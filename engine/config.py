@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -21,6 +22,8 @@ from engine.platform import DevicePolicy
 
 from engine.gguf_file import is_gguf_path, read_gguf_config
 from engine.models import architecture_of_model_type, get_model_class
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -88,10 +91,10 @@ class ModelConfig:
         ``quantization``: a method name (``"fp8"``, ``"gptq"``, ...) the checkpoint's quantization_config
         must agree with, or that quantizes a float checkpoint on load (fp8); None follows the checkpoint.
 
-        ``dtype="auto"`` follows the checkpoint, except that bf16/fp16 checkpoints run in float32 on
-        CPU (``device`` None means CUDA when available, else CPU), where half-precision matmuls are
-        slow and inexact. ``max_model_len`` defaults to ``max_position_embeddings`` and may not
-        exceed it.
+        ``dtype="auto"`` follows the checkpoint, except on CPUs without fast arithmetic for it (``device``
+        None means CUDA when available, else CPU): bf16 checkpoints run in bf16 on CPUs with AMX-BF16 or
+        AVX512-BF16 and in float32 on others, float16 ones in float32 (see :func:`resolve_dtype`).
+        ``max_model_len`` defaults to ``max_position_embeddings`` and may not exceed it.
         """
         model_dir = os.fspath(model_dir)
         if is_gguf_path(model_dir):   # a GGUF file: config and special tokens from its metadata
@@ -213,8 +216,10 @@ def read_layer_types(text: dict, num_layers: int) -> list[str] | None:
 
 def resolve_dtype(requested: str | torch.dtype, checkpoint: str | None,
                   device: str | torch.device | None) -> torch.dtype:
-    """The dtype to run in: an explicit request wins; "auto" takes the checkpoint's dtype
-    (float32 when unnamed) but runs half-precision checkpoints in float32 on CPU."""
+    """The dtype to run in: an explicit request wins; "auto" takes the checkpoint's dtype (float32 when unnamed),
+    except where the CPU has no fast arithmetic for it (:meth:`DevicePolicy.auto_dtype`: bf16 checkpoints run in bf16 on
+    CPUs with AMX-BF16 or AVX512-BF16, in float32 on others; float16 ones in float32 on every CPU). The choice and its
+    reason are logged."""
     if isinstance(requested, torch.dtype):
         if requested not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {requested}")
@@ -226,7 +231,9 @@ def resolve_dtype(requested: str | torch.dtype, checkpoint: str | None,
     dtype = _DTYPES.get(str(checkpoint).replace("torch.", "").lower(), torch.float32)
     device_type = torch.device(device).type if device is not None else (
         "cuda" if torch.cuda.is_available() else "cpu")
-    return torch.float32 if DevicePolicy.for_device(device_type).upcast_half_precision else dtype
+    chosen, reason = DevicePolicy.for_device(device_type).auto_dtype(dtype)
+    logger.info("dtype 'auto' on %s: %s", device_type, reason)
+    return chosen
 
 
 def _read_json(path: str, *, required: bool) -> dict | None:

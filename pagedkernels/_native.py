@@ -71,6 +71,7 @@ def native_extra_flags() -> list[str]:
     return os.environ.get("PAGEDKERNELS_NATIVE_CFLAGS", "").split()
 
 
+@functools.lru_cache(maxsize=None)
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as Linux names them in /proc/cpuinfo (``avx2``, ``avx512f``, ``avx512_bf16``,
     ``amx_bf16``, ...); empty where there is no /proc/cpuinfo."""
