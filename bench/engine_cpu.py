@@ -567,7 +567,8 @@ def compare_dtypes(results: dict[str, dict], outputs: dict[str, list], cpu_bf16:
         targets += [{"target": f"48 requests: {engine_bf16} >= 1.2x {vllm_bf16}", "value": row["throughput_ratio"],
                      "status": status(row["throughput_ratio"] >= 1.2)},
                     {"target": f"single stream: {engine_bf16} >= 2x {vllm_bf16}",
-                     "value": row["single_stream_decode_ratio"], "status": status(row["single_stream_decode_ratio"] >= 2)}]
+                     "value": row["single_stream_decode_ratio"],
+                     "status": status(row["single_stream_decode_ratio"] >= 2)}]
     if ("engine", "vllm") in by_pair:
         row = by_pair[("engine", "vllm")]
         targets.append({"target": "float32: engine ahead of vllm (float32)", "value": row["throughput_ratio"],

@@ -72,8 +72,9 @@ def table(summary: dict) -> str:
     lines = [f"{'side':<7} {'dtype':<9} {'load':<8} {'rounds':>6} {'out tok/s':>10} {'TTFT med ms':>12} "
              f"{'TPOT ms':>8} {'failed':>6}"]
     for c in summary["columns"]:
-        lines.append(f"{c['side']:<7} {c['dtype']:<9} {c['load']:<8} {c['rounds']:>6} {_fmt(c['output_tok_s'], '.1f'):>10}"
-                     f" {_fmt(c['ttft_median_ms'], '.0f'):>12} {_fmt(c['tpot_mean_ms'], '.1f'):>8} {c['failed']:>6}")
+        lines.append(f"{c['side']:<7} {c['dtype']:<9} {c['load']:<8} {c['rounds']:>6} "
+                     f"{_fmt(c['output_tok_s'], '.1f'):>10} {_fmt(c['ttft_median_ms'], '.0f'):>12} "
+                     f"{_fmt(c['tpot_mean_ms'], '.1f'):>8} {c['failed']:>6}")
     for r in summary["engine_vs_vllm"]:
         lines.append(f"{r['load']}: engine {r['engine_dtype']} / vllm {r['vllm_dtype']}: output tok/s "
                      f"{_fmt(r['output_tok_s_ratio'], '.2f')}x, TTFT median {_fmt(r['ttft_median_ratio'], '.2f')}x")

@@ -60,13 +60,13 @@ class DevicePolicy:
     cpu_bf16_isa: str | None = None
     # Rows up to which a bf16 product on the CPU takes the layer's panel-packed copy (pagedkernels.w16_gemm: one pass
     # over the weight, vdpbf16ps where the CPU has it) instead of oneDNN's prepacked bf16 inner product. Up to a few
-    # dozen rows a product is bound by its weight's bytes, past that by arithmetic. Estimates, not yet measured on such
-    # machines (ENGINE_CPU_BF16_W16_MAX_ROWS overrides them): with AMX oneDNN's tiles outrun any vector kernel once a
-    # product leaves the memory-bound range, so 16; with AVX512-BF16 alone both multiply in vdpbf16ps, as the float32
-    # path's kernel and oneDNN both use FMAs, where 64 measured best (engine/layers/quantization/unquantized.py). Without
-    # either, oneDNN has no bf16 inner product (it needs AVX512BW/VL/DQ or AVX-NE-CONVERT) and torch's fallback bf16
-    # GEMM is far slower than the packed kernel at any size (2-core EPYC, one thread: [256, 576] x [576, 1536] 109 ms
-    # against 13 ms): every row. None: no limit.
+    # dozen rows a product is bound by its weight's bytes, past that by arithmetic. Estimates, not yet measured on
+    # such machines (ENGINE_CPU_BF16_W16_MAX_ROWS overrides them): with AMX oneDNN's tiles outrun any vector kernel
+    # once a product leaves the memory-bound range, so 16; with AVX512-BF16 alone both multiply in vdpbf16ps, as the
+    # float32 path's kernel and oneDNN both use FMAs, where 64 measured best (engine/layers/quantization/
+    # unquantized.py). Without either, oneDNN has no bf16 inner product (it needs AVX512BW/VL/DQ or AVX-NE-CONVERT)
+    # and torch's fallback bf16 GEMM is far slower than the packed kernel at any size (2-core EPYC, one thread,
+    # loaded: [256, 576] x [576, 1536] 109 ms against 13 ms): every row. None: no limit.
     cpu_bf16_w16_max_rows: int | None = None
 
     @classmethod
@@ -101,8 +101,8 @@ class DevicePolicy:
             return torch.bfloat16, f"the checkpoint's bfloat16: this CPU has {isa}"
         if checkpoint == torch.bfloat16:
             return torch.float32, ("float32, not the checkpoint's bfloat16: this CPU has neither AMX-BF16 nor "
-                                   "AVX512-BF16, so each bf16 product would be a float32 one on widened values; float32 "
-                                   "decodes on 16-bit weight copies, the same bytes")
+                                   "AVX512-BF16, so each bf16 product would be a float32 one on widened values; "
+                                   "float32 decodes on 16-bit weight copies, the same bytes")
         return torch.float32, (f"float32, not the checkpoint's {name}: the CPU kernels have no fast {name} "
                                f"arithmetic (decode reads 16-bit weight copies)")
 

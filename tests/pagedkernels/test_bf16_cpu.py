@@ -150,7 +150,8 @@ def test_avx512_bf16_builds(target, tmp_path):
         march, extra = "znver3", _ZEN4_FLAGS
     if not _accepts_march(march):
         pytest.skip(f"{_native.c_compiler()} does not know -march={march}")
-    with mock.patch.dict(os.environ, {"PAGEDKERNELS_NATIVE_MARCH": march, "PAGEDKERNELS_NATIVE_CFLAGS": " ".join(extra)}):
+    flags = {"PAGEDKERNELS_NATIVE_MARCH": march, "PAGEDKERNELS_NATIVE_CFLAGS": " ".join(extra)}
+    with mock.patch.dict(os.environ, flags):
         graph_c = tmp_path / "graph_cpu.c"
         graph_c.write_text(_native.graph_source())
         built = tmp_path / "lib.so"
