@@ -93,7 +93,7 @@ class ModelConfig:
 
         ``dtype="auto"`` follows the checkpoint, except on CPUs without fast arithmetic for it (``device``
         None means CUDA when available, else CPU): bf16 checkpoints run in bf16 on CPUs with AMX-BF16 or
-        AVX512-BF16 and in float32 on others, float16 ones in float32 (see :func:`resolve_dtype`).
+        AVX512-BF16 and in float32 on others, float16 and quantized ones in float32 (see :func:`resolve_dtype`).
         ``max_model_len`` defaults to ``max_position_embeddings`` and may not exceed it.
         """
         model_dir = os.fspath(model_dir)
@@ -139,7 +139,8 @@ class ModelConfig:
             max_model_len=max_model_len,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", text.get("tie_word_embeddings", tie_default))),
             dtype=resolve_dtype(dtype, hf.get("dtype", hf.get("torch_dtype", text.get("dtype", text.get("torch_dtype")))),
-                                device),
+                                device, quantized=bool(quantization or hf.get("quantization_config")
+                                                       or text.get("quantization_config") or is_gguf_path(model_dir))),
             eos_token_ids=frozenset(_ids(text.get("eos_token_id", hf.get("eos_token_id"))) | _ids(gen.get("eos_token_id"))),
             bos_token_id=_first(gen.get("bos_token_id", text.get("bos_token_id"))),
             pad_token_id=_first(gen.get("pad_token_id", text.get("pad_token_id"))),
@@ -215,11 +216,11 @@ def read_layer_types(text: dict, num_layers: int) -> list[str] | None:
 
 
 def resolve_dtype(requested: str | torch.dtype, checkpoint: str | None,
-                  device: str | torch.device | None) -> torch.dtype:
+                  device: str | torch.device | None, *, quantized: bool = False) -> torch.dtype:
     """The dtype to run in: an explicit request wins; "auto" takes the checkpoint's dtype (float32 when unnamed),
     except where the CPU has no fast arithmetic for it (:meth:`DevicePolicy.auto_dtype`: bf16 checkpoints run in bf16 on
-    CPUs with AMX-BF16 or AVX512-BF16, in float32 on others; float16 ones in float32 on every CPU). The choice and its
-    reason are logged."""
+    CPUs with AMX-BF16 or AVX512-BF16, in float32 on others; float16 ones, and ``quantized`` models (GPTQ, AWQ, fp8,
+    GGUF), in float32 on every CPU). The choice and its reason are logged."""
     if isinstance(requested, torch.dtype):
         if requested not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {requested}")
@@ -231,7 +232,7 @@ def resolve_dtype(requested: str | torch.dtype, checkpoint: str | None,
     dtype = _DTYPES.get(str(checkpoint).replace("torch.", "").lower(), torch.float32)
     device_type = torch.device(device).type if device is not None else (
         "cuda" if torch.cuda.is_available() else "cpu")
-    chosen, reason = DevicePolicy.for_device(device_type).auto_dtype(dtype)
+    chosen, reason = DevicePolicy.for_device(device_type).auto_dtype(dtype, quantized=quantized)
     logger.info("dtype 'auto' on %s: %s", device_type, reason)
     return chosen
 

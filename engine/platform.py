@@ -81,7 +81,7 @@ class DevicePolicy:
                    cpu_bf16_isa=None if on_gpu else pk_native.cpu_bf16_isa(),
                    cpu_bf16_w16_max_rows=None if on_gpu else _cpu_bf16_w16_max_rows(pk_native.cpu_bf16_isa()))
 
-    def auto_dtype(self, checkpoint: torch.dtype) -> tuple[torch.dtype, str]:
+    def auto_dtype(self, checkpoint: torch.dtype, *, quantized: bool = False) -> tuple[torch.dtype, str]:
         """What ``dtype="auto"`` runs a checkpoint stored in ``checkpoint`` in, and why (a line for the log).
 
         A GPU, and a float32 checkpoint anywhere: the checkpoint's dtype. On a CPU, a bf16 checkpoint runs in bf16
@@ -89,10 +89,15 @@ class DevicePolicy:
         vdpbf16ps) and the native kernels built, as vLLM's CPU backend runs it in bf16; elsewhere in float32, where
         every bf16 product would be a float32 one on widened values anyway, and the float32 path's 16-bit weight copies
         read the same bytes per decode step. float16 checkpoints run in float32 on every CPU (no kernel here has fast
-        float16 arithmetic; their weights keep 16-bit copies for decode too)."""
+        float16 arithmetic; their weights keep 16-bit copies for decode too), and so do ``quantized`` ones (GPTQ, AWQ,
+        fp8, GGUF): their GEMMs read the quantized weights whatever the activations' dtype, so bf16 would speed up only
+        the rest, and their CPU kernels are tuned and tested with float32 activations."""
         name = str(checkpoint).replace("torch.", "")
         if self.device.type != "cpu" or checkpoint == torch.float32:
             return checkpoint, f"the checkpoint's dtype, {name}"
+        if quantized:
+            return torch.float32, (f"float32, not the checkpoint's {name}: a quantized model's CPU GEMMs read its "
+                                   f"quantized weights whatever the activations' dtype and take float32 ones")
         isa = {"amx-bf16": "AMX-BF16", "avx512-bf16": "AVX512-BF16 (no AMX)"}.get(self.cpu_bf16_isa)
         if checkpoint == torch.bfloat16 and isa is not None:
             if pk_native.library() is None:

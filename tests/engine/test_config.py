@@ -229,14 +229,17 @@ def test_tiny_new_architectures(tiny_model_dir):
                                                                           "AMX-BF16"),
     ({"avx512_bf16", "amx_bf16", "amx_tile"}, "float16", torch.float32, "float32, not the checkpoint's float16"),
     ({"avx2"}, "float32", torch.float32, "the checkpoint's dtype, float32"),
+    ({"avx512_bf16", "amx_bf16", "amx_tile"}, ("bfloat16", "gptq"), torch.float32, "a quantized model's CPU GEMMs"),
 ])
 def test_dtype_auto_on_cpu_follows_its_bf16_arithmetic(tmp_path, monkeypatch, caplog, flags, checkpoint, expected,
                                                        reason):
     """dtype="auto" on a CPU: a bf16 checkpoint runs in bf16 where the CPU has AMX-BF16 or AVX512-BF16 (its flags in
-    /proc/cpuinfo), in float32 elsewhere; float16 in float32 everywhere; one log line says which and why. An explicit
-    dtype is taken as asked."""
+    /proc/cpuinfo), in float32 elsewhere; float16 and quantized checkpoints in float32 everywhere; one log line says
+    which and why. An explicit dtype is taken as asked."""
     monkeypatch.setattr(pk_native, "cpu_flags", lambda: frozenset(flags))
-    model_dir = write_config(tmp_path, {"torch_dtype": checkpoint})
+    checkpoint, quant = checkpoint if isinstance(checkpoint, tuple) else (checkpoint, None)
+    quant_config = {"quantization_config": {"quant_method": quant, "bits": 4, "group_size": 128}} if quant else {}
+    model_dir = write_config(tmp_path, {"torch_dtype": checkpoint, **quant_config})
     with caplog.at_level("INFO", logger="engine.config"):
         assert ModelConfig.from_pretrained(model_dir, device="cpu").dtype == expected
     lines = [r.getMessage() for r in caplog.records if r.name == "engine.config"]
