@@ -64,6 +64,39 @@ def native_march() -> str:
     return os.environ.get("PAGEDKERNELS_NATIVE_MARCH", "native").strip() or "native"
 
 
+def native_extra_flags() -> list[str]:
+    """Compiler flags added to the build from ``PAGEDKERNELS_NATIVE_CFLAGS`` (whitespace-separated; part of the
+    cache key like every flag): an ISA the ``-march`` lacks (``-mavx512bf16``), or ``-DPK_EMULATE_AVX512BF16``, which
+    builds the AVX512-BF16 kernels with their one instruction emulated, so a machine without it tests the rest."""
+    return os.environ.get("PAGEDKERNELS_NATIVE_CFLAGS", "").split()
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux names them in /proc/cpuinfo (``avx2``, ``avx512f``, ``avx512_bf16``,
+    ``amx_bf16``, ...); empty where there is no /proc/cpuinfo."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_bf16_isa(flags: frozenset[str] | None = None) -> str | None:
+    """The CPU's fast bf16 arithmetic: ``"amx-bf16"`` (AMX tiles, Intel Xeons since Sapphire Rapids), ``"avx512-bf16"``
+    (pair dot products without AMX: Cooper Lake, AMD Zen 4 and 5), or None (bf16 only widened to float32: AVX2 and
+    older, and every non-x86 CPU here). ``flags``: /proc/cpuinfo's (default: this machine's)."""
+    flags = cpu_flags() if flags is None else flags
+    if "amx_bf16" in flags and "amx_tile" in flags:
+        return "amx-bf16"
+    if "avx512_bf16" in flags:
+        return "avx512-bf16"
+    return None
+
+
 def c_compiler() -> str | None:
     """The C compiler the kernels build with: ``CC``, else ``cc``, else ``gcc`` on PATH (None if none)."""
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -74,8 +107,8 @@ def _compile_command(compiler: str, sources: tuple[Path, ...], dst: Path) -> lis
     # if-convert a float comparison (it might raise "invalid"), so every loop with a select (the exp's clamp,
     # SiLU's sign, the softmax's tile mask) stayed scalar wherever there are no AVX-512 masks: SiLU-and-mul
     # built for AVX2 ran element by element. It allows no reassociation: results are the same bits.
-    return [compiler, "-O3", f"-march={native_march()}", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC",
-            "-std=gnu11", *map(str, sources), "-o", str(dst), "-lm"]
+    return [compiler, "-O3", f"-march={native_march()}", *native_extra_flags(), "-fno-trapping-math", "-fopenmp",
+            "-shared", "-fPIC", "-std=gnu11", *map(str, sources), "-o", str(dst), "-lm"]
 
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
@@ -94,7 +127,8 @@ SIGNATURES = {
     "pk_quant_gemm": [_ptr, _i64, _i32, _i64, _i64, _ptr, _i64, _i32, _i64, _ptr, _ptr, _i32, _ptr, _i64, _i32, _i32],
     "pk_quant_dequantize": [_ptr, _i64, _i64, _i32, _i64, _ptr, _ptr, _i32, _ptr, _i64, _i32, _i32],
     "pk_quant_simd_level": [],
-    "pk_w16_gemm": [_ptr, _i64, _i64, _i64, _ptr, _i64, _i32, _ptr, _i64, _i32],
+    "pk_w16_gemm": [_ptr, _i64, _i32, _i64, _i64, _ptr, _i64, _i32, _ptr, _i64, _i32, _i32],
+    "pk_bf16_dot_path": [],
 }
 # Kernels a CPU graph (pagedkernels.cpu_graph) can record and replay, by their index in this tuple.
 GRAPH_KERNELS = tuple(name for name, argtypes in SIGNATURES.items() if argtypes)
@@ -109,7 +143,7 @@ ROW_ARGS = {
     "pk_rotary_embedding": (1,),      # num_tokens
     "pk_silu_and_mul": (4,),          # rows
     "pk_quant_gemm": (3,),            # M
-    "pk_w16_gemm": (2,),              # M
+    "pk_w16_gemm": (3,),              # M
 }
 
 
@@ -348,11 +382,22 @@ def quant_gemm(x2d, weight, fmt: str, group_size: int, scales, zeros, out2d) -> 
 
 
 def w16_gemm(x2d, packed, n: int, out2d) -> None:
-    """``out2d [M, n] = x2d [M, K] @ W^T`` (float32) for ``packed`` = ``pack_w16(W)``; checked by the op."""
+    """``out2d [M, n] = x2d [M, K] @ W^T`` for ``packed`` = ``pack_w16(W)``, the float32 product of the values rounded
+    once to out2d's dtype (x2d and out2d float32, float16 or bfloat16); checked by the op."""
     M, K = x2d.shape
-    rc = library().pk_w16_gemm(x2d.data_ptr(), x2d.stride(0), M, K, packed.data_ptr(), n, DTYPE_CODES[packed.dtype],
-                               out2d.data_ptr(), out2d.stride(0), torch.get_num_threads())
+    rc = library().pk_w16_gemm(x2d.data_ptr(), x2d.stride(0), DTYPE_CODES[x2d.dtype], M, K, packed.data_ptr(), n,
+                               DTYPE_CODES[packed.dtype], out2d.data_ptr(), out2d.stride(0), DTYPE_CODES[out2d.dtype],
+                               torch.get_num_threads())
     _check_rc(rc, "16-bit-weight GEMM")
+
+
+BF16_DOT_PATHS = ("bf16 widened to float32", "AVX512-BF16", "AVX512-BF16 (emulated)")
+
+
+def bf16_dot_path() -> str:
+    """How the built kernels multiply bf16 by bf16 (the 16-bit-weight GEMM's bf16 activations, the attention's
+    bf16 query-key products): one of :data:`BF16_DOT_PATHS` (see csrc/cpu_common.h, PK_BF16_DOT)."""
+    return BF16_DOT_PATHS[library().pk_bf16_dot_path()]
 
 
 def quant_dequantize(weight, N: int, K: int, fmt: str, group_size: int, scales, zeros, out2d) -> None:

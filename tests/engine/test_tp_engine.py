@@ -96,7 +96,7 @@ def test_smollm2_tp3_equals_tp1(smollm2_dir):
     params = SamplingParams(temperature=0, max_tokens=16)
     results = []
     for tensor_parallel_size in (3, 1):
-        llm = LLM(smollm2_dir, max_model_len=512, tensor_parallel_size=tensor_parallel_size)
+        llm = LLM(smollm2_dir, dtype="float32", max_model_len=512, tensor_parallel_size=tensor_parallel_size)
         try:
             results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         finally:
