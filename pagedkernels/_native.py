@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "elementwise_cpu.c", CSRC / "quant_cpu.c", CSRC / "w16_gemm_cpu.c")
+SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "elementwise_cpu.c", CSRC / "quant_cpu.c", CSRC / "w16_gemm_cpu.c",
+           CSRC / "lora_cpu.c")
 HEADERS = (CSRC / "cpu_common.h",)
 MAX_HEAD_DIM, MAX_GROUP = 256, 64
 MAX_ROTARY_DIM = 512
@@ -95,6 +96,9 @@ SIGNATURES = {
     "pk_quant_dequantize": [_ptr, _i64, _i64, _i32, _i64, _ptr, _ptr, _i32, _ptr, _i64, _i32, _i32],
     "pk_quant_simd_level": [],
     "pk_w16_gemm": [_ptr, _i64, _i64, _i64, _ptr, _i64, _i32, _ptr, _i64, _i32],
+    "pk_lora_shrink": [_ptr, _i64, _i32, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _f32, _ptr, _i64, _i32],
+    "pk_lora_expand": [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _i32, _ptr,
+                       _i64, _i32, _i32],
 }
 # Kernels a CPU graph (pagedkernels.cpu_graph) can record and replay, by their index in this tuple.
 GRAPH_KERNELS = tuple(name for name, argtypes in SIGNATURES.items() if argtypes)
@@ -110,6 +114,8 @@ ROW_ARGS = {
     "pk_silu_and_mul": (4,),          # rows
     "pk_quant_gemm": (3,),            # M
     "pk_w16_gemm": (2,),              # M
+    "pk_lora_shrink": (3,),           # M (tokens)
+    "pk_lora_expand": (4,),           # M (tokens)
 }
 
 
@@ -362,3 +368,33 @@ def quant_dequantize(weight, N: int, K: int, fmt: str, group_size: int, scales, 
         None if zeros is None else zeros.data_ptr(), 0 if scales is None else DTYPE_CODES[scales.dtype],
         out2d.data_ptr(), out2d.stride(0), DTYPE_CODES[out2d.dtype], torch.get_num_threads())
     _check_rc(rc, "de-quantization")
+
+
+def lora_shrink(x, lora_a, token_lora_indices, scale: float, out) -> bool:
+    """``out[0] = scale * x @ lora_a[idx]^T`` per token (zero rows for idx -1), ``out[1:]`` zeroed; arguments
+    checked by the op. Returns False, having written nothing, when an index is out of range."""
+    M, K = x.shape
+    num_loras, N, _ = lora_a.shape
+    idx = token_lora_indices.contiguous()
+    rc = library().pk_lora_shrink(x.data_ptr(), x.stride(0), DTYPE_CODES[x.dtype], M, K, lora_a.data_ptr(),
+                                  lora_a.stride(0), lora_a.stride(1), N, num_loras, idx.data_ptr(), float(scale),
+                                  out.data_ptr(), out.stride(1), torch.get_num_threads())
+    if not _check_rc(rc, "lora_shrink"):
+        return False
+    if out.shape[0] > 1:
+        out[1:].zero_()
+    return True
+
+
+def lora_expand(buffer, lora_b, token_lora_indices, slice_sizes: tuple[int, ...], out) -> bool:
+    """``out[t, slice s] += (sum of buffer's planes)[t, s*R:(s+1)*R] @ lora_b[idx[t], slice s]^T`` per token with
+    an adapter; arguments checked by the op. Returns False, having written nothing, when an index is out of range."""
+    num_splits, M, _ = buffer.shape
+    num_loras, _, rank = lora_b.shape
+    sizes = tuple(slice_sizes) + (0,) * (3 - len(slice_sizes))
+    idx = token_lora_indices.contiguous()
+    rc = library().pk_lora_expand(buffer.data_ptr(), buffer.stride(0), num_splits, buffer.stride(1), M, rank,
+                                  lora_b.data_ptr(), lora_b.stride(0), lora_b.stride(1), num_loras, idx.data_ptr(),
+                                  *sizes, len(slice_sizes), out.data_ptr(), out.stride(0), DTYPE_CODES[out.dtype],
+                                  torch.get_num_threads())
+    return _check_rc(rc, "lora_expand")
