@@ -97,8 +97,8 @@ SIGNATURES = {
     "pk_quant_simd_level": [],
     "pk_w16_gemm": [_ptr, _i64, _i64, _i64, _ptr, _i64, _i32, _ptr, _i64, _i32],
     "pk_lora_shrink": [_ptr, _i64, _i32, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _f32, _ptr, _i64, _i32],
-    "pk_lora_expand": [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _i32, _ptr,
-                       _i64, _i32, _i32],
+    "pk_lora_expand": [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _i32, _ptr, _i64, _i32,
+                       _i32],
 }
 # Kernels a CPU graph (pagedkernels.cpu_graph) can record and replay, by their index in this tuple.
 GRAPH_KERNELS = tuple(name for name, argtypes in SIGNATURES.items() if argtypes)
@@ -115,7 +115,7 @@ ROW_ARGS = {
     "pk_quant_gemm": (3,),            # M
     "pk_w16_gemm": (2,),              # M
     "pk_lora_shrink": (3,),           # M (tokens)
-    "pk_lora_expand": (4,),           # M (tokens)
+    "pk_lora_expand": (2,),           # M (tokens)
 }
 
 
@@ -371,29 +371,25 @@ def quant_dequantize(weight, N: int, K: int, fmt: str, group_size: int, scales, 
 
 
 def lora_shrink(x, lora_a, token_lora_indices, scale: float, out) -> bool:
-    """``out[0] = scale * x @ lora_a[idx]^T`` per token (zero rows for idx -1), ``out[1:]`` zeroed; arguments
-    checked by the op. Returns False, having written nothing, when an index is out of range."""
+    """``out = scale * x @ lora_a[idx]^T`` per token (zero rows for idx -1); arguments checked by the op. Returns
+    False, having written nothing, when an index is out of range."""
     M, K = x.shape
     num_loras, N, _ = lora_a.shape
     idx = token_lora_indices.contiguous()
     rc = library().pk_lora_shrink(x.data_ptr(), x.stride(0), DTYPE_CODES[x.dtype], M, K, lora_a.data_ptr(),
                                   lora_a.stride(0), lora_a.stride(1), N, num_loras, idx.data_ptr(), float(scale),
-                                  out.data_ptr(), out.stride(1), torch.get_num_threads())
-    if not _check_rc(rc, "lora_shrink"):
-        return False
-    if out.shape[0] > 1:
-        out[1:].zero_()
-    return True
+                                  out.data_ptr(), out.stride(0), torch.get_num_threads())
+    return _check_rc(rc, "lora_shrink")
 
 
 def lora_expand(buffer, lora_b, token_lora_indices, slice_sizes: tuple[int, ...], out) -> bool:
-    """``out[t, slice s] += (sum of buffer's planes)[t, s*R:(s+1)*R] @ lora_b[idx[t], slice s]^T`` per token with
-    an adapter; arguments checked by the op. Returns False, having written nothing, when an index is out of range."""
-    num_splits, M, _ = buffer.shape
+    """``out[t, slice s] += buffer[t, s*R:(s+1)*R] @ lora_b[idx[t], slice s]^T`` per token with an adapter;
+    arguments checked by the op. Returns False, having written nothing, when an index is out of range."""
+    M = buffer.shape[0]
     num_loras, _, rank = lora_b.shape
     sizes = tuple(slice_sizes) + (0,) * (3 - len(slice_sizes))
     idx = token_lora_indices.contiguous()
-    rc = library().pk_lora_expand(buffer.data_ptr(), buffer.stride(0), num_splits, buffer.stride(1), M, rank,
+    rc = library().pk_lora_expand(buffer.data_ptr(), buffer.stride(0), M, rank,
                                   lora_b.data_ptr(), lora_b.stride(0), lora_b.stride(1), num_loras, idx.data_ptr(),
                                   *sizes, len(slice_sizes), out.data_ptr(), out.stride(0), DTYPE_CODES[out.dtype],
                                   torch.get_num_threads())

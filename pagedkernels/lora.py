@@ -12,10 +12,11 @@ gate/up) is ``S`` slices: their A matrices stacked along the rank dimension (row
     expand:  out[t, o_s + n]      += sum_r buffer[t, s*R + r] * lora_b[l, o_s + n, r]   (n < N_s; nothing when l = -1)
 
 so ``out += scale * x @ A_s^T @ B_s^T`` per slice, the adapter's delta added to the base layer's output. The
-buffer is float32. The Triton shrink may cut K into ``num_splits`` parts, each writing its partial sums to one
-plane of ``buffer [num_splits, num_tokens, S*R]`` (shapes only decide how many: see :func:`shrink_num_splits`);
-the expand sums the planes in order, so a result never depends on the order programs ran in (no atomics). The
-other backends write one plane.
+buffer is float32 ``[num_tokens, S*R]`` on every backend (its shape depends on the arguments' shapes alone, so a
+traced graph holds no device- or batch-dependent shape). For decode-sized batches the Triton shrink cuts K into
+``num_splits`` parts (:func:`shrink_num_splits`, shapes only), each writing its partial sums to one plane of a
+scratch ``[num_splits, num_tokens, S*R]``, then sums the planes in order (``torch.sum``): no atomics, so a result
+never depends on the order the programs ran in.
 
 Grouping: the Triton kernels take the tokens grouped by slot (``lora_mapping``: the token ids sorted by slot,
 stable, and each slot's start in that list). A program owns one slot and one block of its tokens, so it reads
@@ -30,7 +31,8 @@ unchecked, the Triton path treats it as -1.
 Backends:
 
 - Triton (CUDA; the interpreter on CPU): ``_lora_shrink_kernel`` (grid: token blocks x output blocks, K splits,
-  slots + 1: the last group writes the zero rows of tokens without an adapter) and ``_lora_expand_kernel``
+  slots + 1: the last group writes the zero rows of tokens without an adapter; then the planes' sum when split)
+  and ``_lora_expand_kernel``
   (grid: token blocks x output blocks, slices, slots). Dots in the weights' dtype, float32 accumulation
   (``ieee`` for float32 inputs); the expand feeds the float32 buffer to a 16-bit dot rounded to the weights'
   dtype, as vLLM's does.
@@ -111,11 +113,9 @@ def check_lora_shrink_args(x, lora_a, token_lora_indices, scale=1.0, num_splits=
         _check_int("num_splits", num_splits, minimum=1)
     _check_mapping(token_lora_indices, num_tokens, num_loras, sorted_token_ids, lora_token_starts, on_x)
     if out is not None:
-        check_tensor("out", out, ndim=3, dtypes=(torch.float32,), like=on_x, shape=(None, num_tokens, width))
-        if num_splits is not None and out.shape[0] != num_splits:
-            raise ValueError(f"out holds {out.shape[0]} planes but num_splits={num_splits}")
-        if out.shape[0] < 1 or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous [num_splits >= 1, {num_tokens}, {width}] float32 tensor")
+        check_tensor("out", out, dtypes=(torch.float32,), like=on_x, shape=(num_tokens, width))
+        if out.stride(-1) != 1:
+            raise ValueError("out must be contiguous in its last (S*R) dimension")
     return num_tokens, in_features, num_loras, width
 
 
@@ -140,11 +140,9 @@ def check_lora_expand_args(buffer, lora_b, token_lora_indices, out, slice_sizes=
         raise ValueError(f"slice_sizes must be 1 to {MAX_LORA_SLICES} positive ints, got {slice_sizes!r}")
     if sum(sizes) != out_features:
         raise ValueError(f"slice_sizes {list(sizes)} sum to {sum(sizes)}, not out's {out_features} features")
-    check_tensor("buffer", buffer, ndim=3, dtypes=(torch.float32,), like=on_out,
-                 shape=(None, num_tokens, len(sizes) * rank))
-    if buffer.shape[0] < 1 or not buffer.is_contiguous():
-        raise ValueError(f"buffer must be a contiguous [num_splits >= 1, {num_tokens}, {len(sizes)} slices x rank "
-                         f"{rank}] float32 tensor (lora_shrink's result)")
+    check_tensor("buffer", buffer, dtypes=(torch.float32,), like=on_out, shape=(num_tokens, len(sizes) * rank))
+    if buffer.stride(-1) != 1:
+        raise ValueError("buffer must be contiguous in its last (S*R) dimension")
     _check_mapping(token_lora_indices, num_tokens, num_loras, sorted_token_ids, lora_token_starts, on_out)
     return num_tokens, sizes, num_loras, rank
 
@@ -217,34 +215,32 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_lora_indices: torch
             matrices, its S slices' stacked along the rank dimension (rank R, zero-padded).
         token_lora_indices: int32 ``[num_tokens]``: each token's slot, or -1 for none.
         scale: multiplies the product (1.0 when the adapters' scaling is folded into their B).
-        num_splits: the Triton path's K splits (default :func:`shrink_num_splits`: shapes only). Other
-            backends take one.
+        num_splits: the Triton path's K splits (default :func:`shrink_num_splits`: shapes only); ignored by
+            the other backends.
         sorted_token_ids, lora_token_starts: :func:`lora_mapping` of ``token_lora_indices`` (computed here when
             not given; pass them to share one grouping between a step's layers). Only the Triton path reads them.
-        out: optional contiguous float32 ``[num_splits, num_tokens, S*R]``.
+        out: optional float32 ``[num_tokens, S*R]``, last dimension contiguous.
 
-    Returns float32 ``[num_splits, num_tokens, S*R]`` (``out`` when given): planes whose sum is the product
-    (one plane except on the Triton path), float32 accumulation; all zero for a token without an adapter.
+    Returns float32 ``[num_tokens, S*R]`` (``out`` when given), float32 accumulation; all zero for a token
+    without an adapter.
     """
     num_tokens, in_features, num_loras, width = check_lora_shrink_args(
         x, lora_a, token_lora_indices, scale, num_splits, sorted_token_ids, lora_token_starts, out)
-    triton_path = use_triton(x)
-    if num_splits is None:
-        num_splits = out.shape[0] if out is not None else (
-            shrink_num_splits(num_tokens, width, in_features, num_multiprocessors(x.device), x.dtype,
-                              launch_device_kind(x.device)) if triton_path else 1)
     if out is None:
-        out = torch.empty(num_splits, num_tokens, width, dtype=torch.float32, device=x.device)
+        out = torch.empty(num_tokens, width, dtype=torch.float32, device=x.device)
     if has_no_data(x, lora_a, token_lora_indices, sorted_token_ids, lora_token_starts, out):
         return out  # meta or fake tensors: checked, nothing to compute (the fake implementation)
     if num_tokens == 0:
         return out
-    if triton_path:
+    if use_triton(x):
         if sorted_token_ids is None:
             sorted_token_ids, lora_token_starts = lora_mapping(token_lora_indices, num_loras)
         elif value_checks_enabled(x):
             _check_index_values(token_lora_indices, num_loras)
-        _shrink_triton(x, lora_a, sorted_token_ids, lora_token_starts, float(scale), out)
+        if num_splits is None:
+            num_splits = shrink_num_splits(num_tokens, width, in_features, num_multiprocessors(x.device), x.dtype,
+                                           launch_device_kind(x.device))
+        _shrink_triton(x, lora_a, sorted_token_ids, lora_token_starts, float(scale), num_splits, out)
     elif use_native(x):
         if not _native.lora_shrink(x, lora_a, token_lora_indices, float(scale), out):
             _check_index_values(token_lora_indices, num_loras)
@@ -262,7 +258,7 @@ def lora_expand(buffer: torch.Tensor, lora_b: torch.Tensor, token_lora_indices: 
     """``out[t, slice s] += buffer[t, s*R:(s+1)*R] @ lora_b[token_lora_indices[t], slice s]^T`` in place.
 
     Args:
-        buffer: float32 ``[num_splits, num_tokens, S*R]``, :func:`lora_shrink`'s result (its planes summed).
+        buffer: float32 ``[num_tokens, S*R]`` (:func:`lora_shrink`'s result), last dimension contiguous.
         lora_b: ``[num_loras, out_features, R]`` in out's dtype, last dimension contiguous: each slot's B
             matrices, its slices' stacked along the output dimension.
         token_lora_indices: int32 ``[num_tokens]``: each token's slot, or -1 for none (its row of ``out`` is
@@ -311,16 +307,14 @@ def _slot_runs(token_lora_indices: torch.Tensor, num_loras: int) -> list[tuple[i
 
 def _shrink_torch(x, lora_a, token_lora_indices, scale, out):
     out.zero_()
-    plane = out[0]
     for slot, rows in _slot_runs(token_lora_indices, lora_a.shape[0]):
-        plane.index_copy_(0, rows, (x.index_select(0, rows).float() @ lora_a[slot].float().t()) * scale)
+        out.index_copy_(0, rows, (x.index_select(0, rows).float() @ lora_a[slot].float().t()) * scale)
 
 
 def _expand_torch(buffer, lora_b, token_lora_indices, out, sizes):
     rank = lora_b.shape[2]
-    summed = buffer.sum(0) if buffer.shape[0] > 1 else buffer[0]
     for slot, rows in _slot_runs(token_lora_indices, lora_b.shape[0]):
-        inputs = summed.index_select(0, rows)
+        inputs = buffer.index_select(0, rows)
         delta = torch.cat([inputs[:, s * rank:(s + 1) * rank] @ part.float().t()
                            for s, part in enumerate(lora_b[slot].split(sizes, dim=0))], dim=1)
         out.index_copy_(0, rows, (out.index_select(0, rows).float() + delta).to(out.dtype))
@@ -339,7 +333,8 @@ def shrink_num_splits(num_tokens: int, width: int, in_features: int, num_multipr
     streaming all of K: most SMs idle while they do. We aim for two waves (``2 * num_multiprocessors``
     programs, counting one slot's token blocks: the others' programs come on top), no split under
     ``MIN_K_PER_SPLIT`` input features, at most ``MAX_SHRINK_SPLITS``. On an H100 (132 SMs), K = 4096,
-    width 48: 1 token -> 16 splits (256 features each), 64 tokens -> 9, 1024 tokens -> 1."""
+    width 48: 1, 64 or 1024 tokens -> 16 splits of 256 features (1, 1 and 16 token blocks), 8192 tokens -> 3;
+    K = 576 -> 2 at most. The split planes cost a scratch of num_splits x num_tokens x width floats and a sum."""
     block_m, block_n, _, _ = shrink_launch_config(num_tokens, width, dtype, device_kind)
     programs = max(1, triton.cdiv(num_tokens, block_m) * triton.cdiv(width, block_n))
     wanted = triton.cdiv(2 * num_multiprocessors, programs)
@@ -383,7 +378,7 @@ def expand_launch_config(num_tokens: int, rank: int, dtype: torch.dtype, device_
 def _lora_shrink_kernel(
     x_ptr,  # [num_tokens, in_features]
     a_ptr,  # [num_loras, width, in_features]  (width = num_slices * rank)
-    out_ptr,  # fp32 [NUM_SPLITS, num_tokens, width]
+    out_ptr,  # fp32 [NUM_SPLITS, num_tokens, width] (NUM_SPLITS == 1: [num_tokens, width])
     sorted_ids_ptr,  # int32 [num_tokens]: token ids grouped by slot, tokens without an adapter last
     starts_ptr,  # int32 [num_loras + 1]: where each slot's run starts in sorted_ids
     num_tokens,
@@ -449,7 +444,7 @@ def _lora_shrink_kernel(
 
 @triton.jit
 def _lora_expand_kernel(
-    buffer_ptr,  # fp32 [NUM_SPLITS, num_tokens, NUM_SLICES * rank]
+    buffer_ptr,  # fp32 [num_tokens, NUM_SLICES * rank]
     b_ptr,  # [num_loras, out_features, rank]
     out_ptr,  # [num_tokens, out_features], updated in place
     sorted_ids_ptr,  # int32 [num_tokens]
@@ -458,13 +453,11 @@ def _lora_expand_kernel(
     slice_size_0,  # output features of slice 0 (and 1, 2 when NUM_SLICES says)
     slice_size_1,
     slice_size_2,
-    stride_buf_split: tl.int64,
     stride_buf_m: tl.int64,
     stride_b_l: tl.int64,
     stride_b_n: tl.int64,
     stride_o_m: tl.int64,
     NUM_SLICES: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,  # planes of the buffer, summed in order
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -502,11 +495,8 @@ def _lora_expand_kernel(
     for r0 in range(0, rank, BLOCK_R):
         r_offs = r0 + r_base
         r_mask = r_offs < rank
-        buf_mask = m_mask[:, None] & r_mask[None, :]
-        # U : (BLOCK_M, BLOCK_R), the planes summed in order
-        U = tl.load(buf_rows + r_offs[None, :], mask=buf_mask, other=0.0)
-        for split in range(1, NUM_SPLITS):
-            U += tl.load(buf_rows + split * stride_buf_split + r_offs[None, :], mask=buf_mask, other=0.0)
+        # U : (BLOCK_M, BLOCK_R)
+        U = tl.load(buf_rows + r_offs[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
         # B : (BLOCK_R, BLOCK_N)
         B = tl.load(b_cols + r_offs[:, None], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
         acc += tl.dot(U.to(B.dtype), B, input_precision=DOT_PRECISION)
@@ -517,20 +507,25 @@ def _lora_expand_kernel(
     tl.store(out_ptrs, (previous.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def _shrink_triton(x, lora_a, sorted_token_ids, lora_token_starts, scale, out):
+def _shrink_triton(x, lora_a, sorted_token_ids, lora_token_starts, scale, num_splits, out):
     num_tokens, in_features = x.shape
     num_loras, width, _ = lora_a.shape
-    num_splits = out.shape[0]
     block_m, block_n, block_k, num_warps = shrink_launch_config(num_tokens, width, x.dtype,
                                                                 launch_device_kind(x.device))
+    # One split writes `out` itself; more write planes of a scratch, summed in order after.
+    planes = out if num_splits == 1 else torch.empty(num_splits, num_tokens, width, dtype=torch.float32,
+                                                     device=x.device)
     grid = (triton.cdiv(num_tokens, block_m) * triton.cdiv(width, block_n), num_splits, num_loras + 1)
     _lora_shrink_kernel[grid](
-        x, lora_a, out, sorted_token_ids, lora_token_starts, num_tokens, width, in_features, scale,
-        x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0), out.stride(1),
+        x, lora_a, planes, sorted_token_ids, lora_token_starts, num_tokens, width, in_features, scale,
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), 0 if num_splits == 1 else planes.stride(0),
+        planes.stride(-2),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         num_warps=num_warps,
     )
+    if num_splits > 1:
+        torch.sum(planes, dim=0, out=out)
 
 
 def _expand_triton(buffer, lora_b, sorted_token_ids, lora_token_starts, out, sizes):
@@ -542,8 +537,8 @@ def _expand_triton(buffer, lora_b, sorted_token_ids, lora_token_starts, out, siz
     grid = (triton.cdiv(num_tokens, block_m) * triton.cdiv(max(sizes), block_n), len(sizes), num_loras)
     _lora_expand_kernel[grid](
         buffer, lora_b, out, sorted_token_ids, lora_token_starts, rank, *padded,
-        buffer.stride(0), buffer.stride(1), lora_b.stride(0), lora_b.stride(1), out.stride(0),
-        NUM_SLICES=len(sizes), NUM_SPLITS=buffer.shape[0], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+        buffer.stride(0), lora_b.stride(0), lora_b.stride(1), out.stride(0),
+        NUM_SLICES=len(sizes), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
         DOT_PRECISION="ieee" if out.dtype == torch.float32 else None,
         num_warps=num_warps,
     )

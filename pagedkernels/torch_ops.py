@@ -304,7 +304,7 @@ def _(x, lora_a, token_lora_indices, scale=1.0, num_splits=None, sorted_token_id
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_lora_indices: torch.Tensor, *, scale: float = 1.0,
                 num_splits: int | None = None, sorted_token_ids: torch.Tensor | None = None,
                 lora_token_starts: torch.Tensor | None = None) -> torch.Tensor:
-    """See :func:`pagedkernels.lora_shrink`; returns a new float32 ``[num_splits, num_tokens, S*R]``."""
+    """See :func:`pagedkernels.lora_shrink`; returns a new float32 ``[num_tokens, S*R]``."""
     return _lora_shrink_op(x, lora_a, token_lora_indices, scale, num_splits, sorted_token_ids, lora_token_starts)
 
 

@@ -132,12 +132,11 @@ int pk_lora_shrink(const void *x, int64_t x_s0, int dt, int64_t M, int64_t K, co
     return failed ? OUT_OF_MEMORY : 0;
 }
 
-/* buf float32 [num_splits, M, num_slices * rank] (plane stride buf_split, row stride buf_s0), b [num_loras,
+/* buf float32 [M, num_slices * rank] (row stride buf_s0), b [num_loras,
  * out_features, rank] (strides b_s0, b_s1; out's dtype), idx int32 [M], slice sizes n0, n1, n2 (the first
  * num_slices used), out [M, out_features] (row stride o_s0, dtype dt), updated in place. Returns 0, BAD_VALUES
  * or OUT_OF_MEMORY. */
-int pk_lora_expand(const float *buffer, int64_t buf_split, int64_t num_splits, int64_t buf_s0, int64_t M,
-                   int64_t rank, const void *b, int64_t b_s0, int64_t b_s1, int64_t num_loras, const int32_t *idx,
+int pk_lora_expand(const float *buffer, int64_t buf_s0, int64_t M, int64_t rank, const void *b, int64_t b_s0, int64_t b_s1, int64_t num_loras, const int32_t *idx,
                    int64_t n0, int64_t n1, int64_t n2, int num_slices, void *out, int64_t o_s0, int dt,
                    int num_threads) {
     if (M <= 0) return 0;
@@ -170,10 +169,9 @@ int pk_lora_expand(const float *buffer, int64_t buf_split, int64_t num_splits, i
     int failed = 0;
 #pragma omp parallel num_threads(work >= LORA_PARALLEL_MIN ? num_threads : 1)
     {
-        /* per thread: the B block transposed to [rank][NB] float32, one token's summed buffer slice, a converted
-         * row of b, a row of out */
+        /* per thread: the B block transposed to [rank][NB] float32, a converted row of b, a row of out */
         const int64_t tmp_len = rank > NB ? rank : NB;
-        float *bt = (float *)malloc(sizeof(float) * (rank * NB + rank + tmp_len + NB));
+        float *bt = (float *)malloc(sizeof(float) * (rank * NB + tmp_len + NB));
         if (!bt) {
 #pragma omp atomic write
             failed = 1;
@@ -187,7 +185,7 @@ int pk_lora_expand(const float *buffer, int64_t buf_split, int64_t num_splits, i
             while (c >= (sizes[s] + NB - 1) / NB) c -= (sizes[s++] + NB - 1) / NB;
             const int64_t c0 = slice_start[s] + c * NB; /* first column of out and b */
             const int nc = slice_start[s] + sizes[s] - c0 < NB ? (int)(slice_start[s] + sizes[s] - c0) : NB;
-            float *u = bt + rank * NB, *tmp = u + rank, *orow = tmp + tmp_len;
+            float *tmp = bt + rank * NB, *orow = tmp + tmp_len;
             for (int n = 0; n < nc; n++) {
                 const float *brow = load_row(b, l * b_s0 + (c0 + n) * b_s1, dt, rank, tmp);
                 for (int64_t r = 0; r < rank; r++) bt[r * NB + n] = brow[r];
@@ -196,10 +194,7 @@ int pk_lora_expand(const float *buffer, int64_t buf_split, int64_t num_splits, i
                 for (int n = nc; n < NB; n++) bt[r * NB + n] = 0.0f;
             for (int64_t i = starts[l]; i < starts[l + 1]; i++) {
                 const int64_t t = order[i];
-                const float *planes = buffer + t * buf_s0 + s * rank;
-                memcpy(u, planes, sizeof(float) * rank);
-                for (int64_t p = 1; p < num_splits; p++)
-                    for (int64_t r = 0; r < rank; r++) u[r] += planes[p * buf_split + r];
+                const float *u = buffer + t * buf_s0 + s * rank;
                 float acc[NB];
                 memset(acc, 0, sizeof acc);
                 for (int64_t r = 0; r < rank; r++) {
