@@ -349,15 +349,18 @@ def shrink_launch_config(num_tokens: int, width: int, dtype: torch.dtype, device
     (tl.dot needs >= 16 in every dimension, so narrower ones are padded and masked). Decode batches take 16-token
     blocks (the smallest dot); longer ones 64, so each weight tile loaded serves more tokens. A program holds an
     x tile (BLOCK_M x BLOCK_K), an A tile (BLOCK_K x BLOCK_N) and the float32 accumulator (BLOCK_M x BLOCK_N):
-    at 64 x 64 x 64 and 4 warps, 32 accumulator registers a thread. float32 inputs run ieee FMA dots (exact,
-    a correctness dtype, not a serving one) whose operand layouts keep whole K rows per thread: half the K tile.
-    The interpreter takes 16 x 16 x 16 tiles, so small test shapes still cross every mask and split."""
+    at 64 x 64 x 64 and 4 warps, 32 accumulator registers a thread; ptxas gave 16-bit inputs 46-146 registers
+    (sm_90 / sm_80, Triton 3.9) and no spills. float32 inputs run ieee FMA dots (exact, a correctness dtype, not a
+    serving one) whose operand layouts keep long K rows per thread: half the K tile, and 8 warps (at 4, a 64-token
+    tile took 220 registers on sm_80). The interpreter takes 16 x 16 x 16 tiles, so small test shapes still cross
+    every mask and split."""
     if device_kind != "cuda":
         return 16, 16, 16, 4
     block_m = 16 if num_tokens <= 32 else 64
     block_n = min(64, max(16, triton.next_power_of_2(width)))
-    block_k = 32 if dtype == torch.float32 else 64
-    return block_m, block_n, block_k, 4
+    if dtype == torch.float32:
+        return block_m, block_n, 32, 8
+    return block_m, block_n, 64, 4
 
 
 def expand_launch_config(num_tokens: int, rank: int, dtype: torch.dtype, device_kind: str) -> tuple[int, ...]:
@@ -366,19 +369,23 @@ def expand_launch_config(num_tokens: int, rank: int, dtype: torch.dtype, device_
     The reduction is over the rank (8-64 typically, looped in chunks of BLOCK_R <= 64, so any rank fits the same
     registers), the output is wide (a projection's features): 64-feature tiles read each slot's B once per
     token block. A program holds the buffer tile (BLOCK_M x BLOCK_R), a B tile (BLOCK_R x BLOCK_N), the
-    accumulator and the out tile (BLOCK_M x BLOCK_N each)."""
-    block_r = min(64, max(16, triton.next_power_of_2(rank)))
+    accumulator and the out tile (BLOCK_M x BLOCK_N each): 16-bit weights took 46-144 registers (sm_90 / sm_80,
+    Triton 3.9), no spills. float32 (ieee dots) at a 64-token tile, 64-rank chunks and 4 warps spilled on sm_80
+    (255 registers + 0.8 KB), and still took 254 at 32-rank chunks and 8 warps: it takes 32-token tiles, 32-rank
+    chunks and 8 warps."""
     if device_kind != "cuda":
-        return 16, 16, block_r if rank > 16 else 16, 4
+        return 16, 16, min(64, max(16, triton.next_power_of_2(rank))), 4
     block_m = 16 if num_tokens <= 32 else 64
-    return block_m, 64, block_r, 4
+    if dtype == torch.float32:
+        return min(block_m, 32), 64, min(32, max(16, triton.next_power_of_2(rank))), 8
+    return block_m, 64, min(64, max(16, triton.next_power_of_2(rank))), 4
 
 
 @triton.jit
 def _lora_shrink_kernel(
     x_ptr,  # [num_tokens, in_features]
     a_ptr,  # [num_loras, width, in_features]  (width = num_slices * rank)
-    out_ptr,  # fp32 [NUM_SPLITS, num_tokens, width] (NUM_SPLITS == 1: [num_tokens, width])
+    out_ptr,  # fp32 [num_splits, num_tokens, width] (one split: [num_tokens, width])
     sorted_ids_ptr,  # int32 [num_tokens]: token ids grouped by slot, tokens without an adapter last
     starts_ptr,  # int32 [num_loras + 1]: where each slot's run starts in sorted_ids
     num_tokens,
@@ -393,10 +400,9 @@ def _lora_shrink_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (exact, not tf32); None (default) for 16-bit
 ):
-    # grid: (cdiv(num_tokens, BLOCK_M) * cdiv(width, BLOCK_N), NUM_SPLITS, num_loras + 1). Program (i, split,
+    # grid: (cdiv(num_tokens, BLOCK_M) * cdiv(width, BLOCK_N), num_splits, num_loras + 1). Program (i, split,
     # slot) computes token block i // n_blocks of the slot's run against output block i % n_blocks, over its
     # split's share of the K tiles; the extra slot, num_loras, is the tokens without an adapter: zeros.
     pid = tl.program_id(0)
@@ -424,7 +430,7 @@ def _lora_shrink_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if slot < num_loras:
         k_tiles = tl.cdiv(in_features, BLOCK_K)
-        tiles_per_split = tl.cdiv(k_tiles, NUM_SPLITS)
+        tiles_per_split = tl.cdiv(k_tiles, tl.num_programs(1))
         tile_lo = split * tiles_per_split
         tile_hi = tl.minimum(tile_lo + tiles_per_split, k_tiles)
         k_base = tl.arange(0, BLOCK_K)  # [BLOCK_K]
@@ -444,37 +450,34 @@ def _lora_shrink_kernel(
 
 @triton.jit
 def _lora_expand_kernel(
-    buffer_ptr,  # fp32 [num_tokens, NUM_SLICES * rank]
+    buffer_ptr,  # fp32 [num_tokens, num_slices * rank]
     b_ptr,  # [num_loras, out_features, rank]
     out_ptr,  # [num_tokens, out_features], updated in place
     sorted_ids_ptr,  # int32 [num_tokens]
     starts_ptr,  # int32 [num_loras + 1]
     rank,
-    slice_size_0,  # output features of slice 0 (and 1, 2 when NUM_SLICES says)
+    slice_size_0,  # output features of each slice; 0 for slices past the last (the grid has one row per slice)
     slice_size_1,
     slice_size_2,
     stride_buf_m: tl.int64,
     stride_b_l: tl.int64,
     stride_b_n: tl.int64,
     stride_o_m: tl.int64,
-    NUM_SLICES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # grid: (cdiv(num_tokens, BLOCK_M) * cdiv(largest slice, BLOCK_N), NUM_SLICES, num_loras). Program (i, s,
+    # grid: (cdiv(num_tokens, BLOCK_M) * cdiv(largest slice, BLOCK_N), num_slices, num_loras). Program (i, s,
     # slot): token block i // n_blocks of the slot's run, output block i % n_blocks of slice s.
     pid = tl.program_id(0)
     s = tl.program_id(1)
     slot = tl.program_id(2)
-    size_1 = slice_size_1 if NUM_SLICES > 1 else 0
-    size_2 = slice_size_2 if NUM_SLICES > 2 else 0
-    n_blocks = tl.cdiv(tl.maximum(slice_size_0, tl.maximum(size_1, size_2)), BLOCK_N)
+    n_blocks = tl.cdiv(tl.maximum(slice_size_0, tl.maximum(slice_size_1, slice_size_2)), BLOCK_N)
     pid_m = pid // n_blocks
     pid_n = pid % n_blocks
-    slice_start = tl.where(s > 0, slice_size_0, 0) + tl.where(s > 1, size_1, 0)
-    slice_size = tl.where(s == 0, slice_size_0, tl.where(s == 1, size_1, size_2))
+    slice_start = tl.where(s > 0, slice_size_0, 0) + tl.where(s > 1, slice_size_1, 0)
+    slice_size = tl.where(s == 0, slice_size_0, tl.where(s == 1, slice_size_1, slice_size_2))
 
     run_start = tl.load(starts_ptr + slot)
     run_len = tl.load(starts_ptr + slot + 1) - run_start
@@ -520,7 +523,7 @@ def _shrink_triton(x, lora_a, sorted_token_ids, lora_token_starts, scale, num_sp
         x, lora_a, planes, sorted_token_ids, lora_token_starts, num_tokens, width, in_features, scale,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), 0 if num_splits == 1 else planes.stride(0),
         planes.stride(-2),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_SPLITS=num_splits,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         num_warps=num_warps,
     )
@@ -538,7 +541,7 @@ def _expand_triton(buffer, lora_b, sorted_token_ids, lora_token_starts, out, siz
     _lora_expand_kernel[grid](
         buffer, lora_b, out, sorted_token_ids, lora_token_starts, rank, *padded,
         buffer.stride(0), lora_b.stride(0), lora_b.stride(1), out.stride(0),
-        NUM_SLICES=len(sizes), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
         DOT_PRECISION="ieee" if out.dtype == torch.float32 else None,
         num_warps=num_warps,
     )
