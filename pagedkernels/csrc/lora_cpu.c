@@ -96,7 +96,8 @@ int pk_lora_shrink(const void *x, int64_t x_s0, int dt, int64_t M, int64_t K, co
             const int jn = N - j0 < JB ? (int)(N - j0) : JB;
             const float *arow[JB];
             for (int j = 0; j < JB; j++) /* rows past N repeat the last one: computed, never stored */
-                arow[j] = row_as_float(a, l * a_s0 + (j0 + (j < jn ? j : jn - 1)) * a_s1, dt, K, buf ? buf + j * K : NULL);
+                arow[j] = row_as_float(a, l * a_s0 + (j0 + (j < jn ? j : jn - 1)) * a_s1, dt, K,
+                                       buf ? buf + j * K : NULL);
             for (int64_t i = starts[l]; i < starts[l + 1]; i += TB) {
                 const int tn = starts[l + 1] - i < TB ? (int)(starts[l + 1] - i) : TB;
                 const float *xrow[TB];
@@ -136,9 +137,9 @@ int pk_lora_shrink(const void *x, int64_t x_s0, int dt, int64_t M, int64_t K, co
  * out_features, rank] (strides b_s0, b_s1; out's dtype), idx int32 [M], slice sizes n0, n1, n2 (the first
  * num_slices used), out [M, out_features] (row stride o_s0, dtype dt), updated in place. Returns 0, BAD_VALUES
  * or OUT_OF_MEMORY. */
-int pk_lora_expand(const float *buffer, int64_t buf_s0, int64_t M, int64_t rank, const void *b, int64_t b_s0, int64_t b_s1, int64_t num_loras, const int32_t *idx,
-                   int64_t n0, int64_t n1, int64_t n2, int num_slices, void *out, int64_t o_s0, int dt,
-                   int num_threads) {
+int pk_lora_expand(const float *buffer, int64_t buf_s0, int64_t M, int64_t rank, const void *b, int64_t b_s0,
+                   int64_t b_s1, int64_t num_loras, const int32_t *idx, int64_t n0, int64_t n1, int64_t n2,
+                   int num_slices, void *out, int64_t o_s0, int dt, int num_threads) {
     if (M <= 0) return 0;
     int64_t *meta = (int64_t *)malloc(sizeof(int64_t) * (2 * num_loras + 3 + M));
     if (!meta) return OUT_OF_MEMORY;
