@@ -22,8 +22,11 @@
 #define TB 2
 /* Output columns per expand item. */
 #define NB 64
-/* Below this many multiply-adds a call runs on one thread (waking the others would cost more). */
-#define LORA_PARALLEL_MIN 65536
+/* Below this many multiply-adds (about 50 us of one core's work) a call runs on one thread: a LoRA call is small next
+ * to its layer's GEMM, and a fork/join whose threads are not all running at once (a loaded machine) waits for a
+ * time slice. A judgment, not a measurement (the machine this was written on was shared): bench/lora_cpu.py on a
+ * quiet one is where to tune it. */
+#define LORA_PARALLEL_MIN 262144
 #define BAD_VALUES 1
 #define OUT_OF_MEMORY (-2)
 
