@@ -485,3 +485,38 @@ def test_batch_prepare_pads_and_checks():
     with pytest.raises(ValueError, match=r"num_tokens must lie in \[3 \(the slots given\), 6\]"):
         batch.prepare(np.array([0, 1, 0]), num_tokens=7)
     assert token_slots([2, -1, 0], [3, 1, 2]).tolist() == [2, 2, 2, -1, 0, 0]
+
+
+def test_compiled_layer_follows_the_batch_without_recompiling():
+    """Under torch.compile (fullgraph, dynamic: the engine's compiled forward) a LoRA layer gives eager's results
+    for batches of other sizes and slots, compiled once; a step without adapters (``active`` False, a guard) is
+    the one other variant. aot_eager: dynamo's trace, the ops' fake implementations and AOT dispatch, without
+    inductor's compile time (tests/pagedkernels/test_torch_ops.py compiles the ops with inductor)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    gen = torch.Generator().manual_seed(0)
+    base = QKVLinear(HIDDEN, HEAD_DIM, 4, 2)
+    with torch.no_grad():
+        base.weight.copy_(torch.randn(base.weight.shape, generator=gen))
+    batch = LoRABatch(16, 2, "cpu")
+    layer = LoRALinear(base, batch, max_rank=8)
+    for slot in range(2):
+        for s, (full, _) in enumerate(layer.slice_source):
+            layer.set_slice(slot, s, torch.randn(8, HIDDEN, generator=gen), torch.randn(full, 8, generator=gen))
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, backend=counter, fullgraph=True, dynamic=True)
+    counts = []
+    for slots in ([0, -1, 1, 1, 0], [1, 1, 1, 1, -1, -1, 0, 0, 0], [-1, 0, -1]):
+        x = torch.randn(len(slots), HIDDEN, generator=gen)
+        batch.prepare(np.array(slots))
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), layer(x), rtol=1e-5, atol=1e-5)
+        counts.append(counter.frame_count)
+    assert counts[0] >= 1 and counts[1] == counts[2] == counts[0]   # the first call's compile serves the others
+    batch.prepare(None)
+    x = torch.randn(4, HIDDEN, generator=gen)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), base(x), rtol=0, atol=0)
+    assert counts[0] < counter.frame_count <= 2 * counts[0]
+    torch._dynamo.reset()
