@@ -953,7 +953,7 @@ def lora_case(device, dtype, *, num_tokens: int, in_features: int, slice_sizes: 
 OP_OF_CASE = {decode_case: "paged_decode_attention", prefill_case: "paged_prefill_attention",
               reshape_and_cache_case: "reshape_and_cache", copy_blocks_case: "copy_blocks",
               swap_blocks_case: "swap_blocks", rms_norm_case: "rms_norm", fused_add_rms_norm_case: "fused_add_rms_norm",
-              rotary_case: "rotary_embedding", silu_and_mul_case: "silu_and_mul", lora_case: "lora"}
+              rotary_case: "rotary_embedding", silu_and_mul_case: "silu_and_mul", lora_case: "lora shrink+expand"}
 # The quantized ops (the GPU suite's phase "quant"), kept out of the main matrix.
 QUANT_OP_OF_CASE = {wq_gemm_case: "wq_gemm", fp8_gemm_case: "fp8_gemm",
                     fp8_kv_decode_case: "paged_decode_attention fp8-KV"}

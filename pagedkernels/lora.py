@@ -32,10 +32,11 @@ Backends:
 
 - Triton (CUDA; the interpreter on CPU): ``_lora_shrink_kernel`` (grid: token blocks x output blocks, K splits,
   slots + 1: the last group writes the zero rows of tokens without an adapter; then the planes' sum when split)
-  and ``_lora_expand_kernel``
-  (grid: token blocks x output blocks, slices, slots). Dots in the weights' dtype, float32 accumulation
-  (``ieee`` for float32 inputs); the expand feeds the float32 buffer to a 16-bit dot rounded to the weights'
-  dtype, as vLLM's does.
+  and ``_lora_expand_kernel`` (grid: token blocks x output blocks, slices, slots). Dots in the weights' dtype,
+  float32 accumulation (``ieee`` for float32 inputs); the expand feeds the float32 buffer to a 16-bit dot
+  rounded to the weights' dtype, as vLLM's does. Launch configs come from shapes, dtype and device kind only
+  (``shrink_launch_config``, ``expand_launch_config``), no autotuning; every one compiles for sm_90 / sm_80
+  without spills (``pagedkernels._aot``).
 - Native (CPU): ``csrc/lora_cpu.c``, the same grouping by a counting sort of the indices in each call, float32
   arithmetic; it checks the indices in that pass. Recordable by CPU graphs (``pagedkernels.cpu_graph``), whose
   replays read the indices the buffers then hold.
