@@ -16,7 +16,8 @@ baseline's name and time, and ratio = baseline_ms / ms (above 1: pagedkernels is
 Baselines: SDPA with only the flash backend on the same K/V made dense and contiguous; FlexAttention
 over the flat slot space of the same paged cache with a block mask built from the block tables;
 eager and ``torch.compile``d torch for norms/rotary/activation; the PyTorch twin (backend "torch")
-for the cache ops; for multi-LoRA the per-adapter loop (PEFT's mixed-batch forward). Each op's result is checked once against a float32 reference before timing.
+for the cache ops; for multi-LoRA the per-adapter loop (PEFT's mixed-batch forward). Each op's result is
+checked once against a float32 reference before timing.
 
 ``--device cpu`` (alias ``--dry-run``) runs tiny shapes with a wall-clock timer: it exercises the
 whole reporting path on a machine without a GPU; its numbers mean nothing.

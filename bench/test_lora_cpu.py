@@ -1,5 +1,5 @@
-"""bench.lora_cpu --quick: every token count and method measured on its tiny projection, each LoRA method's result checked
-against the float32 reference first (a mis-wired benchmark fails here), the ratios and the report written."""
+"""bench.lora_cpu --quick: every token count and method measured on its tiny projection, each LoRA method's result
+checked against the float32 reference first (a mis-wired benchmark fails here), the ratios and the report written."""
 
 from __future__ import annotations
 
