@@ -68,6 +68,11 @@ def interleaved(fns, *, rounds: int, min_time: float) -> list[list[float]]:
     return samples
 
 
+def _sig(value: float, digits: int = 4) -> float:
+    """``value`` to ``digits`` significant figures (a ratio or rate of a tiny shape stays non-zero)."""
+    return float(f"{value:.{digits}g}")
+
+
 def _methods(inp: kernels.LoRAInputs):
     """(name, fn) of every method; each writes into an output of its own (the deltas pile up over the calls: only
     the first call's result is checked)."""
@@ -117,11 +122,11 @@ def run(projections, tokens, *, rounds: int, min_time: float, peaks: kernels.Pea
                     "projection": name, "K": in_features, "slices": list(sizes), "rank": RANK,
                     "adapters": NUM_ADAPTERS, "tokens": num_tokens, "method": method,
                     "us": round(seconds[method] * 1e6, 2), "us_min": round(min(s) * 1e6, 2),
-                    "GFLOPs": None if gflops is None else round(gflops, 3),
+                    "GFLOPs": None if gflops is None else _sig(gflops),
                     "frac_of_fp32_matmul": None if gflops is None or peaks is None
-                    else round(gflops / (peaks.matmul_tflops * 1e3), 4),
-                    "loop_over_this": round(seconds["per-adapter loop"] / seconds[method], 3) if lora else None,
-                    "this_over_base": round(seconds[method] / seconds["base linear"], 3) if lora else None,
+                    else _sig(gflops / (peaks.matmul_tflops * 1e3)),
+                    "loop_over_this": _sig(seconds["per-adapter loop"] / seconds[method]) if lora else None,
+                    "this_over_base": _sig(seconds[method] / seconds["base linear"]) if lora else None,
                 })
                 row = rows[-1]
                 print(f"{name:8s} {num_tokens:5d} tok {method:17s} {row['us']:10.1f} us (min {row['us_min']:9.1f})"
