@@ -42,16 +42,19 @@ CASES = {
 
 
 def _params(op_dtypes_for_triton):
+    """(backend, device, dtype, case): the Triton cases on TRITON_DEVICE (the conftest skips a "triton" case on
+    "cpu" where the interpreter is off, i.e. on a GPU machine, so the device is a parameter)."""
     params = []
     for case in CASES:
         for dtype in DTYPES:
-            params.append(pytest.param("torch", dtype, case, id=f"torch-{_name(dtype)}-{case}"))
-            params.append(pytest.param("native", dtype, case, id=f"native-{_name(dtype)}-{case}",
+            params.append(pytest.param("torch", "cpu", dtype, case, id=f"torch-{_name(dtype)}-{case}"))
+            params.append(pytest.param("native", "cpu", dtype, case, id=f"native-{_name(dtype)}-{case}",
                                        marks=pytest.mark.skipif(not NATIVE, reason="no C compiler here")))
             # The interpreter's bf16 arithmetic is wrong (bf16 runs on CUDA), and each interpreted launch costs
             # about a second: fp32 for every case, fp16 for the two that cross the most masks.
             if TRITON_DEVICE == "cuda" or (dtype == torch.float32 or (dtype, case) in op_dtypes_for_triton):
-                params.append(pytest.param("triton", dtype, case, id=f"triton-{_name(dtype)}-{case}"))
+                params.append(pytest.param("triton", TRITON_DEVICE, dtype, case,
+                                           id=f"triton-{TRITON_DEVICE}-{_name(dtype)}-{case}"))
     return params
 
 
@@ -60,10 +63,6 @@ TRITON_FP16 = {(torch.float16, "mixed-qkv"), (torch.float16, "gate-up-split-k")}
 
 def _name(dtype):
     return str(dtype).replace("torch.", "")
-
-
-def _device(backend):
-    return TRITON_DEVICE if backend == "triton" else "cpu"
 
 
 class Adapters:
@@ -166,10 +165,9 @@ def _product_bound(magnitudes, out_dtype, exact, *, rounded_operand: torch.dtype
 # the oracle
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("backend,dtype,case", _params(TRITON_FP16))
-def test_shrink_matches_the_float64_oracle(backend, dtype, case):
+@pytest.mark.parametrize("backend,device,dtype,case", _params(TRITON_FP16))
+def test_shrink_matches_the_float64_oracle(backend, device, dtype, case):
     adapters, x, indices, splits = _case(case, dtype)
-    device = _device(backend)
     # Every row is written: zeros for tokens without an adapter, into an `out` that starts as NaN.
     out = torch.full((x.shape[0], adapters.lora_a.shape[1]), float("nan"), device=device)
     with pk.use_backend(backend):
@@ -182,12 +180,11 @@ def test_shrink_matches_the_float64_oracle(backend, dtype, case):
     assert (result.cpu()[indices < 0] == 0).all()
 
 
-@pytest.mark.parametrize("backend,dtype,case", _params(TRITON_FP16))
-def test_expand_matches_the_float64_oracle(backend, dtype, case):
+@pytest.mark.parametrize("backend,device,dtype,case", _params(TRITON_FP16))
+def test_expand_matches_the_float64_oracle(backend, device, dtype, case):
     """``out`` is a strided view of a wider tensor (the base layer's output inside a bigger buffer): only its
     columns of the adapted rows change; the buffer rows of tokens without an adapter are NaN (never read)."""
     adapters, _, indices, _ = _case(case, dtype, seed=1)
-    device = _device(backend)
     gen = torch.Generator().manual_seed(2)
     num_tokens, out_features = indices.shape[0], sum(adapters.slice_sizes)
     buffer = torch.randn(num_tokens, adapters.lora_a.shape[1], generator=gen)
@@ -271,16 +268,15 @@ def test_shrink_splits_follow_the_shapes_only():
 # errors
 # ---------------------------------------------------------------------------------------------
 
-NATIVE_PARAM = pytest.param("native", marks=pytest.mark.skipif(not NATIVE, reason="no C compiler here"))
+NATIVE_PARAM = pytest.param("native", "cpu", marks=pytest.mark.skipif(not NATIVE, reason="no C compiler here"))
 
 
-@pytest.mark.parametrize("backend", ["torch", NATIVE_PARAM, "triton"])
+@pytest.mark.parametrize("backend,device", [("torch", "cpu"), NATIVE_PARAM, ("triton", TRITON_DEVICE)])
 @pytest.mark.parametrize("bad", [2, -2])
-def test_an_index_outside_the_slots_raises_before_writing(backend, bad, monkeypatch):
+def test_an_index_outside_the_slots_raises_before_writing(backend, device, bad, monkeypatch):
     """Values are checked on CPU tensors always, on CUDA with PAGEDKERNELS_DEBUG=1 (a host sync)."""
     monkeypatch.setenv("PAGEDKERNELS_DEBUG", "1")
     adapters, x, indices, _ = _case("decode-token", torch.float32)
-    device = _device(backend)
     x, lora_a, lora_b = x.to(device), adapters.lora_a.to(device).nan_to_num(), adapters.lora_b.to(device).nan_to_num()
     indices = torch.tensor([bad], dtype=torch.int32, device=device)
     out = torch.full((1, lora_a.shape[1]), 3.0, device=device)
