@@ -5,11 +5,12 @@ decoding sequences the attention twin spends ~100 us per sequence and layer, and
 rotary embedding of a decode batch is half a dozen small tensor ops. ``paged_attention_cpu.c`` walks
 the block table directly (no gathered copy of K/V) with an online softmax, one OpenMP work item per
 (sequence, KV head, chunk of 16 queries); ``elementwise_cpu.c`` does RMSNorm (with the residual add),
-rotary embedding and SiLU-and-mul in one pass each. Both run on torch's own OpenMP runtime (same
+rotary embedding and SiLU-and-mul in one pass each; ``lora_cpu.c`` groups a batch's tokens by adapter slot and
+runs the LoRA shrink and expand per (slot, block of weights). They run on torch's own OpenMP runtime (same
 soname, already loaded by torch).
 
 The kernels check the metadata values that index memory (block ids, lengths, slots, positions) in
-the same pass that uses them and report a bad one with a return code; the op then runs its Python
+the same pass that uses them (LoRA: the adapter slots) and report a bad one with a return code; the op then runs its Python
 check to raise the ValueError that names it. So the native path costs no separate pass over the
 metadata per call, and no call can read or write outside its tensors.
 
