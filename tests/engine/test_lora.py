@@ -24,14 +24,13 @@ import torch
 
 pytest.importorskip("peft", reason="the oracle is PEFT's merged model (pip install peft, the dev extra)")
 
-from engine.config import ModelConfig  # noqa: E402
 from engine.distributed.parallel_state import planned_layout  # noqa: E402
 from engine.layers.attention import Attention, AttentionMetadata  # noqa: E402
 from engine.layers.linear import Linear, MergedLinear, QKVLinear  # noqa: E402
 from engine.layers.quantization import process_weights_after_loading  # noqa: E402
 from engine.lora import (LoRABatch, LoRAConfig, LoRALinear, LoRAManager, LoRARequest, PinnedLRU,  # noqa: E402
                          token_slots)
-from engine.models import get_model_class  # noqa: E402
+from engine.models import get_model_class, load_model_config  # noqa: E402
 from engine.worker.loader import load_model  # noqa: E402
 from tests.engine.models_util import load_hf_model, random_token_ids  # noqa: E402
 
@@ -84,7 +83,7 @@ def peft_merged_log_probs(model_dir: str, adapter_dir: str | None, token_ids: li
 def engine_model(model_dir: str):
     """The engine's model of ``model_dir`` in float32 on the CPU, as the model runner builds it (oneDNN-prepacked
     linears included)."""
-    config = ModelConfig.from_pretrained(model_dir, dtype=torch.float32, device="cpu")
+    config = load_model_config(model_dir, dtype=torch.float32, device="cpu")
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32)
     try:
