@@ -66,10 +66,13 @@ class LoRABatch:
         self.num_tokens = 0
         self.active = False
 
-    def prepare(self, token_slots: np.ndarray | torch.Tensor | None, num_tokens: int | None = None) -> None:
+    def prepare(self, token_slots: np.ndarray | torch.Tensor | None, num_tokens: int | None = None, *,
+                active: bool | None = None) -> None:
         """Set the slots of the next forward's tokens: ``token_slots`` int ``[n]`` (host array or tensor; values
         in ``[-1, max_loras)``) or None for a forward with no adapter; ``num_tokens`` (default n) rows run, those
-        past n padding (-1). Host work plus one copy; on CUDA the grouping, on the device."""
+        past n padding (-1). ``active`` overrides whether the layers run the LoRA kernels (default: whether a
+        token has an adapter; True to capture a graph's LoRA variant on padding rows). Host work plus one copy;
+        on CUDA the grouping, on the device."""
         n = 0 if token_slots is None else len(token_slots)
         num_tokens = n if num_tokens is None else num_tokens
         if not n <= num_tokens <= self.max_num_tokens:
@@ -91,6 +94,8 @@ class LoRABatch:
             self.active = False
         self.token_lora_indices[n:num_tokens].fill_(-1)
         self.num_tokens = num_tokens
+        if active is not None:
+            self.active = bool(active)
         if self.grouped and self.active:
             pk.lora_mapping(self.token_lora_indices[:num_tokens], self.max_loras,
                             sorted_token_ids=self.sorted_token_ids[:num_tokens],

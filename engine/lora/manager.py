@@ -157,6 +157,7 @@ class LoRAManager:
 
     # -- the step's tokens -----------------------------------------------------------------------------------
 
-    def prepare_batch(self, slots: np.ndarray | torch.Tensor | None, num_tokens: int | None = None) -> None:
+    def prepare_batch(self, slots: np.ndarray | torch.Tensor | None, num_tokens: int | None = None, *,
+                      active: bool | None = None) -> None:
         """Every token's slot for the next forward (see :meth:`LoRABatch.prepare`)."""
-        self.batch.prepare(slots, num_tokens)
+        self.batch.prepare(slots, num_tokens, active=active)

@@ -479,6 +479,8 @@ def test_batch_prepare_pads_and_checks():
     assert batch.token_lora_indices.tolist() == [1, -1, 0, -1, -1, -1] and batch.active and batch.num_tokens == 5
     batch.prepare(np.array([-1, -1]))
     assert not batch.active
+    batch.prepare(None, num_tokens=4, active=True)   # a graph's LoRA variant captured on padding rows
+    assert batch.active and batch.token_lora_indices[:4].tolist() == [-1] * 4
     with pytest.raises(ValueError, match=r"token_slots must lie in \[-1, 2\), got 2"):
         batch.prepare(np.array([0, 2]))
     with pytest.raises(ValueError, match=r"num_tokens must lie in \[3 \(the slots given\), 6\]"):
