@@ -5,11 +5,12 @@ decoding sequences the attention twin spends ~100 us per sequence and layer, and
 rotary embedding of a decode batch is half a dozen small tensor ops. ``paged_attention_cpu.c`` walks
 the block table directly (no gathered copy of K/V) with an online softmax, one OpenMP work item per
 (sequence, KV head, chunk of 16 queries); ``elementwise_cpu.c`` does RMSNorm (with the residual add),
-rotary embedding and SiLU-and-mul in one pass each. Both run on torch's own OpenMP runtime (same
+rotary embedding and SiLU-and-mul in one pass each; ``lora_cpu.c`` groups a batch's tokens by adapter slot and
+runs the LoRA shrink and expand per (slot, block of weights). They run on torch's own OpenMP runtime (same
 soname, already loaded by torch).
 
 The kernels check the metadata values that index memory (block ids, lengths, slots, positions) in
-the same pass that uses them and report a bad one with a return code; the op then runs its Python
+the same pass that uses them (LoRA: the adapter slots) and report a bad one with a return code; the op then runs its Python
 check to raise the ValueError that names it. So the native path costs no separate pass over the
 metadata per call, and no call can read or write outside its tensors.
 
@@ -35,7 +36,8 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "elementwise_cpu.c", CSRC / "quant_cpu.c", CSRC / "w16_gemm_cpu.c")
+SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "elementwise_cpu.c", CSRC / "quant_cpu.c", CSRC / "w16_gemm_cpu.c",
+           CSRC / "lora_cpu.c")
 HEADERS = (CSRC / "cpu_common.h",)
 MAX_HEAD_DIM, MAX_GROUP = 256, 64
 MAX_ROTARY_DIM = 512
@@ -129,6 +131,9 @@ SIGNATURES = {
     "pk_quant_simd_level": [],
     "pk_w16_gemm": [_ptr, _i64, _i32, _i64, _i64, _ptr, _i64, _i32, _ptr, _i64, _i32, _i32],
     "pk_bf16_dot_path": [],
+    "pk_lora_shrink": [_ptr, _i64, _i32, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _f32, _ptr, _i64, _i32],
+    "pk_lora_expand": [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _i32, _ptr, _i64, _i32,
+                       _i32],
 }
 # Kernels a CPU graph (pagedkernels.cpu_graph) can record and replay, by their index in this tuple.
 GRAPH_KERNELS = tuple(name for name, argtypes in SIGNATURES.items() if argtypes)
@@ -144,6 +149,8 @@ ROW_ARGS = {
     "pk_silu_and_mul": (4,),          # rows
     "pk_quant_gemm": (3,),            # M
     "pk_w16_gemm": (3,),              # M
+    "pk_lora_shrink": (3,),           # M (tokens)
+    "pk_lora_expand": (2,),           # M (tokens)
 }
 
 
@@ -407,3 +414,29 @@ def quant_dequantize(weight, N: int, K: int, fmt: str, group_size: int, scales, 
         None if zeros is None else zeros.data_ptr(), 0 if scales is None else DTYPE_CODES[scales.dtype],
         out2d.data_ptr(), out2d.stride(0), DTYPE_CODES[out2d.dtype], torch.get_num_threads())
     _check_rc(rc, "de-quantization")
+
+
+def lora_shrink(x, lora_a, token_lora_indices, scale: float, out) -> bool:
+    """``out = scale * x @ lora_a[idx]^T`` per token (zero rows for idx -1); arguments checked by the op. Returns
+    False, having written nothing, when an index is out of range."""
+    M, K = x.shape
+    num_loras, N, _ = lora_a.shape
+    idx = token_lora_indices.contiguous()
+    rc = library().pk_lora_shrink(x.data_ptr(), x.stride(0), DTYPE_CODES[x.dtype], M, K, lora_a.data_ptr(),
+                                  lora_a.stride(0), lora_a.stride(1), N, num_loras, idx.data_ptr(), float(scale),
+                                  out.data_ptr(), out.stride(0), torch.get_num_threads())
+    return _check_rc(rc, "lora_shrink")
+
+
+def lora_expand(buffer, lora_b, token_lora_indices, slice_sizes: tuple[int, ...], out) -> bool:
+    """``out[t, slice s] += buffer[t, s*R:(s+1)*R] @ lora_b[idx[t], slice s]^T`` per token with an adapter;
+    arguments checked by the op. Returns False, having written nothing, when an index is out of range."""
+    M = buffer.shape[0]
+    num_loras, _, rank = lora_b.shape
+    sizes = tuple(slice_sizes) + (0,) * (3 - len(slice_sizes))
+    idx = token_lora_indices.contiguous()
+    rc = library().pk_lora_expand(buffer.data_ptr(), buffer.stride(0), M, rank,
+                                  lora_b.data_ptr(), lora_b.stride(0), lora_b.stride(1), num_loras, idx.data_ptr(),
+                                  *sizes, len(slice_sizes), out.data_ptr(), out.stride(0), DTYPE_CODES[out.dtype],
+                                  torch.get_num_threads())
+    return _check_rc(rc, "lora_expand")

@@ -7,7 +7,7 @@ all of them compiles with inductor, fullgraph and dynamic shapes (no graph break
 eager results, K/V cache writes and in-place rotary/norm updates included. Decode attention is
 checked with and without a caller's workspace (two ops: see the module's docstring), and the KV ops
 with a float8 cache and its scales; the quantized GEMMs (wq_gemm, gguf_gemm, gguf_dequantize, fp8_gemm, w16_gemm)
-are in the compiled step too.
+and the multi-LoRA pair (lora_shrink, lora_expand_) are in the compiled step too.
 
 The fake implementations run each op's own argument checks: under FakeTensorMode with CUDA tensors
 (which FakeTensorMode makes on a CPU-only torch too) every op gives its output's shape, dtype and
@@ -62,6 +62,11 @@ def _inputs(seed=0):
         gguf=random_gguf("Q4_K", 48, 256, gen),
         fp8=pk.quantize_fp8_weight(torch.randn(64, 48, generator=gen) / 10),
         w16=pk.pack_w16((torch.randn(40, 64, generator=gen) / 10).to(torch.bfloat16)),
+        # adapters in 3 slots for a 2-slice (24 + 16 outputs) projection of x, rank 8; token 1 without one
+        lora_a=torch.randn(3, 16, 32, generator=gen) / 6,
+        lora_b=torch.randn(3, 40, 8, generator=gen) / 3,
+        lora_base=torch.randn(32, 40, generator=gen) / 6,
+        lora_indices=torch.tensor([2, -1, 0], dtype=torch.int32),
     )
 
 
@@ -97,7 +102,10 @@ def _step(ops, inp, key_cache, value_cache):
     gguf_weight = ops.gguf_dequantize(inp["gguf"], "Q4_K", dtype=torch.float32)
     fp8_out = ops.fp8_gemm(gguf_out, *inp["fp8"])
     w16_out = ops.w16_gemm(fp8_out, inp["w16"], 40)
-    return act, residual, decode_ws, projected, gguf_out, gguf_weight, fp8_out, w16_out
+    lora_buffer = ops.lora_shrink(inp["x"], inp["lora_a"], inp["lora_indices"], scale=0.5)
+    lora_out = ops.lora_expand(lora_buffer, inp["lora_b"], inp["lora_indices"], inp["x"] @ inp["lora_base"],
+                               slice_sizes=(24, 16))
+    return act, residual, decode_ws, projected, gguf_out, gguf_weight, fp8_out, w16_out, lora_buffer, lora_out
 
 
 def test_every_registered_op_is_listed_and_tested():
@@ -149,6 +157,8 @@ def _opcheck_cases():
     key_cache, value_cache = kv.key_cache.nan_to_num(), kv.value_cache.nan_to_num()
     decode = (q, key_cache, value_cache, kv.block_tables, kv.seq_lens)
     key_cache8, value_cache8 = (c.float().nan_to_num().to(FP8) for c in (inp["key_cache8"], inp["value_cache8"]))
+    lora_indices = torch.tensor([3, -1, 0], dtype=torch.int32)
+    lora_mapping = pk.lora_mapping(lora_indices, 4)
     decode8 = (q, key_cache8, value_cache8, kv.block_tables, kv.seq_lens)
     return {
         "reshape_and_cache": (k, k.clone(), key_cache.clone(), value_cache.clone(), inp["slots"]),
@@ -166,6 +176,10 @@ def _opcheck_cases():
         "fused_add_rms_norm_": (hidden.clone(), hidden.flip(0).clone(), weight, 1e-6),
         "rotary_embedding": (inp["positions"], q.clone(), k.clone(), inp["cos_sin"], True),
         "silu_and_mul": (hidden,),
+        "lora_shrink": (torch.randn(num_tokens, 64, generator=gen), torch.randn(4, 48, 64, generator=gen),
+                        lora_indices, 0.5, None, *lora_mapping),
+        "lora_expand_": (torch.randn(num_tokens, 48, generator=gen), torch.randn(4, 40, 16, generator=gen),
+                         lora_indices, torch.randn(num_tokens, 40, generator=gen), [24, 8, 8], *lora_mapping),
     }
 
 
@@ -232,6 +246,7 @@ _TABLES, _LENS = ((3, 4), torch.int32), ((3,), torch.int32)
 # Each op's arguments in order: (name, (shape, dtype)) for a tensor, (name, value) otherwise; and the
 # output's (shape, dtype) (None for the in-place ops).
 _CACHE8 = ((12, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), FP8)
+_LORA_INDICES = ((3,), torch.int32)
 SPECS = {
     "reshape_and_cache": ([("key", _KV), ("value", _KV), ("key_cache", _CACHE8), ("value_cache", _CACHE8),
                            ("slot_mapping", ((3,), torch.int64)), ("k_scale", K_SCALE), ("v_scale", V_SCALE)], None),
@@ -263,6 +278,12 @@ SPECS = {
     "rotary_embedding": ([("positions", ((3,), torch.int64)), ("q", _Q), ("k", _KV),
                           ("cos_sin_cache", ((64, HEAD_DIM), torch.float32)), ("is_neox", True)], None),
     "silu_and_mul": ([("x", ((3, 96), None))], ((3, 48), None)),
+    "lora_shrink": ([("x", ((3, 64), None)), ("lora_a", ((4, 48, 64), None)), ("token_lora_indices", _LORA_INDICES),
+                     ("scale", 0.5), ("num_splits", None), ("sorted_token_ids", _LORA_INDICES),
+                     ("lora_token_starts", ((5,), torch.int32))], ((3, 48), torch.float32)),
+    "lora_expand_": ([("buffer", ((3, 48), torch.float32)), ("lora_b", ((4, 40, 16), None)),
+                      ("token_lora_indices", _LORA_INDICES), ("out", ((3, 40), None)), ("slice_sizes", [24, 8, 8]),
+                      ("sorted_token_ids", _LORA_INDICES), ("lora_token_starts", ((5,), torch.int32))], None),
 }
 TENSOR_ARGS = [(op, arg) for op, (args, _) in SPECS.items() for arg, spec in args if isinstance(spec, tuple)]
 # The arguments that can be on another device than the op's other tensors (silu_and_mul has one tensor).
@@ -348,6 +369,12 @@ def _public_call(op, args):
         return None
     if op == "rotary_embedding":
         return pk.rotary_embedding(*args[:4], is_neox=kw["is_neox"])
+    mapping = {k: kw[k] for k in ("sorted_token_ids", "lora_token_starts") if k in kw}
+    if op == "lora_shrink":
+        return pk.lora_shrink(*args[:3], scale=kw["scale"], num_splits=kw["num_splits"], **mapping)
+    if op == "lora_expand_":
+        pk.lora_expand(*args[:4], slice_sizes=kw["slice_sizes"], **mapping)
+        return None
     return getattr(pk, op)(*args)
 
 
@@ -358,7 +385,7 @@ def test_public_ops_on_fake_and_meta_tensors(op, backend, monkeypatch):
     checks run, the output is allocated, no kernel (Triton, native, PyTorch twin) is reached."""
     import importlib
 
-    from pagedkernels import _native, cache_ops, decode_attention, gguf_quant, prefill_attention
+    from pagedkernels import _native, cache_ops, decode_attention, gguf_quant, lora, prefill_attention
 
     # the modules, not the functions of the same names that pagedkernels re-exports
     wq_gemm, fp8_gemm, w16_gemm = (importlib.import_module(f"pagedkernels.{m}") for m in ("wq_gemm", "fp8_gemm",
@@ -375,7 +402,9 @@ def test_public_ops_on_fake_and_meta_tensors(op, backend, monkeypatch):
                          (wq_gemm, "_wq_gemm_triton"), (wq_gemm, "dequantize_wq"), (_native, "quant_gemm"),
                          (_native, "quant_dequantize"), (gguf_quant, "_dequantize_triton"),
                          (gguf_quant, "_dequantize_torch"), (fp8_gemm, "_scaled_mm"), (_native, "w16_gemm"),
-                         (w16_gemm, "unpack_w16")):
+                         (w16_gemm, "unpack_w16"), (lora, "_shrink_triton"), (lora, "_expand_triton"),
+                         (lora, "_shrink_torch"), (lora, "_expand_torch"), (lora, "lora_mapping"),
+                         (_native, "lora_shrink"), (_native, "lora_expand")):
         monkeypatch.setattr(module, attr, no_kernel)
     with pk.use_backend(backend):
         with FakeTensorMode():
