@@ -11,7 +11,8 @@ one core.
     engine = MPAsyncLLMEngine(core.address, core.info)
 
 The core going away (crash, kill) is noticed within a second: every open stream ends with EngineDeadError, new
-requests are refused and /health answers 500.
+requests are refused and /health answers 500. A stream its consumer leaves (or interrupt_streams ends) is aborted
+in the core and reported to the callbacks as finished with "abort", as in AsyncLLMEngine.
 """
 from __future__ import annotations
 
@@ -229,6 +230,7 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
     async def generate(self, prompt, params: SamplingParams, request_id: str):
         """As AsyncLLMEngine.generate; the request runs in the core process."""
         self.start()
+        self._check_not_interrupted()
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already running")
         arrival = time.time()
@@ -239,11 +241,13 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
             bad_words = await self.run_on_tokenizer_thread(self.engine.bad_words_token_ids, params.bad_words)
         if self.dead_error is not None:
             raise EngineDeadError("the engine core has failed") from self.dead_error
+        self._check_not_interrupted()
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         self._accumulators[request_id] = OutputAccumulator(request_id, text, token_ids, params=params,
                                                            detokenizer=self.engine.detokenizer)
         finished = False
+        last = None
         try:
             # The core sends every step's tokens (FINAL_ONLY is kept here): stop strings are found as they come.
             core_params = dataclasses.replace(params, output_kind=RequestOutputKind.CUMULATIVE)
@@ -251,11 +255,12 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
-                    finished = True
+                    finished = isinstance(item, EngineDeadError)   # the core is gone: nothing to abort
                     raise item
                 finished = item.finished
                 if finished and not item.outputs and item.error:   # refused by add_request's checks: a 400
                     raise ValueError(item.error)
+                last = item
                 yield item
         finally:
             if self._streams.get(request_id) is queue:
@@ -264,6 +269,7 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
                 self._accumulators.pop(request_id, None)
                 if self.dead_error is None and self._socket is not None:
                     self._send(["abort", [request_id]])
+                self._report_abort(request_id, text, token_ids, last)
 
     async def abort(self, request_id: str) -> None:
         if self.dead_error is None and self._socket is not None:

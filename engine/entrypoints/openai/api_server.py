@@ -3,12 +3,14 @@
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id}, POST /tokenize,
 POST /detokenize, GET /version, GET /health, GET /metrics. Errors are OpenAI's JSON: 400 for invalid parameters,
 wrong types, malformed JSON, text that is not valid Unicode (lone surrogates) and over-long prompts, 401 without
-the API key (when one is set), 404 for an unknown model or route, 413 for a body far past any prompt the server
+the API key (when one is set: on every route but /health, and /metrics unless --disable-metrics-auth), 404 for an unknown model or route, 413 for a body far past any prompt the server
 takes, 500 for a request the engine failed (the engine goes on serving the others).
 
 Request bodies are parsed here rather than by FastAPI, so that every way a body can be wrong (bytes that are not
 UTF-8, JSON nesting too deep for the parser, strings no encoder takes) ends as a 400 before anything else runs."""
 import asyncio
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -23,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import AsyncLLMEngine, EngineDeadError
-from engine.entrypoints.openai.metrics import ServerMetrics
+from engine.entrypoints.openai.metrics import metrics_model_name, ServerMetrics
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from engine.entrypoints.openai.serving import json_safe, MAX_CHARS_PER_TOKEN, OpenAIError, OpenAIServing
 
@@ -123,37 +125,58 @@ def _openapi_with_request_models(app: FastAPI, models: list[type[BaseModel]]):
 
 
 class _APIKeyMiddleware:
-    """401 on /v1 routes without `Authorization: Bearer <api_key>`. A plain ASGI middleware: Starlette's
-    BaseHTTPMiddleware would hide client disconnects from the handlers."""
+    """Every route but the `open_paths` (/health; /metrics too with disable_metrics_auth) needs
+    `Authorization: Bearer <api_key>`: 401 without it or with another key (unknown routes too, so that nothing
+    about the server shows without the key), 400 with more than one Authorization header (which one counts would
+    be up to each proxy on the way). The key is compared in constant time on SHA-256 digests, so the time taken
+    tells nothing of the key or its length. A plain ASGI middleware: Starlette's BaseHTTPMiddleware would hide
+    client disconnects from the handlers."""
 
-    def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+    def __init__(self, app, api_key: str, open_paths: frozenset[str] = frozenset({"/health"})):
+        self.app, self.open_paths = app, open_paths
+        self.key_digest = hashlib.sha256(api_key.encode("utf-8")).digest()
+
+    def _refusal(self, headers) -> OpenAIError | None:
+        values = [value for name, value in headers if name == b"authorization"]
+        if len(values) > 1:
+            return OpenAIError(400, f"the request has {len(values)} Authorization headers; send one",
+                               param="authorization", code="invalid_api_key")
+        scheme, _, token = values[0].strip().partition(b" ") if values else (b"", b"", b"")
+        digest = hashlib.sha256(token.strip()).digest()
+        # compare_digest on both, whatever the scheme: the time taken does not depend on what was sent.
+        if not hmac.compare_digest(digest, self.key_digest) or scheme.lower() != b"bearer":
+            return OpenAIError(401, "Incorrect or missing API key.", code="invalid_api_key")   # OpenAI's
+        return None
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            if dict(scope["headers"]).get(b"authorization") != self.expected:
-                response = _error_response(OpenAIError(401, "Incorrect or missing API key.", code="invalid_api_key"))
-                await response(scope, receive, send)
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
+            error = self._refusal(scope["headers"])
+            if error is not None:
+                await _error_response(error)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
 
 def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key: str | None = None,
-              chat_template: str | None = None, trust_request_chat_template: bool = False,
+              disable_metrics_auth: bool = False, chat_template: str | None = None, trust_request_chat_template: bool = False,
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None, on_ready: Callable[[], None] | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, special_tokens_in_messages: str = "escape",
+              on_ready: Callable[[], None] | None = None) -> FastAPI:
     """The server app around a (not yet started) AsyncLLMEngine; the step loop starts with the app, and
     on_ready is called once its start-up is done (the engine started, the chat-template workers imported).
 
-    chat_template: the template text to use instead of the tokenizer's. trust_request_chat_template: let requests
+    api_key: every route but /health needs `Authorization: Bearer <api_key>` (and /metrics unless
+    disable_metrics_auth). chat_template: the template text to use instead of the tokenizer's. trust_request_chat_template: let requests
     bring their own (it runs on the server). enable_auto_tool_choice with tool_call_parser ("hermes",
     "llama3_json"): tool_choice "auto" parses tool calls from the output. reasoning_parser ("qwen3",
-    "deepseek_r1"): <think> text goes to reasoning_content."""
+    "deepseek_r1"): <think> text goes to reasoning_content. special_tokens_in_messages ("escape", "reject",
+    "allow"): what special-token text in user and tool message content becomes (OpenAIServing._guard_special_tokens)."""
     serving = OpenAIServing(engine, served_model_names, chat_template=chat_template,
                             trust_request_chat_template=trust_request_chat_template,
                             enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
-                            reasoning_parser=reasoning_parser)
-    metrics = ServerMetrics(served_model_names[0])
+                            reasoning_parser=reasoning_parser,
+                            special_tokens_in_messages=special_tokens_in_messages)
+    metrics = ServerMetrics(metrics_model_name(served_model_names[0]))
     body_limit = max_body_bytes(engine.max_model_len)
     metrics.attach(engine)
 
@@ -194,7 +217,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key:
         return _error_response(OpenAIError(500, str(error), type="internal_server_error"))
 
     if api_key is not None:
-        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+        open_paths = frozenset({"/health", "/metrics"} if disable_metrics_auth else {"/health"})
+        app.add_middleware(_APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
 
     @app.get("/health")
     async def health():
