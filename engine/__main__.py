@@ -166,8 +166,12 @@ def cmd_serve(args) -> None:
             missing = e.name if isinstance(e, ModuleNotFoundError) and e.name else None
             why = f"{missing.split('.')[0]} is not installed" if missing else f"importing {name} failed: {e}"
             raise MissingExtraError(f"`serve` needs the serve extra ({why}); install it with: {SERVE_INSTALL}") from None
-    from engine.entrypoints.openai.api_server import run_server
-    run_server(args)
+    from engine.entrypoints.openai.api_server import exit_now, run_server
+    try:
+        run_server(args)
+    except SystemExit as e:   # a process of the server died: status 1
+        exit_now(e.code if isinstance(e.code, int) else 1)
+    exit_now(0)   # shut down in order: no interpreter teardown to wait for (see exit_now)
 
 
 def build_parser() -> argparse.ArgumentParser:
