@@ -4,7 +4,9 @@ requests -> response JSON or server-sent events.
 Every check happens before the first engine request is queued, and the engine's own checks (add_request)
 surface before the HTTP response starts (the first output of every engine request is awaited first), so a
 bad request gets a clean 4xx and leaves the requests in flight untouched. A request the engine failed
-(RequestOutput.error, a step that raised) is a 500 for that request alone, in-band for a stream.
+(RequestOutput.error, a step that raised) is a 500 for that request alone, in-band for a stream; one whose own
+field was at fault only once queued (RequestOutput.error_param: a grammar that dead-ends) a 400 naming it; one the
+server's shutdown ended (StreamInterruptedError) a 503.
 
 Streamed text holds back the last len(longest stop string) - 1 characters until the request finishes, because a
 stop string is cut from the text once it completes: streamed and non-streamed outputs are then equal. Tool calls
