@@ -156,8 +156,19 @@ def test_sigterm_drains_then_ends_every_stream_in_band(served):
                     started[i].set()
         return events
 
+    def openai_stream() -> Exception | None:   # a real client: it must see the server's error, not a cut
+        try:
+            for _ in served.client.completions.create(model=MODEL, prompt="hello", max_tokens=1000, stream=True,
+                                                      extra_body={"ignore_eos": True}):
+                started[-1].set()
+        except openai.APIError as e:
+            return e
+        return None
+
+    started.append(threading.Event())
     with ThreadPoolExecutor(len(started) + 1) as pool:
-        streams = [pool.submit(stream, i) for i in range(len(started))]
+        streams = [pool.submit(stream, i) for i in range(len(started) - 1)]
+        by_openai = pool.submit(openai_stream)
         whole = pool.submit(httpx.post, served.url + "/v1/completions", json=body, timeout=60)
         for event in started:
             assert event.wait(60), "a stream did not start"
@@ -175,6 +186,9 @@ def test_sigterm_drains_then_ends_every_stream_in_band(served):
         assert time.monotonic() - signalled <= SHUTDOWN_TIMEOUT_S + 5
         results = [s.result(timeout=10) for s in streams]
         response = whole.result(timeout=10)
+        openai_error = by_openai.result(timeout=10)
+    assert isinstance(openai_error, openai.APIError) and not isinstance(openai_error, openai.APIConnectionError)
+    assert "--shutdown-timeout" in str(openai_error), openai_error
     for events in results:   # every client sees a clean end: the error in-band, then [DONE]
         assert events[-1] == "[DONE]", events[-3:]
         error = json.loads(events[-2])["error"]

@@ -138,7 +138,7 @@ CHAT = {"model": MODEL, "max_tokens": 2}
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": None}]}, "messages",
      "messages[0].content is required"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]},
-     "messages", "messages[1].content is required for a assistant message without tool_calls"),
+     "messages", "messages[1].content is required for role 'assistant' without tool_calls"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "hi"}]}, "messages",
      "messages[0].role must be one of"),
     ("/tokenize", {"messages": [{"role": "Wizard", "content": "hi"}]}, "messages", "messages[0].role"),

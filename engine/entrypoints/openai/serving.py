@@ -932,7 +932,7 @@ def _chat_messages(messages: list[dict] | None) -> list[dict]:
                               param="messages")
         if content is None and not (role == "assistant" and (message.get("tool_calls") or
                                                              message.get("function_call"))):
-            raise bad_request(f"messages[{i}].content is required for a {role} message"
+            raise bad_request(f"messages[{i}].content is required for role {role!r}"
                               + (" without tool_calls" if role == "assistant" else ""), param="messages")
         if isinstance(content, list):
             parts = []
