@@ -215,8 +215,7 @@ def step_profile(llm, requests, temperature: float, steps: tuple[int, int] = PRO
         for request_id in list(engine.requests):
             engine.abort_request(request_id)
     events = prof.key_averages()
-    device_us = lambda e: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))  # noqa: E731
-    kernels = sorted((e for e in events if device_us(e) > 0), key=device_us, reverse=True)
+    kernels = sorted(kernel_events(events), key=device_us, reverse=True)
     kernel_s = sum(device_us(e) for e in kernels) / 1e6
     cpu_ops = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)
     ran = max(ran, 1)
@@ -227,6 +226,21 @@ def step_profile(llm, requests, temperature: float, steps: tuple[int, int] = PRO
             "top_cpu_ops": [{"name": e.key[:120], "self_ms_per_step": e.self_cpu_time_total / 1e3 / ran,
                              "calls": e.count} for e in cpu_ops[:top]],
             "python": python}
+
+
+def device_us(event) -> float:
+    """An event's own device time in us (torch >= 2.4 names it self_device_time_total)."""
+    return getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0))
+
+
+def kernel_events(events) -> list:
+    """The device's own events (kernels, copies, memsets) of a profile's key_averages(): each device interval once.
+    An aten op's row carries the device time of the kernels it launched too, so summing every row that has device
+    time counted each eager op twice (the GPU-busy fractions of the first H100/H200 runs, 0.59/0.69, were really
+    about 0.53-0.55/0.61-0.63)."""
+    from torch.autograd import DeviceType
+
+    return [e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA and device_us(e) > 0]
 
 
 def python_profile(engine, steps: int, top: int) -> dict:
@@ -413,12 +427,13 @@ def decode_step_time(llm, batch_size: int, context: int, copy_gbps: float, repea
 def run(device: torch.device, *, tiny: bool, models: list[str], parts: tuple[str, ...] = PARTS,
         hf_group: int = 64, context: int = 1024, enforce_eager: bool = False, copy_gbps: float | None = None,
         budget: Budget | None = None, transformers_min_s: float = 0.0, on_progress=None, log=print,
-        results: dict | None = None) -> dict:
+        results: dict | None = None, async_scheduling: bool | None = None) -> dict:
     """Run ``parts`` (of ``PARTS``) for each model of ``models`` (names in ``SHAPES``), in that order per model:
     throughput, batch1, decode_steps on one engine, then transformers once the engine is gone (only when the
     budget still has ``transformers_min_s`` seconds; else the row says it was left out). ``on_progress(results)``
     after every part, so a caller can save partial results. ``results``: an earlier run's, to add parts to (the
-    requests are the same, seeded: transformers later in a phase still gives the ratio)."""
+    requests are the same, seeded: transformers later in a phase still gives the ratio). ``async_scheduling``: the
+    engine's option (None: its default, on with CUDA)."""
     from bench.kernels import measure_peaks, wall_timer
     from engine import LLM
 
@@ -452,8 +467,10 @@ def run(device: torch.device, *, tiny: bool, models: list[str], parts: tuple[str
                 start = time.perf_counter()
                 llm = LLM(model_dir, dtype=str(dtype).replace("torch.", ""), device=str(device),
                           max_model_len=workload.max_model_len, enforce_eager=enforce_eager,
-                          max_num_seqs=256 if not tiny else 8, load_format="dummy", skip_tokenizer_init=True)
+                          max_num_seqs=256 if not tiny else 8, load_format="dummy", skip_tokenizer_init=True,
+                          async_scheduling=async_scheduling)
                 row["engine_start_s"] = time.perf_counter() - start
+                row["async_scheduling"] = llm.llm_engine.config.scheduler_config.async_scheduling
                 log(f"{name}: engine built in {row['engine_start_s']:.0f} s (dummy weights)")
                 if "throughput" in parts:
                     row["engine"] = engine_throughput(llm, requests, workload.temperature, budget)

@@ -18,6 +18,8 @@
    against 16-bit-KV decode.
 9. tune (300 s): the prefill kernel's launch configurations on the target shape against SDPA-flash (which tiles
    launch_config should pick on this GPU).
+10. async (540 s): host syncs per step kind under torch.cuda.set_sync_debug_mode (bench/sync_audit.py), then the
+   Qwen3-0.6B-shape throughput and step profile without and with async scheduling, side by side.
 
 ``--phase all`` (the default) runs them one after another. Each phase writes
 ``OUT/<date>-<device>-phase<N>-<name>.json`` and ``.md`` after every case (``.png`` at the end, when matplotlib
@@ -265,14 +267,14 @@ class PhaseRun:
             self.result["errors"].append(f"{label}: {run['summary']}")
 
     def engine(self, models: list[str], parts: tuple[str, ...], transformers_min_s: float = 0.0,
-               reserve_s: float = 0.0) -> None:
-        """bench.engine_gpu's ``parts`` (added to this phase's earlier engine results), within the budget less
-        ``reserve_s`` seconds kept for the steps after it."""
+               reserve_s: float = 0.0, async_scheduling: bool | None = None, key: str = "engine") -> None:
+        """bench.engine_gpu's ``parts`` (added to this phase's earlier engine results under ``key``), within the
+        budget less ``reserve_s`` seconds kept for the steps after it."""
         from bench import engine_gpu
 
         def progress(partial: dict) -> None:
-            self.result["engine"] = partial
-            self.result["engine_targets"] = partial["targets"]
+            self.result[key] = partial
+            self.result[f"{key}_targets"] = partial["targets"]
             self.save()
 
         peaks = self.result.get("peaks") or {}
@@ -280,7 +282,13 @@ class PhaseRun:
         engine_gpu.run(self.device, tiny=self.dry_run, models=models, parts=parts,
                        copy_gbps=peaks.get("copy_gbps"), budget=budget, transformers_min_s=transformers_min_s,
                        on_progress=progress, log=lambda line: print(line, flush=True),
-                       results=self.result.get("engine"))
+                       results=self.result.get(key), async_scheduling=async_scheduling)
+
+    def sync_audit(self) -> None:
+        from bench import sync_audit
+
+        self.result["sync_audit"] = sync_audit.run(self.device, tiny=self.dry_run,
+                                                   log=lambda line: print(line, flush=True))
 
 
 def _headline(run: PhaseRun) -> None:
@@ -321,6 +329,16 @@ def _llama(run: PhaseRun) -> None:
         ["llama-3-8b"], ("throughput", "profile", "batch1", "decode_steps")))
 
 
+def _async(run: PhaseRun) -> None:
+    run.step("limits", run.peaks) \
+        and run.step("sync audit", run.sync_audit) \
+        and run.step("engine without async scheduling", lambda: run.engine(
+            ["qwen3-0.6b"], ("throughput", "profile"), async_scheduling=False, key="engine_sync",
+            reserve_s=run.budget.remaining() / 2)) \
+        and run.step("engine with async scheduling", lambda: run.engine(
+            ["qwen3-0.6b"], ("throughput", "profile"), async_scheduling=True))
+
+
 def _test_phase(label: str, args: list[str]) -> Callable[[PhaseRun], None]:
     return lambda run: run.step(label, lambda: run.tests(label, args))
 
@@ -335,6 +353,7 @@ PHASES = [
     Phase(7, "other-tests", 540.0, _test_phase("other tests", OTHER_TESTS)),
     Phase(8, "quant", 300.0, _quant),
     Phase(9, "tune", 300.0, _tune),
+    Phase(10, "async", 540.0, _async),
 ]
 
 

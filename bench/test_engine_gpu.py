@@ -21,3 +21,23 @@ def test_generate_batch_results_count_only_when_every_request_came_back_whole():
         check_generate_batch({"a": _out(8)}, [8, 8])
     with pytest.raises(RuntimeError, match="came back short"):
         check_generate_batch({"a": _out(8), "b": _out(3)}, [8, 8])
+
+
+def test_gpu_busy_counts_each_device_interval_once():
+    """An eager op's profiler row carries the device time of the kernels it launched, beside the kernels' own rows:
+    the busy time is the device rows' alone."""
+    import types
+
+    from torch.autograd import DeviceType
+
+    from bench.engine_gpu import kernel_events
+
+    def row(name, device_type, device_us):
+        return types.SimpleNamespace(key=name, device_type=device_type, self_device_time_total=device_us)
+
+    events = [row("aten::mm", DeviceType.CPU, 40.0), row("sm90_xmma_gemm", DeviceType.CUDA, 40.0),
+              row("aten::add", DeviceType.CPU, 0.0), row("Memcpy HtoD", DeviceType.CUDA, 3.0),
+              row("idle_kernel_with_no_time", DeviceType.CUDA, 0.0)]
+    kernels = kernel_events(events)
+    assert [e.key for e in kernels] == ["sm90_xmma_gemm", "Memcpy HtoD"]
+    assert sum(e.self_device_time_total for e in kernels) == 43.0

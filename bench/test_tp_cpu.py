@@ -25,10 +25,11 @@ def test_tp_benchmark_report(tmp_path):
 def test_random_model_like_splits_heads(tmp_path):
     from tests.engine.models_util import build_tiny_model_dir
     from engine.config import ModelConfig
+    from engine.models import load_model_config
 
     model_dir = build_tiny_model_dir("llama", str(tmp_path / "tiny-llama"))
-    source = ModelConfig.from_pretrained(model_dir)
-    copy = ModelConfig.from_pretrained(tp_cpu.random_model_like(model_dir, 2, 1, str(tmp_path / "copy")))
+    source = load_model_config(model_dir)
+    copy = load_model_config(tp_cpu.random_model_like(model_dir, 2, 1, str(tmp_path / "copy")))
     assert (copy.num_attention_heads, copy.num_key_value_heads) == (2, 1)
     assert copy.head_dim * 2 == copy.hidden_size == source.hidden_size
     assert copy.num_hidden_layers == source.num_hidden_layers and copy.vocab_size == source.vocab_size

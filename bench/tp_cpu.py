@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
 
         args.model = default_model_path()
     from engine.config import ModelConfig
+    from engine.models import load_model_config
 
     model_name, scratch = os.path.basename(os.path.normpath(args.model)), None
     if args.heads:
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         scratch = tempfile.mkdtemp(prefix="tp-bench-")
         args.model = random_model_like(args.model, num_heads, num_kv_heads, scratch)
         model_name += f"-random-{num_heads}h{num_kv_heads}kv"
-    config = ModelConfig.from_pretrained(args.model)
+    config = load_model_config(args.model)
     requests = make_requests(args.num_requests, args.min_len, args.max_len, config.vocab_size, args.seed)
     load_before = os.getloadavg()
     try:

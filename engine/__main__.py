@@ -79,6 +79,8 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                        help="connections each API server process keeps open at most; one more gets a 503 and is "
                             "closed (default: what the open-files limit leaves after 256)")
     group.add_argument("--log-level", default="info", help="uvicorn log level")
+    group.add_argument("--disable-log-requests", action="store_true",
+                       help="accepted for vLLM compatibility: the server logs no request contents")
     group.add_argument("--api-server-count", type=int, default=1,
                        help="API server processes (HTTP, tokenization, chat templates, streaming) in front of the "
                             "one engine core process, sharing the port")
@@ -194,12 +196,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     EngineArgs.add_cli_args(serve, positional_model=True)
     _add_serve_args(serve)
+    parser.subcommands = {"generate": gen, "chat": chat, "serve": serve}
     return parser
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, an unknown option reported with the usage of its subcommand (argparse would print the
+    top-level usage, which lists no option of the command the user typed)."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        subparser = getattr(parser, "subcommands", {}).get(args.command, parser)
+        subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     try:
         {"generate": cmd_generate, "chat": cmd_chat, "download": cmd_download, "serve": cmd_serve}[args.command](args)
     except (ValueError, MissingExtraError) as e:

@@ -25,12 +25,12 @@ StreamInterruptedError and its request is aborted; requests that arrive afterwar
 import asyncio
 import copy
 import dataclasses
-import functools
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from engine.core.core_io import EngineCoreRequest
 from engine.core.llm_engine import LLMEngine
 from engine.outputs import EngineMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -193,6 +193,23 @@ class AsyncLLMEngine:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self._process_prompt, prompt,
                                                                 truncate_prompt_tokens)
 
+    def _process_request(self, request_id: str, prompt, params: SamplingParams,
+                         arrival_time: float | None) -> EngineCoreRequest:
+        text, token_ids = self._process_prompt(prompt, params.truncate_prompt_tokens)
+        bad_words = None
+        if params.bad_words and self.engine.tokenizer is not None:
+            # 100k bad words are seconds of work the step loop must not do.
+            bad_words = self.engine.bad_words_token_ids(params.bad_words, self._thread_tokenizer())
+        return self.engine.input_processor.process(request_id, {"prompt": text, "prompt_token_ids": token_ids},
+                                                   params, arrival_time=arrival_time, bad_words_token_ids=bad_words)
+
+    async def process_request(self, request_id: str, prompt, params: SamplingParams, *,
+                              arrival_time: float | None = None) -> EngineCoreRequest:
+        """The input processor's request (engine/core/input_processor.py), made on a tokenizer thread: the prompt and
+        the bad words tokenized, everything validated (ValueError naming the field)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self._process_request,
+                                                                request_id, prompt, params, arrival_time)
+
     async def run_on_tokenizer_thread(self, fn, *args):
         """fn(*args, tokenizer=...) on a tokenizer thread, with that thread's tokenizer (tokenize, detokenize)."""
         return await asyncio.get_running_loop().run_in_executor(
@@ -238,9 +255,9 @@ class AsyncLLMEngine:
 
     @property
     def chat_template_sandbox(self):
-        """The sandbox processes chat templates render in (engine/entrypoints/chat_template_sandbox.py)."""
+        """The sandbox processes chat templates render in (engine/chat_template_sandbox.py)."""
         if self._chat_template_sandbox is None:
-            from engine.entrypoints.chat_template_sandbox import ChatTemplateSandbox
+            from engine.chat_template_sandbox import ChatTemplateSandbox
             self._chat_template_sandbox = ChatTemplateSandbox()
         return self._chat_template_sandbox
 
@@ -253,19 +270,15 @@ class AsyncLLMEngine:
         self._check_not_interrupted()
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already running")
-        text, token_ids = await self.process_prompt(prompt, None if params is None else params.truncate_prompt_tokens)
-        bad_words = None
-        if params is not None and params.bad_words and self.engine.tokenizer is not None:
-            # Tokenized here, on a tokenizer thread: 100k bad words are seconds of work the step loop must not do.
-            bad_words = await self.run_on_tokenizer_thread(self.engine.bad_words_token_ids, params.bad_words)
+        params = params if params is not None else self.engine.default_sampling_params()
+        request = await self.process_request(request_id, prompt, params)
         self._check_not_interrupted()
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         added = finished = False
         last = None
         try:
-            await self._call(functools.partial(self.engine.add_request, bad_words_token_ids=bad_words), request_id,
-                             {"prompt": text, "prompt_token_ids": token_ids}, params)
+            await self._call(self.engine.add_processed_request, request)
             added = True
             self._wake.set()
             while not finished:
@@ -284,7 +297,7 @@ class AsyncLLMEngine:
                 # allowed here when the generator is being garbage-collected.)
                 self._engine_thread.submit(self.engine.abort_request, request_id)
                 if added:
-                    self._report_abort(request_id, text, token_ids, last)
+                    self._report_abort(request_id, request.prompt, request.prompt_token_ids, last)
 
     async def abort(self, request_id: str) -> None:
         """Stop a request; its stream ends with a finish_reason "abort" output. Unknown ids are ignored."""

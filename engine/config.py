@@ -4,8 +4,9 @@ Reads both key styles transformers has written: version 4 (``rope_theta`` + ``ro
 ``torch_dtype``) and version 5 (``rope_parameters`` holding ``rope_theta`` and the scaling keys,
 ``dtype``). Nothing from transformers is imported: the engine runs on its own modules.
 
-The per-architecture part of the mapping lives with each model (``config_from_hf`` of the model class,
-engine/models/); this module reads what all architectures share and holds the helpers they use.
+This module holds the configs and the helpers that read config.json's shared keys. Reading a model directory into
+a ModelConfig needs each architecture's own mapping (``config_from_hf`` of its model class), so it lives above
+both, with the model registry: ``engine.models.load_model_config``.
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.gguf_file import is_gguf_path
 from engine.platform import DevicePolicy
 
-from engine.gguf_file import is_gguf_path, read_gguf_config
-from engine.models import architecture_of_model_type, get_model_class
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -76,86 +76,6 @@ class ModelConfig:
     # The linear layers' quantization (engine/layers/quantization/): config.json's quantization_config or
     # the one asked for (quantization=...); None: unquantized.
     quant_config: object | None = None
-
-    @classmethod
-    def from_pretrained(cls, model_dir: str, *, dtype: str | torch.dtype = "auto",
-                        max_model_len: int | None = None,
-                        device: str | torch.device | None = None,
-                        quantization: str | None = None) -> "ModelConfig":
-        """Read ``model_dir/config.json`` (and ``generation_config.json`` when present); ``model_dir`` may
-        also be a GGUF file, whose metadata gives both (engine/gguf_file.py).
-
-        ``quantization``: a method name (``"fp8"``, ``"gptq"``, ...) the checkpoint's quantization_config
-        must agree with, or that quantizes a float checkpoint on load (fp8); None follows the checkpoint.
-
-        ``dtype="auto"`` follows the checkpoint, except that bf16/fp16 checkpoints run in float32 on
-        CPU (``device`` None means CUDA when available, else CPU), where half-precision matmuls are
-        slow and inexact. ``max_model_len`` defaults to ``max_position_embeddings`` and may not
-        exceed it.
-        """
-        model_dir = os.fspath(model_dir)
-        if is_gguf_path(model_dir):   # a GGUF file: config and special tokens from its metadata
-            hf, gen = read_gguf_config(model_dir)
-        else:
-            hf = _read_json(os.path.join(model_dir, "config.json"), required=True)
-            gen = _read_json(os.path.join(model_dir, "generation_config.json"), required=False) or {}
-        # Multimodal wrappers keep the language model in text_config; the keys we need live there.
-        text = hf.get("text_config", hf)
-
-        architecture = _architecture(hf)
-        model_class = get_model_class(architecture)
-
-        hidden_size = int(need(text, "hidden_size", model_dir))
-        num_heads = int(need(text, "num_attention_heads", model_dir))
-        num_kv_heads = int(text.get("num_key_value_heads") or num_heads)
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_attention_heads={num_heads} is not a multiple of "
-                             f"num_key_value_heads={num_kv_heads} in {model_dir}/config.json")
-        num_layers = int(need(text, "num_hidden_layers", model_dir))
-        max_pos = int(text.get("max_position_embeddings") or 2048)
-        set_by_user = max_model_len is not None
-        if max_model_len is None:
-            max_model_len = max_pos
-        elif not isinstance(max_model_len, int) or max_model_len < 1 or max_model_len > max_pos:
-            raise ValueError(f"max_model_len must be an int in [1, {max_pos}] "
-                             f"(max_position_embeddings of {model_dir}), got {max_model_len!r}")
-        # Each architecture's default for tied embeddings differs (transformers' config classes); the
-        # model class names its own.
-        tie_default = getattr(model_class, "tie_word_embeddings_default", False)
-
-        config = cls(
-            model_dir=model_dir,
-            architecture=architecture,
-            hidden_size=hidden_size,
-            num_hidden_layers=num_layers,
-            num_attention_heads=num_heads,
-            num_key_value_heads=num_kv_heads,
-            head_dim=int(text.get("head_dim") or hidden_size // num_heads),
-            vocab_size=int(need(text, "vocab_size", model_dir)),
-            max_position_embeddings=max_pos,
-            max_model_len=max_model_len,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", text.get("tie_word_embeddings", tie_default))),
-            dtype=resolve_dtype(dtype, hf.get("dtype", hf.get("torch_dtype", text.get("dtype", text.get("torch_dtype")))),
-                                device),
-            eos_token_ids=frozenset(_ids(text.get("eos_token_id", hf.get("eos_token_id"))) | _ids(gen.get("eos_token_id"))),
-            bos_token_id=_first(gen.get("bos_token_id", text.get("bos_token_id"))),
-            pad_token_id=_first(gen.get("pad_token_id", text.get("pad_token_id"))),
-            hf_config=hf,
-            max_model_len_set_by_user=set_by_user,
-        )
-        try:
-            fields = model_class.config_from_hf(text, config)
-        except ValueError as e:
-            raise ValueError(f"{model_dir}/config.json: {e}") from e
-        unknown = set(fields) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:  # a model mapping a key to a field that does not exist is a bug, not a config problem
-            raise TypeError(f"{model_class.__name__}.config_from_hf returned unknown fields {sorted(unknown)}")
-        from engine.layers.quantization import resolve_quant_config
-
-        fields["quant_config"] = resolve_quant_config(
-            hf, quantization, packed_modules_mapping=getattr(model_class, "packed_modules_mapping", {}),
-            model_dir=model_dir)
-        return dataclasses.replace(config, **fields)
 
 
 def need(text: dict, key: str, model_dir: str = "the model directory"):
@@ -241,13 +161,6 @@ def _read_json(path: str, *, required: bool) -> dict | None:
         raise ValueError(f"{path} is not valid JSON: {e}") from e
 
 
-def _architecture(hf: dict) -> str:
-    architectures = hf.get("architectures") or []
-    if architectures:
-        return architectures[0]
-    return architecture_of_model_type(hf.get("model_type"))
-
-
 def _ids(value) -> frozenset[int]:
     if value is None:
         return frozenset()
@@ -325,6 +238,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int           # token budget of one step (chunked prefill is always on)
     preemption_mode: str                  # "recompute" | "swap"
     max_num_seqs_per_request: int | None = None   # one request's rows in a step shared with others (None: all)
+    # Schedule step N+1 while step N runs (engine/core/engine_core.py); resolved from EngineArgs' None by device.
+    async_scheduling: bool = False
 
 
 @dataclass(slots=True)
@@ -378,3 +293,21 @@ class EngineConfig:
     def with_device(self, device: torch.device) -> "EngineConfig":
         """This config for a worker on `device` (a tensor-parallel rank's own GPU)."""
         return dataclasses.replace(self, device_config=DeviceConfig(torch.device(device)))
+
+
+def resolve_model_path(model: str) -> str:
+    """`model` if it is a local directory or GGUF file, else a Hugging Face hub id downloaded with
+    huggingface_hub."""
+    if os.path.isdir(model) or is_gguf_path(model):
+        return model
+    if isinstance(model, str) and model.endswith(".gguf"):
+        raise ValueError(f"GGUF file {model!r} does not exist")
+    if isinstance(model, str) and (os.path.isabs(model) or model.startswith(("./", "../", "~")) or model.count("/") > 1):
+        # A hub id is "name" or "org/name": this is a path, and there is nothing there.
+        raise ValueError(f"model {model!r}: no such directory")
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"])
+    except Exception as e:   # offline, unknown repo, invalid id: all mean "no such model here"
+        raise ValueError(f"model {model!r} is not a local directory and could not be fetched from the "
+                         f"Hugging Face hub ({type(e).__name__}: {e})") from e

@@ -46,6 +46,11 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     speculative_config: dict | None = None
     quantization: str | None = None
+    async_scheduling: bool | None = None   # None: on CUDA unless speculative decoding; off on CPU
+    # vLLM options that mean nothing here, accepted so that vLLM scripts run (a warning says what they do here).
+    trust_remote_code: bool = False
+    disable_log_stats: bool = False
+    enable_chunked_prefill: bool | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, *, positional_model: bool = False) -> argparse.ArgumentParser:
@@ -93,6 +98,16 @@ class EngineArgs:
         group.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                            help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                                 '"prompt_lookup_max": 4}\' or \'{"model": "DRAFT_DIR", "num_speculative_tokens": 4}\'')
+        group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                           help="schedule the next step while the device runs this one, reading sampled ids one "
+                                "step late (default: on with CUDA, except with speculative decoding; off on CPU)")
+        group.add_argument("--trust-remote-code", action="store_true",
+                           help="accepted for vLLM compatibility: no model code is downloaded or run, the "
+                                "architectures are the engine's own")
+        group.add_argument("--disable-log-stats", action="store_true",
+                           help="accepted for vLLM compatibility: the engine logs no periodic stats")
+        group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                           help="accepted for vLLM compatibility: chunked prefill is always on")
         group.add_argument("--quantization", "-q", default=None,
                            help="quantization method: the checkpoint's (gptq, awq, fp8, compressed-tensors; "
                                 "default: config.json's quantization_config), or fp8 to quantize a float "
@@ -141,31 +156,37 @@ class EngineArgs:
         _check_int("seed", self.seed)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check_choice("load_format", self.load_format, ("auto", "dummy"))
+        _note_vllm_compatibility_options(self)
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be a bool or None (the device's default), got "
+                             f"{self.async_scheduling!r}")
         for name in ("enable_prefix_caching", "enforce_eager", "skip_tokenizer_init"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.generation_config is None or not isinstance(self.generation_config, str):
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}")
 
-        from engine.core.llm_engine import resolve_model_path
+        from engine.config import resolve_model_path
+        from engine.models import load_model_config
 
         device = resolve_device(self.device)
         if self.quantization is not None and not isinstance(self.quantization, str):
             raise ValueError(f"quantization must be a method name or None, got {self.quantization!r}")
-        model_config = ModelConfig.from_pretrained(resolve_model_path(self.resolved_model()), dtype=self.dtype,
-                                                   max_model_len=self.max_model_len, device=device,
-                                                   quantization=self.quantization)
+        model_config = load_model_config(resolve_model_path(self.resolved_model()), dtype=self.dtype,
+                                         max_model_len=self.max_model_len, device=device,
+                                         quantization=self.quantization)
         if self.kv_cache_dtype != "auto":
             check_kv_cache_scheme(model_config.hf_config, model_config.model_dir)
         policy = DevicePolicy.for_device(device)
+        speculative_config = _speculative_config(self.speculative_config, model_config, device, self.dtype)
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens or policy.default_max_num_batched_tokens,
-            preemption_mode=self.preemption_mode, max_num_seqs_per_request=self.max_num_seqs_per_request)
+            preemption_mode=self.preemption_mode, max_num_seqs_per_request=self.max_num_seqs_per_request,
+            async_scheduling=_async_scheduling(self.async_scheduling, policy, speculative_config))
         cache_config = CacheConfig(block_size=self.block_size, gpu_memory_utilization=float(self.gpu_memory_utilization),
                                    swap_space=float(self.swap_space), enable_prefix_caching=self.enable_prefix_caching,
                                    num_gpu_blocks_override=self.num_kv_blocks, kv_cache_dtype=self.kv_cache_dtype)
-        speculative_config = _speculative_config(self.speculative_config, model_config, device, self.dtype)
         return EngineConfig(model_config=model_config, cache_config=cache_config, scheduler_config=scheduler_config,
                             parallel_config=ParallelConfig(self.tensor_parallel_size),
                             device_config=DeviceConfig(device), load_config=LoadConfig(self.load_format),
@@ -178,6 +199,35 @@ class EngineArgs:
         """The LLMEngine these options describe."""
         from engine.core.llm_engine import LLMEngine
         return LLMEngine(self.create_engine_config())
+
+
+def _note_vllm_compatibility_options(args: "EngineArgs") -> None:
+    """vLLM options that have no effect here: checked, and a line in the log when they ask for something."""
+    import logging
+
+    logger = logging.getLogger("engine")
+    for name in ("trust_remote_code", "disable_log_stats"):
+        if not isinstance(getattr(args, name), bool):
+            raise ValueError(f"{name} must be a bool, got {getattr(args, name)!r}")
+    if args.enable_chunked_prefill is not None and not isinstance(args.enable_chunked_prefill, bool):
+        raise ValueError(f"enable_chunked_prefill must be a bool or None, got {args.enable_chunked_prefill!r}")
+    if args.trust_remote_code:
+        logger.warning("trust_remote_code=True: no model code is downloaded or run here; the model must be one of "
+                       "the engine's own architectures (README \"Supported models\")")
+    if args.enable_chunked_prefill is False:
+        logger.warning("enable_chunked_prefill=False: chunked prefill is always on in this engine (a prompt longer "
+                       "than max_num_batched_tokens is computed over several steps)")
+
+
+def _async_scheduling(requested: bool | None, policy, speculative_config) -> bool:
+    """Async scheduling as asked, else the device's default. Speculative decoding runs without it: a step's drafts
+    are proposed from the tokens the step before accepted, which the scheduler must know to size the step."""
+    if requested is None:
+        return policy.async_scheduling_by_default and speculative_config is None
+    if requested and speculative_config is not None:
+        raise ValueError("async_scheduling=True does not work with speculative_config (each step's drafts depend on "
+                         "how many the step before accepted); leave async_scheduling unset or False")
+    return requested
 
 
 def _check_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> None:
@@ -242,14 +292,14 @@ def _speculative_config(spec: dict | None, model_config: "ModelConfig", device,
     for key in ("prompt_lookup_max", "prompt_lookup_min"):
         if key in spec:
             raise ValueError(f"speculative_config: {key} is for method 'ngram', not a draft model")
-    from engine.core.llm_engine import resolve_model_path
+    from engine.config import resolve_model_path
+    from engine.models import load_model_config
 
     draft_dir = resolve_model_path(spec["model"]) if isinstance(spec.get("model"), str) else None
     if draft_dir is None:
         raise ValueError(f"speculative_config: model must be a draft model's directory, got {spec.get('model')!r}")
-    draft = ModelConfig.from_pretrained(draft_dir, dtype=model_config.dtype, device=device,
-                                        max_model_len=min(model_config.max_model_len,
-                                                          _max_positions(draft_dir)))
+    draft = load_model_config(draft_dir, dtype=model_config.dtype, device=device,
+                              max_model_len=min(model_config.max_model_len, _max_positions(draft_dir)))
     if draft.vocab_size != model_config.vocab_size:
         raise ValueError(f"speculative_config: the draft model's vocabulary ({draft.vocab_size}) differs from the "
                          f"target's ({model_config.vocab_size}); a draft must share the target's tokenizer")

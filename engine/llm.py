@@ -92,6 +92,11 @@ class LLM:
         quantization: the linear layers' quantization method (vLLM's name): None follows config.json's
             quantization_config (GPTQ, AWQ, fp8, compressed-tensors fp8 checkpoints load as published); "fp8" on
             a float checkpoint quantizes its linear weights to fp8 on load. README "Quantized models".
+        async_scheduling: schedule step N+1 while step N runs, the sampled ids reaching the host one step late
+            (vLLM's name; engine/core/engine_core.py). None: on with CUDA unless speculative decoding is on, off
+            on CPU. Outputs are the same either way.
+        trust_remote_code, disable_log_stats, enable_chunked_prefill: vLLM's, accepted so that vLLM scripts run;
+            nothing here runs remote code, logs periodic stats, or turns chunked prefill off (a warning says so).
 
     The options are `engine.engine_args.EngineArgs` (shared with `python -m engine` and the server).
     """
@@ -105,7 +110,9 @@ class LLM:
                  enforce_eager: bool = False, seed: int = 0, swap_space: float = 4,
                  preemption_mode: str = "recompute", generation_config: str = "auto",
                  tensor_parallel_size: int = 1, load_format: str = "auto", skip_tokenizer_init: bool = False,
-                 speculative_config: dict | None = None, quantization: str | None = None):
+                 speculative_config: dict | None = None, quantization: str | None = None,
+                 async_scheduling: bool | None = None, trust_remote_code: bool = False,
+                 disable_log_stats: bool = False, enable_chunked_prefill: bool | None = None):
         self.llm_engine = EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, device=device, block_size=block_size,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_seqs_per_request=max_num_seqs_per_request,
@@ -115,7 +122,8 @@ class LLM:
             swap_space=swap_space, preemption_mode=preemption_mode,
             generation_config=generation_config, tensor_parallel_size=tensor_parallel_size, load_format=load_format,
             skip_tokenizer_init=skip_tokenizer_init, speculative_config=speculative_config,
-            quantization=quantization).create_engine()
+            quantization=quantization, async_scheduling=async_scheduling, trust_remote_code=trust_remote_code,
+            disable_log_stats=disable_log_stats, enable_chunked_prefill=enable_chunked_prefill).create_engine()
         self.request_counter = itertools.count()
 
     def get_tokenizer(self):

@@ -27,10 +27,12 @@ import time
 import uuid
 
 from engine.async_engine import AsyncLLMEngine, EngineDeadError
-from engine.core.engine_core import OutputAccumulator, decode_metrics, encode_params, packb, unpackb
-from engine.core.llm_engine import LLMEngine
-from engine.outputs import EngineMetrics, RequestOutput
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.core.core_io import EngineCoreOutput
+from engine.core.core_process import decode_metrics, packb, unpackb
+from engine.core.input_processor import InputProcessor
+from engine.core.output_processor import OutputProcessor
+from engine.outputs import EngineMetrics
+from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -59,14 +61,15 @@ class EngineCoreHandle:
 
 def start_engine_core(engine_args) -> EngineCoreHandle:
     """Start the engine core of `engine_args` (an EngineArgs) in a spawned process and wait until it serves.
-    Raises RuntimeError with the core's own error when it does not start."""
-    from engine.core.engine_core import run_engine_core
+    The options are checked here (a bad one is a ValueError before any process starts); raises RuntimeError with
+    the core's own error when it does not start."""
+    from engine.core.core_process import run_engine_core
 
+    config = engine_args.create_engine_config()
     address = f"ipc://{tempfile.gettempdir()}/engine-core-{uuid.uuid4().hex[:12]}.sock"
     context = multiprocessing.get_context("spawn")
     receiver, sender = context.Pipe(duplex=False)
-    fields = {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(engine_args)}
-    process = context.Process(target=run_engine_core, args=(fields, address, os.getpid(), sender),
+    process = context.Process(target=run_engine_core, args=(config, address, os.getpid(), sender),
                               name="engine-core", daemon=False)
     process.start()
     sender.close()
@@ -93,22 +96,26 @@ def start_engine_core(engine_args) -> EngineCoreHandle:
 
 
 class _FrontendView:
-    """What the front end needs of an LLMEngine (the server reads `engine.engine`): the tokenizer, the limits,
-    the sampling defaults, and LLMEngine's own prompt validation and bad-words tokenization."""
-
-    process_prompt = LLMEngine.process_prompt
-    _tokenize = LLMEngine._tokenize
-    bad_words_token_ids = LLMEngine.bad_words_token_ids
+    """What the front end has of the engine (the server reads `engine.engine`): the tokenizer, the limits, the
+    sampling defaults, and the input processor (prompt validation, bad-words tokenization) and output processor
+    (text, stop strings) that run in this process."""
 
     def __init__(self, info: dict):
-        from engine.core.detokenizer import Detokenizer
         from engine.tokenizer import get_tokenizer
 
         self.tokenizer = get_tokenizer(info["tokenizer"])
-        self.detokenizer = Detokenizer(self.tokenizer)
         self.max_model_len = info["max_model_len"]
         self.sampling_defaults = dict(info["sampling_defaults"])
         self.model_config = _ModelView(info["vocab_size"], frozenset(info["eos_token_ids"]))
+        self.input_processor = InputProcessor(self.tokenizer, vocab_size=info["vocab_size"],
+                                              max_model_len=info["max_model_len"], max_num_seqs=info["max_num_seqs"])
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    def process_prompt(self, prompt, truncate_prompt_tokens: int | None = None) -> tuple[str | None, list[int]]:
+        return self.input_processor.process_prompt(prompt, truncate_prompt_tokens)
+
+    def bad_words_token_ids(self, bad_words: list[str], tokenizer=None) -> list[list[int]]:
+        return self.input_processor.bad_words_token_ids(bad_words, tokenizer)
 
 
 @dataclasses.dataclass
@@ -125,7 +132,6 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
         self.address = address
         self.core_pid = core_pid if core_pid is not None else info.get("pid")
         self.identity = f"frontend-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode()
-        self._accumulators: dict[str, OutputAccumulator] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._socket = None
@@ -167,8 +173,7 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
                 message = unpackb(await self._socket.recv())
                 kind = message[0]
                 if kind == "outputs":
-                    for data in message[1]:
-                        self._on_output(data)
+                    self._on_outputs(message[1])
                 elif kind == "result":
                     future = self._calls.pop(message[1], None)
                     if future is not None and not future.done():
@@ -203,18 +208,11 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
                 future.set_exception(EngineDeadError(str(error)))
         self._calls.clear()
 
-    def _on_output(self, data: list) -> None:
-        request_id = data[0]
-        accumulator = self._accumulators.get(request_id)
-        if accumulator is None:   # aborted here already
-            return
-        output = accumulator.add(data)
-        if accumulator.stops:   # stop strings ended these completions: the core stops generating them
-            self._send(["stop", [[request_id, accumulator.stops]]])
-            accumulator.stops = []
-        if output.finished:
-            del self._accumulators[request_id]
-        if output.finished or accumulator.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+    def _on_outputs(self, data: list) -> None:
+        processed = self.engine.output_processor.process_outputs([EngineCoreOutput.from_wire(d) for d in data])
+        if processed.stops:   # stop strings ended these completions: the core stops generating them
+            self._send(["stop", [[request_id, indices] for request_id, indices in processed.stops]])
+        for output in processed.request_outputs:
             self._dispatch(output)
 
     async def _call_core(self, method: str):
@@ -234,24 +232,19 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already running")
         arrival = time.time()
-        text, token_ids = await self.process_prompt(prompt, None if params is None else params.truncate_prompt_tokens)
         params = params if params is not None else SamplingParams(**self.engine.sampling_defaults)
-        bad_words = None
-        if params.bad_words:
-            bad_words = await self.run_on_tokenizer_thread(self.engine.bad_words_token_ids, params.bad_words)
+        request = await self.process_request(request_id, prompt, params, arrival_time=arrival)
         if self.dead_error is not None:
             raise EngineDeadError("the engine core has failed") from self.dead_error
         self._check_not_interrupted()
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
-        self._accumulators[request_id] = OutputAccumulator(request_id, text, token_ids, params=params,
-                                                           detokenizer=self.engine.detokenizer)
+        output_processor = self.engine.output_processor
+        output_processor.add_request(request_id, request.prompt, request.prompt_token_ids, params)
         finished = False
         last = None
         try:
-            # The core sends every step's tokens (FINAL_ONLY is kept here): stop strings are found as they come.
-            core_params = dataclasses.replace(params, output_kind=RequestOutputKind.CUMULATIVE)
-            self._send(["add", request_id, text, token_ids, encode_params(core_params), bad_words, arrival])
+            self._send(["add", request.to_wire()])
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -266,7 +259,7 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
             if self._streams.get(request_id) is queue:
                 del self._streams[request_id]
             if not finished:
-                self._accumulators.pop(request_id, None)
+                output_processor.abort_request(request_id)
                 if self.dead_error is None and self._socket is not None:
                     self._send(["abort", [request_id]])
                 self._report_abort(request_id, text, token_ids, last)

@@ -54,6 +54,9 @@ class DevicePolicy:
     # unloaded latency at 32, 2.1-2.35x at 16. On a GPU a decode step's rows are nearly free (the step reads the
     # weights once): 32.
     serve_max_num_seqs_per_request: int = 32
+    # Async scheduling unless asked otherwise (engine/core/engine_core.py): on a GPU the host's work of a step hides
+    # under the device's. On CPU the "device" is the host's own cores: nothing to overlap, so off.
+    async_scheduling_by_default: bool = False
 
     @classmethod
     def for_device(cls, device: torch.device | str) -> "DevicePolicy":
@@ -64,7 +67,7 @@ class DevicePolicy:
                    prepack_linears=not on_gpu,
                    upcast_half_precision=not on_gpu, profile_gpu_memory=on_gpu, keep_freed_host_memory=not on_gpu,
                    prefault_kv_cache=not on_gpu,
-                   serve_max_num_seqs_per_request=32 if on_gpu else 16)
+                   serve_max_num_seqs_per_request=32 if on_gpu else 16, async_scheduling_by_default=on_gpu)
 
     def decode_kernel_in_eager(self) -> bool:
         """Whether eager pure-decode batches take the split-K decode op. On CUDA yes; on CPU the prefill op, which

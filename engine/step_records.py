@@ -42,10 +42,14 @@ class NewSequenceData:
 class CachedSequenceData:
     """A sequence the worker knows, scheduled this step."""
     seq_id: int
-    new_token_ids: list[int]           # appended by the core since the worker last ran it
+    # Appended by the core since the worker last ran it. The worker that sampled a token appends it itself (it
+    # may be the input of the next step before the core has it, under async scheduling), so it skips those it has.
+    new_token_ids: list[int]
     block_ids_from: int                # the worker's block table from this index on is replaced by new_block_ids
     new_block_ids: list[int]
     num_computed_tokens: int
+    # Position of new_token_ids[0] in the sequence (None: right after the worker's last token).
+    token_start: int | None = None
 
 
 @dataclass(slots=True)

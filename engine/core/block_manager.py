@@ -171,12 +171,16 @@ class BlockManager:
         return block_id
 
     # -- after a step: register newly full blocks ---------------------------------------------------------------
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register the blocks of `seq` that are full and computed (call after num_computed_tokens advanced)."""
+    def cache_full_blocks(self, seq: Sequence, num_computed_tokens: int | None = None) -> None:
+        """Register the blocks of `seq` that are full and computed: its first `num_computed_tokens` tokens (default
+        seq.num_computed_tokens; a step's output passes what that step computed, the count having run ahead with
+        the next step already scheduled)."""
         if not self.enable_prefix_caching:
             return
+        if num_computed_tokens is None:
+            num_computed_tokens = seq.num_computed_tokens
         # Computed tokens past the sequence's tokens are accepted drafts not appended yet: not counted until then.
-        num_full = min(min(seq.num_computed_tokens, seq.num_tokens) // self.block_size, len(seq.block_table))
+        num_full = min(min(num_computed_tokens, seq.num_tokens) // self.block_size, len(seq.block_table))
         # Registered blocks form a prefix of the table (held blocks are never evicted): find where it ends.
         first = num_full
         while first > 0 and self.blocks[seq.block_table[first - 1]].hash == -1:

@@ -11,8 +11,6 @@ arrives. The windows start on the last 5 prompt tokens so the first output token
 Without a tokenizer (the engine's skip_tokenizer_init) there is no text: `update` adds none, `decode` gives ""
 and `decode_token` None (Logprob.decoded_token, as vLLM).
 """
-from engine.core.sequence import Sequence
-
 _REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -37,8 +35,15 @@ class Detokenizer:
             return None
         return self.decode([token_id], skip_special_tokens=False)
 
-    def update(self, seq: Sequence) -> int:
-        """Extend `seq.output_text` with the text of its newest token; returns the number of new characters."""
+    def decode_beam(self, token_ids: list[int]) -> str:
+        """A finished beam's text, decoded whole (as transformers decodes a beam search's output)."""
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def update(self, seq) -> int:
+        """Extend `seq.output_text` with the text of its newest token; returns the number of new characters. `seq`:
+        a completion of the output processor (token_ids, prefix_offset, read_offset, output_text, params)."""
         if self.tokenizer is None:
             return 0
         skip = seq.params.skip_special_tokens
@@ -53,7 +58,7 @@ class Detokenizer:
         return len(delta)
 
 
-def check_stop_strings(seq: Sequence, num_new_chars: int) -> str | None:
+def check_stop_strings(seq, num_new_chars: int) -> str | None:
     """Find a stop string overlapping the newest `num_new_chars` characters of `seq.output_text` (the
     earliest one when several match). On a match the text is cut before it (after it with
     include_stop_str_in_output) and the string is returned."""

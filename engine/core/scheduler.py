@@ -23,6 +23,15 @@ already scheduled this step are taken back out of the batch):
 An n > 1 request forks when its prompt completes: in the step that computes the prompt's last token, sequences
 1..n-1 are made sharing all its blocks, and they sample from its logits row with their own parameters.
 
+A step's decisions are final once the core launches it (`commit`): the scheduled tokens count as computed at once
+(`num_computed_tokens` runs ahead), and each sequence that samples holds a placeholder for the token it will get
+(`num_output_placeholders`) until `update_from_output` brings the step's output. So the next step can be scheduled
+before this one's output is back (async scheduling, engine/core/engine_core.py): a sequence's next token to compute
+is its placeholder, whose id the worker keeps on the device. What cannot be known without the token waits for it:
+a guided sequence (its grammar must accept the token before the next mask), a beam (the core picks its next token),
+a sequence that may have reached max_tokens, a preempted one. Without async scheduling, outputs come back before
+the next `schedule` and the placeholders are always 0 by then.
+
 The workers keep their own copy of every sequence (engine/worker/input_batch.py); `schedule` also writes the
 step's diff for them (engine/step_records.py): a sequence they have not seen in full, then per step only the
 tokens the core appended, the block-table entries from the first one that changed, and the computed count.
@@ -45,6 +54,15 @@ class ScheduledStep:
     output: SchedulerOutput
     # Forks made as a parent's prompt completes this step: (child, parent).
     forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)
+    # The sequences that take their next token(s) from this step: every entry that reaches its end (mid-prompt
+    # chunks do not) and the forks, which sample from their parent's row.
+    samples: list[Sequence] = field(default_factory=list)
+    # seq_id -> placeholders this step gave it (1 + its drafts; 0 for a beam, whose token the core picks).
+    num_placeholders: dict[int, int] = field(default_factory=dict)
+    # seq_id -> (its kv_epoch, its num_computed_tokens) once this step is computed: what update_from_output
+    # registers, unless the sequence was preempted since.
+    computed: dict[int, tuple[int, int]] = field(default_factory=dict)
+    committed: bool = False
 
     @property
     def block_moves(self) -> list[tuple[str, list[tuple[int, int]]]]:
@@ -109,9 +127,11 @@ class Scheduler:
                 continue
             if seq.seq_id in waiting_turn:   # its request has its share of this step
                 continue
-            num_new_tokens = seq.num_tokens - seq.num_computed_tokens
+            num_new_tokens = seq.num_tokens + seq.num_output_placeholders - seq.num_computed_tokens
             if num_new_tokens == 0:   # a beam waiting for the rest of its group's step
                 continue
+            if seq.num_output_placeholders and not self._can_run_ahead(seq):
+                continue   # it needs its token in flight before its next step
             if seq.spec_token_ids and num_new_tokens + len(seq.spec_token_ids) <= self._budget:
                 num_new_tokens += len(seq.spec_token_ids)
             else:
@@ -138,7 +158,8 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
                 bisect.insort(self.running, seq, key=lambda s: s.order)
             for seq in members:
-                num_new_tokens = min(seq.num_tokens - seq.num_computed_tokens, self._budget)
+                num_new_tokens = min(seq.num_tokens + seq.num_output_placeholders - seq.num_computed_tokens,
+                                     self._budget)
                 if num_new_tokens > 0 and self.block_manager.allocate_slots(seq, num_new_tokens, moves=self._moves):
                     self._schedule_seq(seq, num_new_tokens, scheduled)
 
@@ -147,6 +168,8 @@ class Scheduler:
                and self._running_slots() + self._share(self._num_seqs_after_fork(self.waiting[0]))
                <= self.max_num_seqs):
             seq = self.waiting[0]
+            if seq.num_output_placeholders:   # preempted with a token in flight: it resumes once the token is here
+                break
             cached_block_ids = self.block_manager.lookup_prefix(seq)
             num_new_tokens = min(seq.num_tokens - len(cached_block_ids) * self.block_manager.block_size, self._budget)
             if not self.block_manager.allocate_slots(seq, num_new_tokens, cached_block_ids, moves=self._moves):
@@ -167,6 +190,39 @@ class Scheduler:
             for seq, _ in scheduled:
                 self._last_run[seq.seq_id] = self._step_index
         return ScheduledStep(scheduled, self._worker_output(scheduled, forks, grammar_bitmask), forks)
+
+    @staticmethod
+    def _can_run_ahead(seq: Sequence) -> bool:
+        """Whether `seq`, with a token still in flight, can be scheduled on its placeholder: not when its next step
+        depends on that token's value on the host (a grammar's mask, a beam's choice) or may not be needed at all
+        (the token in flight may be its last: max_tokens)."""
+        if seq.guided is not None or seq.group.beam is not None:
+            return False
+        return seq.max_tokens is None or seq.num_output_tokens + seq.num_output_placeholders < seq.max_tokens
+
+    @staticmethod
+    def commit(step: ScheduledStep) -> None:
+        """The step is launched: its tokens count as computed from now on, and each sequence that samples holds a
+        placeholder for each token it will get (see the module docstring). Before the next `schedule`."""
+        if step.committed:
+            return
+        step.committed = True
+        for seq, num_new_tokens in step.scheduled:
+            num_drafts = len(seq.spec_token_ids)
+            reaches_end = (seq.num_computed_tokens + num_new_tokens
+                           >= seq.num_tokens + seq.num_output_placeholders + num_drafts)
+            seq.num_computed_tokens += num_new_tokens
+            step.computed[seq.seq_id] = (seq.kv_epoch, seq.num_computed_tokens)
+            if reaches_end:
+                step.samples.append(seq)
+                step.num_placeholders[seq.seq_id] = 0 if seq.group.beam is not None else 1 + num_drafts
+                seq.num_output_placeholders += step.num_placeholders[seq.seq_id]
+        for child, parent in step.forks:
+            child.num_computed_tokens = parent.num_computed_tokens
+            step.computed[child.seq_id] = (child.kv_epoch, child.num_computed_tokens)
+            step.samples.append(child)
+            step.num_placeholders[child.seq_id] = 1
+            child.num_output_placeholders += 1
 
     def _share(self, num_seqs: int) -> int:
         """The rows `num_seqs` sequences of one request can take in a step shared with other requests."""
@@ -191,7 +247,7 @@ class Scheduler:
             return set()
         groups: dict[str, list[Sequence]] = {}
         for seq in self.running:
-            if seq.num_tokens > seq.num_computed_tokens:
+            if seq.num_tokens + seq.num_output_placeholders > seq.num_computed_tokens:
                 groups.setdefault(seq.request_id, []).append(seq)
         if len(groups) <= 1 and not self.waiting and not self.swapped:
             return set()
@@ -240,7 +296,7 @@ class Scheduler:
                 cached_seqs.append(CachedSequenceData(
                     seq_id=seq.seq_id, new_token_ids=seq.token_ids[seq.num_tokens_sent:],
                     block_ids_from=seq.block_table_synced, new_block_ids=seq.block_table[seq.block_table_synced:],
-                    num_computed_tokens=seq.num_computed_tokens))
+                    num_computed_tokens=seq.num_computed_tokens, token_start=seq.num_tokens_sent))
                 seq.num_tokens_sent = seq.num_tokens
                 seq.block_table_synced = len(seq.block_table)
         sample_from = {}
@@ -290,6 +346,7 @@ class Scheduler:
         for seq in members:
             self.running.remove(seq)
             seq.spec_token_ids = []
+            seq.kv_epoch += 1
         if self.preemption_mode == "swap" and self.block_manager.can_swap_out(members):
             self.block_manager.swap_out(members, self._moves)
             for seq in members:
@@ -313,23 +370,25 @@ class Scheduler:
 
     def update_from_output(self, step: ScheduledStep, num_accepted_tokens: dict[int, int] | None = None
                            ) -> list[Sequence]:
-        """The model computed the scheduled tokens: advance the counts (a sequence that verified k drafts and
-        had a of them accepted computed k - a tokens too many: their KV is dropped), register newly full blocks,
-        and return the sequences that take their next token(s) now: every entry that reached its end
-        (mid-prompt chunks do not), and the forks made this step (n > 1), which sample from their parent's row."""
+        """The model computed `step`: a sequence that verified k drafts and had a of them accepted computed k - a
+        tokens too many (their KV is dropped); register the blocks the step filled (not for a sequence preempted
+        or finished since: its blocks are gone); release the step's placeholders. Returns the sequences that take
+        their next token(s) now (ScheduledStep.samples): the caller appends them."""
         num_accepted_tokens = num_accepted_tokens or {}
-        sampling = []
-        for seq, num_new_tokens in step.scheduled:
-            num_drafts = len(seq.spec_token_ids)
-            seq.num_computed_tokens += num_new_tokens - (num_drafts - num_accepted_tokens.get(seq.seq_id, 0)
-                                                         if num_drafts else 0)
-            self.block_manager.cache_full_blocks(seq)
-            if seq.num_computed_tokens >= seq.num_tokens:
-                sampling.append(seq)
-        for child, parent in step.forks:
-            child.num_computed_tokens = parent.num_computed_tokens
-            sampling.append(child)
-        return sampling
+        self.commit(step)
+        for seq, _ in step.scheduled:
+            epoch, num_computed = step.computed[seq.seq_id]
+            if seq.is_finished or seq.kv_epoch != epoch:
+                continue
+            num_drafts = len(step.output.spec_token_ids.get(seq.seq_id, ()))
+            if num_drafts:
+                num_rejected = num_drafts - num_accepted_tokens.get(seq.seq_id, 0)
+                seq.num_computed_tokens -= num_rejected
+                num_computed -= num_rejected
+            self.block_manager.cache_full_blocks(seq, num_computed)
+        for seq in step.samples:
+            seq.num_output_placeholders -= step.num_placeholders[seq.seq_id]
+        return step.samples
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence (running, waiting or swapped) and free its blocks."""
@@ -345,6 +404,7 @@ class Scheduler:
             self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.FINISHED
         seq.spec_token_ids = []
+        seq.num_output_placeholders = 0
         self._last_run.pop(seq.seq_id, None)
         if seq.known_to_workers:
             self.finished_seq_ids.append(seq.seq_id)

@@ -2,7 +2,7 @@
 import enum
 import itertools
 
-from engine.outputs import Logprob, RequestMetrics
+from engine.outputs import RequestMetrics
 from engine.sampling_params import SamplingParams
 
 
@@ -34,7 +34,7 @@ class SequenceGroup:
     """The sequences of one request: a single one until the prompt is computed, then n (parallel sampling) or
     the live beams (beam search). Forked sequences share the request's metrics and their parent's blocks."""
 
-    __slots__ = ("request_id", "seqs", "n", "forked", "beam", "error", "error_param")
+    __slots__ = ("request_id", "seqs", "n", "forked", "beam", "error", "error_param", "prompt_logprobs_sent")
 
     def __init__(self, request_id: str, n: int = 1):
         self.request_id = request_id
@@ -44,6 +44,7 @@ class SequenceGroup:
         self.beam = None       # the BeamSearchState of a beam-search request
         self.error: str | None = None   # why the engine failed this request (RequestOutput.error)
         self.error_param: str | None = None   # set with error when the request's own field was at fault
+        self.prompt_logprobs_sent = False   # its prompt logprobs went out with an output (they go once)
 
     @property
     def unfinished_seqs(self) -> list["Sequence"]:
@@ -66,10 +67,10 @@ class Sequence:
 
     __slots__ = ("seq_id", "request_id", "prompt", "prompt_token_ids", "output_token_ids", "token_ids",
                  "num_computed_tokens", "num_cached_tokens", "block_table", "status", "params",
-                 "arrival_time", "metrics", "output_text", "prefix_offset", "read_offset", "logprobs",
+                 "arrival_time", "metrics", "num_output_tokens_sent", "logprobs",
                  "cumulative_logprob", "finish_reason", "stop_reason", "stop_token_ids", "max_tokens",
                  "group", "index", "order", "prompt_logprobs", "bad_words_token_ids", "guided", "spec_token_ids",
-                 "known_to_workers", "num_tokens_sent", "block_table_synced")
+                 "known_to_workers", "num_tokens_sent", "block_table_synced", "num_output_placeholders", "kv_epoch")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                  *, arrival_time: float, eos_token_ids: frozenset[int] = frozenset(),
@@ -81,7 +82,8 @@ class Sequence:
         self.group = SequenceGroup(request_id, params.n)
         self.group.seqs.append(self)
         self.index = 0   # the completion index within the request
-        # With params.prompt_logprobs: one entry per prompt token (None for the first), filled as prefill runs.
+        # With params.prompt_logprobs: one entry per prompt token (None for the first), filled as prefill runs;
+        # an entry is [(token id, logprob, rank), ...] (engine/core/core_io.py LogprobEntry).
         self.prompt_logprobs = None if params.prompt_logprobs is None else [None] * len(prompt_token_ids)
         self.request_id = request_id
         self.prompt = prompt
@@ -95,11 +97,9 @@ class Sequence:
         self.params = params
         self.arrival_time = arrival_time
         self.metrics = RequestMetrics(arrival_time=arrival_time)
-        # Incremental detokenizer state (see engine/core/detokenizer.py): offsets index into token_ids.
-        self.output_text = ""
-        self.read_offset = len(prompt_token_ids)
-        self.prefix_offset = max(self.read_offset - 5, 0)
-        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        # Output tokens (and their logprob entries) already sent in an output: the next one sends the rest.
+        self.num_output_tokens_sent = 0
+        self.logprobs: list | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -123,6 +123,13 @@ class Sequence:
         self.known_to_workers = False
         self.num_tokens_sent = 0
         self.block_table_synced = 0
+        # Tokens it will emit from steps already scheduled whose outputs have not come back (vLLM's
+        # num_output_placeholders): 0 between steps without async scheduling; with it, the step in flight's one
+        # token (the scheduler counts it as a token to compute next; the worker has its id on the device).
+        self.num_output_placeholders = 0
+        # Bumped whenever its KV moves or goes (preemption): a step scheduled before that must not register or
+        # trim its blocks when its output comes back.
+        self.kv_epoch = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -174,6 +181,7 @@ class Sequence:
         child.guided = None if self.guided is None else self.guided.fork()
         child.spec_token_ids = []
         child.known_to_workers, child.num_tokens_sent, child.block_table_synced = False, 0, 0
+        child.num_output_placeholders = 0
         self.group.seqs.append(child)
         return child
 

@@ -73,6 +73,13 @@ def tensor_model_parallel_gather(x: torch.Tensor, dst: int = 0, dim: int = -1) -
     return torch.cat(parts, dim=dim) if parts is not None else None
 
 
+def broadcast_tensor(tensor: torch.Tensor, src: int = 0) -> None:
+    """In place: every rank's `tensor` becomes rank `src`'s (same shape and dtype on every rank), over the tensor
+    group: on NCCL a device-side copy that makes no rank's host wait (async scheduling's sampled ids)."""
+    if get_tp_world_size() > 1:
+        dist.broadcast(tensor, src=src, group=get_tp_group())
+
+
 def broadcast_object(obj=None, src: int = 0):
     """`obj` of rank `src`, returned on every rank (pickled over the gloo group: step metadata, sampled ids)."""
     if get_tp_world_size() == 1:

@@ -79,10 +79,17 @@ class SequenceState:
         if new.seed is not None:
             generator = torch.Generator(device=device)
             generator.manual_seed(new.seed)
-        return cls(seq_id=new.seq_id, token_ids=list(new.token_ids), num_prompt_tokens=new.num_prompt_tokens,
-                   num_computed_tokens=new.num_computed_tokens, block_ids=list(new.block_ids), params=new.params,
-                   generator=generator, stop_token_ids=list(new.stop_token_ids),
-                   bad_words_token_ids=new.bad_words_token_ids, beam_candidates=new.beam_candidates)
+        state = cls(seq_id=new.seq_id, token_ids=list(new.token_ids), num_prompt_tokens=new.num_prompt_tokens,
+                    num_computed_tokens=new.num_computed_tokens, block_ids=list(new.block_ids), params=new.params,
+                    generator=generator, stop_token_ids=list(new.stop_token_ids),
+                    bad_words_token_ids=new.bad_words_token_ids, beam_candidates=new.beam_candidates)
+        if torch.device(device).type != "cpu":   # copied once per request (from pinned memory), not every step
+            if state.logit_bias_tensors is not None:
+                state.logit_bias_tensors = tuple(t.pin_memory().to(device, non_blocking=True)
+                                                 for t in state.logit_bias_tensors)
+            if state.allowed_tensor is not None:
+                state.allowed_tensor = state.allowed_tensor.pin_memory().to(device, non_blocking=True)
+        return state
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -144,13 +151,20 @@ class InputBatch:
             self.states[new.seq_id] = SequenceState.from_new(new, self.device)
         for cached in out.cached_seqs:
             state = self.states[cached.seq_id]
-            state.append(cached.new_token_ids)
+            new_token_ids = cached.new_token_ids
+            if cached.token_start is not None:   # skip the tokens this worker sampled and appended itself
+                held = len(state.token_ids) - cached.token_start
+                if held < 0:
+                    raise RuntimeError(f"sequence {cached.seq_id}: the core's tokens start at {cached.token_start}, "
+                                       f"past the worker's {len(state.token_ids)}")
+                new_token_ids = new_token_ids[held:]
+            state.append(new_token_ids)
             del state.block_ids[cached.block_ids_from:]
             state.block_ids += cached.new_block_ids
             state.num_computed_tokens = cached.num_computed_tokens
             row = self.row_of.get(cached.seq_id)
             if row is not None:
-                self._append_to_row(row, cached)
+                self._append_to_row(row, cached, new_token_ids)
         for seq_id in in_step:
             if seq_id not in self.row_of:
                 self._add_row(self.states[seq_id])
@@ -178,8 +192,21 @@ class InputBatch:
         self.repetition_penalty[row] = p.repetition_penalty
         self.special[row] = state.special
 
-    def _append_to_row(self, row: int, cached: CachedSequenceData) -> None:
-        start, new = self.num_tokens[row], cached.new_token_ids
+    def append_sampled(self, seq_id: int, token_ids: list[int], *, at: int) -> None:
+        """Tokens this worker sampled for `seq_id` when it had `at` tokens, appended as the core will append them:
+        not when the core's diff brought them already, nor for a sequence the core has finished since (gone)."""
+        state = self.states.get(seq_id)
+        if state is None or len(state.token_ids) != at:
+            return
+        state.append(token_ids)
+        row = self.row_of.get(seq_id)
+        if row is not None:
+            start = self.num_tokens[row]
+            self.token_ids[row, start:start + len(token_ids)] = token_ids
+            self.num_tokens[row] = start + len(token_ids)
+
+    def _append_to_row(self, row: int, cached: CachedSequenceData, new: list[int]) -> None:
+        start = self.num_tokens[row]
         if new:
             self.token_ids[row, start:start + len(new)] = new
             self.num_tokens[row] = start + len(new)

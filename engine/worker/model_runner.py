@@ -41,7 +41,7 @@ from pagedkernels import _native as pk_native
 from pagedkernels.cpu_graph import CPUGraph, GraphCaptureError
 from engine.config import EngineConfig, ModelConfig, kv_cache_torch_dtype
 from engine.worker import cpu_malloc
-from engine.distributed.communication import min_over_ranks
+from engine.distributed.communication import broadcast_tensor, min_over_ranks
 from engine.distributed.parallel_state import get_tp_world_size, num_kv_heads_per_rank
 from engine.layers.attention import Attention, AttentionMetadata, forward_context
 from engine.layers.quantization import process_weights_after_loading
@@ -49,6 +49,7 @@ from engine.worker.loader import load_dummy_weights, load_model
 from engine.worker import memory as gpu_memory
 from engine.worker.memory import MemorySnapshot, check_free_memory, kv_cache_budget
 from engine.step_records import ModelRunnerOutput, PromptLogprobs, SampleLogprobs, SchedulerOutput
+from engine.worker.device_io import AsyncModelRunnerOutput, HostStaging, SampledIds
 from engine.worker.input_batch import InputBatch, speculation_allowed
 from engine.worker.ngram_proposer import propose_ngram
 from engine.worker.rejection_sampler import rejection_sample
@@ -147,6 +148,8 @@ class ModelRunner:
         cache_config, scheduler_config = engine_config.cache_config, engine_config.scheduler_config
         self.load_format = engine_config.load_config.load_format
         self.device = torch.device(engine_config.device)
+        # Host -> device copies of a step's inputs (pinned and double-buffered on CUDA).
+        self.staging = HostStaging(self.device)
         self.dtype = model_config.dtype
         # The KV cache's dtype: the model's, or float8 e4m3 (kv_cache_dtype="fp8"; the layers' k/v scales come from
         # the checkpoint, engine/worker/loader.py).
@@ -216,6 +219,10 @@ class ModelRunner:
                                       max_num_spec_tokens=self.num_spec_tokens, block_size=block_size,
                                       vocab_size=model_config.vocab_size, device=self.device)
         self.sampler = Sampler(seed=engine_config.seed, device=self.device)
+        # Async scheduling (engine/core/engine_core.py): the last step's plain-sampled ids while they are not on the
+        # host yet; the next step's forward takes them from the device.
+        self.async_scheduling = scheduler_config.async_scheduling
+        self._pending: SampledIds | None = None
         # Decode batch sizes a graph is captured for (a batch pads up to the next one). A CPU graph after the
         # first is captured by the step that first needs it, for ~20 ms more than a replay, and replays smaller
         # batches over just their rows: a padding row would cost its share of every product there (not so on a
@@ -442,13 +449,11 @@ class ModelRunner:
         return to_device(input_ids), to_device(positions), meta
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        """A host array as a tensor on the runner's device (a view on CPU, an async copy on CUDA).
-
-        non_blocking from pageable memory: cudaMemcpyAsync returns once the driver has staged the source, so the
-        array may change or go right after; what it saves is the stream synchronization a blocking copy adds
-        (eight a step: the step profile on an H100 counted 11 cudaStreamSynchronize a decode step)."""
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-        return tensor if self.device.type == "cpu" else tensor.to(self.device, non_blocking=True)
+        """A host array as a tensor on the runner's device: a view on CPU; on CUDA an asynchronous copy out of
+        pinned memory (engine/worker/device_io.py HostStaging), which neither waits for the device nor lets the
+        driver stage a pageable source first (the step profile on an H100 counted 11 cudaStreamSynchronize a
+        decode step when these copies were plain)."""
+        return self.staging.to_device(array)
 
     def _forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                         num_seqs: int) -> torch.Tensor:
@@ -460,21 +465,39 @@ class ModelRunner:
     # -- the step on the persistent batch ---------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
         """Apply the step's diff to the persistent batch, run the scheduled tokens (drafts included), and
         sample: every sequence whose scheduled tokens reach its end gets its next token(s), a fork named in
         `sample_from` samples from its parent's logits. Returns what was sampled (rank 0; None on the other
-        ranks, which only run the forward)."""
+        ranks, which only run the forward). The worker appends what it sampled to its own batch.
+
+        With async scheduling the sampled ids stay on the device: the return value is an AsyncModelRunnerOutput
+        whose get_output() reads them (one step later), and a sequence's next step, scheduled before the core
+        has the id, takes its input token from the device (SampledIds.scatter_into)."""
         batch = self.input_batch
         batch.update(scheduler_output)
+        self.staging.next_step()
         if self.drafter is not None:
             self.drafter.forget(scheduler_output.finished_seq_ids)
+        pending = self._pending   # the previous step's ids, when they are not on the host yet (async scheduling)
+        if pending is not None and get_tp_world_size() > 1:
+            broadcast_tensor(pending.ids)   # every rank feeds the same ids to its forward
         num_rows = batch.num_rows
         if num_rows == 0:
+            self._resolve_pending()
             return ModelRunnerOutput()
         seq_ids = batch.seq_ids[:num_rows]
         scheduled = scheduler_output.num_scheduled_tokens
         query_lens_all = np.array([scheduled.get(seq_id, 0) for seq_id in seq_ids], dtype=np.int64)
+        # Each row's tokens: a row scheduled past the tokens the core has computes the one in flight (sampled
+        # last step, its id still on the device); the host may or may not have it yet.
+        num_tokens_all = batch.num_tokens[:num_rows].copy()
+        in_flight: dict[int, int] = {}   # row -> position of its token in flight
+        if pending is not None:
+            for row, known in self._core_token_counts(scheduler_output).items():
+                if batch.num_computed_tokens[row] + query_lens_all[row] > known and batch.seq_ids[row] in pending.position:
+                    in_flight[row] = known
+                    num_tokens_all[row] = max(num_tokens_all[row], known + 1)
         num_drafts = np.zeros(num_rows, dtype=np.int64)
         for seq_id, drafts in scheduler_output.spec_token_ids.items():
             row = batch.row_of[seq_id]
@@ -493,13 +516,18 @@ class ModelRunner:
         width = max(1, -(-int((starts + query_lens).max()) // self.block_size))
         input_ids_t, positions_t, meta = self.build_inputs(input_ids, positions, query_lens,
                                                            batch.block_table[model_rows, :width])
+        if in_flight:   # those rows' input at that position is the id in flight: from the device
+            self._feed_in_flight(pending, in_flight, model_rows, starts, cu, input_ids_t)
         hidden_states = self._forward_hidden(input_ids_t, positions_t, meta, num_seqs)
         if self.drafter is not None:
             self.drafter.run_target_step(input_ids_t, positions_t, meta)
+        # The forward is queued: now the previous step's ids may come to the host (penalties, bad words, min_tokens
+        # and the n-gram proposer read the rows' tokens there).
+        self._resolve_pending()
 
         # Logits rows: the last 1 + drafts positions of each sequence that reaches its end this step.
         ends = starts + query_lens
-        samples = ends >= batch.num_tokens[model_rows] + num_drafts[model_rows]
+        samples = ends >= num_tokens_all[model_rows] + num_drafts[model_rows]
         sample_rows = model_rows[samples]
         num_logits = 1 + num_drafts[sample_rows]
         last = cu[1:][samples]
@@ -512,11 +540,15 @@ class ModelRunner:
                                                   model_rows[batch.special[model_rows]].tolist())
                        if batch.state_at(row).params.prompt_logprobs is not None
                        and starts[i] < batch.num_prompt_tokens[row] - 1]
+        first_logit = dict(zip(sample_rows.tolist(), np.cumsum(num_logits) - num_logits))
         if not self._is_driver():
             if len(logits_index):   # every rank takes part in the vocab-parallel gather
                 self.model.compute_logits(hidden_states[self._to_device(logits_index)])
             for i, _ in prompt_rows:
                 self.model.compute_logits(hidden_states[cu[i]:cu[i + 1]])
+            if self.async_scheduling:   # rank 0 broadcasts these rows' ids with the next step
+                plain, _, _ = self._split_sampling(scheduler_output, first_logit, num_drafts)
+                self._pending = SampledIds([batch.seq_ids[row] for row, _ in plain], self.device) if plain else None
             return None
         output = ModelRunnerOutput()
         for i, row in prompt_rows:
@@ -529,9 +561,47 @@ class ModelRunner:
             return output
         logits = self.model.compute_logits(hidden_states[self._to_device(logits_index)]) \
             if len(logits_index) else hidden_states.new_empty(0, self.config.vocab_size, dtype=torch.float32)
-        first_logit = dict(zip(sample_rows.tolist(), np.cumsum(num_logits) - num_logits))
-        self._sample(scheduler_output, logits, first_logit, num_drafts, output)
+        sampled = self._sample(scheduler_output, logits, first_logit, num_drafts, output)
+        if sampled is not None and self.async_scheduling:
+            sampled.start_copy()
+            self._pending = sampled
+            return AsyncModelRunnerOutput(output, sampled)
+        for seq_id, token_ids in output.sampled_token_ids.items():   # the worker's own tokens, as the core's
+            batch.append_sampled(seq_id, token_ids, at=len(batch.states[seq_id].token_ids))
         return output
+
+    def _core_token_counts(self, scheduler_output: SchedulerOutput) -> dict[int, int]:
+        """row -> how many tokens the core has of the sequence in that row (this step's diff tells: all of a new
+        sequence's, a known one's up to the end of the tokens it sent)."""
+        row_of = self.input_batch.row_of
+        counts = {row_of[new.seq_id]: len(new.token_ids) for new in scheduler_output.new_seqs if new.seq_id in row_of}
+        for cached in scheduler_output.cached_seqs:
+            if cached.token_start is not None and cached.seq_id in row_of:
+                counts[row_of[cached.seq_id]] = cached.token_start + len(cached.new_token_ids)
+        return counts
+
+    def _feed_in_flight(self, pending: SampledIds, in_flight: dict[int, int], model_rows: np.ndarray,
+                        starts: np.ndarray, cu: np.ndarray, input_ids: torch.Tensor) -> None:
+        """Write the ids in flight into the forward's input ids, on the device (no value read): row r's token at
+        position in_flight[r] is the one it sampled last step."""
+        batch = self.input_batch
+        in_step = {int(row): i for i, row in enumerate(model_rows)}
+        token_index, seq_ids = [], []
+        for row, position in in_flight.items():
+            i = in_step[row]
+            token_index.append(int(cu[i] + position - starts[i]))
+            seq_ids.append(batch.seq_ids[row])
+        pending.scatter_into(input_ids, token_index, seq_ids, self._to_device)
+
+    def _resolve_pending(self) -> None:
+        """The previous step's sampled ids on the host (waiting for their copy, normally long landed): appended to
+        the batch, as the core will append them."""
+        pending, self._pending = self._pending, None
+        if pending is None or not self._is_driver():
+            return
+        pending.resolve()
+        for seq_id, token_ids in pending.tokens().items():
+            self.input_batch.append_sampled(seq_id, token_ids, at=pending.host_lengths[seq_id])
 
     def _is_driver(self) -> bool:
         from engine.distributed.parallel_state import get_tp_rank
@@ -557,11 +627,11 @@ class ModelRunner:
         return PromptLogprobs(start=start + 1, token_ids=list(targets), logprobs=target_lp.squeeze(1).tolist(),
                               ranks=ranks.tolist(), topk_token_ids=top_ids, topk_logprobs=top_lp)
 
-    def _sample(self, scheduler_output: SchedulerOutput, logits: torch.Tensor, first_logit: dict[int, int],
-                num_drafts: np.ndarray, output: ModelRunnerOutput) -> None:
-        """Sample the rows that reached their end (and the forks sampling from their parent's row) into
-        `output`: beams get their top candidates, sequences with drafts go through rejection sampling, the rest
-        take one token each."""
+    def _split_sampling(self, scheduler_output: SchedulerOutput, first_logit: dict[int, int],
+                        num_drafts: np.ndarray) -> tuple[list, list, list]:
+        """The sampling rows as (plain, beams, speculative) lists of (row, logits index): beams get their top
+        candidates, sequences with drafts go through rejection sampling, the rest (forks sampling from their parent's
+        row included) take one token each."""
         batch = self.input_batch
         plain, beams, speculative = [], [], []   # (row, logits index)
         for row, index in first_logit.items():
@@ -574,15 +644,32 @@ class ModelRunner:
                 plain.append((row, index))
         for child, parent in scheduler_output.sample_from.items():
             plain.append((batch.row_of[child], first_logit[batch.row_of[parent]]))
+        return plain, beams, speculative
+
+    def _sample(self, scheduler_output: SchedulerOutput, logits: torch.Tensor, first_logit: dict[int, int],
+                num_drafts: np.ndarray, output: ModelRunnerOutput) -> SampledIds | None:
+        """Sample the rows that reached their end (and the forks sampling from their parent's row) into
+        `output`: beams and speculative rows at once; the plain rows' ids stay on the device in the returned
+        SampledIds, put into `output` here unless async scheduling reads them a step later."""
+        batch = self.input_batch
+        plain, beams, speculative = self._split_sampling(scheduler_output, first_logit, num_drafts)
+        sampled = None
         if beams:
             self._isolated(beams, lambda part: self._beam_candidates(part, logits, output), output)
         if plain:
-            self._isolated(plain, lambda part: self._sample_plain(scheduler_output, part, logits, output), output)
+            sampled = SampledIds([batch.seq_ids[row] for row, _ in plain], self.device,
+                                 [len(batch.state_at(row).token_ids) for row, _ in plain])
+            self._isolated(plain, lambda part: self._sample_plain(scheduler_output, plain, part, logits, sampled),
+                           output)
+            sampled.failed = {seq_id for seq_id in sampled.seq_ids if seq_id in output.failed}
+            if not self.async_scheduling:
+                sampled.fill(output)
         if speculative:
             self._isolated(speculative, lambda part: self._sample_speculative(part, logits, num_drafts, output),
                            output)
         if self.num_spec_tokens:
             self._propose(output, scheduler_output)
+        return sampled
 
     def _isolated(self, entries: list[tuple[int, int]], run: Callable[[list], None],
                   output: ModelRunnerOutput) -> None:
@@ -625,22 +712,16 @@ class ModelRunner:
             k = batch.state_at(row).beam_candidates
             output.beam_candidates[batch.seq_ids[row]] = (row_ids[:k], row_values[:k])
 
-    def _sample_plain(self, scheduler_output: SchedulerOutput, plain: list[tuple[int, int]], logits: torch.Tensor,
-                      output: ModelRunnerOutput) -> None:
-        """One token for each (row, logits index) of `plain`."""
-        batch = self.input_batch
-        grammar = self._grammar_rows(scheduler_output, plain)
-        rows = [row for row, _ in plain]
-        indices = [i for _, i in plain]
+    def _sample_plain(self, scheduler_output: SchedulerOutput, plain: list[tuple[int, int]],
+                      part: list[tuple[int, int]], logits: torch.Tensor, sampled: SampledIds) -> None:
+        """One token for each (row, logits index) of `part` (all of `plain`, or one entry of it), into `sampled`."""
+        grammar = self._grammar_rows(scheduler_output, part)
+        rows = [row for row, _ in part]
+        indices = [i for _, i in part]
         meta = self.sampling_metadata(rows, grammar)
         identity = len(indices) == logits.shape[0] and indices == list(range(len(indices)))
-        sampled = self.sampler(logits if identity else logits[torch.tensor(indices, device=logits.device)], meta)
-        for j, row in enumerate(rows):
-            seq_id = batch.seq_ids[row]
-            output.sampled_token_ids[seq_id] = [sampled.sampled_token_ids[j]]
-            if sampled.sampled_logprobs is not None and sampled.sampled_logprobs[j] is not None:
-                output.logprobs[seq_id] = SampleLogprobs([sampled.sampled_logprobs[j]], [sampled.sampled_ranks[j]],
-                                                         [sampled.topk_token_ids[j]], [sampled.topk_logprobs[j]])
+        rows_logits = logits if identity else logits[self._to_device(np.asarray(indices, dtype=np.int64))]
+        sampled.add(plain.index(part[0]), self.sampler.sample(rows_logits, meta))
 
     def _grammar_rows(self, scheduler_output: SchedulerOutput, plain: list[tuple[int, int]]):
         """The grammar bitmask rows of the plain sampling rows, in their order: (positions in `plain`, bitmask)."""

@@ -44,6 +44,23 @@ class SamplerOutput:
 
 
 @dataclass(slots=True)
+class SampledTensors:
+    """What the sampler drew, still on the logits' device (no value read back): the runner copies it to the host
+    when it wants the values (at once, or one step later under async scheduling) and unpacks it there."""
+    sampled_token_ids: torch.Tensor                 # int64 [num_rows]
+    # float64 [num_rows, 3 + 2 * max_k] (see pack_logprobs) when some row asked for logprobs, else None.
+    packed_logprobs: torch.Tensor | None = None
+    num_logprobs: list[int | None] | None = None
+
+    def to_lists(self, sampled: list[int], packed: list[list[float]] | None) -> SamplerOutput:
+        """The SamplerOutput of these draws, given their values on the host (`sampled_token_ids.tolist()`,
+        `packed_logprobs.tolist()`)."""
+        if packed is None:
+            return SamplerOutput(sampled_token_ids=sampled)
+        return unpack_logprobs(packed, self.num_logprobs)
+
+
+@dataclass(slots=True)
 class SamplingMetadata:
     """The sampling state of the rows of a logits tensor, in its row order. Tensors are on the logits' device;
     a stage no row uses is None (or empty) and skipped. Built by the worker from its persistent batch
@@ -206,8 +223,14 @@ def banned_token_ids(output_token_ids, min_tokens: int, stop_token_ids, bad_word
 
 
 class Sampler:
-    def __init__(self, *, seed: int = 0, device: torch.device | str = "cpu"):
+    """sync_free (default: on CUDA): the whole draw on the device, no value read back to the host (the stages'
+    checks become masks, the fallback of a row with nothing left a `torch.where`), so a CUDA step can be queued
+    ahead of the device; on CPU the host checks skip work instead (a pass over the vocabulary costs more there
+    than a branch)."""
+
+    def __init__(self, *, seed: int = 0, device: torch.device | str = "cpu", sync_free: bool | None = None):
         self.seed, self.device = seed, device
+        self.sync_free = torch.device(device).type == "cuda" if sync_free is None else sync_free
         self._generator: torch.Generator | None = None
 
     @property
@@ -224,12 +247,24 @@ class Sampler:
         hands over a fresh tensor). meta: the rows' SamplingMetadata, or the sequences themselves (see
         SamplingMetadata.from_sequences). Returns one sampled token per row, each in [0, vocab_size) (and
         logprobs for the rows that asked)."""
+        drawn = self.sample(logits, meta)
+        packed = drawn.packed_logprobs
+        return drawn.to_lists(drawn.sampled_token_ids.tolist(), None if packed is None else packed.tolist())
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, meta) -> SampledTensors:
+        """As __call__, but the draws stay on the logits' device (SampledTensors)."""
         if not isinstance(meta, SamplingMetadata):
             meta = SamplingMetadata.from_sequences(meta, logits.device, logits.shape[1])
         if logits.ndim != 2 or logits.shape[0] != len(meta.greedy):
             raise ValueError(f"logits must be [num_rows={len(meta.greedy)}, vocab_size], got {tuple(logits.shape)}")
         logits = logits.float().contiguous()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.num_logprobs is not None else None
+        if self.sync_free:
+            sampled = self._sample_on_device(logits, meta)
+            if raw_logprobs is None:
+                return SampledTensors(sampled)
+            return SampledTensors(sampled, pack_logprobs(raw_logprobs, sampled, meta.num_logprobs), meta.num_logprobs)
         logits, row_max, sampled, context = process_logits(logits, meta)
         dead_rows = context["dead_rows"]
         dead_set = set(dead_rows)
@@ -242,8 +277,37 @@ class Sampler:
             else:
                 sampled = self._sample_random(logits, row_max, meta, random_rows)
         if raw_logprobs is None:
-            return SamplerOutput(sampled_token_ids=sampled.tolist())
-        return _gather_logprobs(raw_logprobs, sampled, meta.num_logprobs)
+            return SampledTensors(sampled)
+        return SampledTensors(sampled, pack_logprobs(raw_logprobs, sampled, meta.num_logprobs), meta.num_logprobs)
+
+    def _sample_on_device(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The sync-free draw (see the class docstring): the same stages in the same order, every row's greedy and
+        random pick computed and the right one taken per row, a dead row's fallback chosen by masks."""
+        num_rows, vocab_size = logits.shape
+        unmasked, mask_rows, grammar_rows, grammar_bitmask = apply_stages(logits, meta)
+        _sanitize(logits)
+        row_max = logits.amax(dim=-1)
+        sampled = logits.argmax(dim=-1)
+        if not all(meta.greedy):
+            greedy = _flags(meta.greedy, logits.device)
+            # A greedy row divides by 1 here (its pick is the argmax anyway); a dead row's values are dropped below.
+            temperature = torch.where(greedy, 1.0, meta.temperature.clamp(max=_FLOAT32_MAX)).unsqueeze(1)
+            scaled = logits.sub(row_max.unsqueeze(1)).div_(temperature)
+            scaled.nan_to_num_(nan=float("-inf"))
+            if meta.min_p is not None:
+                apply_min_p(scaled, meta.min_p)
+            if meta.top_k is not None or meta.top_p is not None:
+                top_k = meta.top_k if meta.top_k is not None else [0] * num_rows
+                top_p = meta.top_p if meta.top_p is not None else [1.0] * num_rows
+                scaled = _top_k_top_p_sorted(scaled, _as_tensor(top_k, logits.device, vocab_size),
+                                             _as_tensor(top_p, logits.device))
+            uniform = self.uniform(num_rows, logits.device, meta, list(range(num_rows)))
+            drawn = _sample_from_logits(scaled, uniform).clamp_(max=vocab_size - 1)
+            sampled = torch.where(greedy, sampled, drawn)
+        dead = row_max == float("-inf")
+        fallback = _fallback_on_device(num_rows, mask_rows, unmasked, grammar_rows, grammar_bitmask, vocab_size,
+                                       logits.device)
+        return torch.where(dead, fallback, sampled)
 
     def _sample_random(self, logits: torch.Tensor, row_max: torch.Tensor, meta: SamplingMetadata,
                        rows: list[int]) -> torch.Tensor:
@@ -269,18 +333,7 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata):
     context["dead_rows"] lists the rows that had nothing left."""
     num_rows, vocab_size = logits.shape
     device = logits.device
-    if meta.logit_bias:
-        apply_logit_bias(logits, meta.logit_bias)
-    grammar_rows, grammar_bitmask = [], None
-    if meta.grammar_bitmask is not None:
-        grammar_rows, grammar_bitmask = _apply_grammar(logits, meta.grammar_bitmask)
-    mask_rows = sorted(set(meta.allowed_token_ids or ()) | set(meta.banned_token_ids or ()))
-    unmasked = None
-    if mask_rows:
-        unmasked = logits[torch.tensor(mask_rows, device=device)]
-        apply_token_masks(logits, meta.allowed_token_ids or {}, meta.banned_token_ids or {})
-    if meta.penalties is not None:
-        _penalize(logits, meta.penalties)
+    unmasked, mask_rows, grammar_rows, grammar_bitmask = apply_stages(logits, meta)
     # amax propagates NaN, so a row with a NaN or +inf anywhere has a NaN or +inf maximum: the check of these
     # num_rows values stands for a pass over the whole batch (no stage before needs clean logits: they only
     # add, mask or saturate). A -inf maximum is a row with nothing left to sample. (amax, not max, unless every row
@@ -304,6 +357,59 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata):
             _fallback_tokens(dead_rows, mask_rows, unmasked, grammar_rows, grammar_bitmask, vocab_size),
             device=device)
     return logits, row_max, sampled, {"dead_rows": dead_rows}
+
+
+def apply_stages(logits: torch.Tensor, meta: SamplingMetadata):
+    """The stages before the draw, in place on logits [num_rows, vocab] float32: logit_bias, grammar mask, token
+    masks, penalties. Returns (the masked rows' logits before the token masks, those rows, the guided rows, the
+    grammar bitmask over all rows): what a row left with nothing falls back on."""
+    if meta.logit_bias:
+        apply_logit_bias(logits, meta.logit_bias)
+    grammar_rows, grammar_bitmask = [], None
+    if meta.grammar_bitmask is not None:
+        grammar_rows, grammar_bitmask = _apply_grammar(logits, meta.grammar_bitmask)
+    mask_rows = sorted(set(meta.allowed_token_ids or ()) | set(meta.banned_token_ids or ()))
+    unmasked = None
+    if mask_rows:
+        unmasked = logits[_as_tensor(mask_rows, logits.device)]
+        apply_token_masks(logits, meta.allowed_token_ids or {}, meta.banned_token_ids or {})
+    if meta.penalties is not None:
+        _penalize(logits, meta.penalties)
+    return unmasked, mask_rows, grammar_rows, grammar_bitmask
+
+
+def _as_tensor(values: list, device, fill_zero_with: int | None = None) -> torch.Tensor:
+    """A per-row list as a tensor on `device` (int64 for ints, float32 for floats), built on the host and copied
+    without blocking (from pinned memory on CUDA). fill_zero_with: the value a 0 stands for (top-k's "off")."""
+    dtype = torch.float32 if any(isinstance(v, float) for v in values) else torch.int64
+    tensor = torch.tensor(values, dtype=dtype)
+    if fill_zero_with is not None:
+        tensor.masked_fill_(tensor == 0, fill_zero_with)
+    if torch.device(device).type == "cuda":
+        tensor = tensor.pin_memory().to(device, non_blocking=True)
+    return tensor
+
+
+def _flags(values: list[bool], device) -> torch.Tensor:
+    return _as_tensor([int(v) for v in values], device).bool()
+
+
+def _fallback_on_device(num_rows: int, mask_rows: list[int], unmasked: torch.Tensor | None, grammar_rows: list[int],
+                        grammar_bitmask: torch.Tensor | None, vocab_size: int, device) -> torch.Tensor:
+    """_fallback_tokens for every row at once, by masks (no value read): the argmax of the row before the token
+    masks when it has a live token; else the first token the grammar allows; else 0."""
+    fallback = torch.zeros(num_rows, dtype=torch.int64, device=device)
+    if grammar_rows:
+        on_device = grammar_bitmask.pin_memory() if torch.device(device).type == "cuda" else grammar_bitmask
+        allowed = unpack_bitmask(on_device.to(device, non_blocking=True), vocab_size)   # [num_rows, vocab]
+        first_allowed = allowed.to(torch.uint8).argmax(dim=-1)   # 0 where nothing is allowed: token 0 then
+        fallback = first_allowed
+    if mask_rows:
+        index = _as_tensor(mask_rows, device)
+        before = unmasked.nan_to_num(nan=float("-inf"))
+        live = before.amax(dim=-1) > float("-inf")
+        fallback[index] = torch.where(live, before.argmax(dim=-1), fallback[index])
+    return fallback
 
 
 def _scale_and_filter(logits: torch.Tensor, row_max: torch.Tensor, meta: SamplingMetadata,
@@ -420,7 +526,7 @@ def _apply_grammar(logits: torch.Tensor, grammar: tuple[list[int], torch.Tensor]
     num_rows, vocab_size = logits.shape
     bitmask = torch.full((num_rows, compact.shape[1]), -1, dtype=torch.int32)
     bitmask[rows] = compact.to("cpu", torch.int32)
-    device_bitmask = bitmask.to(logits.device, non_blocking=True) if logits.is_cuda else bitmask
+    device_bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True) if logits.is_cuda else bitmask
     xgrammar.apply_token_bitmask_inplace(logits, device_bitmask, vocab_size=vocab_size, indices=rows)
     return rows, bitmask
 
@@ -450,8 +556,8 @@ def apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, dict[int, float
         cols += bias.keys()
         values += bias.values()
     if rows:
-        logits.index_put_((torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
-                          torch.tensor(values, dtype=torch.float32, device=device), accumulate=True)
+        logits.index_put_((_as_tensor(rows, device), _as_tensor(cols, device)),
+                          _as_tensor([float(v) for v in values], device), accumulate=True)
 
 
 def apply_token_masks(logits: torch.Tensor, allowed_token_ids: dict[int, list[int]],
@@ -472,8 +578,8 @@ def apply_token_masks(logits: torch.Tensor, allowed_token_ids: dict[int, list[in
             rows += [j] * len(ids)
             cols += ids
         if rows:
-            keep[rows, cols] = True
-        index = torch.tensor(allowed_rows, device=device)
+            keep[_as_tensor(rows, device), _as_tensor(cols, device)] = True
+        index = _as_tensor(allowed_rows, device)
         logits[index] = logits[index].masked_fill_(~keep, float("-inf"))
     rows, cols = [], []
     for row, banned in banned_token_ids.items():
@@ -481,7 +587,7 @@ def apply_token_masks(logits: torch.Tensor, allowed_token_ids: dict[int, list[in
         rows += [row] * len(banned)
         cols += banned
     if rows:
-        logits[rows, cols] = float("-inf")
+        logits[_as_tensor(rows, device), _as_tensor(cols, device)] = float("-inf")
 
 
 def sample_inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -608,28 +714,34 @@ def _top_k_top_p_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     return logits_sort.scatter(dim=-1, index=logits_idx, src=logits_sort)
 
 
-def _gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor,
-                     num_logprobs: list[int | None]) -> SamplerOutput:
+def pack_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, num_logprobs: list[int | None]) -> torch.Tensor:
+    """Per row, in one float64 tensor [num_rows, 3 + 2 * max_k] (one host transfer for the batch; ids and ranks are
+    exact in float64): the sampled id, its logprob, its 1-based rank, the top max_k logprobs, their ids."""
     max_k = max(k for k in num_logprobs if k is not None)
-    sampled_lp = raw_logprobs.gather(1, sampled.unsqueeze(1))   # [num_seqs, 1]
+    sampled_lp = raw_logprobs.gather(1, sampled.unsqueeze(1))   # [num_rows, 1]
     ranks = (raw_logprobs > sampled_lp).sum(dim=-1) + 1
     topk_lp, topk_ids = raw_logprobs.topk(max_k, dim=-1) if max_k > 0 else (sampled_lp[:, :0], sampled[:, None][:, :0])
     # A row of the model output with no finite logit has NaN logprobs: report its tokens as impossible (-inf).
     sampled_lp, topk_lp = sampled_lp.nan_to_num(nan=float("-inf")), topk_lp.nan_to_num(nan=float("-inf"))
-    # One host transfer for the whole batch: ids and ranks are exact in float64 (< 2**53).
-    packed = torch.cat([sampled[:, None].double(), sampled_lp.double(), ranks[:, None].double(),
-                        topk_lp.double(), topk_ids.double()], dim=1).tolist()
-    sampled_list = [int(row[0]) for row in packed]
-    sampled_lp_list = [row[1] for row in packed]
-    ranks_list = [int(row[2]) for row in packed]
-    topk_lp_list = [row[3:3 + max_k] for row in packed]
-    topk_ids_list = [[int(t) for t in row[3 + max_k:]] for row in packed]
-    out = SamplerOutput(sampled_token_ids=sampled_list, topk_token_ids=[], topk_logprobs=[],
+    return torch.cat([sampled[:, None].double(), sampled_lp.double(), ranks[:, None].double(),
+                      topk_lp.double(), topk_ids.double()], dim=1)
+
+
+def unpack_logprobs(packed: list[list[float]], num_logprobs: list[int | None]) -> SamplerOutput:
+    """The SamplerOutput of pack_logprobs' rows (as lists on the host)."""
+    max_k = max(k for k in num_logprobs if k is not None)
+    out = SamplerOutput(sampled_token_ids=[int(row[0]) for row in packed], topk_token_ids=[], topk_logprobs=[],
                         sampled_logprobs=[], sampled_ranks=[])
-    for i, k in enumerate(num_logprobs):
+    for row, k in zip(packed, num_logprobs):
         keep = k is not None
-        out.topk_token_ids.append(topk_ids_list[i][:k] if keep else None)
-        out.topk_logprobs.append(topk_lp_list[i][:k] if keep else None)
-        out.sampled_logprobs.append(sampled_lp_list[i] if keep else None)
-        out.sampled_ranks.append(ranks_list[i] if keep else None)
+        out.topk_token_ids.append([int(t) for t in row[3 + max_k:3 + max_k + k]] if keep else None)
+        out.topk_logprobs.append(row[3:3 + k] if keep else None)
+        out.sampled_logprobs.append(row[1] if keep else None)
+        out.sampled_ranks.append(int(row[2]) if keep else None)
     return out
+
+
+def _gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor,
+                     num_logprobs: list[int | None]) -> SamplerOutput:
+    """pack_logprobs and unpack_logprobs at once (the values read back now)."""
+    return unpack_logprobs(pack_logprobs(raw_logprobs, sampled, num_logprobs).tolist(), num_logprobs)

@@ -10,7 +10,11 @@ the Python bindings of many tensor methods take (``to``, ``copy_``, indexing): a
 registers c10's FakeGuardImpl for CUDA; `torch.tensor(data, device="cuda")` is built on the CPU and moved.
 
 A host sync is a fault inside CUDA-graph capture: ``FakeGraphRunner`` captures under ``no_host_sync()``, which
-fails on torch.cuda.synchronize and on any read of a tensor value (a copy from cuda to cpu included).
+fails on torch.cuda.synchronize and on any read of a tensor value (a copy from cuda to cpu included). It also
+fails on a copy to the device from pageable host memory (the driver synchronizes the stream before such a copy):
+a source must come from pinned memory (``pin_memory()``, ``torch.empty(..., pin_memory=True)`` or a view of one),
+which the fake device tracks itself. CUDA events, pinned memory and CUDA generators, which a CPU-only torch lacks,
+have CPU stand-ins.
 """
 from __future__ import annotations
 
@@ -108,12 +112,28 @@ def _register_fake_cuda_device_guard() -> None:
     _register_fake_cuda_device_guard.done = True
 
 
+# The storages of the host tensors made pinned while a fake device is on (views share their base's storage).
+_PINNED_STORAGES: set[int] = set()
+
+
+def _mark_pinned(tensor: torch.Tensor) -> torch.Tensor:
+    _PINNED_STORAGES.add(tensor.untyped_storage()._cdata)
+    return tensor
+
+
+def _is_pinned(tensor: torch.Tensor) -> bool:
+    return tensor.untyped_storage()._cdata in _PINNED_STORAGES
+
+
 class _TensorFromDataOnFakeCuda(TorchFunctionMode):
     """`torch.tensor(data, device="cuda")` builds the tensor on the CPU and moves it below the dispatcher's Python
-    layer, where fake mode cannot see it: build it on the CPU here, then move it (which fake mode runs)."""
+    layer, where fake mode cannot see it: build it on the CPU here, then move it (which fake mode runs). Pinned
+    host tensors are marked as such."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.empty and kwargs.get("pin_memory"):
+            return _mark_pinned(func(*args, **kwargs))
         if func in (torch.tensor, torch.as_tensor):
             # No device given: the default one (a `with torch.device(...)` block below this mode sets it).
             device = torch.device(kwargs.pop("device", None) or torch.empty(0).device)
@@ -130,14 +150,24 @@ class HostSyncError(AssertionError):
 
 
 class _NoHostSync(TorchFunctionMode):
-    """Fails on a tensor method that makes the host wait for the device: a value read, or a copy to the cpu."""
+    """Fails on a tensor method that makes the host wait for the device: a value read, a copy to the cpu, a copy
+    to the device from pageable memory."""
 
     _READS = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "__len__"}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
+        if func in (torch.tensor, torch.as_tensor) and torch.device(kwargs.get("device") or "cpu").type == "cuda":
+            raise HostSyncError(f"host sync: torch.{name}(data, device=cuda) copies from pageable memory")
         tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if tensor is not None and tensor.device.type == "cpu" and name == "to" and not _is_pinned(tensor):
+            target = torch._C._nn._parse_to(*args[1:], **kwargs)[0]
+            if target is not None and target.type == "cuda":
+                raise HostSyncError("host sync: Tensor.to(cuda) of a pageable (not pinned) cpu tensor")
+        if name == "copy_" and tensor is not None and tensor.device.type == "cuda" and len(args) > 1 \
+                and isinstance(args[1], torch.Tensor) and args[1].device.type == "cpu" and not _is_pinned(args[1]):
+            raise HostSyncError("host sync: copy_ into a cuda tensor from a pageable (not pinned) cpu tensor")
         if tensor is not None and name in self._READS - {"__len__"}:
             raise HostSyncError(f"host sync inside CUDA-graph capture: Tensor.{name}() reads a value")
         if tensor is not None and tensor.device.type == "cuda":
@@ -150,7 +180,10 @@ class _NoHostSync(TorchFunctionMode):
                 raise HostSyncError(f"host sync inside CUDA-graph capture: Tensor.{name}() copies to the cpu")
         if name == "copy_" and tensor is not None and tensor.device.type == "cpu" and len(args) > 1 \
                 and isinstance(args[1], torch.Tensor) and args[1].device.type == "cuda":
-            raise HostSyncError("host sync inside CUDA-graph capture: copy_ from a cuda tensor into a cpu one")
+            # Only a non-blocking copy into pinned memory leaves the host free (the host reads it after an event).
+            non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
+            if not (non_blocking and _is_pinned(tensor)):
+                raise HostSyncError("host sync: copy_ from a cuda tensor into a cpu one (blocking, or pageable)")
         return func(*args, **kwargs)
 
 
@@ -242,6 +275,25 @@ def fake_cuda(memory: FakeCudaMemory | None = None):
         def synchronize(self):
             pass
 
+    class _Event:   # the device has no work to wait for: an event is always done
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def record(self, stream=None):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def query(self):
+            return True
+
+    real_generator = torch.Generator
+
+    class _Generator(real_generator):   # a CUDA generator needs ATen's CUDA library; fake cuda tensors take a CPU one
+        def __new__(cls, device=None):
+            return real_generator()
+
     with contextlib.ExitStack() as stack:
         for name, value in (("is_available", lambda: True), ("device_count", lambda: 1),
                             ("current_device", lambda: 0), ("set_device", lambda device: None),
@@ -250,8 +302,12 @@ def fake_cuda(memory: FakeCudaMemory | None = None):
                             ("get_device_name", lambda device=None: props.name),
                             ("synchronize", lambda device=None: None), ("_lazy_init", lambda: None),
                             ("Stream", _Stream), ("current_stream", lambda device=None: _Stream()),
-                            ("stream", lambda stream: contextlib.nullcontext())):
+                            ("stream", lambda stream: contextlib.nullcontext()), ("Event", _Event)):
             stack.enter_context(mock.patch(f"torch.cuda.{name}", value))
+        # pin_memory copies into pinned memory (a fresh tensor: `.to` of a small fake one would run on its constant)
+        stack.enter_context(mock.patch("torch.Tensor.pin_memory", lambda self, *args, **kwargs: _mark_pinned(
+            torch.empty(self.shape, dtype=self.dtype).copy_(self))))
+        stack.enter_context(mock.patch("torch.Generator", _Generator))
         import torch._subclasses.fake_tensor as fake_tensor_module
         if hasattr(fake_tensor_module, "init_gpu_context"):   # would make a real cuda tensor: there is no GPU
             stack.enter_context(mock.patch.object(fake_tensor_module, "init_gpu_context", lambda device: None))

@@ -53,6 +53,38 @@ def test_bad_argument_is_a_clean_error(model_dir, capsys):
     assert exc.value.code == 2 and "max_tokens" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", [["generate", "hi"], ["chat"], ["serve"]])
+def test_an_unknown_option_shows_its_commands_usage(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--no-such-option"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.startswith(f"usage: python -m engine {command[0]} ") and "--max-model-len" in err
+    assert "unrecognized arguments: --no-such-option" in err
+
+
+def test_vllm_options_with_no_effect_here_are_accepted_with_a_note(model_dir, caplog, capsys):
+    """Flags common in vLLM scripts run here (a warning says what they mean), instead of an argparse exit or a
+    TypeError from LLM(...)."""
+    import logging
+
+    from engine.__main__ import build_parser, parse_args
+    from engine.engine_args import EngineArgs
+
+    args = parse_args(build_parser(), ["serve", model_dir, "--trust-remote-code", "--disable-log-stats",
+                                       "--disable-log-requests", "--no-enable-chunked-prefill"])
+    engine_args = EngineArgs.from_cli_args(args)
+    assert (engine_args.trust_remote_code, engine_args.disable_log_stats, engine_args.enable_chunked_prefill) == \
+        (True, True, False)
+    with caplog.at_level(logging.WARNING, logger="engine"):
+        engine_args.create_engine_config()
+    assert "no model code is downloaded or run" in caplog.text and "chunked prefill is always on" in caplog.text
+    llm = LLM(model_dir, num_kv_blocks=32, trust_remote_code=True, disable_log_stats=True)
+    assert llm.generate(PROMPT, SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="trust_remote_code must be a bool"):
+        EngineArgs(model=model_dir, trust_remote_code="yes").create_engine_config()
+
+
 def test_download_prints_the_default_model_dir(monkeypatch, capsys):
     import engine.default_model
     monkeypatch.setattr(engine.default_model, "default_model_path", lambda: "/cache/SmolLM2")

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from engine.config import ModelConfig
+
+from engine.models import load_model_config
 from engine.models import SUPPORTED_ARCHITECTURES, get_model_class
 from tests.engine.models_util import MISTRAL_SLIDING_WINDOW
 
@@ -33,14 +35,14 @@ def test_transformers_4_keys(tmp_path):
     model_dir = write_config(tmp_path, {
         "rope_theta": 500000.0, "rope_scaling": {"type": "llama3", **LLAMA3_SCALING},
         "torch_dtype": "bfloat16", "eos_token_id": [128001, 128008], "bos_token_id": 128000})
-    config = ModelConfig.from_pretrained(model_dir, device="cpu")
+    config = load_model_config(model_dir, device="cpu")
     assert config.rope_theta == 500000.0
     assert config.rope_scaling == {"rope_type": "llama3", **LLAMA3_SCALING}
     assert config.head_dim == 256 // 8
     assert config.dtype == torch.float32  # bf16 checkpoint runs in float32 on CPU under "auto"
-    assert ModelConfig.from_pretrained(model_dir, device="cuda").dtype == torch.bfloat16
-    assert ModelConfig.from_pretrained(model_dir, dtype="bfloat16", device="cpu").dtype == torch.bfloat16
-    assert ModelConfig.from_pretrained(model_dir, dtype=torch.float16).dtype == torch.float16
+    assert load_model_config(model_dir, device="cuda").dtype == torch.bfloat16
+    assert load_model_config(model_dir, dtype="bfloat16", device="cpu").dtype == torch.bfloat16
+    assert load_model_config(model_dir, dtype=torch.float16).dtype == torch.float16
     assert config.eos_token_ids == frozenset({128001, 128008})
     assert config.bos_token_id == 128000 and config.pad_token_id is None
 
@@ -49,13 +51,13 @@ def test_transformers_5_keys(tmp_path):
     model_dir = write_config(tmp_path, {
         "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, **LLAMA3_SCALING},
         "dtype": "float16", "head_dim": 64, "eos_token_id": 7})
-    config = ModelConfig.from_pretrained(model_dir, device="cuda")
+    config = load_model_config(model_dir, device="cuda")
     assert config.rope_theta == 500000.0
     assert config.rope_scaling == {"rope_type": "llama3", **LLAMA3_SCALING}
     assert config.head_dim == 64
     assert config.dtype == torch.float16
     plain = write_config(tmp_path, {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
-    config = ModelConfig.from_pretrained(plain, device="cuda")
+    config = load_model_config(plain, device="cuda")
     assert (config.rope_theta, config.rope_scaling) == (1e6, None)
     assert config.dtype == torch.float32  # no dtype in the checkpoint: float32
 
@@ -63,24 +65,24 @@ def test_transformers_5_keys(tmp_path):
 def test_eos_ids_from_config_and_generation_config(tmp_path):
     model_dir = write_config(tmp_path, {"eos_token_id": 2, "pad_token_id": 0},
                              {"eos_token_id": [2, 32000, 32001], "bos_token_id": 1})
-    config = ModelConfig.from_pretrained(model_dir)
+    config = load_model_config(model_dir)
     assert config.eos_token_ids == frozenset({2, 32000, 32001})
     assert config.bos_token_id == 1 and config.pad_token_id == 0
     os.remove(tmp_path / "generation_config.json")
-    assert ModelConfig.from_pretrained(model_dir).eos_token_ids == frozenset({2})
+    assert load_model_config(model_dir).eos_token_ids == frozenset({2})
 
 
 def test_tiny_models(tiny_model_dir):
-    llama = ModelConfig.from_pretrained(tiny_model_dir("llama"))
+    llama = load_model_config(tiny_model_dir("llama"))
     assert llama.rope_scaling["rope_type"] == "llama3" and not llama.tie_word_embeddings
     assert llama.layer_sliding_windows == (None, None)
     assert llama.eos_token_ids == frozenset({0, 2})  # config.json has 0, generation_config [2, 0]
-    mistral = ModelConfig.from_pretrained(tiny_model_dir("mistral"))
+    mistral = load_model_config(tiny_model_dir("mistral"))
     assert mistral.sliding_window == MISTRAL_SLIDING_WINDOW
     assert mistral.layer_sliding_windows == (MISTRAL_SLIDING_WINDOW,) * 2
-    qwen2 = ModelConfig.from_pretrained(tiny_model_dir("qwen2"))
+    qwen2 = load_model_config(tiny_model_dir("qwen2"))
     assert qwen2.attention_bias and qwen2.tie_word_embeddings and qwen2.sliding_window is None
-    qwen3 = ModelConfig.from_pretrained(tiny_model_dir("qwen3"), max_model_len=100)
+    qwen3 = load_model_config(tiny_model_dir("qwen3"), max_model_len=100)
     assert not qwen3.attention_bias and qwen3.max_model_len == 100 and qwen3.max_position_embeddings == 1024
     assert get_model_class(qwen3.architecture).qk_norm
 
@@ -89,20 +91,20 @@ def test_qwen2_sliding_window_layers(tmp_path):
     """transformers 4: layers from max_window_layers on slide; 5: layer_types says which."""
     v4 = write_config(tmp_path, {"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True,
                                  "sliding_window": 32, "max_window_layers": 1})
-    assert ModelConfig.from_pretrained(v4).layer_sliding_windows == (None, 32, 32)
+    assert load_model_config(v4).layer_sliding_windows == (None, 32, 32)
     v5 = write_config(tmp_path, {"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True,
                                  "sliding_window": 32,
                                  "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]})
-    assert ModelConfig.from_pretrained(v5).layer_sliding_windows == (32, None, 32)
+    assert load_model_config(v5).layer_sliding_windows == (32, None, 32)
     off = write_config(tmp_path, {"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False,
                                   "sliding_window": 32})
-    assert ModelConfig.from_pretrained(off).layer_sliding_windows == (None, None, None)
+    assert load_model_config(off).layer_sliding_windows == (None, None, None)
 
 
 def test_unknown_architecture_lists_supported(tmp_path):
     model_dir = write_config(tmp_path, {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
     with pytest.raises(ValueError, match="GPT2LMHeadModel") as info:
-        ModelConfig.from_pretrained(model_dir)
+        load_model_config(model_dir)
     for name in SUPPORTED_ARCHITECTURES:
         assert name in str(info.value)
     with pytest.raises(ValueError, match="LlamaForCausalLM"):
@@ -118,20 +120,20 @@ def test_unknown_architecture_lists_supported(tmp_path):
 ])
 def test_bad_configs(tmp_path, change, match):
     with pytest.raises(ValueError, match=match):
-        ModelConfig.from_pretrained(write_config(tmp_path, change))
+        load_model_config(write_config(tmp_path, change))
 
 
 def test_bad_arguments_and_files(tmp_path):
     model_dir = write_config(tmp_path, {})
     with pytest.raises(ValueError, match="max_model_len"):
-        ModelConfig.from_pretrained(model_dir, max_model_len=5000)
+        load_model_config(model_dir, max_model_len=5000)
     with pytest.raises(ValueError, match="dtype"):
-        ModelConfig.from_pretrained(model_dir, dtype="int8")
+        load_model_config(model_dir, dtype="int8")
     with pytest.raises(ValueError, match="config.json"):
-        ModelConfig.from_pretrained(str(tmp_path / "nowhere"))
+        load_model_config(str(tmp_path / "nowhere"))
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
-        ModelConfig.from_pretrained(model_dir)
+        load_model_config(model_dir)
 
 
 # -- each model's own mapping ----------------------------------------------------------------------------------
@@ -142,20 +144,20 @@ def test_gemma2_mapping_and_defaults(tmp_path):
     softcaps (default 50 / 30, null turns one off); embeddings tied unless the config says otherwise."""
     base = {"architectures": ["Gemma2ForCausalLM"], "head_dim": 64, "query_pre_attn_scalar": 144,
             "sliding_window": 16, "hidden_activation": "gelu_pytorch_tanh"}
-    config = ModelConfig.from_pretrained(write_config(tmp_path, base))
+    config = load_model_config(write_config(tmp_path, base))
     assert config.layer_sliding_windows == (16, None, 16)
     assert config.attention_scale == pytest.approx(1 / 12)
     assert (config.attn_logit_softcap, config.final_logit_softcap) == (50.0, 30.0)
     assert config.tie_word_embeddings and config.hidden_act == "gelu_pytorch_tanh" and config.head_dim == 64
-    config = ModelConfig.from_pretrained(write_config(tmp_path, {
+    config = load_model_config(write_config(tmp_path, {
         **base, "layer_types": ["full_attention", "sliding_attention", "full_attention"],
         "final_logit_softcapping": None, "tie_word_embeddings": False}))
     assert config.layer_sliding_windows == (None, 16, None)
     assert config.final_logit_softcap is None and not config.tie_word_embeddings
     with pytest.raises(ValueError, match="layer_types has 2 entries for 3 layers"):
-        ModelConfig.from_pretrained(write_config(tmp_path, {**base, "layer_types": ["full_attention"] * 2}))
+        load_model_config(write_config(tmp_path, {**base, "layer_types": ["full_attention"] * 2}))
     with pytest.raises(ValueError, match="hidden_act='relu'"):
-        ModelConfig.from_pretrained(write_config(tmp_path, {**base, "hidden_activation": "relu"}))
+        load_model_config(write_config(tmp_path, {**base, "hidden_activation": "relu"}))
 
 
 def test_phi3_longrope_from_either_key_style(tmp_path):
@@ -164,9 +166,9 @@ def test_phi3_longrope_from_either_key_style(tmp_path):
     short, long = [1.0] * 16, [2.0] * 16
     base = {"architectures": ["Phi3ForCausalLM"], "max_position_embeddings": 4096,
             "original_max_position_embeddings": 1024, "sliding_window": 2047, "partial_rotary_factor": 0.5}
-    v4 = ModelConfig.from_pretrained(write_config(tmp_path, {
+    v4 = load_model_config(write_config(tmp_path, {
         **base, "rope_scaling": {"type": "su", "short_factor": short, "long_factor": long}}))
-    v5 = ModelConfig.from_pretrained(write_config(tmp_path, {
+    v5 = load_model_config(write_config(tmp_path, {
         "architectures": ["Phi3ForCausalLM"], "max_position_embeddings": 4096, "sliding_window": 2047,
         "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                             "short_factor": short, "long_factor": long, "original_max_position_embeddings": 1024}}))
@@ -175,34 +177,34 @@ def test_phi3_longrope_from_either_key_style(tmp_path):
                                        "original_max_position_embeddings": 1024, "factor": 4.0}
         assert config.partial_rotary_factor == 0.5 and config.norm_eps == 1e-5
         assert config.layer_sliding_windows == (2047,) * 3
-    plain = ModelConfig.from_pretrained(write_config(tmp_path, {"architectures": ["Phi3ForCausalLM"]}))
+    plain = load_model_config(write_config(tmp_path, {"architectures": ["Phi3ForCausalLM"]}))
     assert plain.rope_scaling is None and plain.sliding_window is None and plain.layer_sliding_windows == (None,) * 3
     with pytest.raises(ValueError, match="long_factor"):
-        ModelConfig.from_pretrained(write_config(tmp_path, {**base, "rope_scaling": {"type": "longrope",
+        load_model_config(write_config(tmp_path, {**base, "rope_scaling": {"type": "longrope",
                                                                                      "short_factor": short}}))
 
 
 def test_opt_mapping_and_rejections(tmp_path):
     base = {"architectures": ["OPTForCausalLM"], "hidden_size": 256, "num_attention_heads": 4,
             "num_key_value_heads": None, "ffn_dim": 1024, "intermediate_size": None}
-    config = ModelConfig.from_pretrained(write_config(tmp_path, base))
+    config = load_model_config(write_config(tmp_path, base))
     assert (config.intermediate_size, config.norm_eps, config.hidden_act) == (1024, 1e-5, "relu")
     assert config.attention_bias and config.mlp_bias and config.layer_norm_before and config.tie_word_embeddings
     assert config.word_embed_proj_dim == 256 and config.num_key_value_heads == 4 and config.head_dim == 64
-    post_ln = ModelConfig.from_pretrained(write_config(tmp_path, {**base, "do_layer_norm_before": False,
+    post_ln = load_model_config(write_config(tmp_path, {**base, "do_layer_norm_before": False,
                                                                   "word_embed_proj_dim": 128, "enable_bias": False}))
     assert not post_ln.layer_norm_before and post_ln.word_embed_proj_dim == 128 and not post_ln.attention_bias
     for change, match in (({"activation_function": "swiglu"}, "swiglu"),
                           ({"layer_norm_elementwise_affine": False}, "layer_norm_elementwise_affine"),
                           ({"ffn_dim": None}, "ffn_dim")):
         with pytest.raises(ValueError, match=match):
-            ModelConfig.from_pretrained(write_config(tmp_path, {**base, **change}))
+            load_model_config(write_config(tmp_path, {**base, **change}))
 
 
 def test_model_type_without_architectures(tmp_path):
     for model_type, architecture in (("opt", "OPTForCausalLM"), ("gemma2", "Gemma2ForCausalLM"),
                                      ("phi3", "Phi3ForCausalLM")):
-        config = ModelConfig.from_pretrained(write_config(tmp_path, {"architectures": None, "model_type": model_type,
+        config = load_model_config(write_config(tmp_path, {"architectures": None, "model_type": model_type,
                                                                      "ffn_dim": 64, "num_key_value_heads": None}))
         assert config.architecture == architecture
 
@@ -210,11 +212,11 @@ def test_model_type_without_architectures(tmp_path):
 def test_tiny_new_architectures(tiny_model_dir):
     from tests.engine.models_util import GEMMA2_SLIDING_WINDOW, PHI3_ORIGINAL_MAX_POSITIONS, PHI3_SLIDING_WINDOW
 
-    gemma2 = ModelConfig.from_pretrained(tiny_model_dir("gemma2"))
+    gemma2 = load_model_config(tiny_model_dir("gemma2"))
     assert gemma2.layer_sliding_windows == (GEMMA2_SLIDING_WINDOW, None)
-    phi3 = ModelConfig.from_pretrained(tiny_model_dir("phi3"))
+    phi3 = load_model_config(tiny_model_dir("phi3"))
     assert phi3.rope_scaling["rope_type"] == "longrope" and phi3.partial_rotary_factor == 0.5
     assert phi3.rope_scaling["original_max_position_embeddings"] == PHI3_ORIGINAL_MAX_POSITIONS
     assert phi3.layer_sliding_windows == (PHI3_SLIDING_WINDOW,) * 2
-    opt = ModelConfig.from_pretrained(tiny_model_dir("opt"))
+    opt = load_model_config(tiny_model_dir("opt"))
     assert opt.tie_word_embeddings and opt.layer_norm_before and opt.num_key_value_heads == 2

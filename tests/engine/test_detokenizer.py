@@ -4,7 +4,7 @@ import pytest
 
 from engine.core.detokenizer import Detokenizer, check_stop_strings
 from engine.sampling_params import SamplingParams
-from engine.core.sequence import Sequence
+from engine.core.output_processor import _Completion
 from tests.engine.models_util import make_tokenizer
 
 TEXTS = [
@@ -22,11 +22,21 @@ def tokenizer(request):
     return get_tokenizer(request.getfixturevalue("smollm2_dir"))
 
 
+def completion(prompt_ids, params: SamplingParams) -> _Completion:
+    """A completion as the output processor detokenizes it."""
+    return _Completion(params, prompt_ids)
+
+
+def append(seq: _Completion, token_id: int) -> None:
+    seq.token_ids.append(token_id)
+    seq.output_token_ids.append(token_id)
+
+
 def stream(detok: Detokenizer, prompt_ids, output_ids, params=None):
-    seq = Sequence("r", None, prompt_ids, params or SamplingParams(), arrival_time=0.0)
+    seq = completion(prompt_ids, params or SamplingParams())
     deltas = []
     for t in output_ids:
-        seq.append_token(t)
+        append(seq, t)
         before = seq.output_text
         detok.update(seq)
         deltas.append(seq.output_text[len(before):])
@@ -73,7 +83,7 @@ def test_skip_special_tokens(tokenizer):
 
 
 def seq_with_text(text, **params):
-    seq = Sequence("r", None, [1], SamplingParams(**params), arrival_time=0.0)
+    seq = completion([1], SamplingParams(**params))
     seq.output_text = text
     return seq
 
@@ -83,11 +93,10 @@ def test_stop_string_across_token_boundaries(tokenizer, include):
     detok = Detokenizer(tokenizer)
     text = "The answer is 42. ###END### ignored tail"
     output_ids = tokenizer.encode(text, add_special_tokens=False)
-    seq = Sequence("r", None, [5], SamplingParams(stop=["###END###", "never"], include_stop_str_in_output=include),
-                   arrival_time=0.0)
+    seq = completion([5], SamplingParams(stop=["###END###", "never"], include_stop_str_in_output=include))
     matched_at = None
     for i, t in enumerate(output_ids):
-        seq.append_token(t)
+        append(seq, t)
         if check_stop_strings(seq, detok.update(seq)):
             matched_at = i
             break

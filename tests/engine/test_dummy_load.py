@@ -9,6 +9,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
+from engine.models import load_model_config
 from engine.distributed.parallel_state import planned_layout
 from engine.engine_args import EngineArgs
 from engine.layers.layernorm import LayerNorm, RMSNorm
@@ -53,7 +54,7 @@ def _greedy(llm: LLM) -> list[list[int]]:
 
 
 def _build(model_dir: str) -> torch.nn.Module:
-    config = ModelConfig.from_pretrained(model_dir)
+    config = load_model_config(model_dir)
     model = get_model_class(config.architecture)(config)
     for param in model.parameters():
         param.data.fill_(float("nan"))   # a parameter the loader skips stays NaN

@@ -30,12 +30,14 @@ MAX_MODEL_LEN = 128
 
 
 
-def _runner(model_dir: str, *, num_kv_blocks=None, gpu_memory_utilization=0.9, **kwargs) -> ModelRunner:
+def _runner(model_dir: str, *, num_kv_blocks=None, gpu_memory_utilization=0.9, async_scheduling=None,
+            **kwargs) -> ModelRunner:
     """A runner as the engine builds one on CUDA (graphs captured at start-up; eager, as inductor cannot compile
     for a fake device), on the fake cuda device."""
     config = engine_config(model_dir, device="cuda", max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
                            num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
-                           max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
+                           max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+                           async_scheduling=async_scheduling)
     kwargs = {"capture_graphs_at_startup": True, **kwargs}
     return ModelRunner(config, graph_runner_class=FakeGraphRunner, compile_model=False, **kwargs)
 
@@ -195,3 +197,45 @@ def test_profile_step_through_the_cpu_double(tiny_model_dir, monkeypatch):
     budget = 0.125 * 16 * GiB - GiB - GiB // 2
     useful = 4 * math.ceil(MAX_MODEL_LEN / BLOCK_SIZE)
     assert runner.num_kv_blocks == min(useful, int(budget // runner._block_bytes()))
+
+
+def test_async_steps_queue_without_waiting_for_the_device(tiny_model_dir, monkeypatch):
+    """Async scheduling on the CUDA paths: a step that samples (greedy, temperature with top-k/top-p/min-p,
+    penalties, logit_bias, bad words, min_tokens, logprobs) and the decode step after it, fed the previous step's
+    ids from the device, queue everything without one host sync or pageable copy (no_host_sync); the only read is
+    the deliberate one of the previous step's ids, one step late (SampledIds.resolve, stood in for here: a fake
+    device holds no values)."""
+    from engine.worker.device_io import AsyncModelRunnerOutput, SampledIds
+    from tests.engine.fake_cuda import no_host_sync
+
+    model_dir = tiny_model_dir("llama")
+    resolved = []
+
+    def resolve_without_reading(self):   # the one allowed read, one step late: stood in for with zeros
+        resolved.append(list(self.seq_ids))
+        self.values = [0] * len(self.seq_ids)
+
+    monkeypatch.setattr(SampledIds, "resolve", resolve_without_reading)
+    kinds = [SamplingParams(temperature=0),
+             SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05),
+             SamplingParams(temperature=0.7, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.1),
+             SamplingParams(temperature=0, logit_bias={3: 2.0}, bad_words=["x"], min_tokens=4, logprobs=2)]
+    prompts = [random_token_ids(9 + i, seed=30 + i) for i in range(len(kinds))]
+    with fake_cuda():
+        runner = _runner(model_dir, num_kv_blocks=64, async_scheduling=True)
+        new = [NewSequenceData(seq_id=i, token_ids=prompt, num_prompt_tokens=len(prompt), num_computed_tokens=0,
+                               block_ids=[i], params=params, seed=None, stop_token_ids=[2],
+                               bad_words_token_ids=[[7]] if params.bad_words else [])
+               for i, (prompt, params) in enumerate(zip(prompts, kinds))]
+        with no_host_sync():
+            first = runner.execute_model(SchedulerOutput(
+                new_seqs=new, cached_seqs=[], num_scheduled_tokens={i: len(p) for i, p in enumerate(prompts)}))
+        assert isinstance(first, AsyncModelRunnerOutput) and not resolved
+        decode = [CachedSequenceData(i, [], 1, [], len(p), token_start=len(p)) for i, p in enumerate(prompts)]
+        with no_host_sync():
+            second = runner.execute_model(SchedulerOutput(new_seqs=[], cached_seqs=decode,
+                                                          num_scheduled_tokens={i: 1 for i in range(len(kinds))}))
+        assert isinstance(second, AsyncModelRunnerOutput)
+        assert resolved == [[0, 1, 2, 3]]   # the first step's ids, read during the second
+        # ... and appended to the worker's own batch, so the second step's penalties and bad words saw them.
+        assert all(len(runner.input_batch.states[i].token_ids) == len(p) + 1 for i, p in enumerate(prompts))

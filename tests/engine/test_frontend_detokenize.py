@@ -1,20 +1,23 @@
-"""Detokenization in the serving front end (vLLM V1's OutputProcessor): the engine core runs LLMEngine with
-detokenize=False and sends token deltas; the API server process's OutputAccumulator makes the text, finds stop
-strings (telling the core which completions they ended: LLMEngine.stop_sequences) and decodes logprob tokens. What
-reaches a stream must be what LLM.generate gives in one process: text, tokens, finish and stop reasons, logprobs
-with their decoded tokens, cumulative logprobs; and a completion a stop string ended stops taking the core's steps
-and blocks.
+"""Detokenization behind the engine core (vLLM V1's OutputProcessor): the core sends token-id deltas; the output
+processor makes the text, finds stop strings (telling the core which completions they ended:
+EngineCore.stop_sequences) and decodes logprob tokens. `LLM.generate` runs the two in one process; under `serve` the
+deltas cross a ZMQ socket as msgpack (EngineCoreOutput.to_wire) to the API server process's output processor. What
+reaches a stream must be what LLM.generate gives: text, tokens, finish and stop reasons, logprobs with their decoded
+tokens, cumulative logprobs; and a completion a stop string ended stops taking the core's steps and blocks.
 
-The first tests drive the two halves in this process (core step -> OutputEncoder -> OutputAccumulator -> stops back
-to the core), so every case is cheap and exact; the last runs a real engine core process behind MPAsyncLLMEngine."""
+The first tests drive the two halves in this process through the wire format (core step -> to_wire -> msgpack ->
+from_wire -> OutputProcessor -> stops back to the core), so every case is cheap and exact; the last runs a real
+engine core process behind MPAsyncLLMEngine."""
 import asyncio
 import dataclasses
 
+import msgpack
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.core.core_io import EngineCoreOutput, EngineCoreRequest
 from engine.core.detokenizer import Detokenizer
-from engine.core.engine_core import OutputAccumulator, OutputEncoder
+from engine.core.output_processor import OutputProcessor
 from tests.engine.models_util import random_token_ids
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -26,51 +29,41 @@ def _prompts() -> list:
             {"prompt_token_ids": random_token_ids(9, seed=9) + span + span[:6]}]
 
 
+def _over_the_wire(message):
+    return msgpack.unpackb(msgpack.packb(message, use_bin_type=True), raw=False, strict_map_key=False)
+
+
 def _split_generate(llm: LLM, prompts: list, params: SamplingParams, deltas: dict | None = None) -> tuple[list, int]:
-    """The prompts through llm's engine with the core/front-end split of `serve`, in this process: returns the
-    final outputs (in prompt order) and how many steps ran after the front end had every request finished.
-    `deltas` (request id -> list) gets the number of tokens each core output brought completion 0."""
+    """The prompts through llm's engine core with the process split of `serve`, in this process: requests and outputs
+    cross msgpack, a separate OutputProcessor makes the text. Returns the final outputs (in prompt order) and how many
+    steps ran after the output processor had every request finished. `deltas` (request id -> list) gets the number of
+    tokens each core output brought completion 0."""
     engine = llm.llm_engine
-    engine.detokenize = False
-    try:
-        detokenizer = Detokenizer(engine.tokenizer)
-        encoder = OutputEncoder()
-        accumulators, finals = {}, {}
-        for i, prompt in enumerate(prompts):
-            request_id = str(i)
-            text, token_ids = engine.process_prompt(prompt)
-            engine.add_request(request_id, {"prompt": text, "prompt_token_ids": token_ids}, params)
-            accumulators[request_id] = OutputAccumulator(request_id, text, token_ids, params=params,
-                                                         detokenizer=detokenizer)
-        steps_after = 0
-        while engine.has_unfinished_requests():
-            steps_after += not accumulators
-            outputs = engine.step()
-            stops = []
-            for output in outputs:
-                data = encoder.encode(output)
-                if deltas is not None and data[-1]:
-                    deltas.setdefault(output.request_id, []).append(len(data[-1][0][3]))
-                accumulator = accumulators.get(output.request_id)
-                if accumulator is None:   # finished here already: the core's late output is dropped
-                    continue
-                result = accumulator.add(data)
-                if accumulator.stops:
-                    stops.append((output.request_id, accumulator.stops))
-                    accumulator.stops = []
-                if result.finished:
-                    finals[output.request_id] = result
-                    del accumulators[output.request_id]
-            for request_id, indices in stops:   # the "stop" message, handled between steps as the core does
-                final = engine.stop_sequences(request_id, indices)
-                if final is not None:
-                    encoder.encode(final)
-        assert not accumulators
-        bm = engine.block_manager
-        assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
-        return [finals[str(i)] for i in range(len(prompts))], steps_after
-    finally:
-        engine.detokenize = True
+    core = engine.engine_core
+    processor = OutputProcessor(engine.tokenizer)
+    finals = {}
+    for i, prompt in enumerate(prompts):
+        request = engine.input_processor.process(str(i), prompt, params)
+        core.add_request(EngineCoreRequest.from_wire(_over_the_wire(request.to_wire())))
+        processor.add_request(request.request_id, request.prompt, request.prompt_token_ids, params)
+    steps_after = 0
+    while core.has_unfinished_requests():
+        steps_after += not processor.requests
+        wire = [_over_the_wire(out.to_wire()) for out in core.step()]
+        if deltas is not None:
+            for data in wire:
+                if data[-1]:
+                    deltas.setdefault(data[0], []).append(len(data[-1][0][1]))
+        processed = processor.process_outputs([EngineCoreOutput.from_wire(data) for data in wire])
+        for output in processed.request_outputs:
+            if output.finished:
+                finals[output.request_id] = output
+        for request_id, indices in processed.stops:   # the "stop" message, handled between steps as the core does
+            core.stop_sequences(request_id, indices)
+    assert not processor.requests
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+    return [finals[str(i)] for i in range(len(prompts))], steps_after
 
 
 def _completions(outputs) -> list:
@@ -129,8 +122,8 @@ def test_greedy_stop_strings_equal_in_process(llm, extra):
 
 
 def test_stop_strings_free_the_core_at_once(llm):
-    """A stop string found in the front end stops its completion in the core before the next step: the core
-    runs no step past the last request's stop."""
+    """A stop string found by the output processor stops its completion in the core before the next step: the
+    core runs no step past the last request's stop."""
     base = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     params = dataclasses.replace(base, stop=_stop_strings(llm, dataclasses.replace(base, max_tokens=24)))
     outputs, steps_after = _split_generate(llm, _prompts()[:2], params)
@@ -183,7 +176,7 @@ def _stops_inside_drafts(llm: LLM, params: SamplingParams) -> list[str]:
 @pytest.mark.parametrize("extra", [{}, {"logprobs": 2}], ids=["plain", "logprobs"])
 def test_speculative_stop_inside_a_draft(spec_llm, extra):
     """Under n-gram speculation a step brings several tokens: a stop string on the first of them drops the rest
-    (and their logprobs, out of the cumulative sum), as the in-process engine stops there."""
+    (and their logprobs, out of the cumulative sum)."""
     base = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, **extra)
     stops = _stops_inside_drafts(spec_llm, base)
     assert stops, "the workload must accept drafts"

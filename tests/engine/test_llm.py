@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.core.llm_engine import resolve_model_path
+from engine.config import resolve_model_path
 from engine.tokenizer import get_tokenizer
 from tests.engine.models_util import TINY_ARCHITECTURES, hf_log_softmax, load_hf_model, random_token_ids
 
@@ -365,8 +365,9 @@ def test_chat_batches_conversations(tiny_llm):
 
 
 def test_model_resolution_errors(monkeypatch):
-    with pytest.raises(ValueError, match="not a local directory"):
-        resolve_model_path("/nonexistent/model/dir")
+    for path in ("/nonexistent/model/dir", "./models/x", "~/nothing", "a/b/c"):
+        with pytest.raises(ValueError, match="no such directory"):
+            resolve_model_path(path)
     import huggingface_hub
 
     def offline(*args, **kwargs):

@@ -11,13 +11,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.config import ModelConfig
+
+from engine.models import load_model_config
 from engine.worker.loader import load_model, weight_files
 from engine.models import get_model_class
 from tests.engine.models_util import build_tiny_model_dir
 
 
 def build_engine_model(model_dir: str) -> torch.nn.Module:
-    config = ModelConfig.from_pretrained(model_dir)
+    config = load_model_config(model_dir)
     model = get_model_class(config.architecture)(config)
     for param in model.parameters():
         param.data.fill_(float("nan"))  # a parameter the loader skips stays NaN

@@ -10,6 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.config import ModelConfig
+
+from engine.models import load_model_config
 from tests.engine.models_util import build_tiny_model_dir
 from tests.engine.test_loader import build_engine_model
 from tests.engine.test_model_runner import (MIXED_SCHEDULE, assert_matches_hf, make_runner, mixed_sequences,
@@ -51,4 +53,4 @@ def test_facebook_checkpoint_names_load(tiny_model_dir, tmp_path):
     expected, loaded = build_engine_model(model_dir), build_engine_model(str(fb_dir))
     for (name, param), (_, other) in zip(expected.named_parameters(), loaded.named_parameters()):
         torch.testing.assert_close(other, param, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
-    assert ModelConfig.from_pretrained(str(fb_dir)).tie_word_embeddings
+    assert load_model_config(str(fb_dir)).tie_word_embeddings

@@ -12,6 +12,16 @@ from engine.worker.input_batch import SequenceState
 VOCAB = 12
 
 
+@pytest.fixture(autouse=True, params=["host_checks", "sync_free"])
+def sampler_path(request, monkeypatch):
+    """Every test runs on both of the sampler's paths: the one that checks values on the host (CPU's) and the
+    sync-free one (CUDA's: masks and torch.where, no value read), here on CPU tensors."""
+    if request.param == "sync_free":
+        init = Sampler.__init__
+        monkeypatch.setattr(Sampler, "__init__", lambda self, **kwargs: init(self, **{**kwargs, "sync_free": True}))
+    return request.param
+
+
 def seq_with(params: SamplingParams, prompt=(1, 2, 3), output=(), eos=frozenset({11})) -> SequenceState:
     """A sequence as the worker's sampler sees it: the core's Sequence, sent in full."""
     seq = Sequence("r", None, list(prompt), params, arrival_time=0.0, eos_token_ids=eos)

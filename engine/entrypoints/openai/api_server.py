@@ -498,7 +498,7 @@ def _run_frontend(args, address: str, info: dict, sock: socket.socket,
     requests in flight, SIGUSR1 at once (DrainingServer)."""
     import signal
 
-    from engine.core.engine_core import freeze_startup_objects
+    from engine.core.core_process import freeze_startup_objects
 
     def ready() -> None:
         freeze_startup_objects()   # as the core does: no full collection walks the start-up's objects again

@@ -74,7 +74,7 @@ class _Worker:
         # a guard in every script that serves), over a socket pair with multiprocessing's Connection framing.
         parent, child = socket.socketpair()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "engine.entrypoints.chat_template_sandbox", str(child.fileno()),
+            [sys.executable, "-m", "engine.chat_template_sandbox", str(child.fileno()),
              str(memory_bytes), str(max_output_chars)],
             pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, close_fds=True)
         child.close()

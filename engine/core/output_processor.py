@@ -1,0 +1,177 @@
+"""The engine core's token-id deltas in, the user's `RequestOutput`s out (vLLM V1's OutputProcessor).
+
+Per request it keeps what the user sees: each completion's token ids, its text (incremental detokenization,
+engine/core/detokenizer.py), its logprobs with their tokens decoded, and how it finished. It applies the stop
+conditions in vLLM's order (a stop token the core ended on, then a stop string in the new text, then the core's
+length limit): a stop string ends its completion here at once (tokens after it in the same delta, possible under
+speculative decoding, are dropped with their logprobs) and is reported in `stops`, so that the core stops
+generating it. It runs behind the core: in-process in `LLMEngine.step`, under `serve` in each API server process,
+so the core's step loop does no detokenization.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from engine.core.core_io import EngineCoreOutput, LogprobEntry
+from engine.core.detokenizer import Detokenizer, check_stop_strings
+from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.sampling_params import RequestOutputKind, SamplingParams
+
+
+class _Completion:
+    """One completion as the user sees it: tokens, logprobs, finish, and its text with the incremental
+    detokenizer's state under the names Detokenizer.update and check_stop_strings read of a Sequence
+    (`token_ids` holds the last prompt tokens as the first token's left context, then the output)."""
+
+    __slots__ = ("params", "token_ids", "prefix_offset", "read_offset", "output_text", "output_token_ids",
+                 "logprobs", "cumulative_logprob", "finish_reason", "stop_reason", "stopped_here")
+
+    def __init__(self, params: SamplingParams, prompt_token_ids: list[int]):
+        self.params = params
+        self.token_ids = list(prompt_token_ids[-5:])   # the same window a Sequence's offsets start on
+        self.read_offset, self.prefix_offset = len(self.token_ids), 0
+        self.output_text = ""
+        self.output_token_ids: list[int] = []
+        self.logprobs: list[dict[int, Logprob]] | None = None
+        self.cumulative_logprob = None
+        self.finish_reason = self.stop_reason = None
+        self.stopped_here = False   # ended by a stop string found here: the core's later tokens are past it
+
+
+class RequestState:
+    """One request's outputs so far, rebuilt from the core's deltas (see the module docstring)."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                 detokenizer: Detokenizer, *, beam: bool = False):
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        self.params = params
+        self.detokenizer = detokenizer
+        self.beam = beam
+        self.completions: dict[int, _Completion] = {}
+        self.prompt_logprobs = None
+        self.stops: list[int] = []   # completion indices ended here by a stop string, for the core to finish
+        self.finished = False
+
+    def add(self, out: EngineCoreOutput) -> RequestOutput | None:
+        """Apply one core output; returns the request's RequestOutput (cumulative), or None while a FINAL_ONLY
+        request runs."""
+        decode_token = self.detokenizer.decode_token
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = [None if entry is None else _logprob_dict(entry, decode_token)
+                                    for entry in out.prompt_logprobs]
+        for delta in out.completions:
+            c = self.completions.get(delta.index)
+            if c is None:
+                c = self.completions[delta.index] = _Completion(self.params, self.prompt_token_ids)
+            if c.stopped_here:
+                continue
+            if out.beam:   # a whole beam: its text at once
+                c.output_token_ids = list(delta.token_ids)
+                c.output_text = self.detokenizer.decode_beam(delta.token_ids)
+                kept = len(delta.token_ids)
+            else:
+                kept = self._detokenize(c, delta.index, delta.token_ids, delta.finish_reason, delta.stop_reason)
+            entries = None if delta.logprobs is None else [_logprob_dict(e, decode_token) for e in delta.logprobs]
+            if entries is not None:
+                c.logprobs = (c.logprobs or []) + entries[:kept]
+            if kept == len(delta.token_ids) or delta.cumulative_logprob is None or entries is None:
+                c.cumulative_logprob = delta.cumulative_logprob
+            else:   # the core's sum without the dropped tokens: the kept ones added as the core adds them
+                total = c.cumulative_logprob if c.cumulative_logprob is not None else 0.0
+                for entry, token_id in zip(entries[:kept], delta.token_ids):
+                    total += entry[token_id].logprob
+                c.cumulative_logprob = total
+            if not c.stopped_here:
+                c.finish_reason, c.stop_reason = delta.finish_reason, delta.stop_reason
+        finished = out.finished
+        if not finished and not self.beam:
+            # Every completion ended (some here, by stop strings): the request is done, whatever the core says next.
+            finished = (len(self.completions) == self.params.n
+                        and all(c.finish_reason is not None for c in self.completions.values()))
+            if finished and out.metrics is not None:
+                out.metrics.finished_time = time.time()
+        self.finished = finished
+        if not finished and self.params.output_kind is RequestOutputKind.FINAL_ONLY:
+            return None
+        outputs = [CompletionOutput(index=i, text=c.output_text, token_ids=list(c.output_token_ids),
+                                    cumulative_logprob=c.cumulative_logprob,
+                                    logprobs=None if c.logprobs is None else list(c.logprobs),
+                                    finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                   for i, c in sorted(self.completions.items())]
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+                             outputs=outputs, finished=finished, num_cached_tokens=out.num_cached_tokens,
+                             metrics=out.metrics, prompt_logprobs=self.prompt_logprobs, error=out.error,
+                             error_param=out.error_param)
+
+    def _detokenize(self, c: _Completion, index: int, token_ids: list[int], finish_reason, stop_reason) -> int:
+        """Append `token_ids` to completion `c` with their text (stop token, stop string, length: vLLM's order);
+        returns how many were kept (fewer when a stop string ends the completion inside them)."""
+        params, detokenizer = self.params, self.detokenizer
+        # The core ended on the last of these tokens by a stop token (EOS or stop_token_ids): its text only with
+        # include_stop_str_in_output, and no stop-string check on it.
+        stop_token_last = finish_reason == "stop" and not isinstance(stop_reason, str)
+        last = len(token_ids) - 1
+        for j, token_id in enumerate(token_ids):
+            c.output_token_ids.append(token_id)
+            c.token_ids.append(token_id)
+            if stop_token_last and j == last:
+                if params.include_stop_str_in_output:
+                    detokenizer.update(c)
+                return j + 1
+            num_new_chars = detokenizer.update(c)
+            if params.stop and len(c.output_token_ids) >= params.min_tokens:
+                stop_str = check_stop_strings(c, num_new_chars)
+                if stop_str is not None:
+                    c.finish_reason, c.stop_reason, c.stopped_here = "stop", stop_str, True
+                    if finish_reason is None:   # the core is still generating it
+                        self.stops.append(index)
+                    return j + 1
+        return len(token_ids)
+
+
+def _logprob_dict(entry: LogprobEntry, decode_token) -> dict[int, Logprob]:
+    return {tid: Logprob(lp, rank, decode_token(tid)) for tid, lp, rank in entry}
+
+
+@dataclass(slots=True)
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput] = field(default_factory=list)
+    # (request id, completion indices) that stop strings ended here: the core must finish them.
+    stops: list[tuple[str, list[int]]] = field(default_factory=list)
+
+
+class OutputProcessor:
+    """The RequestStates of the requests in flight; `process_outputs` turns a core step into RequestOutputs."""
+
+    def __init__(self, tokenizer):
+        self.detokenizer = Detokenizer(tokenizer)
+        self.requests: dict[str, RequestState] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                    *, beam: bool = False) -> None:
+        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, self.detokenizer,
+                                                 beam=beam)
+
+    def abort_request(self, request_id: str) -> None:
+        """Forget a request (its consumer left): the core's later outputs for it are dropped."""
+        self.requests.pop(request_id, None)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        processed = ProcessedOutputs()
+        for out in core_outputs:
+            state = self.requests.get(out.request_id)
+            if state is None:   # finished here already (a stop string), or aborted by its consumer
+                continue
+            output = state.add(out)
+            if state.stops:
+                processed.stops.append((out.request_id, state.stops))
+                state.stops = []
+            if state.finished:
+                del self.requests[out.request_id]
+            if output is not None:
+                processed.request_outputs.append(output)
+        return processed
