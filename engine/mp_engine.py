@@ -262,7 +262,7 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
                 output_processor.abort_request(request_id)
                 if self.dead_error is None and self._socket is not None:
                     self._send(["abort", [request_id]])
-                self._report_abort(request_id, text, token_ids, last)
+                self._report_abort(request_id, request.prompt, request.prompt_token_ids, last)
 
     async def abort(self, request_id: str) -> None:
         if self.dead_error is None and self._socket is not None:
