@@ -212,6 +212,8 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
         processed = self.engine.output_processor.process_outputs([EngineCoreOutput.from_wire(d) for d in data])
         if processed.stops:   # stop strings ended these completions: the core stops generating them
             self._send(["stop", [[request_id, indices] for request_id, indices in processed.stops]])
+        if processed.failed:   # their output failed here (ended with the error): the core stops them
+            self._send(["abort", processed.failed])
         for output in processed.request_outputs:
             self._dispatch(output)
 
