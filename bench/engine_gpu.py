@@ -403,7 +403,36 @@ def batch1_decode(llm, prompt_len: int, new_tokens: int, copy_gbps: float) -> di
         achieved = bytes_per_token * tokens_per_s / 1e9
         result.update(decode_tokens_per_s=tokens_per_s, achieved_gbps=achieved,
                       frac_of_copy_bandwidth=achieved / copy_gbps)
+    result.update(launches_per_decode_step(llm, prompt))
     return result
+
+
+def launches_per_decode_step(llm, prompt: dict, steps: int = 8) -> dict:
+    """Device kernels (and copies) a batch-1 decode step runs, inside and outside its graph, counted by the profiler
+    over `steps` steps of one request in steady decoding (on CPU: None)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine import SamplingParams
+
+    engine = llm.llm_engine
+    if engine.device.type != "cuda":
+        return {"kernels_per_step": None}
+    engine.add_request("launch-count", prompt, SamplingParams(temperature=0.0, max_tokens=4 * steps,
+                                                               ignore_eos=True))
+    try:
+        for _ in range(4):   # the prefill and the pipeline's first steps
+            engine.step()
+        synchronize(engine.device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            synchronize(engine.device)
+    finally:
+        engine.abort_request("launch-count")
+    kernels = kernel_events(prof.key_averages())
+    return {"kernels_per_step": sum(e.count for e in kernels) / steps,
+            "top_kernels_by_count": [{"name": e.key[:100], "per_step": e.count / steps}
+                                     for e in sorted(kernels, key=lambda e: -e.count)[:10]]}
 
 
 @dataclass(eq=False)

@@ -7,7 +7,9 @@
    SDPA-flash, fused add-RMSNorm vs copy BW); the Qwen3-0.6B-shape engine throughput and step profile (nano-vllm protocol;
    it leaves the tests 100 s); tests/pagedkernels on CUDA (not the slow AOT compile; cut at 150 s);
    transformers on the same requests if 150 s are left (else phase 3 gives the ratio).
-2. kernels (540 s): the whole kernel matrix with every baseline (torch.compile, compiled FlexAttention).
+2. kernels (540 s): the whole kernel matrix with every baseline (torch.compile, compiled FlexAttention), multi-LoRA
+   (shrink + expand on Llama-3-8B's q/k/v at 1, 64 and 1024 tokens over 4 adapters and the base) against the
+   per-adapter loop included.
 3. engine (540 s): Qwen3-0.6B shape: engine throughput and transformers in the same run, batch-1 decode vs
    the bandwidth floor, decode-step time at batch 64 / 256.
 4. llama (540 s): Llama-3-8B shape: engine throughput, batch-1 decode, decode-step time at batch 64 / 256.

@@ -16,7 +16,8 @@ baseline's name and time, and ratio = baseline_ms / ms (above 1: pagedkernels is
 Baselines: SDPA with only the flash backend on the same K/V made dense and contiguous; FlexAttention
 over the flat slot space of the same paged cache with a block mask built from the block tables;
 eager and ``torch.compile``d torch for norms/rotary/activation; the PyTorch twin (backend "torch")
-for the cache ops. Each op's result is checked once against a float32 reference before timing.
+for the cache ops; for multi-LoRA the per-adapter loop (PEFT's mixed-batch forward). Each op's result is
+checked once against a float32 reference before timing.
 
 ``--device cpu`` (alias ``--dry-run``) runs tiny shapes with a wall-clock timer: it exercises the
 whole reporting path on a machine without a GPU; its numbers mean nothing.
@@ -891,10 +892,110 @@ def fused_moe_case(device, dtype, *, tokens: int, experts: int, top_k: int, hidd
                 check=lambda: assert_close(fn(), reference(), dtype, "fused_moe"), target=target)
 
 
+@dataclass
+class LoRAInputs:
+    """A LoRA layer's step: ``x [M, K]``, slots stacked as the engine holds them (``lora_a [L, S*R, K]``,
+    ``lora_b [L, N, R]``, the scaling folded in), each token's slot (``indices``, -1: the base model), the base
+    layer's output ``base [M, N]``, and the grouping computed once per step (``mapping``: pagedkernels'
+    lora_mapping; ``rows``: each slot's tokens, the per-adapter loop's)."""
+    x: torch.Tensor
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    indices: torch.Tensor
+    base: torch.Tensor
+    slice_sizes: tuple[int, ...]
+    rank: int
+    mapping: dict
+    rows: list[torch.Tensor]
+
+
+def lora_inputs(device, dtype, *, num_tokens: int, in_features: int, slice_sizes: tuple[int, ...], rank: int,
+                num_adapters: int, gen: torch.Generator | None = None) -> LoRAInputs:
+    """Random adapters in ``num_adapters`` slots; token t on slot ``t % (num_adapters + 1)``, the last value of the
+    cycle meaning the base model (-1): every adapter and the base mixed through the batch, as a server's is."""
+    gen = gen or _generator(device)
+    num_slices, out_features = len(slice_sizes), sum(slice_sizes)
+    x = _randn(num_tokens, in_features, dtype=dtype, device=device, gen=gen)
+    lora_a = _randn(num_adapters, num_slices * rank, in_features, dtype=dtype, device=device, gen=gen) \
+        * in_features ** -0.5
+    lora_b = _randn(num_adapters, out_features, rank, dtype=dtype, device=device, gen=gen) * rank ** -0.5
+    cycle = torch.arange(num_tokens, device=device) % (num_adapters + 1)
+    indices = torch.where(cycle == num_adapters, -1, cycle).to(torch.int32)
+    base = _randn(num_tokens, out_features, dtype=dtype, device=device, gen=gen)
+    mapping = dict(zip(("sorted_token_ids", "lora_token_starts"), pk.lora_mapping(indices, num_adapters)))
+    rows = [(indices == slot).nonzero().squeeze(1) for slot in range(num_adapters)]
+    return LoRAInputs(x, lora_a, lora_b, indices, base, tuple(slice_sizes), rank, mapping, rows)
+
+
+def lora_grouped(inp: LoRAInputs, out: torch.Tensor) -> torch.Tensor:
+    """pagedkernels: the shrink and the expand over the whole batch, every adapter at once."""
+    buffer = pk.lora_shrink(inp.x, inp.lora_a, inp.indices, **inp.mapping)
+    return pk.lora_expand(buffer, inp.lora_b, inp.indices, out, slice_sizes=inp.slice_sizes, **inp.mapping)
+
+
+def lora_loop(inp: LoRAInputs, out: torch.Tensor) -> torch.Tensor:
+    """The per-adapter loop a stack without grouped kernels runs (PEFT's mixed-batch forward): per adapter and
+    slice, its tokens gathered, ``(x A^T) B^T`` in x's dtype, added back into their rows. Its row lists are
+    computed once per step, as the kernels' grouping is."""
+    rank = inp.rank
+    for slot, rows in enumerate(inp.rows):
+        if rows.numel() == 0:
+            continue
+        sub = inp.x.index_select(0, rows)
+        offset = 0
+        for s, size in enumerate(inp.slice_sizes):
+            delta = (sub @ inp.lora_a[slot, s * rank:(s + 1) * rank].t()) @ inp.lora_b[slot, offset:offset + size].t()
+            out[rows, offset:offset + size] += delta
+            offset += size
+    return out
+
+
+def lora_reference(inp: LoRAInputs) -> torch.Tensor:
+    """float32 base + delta, token by token's slot."""
+    out = inp.base.float().clone()
+    rank, a, b = inp.rank, inp.lora_a.float(), inp.lora_b.float()
+    for slot, rows in enumerate(inp.rows):
+        offset = 0
+        for s, size in enumerate(inp.slice_sizes):
+            out[rows, offset:offset + size] += (inp.x.float()[rows] @ a[slot, s * rank:(s + 1) * rank].t()) \
+                @ b[slot, offset:offset + size].t()
+            offset += size
+    return out
+
+
+def lora_case(device, dtype, *, num_tokens: int, in_features: int, slice_sizes: tuple[int, ...], rank: int = 16,
+              num_adapters: int = 4) -> Case:
+    """Multi-LoRA on one projection (shrink + expand, the grouping shared by the step's layers computed before)
+    against the per-adapter loop on the same batch. Bytes: x, the weights of the adapters the batch uses, the base
+    output read and written, the float32 buffer written and read; FLOPs: 2 M (K S R + N R)."""
+    inp = lora_inputs(device, dtype, num_tokens=num_tokens, in_features=in_features, slice_sizes=slice_sizes,
+                      rank=rank, num_adapters=num_adapters)
+    out = inp.base.clone()
+    loop_out = inp.base.clone()
+    width, out_features = len(slice_sizes) * rank, sum(slice_sizes)
+    used = sum(int(r.numel() > 0) for r in inp.rows)
+    size = inp.x.element_size()
+    bytes_moved = (inp.x.numel() * size + used * (width * in_features + out_features * rank) * size
+                   + 2 * num_tokens * out_features * size + 2 * num_tokens * width * 4)
+
+    def check():
+        assert_close(lora_grouped(inp, inp.base.clone()), lora_reference(inp), dtype, "lora shrink+expand")
+
+    def loop():
+        assert_close(lora_loop(inp, inp.base.clone()), lora_reference(inp), dtype, "per-adapter loop")
+        return (lambda: lora_loop(inp, loop_out)), ""
+
+    return Case("lora shrink+expand", f"{num_tokens} tok, {num_adapters} adapters + base, K={in_features} "
+                f"slices={list(slice_sizes)} rank={rank}", dtype, lambda: lora_grouped(inp, out), bytes_moved,
+                flops=2 * num_tokens * (in_features * width + out_features * rank),
+                bound="copy" if num_tokens <= 64 else "matmul", baselines=[Baseline("per-adapter loop", loop)],
+                check=check)
+
+
 OP_OF_CASE = {decode_case: "paged_decode_attention", prefill_case: "paged_prefill_attention",
               reshape_and_cache_case: "reshape_and_cache", copy_blocks_case: "copy_blocks",
               swap_blocks_case: "swap_blocks", rms_norm_case: "rms_norm", fused_add_rms_norm_case: "fused_add_rms_norm",
-              rotary_case: "rotary_embedding", silu_and_mul_case: "silu_and_mul"}
+              rotary_case: "rotary_embedding", silu_and_mul_case: "silu_and_mul", lora_case: "lora shrink+expand"}
 # The quantized ops (the GPU suite's phase "quant"), kept out of the main matrix.
 QUANT_OP_OF_CASE = {wq_gemm_case: "wq_gemm", fp8_gemm_case: "fp8_gemm",
                     fp8_kv_decode_case: "paged_decode_attention fp8-KV"}
@@ -928,6 +1029,8 @@ def suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False,
             partial(fused_add_rms_norm_case, **d, **c, num_tokens=16, hidden=256, target=ADD_RMS_TARGET),
             partial(rotary_case, **d, **c, num_tokens=16, num_q_heads=4, num_kv_heads=2, head_dim=64, max_position=64),
             partial(silu_and_mul_case, **d, **c, num_tokens=16, intermediate=128),
+            partial(lora_case, **d, num_tokens=1, in_features=256, slice_sizes=(128, 64, 64)),
+            partial(lora_case, **d, num_tokens=64, in_features=256, slice_sizes=(128, 64, 64)),
         ]
     heads = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
     cache = dict(num_kv_heads=8, head_dim=128)
@@ -956,6 +1059,9 @@ def suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False,
         partial(fused_add_rms_norm_case, **d, **c, num_tokens=64, hidden=4096),
         partial(rotary_case, **d, **c, num_tokens=8192, num_q_heads=32, num_kv_heads=8, head_dim=128),
         partial(silu_and_mul_case, **d, **c, num_tokens=8192, intermediate=14336),
+        # multi-LoRA on Llama-3-8B's q/k/v (rank 16, 4 adapters + base mixed): decode, a decode batch, a prefill chunk
+        *(partial(lora_case, **d, num_tokens=n, in_features=4096, slice_sizes=(4096, 1024, 1024))
+          for n in (1, 64, 1024)),
     ]
 
 

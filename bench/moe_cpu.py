@@ -213,7 +213,7 @@ def run(args, shape: dict, model_dir: str) -> dict:
     single_prompt = engine_cpu.make_requests(1, 32 if not quick else 6, 32 if not quick else 6, flop_model.vocab_size,
                                              measure.seed + 1)[0].prompt_token_ids
     load_before = os.getloadavg()
-    matmul_rates = engine_cpu.measure_matmul_gflops(measure.matmul_n)
+    matmul_rates = {"float32": engine_cpu.measure_matmul_gflops(measure.matmul_n)}  # the engine side: float32
     kernels = kernel_vs_loop(shape, QUICK_KERNEL_TOKENS if quick else KERNEL_TOKENS, args.repeats or (2 if quick else 10))
     sides = [engine_cpu.EngineSide(model_dir)]
     try:

@@ -7,6 +7,9 @@ line ``{"outputs": [[ids...], ...]}``; ``{"exit": true}`` ends it. The first lin
 true}``, once the engine is built. Its lines start with MARK (vLLM may print other lines to stdout). vLLM's CPU threads are its own business (VLLM_CPU_OMP_THREADS_BIND).
 
     python bench/vllm_driver.py MODEL_DIR [--max-model-len N] [--dtype float32]
+
+``--dtype auto`` is vLLM's default for the model (bf16 for a bf16 checkpoint on its CPU backend); the ready line
+says what it became (``resolved_dtype``).
 """
 import argparse
 import json
@@ -25,8 +28,12 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=0)
+    try:   # what "auto" became (vLLM's model config; a stand-in without one says "unknown")
+        resolved = str(llm.llm_engine.model_config.dtype).replace("torch.", "")
+    except AttributeError:
+        resolved = "unknown" if args.dtype == "auto" else args.dtype
     out = sys.stdout
-    out.write(MARK + json.dumps({"ready": True}) + "\n")
+    out.write(MARK + json.dumps({"ready": True, "resolved_dtype": resolved}) + "\n")
     out.flush()
     for line in sys.stdin:
         request = json.loads(line)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -21,6 +22,8 @@ import torch
 from engine.gguf_file import is_gguf_path
 from engine.platform import DevicePolicy
 
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -143,9 +146,11 @@ def read_layer_types(text: dict, num_layers: int) -> list[str] | None:
 
 
 def resolve_dtype(requested: str | torch.dtype, checkpoint: str | None,
-                  device: str | torch.device | None) -> torch.dtype:
-    """The dtype to run in: an explicit request wins; "auto" takes the checkpoint's dtype
-    (float32 when unnamed) but runs half-precision checkpoints in float32 on CPU."""
+                  device: str | torch.device | None, *, quantized: bool = False) -> torch.dtype:
+    """The dtype to run in: an explicit request wins; "auto" takes the checkpoint's dtype (float32 when unnamed),
+    except where the CPU has no fast arithmetic for it (:meth:`DevicePolicy.auto_dtype`: bf16 checkpoints run in bf16 on
+    CPUs with AMX-BF16 or AVX512-BF16, in float32 on others; float16 ones, and ``quantized`` models (GPTQ, AWQ, fp8,
+    GGUF), in float32 on every CPU). The choice and its reason are logged."""
     if isinstance(requested, torch.dtype):
         if requested not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {requested}")
@@ -157,7 +162,9 @@ def resolve_dtype(requested: str | torch.dtype, checkpoint: str | None,
     dtype = _DTYPES.get(str(checkpoint).replace("torch.", "").lower(), torch.float32)
     device_type = torch.device(device).type if device is not None else (
         "cuda" if torch.cuda.is_available() else "cpu")
-    return torch.float32 if DevicePolicy.for_device(device_type).upcast_half_precision else dtype
+    chosen, reason = DevicePolicy.for_device(device_type).auto_dtype(dtype, quantized=quantized)
+    logger.info("dtype 'auto' on %s: %s", device_type, reason)
+    return chosen
 
 
 def _read_json(path: str, *, required: bool) -> dict | None:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedkernels import _native as pk_native
+
 # Share of the currently available RAM the KV cache may take on CPU (a GPU uses gpu_memory_utilization instead).
 CPU_KV_CACHE_FRACTION = 0.25
 
@@ -34,8 +36,6 @@ class DevicePolicy:
     cpu_graphs: bool
     # Float32 linears go to oneDNN with prepacked weights (engine/layers/linear.py).
     prepack_linears: bool
-    # Half-precision checkpoints run in float32 (CPU half-precision matmuls and attention are slow or missing).
-    upcast_half_precision: bool
     # The KV cache's memory budget comes from profiling a forward on the GPU, from free RAM on CPU.
     profile_gpu_memory: bool
     # glibc's malloc keeps what a step frees for the next (engine/worker/cpu_malloc.py) instead of handing it back
@@ -57,6 +57,20 @@ class DevicePolicy:
     # Async scheduling unless asked otherwise (engine/core/engine_core.py): on a GPU the host's work of a step hides
     # under the device's. On CPU the "device" is the host's own cores: nothing to overlap, so off.
     async_scheduling_by_default: bool = False
+    # The CPU's fast bf16 arithmetic, which decides what dtype="auto" runs a bf16 checkpoint in (auto_dtype):
+    # "amx-bf16" (AMX tiles: Intel Xeons since Sapphire Rapids), "avx512-bf16" (vdpbf16ps without AMX: Cooper Lake,
+    # AMD Zen 4 and 5), or None (bf16 only widened to float32: AVX2 and older CPUs; GPUs, where it is not asked).
+    cpu_bf16_isa: str | None = None
+    # Rows up to which a bf16 product on the CPU takes the layer's panel-packed copy (pagedkernels.w16_gemm: one pass
+    # over the weight, vdpbf16ps where the CPU has it) instead of oneDNN's prepacked bf16 inner product. Up to a few
+    # dozen rows a product is bound by its weight's bytes, past that by arithmetic. Estimates, not yet measured on
+    # such machines (ENGINE_CPU_BF16_W16_MAX_ROWS overrides them): with AMX oneDNN's tiles outrun any vector kernel
+    # once a product leaves the memory-bound range, so 16; with AVX512-BF16 alone both multiply in vdpbf16ps, as the
+    # float32 path's kernel and oneDNN both use FMAs, where 64 measured best (engine/layers/quantization/
+    # unquantized.py). Without either, oneDNN has no bf16 inner product (it needs AVX512BW/VL/DQ or AVX-NE-CONVERT)
+    # and torch's fallback bf16 GEMM is far slower than the packed kernel at any size (2-core EPYC, one thread,
+    # loaded: [256, 576] x [576, 1536] 109 ms against 13 ms): every row. None: no limit.
+    cpu_bf16_w16_max_rows: int | None = None
 
     @classmethod
     def for_device(cls, device: torch.device | str) -> "DevicePolicy":
@@ -64,10 +78,41 @@ class DevicePolicy:
         on_gpu = device.type == "cuda"
         return cls(device=device, default_max_num_batched_tokens=8192 if on_gpu else 1024,
                    compile_by_default=on_gpu, cuda_graphs=on_gpu, cpu_graphs=not on_gpu,
-                   prepack_linears=not on_gpu,
-                   upcast_half_precision=not on_gpu, profile_gpu_memory=on_gpu, keep_freed_host_memory=not on_gpu,
+                   prepack_linears=not on_gpu, profile_gpu_memory=on_gpu, keep_freed_host_memory=not on_gpu,
                    prefault_kv_cache=not on_gpu,
-                   serve_max_num_seqs_per_request=32 if on_gpu else 16, async_scheduling_by_default=on_gpu)
+                   serve_max_num_seqs_per_request=32 if on_gpu else 16, async_scheduling_by_default=on_gpu,
+                   cpu_bf16_isa=None if on_gpu else pk_native.cpu_bf16_isa(),
+                   cpu_bf16_w16_max_rows=None if on_gpu else _cpu_bf16_w16_max_rows(pk_native.cpu_bf16_isa()))
+
+    def auto_dtype(self, checkpoint: torch.dtype, *, quantized: bool = False) -> tuple[torch.dtype, str]:
+        """What ``dtype="auto"`` runs a checkpoint stored in ``checkpoint`` in, and why (a line for the log).
+
+        A GPU, and a float32 checkpoint anywhere: the checkpoint's dtype. On a CPU, a bf16 checkpoint runs in bf16
+        where the CPU multiplies bf16 at its peak (AMX-BF16, AVX512-BF16: oneDNN's bf16 linears, the native kernels'
+        vdpbf16ps) and the native kernels built, as vLLM's CPU backend runs it in bf16; elsewhere in float32, where
+        every bf16 product would be a float32 one on widened values anyway, and the float32 path's 16-bit weight copies
+        read the same bytes per decode step. float16 checkpoints run in float32 on every CPU (no kernel here has fast
+        float16 arithmetic; their weights keep 16-bit copies for decode too), and so do ``quantized`` ones (GPTQ, AWQ,
+        fp8, GGUF): their GEMMs read the quantized weights whatever the activations' dtype, so bf16 would speed up only
+        the rest, and their CPU kernels are tuned and tested with float32 activations."""
+        name = str(checkpoint).replace("torch.", "")
+        if self.device.type != "cpu" or checkpoint == torch.float32:
+            return checkpoint, f"the checkpoint's dtype, {name}"
+        if quantized:
+            return torch.float32, (f"float32, not the checkpoint's {name}: a quantized model's CPU GEMMs read its "
+                                   f"quantized weights whatever the activations' dtype and take float32 ones")
+        isa = {"amx-bf16": "AMX-BF16", "avx512-bf16": "AVX512-BF16 (no AMX)"}.get(self.cpu_bf16_isa)
+        if checkpoint == torch.bfloat16 and isa is not None:
+            if pk_native.library() is None:
+                return torch.float32, (f"float32, not the checkpoint's bfloat16: this CPU has {isa} but pagedkernels' "
+                                       f"native kernels did not build ({pk_native.build_error()})")
+            return torch.bfloat16, f"the checkpoint's bfloat16: this CPU has {isa}"
+        if checkpoint == torch.bfloat16:
+            return torch.float32, ("float32, not the checkpoint's bfloat16: this CPU has neither AMX-BF16 nor "
+                                   "AVX512-BF16, so each bf16 product would be a float32 one on widened values; "
+                                   "float32 decodes on 16-bit weight copies, the same bytes")
+        return torch.float32, (f"float32, not the checkpoint's {name}: the CPU kernels have no fast {name} "
+                               f"arithmetic (decode reads 16-bit weight copies)")
 
     def decode_kernel_in_eager(self) -> bool:
         """Whether eager pure-decode batches take the split-K decode op. On CUDA yes; on CPU the prefill op, which
@@ -85,6 +130,19 @@ class DevicePolicy:
         if self.device.type != "cpu":
             return None
         return max(1, (os.cpu_count() or 1) // tensor_parallel_size)
+
+
+def _cpu_bf16_w16_max_rows(isa: str | None) -> int | None:
+    """DevicePolicy.cpu_bf16_w16_max_rows for a CPU whose bf16 arithmetic is ``isa``; ENGINE_CPU_BF16_W16_MAX_ROWS (a
+    non-negative int, or "all") overrides it."""
+    env = os.environ.get("ENGINE_CPU_BF16_W16_MAX_ROWS", "").strip()
+    if env:
+        if env == "all":
+            return None
+        if not env.isdigit():
+            raise ValueError(f"ENGINE_CPU_BF16_W16_MAX_ROWS must be a non-negative int or 'all', got {env!r}")
+        return int(env)
+    return {"amx-bf16": 16, "avx512-bf16": 64}.get(isa)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -61,12 +61,13 @@ from typing import Any, Callable, Iterator
 import torch
 
 KERNEL_MODULES = ("decode_attention", "prefill_attention", "cache_ops", "rms_norm", "rotary", "activation", "wq_gemm",
-                  "gguf_quant", "moe_topk", "moe_align", "fused_moe")
+                  "gguf_quant", "moe_topk", "moe_align", "fused_moe", "lora")
 RESULTS_CACHE = Path(__file__).with_name("aot_results.json")
 # Kernels on the per-token path of every model step: a register spill there is a failure.
 HOT_KERNELS = frozenset({"_decode_split_kernel", "_decode_reduce_kernel", "_prefill_attention_kernel",
                          "_reshape_and_cache_kernel", "_rms_norm_kernel", "_wq_gemm_kernel", "_fused_moe_kernel",
-                         "_moe_sum_kernel", "_moe_topk_kernel", "_moe_align_kernel"})
+                         "_moe_sum_kernel", "_moe_topk_kernel", "_moe_align_kernel", "_lora_shrink_kernel",
+                         "_lora_expand_kernel"})
 # Shared memory one block may use (opt-in maximum), bytes: sm_90 (H100) 227 KiB, sm_80 (A100) 163 KiB.
 SHARED_MEMORY_LIMITS = {90: 227 * 1024, 80: 163 * 1024}
 DEFAULT_TARGETS = (90, 80)
@@ -429,10 +430,35 @@ def _moe_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
     yield "moe_align_block_size int64 ids E=128 block 64", align
 
 
+def _lora_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
+    """lora_shrink and lora_expand for every dtype at Llama-3-8B's projections (K 4096 or 14336) over two adapter
+    slots: decode (1 token: 16-token tiles, K split 16 or 32 ways) and prefill (64 and 256 tokens: 64-token tiles)
+    at the shrink's output widths 8 (one slice of rank 8: a 16-wide tile), 48 (q/k/v at rank 16), 96 (rank 32) and
+    128 (gate/up at rank 64: a 64-wide tile twice), so the expand's rank tiles are 16, 32 and 64."""
+    import pagedkernels as pk
+
+    qkv, gate_up = (4096, 1024, 1024), (14336, 14336)
+    # (tokens, in_features, slice sizes, rank)
+    shapes = ((1, 4096, qkv, 16), (1, 14336, (4096,), 8), (64, 4096, qkv, 32), (256, 4096, gate_up, 64))
+    for dtype in DTYPES:
+        name = str(dtype).replace("torch.", "")
+        for num_tokens, in_features, sizes, rank in shapes:
+            def call(gen, dtype=dtype, num_tokens=num_tokens, in_features=in_features, sizes=sizes, rank=rank):
+                x = _randn(num_tokens, in_features, dtype=dtype, generator=gen)
+                lora_a = _randn(2, len(sizes) * rank, in_features, dtype=dtype, generator=gen)
+                lora_b = _randn(2, sum(sizes), rank, dtype=dtype, generator=gen)
+                indices = torch.randint(-1, 2, (num_tokens,), generator=gen, dtype=torch.int32)
+                mapping = dict(zip(("sorted_token_ids", "lora_token_starts"), pk.lora_mapping(indices, 2)))
+                buffer = pk.lora_shrink(x, lora_a, indices, **mapping)
+                pk.lora_expand(buffer, lora_b, indices, torch.zeros(num_tokens, sum(sizes), dtype=dtype),
+                               slice_sizes=sizes, **mapping)
+            yield f"lora {name} tokens={num_tokens} K={in_features} slices={len(sizes)} rank={rank}", call
+
+
 def launch_matrix() -> list[tuple[str, Callable[[torch.Generator], None]]]:
     """(label, call) for every case: each call runs public ops on small CPU tensors."""
     return [*_attention_cases(), *_cache_op_cases(), *_elementwise_cases(), *_fp8_kv_cases(), *_quant_cases(),
-            *_moe_cases()]
+            *_moe_cases(), *_lora_cases()]
 
 
 def record_matrix() -> list[Launch]:

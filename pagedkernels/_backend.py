@@ -1,9 +1,9 @@
 """Backend selection for pagedkernels ops.
 
 Every public op has two implementations with one signature: a Triton kernel and a PyTorch twin.
-The attention ops, ``reshape_and_cache``, the norms, ``rotary_embedding``, ``silu_and_mul``, ``moe_topk`` and
-``fused_moe`` (with packed weights) also have a native CPU kernel (C, built on first use with the system
-compiler: ``pagedkernels/_native.py``);
+The attention ops, ``reshape_and_cache``, the norms, ``rotary_embedding``, ``silu_and_mul``, ``moe_topk``,
+``fused_moe`` (with packed weights) and the multi-LoRA pair (``lora_shrink``, ``lora_expand``) also have a native
+CPU kernel (C, built on first use with the system compiler: ``pagedkernels/_native.py``);
 ``copy_blocks`` and ``swap_blocks`` are single tensor copies and have none. ``auto`` (the default) runs Triton on CUDA
 tensors and, on CPU tensors, the native kernel where it built (else the PyTorch twin); ``triton``
 forces the kernels, which on CPU tensors run in Triton's interpreter; ``torch`` forces the PyTorch

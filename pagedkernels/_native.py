@@ -7,12 +7,13 @@ the block table directly (no gathered copy of K/V) with an online softmax, one O
 (sequence, KV head, chunk of 16 queries); ``elementwise_cpu.c`` does RMSNorm (with the residual add),
 rotary embedding and SiLU-and-mul in one pass each; ``moe_cpu.c`` does a mixture-of-experts layer in one call
 (the routing's top-k; the experts: a counting sort of the routed slots by expert, then each expert's slots one
-GEMM through the 16-bit-weight GEMM's panel kernel, ``w16_panel.h``). All run on torch's own OpenMP runtime
-(same soname, already loaded by torch).
+GEMM through the 16-bit-weight GEMM's panel kernel, ``w16_panel.h``); ``lora_cpu.c`` groups a batch's tokens by
+adapter slot and runs the LoRA shrink and expand per (slot, block of weights). All run on torch's own OpenMP
+runtime (same soname, already loaded by torch).
 
-The kernels check the metadata values that index memory (block ids, lengths, slots, positions) in
-the same pass that uses them and report a bad one with a return code; the op then runs its Python
-check to raise the ValueError that names it. So the native path costs no separate pass over the
+The kernels check the metadata values that index memory (block ids, lengths, slots, positions; LoRA: the adapter
+slots; MoE: the expert ids) in the same pass that uses them and report a bad one with a return code; the op then
+runs its Python check to raise the ValueError that names it. So the native path costs no separate pass over the
 metadata per call, and no call can read or write outside its tensors.
 
 The shared object is cached under ``$PAGEDKERNELS_CACHE_DIR`` (default ``~/.cache/pagedkernels``),
@@ -38,7 +39,7 @@ import torch
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "elementwise_cpu.c", CSRC / "quant_cpu.c", CSRC / "w16_gemm_cpu.c",
-           CSRC / "moe_cpu.c")
+           CSRC / "moe_cpu.c", CSRC / "lora_cpu.c")
 HEADERS = (CSRC / "cpu_common.h", CSRC / "w16_panel.h")
 MAX_HEAD_DIM, MAX_GROUP = 256, 64
 MAX_ROTARY_DIM = 512
@@ -67,6 +68,39 @@ def native_march() -> str:
     return os.environ.get("PAGEDKERNELS_NATIVE_MARCH", "native").strip() or "native"
 
 
+def native_extra_flags() -> list[str]:
+    """Compiler flags added to the build from ``PAGEDKERNELS_NATIVE_CFLAGS`` (whitespace-separated; part of the
+    cache key like every flag): an ISA the ``-march`` lacks (``-mavx512bf16``), or ``-DPK_EMULATE_AVX512BF16``, which
+    builds the AVX512-BF16 kernels with their one instruction emulated, so a machine without it tests the rest."""
+    return os.environ.get("PAGEDKERNELS_NATIVE_CFLAGS", "").split()
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux names them in /proc/cpuinfo (``avx2``, ``avx512f``, ``avx512_bf16``,
+    ``amx_bf16``, ...); empty where there is no /proc/cpuinfo."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_bf16_isa(flags: frozenset[str] | None = None) -> str | None:
+    """The CPU's fast bf16 arithmetic: ``"amx-bf16"`` (AMX tiles, Intel Xeons since Sapphire Rapids), ``"avx512-bf16"``
+    (pair dot products without AMX: Cooper Lake, AMD Zen 4 and 5), or None (bf16 only widened to float32: AVX2 and
+    older, and every non-x86 CPU here). ``flags``: /proc/cpuinfo's (default: this machine's)."""
+    flags = cpu_flags() if flags is None else flags
+    if "amx_bf16" in flags and "amx_tile" in flags:
+        return "amx-bf16"
+    if "avx512_bf16" in flags:
+        return "avx512-bf16"
+    return None
+
+
 def c_compiler() -> str | None:
     """The C compiler the kernels build with: ``CC``, else ``cc``, else ``gcc`` on PATH (None if none)."""
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -77,8 +111,8 @@ def _compile_command(compiler: str, sources: tuple[Path, ...], dst: Path) -> lis
     # if-convert a float comparison (it might raise "invalid"), so every loop with a select (the exp's clamp,
     # SiLU's sign, the softmax's tile mask) stayed scalar wherever there are no AVX-512 masks: SiLU-and-mul
     # built for AVX2 ran element by element. It allows no reassociation: results are the same bits.
-    return [compiler, "-O3", f"-march={native_march()}", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC",
-            "-std=gnu11", *map(str, sources), "-o", str(dst), "-lm"]
+    return [compiler, "-O3", f"-march={native_march()}", *native_extra_flags(), "-fno-trapping-math", "-fopenmp",
+            "-shared", "-fPIC", "-std=gnu11", *map(str, sources), "-o", str(dst), "-lm"]
 
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
@@ -97,10 +131,14 @@ SIGNATURES = {
     "pk_quant_gemm": [_ptr, _i64, _i32, _i64, _i64, _ptr, _i64, _i32, _i64, _ptr, _ptr, _i32, _ptr, _i64, _i32, _i32],
     "pk_quant_dequantize": [_ptr, _i64, _i64, _i32, _i64, _ptr, _ptr, _i32, _ptr, _i64, _i32, _i32],
     "pk_quant_simd_level": [],
-    "pk_w16_gemm": [_ptr, _i64, _i64, _i64, _ptr, _i64, _i32, _ptr, _i64, _i32],
+    "pk_w16_gemm": [_ptr, _i64, _i32, _i64, _i64, _ptr, _i64, _i32, _ptr, _i64, _i32, _i32],
+    "pk_bf16_dot_path": [],
     "pk_moe_topk": [_ptr, _i64, _i32, _i64, _i64, _i64, _i32, _i32, _ptr, _i32, _i64, _i64, _ptr, _i32, _ptr, _i32],
-    "pk_fused_moe": [_ptr, _i64, _i64, _i64, _ptr, _i32, _ptr, _i32, _i64, _ptr, _ptr, _i32, _i64, _i64, _ptr, _i64,
-                     _i32, _ptr, _i64, _ptr, _i32],
+    "pk_fused_moe": [_ptr, _i64, _i32, _i64, _i64, _ptr, _i32, _ptr, _i32, _i64, _ptr, _ptr, _i32, _i64, _i64, _ptr,
+                     _i64, _i32, _ptr, _i64, _i32, _ptr, _i32],
+    "pk_lora_shrink": [_ptr, _i64, _i32, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _f32, _ptr, _i64, _i32],
+    "pk_lora_expand": [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _i32, _ptr, _i64, _i32,
+                       _i32],
 }
 # Kernels a CPU graph (pagedkernels.cpu_graph) can record and replay, by their index in this tuple.
 GRAPH_KERNELS = tuple(name for name, argtypes in SIGNATURES.items() if argtypes)
@@ -115,9 +153,11 @@ ROW_ARGS = {
     "pk_rotary_embedding": (1,),      # num_tokens
     "pk_silu_and_mul": (4,),          # rows
     "pk_quant_gemm": (3,),            # M
-    "pk_w16_gemm": (2,),              # M
+    "pk_w16_gemm": (3,),              # M
     "pk_moe_topk": (3,),              # num_tokens
-    "pk_fused_moe": (2,),             # num_tokens
+    "pk_fused_moe": (3,),             # num_tokens
+    "pk_lora_shrink": (3,),           # M (tokens)
+    "pk_lora_expand": (2,),           # M (tokens)
 }
 
 
@@ -356,11 +396,22 @@ def quant_gemm(x2d, weight, fmt: str, group_size: int, scales, zeros, out2d) -> 
 
 
 def w16_gemm(x2d, packed, n: int, out2d) -> None:
-    """``out2d [M, n] = x2d [M, K] @ W^T`` (float32) for ``packed`` = ``pack_w16(W)``; checked by the op."""
+    """``out2d [M, n] = x2d [M, K] @ W^T`` for ``packed`` = ``pack_w16(W)``, the float32 product of the values rounded
+    once to out2d's dtype (x2d and out2d float32, float16 or bfloat16); checked by the op."""
     M, K = x2d.shape
-    rc = library().pk_w16_gemm(x2d.data_ptr(), x2d.stride(0), M, K, packed.data_ptr(), n, DTYPE_CODES[packed.dtype],
-                               out2d.data_ptr(), out2d.stride(0), torch.get_num_threads())
+    rc = library().pk_w16_gemm(x2d.data_ptr(), x2d.stride(0), DTYPE_CODES[x2d.dtype], M, K, packed.data_ptr(), n,
+                               DTYPE_CODES[packed.dtype], out2d.data_ptr(), out2d.stride(0), DTYPE_CODES[out2d.dtype],
+                               torch.get_num_threads())
     _check_rc(rc, "16-bit-weight GEMM")
+
+
+BF16_DOT_PATHS = ("bf16 widened to float32", "AVX512-BF16", "AVX512-BF16 (emulated)")
+
+
+def bf16_dot_path() -> str:
+    """How the built kernels multiply bf16 by bf16 (the 16-bit-weight GEMM's bf16 activations, the attention's
+    bf16 query-key products): one of :data:`BF16_DOT_PATHS` (see csrc/cpu_common.h, PK_BF16_DOT)."""
+    return BF16_DOT_PATHS[library().pk_bf16_dot_path()]
 
 
 def quant_dequantize(weight, N: int, K: int, fmt: str, group_size: int, scales, zeros, out2d) -> None:
@@ -387,8 +438,9 @@ def moe_topk(logits2d, top_k: int, scoring: int, renormalize: bool, bias, num_gr
 
 def fused_moe(hidden, w13_packed, w2_packed, topk_weights, topk_ids, activation: int, expert_map,
               intermediate: int, out) -> bool:
-    """The MoE MLP for float32 ``hidden`` and pack_moe_weight panels (arguments checked by the op); ``out``
-    float32 [M, H] written in place. Returns False, having written nothing, when an id is outside its table."""
+    """The MoE MLP for ``hidden`` (float32, bfloat16 or float16) and pack_moe_weight panels (arguments checked by the
+    op); ``out`` [M, H] in hidden's dtype written in place. Returns False, having written nothing, when an id is
+    outside its table."""
     from .fused_moe import native_scratch_bytes
 
     num_tokens, hidden_size = hidden.shape
@@ -397,12 +449,40 @@ def fused_moe(hidden, w13_packed, w2_packed, topk_weights, topk_ids, activation:
     ids = topk_ids.contiguous()
     weights = topk_weights.contiguous()
     expert_map = None if expert_map is None else expert_map.contiguous()
-    scratch = torch.empty(native_scratch_bytes(num_tokens, top_k, hidden_size, intermediate, num_experts),
-                          dtype=torch.uint8)
+    widened_rows = hidden.dtype != torch.float32 or out.dtype != torch.float32
+    scratch = torch.empty(native_scratch_bytes(num_tokens, top_k, hidden_size, intermediate, num_experts,
+                                               widened_rows=widened_rows), dtype=torch.uint8)
     rc = library().pk_fused_moe(
-        hidden.data_ptr(), hidden.stride(0), num_tokens, hidden_size, ids.data_ptr(), int(ids.dtype == torch.int64),
-        weights.data_ptr(), DTYPE_CODES[weights.dtype], top_k, w13_packed.data_ptr(), w2_packed.data_ptr(),
-        DTYPE_CODES[w13_packed.dtype], num_experts, intermediate, None if expert_map is None else expert_map.data_ptr(),
-        0 if expert_map is None else expert_map.numel(), int(activation), out.data_ptr(), out.stride(0),
-        scratch.data_ptr(), torch.get_num_threads())
+        hidden.data_ptr(), hidden.stride(0), DTYPE_CODES[hidden.dtype], num_tokens, hidden_size, ids.data_ptr(),
+        int(ids.dtype == torch.int64), weights.data_ptr(), DTYPE_CODES[weights.dtype], top_k, w13_packed.data_ptr(),
+        w2_packed.data_ptr(), DTYPE_CODES[w13_packed.dtype], num_experts, intermediate,
+        None if expert_map is None else expert_map.data_ptr(), 0 if expert_map is None else expert_map.numel(),
+        int(activation), out.data_ptr(), out.stride(0), DTYPE_CODES[out.dtype], scratch.data_ptr(),
+        torch.get_num_threads())
     return _check_rc(rc, "fused_moe")
+
+
+def lora_shrink(x, lora_a, token_lora_indices, scale: float, out) -> bool:
+    """``out = scale * x @ lora_a[idx]^T`` per token (zero rows for idx -1); arguments checked by the op. Returns
+    False, having written nothing, when an index is out of range."""
+    M, K = x.shape
+    num_loras, N, _ = lora_a.shape
+    idx = token_lora_indices.contiguous()
+    rc = library().pk_lora_shrink(x.data_ptr(), x.stride(0), DTYPE_CODES[x.dtype], M, K, lora_a.data_ptr(),
+                                  lora_a.stride(0), lora_a.stride(1), N, num_loras, idx.data_ptr(), float(scale),
+                                  out.data_ptr(), out.stride(0), torch.get_num_threads())
+    return _check_rc(rc, "lora_shrink")
+
+
+def lora_expand(buffer, lora_b, token_lora_indices, slice_sizes: tuple[int, ...], out) -> bool:
+    """``out[t, slice s] += buffer[t, s*R:(s+1)*R] @ lora_b[idx[t], slice s]^T`` per token with an adapter;
+    arguments checked by the op. Returns False, having written nothing, when an index is out of range."""
+    M = buffer.shape[0]
+    num_loras, _, rank = lora_b.shape
+    sizes = tuple(slice_sizes) + (0,) * (3 - len(slice_sizes))
+    idx = token_lora_indices.contiguous()
+    rc = library().pk_lora_expand(buffer.data_ptr(), buffer.stride(0), M, rank,
+                                  lora_b.data_ptr(), lora_b.stride(0), lora_b.stride(1), num_loras, idx.data_ptr(),
+                                  *sizes, len(slice_sizes), out.data_ptr(), out.stride(0), DTYPE_CODES[out.dtype],
+                                  torch.get_num_threads())
+    return _check_rc(rc, "lora_expand")

@@ -18,11 +18,13 @@ Backends:
   ``act(gate) * up`` (the activation fused, so the ``[slots, 2I]`` product is never stored); the same kernel
   runs GEMM 2 over the activated rows; ``_moe_sum_kernel`` weights and sums each token's top_k rows. Four
   launches, no Python loop over experts, no host sync: every buffer is sized from shapes.
-- Native (CPU, float32 hidden, weights packed by :func:`pack_moe_weight`): ``csrc/moe_cpu.c`` sorts the slots by
+- Native (CPU, weights packed by :func:`pack_moe_weight`): ``csrc/moe_cpu.c`` sorts the slots by
   expert (a counting sort), then each expert's slots are one GEMM through the 16-bit-weight GEMM's panel
   kernel (``csrc/w16_panel.h``, shared with :func:`pagedkernels.w16_gemm`; float32, fp16 or bf16 panels), the
   activation, the second GEMM, and the weighted sum: one call, parallel over (expert, panel) pairs, so a CPU
-  graph records it like any native kernel (its row count is the token count).
+  graph records it like any native kernel (its row count is the token count). Hidden states in bf16 or fp16 (a
+  16-bit model on the CPU) are widened to float32 once per call and the result rounded once to their dtype: the
+  float32 kernel's result on the same values, rounded.
 - PyTorch twin (the reference): a loop over experts, each a float32 GEMM of its tokens.
 """
 
@@ -106,8 +108,6 @@ def check_fused_moe_args(hidden, w13, w2, topk_weights, topk_ids, activation="si
         check_tensor("w2", w2, shape=(num_experts, -(-hidden_size // PANEL), intermediate, PANEL))
         if w2.dtype != w13.dtype:
             raise ValueError(f"w2 must have w13's dtype ({w13.dtype}), got {w2.dtype}")
-        if hidden.dtype != torch.float32:
-            raise ValueError(f"hidden must be float32 with packed (pack_moe_weight) weights, got {hidden.dtype}")
         if hidden.device.type != "cpu":
             raise ValueError(f"packed (pack_moe_weight) weights are for the native CPU backend; hidden is on "
                              f"{hidden.device}")
@@ -188,8 +188,8 @@ def fused_moe(
 
     Args:
         hidden: ``[num_tokens, H]`` fp16/bf16/fp32, last dimension contiguous.
-        w13: ``[E, 2I, H]`` in hidden's dtype, each expert's gate rows then its up rows; or, for float32
-            hidden on the CPU, ``pack_moe_weight(w13)`` (any float dtype: the native kernel's panels).
+        w13: ``[E, 2I, H]`` in hidden's dtype, each expert's gate rows then its up rows; or, for hidden on the
+            CPU, ``pack_moe_weight(w13)`` (any float dtype, whatever hidden's: the native kernel's panels).
         w2: ``[E, H, I]`` in hidden's dtype; or ``pack_moe_weight(w2)`` in w13's packed dtype.
         topk_weights: ``[num_tokens, top_k]`` fp32/fp16/bf16 (:func:`pagedkernels.moe_topk`'s weights).
         topk_ids: int32/int64 ``[num_tokens, top_k]``: expert ids in ``[0, E)``, or global ids when
@@ -259,14 +259,17 @@ def _fused_moe_torch(hidden, w13, w2, topk_weights, topk_ids, activation, expert
     return out.to(hidden.dtype)
 
 
-def native_scratch_bytes(num_tokens: int, top_k: int, hidden_size: int, intermediate: int, num_experts: int) -> int:
+def native_scratch_bytes(num_tokens: int, top_k: int, hidden_size: int, intermediate: int, num_experts: int, *,
+                         widened_rows: bool = False) -> int:
     """Bytes of scratch the native kernel takes (``csrc/moe_cpu.c``, its layout): the sort's int32 tables
     (expert offsets, cursors and the active experts; each slot's row and each row's token), then, 64-byte
     aligned, float32 rows of the slots: the first GEMM's ``[slots, 2I]`` (whose buffer the second GEMM's
-    ``[slots, H]`` reuses) and the activated ``[slots, I]``."""
+    ``[slots, H]`` reuses) and the activated ``[slots, I]``; with ``widened_rows`` (16-bit hidden states) then
+    the tokens' float32 rows ``[num_tokens, H]`` (the widened input, then each token's sum before its rounding)."""
     slots = num_tokens * top_k
     ints = -(-(3 * num_experts + 1 + 2 * slots) // 16) * 16
-    return 4 * (ints + slots * max(2 * intermediate, hidden_size) + slots * intermediate)
+    widened = num_tokens * hidden_size if widened_rows else 0
+    return 4 * (ints + slots * max(2 * intermediate, hidden_size) + slots * intermediate + widened)
 
 
 # ----------------------------------------------------------------------------------------------

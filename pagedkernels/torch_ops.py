@@ -38,6 +38,8 @@ from .fp8_gemm import fp8_gemm as _fp8_gemm
 from .fused_moe import fused_moe as _fused_moe
 from .gguf_quant import gguf_dequantize as _gguf_dequantize
 from .gguf_quant import gguf_gemm as _gguf_gemm
+from .lora import lora_expand as _lora_expand
+from .lora import lora_shrink as _lora_shrink
 from .moe_align import moe_align_block_size as _moe_align_block_size
 from .moe_topk import moe_topk as _moe_topk
 from .prefill_attention import paged_prefill_attention as _paged_prefill_attention
@@ -49,12 +51,14 @@ from .wq_gemm import wq_gemm as _wq_gemm
 
 __all__ = ["reshape_and_cache", "paged_decode_attention", "paged_prefill_attention", "rms_norm",
            "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "wq_gemm", "gguf_gemm", "gguf_dequantize",
-           "fp8_gemm", "w16_gemm", "moe_topk", "moe_align_block_size", "fused_moe", "OPS"]
+           "fp8_gemm", "w16_gemm", "moe_topk", "moe_align_block_size", "fused_moe", "lora_shrink", "lora_expand",
+           "OPS"]
 
 # Every op this module registers, by its name under torch.ops.pagedkernels.
 OPS = ("reshape_and_cache", "paged_decode_attention", "paged_decode_attention_workspace", "paged_prefill_attention",
        "rms_norm", "fused_add_rms_norm_", "rotary_embedding", "silu_and_mul", "wq_gemm", "gguf_gemm",
-       "gguf_dequantize", "fp8_gemm", "w16_gemm", "moe_topk", "moe_align_block_size", "fused_moe")
+       "gguf_dequantize", "fp8_gemm", "w16_gemm", "moe_topk", "moe_align_block_size", "fused_moe", "lora_shrink",
+       "lora_expand_")
 
 
 # -- KV cache -----------------------------------------------------------------------------------
@@ -338,3 +342,51 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
               expert_map: torch.Tensor | None = None) -> torch.Tensor:
     """See :func:`pagedkernels.fused_moe`; returns a new ``[num_tokens, hidden_size]``."""
     return _fused_moe_op(hidden, w13, w2, topk_weights, topk_ids, activation, expert_map)
+
+
+# -- multi-LoRA -----------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("pagedkernels::lora_shrink", mutates_args=())
+def _lora_shrink_op(x: torch.Tensor, lora_a: torch.Tensor, token_lora_indices: torch.Tensor, scale: float = 1.0,
+                    num_splits: int | None = None, sorted_token_ids: torch.Tensor | None = None,
+                    lora_token_starts: torch.Tensor | None = None) -> torch.Tensor:
+    return _lora_shrink(x, lora_a, token_lora_indices, scale=scale, num_splits=num_splits,
+                        sorted_token_ids=sorted_token_ids, lora_token_starts=lora_token_starts)
+
+
+@_lora_shrink_op.register_fake
+def _(x, lora_a, token_lora_indices, scale=1.0, num_splits=None, sorted_token_ids=None, lora_token_starts=None):
+    return _lora_shrink(x, lora_a, token_lora_indices, scale=scale, num_splits=num_splits,
+                        sorted_token_ids=sorted_token_ids, lora_token_starts=lora_token_starts)
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_lora_indices: torch.Tensor, *, scale: float = 1.0,
+                num_splits: int | None = None, sorted_token_ids: torch.Tensor | None = None,
+                lora_token_starts: torch.Tensor | None = None) -> torch.Tensor:
+    """See :func:`pagedkernels.lora_shrink`; returns a new float32 ``[num_tokens, S*R]``."""
+    return _lora_shrink_op(x, lora_a, token_lora_indices, scale, num_splits, sorted_token_ids, lora_token_starts)
+
+
+@torch.library.custom_op("pagedkernels::lora_expand_", mutates_args=("out",))
+def _lora_expand_op(buffer: torch.Tensor, lora_b: torch.Tensor, token_lora_indices: torch.Tensor, out: torch.Tensor,
+                    slice_sizes: list[int] | None = None, sorted_token_ids: torch.Tensor | None = None,
+                    lora_token_starts: torch.Tensor | None = None) -> None:
+    _lora_expand(buffer, lora_b, token_lora_indices, out, slice_sizes=slice_sizes, sorted_token_ids=sorted_token_ids,
+                 lora_token_starts=lora_token_starts)
+
+
+@_lora_expand_op.register_fake
+def _(buffer, lora_b, token_lora_indices, out, slice_sizes=None, sorted_token_ids=None,
+      lora_token_starts=None) -> None:
+    _lora_expand(buffer, lora_b, token_lora_indices, out, slice_sizes=slice_sizes, sorted_token_ids=sorted_token_ids,
+                 lora_token_starts=lora_token_starts)  # checks only, on fake tensors
+
+
+def lora_expand(buffer: torch.Tensor, lora_b: torch.Tensor, token_lora_indices: torch.Tensor, out: torch.Tensor, *,
+                slice_sizes=None, sorted_token_ids: torch.Tensor | None = None,
+                lora_token_starts: torch.Tensor | None = None) -> torch.Tensor:
+    """See :func:`pagedkernels.lora_expand` (``out`` updated in place and returned)."""
+    _lora_expand_op(buffer, lora_b, token_lora_indices, out, None if slice_sizes is None else list(slice_sizes),
+                    sorted_token_ids, lora_token_starts)
+    return out

@@ -17,13 +17,17 @@ stream. On a 2-core AMD EPYC (AVX-512), with the weights cold as in a decode ste
 oneDNN's prepacked float32 product at one row and kept level or ahead up to 48 rows at the shapes of SmolLM2's
 layers.
 
+A bf16 model on the CPU multiplies its decode rows the same way: bf16 activations times the packed bf16 weight,
+the float32 product of the values rounded once to bf16. With AVX512-BF16 (Cooper Lake, Xeons since Sapphire
+Rapids, AMD Zen 4/5) the kernel takes two k at a time in ``vdpbf16ps`` pair dot products, x never widened;
+elsewhere x's rows are widened to float32 once per call and go through the float32 kernel.
+
 Backends:
 
-- Native (CPU, float32 x): ``csrc/w16_gemm_cpu.c``, AVX-512 / AVX2 / NEON through vector extensions, float32
-  accumulation, parallel over panels.
-- PyTorch twin (every other case: other x dtypes, CUDA, the ``torch`` backend): the weight unpacked and
-  widened to float32, ``x.float() @ W^T``. There is no Triton kernel: on a GPU a 16-bit model runs 16-bit
-  GEMMs.
+- Native (CPU): ``csrc/w16_gemm_cpu.c``, AVX-512 / AVX2 / NEON through vector extensions, float32
+  accumulation, parallel over panels; x and out float32, bfloat16 or float16.
+- PyTorch twin (CUDA, the ``torch`` backend): the weight unpacked and widened to float32, ``x.float() @ W^T``.
+  There is no Triton kernel: on a GPU a 16-bit model runs 16-bit GEMMs.
 """
 
 from __future__ import annotations
@@ -104,7 +108,7 @@ def w16_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, *, out: torch.Tensor
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if has_no_data(x, packed, out) or M == 0 or N == 0:
         return out
-    if x.dtype == torch.float32 and use_native(x):
+    if use_native(x):
         _native.w16_gemm(x, packed, N, out)
     else:
         out.copy_(x.float() @ unpack_w16(packed, N).float().t())

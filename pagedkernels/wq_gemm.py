@@ -26,12 +26,12 @@ import triton
 import triton.language as tl
 
 from . import _native
-from ._backend import has_no_data, launch_device_kind, num_multiprocessors, use_native, use_triton, value_checks_enabled
+from ._backend import has_no_data, launch_device_kind, num_multiprocessors, use_native, use_triton
 from ._fp8 import _e4m3_to_float
 from ._validate import FLOAT_DTYPES, check_tensor
 from .quant_formats import dequantize_wq
 
-__all__ = ["wq_gemm", "check_wq_gemm_args", "wq_launch_config", "NATIVE_MAX_ROWS"]
+__all__ = ["wq_gemm", "check_wq_gemm_args", "check_wq_perm", "wq_launch_config", "NATIVE_MAX_ROWS"]
 
 # Rows up to which the native CPU path runs its int8 GEMM; above, de-quantize + torch's GEMM is faster
 # (bench/quant_cpu.py measures both; see its results).
@@ -88,6 +88,19 @@ def check_wq_gemm_args(x, qweight, scales, zeros, bits, group_size, perm=None, o
     return M, N, K, group
 
 
+def check_wq_perm(perm: torch.Tensor, K: int) -> None:
+    """ValueError unless every value of an act-order ``perm`` ([K] int32/int64) is a column index in [0, K).
+
+    This reads the values on the host, so :func:`wq_gemm` does not (a CPU or CUDA graph could not replay such a
+    read, and a decode step would pay it per layer): a weight's ``perm`` is checked once, when it is loaded
+    (the engine's ``install_wq``). A bad one that reaches ``wq_gemm`` still reads nothing outside x: its
+    ``index_select`` raises on the CPU and asserts on a GPU."""
+    check_tensor("perm", perm, ndim=1, dtypes=(torch.int32, torch.int64), shape=(K,))
+    if perm.numel() and (int(perm.min()) < 0 or int(perm.max()) >= K):
+        raise ValueError(f"perm: column indices must lie in [0, {K}), got values in "
+                         f"[{int(perm.min())}, {int(perm.max())}]")
+
+
 def wq_gemm(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -109,7 +122,8 @@ def wq_gemm(
         zeros: float zero points like ``scales``, or None for 2 ** (bits - 1) (symmetric).
         bits: 4 or 8.
         group_size: a multiple of 32 dividing K, or -1 for one group per row.
-        perm: int32/int64 ``[K]`` (act-order): weight column k multiplies ``x[:, perm[k]]``.
+        perm: int32/int64 ``[K]`` (act-order): weight column k multiplies ``x[:, perm[k]]``; its values are
+            checked once by :func:`check_wq_perm`, not here (no host read: the call can be graphed).
         out: optional ``[M, N]`` in x's dtype, last dimension contiguous.
 
     Returns ``[M, N]`` in x's dtype (``out`` when given). Accumulation is float32 on every backend; the
@@ -123,8 +137,6 @@ def wq_gemm(
     if M == 0 or N == 0:
         return out
     if perm is not None:
-        if value_checks_enabled(perm) and perm.numel() and (int(perm.min()) < 0 or int(perm.max()) >= K):
-            raise ValueError(f"perm: column indices must lie in [0, {K})")
         x = x.index_select(1, perm)
     if use_triton(x):
         _wq_gemm_triton(x, qweight, scales, zeros, FORMAT_INT4 if bits == 4 else FORMAT_INT8, group, out)

@@ -17,10 +17,10 @@ Parallelism, as vLLM's:
 
 Either way the block ends in one all-reduce (of the router's replicated choices every rank has the same).
 
-On the CPU (float32, native kernels built) the weights are repacked after loading into the native kernel's
-panels (``pagedkernels.pack_moe_weight``), in 16 bits when every value is a bf16 / fp16 one (a 16-bit
-checkpoint's, widened to float32 on load): half the bytes, the same products. ``ENGINE_CPU_W16=0`` keeps them
-float32.
+On the CPU (native kernels built) the weights are repacked after loading into the native kernel's panels
+(``pagedkernels.pack_moe_weight``): a float32 model's in 16 bits when every value is a bf16 / fp16 one (a 16-bit
+checkpoint's, widened to float32 on load): half the bytes, the same products (``ENGINE_CPU_W16=0`` keeps them
+float32); a bf16 (or fp16) model's in its own dtype, the kernel taking its hidden states in that dtype too.
 """
 
 from __future__ import annotations
@@ -130,15 +130,18 @@ class FusedMoE(nn.Module):
             param.data[local, offset:offset + size].copy_(loaded[start:start + size])
 
     def process_weights_after_loading(self) -> None:
-        """On the CPU (float32 weights, native kernels built): the weights in the native kernel's panels, 16-bit
-        where every value is a 16-bit one; the parameters freed."""
+        """On the CPU (native kernels built): the weights in the native kernel's panels, the parameters freed. A
+        float32 model's are 16-bit where every value is a 16-bit one; a 16-bit model's keep their dtype."""
         from engine.layers.quantization.unquantized import _w16_enabled
         from pagedkernels import _native, pack_moe_weight
 
         w13, w2 = self.w13_weight.data, self.w2_weight.data
-        if w13.device.type != "cpu" or w13.dtype != torch.float32 or _native.library() is None or not w13.numel():
+        if w13.device.type != "cpu" or _native.library() is None or not w13.numel():
             return
-        dtype = _exact_16bit_dtype(w13, w2) if _w16_enabled() else None
+        if w13.dtype == torch.float32:
+            dtype = _exact_16bit_dtype(w13, w2) if _w16_enabled() else None
+        else:
+            dtype = w13.dtype
         self.w13_packed, self.w2_packed = pack_moe_weight(w13, dtype), pack_moe_weight(w2, dtype)
         self.w13_weight = nn.Parameter(w13.new_empty(0), requires_grad=False)
         self.w2_weight = nn.Parameter(w2.new_empty(0), requires_grad=False)

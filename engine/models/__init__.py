@@ -70,10 +70,10 @@ def load_model_config(model_dir: str, *, dtype: str | torch.dtype = "auto", max_
     ``quantization``: a method name (``"fp8"``, ``"gptq"``, ...) the checkpoint's quantization_config
     must agree with, or that quantizes a float checkpoint on load (fp8); None follows the checkpoint.
 
-    ``dtype="auto"`` follows the checkpoint, except that bf16/fp16 checkpoints run in float32 on
-    CPU (``device`` None means CUDA when available, else CPU), where half-precision matmuls are
-    slow and inexact. ``max_model_len`` defaults to ``max_position_embeddings`` and may not
-    exceed it.
+    ``dtype="auto"`` follows the checkpoint, except on CPUs without fast arithmetic for it (``device``
+    None means CUDA when available, else CPU): bf16 checkpoints run in bf16 on CPUs with AMX-BF16 or
+    AVX512-BF16 and in float32 on others, float16 and quantized ones in float32 (see ``resolve_dtype``).
+    ``max_model_len`` defaults to ``max_position_embeddings`` and may not exceed it.
     """
     model_dir = os.fspath(model_dir)
     if is_gguf_path(model_dir):   # a GGUF file: config and special tokens from its metadata
@@ -118,7 +118,8 @@ def load_model_config(model_dir: str, *, dtype: str | torch.dtype = "auto", max_
         max_model_len=max_model_len,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", text.get("tie_word_embeddings", tie_default))),
         dtype=resolve_dtype(dtype, hf.get("dtype", hf.get("torch_dtype", text.get("dtype", text.get("torch_dtype")))),
-                            device),
+                            device, quantized=bool(quantization or hf.get("quantization_config")
+                                                   or text.get("quantization_config") or is_gguf_path(model_dir))),
         eos_token_ids=frozenset(_ids(text.get("eos_token_id", hf.get("eos_token_id"))) | _ids(gen.get("eos_token_id"))),
         bos_token_id=_first(gen.get("bos_token_id", text.get("bos_token_id"))),
         pad_token_id=_first(gen.get("pad_token_id", text.get("pad_token_id"))),

@@ -31,6 +31,7 @@ import logging
 import math
 import os
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -53,8 +54,8 @@ from engine.worker.device_io import AsyncModelRunnerOutput, HostStaging, Sampled
 from engine.worker.input_batch import InputBatch, speculation_allowed
 from engine.worker.ngram_proposer import propose_ngram
 from engine.worker.rejection_sampler import rejection_sample
-from engine.worker.sampler import (Penalties, Sampler, SamplingMetadata, _gather_logprobs, banned_token_ids,
-                                   process_logits, random_probs, sampler_dummy_run)
+from engine.worker.sampler import (Penalties, SampledTensors, Sampler, SamplingMetadata, _gather_logprobs,
+                                   banned_token_ids, process_logits, random_probs, sampler_dummy_run)
 from engine.platform import DevicePolicy
 from engine.models import get_model_class
 
@@ -62,10 +63,20 @@ logger = logging.getLogger(__name__)
 
 
 
+@dataclass(slots=True)
+class ForwardResult:
+    """A step's forward: the final hidden states [num_tokens, hidden]; or, when a decode graph ran the whole step
+    (``step_graphs``), the logits of every token [num_tokens, vocab] float32 and their greedy ids [num_tokens]
+    (NaN counted as -inf, as the sampler counts it), computed inside the graph."""
+    hidden_states: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    greedy_ids: torch.Tensor | None = None
+
+
 class CUDAGraphRunner:
-    """One decode forward captured as a CUDA graph: ``capture(fn)`` runs ``fn`` once (warm-up:
+    """One decode step captured as a CUDA graph: ``capture(fn)`` runs ``fn`` once (warm-up:
     Triton compiles, allocator settles), then records it; ``replay()`` reruns the recorded kernels on
-    whatever the static buffers hold and returns the same output tensor each time."""
+    whatever the static buffers hold and returns the same output tensor(s) each time."""
 
     def __init__(self, pool=None):
         self.pool = pool
@@ -106,11 +117,15 @@ class EagerGraphRunner:
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> None:
         self.fn = fn
-        self.output = fn().clone()
+        output = fn()
+        self.output = tuple(t.clone() for t in output) if isinstance(output, tuple) else output.clone()
 
     def replay(self) -> torch.Tensor:
         self.num_replays += 1
-        return self.output.copy_(self.fn())
+        output = self.fn()
+        if isinstance(output, tuple):
+            return tuple(buffer.copy_(t) for buffer, t in zip(self.output, output))
+        return self.output.copy_(output)
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -176,6 +191,11 @@ class ModelRunner:
             graph_runner_class = CPUGraph
         self.graph_runner_class = graph_runner_class
         self.enforce_eager = enforce_eager or graph_runner_class is None
+        # A decode graph runs the whole step up to the sampler: the forward, the LM head over its rows and their
+        # greedy argmax, so an all-greedy batch launches nothing outside the graph but the argmax's gather (on one
+        # rank: the LM head's vocab-parallel gather is not captured; not in CPU graphs, whose replay over fewer rows
+        # than they recorded would run oneDNN's LM head over the padding rows too).
+        self.step_graphs = graph_runner_class is not CPUGraph and get_tp_world_size() == 1
         spec = engine_config.speculative_config
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         # Table columns for a sequence at max_model_len plus this step's drafts.
@@ -456,11 +476,21 @@ class ModelRunner:
         return self.staging.to_device(array)
 
     def _forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                        num_seqs: int) -> torch.Tensor:
-        """Final hidden states [num_tokens, hidden]: a pure-decode batch within the ladder replays its graph."""
+                        num_seqs: int) -> ForwardResult:
+        """The forward (see ForwardResult): a pure-decode batch within the ladder replays its graph."""
         if meta.is_decode and not self.enforce_eager and num_seqs <= self.graph_batch_sizes[-1]:
-            return self.run_decode_graph(input_ids, positions, meta)
-        return self._forward(input_ids, positions, meta)
+            output = self.run_decode_graph(input_ids, positions, meta)
+            if isinstance(output, tuple):
+                return ForwardResult(logits=output[0], greedy_ids=output[1])
+            return ForwardResult(hidden_states=output)
+        return ForwardResult(hidden_states=self._forward(input_ids, positions, meta))
+
+    def _logits(self, forward: ForwardResult, index: np.ndarray | slice) -> torch.Tensor:
+        """Logits [len(index), vocab] float32 of the step's tokens `index` (positions in the flattened batch)."""
+        where = index if isinstance(index, slice) else self._to_device(np.asarray(index, dtype=np.int64))
+        if forward.logits is not None:
+            return forward.logits[where]
+        return self.model.compute_logits(forward.hidden_states[where])
 
     # -- the step on the persistent batch ---------------------------------------------------------------------
 
@@ -518,7 +548,7 @@ class ModelRunner:
                                                            batch.block_table[model_rows, :width])
         if in_flight:   # those rows' input at that position is the id in flight: from the device
             self._feed_in_flight(pending, in_flight, model_rows, starts, cu, input_ids_t)
-        hidden_states = self._forward_hidden(input_ids_t, positions_t, meta, num_seqs)
+        forward = self._forward_hidden(input_ids_t, positions_t, meta, num_seqs)
         if self.drafter is not None:
             self.drafter.run_target_step(input_ids_t, positions_t, meta)
         # The forward is queued: now the previous step's ids may come to the host (penalties, bad words, min_tokens
@@ -543,9 +573,9 @@ class ModelRunner:
         first_logit = dict(zip(sample_rows.tolist(), np.cumsum(num_logits) - num_logits))
         if not self._is_driver():
             if len(logits_index):   # every rank takes part in the vocab-parallel gather
-                self.model.compute_logits(hidden_states[self._to_device(logits_index)])
+                self._logits(forward, logits_index)
             for i, _ in prompt_rows:
-                self.model.compute_logits(hidden_states[cu[i]:cu[i + 1]])
+                self._logits(forward, slice(int(cu[i]), int(cu[i + 1])))
             if self.async_scheduling:   # rank 0 broadcasts these rows' ids with the next step
                 plain, _, _ = self._split_sampling(scheduler_output, first_logit, num_drafts)
                 self._pending = SampledIds([batch.seq_ids[row] for row, _ in plain], self.device) if plain else None
@@ -554,14 +584,19 @@ class ModelRunner:
         for i, row in prompt_rows:
             try:
                 output.prompt_logprobs[batch.seq_ids[row]] = self._prompt_logprobs(
-                    row, int(starts[i]), self.model.compute_logits(hidden_states[cu[i]:cu[i + 1]]))
+                    row, int(starts[i]), self._logits(forward, slice(int(cu[i]), int(cu[i + 1]))))
             except Exception as error:   # this request's own failure: it alone ends (see _isolated)
                 self._fail_entries([(row, None)], error, output)
         if len(sample_rows) == 0 and not scheduler_output.sample_from:
             return output
-        logits = self.model.compute_logits(hidden_states[self._to_device(logits_index)]) \
-            if len(logits_index) else hidden_states.new_empty(0, self.config.vocab_size, dtype=torch.float32)
-        sampled = self._sample(scheduler_output, logits, first_logit, num_drafts, output)
+        if len(logits_index):
+            logits = self._logits(forward, logits_index)
+        else:
+            logits = torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device)
+        greedy_ids = None
+        if forward.greedy_ids is not None and len(logits_index):
+            greedy_ids = forward.greedy_ids[self._to_device(np.asarray(logits_index, dtype=np.int64))]
+        sampled = self._sample(scheduler_output, logits, first_logit, num_drafts, output, greedy_ids)
         if sampled is not None and self.async_scheduling:
             sampled.start_copy()
             self._pending = sampled
@@ -647,10 +682,12 @@ class ModelRunner:
         return plain, beams, speculative
 
     def _sample(self, scheduler_output: SchedulerOutput, logits: torch.Tensor, first_logit: dict[int, int],
-                num_drafts: np.ndarray, output: ModelRunnerOutput) -> SampledIds | None:
+                num_drafts: np.ndarray, output: ModelRunnerOutput,
+                greedy_ids: torch.Tensor | None = None) -> SampledIds | None:
         """Sample the rows that reached their end (and the forks sampling from their parent's row) into
         `output`: beams and speculative rows at once; the plain rows' ids stay on the device in the returned
-        SampledIds, put into `output` here unless async scheduling reads them a step later."""
+        SampledIds, put into `output` here unless async scheduling reads them a step later. greedy_ids: the
+        logits rows' greedy ids, computed inside a decode graph (an all-greedy plain batch takes them as they are)."""
         batch = self.input_batch
         plain, beams, speculative = self._split_sampling(scheduler_output, first_logit, num_drafts)
         sampled = None
@@ -659,8 +696,8 @@ class ModelRunner:
         if plain:
             sampled = SampledIds([batch.seq_ids[row] for row, _ in plain], self.device,
                                  [len(batch.state_at(row).token_ids) for row, _ in plain])
-            self._isolated(plain, lambda part: self._sample_plain(scheduler_output, plain, part, logits, sampled),
-                           output)
+            self._isolated(plain, lambda part: self._sample_plain(scheduler_output, plain, part, logits, sampled,
+                                                                  greedy_ids), output)
             sampled.failed = {seq_id for seq_id in sampled.seq_ids if seq_id in output.failed}
             if not self.async_scheduling:
                 sampled.fill(output)
@@ -713,15 +750,19 @@ class ModelRunner:
             output.beam_candidates[batch.seq_ids[row]] = (row_ids[:k], row_values[:k])
 
     def _sample_plain(self, scheduler_output: SchedulerOutput, plain: list[tuple[int, int]],
-                      part: list[tuple[int, int]], logits: torch.Tensor, sampled: SampledIds) -> None:
+                      part: list[tuple[int, int]], logits: torch.Tensor, sampled: SampledIds,
+                      greedy_ids: torch.Tensor | None = None) -> None:
         """One token for each (row, logits index) of `part` (all of `plain`, or one entry of it), into `sampled`."""
         grammar = self._grammar_rows(scheduler_output, part)
         rows = [row for row, _ in part]
         indices = [i for _, i in part]
         meta = self.sampling_metadata(rows, grammar)
         identity = len(indices) == logits.shape[0] and indices == list(range(len(indices)))
-        rows_logits = logits if identity else logits[self._to_device(np.asarray(indices, dtype=np.int64))]
-        sampled.add(plain.index(part[0]), self.sampler.sample(rows_logits, meta))
+        index = None if identity else self._to_device(np.asarray(indices, dtype=np.int64))
+        if greedy_ids is not None and _plain_greedy(meta):   # the decode graph's own argmax is the draw
+            sampled.add(plain.index(part[0]), SampledTensors(greedy_ids if identity else greedy_ids[index]))
+            return
+        sampled.add(plain.index(part[0]), self.sampler.sample(logits if identity else logits[index], meta))
 
     def _grammar_rows(self, scheduler_output: SchedulerOutput, plain: list[tuple[int, int]]):
         """The grammar bitmask rows of the plain sampling rows, in their order: (positions in `plain`, bitmask)."""
@@ -906,13 +947,12 @@ class ModelRunner:
         input_ids_t, positions_t, meta = self.build_inputs(np.asarray(input_ids, dtype=np.int64),
                                                            np.asarray(positions, dtype=np.int64), query_lens_np,
                                                            block_tables)
-        hidden_states = self._forward_hidden(input_ids_t, positions_t, meta, len(scheduled))
-        last = self._to_device(np.cumsum(query_lens_np) - 1)
-        logits = self.model.compute_logits(hidden_states.index_select(0, last))
+        forward = self._forward_hidden(input_ids_t, positions_t, meta, len(scheduled))
+        logits = self._logits(forward, np.cumsum(query_lens_np) - 1)
         if not all_logits_for:
             return logits
         starts = np.concatenate([[0], np.cumsum(query_lens_np)])
-        extra = [self.model.compute_logits(hidden_states[starts[i]:starts[i + 1]]) for i in all_logits_for]
+        extra = [self._logits(forward, slice(int(starts[i]), int(starts[i + 1]))) for i in all_logits_for]
         return logits, extra
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -934,7 +974,8 @@ class ModelRunner:
         """A pure-decode batch of n sequences through the graph of the smallest ladder size b >= n:
         inputs copied into the static buffers' first n rows, rows n..b padding (input id 0 at
         position 0, slot -1: no K/V written, seq_len 0: no key read). Returns the final hidden
-        states ``[n, hidden_size]`` (a view of the graph's output buffer, valid until the next replay)."""
+        states ``[n, hidden_size]``, or with ``step_graphs`` (logits ``[n, vocab]``, greedy ids ``[n]``): views
+        of the graph's output buffers, valid until the next replay."""
         num_seqs = input_ids.shape[0]
         batch_size = next(size for size in self.graph_batch_sizes if size >= num_seqs)
         self.static_input_ids[:num_seqs].copy_(input_ids)
@@ -958,7 +999,7 @@ class ModelRunner:
                                 "per decode batch size from now on")
                     self.graph_batch_sizes = every_size
                 if output is not None:   # a CPU graph's recording run was this step's forward
-                    return output[:num_seqs]
+                    return _rows(output, num_seqs)
             except GraphCaptureError as error:
                 # This model's decode step cannot be a CPU graph (it computes outside the native kernels in a
                 # way a replay cannot follow): decode eagerly from now on, as enforce_eager would.
@@ -966,8 +1007,8 @@ class ModelRunner:
                 self.enforce_eager = True
                 return self._forward(input_ids, positions, meta)
         if isinstance(runner, CPUGraph):
-            return runner.replay(num_seqs)[:num_seqs]
-        return runner.replay()[:num_seqs]
+            return _rows(runner.replay(num_seqs), num_seqs)
+        return _rows(runner.replay(), num_seqs)
 
     def capture_all_graphs(self) -> None:
         """Capture the decode graph of every ladder size not captured yet, largest first. The static buffers hold
@@ -990,6 +1031,9 @@ class ModelRunner:
         input_ids, positions = self.static_input_ids[:batch_size], self.static_positions[:batch_size]
         runner = self.graph_runner_class(self.graph_pool)
         forward = lambda: self._forward(input_ids, positions, meta)  # noqa: E731
+        if self.step_graphs:
+            forward = lambda: _logits_and_greedy(self.model.compute_logits(  # noqa: E731
+                self._forward(input_ids, positions, meta)))
         if isinstance(runner, CPUGraph):
             # The first CPU graph warms up and checks its replay against the recorded run; the others record
             # the same forward at another size, and their recording run serves the step that needed them.
@@ -1006,6 +1050,26 @@ class ModelRunner:
         pk.copy_blocks(self.key_caches, self.value_caches, block_mapping)
         if self.drafter is not None:   # the draft model's cache mirrors the blocks of the model's
             pk.copy_blocks(self.drafter.key_caches, self.drafter.value_caches, block_mapping)
+
+
+def _rows(output, num_rows: int):
+    """The first `num_rows` rows of a graph's output (a tensor, or a tuple of them)."""
+    if isinstance(output, tuple):
+        return tuple(t[:num_rows] for t in output)
+    return output[:num_rows]
+
+
+def _logits_and_greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, their greedy ids), NaN counted as -inf and +inf as the largest float, as the sampler counts them."""
+    return logits, logits.nan_to_num(nan=float("-inf"), posinf=torch.finfo(logits.dtype).max).argmax(dim=-1)
+
+
+def _plain_greedy(meta: SamplingMetadata) -> bool:
+    """Every row greedy and nothing acting on its logits before the argmax (no bias, masks, penalties, grammar),
+    nor logprobs asked: the draw is the argmax of the raw logits."""
+    return (all(meta.greedy) and meta.logit_bias is None and meta.allowed_token_ids is None
+            and meta.banned_token_ids is None and meta.penalties is None and meta.grammar_bitmask is None
+            and meta.num_logprobs is None)
 
 
 def _is_compile_error(exc: BaseException) -> bool:

@@ -177,4 +177,64 @@ static inline vf4 vsumw4(vfw a, vfw b, vfw c, vfw d) {
 #endif
 }
 
+
+/* Dot products of bf16 pairs, AVX512-BF16's _mm512_dpbf16_ps: over vectors of 32 bf16 values a and b, for each of 16
+ * float lanes i
+ *     acc[i] += a[2i + 1] * b[2i + 1];  acc[i] += a[2i] * b[2i]
+ * A product of two bf16 values is exact in float32, so a lane adds two exact products, each sum rounded to nearest
+ * even as an FMA would (the instruction also takes subnormal inputs and results as zero).
+ *
+ * PK_BF16_DOT is 1 where the build has AVX512-BF16 (Cooper Lake, every Xeon since Sapphire Rapids, AMD Zen 4 and 5),
+ * 2 in a build with -DPK_EMULATE_AVX512BF16 (PAGEDKERNELS_NATIVE_CFLAGS): the same kernels with this one function in
+ * portable vector code, so that a machine without the instruction runs every other line of those kernels (their
+ * pairing of values, their tails, the order of their outputs) in the tests; 0 otherwise, where bf16 values are
+ * widened to float32 by a 16-bit shift and multiplied in float32 (AVX2, SSE, NEON). */
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define PK_BF16_DOT 1
+#elif defined(PK_EMULATE_AVX512BF16)
+#define PK_BF16_DOT 2
+#else
+#define PK_BF16_DOT 0
+#endif
+
+#if PK_BF16_DOT
+typedef float vf16 __attribute__((vector_size(64)));
+typedef uint16_t vbf32 __attribute__((vector_size(64))); /* 32 bf16 values */
+typedef uint32_t vu16 __attribute__((vector_size(64)));
+
+static inline vbf32 load_bf32(const uint16_t *p) {
+    vbf32 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline vf16 dot_bf16_pairs(vf16 acc, vbf32 a, vbf32 b) {
+#if PK_BF16_DOT == 1
+    return (vf16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)b);
+#else
+    /* vector casts between types of one size reinterpret the bits: the high halves of the 32-bit lanes (odd
+     * elements) are those floats already, the low halves shifted up are the even elements' */
+    const vu16 au = (vu16)a, bu = (vu16)b;
+    acc += (vf16)(au & 0xFFFF0000u) * (vf16)(bu & 0xFFFF0000u);
+    acc += (vf16)(au << 16) * (vf16)(bu << 16);
+    return acc;
+#endif
+}
+
+/* A vector of 16 floats as one of the machine's width holding the same total (halves added). */
+static inline vfw fold16(vf16 v) {
+#if VW == 16
+    return v;
+#elif VW == 8
+    return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    const vfw a = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+    const vfw b = __builtin_shufflevector(v, v, 8, 9, 10, 11) + __builtin_shufflevector(v, v, 12, 13, 14, 15);
+    return a + b;
+#endif
+}
+#endif
+
 #endif

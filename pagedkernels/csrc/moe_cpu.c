@@ -9,6 +9,12 @@
  * over (expert, panel) pairs: every output element has one writer, so the result does not depend on the thread
  * count or schedule, and a token's rows are the same additions whatever tokens it is batched with.
  *
+ * A bf16 (or fp16) model's hidden states come in and go out in its dtype: the tokens' rows are widened to float32
+ * once per call (into the scratch), everything after runs as for float32 activations, and each token's weighted sum
+ * is rounded once to the output's dtype, so the result is the float32 kernel's on the widened rows, rounded. (The
+ * GEMMs stay on the float32 panel kernel, also where the build has AVX512-BF16: w16_gemm_cpu.c's pair dot products
+ * would take bf16 rows for both GEMMs, and the activated rows are float32 here.)
+ *
  * Ids are checked in the sorting pass, before anything is written: an id outside its table returns 1 (the op
  * then raises the ValueError naming it). */
 #include "w16_panel.h"
@@ -112,17 +118,21 @@ static inline int64_t read_id(const void *ids, int ids_64, int64_t i) {
     return ids_64 ? ((const int64_t *)ids)[i] : (int64_t)((const int32_t *)ids)[i];
 }
 
-/* x float32 [M, H] (row stride x_s0) routed by ids [M, topk] (int32, or int64 with ids_64) with weights tw
- * [M, topk] (dtype tw_dt) through E local experts: w13 packed [E, ceil(2I / 32), H, 32] (gate rows then up rows),
- * w2 packed [E, ceil(H / 32), I, 32], both of kind w_dt (0 float32, 1 float16, 2 bfloat16). expert_map (int32
- * [num_global]) or NULL: global id -> local expert or -1 (not here: the slot adds nothing). act: 0 silu, 1
- * gelu_tanh. out float32 [M, H] (row stride o_s0). scratch: pagedkernels.fused_moe.native_scratch_bytes(...)
- * bytes, 64-byte aligned. Returns 0, 1 for an id outside its table (nothing written), -1 for a bad kind. */
-int pk_fused_moe(const float *x, int64_t x_s0, int64_t M, int64_t H, const void *ids, int ids_64, const void *tw,
-                 int tw_dt, int64_t topk, const void *w13, const void *w2, int w_dt, int64_t E, int64_t I,
-                 const int32_t *expert_map, int64_t num_global, int act, float *out, int64_t o_s0, void *scratch,
-                 int num_threads) {
-    if (w_dt < 0 || w_dt > 2 || E < 1 || I < 1 || H < 1 || topk < 1 || topk > MOE_MAX_TOP_K) return -1;
+/* x [M, H] (row stride x_s0, dtype x_dt: 0 float32, 1 float16, 2 bfloat16) routed by ids [M, topk] (int32, or
+ * int64 with ids_64) with weights tw [M, topk] (dtype tw_dt) through E local experts: w13 packed
+ * [E, ceil(2I / 32), H, 32] (gate rows then up rows), w2 packed [E, ceil(H / 32), I, 32], both of kind w_dt (0
+ * float32, 1 float16, 2 bfloat16). expert_map (int32 [num_global]) or NULL: global id -> local expert or -1 (not
+ * here: the slot adds nothing). act: 0 silu, 1 gelu_tanh. out [M, H] (row stride o_s0, dtype o_dt as x_dt).
+ * scratch: pagedkernels.fused_moe.native_scratch_bytes(...) bytes (with its 16-bit hidden's float32 rows when x_dt
+ * or o_dt is not 0), 64-byte aligned. Returns 0, 1 for an id outside its table (nothing written), -1 for a bad kind
+ * or dtype. */
+int pk_fused_moe(const void *x, int64_t x_s0, int x_dt, int64_t M, int64_t H, const void *ids, int ids_64,
+                 const void *tw, int tw_dt, int64_t topk, const void *w13, const void *w2, int w_dt, int64_t E,
+                 int64_t I, const int32_t *expert_map, int64_t num_global, int act, void *out, int64_t o_s0, int o_dt,
+                 void *scratch, int num_threads) {
+    if (w_dt < 0 || w_dt > 2 || x_dt < 0 || x_dt > 2 || o_dt < 0 || o_dt > 2 || E < 1 || I < 1 || H < 1 || topk < 1 ||
+        topk > MOE_MAX_TOP_K)
+        return -1;
     if (M <= 0) return 0;
     const int64_t S = M * topk; /* slots */
     int32_t *offsets = (int32_t *)scratch;   /* [E + 1]: expert e's sorted rows [offsets[e], offsets[e + 1]) */
@@ -134,6 +144,10 @@ int pk_fused_moe(const float *x, int64_t x_s0, int64_t M, int64_t H, const void 
     float *Y = (float *)((int32_t *)scratch + (ints + 15) / 16 * 16); /* 64-byte aligned, past the tables */
     const int64_t y_cols = 2 * I > H ? 2 * I : H;
     float *A = Y + S * y_cols; /* [S, I] activated rows; Y: [S, 2I] GEMM 1's, then [S, H] GEMM 2's */
+    /* [M, H] with 16-bit hidden states: the tokens' rows widened (GEMM 1's input), then each token's float32 sum */
+    float *X = x_dt != 0 || o_dt != 0 ? A + S * I : NULL;
+    const float *xf = x_dt != 0 ? X : (const float *)x;
+    const int64_t xf_s0 = x_dt != 0 ? H : x_s0;
 
     /* 1. counting sort of the slots by local expert; ids (and the whole map) checked before anything is written */
     if (expert_map)
@@ -174,6 +188,11 @@ int pk_fused_moe(const float *x, int64_t x_s0, int64_t M, int64_t H, const void 
     const int threads = work >= W16_PARALLEL_MIN * 4 ? num_threads : 1;
 #pragma omp parallel num_threads(threads)
     {
+        if (x_dt != 0) {
+            /* 16-bit rows to float32, each once (GEMM 1 reads a token's row once per expert it routes to) */
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < M; t++) load_row(x, t * x_s0, x_dt, H, X + t * H);
+        }
         /* 2. GEMM 1 per (active expert, gate/up panel): Y[rows of e] = x[tokens of e] @ w13[e]^T */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < num_active * p13; item++) {
@@ -182,7 +201,7 @@ int pk_fused_moe(const float *x, int64_t x_s0, int64_t M, int64_t H, const void 
             const char *panel_w = w13c + (e * p13 + p) * H * NP * wb;
             const int64_t n0 = p * NP;
             const int nc = 2 * I - n0 < NP ? (int)(2 * I - n0) : NP;
-            panel_rows(x, x_s0, token_of_row + first, count, H, panel_w, n0, nc, w_dt, Y + first * 2 * I, 2 * I,
+            panel_rows(xf, xf_s0, token_of_row + first, count, H, panel_w, n0, nc, w_dt, Y + first * 2 * I, 2 * I, 0,
                        p + 1 < p13 ? panel_w + H * NP * wb : NULL);
         }
         /* 3. the gated activation: A[r] = act(Y[r, :I]) * Y[r, I:] */
@@ -206,13 +225,14 @@ int pk_fused_moe(const float *x, int64_t x_s0, int64_t M, int64_t H, const void 
             const char *panel_w = w2c + (e * p2 + p) * I * NP * wb;
             const int64_t n0 = p * NP;
             const int nc = H - n0 < NP ? (int)(H - n0) : NP;
-            panel_rows(A + first * I, I, NULL, count, I, panel_w, n0, nc, w_dt, Y + first * H, H,
+            panel_rows(A + first * I, I, NULL, count, I, panel_w, n0, nc, w_dt, Y + first * H, H, 0,
                        p + 1 < p2 ? panel_w + I * NP * wb : NULL);
         }
-        /* 5. out[t] = sum_j w[t, j] Z[row of slot (t, j)], in slot order */
+        /* 5. out[t] = sum_j w[t, j] Z[row of slot (t, j)], in slot order (a 16-bit out: summed in X's row t, which
+         * GEMM 1 no longer reads, then rounded once) */
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < M; t++) {
-            float *o = out + t * o_s0;
+            float *o = o_dt == 0 ? (float *)out + t * o_s0 : X + t * H;
             float wt[MOE_MAX_TOP_K];
             const float *w = load_row(tw, t * topk, tw_dt, topk, wt);
             for (int64_t h = 0; h < H; h++) o[h] = 0.0f;
@@ -224,6 +244,7 @@ int pk_fused_moe(const float *x, int64_t x_s0, int64_t M, int64_t H, const void 
 #pragma omp simd
                 for (int64_t h = 0; h < H; h++) o[h] += wj * z[h];
             }
+            if (o_dt != 0) store_row(out, t * o_s0, o_dt, H, o);
         }
     }
     return 0;

@@ -15,7 +15,10 @@
  * dtype: 0 = float32, 1 = float16, 2 = bfloat16 (q, out); cache_dtype the same or 3 = float8 e4m3,
  * whose values are multiplied by k_scale / v_scale (folded into the query's scale and the output's
  * normalization). Arithmetic is float32 with an online softmax over tiles of keys; the GQA group's
- * query heads share each key/value row they read.
+ * query heads share each key/value row they read. A bf16 query against a bf16 cache takes its query-key dots in
+ * AVX512-BF16 pair dot products where the build has them (keys_bf16, PK_BF16_DOT in cpu_common.h): the bf16 values
+ * multiplied as they are, their exact products summed in float32, the scale applied to the sum; values are widened
+ * to float32 as with other caches.
  */
 #include "cpu_common.h"
 
@@ -101,6 +104,65 @@ static inline __attribute__((always_inline)) void tile_scores(float qf[][MAX_HEA
         for (int g = 0; g < group; g++) scores[g][j] = dot(qf[g], keys[j], head_dim);
     for (; j < pf->n; j++) prefetch_row(pf, j);
 }
+
+#if PK_BF16_DOT
+/* scores[g][j + c] = scale * (q[g] . keys[j + c]) for c < NK keys (1 or 4) and query heads g0 .. g0 + G - 1, bf16 q
+ * rows and keys in pair dot products (head_dim a multiple of 32): NK x G accumulators of 16 lanes, each key slice
+ * loaded once for the heads, as four_keys does in float32. G and NK constants where inlined. */
+static inline __attribute__((always_inline)) void keys_bf16(const uint16_t *const *qb, int g0, const int G,
+                                                            const uint16_t *const *keys, int j, const int NK,
+                                                            int head_dim, float scale, float scores[][KEY_TILE]) {
+    vf16 a[HEADS][4];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < NK; c++) a[g][c] = (vf16){0};
+    for (int d = 0; d < head_dim; d += 32) {
+        vbf32 kv[4];
+        for (int c = 0; c < NK; c++) kv[c] = load_bf32(keys[j + c] + d);
+        for (int g = 0; g < G; g++) {
+            const vbf32 qv = load_bf32(qb[g0 + g] + d);
+            for (int c = 0; c < NK; c++) a[g][c] = dot_bf16_pairs(a[g][c], qv, kv[c]);
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const vfw zero = {0};
+        const vf4 sums = vsumw4(fold16(a[g][0]), NK > 1 ? fold16(a[g][1]) : zero, NK > 2 ? fold16(a[g][2]) : zero,
+                                NK > 3 ? fold16(a[g][3]) : zero);
+        for (int c = 0; c < NK; c++) scores[g0 + g][j + c] = sums[c] * scale;
+    }
+}
+
+/* keys_bf16 for NK keys at j and every query head of the group, HEADS at a time. */
+static inline __attribute__((always_inline)) void keys_bf16_group(const uint16_t *const *qb, int group,
+                                                                  const uint16_t *const *keys, int j, const int NK,
+                                                                  int head_dim, float scale,
+                                                                  float scores[][KEY_TILE]) {
+    int g0 = 0;
+    for (; g0 + HEADS <= group; g0 += HEADS) keys_bf16(qb, g0, HEADS, keys, j, NK, head_dim, scale, scores);
+    switch (group - g0) {
+    case 3: keys_bf16(qb, g0, 3, keys, j, NK, head_dim, scale, scores); break;
+    case 2: keys_bf16(qb, g0, 2, keys, j, NK, head_dim, scale, scores); break;
+    case 1: keys_bf16(qb, g0, 1, keys, j, NK, head_dim, scale, scores); break;
+    default: break;
+    }
+}
+
+/* tile_scores for bf16 queries (qb: the group's rows, unscaled) and bf16 keys read in place. */
+static inline __attribute__((always_inline)) void tile_scores_bf16(const uint16_t *const *qb, int group,
+                                                                   const uint16_t *const *keys, int n, int head_dim,
+                                                                   float scale, float scores[][KEY_TILE],
+                                                                   const spread_prefetch *pf) {
+    int j = 0;
+    for (; j + 4 <= n; j += 4) {
+        for (int i = 0; i < 4; i++) prefetch_row(pf, j + i);
+        keys_bf16_group(qb, group, keys, j, 4, head_dim, scale, scores);
+    }
+    for (; j < n; j++) {
+        prefetch_row(pf, j);
+        keys_bf16_group(qb, group, keys, j, 1, head_dim, scale, scores);
+    }
+    for (; j < pf->n; j++) prefetch_row(pf, j);
+}
+#endif
 
 /* acc[g][d .. d + 4 VW - 1] += sum_j scores[g][j] * values[j][d .. d + 4 VW - 1] for query heads g0 .. g0 + G - 1
  * (G a constant where inlined, so the 4 x G accumulators live in registers across the tile). */
@@ -222,6 +284,10 @@ static void attend_chunk(const void *q, int64_t q_s0, int64_t q_s1, const void *
     float ktile[KEY_TILE][MAX_HEAD_DIM]; /* keys converted to float32 (16-bit caches only) */
     const int elem_size = cache_dtype == 0 ? 4 : cache_dtype == 3 ? 1 : 2;
     const float q_scale = cache_dtype == 3 ? scale * k_scale : scale; /* e4m3 keys: k_scale folded in */
+#if PK_BF16_DOT
+    const int bf16_dot = dtype == 2 && cache_dtype == 2 && head_dim % 32 == 0;
+    const uint16_t *qb[MAX_GROUP]; /* bf16_dot: the query rows of this pass, as they are */
+#endif
     for (int i = q_begin; i < q_end; i++) {
         const int64_t row = q_row0 + i;
         const int pos_q = first_pos + i; /* this query's position: it sees keys lo_q..pos_q */
@@ -232,6 +298,15 @@ static void attend_chunk(const void *q, int64_t q_s0, int64_t q_s1, const void *
         const int G = heads * group; /* query heads of this pass: head h * group + g for g < G */
         for (int g = 0; g < G; g++) {
             const int head = h * group + g;
+#if PK_BF16_DOT
+            if (bf16_dot) {
+                qb[g] = (const uint16_t *)q + row * q_s0 + head * q_s1;
+                memset(acc[g], 0, sizeof(float) * (size_t)head_dim);
+                m[g] = -INFINITY;
+                l[g] = 0.0f;
+                continue;
+            }
+#endif
             const float *src = load_row(q, row * q_s0 + head * q_s1, dtype, head_dim, tmp);
             for (int d = 0; d < head_dim; d++) {
                 qf[g][d] = src[d] * q_scale;
@@ -271,6 +346,14 @@ static void attend_chunk(const void *q, int64_t q_s0, int64_t q_s1, const void *
             const float *keys[KEY_TILE];
             for (int hh = 0; hh < heads; hh++) {
                 const spread_prefetch pf = {(const char *)kc, pk_off, pn, hh * k_s2, head_bytes, elem_size};
+#if PK_BF16_DOT
+                if (bf16_dot) {
+                    const uint16_t *keys_b[KEY_TILE];
+                    for (int j = 0; j < n; j++) keys_b[j] = (const uint16_t *)kc + k_off[j] + hh * k_s2;
+                    tile_scores_bf16(qb + hh * group, group, keys_b, n, head_dim, q_scale, scores + hh * group, &pf);
+                    continue;
+                }
+#endif
                 for (int j = 0; j < n; j++)
                     keys[j] = load_row(kc, k_off[j] + hh * k_s2, cache_dtype, head_dim, ktile[j]);
                 tile_scores(qf + hh * group, group, keys, n, head_dim, scores + hh * group, &pf);

@@ -4,8 +4,10 @@
  *     packed[p][k][c] = W[32 p + c][k]          (columns past N zero)
  * float32 activations and accumulation; the weight in bfloat16 or float16 (each value widened exactly: bf16 a
  * 16-bit shift, fp16 the F16C conversion where the build has it: the float32 product of the same values, reading
- * half the bytes) or in float32. Used by w16_gemm_cpu.c (one weight, rows in order) and moe_cpu.c (one weight per
- * expert, each expert's rows gathered from the batch by an index).
+ * half the bytes) or in float32; the outputs float32, or rounded once to bf16 / fp16 (o_dt). Used by w16_gemm_cpu.c
+ * (one weight, rows in order; 16-bit activations are widened to float32 rows before they get here, or take its pair
+ * dot products under AVX512-BF16) and moe_cpu.c (one weight per expert, each expert's rows gathered from the batch
+ * by an index).
  *
  * The micro-kernel vectorizes over the panel's 32 outputs: per k it widens the panel's 32 weights once and
  * adds x[m][k] times them into the accumulators of MB activation rows (a broadcast and an FMA per vector).
@@ -16,7 +18,7 @@
  * it, so a token's result does not depend on the batch it runs in.
  *
  * Vector extensions, so the same source is AVX-512 (16 floats a register), AVX2 (8) or plain SSE/NEON (4).
- * Weight kinds are pagedkernels' dtype codes: 0 float32, 1 float16, 2 bfloat16. */
+ * Weight kinds and output dtypes are pagedkernels' dtype codes: 0 float32, 1 float16, 2 bfloat16. */
 #ifndef PAGEDKERNELS_W16_PANEL_H
 #define PAGEDKERNELS_W16_PANEL_H
 
@@ -59,6 +61,15 @@ typedef _Float16 vfhl __attribute__((vector_size(VL * 2)));
 
 /* Bytes of one weight value of a kind. */
 #define W_BYTES(kind) ((kind) == 0 ? 4 : 2)
+
+/* n float32 results to the output at element offset `offset` in dtype o_dt: float32 as they are, 16-bit ones
+ * rounded once. */
+static inline void store_cols(void *out, int64_t offset, int o_dt, const float *v, int n) {
+    if (o_dt == 0)
+        memcpy((float *)out + offset, v, sizeof(float) * (size_t)n);
+    else
+        store_row(out, offset, o_dt, n, v);
+}
 
 static inline vfl widen(const uint16_t *p, int is_bf16) {
     if (is_bf16) {
@@ -139,12 +150,12 @@ static inline void unpair(vfl even, vfl odd, float *out) {
 #endif
 
 /* Columns [n0 + c0, n0 + c0 + SUB) of panel_w (nc of them valid, counted from c0) against the mb activation rows
- * xr[0..mb) (out row i at out + i * o_s0). Always inlined with a constant mb and kind (see panel_rows), so the
- * accumulators are registers, not a stack array indexed at run time. */
+ * xr[0..mb) (out row i at element offset o_off + i * o_s0, dtype o_dt). Always inlined with a constant mb and kind
+ * (see panel_rows), so the accumulators are registers, not a stack array indexed at run time. */
 static inline __attribute__((always_inline)) void sub_panel(const float *const *xr, int mb, int64_t K,
                                                             const char *panel_w, int c0, int nc, int kind,
-                                                            float *out, int64_t o_s0, int64_t n0,
-                                                            const char *ahead) {
+                                                            void *out, int64_t o_off, int64_t o_s0, int o_dt,
+                                                            int64_t n0, const char *ahead) {
     const int64_t row_bytes = NP * W_BYTES(kind);
     vfl total[MB][2];
     memset(total, 0, sizeof total);
@@ -177,11 +188,12 @@ static inline __attribute__((always_inline)) void sub_panel(const float *const *
         }
     }
     for (int i = 0; i < mb; i++) {
-        float *o = out + i * o_s0 + n0 + c0;
+        const int64_t offset = o_off + i * o_s0 + n0 + c0;
+        float *o = (float *)out + offset; /* float32 outputs only */
         float lanes[SUB];
 #if PAIRED_BF16
         if (kind == 2) {
-            if (nc >= SUB) {
+            if (nc >= SUB && o_dt == 0) {
                 unpair(total[i][0], total[i][1], o);
                 continue;
             }
@@ -189,13 +201,13 @@ static inline __attribute__((always_inline)) void sub_panel(const float *const *
         } else
 #endif
         {
-            if (nc >= SUB) {
+            if (nc >= SUB && o_dt == 0) {
                 memcpy(o, total[i], sizeof(float) * SUB);
                 continue;
             }
             memcpy(lanes, total[i], sizeof lanes);
         }
-        memcpy(o, lanes, sizeof(float) * nc);
+        store_cols(out, offset, o_dt, lanes, nc < SUB ? nc : SUB);
     }
 }
 
@@ -203,8 +215,9 @@ static inline __attribute__((always_inline)) void sub_panel(const float *const *
  * split in sub-panels, such rows would stream the panel in strided halves, once per sub-panel (measured 1.4-2x
  * slower at one row with AVX2); whole, NP / VL accumulators per row and as many weight vectors fit. */
 static inline __attribute__((always_inline)) void whole_panel(const float *const *xr, int mb, int64_t K,
-                                                              const char *panel_w, int nc, int kind, float *out,
-                                                              int64_t o_s0, int64_t n0, const char *ahead) {
+                                                              const char *panel_w, int nc, int kind, void *out,
+                                                              int64_t o_off, int64_t o_s0, int o_dt, int64_t n0,
+                                                              const char *ahead) {
     const int64_t row_bytes = NP * W_BYTES(kind);
     vfl total[2][NP / VL];
     memset(total, 0, sizeof total);
@@ -229,42 +242,44 @@ static inline __attribute__((always_inline)) void whole_panel(const float *const
     for (int i = 0; i < mb; i++) {
         float lanes[NP];
         memcpy(lanes, total[i], sizeof lanes);
-        memcpy(out + i * o_s0 + n0, lanes, sizeof(float) * nc);
+        store_cols(out, o_off + i * o_s0 + n0, o_dt, lanes, nc);
     }
 }
 
-/* mb rows (xr[0..mb), out rows from out) of one panel (columns n0 .. n0 + nc - 1). */
+/* mb rows (xr[0..mb), out rows from element offset o_off) of one panel (columns n0 .. n0 + nc - 1). */
 static inline __attribute__((always_inline)) void panel(const float *const *xr, int mb, int64_t K,
                                                         const char *panel_w, int64_t n0, int nc, int kind,
-                                                        float *out, int64_t o_s0, const char *ahead) {
+                                                        void *out, int64_t o_off, int64_t o_s0, int o_dt,
+                                                        const char *ahead) {
     if (SUB < NP && mb <= 2) {
-        whole_panel(xr, mb, K, panel_w, nc, kind, out, o_s0, n0, ahead);
+        whole_panel(xr, mb, K, panel_w, nc, kind, out, o_off, o_s0, o_dt, n0, ahead);
         return;
     }
     for (int c0 = 0; c0 < nc; c0 += SUB)
-        sub_panel(xr, mb, K, panel_w, c0, nc - c0, kind, out, o_s0, n0, c0 == 0 ? ahead : NULL);
+        sub_panel(xr, mb, K, panel_w, c0, nc - c0, kind, out, o_off, o_s0, o_dt, n0, c0 == 0 ? ahead : NULL);
 }
 
-/* Rows [m0, m0 + mb) of a panel: input row i at x + (rows ? rows[i] : i) * x_s0, output row i at out + i * o_s0. */
+/* Rows [m0, m0 + mb) of a panel: input row i at x + (rows ? rows[i] : i) * x_s0, output row i at element offset
+ * i * o_s0 of out (dtype o_dt). */
 static inline __attribute__((always_inline)) void row_block(const float *x, int64_t x_s0, const int32_t *rows,
                                                             int64_t m0, int mb, int64_t K, const char *panel_w,
-                                                            int64_t n0, int nc, int kind, float *out, int64_t o_s0,
-                                                            const char *ahead) {
+                                                            int64_t n0, int nc, int kind, void *out, int64_t o_s0,
+                                                            int o_dt, const char *ahead) {
     const float *xr[MB];
     for (int i = 0; i < mb; i++) xr[i] = x + (rows ? (int64_t)rows[m0 + i] : m0 + i) * x_s0;
-    panel(xr, mb, K, panel_w, n0, nc, kind, out + m0 * o_s0, o_s0, ahead);
+    panel(xr, mb, K, panel_w, n0, nc, kind, out, m0 * o_s0, o_s0, o_dt, ahead);
 }
 
 /* All M rows of one panel, in blocks of MB rows (each row count its own inlined copy, the kind a constant). */
 static inline __attribute__((always_inline)) void panel_rows_kind(const float *x, int64_t x_s0, const int32_t *rows,
                                                                   int64_t M, int64_t K, const char *panel_w,
-                                                                  int64_t n0, int nc, int kind, float *out,
-                                                                  int64_t o_s0, const char *ahead) {
+                                                                  int64_t n0, int nc, int kind, void *out,
+                                                                  int64_t o_s0, int o_dt, const char *ahead) {
     int64_t m0 = 0;
 /* rows [m0, m0 + ROWS) of this panel, a constant ROWS per call site (its own inlined copy); the first block's pass
  * prefetches the next panel */
 #define ROWS_OF_PANEL(ROWS) \
-    row_block(x, x_s0, rows, m0, ROWS, K, panel_w, n0, nc, kind, out, o_s0, m0 == 0 ? ahead : NULL)
+    row_block(x, x_s0, rows, m0, ROWS, K, panel_w, n0, nc, kind, out, o_s0, o_dt, m0 == 0 ? ahead : NULL)
     /* With 6-row blocks, 1 or 2 rows left over after a block run as 4 + 3 or 4 + 4 rows instead. */
     const int64_t blocks = MB == 6 && M > MB && M % MB <= 2 && M % MB > 0 ? M / MB - 1 : M / MB;
     for (; m0 < blocks * MB; m0 += MB) ROWS_OF_PANEL(MB);
@@ -289,16 +304,17 @@ static inline __attribute__((always_inline)) void panel_rows_kind(const float *x
 #undef ROWS_OF_PANEL
 }
 
-/* M rows of one panel of a kind-`kind` weight (see panel_rows_kind; `ahead`: the next panel, prefetched by the
- * first row block's pass, or NULL). One function per translation unit, a copy per kind inside. */
+/* M rows of one panel of a kind-`kind` weight (see panel_rows_kind; out [M, ...] in dtype o_dt, row stride o_s0;
+ * `ahead`: the next panel, prefetched by the first row block's pass, or NULL). One function per translation unit,
+ * a copy per kind inside (the output dtype only matters at the stores, once per row and sub-panel). */
 static void __attribute__((unused)) panel_rows(const float *x, int64_t x_s0, const int32_t *rows, int64_t M,
                                                int64_t K, const void *panel_w, int64_t n0, int nc, int kind,
-                                               float *out, int64_t o_s0, const void *ahead) {
+                                               void *out, int64_t o_s0, int o_dt, const void *ahead) {
     const char *w = (const char *)panel_w, *next = (const char *)ahead;
     switch (kind) {
-    case 0: panel_rows_kind(x, x_s0, rows, M, K, w, n0, nc, 0, out, o_s0, next); break;
-    case 1: panel_rows_kind(x, x_s0, rows, M, K, w, n0, nc, 1, out, o_s0, next); break;
-    default: panel_rows_kind(x, x_s0, rows, M, K, w, n0, nc, 2, out, o_s0, next); break;
+    case 0: panel_rows_kind(x, x_s0, rows, M, K, w, n0, nc, 0, out, o_s0, o_dt, next); break;
+    case 1: panel_rows_kind(x, x_s0, rows, M, K, w, n0, nc, 1, out, o_s0, o_dt, next); break;
+    default: panel_rows_kind(x, x_s0, rows, M, K, w, n0, nc, 2, out, o_s0, o_dt, next); break;
     }
 }
 

@@ -217,7 +217,8 @@ class FakeGraphRunner:
         with no_host_sync():
             fn()
             self.output = fn()
-        FakeGraphRunner.captured_batch_sizes.append(self.output.shape[0])
+        first = self.output[0] if isinstance(self.output, tuple) else self.output   # a whole step: (logits, ids)
+        FakeGraphRunner.captured_batch_sizes.append(first.shape[0])
 
     def replay(self) -> torch.Tensor:
         return self.output

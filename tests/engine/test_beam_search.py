@@ -48,7 +48,7 @@ def test_tiny_llama_matches_transformers(tiny_model_dir, early_stopping, length_
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_dir):
-    return LLM(smollm2_dir, max_model_len=512, num_kv_blocks=64), load_hf_model(smollm2_dir)
+    return LLM(smollm2_dir, dtype="float32", max_model_len=512, num_kv_blocks=64), load_hf_model(smollm2_dir)
 
 
 @pytest.mark.parametrize("early_stopping", [False, True])

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine.config import ModelConfig
-
 from engine.models import load_model_config
+from pagedkernels import _native as pk_native
 from engine.models import SUPPORTED_ARCHITECTURES, get_model_class
 from tests.engine.models_util import MISTRAL_SLIDING_WINDOW
 
@@ -39,7 +39,8 @@ def test_transformers_4_keys(tmp_path):
     assert config.rope_theta == 500000.0
     assert config.rope_scaling == {"rope_type": "llama3", **LLAMA3_SCALING}
     assert config.head_dim == 256 // 8
-    assert config.dtype == torch.float32  # bf16 checkpoint runs in float32 on CPU under "auto"
+    # "auto": a bf16 checkpoint runs in bf16 on a CPU with fast bf16 arithmetic, else in float32
+    assert config.dtype == (torch.bfloat16 if pk_native.cpu_bf16_isa() else torch.float32)
     assert load_model_config(model_dir, device="cuda").dtype == torch.bfloat16
     assert load_model_config(model_dir, dtype="bfloat16", device="cpu").dtype == torch.bfloat16
     assert load_model_config(model_dir, dtype=torch.float16).dtype == torch.float16
@@ -220,3 +221,40 @@ def test_tiny_new_architectures(tiny_model_dir):
     assert phi3.layer_sliding_windows == (PHI3_SLIDING_WINDOW,) * 2
     opt = load_model_config(tiny_model_dir("opt"))
     assert opt.tie_word_embeddings and opt.layer_norm_before and opt.num_key_value_heads == 2
+
+
+@pytest.mark.parametrize("flags, checkpoint, expected, reason", [
+    ({"avx2", "fma"}, "bfloat16", torch.float32, "float32, not the checkpoint's bfloat16: this CPU has neither"),
+    ({"avx512f", "avx512_bf16"}, "bfloat16", torch.bfloat16, "the checkpoint's bfloat16: this CPU has AVX512-BF16"),
+    ({"avx512_bf16", "amx_bf16", "amx_tile"}, "bfloat16", torch.bfloat16, "the checkpoint's bfloat16: this CPU has "
+                                                                          "AMX-BF16"),
+    ({"avx512_bf16", "amx_bf16", "amx_tile"}, "float16", torch.float32, "float32, not the checkpoint's float16"),
+    ({"avx2"}, "float32", torch.float32, "the checkpoint's dtype, float32"),
+    ({"avx512_bf16", "amx_bf16", "amx_tile"}, ("bfloat16", "gptq"), torch.float32, "a quantized model's CPU GEMMs"),
+])
+def test_dtype_auto_on_cpu_follows_its_bf16_arithmetic(tmp_path, monkeypatch, caplog, flags, checkpoint, expected,
+                                                       reason):
+    """dtype="auto" on a CPU: a bf16 checkpoint runs in bf16 where the CPU has AMX-BF16 or AVX512-BF16 (its flags in
+    /proc/cpuinfo), in float32 elsewhere; float16 and quantized checkpoints in float32 everywhere; one log line says
+    which and why. An explicit dtype is taken as asked."""
+    monkeypatch.setattr(pk_native, "cpu_flags", lambda: frozenset(flags))
+    checkpoint, quant = checkpoint if isinstance(checkpoint, tuple) else (checkpoint, None)
+    quant_config = {"quantization_config": {"quant_method": quant, "bits": 4, "group_size": 128}} if quant else {}
+    model_dir = write_config(tmp_path, {"torch_dtype": checkpoint, **quant_config})
+    with caplog.at_level("INFO", logger="engine.config"):
+        assert load_model_config(model_dir, device="cpu").dtype == expected
+    lines = [r.getMessage() for r in caplog.records if r.name == "engine.config"]
+    assert len(lines) == 1 and reason in lines[0], lines
+    assert load_model_config(model_dir, dtype="float32", device="cpu").dtype == torch.float32
+    assert load_model_config(model_dir, dtype="bfloat16", device="cpu").dtype == torch.bfloat16
+
+
+def test_dtype_auto_on_cpu_says_why_when_the_kernels_did_not_build(tmp_path, monkeypatch, caplog):
+    """Without the native kernels a bf16 model would run on PyTorch twins: float32 then, and the log says why."""
+    monkeypatch.setattr(pk_native, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    monkeypatch.setattr(pk_native, "library", lambda: None)
+    monkeypatch.setattr(pk_native, "_build_error", "no C compiler found")
+    model_dir = write_config(tmp_path, {"torch_dtype": "bfloat16"})
+    with caplog.at_level("INFO", logger="engine.config"):
+        assert load_model_config(model_dir, device="cpu").dtype == torch.float32
+    assert any("native kernels did not build (no C compiler found)" in r.getMessage() for r in caplog.records)

@@ -19,6 +19,11 @@ from tests.engine.test_model_runner import BLOCK_SIZE, Seq, scatter_blocks
 NUM_KV_BLOCKS = 64
 
 
+def graph_rows(output) -> int:
+    """Rows of a captured graph's output: hidden states, or a whole step's (logits, greedy ids)."""
+    return (output[0] if isinstance(output, tuple) else output).shape[0]
+
+
 class RecordingGraphRunner(EagerGraphRunner):
     """Records, at every replay, the padded batch size and what the static buffers held. (With graphs
     on, decode batches take the decode op, the eager runner the prefill op on CPU: rounding differs.)"""
@@ -26,7 +31,7 @@ class RecordingGraphRunner(EagerGraphRunner):
 
     def capture(self, fn):
         super().capture(fn)
-        self.batch_size = self.output.shape[0]
+        self.batch_size = graph_rows(self.output)
 
     def replay(self):
         runner = self.model_runner
@@ -132,7 +137,7 @@ def test_graphs_captured_at_startup_for_the_whole_ladder(tiny_model_dir, monkeyp
     monkeypatch.setattr(RecordingGraphRunner, "replays", [])
     monkeypatch.setattr(RecordingGraphRunner, "capture",
                         lambda self, fn: (captured.append(self), EagerGraphRunner.capture(self, fn),
-                                          setattr(self, "batch_size", self.output.shape[0]))[-1])
+                                          setattr(self, "batch_size", graph_rows(self.output)))[-1])
     graphed = make_runner(model_dir, enforce_eager=False, graph_runner_class=RecordingGraphRunner,
                           capture_graphs_at_startup=True)
     assert sorted(graphed.graphs) == graph_batch_sizes(10) == [1, 2, 4, 8]
@@ -257,3 +262,48 @@ def test_failed_compile_falls_back_to_eager(tiny_model_dir, caplog):
     # (the eager runner's weights are prepacked for oneDNN, the fallen-back one's not: rounding differs)
     for a, b in zip(got, _run(eager, _sequences(eager.config.vocab_size))):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_decode_graph_runs_the_whole_step_to_the_sampler(tiny_model_dir, monkeypatch):
+    """With graphs on one rank, a decode graph computes the LM head and the greedy argmax too: an all-greedy
+    plain batch takes the graph's ids without calling the sampler, a batch with any other row samples from the
+    graph's logits; both draw what a runner whose graphs stop at the hidden states draws."""
+    from engine.sampling_params import SamplingParams
+    from engine.step_records import CachedSequenceData, NewSequenceData, SchedulerOutput
+
+    model_dir = tiny_model_dir("llama")
+    kinds = {"greedy": [SamplingParams(temperature=0)] * 3,
+             "mixed": [SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=4, top_k=20),
+                       SamplingParams(temperature=0, logprobs=2)]}
+    for name, params in kinds.items():
+        tokens = {}
+        calls = {}
+        for step_graphs in (True, False):
+            runner = make_runner(model_dir, enforce_eager=False, graph_runner_class=EagerGraphRunner)
+            runner.kv_cache.zero_()   # (make_runner poisons it with NaN; these sequences write what they read)
+            assert runner.step_graphs
+            runner.step_graphs = step_graphs
+            sample = runner.sampler.sample
+            calls[step_graphs] = []
+            monkeypatch.setattr(runner.sampler, "sample", lambda logits, meta, sample=sample, calls=calls[step_graphs]:
+                                calls.append(logits.shape[0]) or sample(logits, meta))
+            prompts = [random_token_ids(6 + 5 * i, vocab_size=runner.config.vocab_size, seed=50 + i) for i in range(3)]
+            new = [NewSequenceData(seq_id=i, token_ids=p, num_prompt_tokens=len(p), num_computed_tokens=0,
+                                   block_ids=[2 * i, 2 * i + 1], params=sp, seed=sp.seed, stop_token_ids=[])
+                   for i, (p, sp) in enumerate(zip(prompts, params))]
+            out = runner.execute_model(SchedulerOutput(new_seqs=new, cached_seqs=[],
+                                                       num_scheduled_tokens={i: len(p) for i, p in enumerate(prompts)}))
+            got = [out.sampled_token_ids[i] for i in range(3)]
+            for step in range(4):   # pure decode: the graph of 4 replays
+                num_tokens = [len(p) + step + 1 for p in prompts]
+                cached = [CachedSequenceData(i, [], 2, [], n - 1, token_start=n) for i, n in enumerate(num_tokens)]
+                out = runner.execute_model(SchedulerOutput(new_seqs=[], cached_seqs=cached,
+                                                           num_scheduled_tokens={0: 1, 1: 1, 2: 1}))
+                for i in range(3):
+                    got[i] += out.sampled_token_ids[i]
+            tokens[step_graphs] = got
+        assert tokens[True] == tokens[False], name
+        if name == "greedy":   # the prefill sampled once; the graph's argmax served the four decode steps
+            assert calls[True] == [3] and calls[False] == [3] * 5
+        else:
+            assert calls[True] == calls[False] == [3] * 5

@@ -322,7 +322,7 @@ def test_default_model_gguf_follows_the_converted_model(smollm2_dir):
     from tests.extras import default_model_gguf_or_skip
 
     gguf_llm = LLM(default_model_gguf_or_skip(), num_kv_blocks=128, max_model_len=512, enforce_eager=True)
-    float_llm = LLM(smollm2_dir, num_kv_blocks=128, max_model_len=512, enforce_eager=True)
+    float_llm = LLM(smollm2_dir, dtype="float32", num_kv_blocks=128, max_model_len=512, enforce_eager=True)
     gguf_tok, float_tok = gguf_llm.get_tokenizer(), float_llm.get_tokenizer()
     texts = [float_tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
              for p in CHAT_PROMPTS]

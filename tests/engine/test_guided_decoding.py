@@ -33,7 +33,7 @@ def chat(llm: LLM, text: str) -> dict:
 
 @pytest.fixture(scope="module")
 def llm(smollm2_dir):
-    return LLM(smollm2_dir, max_model_len=512, num_kv_blocks=96)
+    return LLM(smollm2_dir, dtype="float32", max_model_len=512, num_kv_blocks=96)
 
 
 def guided_requests(llm: LLM) -> list[tuple[dict, SamplingParams]]:
@@ -89,7 +89,8 @@ def test_guided_requests_survive_preemption(llm, smollm2_dir, batch_outputs, mod
     follows the kept output tokens, both finish with the same (greedy and seeded) tokens as without preemption."""
     picked = [0, 2]   # the JSON schema and the (seeded) regex requests
     requests = [guided_requests(llm)[i] for i in picked]
-    small = LLM(smollm2_dir, max_model_len=96, num_kv_blocks=6, preemption_mode=mode, swap_space=1 / 32)
+    small = LLM(smollm2_dir, dtype="float32", max_model_len=96, num_kv_blocks=6, preemption_mode=mode,
+                swap_space=1 / 32)
     outputs = small.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=False)
     assert small.llm_engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outputs] == [batch_outputs[i].outputs[0].token_ids for i in picked]

@@ -178,13 +178,14 @@ def test_16bit_exact_weights_get_a_16bit_copy_for_few_row_products(monkeypatch):
 
 
 def test_prepack_skips_what_onednn_does_not_take():
-    """Only float32 weights pack; others keep F.linear's path untouched."""
+    """Only float32 and bf16 weights pack (bf16: tests/engine/test_bf16_cpu.py); float16 ones keep F.linear's path
+    untouched."""
     _onednn_or_skip()
     from engine.layers.linear import Linear, prepack_linears
 
-    layer = Linear(32, 16).to(torch.bfloat16)
+    layer = Linear(32, 16).to(torch.float16)
     assert prepack_linears(layer) == 0
-    assert layer.packed_weight is None and layer.weight.shape == (16, 32)
+    assert layer.packed_weight is None and layer.w16_weight is None and layer.weight.shape == (16, 32)
 
 
 # -- the per-model knobs ---------------------------------------------------------------------------------------

@@ -24,8 +24,9 @@ BLOCK_SIZE = 16
 
 def make_runner(model_dir: str, *, num_kv_blocks: int = 64, max_model_len: int | None = 256,
                 **kwargs) -> ModelRunner:
-    config = engine_config(model_dir, device="cpu", max_model_len=max_model_len, block_size=BLOCK_SIZE,
-                           num_kv_blocks=num_kv_blocks, max_num_seqs=8, max_num_batched_tokens=512, enforce_eager=True)
+    config = engine_config(model_dir, device="cpu", dtype="float32", max_model_len=max_model_len,
+                           block_size=BLOCK_SIZE, num_kv_blocks=num_kv_blocks, max_num_seqs=8,
+                           max_num_batched_tokens=512, enforce_eager=True)
     runner = ModelRunner(config, **kwargs)
     runner.kv_cache.fill_(float("nan"))  # any read of a slot not written in this test shows
     return runner

@@ -38,7 +38,7 @@ def test_tiny_llama_chunked_and_with_cached_prefix(tiny_model_dir):
 
 
 def test_smollm2(smollm2_dir):
-    llm = LLM(smollm2_dir, max_model_len=512, num_kv_blocks=32)
+    llm = LLM(smollm2_dir, dtype="float32", max_model_len=512, num_kv_blocks=32)
     hf = load_hf_model(smollm2_dir)
     prompt = llm.get_tokenizer().encode("The paged attention kernel reads keys and values from blocks.")
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, prompt_logprobs=2,

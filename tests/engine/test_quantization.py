@@ -253,3 +253,35 @@ def test_compiled_step_runs_quantized_layers(llama_dir, tmp_path):
     eager, _ = _logprobs(quant_dir)
     for (_, _, a), (_, _, b) in zip(compiled, eager):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+
+
+@pytest.mark.native_kernels
+@pytest.mark.parametrize("method, opts", [
+    ("gptq", dict(bits=4, group_size=32, desc_act=True, sym=True)),
+    ("fp8", dict(activation_scheme="dynamic")),
+], ids=["gptq4-act-order", "fp8-dynamic"])
+def test_quantized_decode_replays_cpu_graphs_as_eager(llama_dir, tmp_path, method, opts):
+    """A quantized model's decode steps are CPU graphs, as a float one's: no quantized op reads a tensor value on the
+    host (act-order GPTQ decoded eagerly while wq_gemm checked its perm on every call; the check is at load now,
+    pagedkernels.wq_gemm.check_wq_perm). Graphs per ladder size, smaller batches over their rows, eager's logits."""
+    from engine.worker.model_runner import ModelRunner
+    from pagedkernels import _native
+    from pagedkernels.cpu_graph import CPUGraph
+    from tests.engine.test_cuda_graph_runner import NUM_KV_BLOCKS, _run, _sequences
+
+    if _native.library() is None:
+        pytest.skip(f"CPU graphs replay the native kernels, unavailable here: {_native.build_error()}")
+    quant_dir, _ = quantize_model_dir(llama_dir, str(tmp_path), method, **opts)
+    runs = {}
+    for enforce_eager in (True, False):
+        config = engine_config(quant_dir, device="cpu", max_model_len=256, block_size=BLOCK_SIZE,
+                               num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=10, max_num_batched_tokens=512,
+                               enforce_eager=enforce_eager)
+        runner = ModelRunner(config)
+        runner.kv_cache.fill_(float("nan"))
+        runs[enforce_eager] = runner, _run(runner, _sequences(runner.config.vocab_size))
+    graphed, got = runs[False]
+    assert graphed.graph_runner_class is CPUGraph and not graphed.enforce_eager, "decode fell back to eager"
+    assert sorted(graphed.graphs) == [1, 4, 8, 10] and all(g.resizable for g in graphed.graphs.values())
+    for step, (a, b) in enumerate(zip(got, runs[True][1])):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step}: {m}")

@@ -533,7 +533,7 @@ def test_readme_curl_example(server):
 
 # -- SmolLM2 ----------------------------------------------------------------------------------------------------
 def test_smollm2_chat_streamed_equals_non_streamed(smollm2_dir):
-    engine = AsyncLLMEngine.from_args(smollm2_dir, num_kv_blocks=64, max_model_len=512)
+    engine = AsyncLLMEngine.from_args(smollm2_dir, dtype="float32", num_kv_blocks=64, max_model_len=512)
     with ServerThread(build_app(engine, served_model_names=["smollm2"])) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
         kwargs = dict(model="smollm2", messages=[{"role": "user", "content": "What is the capital of France?"}],

@@ -62,7 +62,7 @@ def _evaluate(model: str, model_args: str, task_dir: str) -> tuple[float, list[l
 
 
 def test_local_completions_equals_hf(smollm2_dir, task_dir):
-    engine = AsyncLLMEngine.from_args(smollm2_dir, num_kv_blocks=64, max_model_len=256)
+    engine = AsyncLLMEngine.from_args(smollm2_dir, dtype="float32", num_kv_blocks=64, max_model_len=256)
     with ServerThread(build_app(engine, served_model_names=["smollm2"])) as server:
         server_acc, server_logliks = _evaluate(
             "local-completions", f"model=smollm2,base_url={server.url}/v1/completions,tokenizer={smollm2_dir},"

@@ -61,7 +61,7 @@ CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxL
 
 @pytest.fixture(scope="module")
 def server(smollm2_dir):
-    engine = AsyncLLMEngine.from_args(smollm2_dir, num_kv_blocks=128, max_model_len=1024)
+    engine = AsyncLLMEngine.from_args(smollm2_dir, dtype="float32", num_kv_blocks=128, max_model_len=1024)
     app = build_app(engine, served_model_names=[MODEL], chat_template=TOOL_TEMPLATE, enable_auto_tool_choice=True,
                     tool_call_parser="hermes", reasoning_parser="qwen3")
     with ServerThread(app) as server:

@@ -48,6 +48,7 @@ def _generate(model_dir: str, tensor_parallel_size: int, **kwargs):
     ("gemma2", dict(num_kv_blocks=12, max_model_len=192, preemption_mode="swap", swap_space=0.01)),
 ])
 def test_tp2_equals_tp1(tiny_model_dir, arch, kwargs):
+    """(The architectures' own parametrization; test_tp2_with_async_scheduling_equals_tp1 adds the async steps.)"""
     model_dir = tiny_model_dir(arch)
     expected, preemptions_1, hit_rate_1 = _generate(model_dir, 1, **kwargs)
     actual, preemptions_2, hit_rate_2 = _generate(model_dir, 2, **kwargs)
@@ -56,6 +57,18 @@ def test_tp2_equals_tp1(tiny_model_dir, arch, kwargs):
     assert preemptions_2 == preemptions_1
     if kwargs["num_kv_blocks"] == 12:
         assert preemptions_2 > 0, "the small cache should have forced preemption"
+
+
+def test_tp2_with_async_scheduling_equals_tp1(tiny_model_dir):
+    """Async scheduling under tensor parallelism: rank 0 samples and the worker feeds the ids in flight to its
+    forward from a device-side broadcast (the core has not got them yet): tokens equal one process without it,
+    preemption and prefix hits included."""
+    model_dir = tiny_model_dir("qwen3")
+    kwargs = dict(num_kv_blocks=12, max_model_len=192, preemption_mode="recompute")
+    expected, preemptions_1, hit_rate_1 = _generate(model_dir, 1, **kwargs)
+    actual, preemptions_2, hit_rate_2 = _generate(model_dir, 2, async_scheduling=True, **kwargs)
+    assert actual == expected
+    assert hit_rate_2 > 0 and preemptions_2 > 0
 
 
 def test_abort_frees_every_block_and_dead_worker_stops_the_engine(tiny_model_dir):
@@ -96,7 +109,7 @@ def test_smollm2_tp3_equals_tp1(smollm2_dir):
     params = SamplingParams(temperature=0, max_tokens=16)
     results = []
     for tensor_parallel_size in (3, 1):
-        llm = LLM(smollm2_dir, max_model_len=512, tensor_parallel_size=tensor_parallel_size)
+        llm = LLM(smollm2_dir, dtype="float32", max_model_len=512, tensor_parallel_size=tensor_parallel_size)
         try:
             results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         finally:

@@ -63,7 +63,8 @@ def test_every_kernel_is_recorded_for_every_dtype(recorded):
                       ("_reshape_and_cache_kernel", "key_ptr"), ("_rms_norm_kernel", "x_ptr"),
                       ("_rotary_kernel", "q_ptr"), ("_silu_and_mul_kernel", "x_ptr"), ("_wq_gemm_kernel", "x_ptr"),
                       ("_gguf_dequantize_kernel", "out_ptr"), ("_fused_moe_kernel", "a_ptr"),
-                      ("_moe_sum_kernel", "out_ptr"), ("_moe_topk_kernel", "logits_ptr")):
+                      ("_moe_sum_kernel", "out_ptr"), ("_moe_topk_kernel", "logits_ptr"),
+                      ("_lora_shrink_kernel", "x_ptr"), ("_lora_expand_kernel", "out_ptr")):
         dtypes = {_dtype(launch, arg) for launch in recorded if launch.kernel.__name__ == name}
         assert dtypes == set(_aot.DTYPES), name
     # the caches: every float dtype and float8 (as the uint8 codes the kernels read)
@@ -134,6 +135,10 @@ def test_dot_tiles_are_at_least_16(recorded):
         elif launch.kernel.__name__ == "_wq_gemm_kernel":  # (BLOCK_M x BLOCK_K[/2]) @ (.. x BLOCK_N)
             k_dim = c["BLOCK_K"] // 2 if c["WEIGHT_FORMAT"] == 0 else c["BLOCK_K"]
             assert min(c["BLOCK_M"], c["BLOCK_N"], k_dim) >= 16 and c["BLOCK_K"] % 32 == 0
+        elif launch.kernel.__name__ == "_lora_shrink_kernel":  # (BLOCK_M x BLOCK_K) @ (BLOCK_K x BLOCK_N)
+            assert min(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]) >= 16
+        elif launch.kernel.__name__ == "_lora_expand_kernel":  # (BLOCK_M x BLOCK_R) @ (BLOCK_R x BLOCK_N)
+            assert min(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_R"]) >= 16
 
 
 # ---------------------------------------------------------------------------------------------

@@ -109,7 +109,7 @@ CPU_CASES = ([pytest.param("native", case, id=f"native-{_case_id(case)}", marks=
 @pytest.mark.parametrize("backend,case", CPU_CASES)
 def test_cpu_backends_match_the_float64_reference(backend, case):
     """float32 activations; the native kernel's weights float32 panels or, for the odd cases, bf16 / fp16 panels
-    of 16-bit values (its widening is exact)."""
+    of 16-bit values (its widening is exact). 16-bit activations: tests/pagedkernels/test_bf16_cpu.py."""
     tokens, hidden, intermediate, experts, top_k, skew = case
     gen = torch.Generator().manual_seed(tokens * 7 + hidden)
     weight_dtype = (None, torch.bfloat16, torch.float16)[tokens % 3] if backend == "native" else None
@@ -157,14 +157,16 @@ def test_native_token_results_do_not_depend_on_the_batch():
 
 
 @pytest.mark.skipif(not NATIVE, reason="native CPU kernels unavailable (no C compiler)")
-def test_native_moe_layer_replays_as_a_cpu_graph_over_fewer_rows():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_moe_layer_replays_as_a_cpu_graph_over_fewer_rows(dtype):
     """Router product, top-k and the experts: three native kernel calls a CPU graph records (a decode step of a
-    MoE model); recorded for 8 tokens, a replay of 3 gives eager's first 3 rows from the inputs of the time, and
-    of all 8 eager's whole result. The sorted layout, sized for 8 tokens, serves 3."""
+    MoE model, float32 or bf16: the hidden states in the model's dtype); recorded for 8 tokens, a replay of 3 gives
+    eager's first 3 rows from the inputs of the time, and of all 8 eager's whole result. The sorted layout, sized
+    for 8 tokens, serves 3."""
     from pagedkernels.cpu_graph import CPUGraph
 
     gen = torch.Generator().manual_seed(13)
-    x, w13, w2, _, _ = random_moe(8, 48, 40, 6, 2, torch.float32, gen)
+    x, w13, w2, _, _ = random_moe(8, 48, 40, 6, 2, dtype, gen)
     router = pk.pack_w16((torch.randn(6, 48, generator=gen) / 4).to(torch.bfloat16))
     packed = (pk.pack_moe_weight(w13), pk.pack_moe_weight(w2))
 
@@ -186,6 +188,8 @@ def test_native_scratch_layout_is_what_the_kernel_takes():
     """The Python size of the native kernel's scratch: its int32 tables, padded to 64 bytes, then the float rows."""
     assert native_scratch_bytes(3, 2, 10, 6, 4) == 4 * (32 + 6 * 12 + 6 * 6)
     assert native_scratch_bytes(1, 8, 2048, 768, 128) == 4 * (416 + 8 * 2048 + 8 * 768)
+    # 16-bit hidden states: the tokens' float32 rows after them
+    assert native_scratch_bytes(3, 2, 10, 6, 4, widened_rows=True) == 4 * (32 + 6 * 12 + 6 * 6 + 3 * 10)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -359,10 +363,10 @@ def test_bad_routing_and_packing_arguments():
                           (dict(top_k=2, renormalize=1), r"renormalize must be a bool")]:
         with pytest.raises(ValueError, match=match):
             pk.moe_topk(logits, **kwargs)
-    with pytest.raises(ValueError, match=r"hidden must be float32 with packed"):
-        w13, w2 = pk.pack_moe_weight(torch.zeros(2, 8, 16)), pk.pack_moe_weight(torch.zeros(2, 16, 4))
-        pk.fused_moe(torch.zeros(1, 16, dtype=torch.float16), w13, w2, torch.ones(1, 1),
-                     torch.zeros(1, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"packed \(pack_moe_weight\) weights are for the native CPU backend"):
+        w13, w2 = torch.empty(2, 1, 16, 32, device="meta"), torch.empty(2, 1, 4, 32, device="meta")
+        pk.fused_moe(torch.empty(1, 16, dtype=torch.float16, device="meta"), w13, w2,
+                     torch.ones(1, 1, device="meta"), torch.zeros(1, 1, dtype=torch.int32, device="meta"))
     with pytest.raises(ValueError, match=r"block_size must be a positive int"):
         pk.moe_align_block_size(torch.zeros(2, 2, dtype=torch.int32), 0, 4)
     with pytest.raises(ValueError, match=r"topk_ids holds expert ids >= num_experts \(4\)"):

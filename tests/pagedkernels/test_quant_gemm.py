@@ -386,8 +386,26 @@ def test_invalid_arguments_raise_before_any_launch(changes, name, backend, monke
         pk.wq_gemm(x, qweight, scales, zeros, **args)
 
 
-def test_perm_values_are_checked_on_cpu():
+def test_perm_values_are_checked_once_not_per_call():
+    """An act-order perm's values are checked by check_wq_perm (at load), never read on the host by wq_gemm itself,
+    so a CPU graph can record the call; one out of range that reaches wq_gemm still reads nothing outside x."""
+    from pagedkernels.cpu_graph import CPUGraph
+    from pagedkernels.wq_gemm import check_wq_perm
+
     args = _valid()
+    x, qweight, scales, zeros = args.pop("x"), args.pop("qweight"), args.pop("scales"), args.pop("zeros")
+    with pytest.raises(ValueError, match=r"perm: column indices must lie in \[0, 64\), got values in \[1, 64\]"):
+        check_wq_perm(torch.arange(64) + 1, 64)
     with pytest.raises(ValueError, match="perm"):
-        pk.wq_gemm(args.pop("x"), args.pop("qweight"), args.pop("scales"), args.pop("zeros"),
-                   perm=torch.arange(64) + 1, **args)
+        check_wq_perm(torch.arange(32), 64)
+    with pytest.raises((IndexError, RuntimeError), match="out of (range|DATA bounds)"):
+        pk.wq_gemm(x, qweight, scales, zeros, perm=torch.arange(64) + 1, **args)
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(3))
+    check_wq_perm(perm, 64)
+    if _native.library() is None:
+        return
+    graph = CPUGraph()
+    graph.capture(lambda: pk.wq_gemm(x, qweight, scales, zeros, perm=perm, **args))
+    x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(4)).to(x.dtype))
+    torch.testing.assert_close(graph.replay(), pk.wq_gemm(x, qweight, scales, zeros, perm=perm, **args), rtol=0,
+                               atol=0)

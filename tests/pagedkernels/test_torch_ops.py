@@ -7,7 +7,7 @@ all of them compiles with inductor, fullgraph and dynamic shapes (no graph break
 eager results, K/V cache writes and in-place rotary/norm updates included. Decode attention is
 checked with and without a caller's workspace (two ops: see the module's docstring), and the KV ops
 with a float8 cache and its scales; the quantized GEMMs (wq_gemm, gguf_gemm, gguf_dequantize, fp8_gemm, w16_gemm)
-are in the compiled step too.
+and the multi-LoRA pair (lora_shrink, lora_expand_) are in the compiled step too.
 
 The fake implementations run each op's own argument checks: under FakeTensorMode with CUDA tensors
 (which FakeTensorMode makes on a CPU-only torch too) every op gives its output's shape, dtype and
@@ -66,6 +66,11 @@ def _inputs(seed=0):
         router=torch.randn(40, 6, generator=gen),
         w13=torch.randn(6, 48, 40, generator=gen) / 6,
         w2=torch.randn(6, 40, 24, generator=gen) / 5,
+        # adapters in 3 slots for a 2-slice (24 + 16 outputs) projection of x, rank 8; token 1 without one
+        lora_a=torch.randn(3, 16, 32, generator=gen) / 6,
+        lora_b=torch.randn(3, 40, 8, generator=gen) / 3,
+        lora_base=torch.randn(32, 40, generator=gen) / 6,
+        lora_indices=torch.tensor([2, -1, 0], dtype=torch.int32),
     )
 
 
@@ -104,8 +109,11 @@ def _step(ops, inp, key_cache, value_cache):
     topk_weights, topk_ids = ops.moe_topk(w16_out @ inp["router"], 2, renormalize=True)
     moe_out = ops.fused_moe(w16_out, inp["w13"], inp["w2"], topk_weights, topk_ids)
     sorted_ids, expert_ids, num_post_padded = ops.moe_align_block_size(topk_ids, 16, 6)
+    lora_buffer = ops.lora_shrink(inp["x"], inp["lora_a"], inp["lora_indices"], scale=0.5)
+    lora_out = ops.lora_expand(lora_buffer, inp["lora_b"], inp["lora_indices"], inp["x"] @ inp["lora_base"],
+                               slice_sizes=(24, 16))
     return (act, residual, decode_ws, projected, gguf_out, gguf_weight, fp8_out, w16_out, topk_weights, moe_out,
-            sorted_ids, expert_ids, num_post_padded)
+            sorted_ids, expert_ids, num_post_padded, lora_buffer, lora_out)
 
 
 def test_every_registered_op_is_listed_and_tested():
@@ -157,6 +165,8 @@ def _opcheck_cases():
     key_cache, value_cache = kv.key_cache.nan_to_num(), kv.value_cache.nan_to_num()
     decode = (q, key_cache, value_cache, kv.block_tables, kv.seq_lens)
     key_cache8, value_cache8 = (c.float().nan_to_num().to(FP8) for c in (inp["key_cache8"], inp["value_cache8"]))
+    lora_indices = torch.tensor([3, -1, 0], dtype=torch.int32)
+    lora_mapping = pk.lora_mapping(lora_indices, 4)
     decode8 = (q, key_cache8, value_cache8, kv.block_tables, kv.seq_lens)
     return {
         "reshape_and_cache": (k, k.clone(), key_cache.clone(), value_cache.clone(), inp["slots"]),
@@ -179,6 +189,10 @@ def _opcheck_cases():
         "fused_moe": (torch.randn(num_tokens, 40, generator=gen), inp["w13"], inp["w2"], torch.rand(num_tokens, 2),
                       torch.tensor([[3, 1], [1, 0], [5, 3]], dtype=torch.int32), "silu",
                       torch.tensor([0, 1, -1, 2, 3, 4, 5, -1], dtype=torch.int32)),
+        "lora_shrink": (torch.randn(num_tokens, 64, generator=gen), torch.randn(4, 48, 64, generator=gen),
+                        lora_indices, 0.5, None, *lora_mapping),
+        "lora_expand_": (torch.randn(num_tokens, 48, generator=gen), torch.randn(4, 40, 16, generator=gen),
+                         lora_indices, torch.randn(num_tokens, 40, generator=gen), [24, 8, 8], *lora_mapping),
     }
 
 
@@ -245,6 +259,7 @@ _TABLES, _LENS = ((3, 4), torch.int32), ((3,), torch.int32)
 # Each op's arguments in order: (name, (shape, dtype)) for a tensor, (name, value) otherwise; and the
 # output's (shape, dtype) (None for the in-place ops).
 _CACHE8 = ((12, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), FP8)
+_LORA_INDICES = ((3,), torch.int32)
 SPECS = {
     "reshape_and_cache": ([("key", _KV), ("value", _KV), ("key_cache", _CACHE8), ("value_cache", _CACHE8),
                            ("slot_mapping", ((3,), torch.int64)), ("k_scale", K_SCALE), ("v_scale", V_SCALE)], None),
@@ -285,6 +300,12 @@ SPECS = {
     "fused_moe": ([("hidden", ((3, 40), None)), ("w13", ((4, 48, 40), None)), ("w2", ((4, 40, 24), None)),
                    ("topk_weights", ((3, 2), torch.float32)), ("topk_ids", ((3, 2), torch.int32)),
                    ("activation", "silu"), ("expert_map", ((6,), torch.int32))], ((3, 40), None)),
+    "lora_shrink": ([("x", ((3, 64), None)), ("lora_a", ((4, 48, 64), None)), ("token_lora_indices", _LORA_INDICES),
+                     ("scale", 0.5), ("num_splits", None), ("sorted_token_ids", _LORA_INDICES),
+                     ("lora_token_starts", ((5,), torch.int32))], ((3, 48), torch.float32)),
+    "lora_expand_": ([("buffer", ((3, 48), torch.float32)), ("lora_b", ((4, 40, 16), None)),
+                      ("token_lora_indices", _LORA_INDICES), ("out", ((3, 40), None)), ("slice_sizes", [24, 8, 8]),
+                      ("sorted_token_ids", _LORA_INDICES), ("lora_token_starts", ((5,), torch.int32))], None),
 }
 TENSOR_ARGS = [(op, arg) for op, (args, _) in SPECS.items() for arg, spec in args if isinstance(spec, tuple)]
 # The arguments that can be on another device than the op's other tensors (silu_and_mul has one tensor).
@@ -379,6 +400,12 @@ def _public_call(op, args):
         return pk.moe_topk(*args[:2], **{k: kw[k] for k in names[2:]})
     if op == "fused_moe":
         return pk.fused_moe(*args[:5], activation=kw["activation"], expert_map=kw["expert_map"])
+    mapping = {k: kw[k] for k in ("sorted_token_ids", "lora_token_starts") if k in kw}
+    if op == "lora_shrink":
+        return pk.lora_shrink(*args[:3], scale=kw["scale"], num_splits=kw["num_splits"], **mapping)
+    if op == "lora_expand_":
+        pk.lora_expand(*args[:4], slice_sizes=kw["slice_sizes"], **mapping)
+        return None
     return getattr(pk, op)(*args)
 
 
@@ -389,7 +416,7 @@ def test_public_ops_on_fake_and_meta_tensors(op, backend, monkeypatch):
     checks run, the output is allocated, no kernel (Triton, native, PyTorch twin) is reached."""
     import importlib
 
-    from pagedkernels import _native, cache_ops, decode_attention, gguf_quant, prefill_attention
+    from pagedkernels import _native, cache_ops, decode_attention, gguf_quant, lora, prefill_attention
 
     # the modules, not the functions of the same names that pagedkernels re-exports
     wq_gemm, fp8_gemm, w16_gemm, fused_moe, moe_topk, moe_align = (
@@ -410,7 +437,9 @@ def test_public_ops_on_fake_and_meta_tensors(op, backend, monkeypatch):
                          (w16_gemm, "unpack_w16"), (moe_topk, "_moe_topk_triton"), (moe_topk, "_moe_topk_torch"),
                          (_native, "moe_topk"), (moe_align, "_moe_align_triton"), (moe_align, "_moe_align_torch"),
                          (fused_moe, "_fused_moe_triton"), (fused_moe, "_fused_moe_torch"), (_native, "fused_moe"),
-                         (fused_moe, "unpack_moe_weight")):
+                         (fused_moe, "unpack_moe_weight"), (lora, "_shrink_triton"), (lora, "_expand_triton"),
+                         (lora, "_shrink_torch"), (lora, "_expand_torch"), (lora, "lora_mapping"),
+                         (_native, "lora_shrink"), (_native, "lora_expand")):
         monkeypatch.setattr(module, attr, no_kernel)
     with pk.use_backend(backend):
         with FakeTensorMode():

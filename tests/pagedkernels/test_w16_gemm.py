@@ -78,11 +78,13 @@ def test_out_argument_and_strided_rows(backend):
     assert buffer[:, :4].isnan().all() and buffer[:, 25:].isnan().all()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("xdtype", [torch.float16, torch.bfloat16])
-def test_16bit_activations_take_the_float32_product_rounded(xdtype):
+def test_16bit_activations_take_the_float32_product_rounded(backend, xdtype):
     gen = torch.Generator().manual_seed(4)
-    weight, x = _weight(12, 32, torch.bfloat16, gen), torch.randn(3, 32, generator=gen).to(xdtype)
-    out = pk.w16_gemm(x, pk.pack_w16(weight), 12)
+    weight, x = _weight(40, 32, torch.bfloat16, gen), torch.randn(3, 32, generator=gen).to(xdtype)
+    with pk.use_backend(backend):
+        out = pk.w16_gemm(x, pk.pack_w16(weight), 40)
     assert out.dtype == xdtype
     assert_product(out, x, weight)
 
@@ -142,7 +144,8 @@ def test_empty_products():
 def test_portable_builds(march, tmp_path):
     """The kernel's other SIMD paths (this machine's build takes the widest): generic vectors (x86-64: SSE2,
     fp16 converted element by element) and AVX2/F16C (x86-64-v3: bf16 widened in even/odd pairs), each built
-    afresh in a process of its own, at row counts that take every block size and remainder."""
+    afresh in a process of its own, at row counts that take every block size and remainder, with float32 and
+    16-bit activations."""
     script = textwrap.dedent("""
         import torch, pagedkernels as pk
         from pagedkernels import _native
@@ -155,9 +158,10 @@ def test_portable_builds(march, tmp_path):
             for M, N, K in [(1, 37, 48), (3, 130, 96), (5, 9, 576), (9, 33, 7), (6, 64, 64), (7, 40, 96),
                             (8, 33, 130), (13, 70, 50), (14, 32, 64), (18, 100, 33)]:
                 w = (torch.randn(N, K, generator=gen) / 8).to(wdtype)
-                x = torch.randn(M, K, generator=gen)
-                with pk.use_backend("native"):
-                    assert_product(pk.w16_gemm(x, pk.pack_w16(w), N), x, w)
+                # float32 activations, and 16-bit ones (widened once, the output rounded once)
+                for x in (torch.randn(M, K, generator=gen), torch.randn(M, K, generator=gen).to(wdtype)):
+                    with pk.use_backend("native"):
+                        assert_product(pk.w16_gemm(x, pk.pack_w16(w), N), x, w)
         print("ok")
     """)
     env = {**os.environ, "PAGEDKERNELS_NATIVE_MARCH": march, "PAGEDKERNELS_CACHE_DIR": str(tmp_path)}

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.quantization.base import LinearMethodBase, new_param
+from engine.platform import DevicePolicy
 
 
 def _onednn_linear_op():
@@ -41,6 +42,16 @@ def _onednn_applies(x: torch.Tensor) -> bool:
             and not torch.compiler.is_compiling())
 
 
+def _onednn_bf16_available() -> bool:
+    """Whether oneDNN multiplies bf16 on this CPU (AVX512BW/VL/DQ or AVX-NE-CONVERT: its bf16 weight reorder refuses
+    others) and the oneDNN path is on."""
+    return _ONEDNN_LINEAR is not None and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _cpu_eager(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 # Rows up to which a float32 CPU product takes the weight's 16-bit copy (pagedkernels.w16_gemm) when the layer
 # has one: a decode step's product is bound by the weight's bytes up to a few dozen rows, and the 16-bit copy
 # halves them. Measured on a 2-core AMD EPYC (AVX-512, torch 2.13), weights cold as in a step: 2.5-4x faster than
@@ -52,6 +63,11 @@ W16_MAX_ROWS = 64
 
 def _w16_enabled() -> bool:
     return os.environ.get("ENGINE_CPU_W16", "1").strip() not in ("0", "false", "False")
+
+
+# Rows up to which a bf16 CPU product takes the layer's panel-packed copy instead of oneDNN's prepacked bf16 one, by
+# the CPU's bf16 arithmetic (engine/platform.py, DevicePolicy.cpu_bf16_w16_max_rows); None: every row.
+BF16_W16_MAX_ROWS = DevicePolicy.for_device("cpu").cpu_bf16_w16_max_rows
 
 
 def exact_16bit_dtype(weight: torch.Tensor) -> torch.dtype | None:
@@ -80,7 +96,12 @@ class UnquantizedLinearMethod(LinearMethodBase):
     A float32 weight whose values are all bf16 (or fp16) ones, as a 16-bit checkpoint's are, also gets a
     16-bit copy in ``pagedkernels.w16_gemm``'s layout (``w16_weight``): products of up to
     :data:`W16_MAX_ROWS` rows (decode steps) read it instead, half the bytes, the same values and float32
-    arithmetic. ``ENGINE_CPU_W16=0`` turns it off."""
+    arithmetic. ``ENGINE_CPU_W16=0`` turns it off.
+
+    A bf16 weight on the CPU (a bf16 model) gets both as well: oneDNN's prepacked bf16 copy (AMX tiles where the CPU
+    has them) for prefills and large decode batches, where oneDNN multiplies bf16 at all, and the panel-packed copy
+    for products of up to :data:`BF16_W16_MAX_ROWS` rows (every product where oneDNN has no bf16): bf16 in and out,
+    float32 accumulation. The plain weight is then freed as for float32."""
 
     def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, weight_loader) -> None:
@@ -91,29 +112,54 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         w16 = getattr(layer, "w16_weight", None)
-        if w16 is not None and x.dim() == 2 and x.shape[0] <= W16_MAX_ROWS and _onednn_applies(x):
+        packed = layer.packed_weight
+        if w16 is not None and x.dim() == 2 and _cpu_eager(x) and (
+                (x.dtype == torch.float32 and x.shape[0] <= W16_MAX_ROWS and _onednn_applies(x))
+                or (x.dtype == torch.bfloat16 and w16.dtype == torch.bfloat16
+                    and (packed is None or BF16_W16_MAX_ROWS is None or x.shape[0] <= BF16_W16_MAX_ROWS))):
             from engine.layers import pk_ops
             out = pk_ops().w16_gemm(x if x.stride(-1) == 1 else x.contiguous(), w16, layer.w16_rows)
             return out if bias is None else out.add_(bias)
-        packed = layer.packed_weight
         if packed is None:
-            return linear(x, layer.weight, bias)
-        if _onednn_applies(x):
+            return linear(x, _plain_weight(layer), bias)
+        if _onednn_applies(x) or (x.dtype == packed.dtype == torch.bfloat16 and _cpu_eager(x)):
             return _ONEDNN_LINEAR(x, packed, bias, "none", [], "")
-        weight = layer.weight if layer.weight.numel() else packed.to_dense()
-        return linear(x, weight, bias)
+        return linear(x, _plain_weight(layer), bias)
 
     @staticmethod
     def prepack(layer: nn.Module, *, keep_weight: bool) -> bool:
-        """Pack ``layer.weight`` if the oneDNN path applies to it (float32, CPU, not disabled); without
-        ``keep_weight`` the plain weight is then freed (as vLLM's CPU backend does) and rebuilt from the
-        packed one only if a call cannot take the packed path (under torch.compile). Returns whether it packed."""
+        """Pack ``layer.weight`` if the oneDNN path applies to it (float32, CPU, not disabled; a bf16 weight: see
+        :meth:`_prepack_bf16`); without ``keep_weight`` the plain weight is then freed (as vLLM's CPU backend does)
+        and rebuilt from the packed one only if a call cannot take the packed path (under torch.compile). Returns
+        whether it packed."""
         weight = layer.weight
-        if (_ONEDNN_LINEAR is None or weight.dtype != torch.float32 or weight.device.type != "cpu"
-                or weight.dim() != 2 or weight.numel() == 0):
+        if weight.device.type != "cpu" or weight.dim() != 2 or weight.numel() == 0:
+            return False
+        if weight.dtype == torch.bfloat16:
+            return UnquantizedLinearMethod._prepack_bf16(layer, keep_weight=keep_weight)
+        if _ONEDNN_LINEAR is None or weight.dtype != torch.float32:
             return False
         layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PREPACK_BATCH_HINT)
         UnquantizedLinearMethod.add_w16_copy(layer, weight.detach())
+        if not keep_weight:
+            layer.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
+        return True
+
+    @staticmethod
+    def _prepack_bf16(layer: nn.Module, *, keep_weight: bool) -> bool:
+        """A bf16 CPU weight's two copies (see the class docstring): oneDNN's where it multiplies bf16, the panels
+        where the native kernels built. The plain weight goes when one of them can take every product (oneDNN
+        alone; the panels alone where oneDNN has no bf16), as for float32."""
+        from pagedkernels import _native
+        from pagedkernels.w16_gemm import pack_w16
+
+        weight = layer.weight.detach()
+        if _onednn_bf16_available():
+            layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, PREPACK_BATCH_HINT)
+        if _w16_enabled() and _native.library() is not None:
+            layer.w16_weight, layer.w16_rows = pack_w16(weight), weight.shape[0]
+        if layer.packed_weight is None and getattr(layer, "w16_weight", None) is None:
+            return False
         if not keep_weight:
             layer.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
         return True
@@ -136,8 +182,19 @@ class UnquantizedLinearMethod(LinearMethodBase):
         return True
 
 
+def _plain_weight(layer: nn.Module) -> torch.Tensor:
+    """The layer's ``[N, K]`` weight, rebuilt from a packed copy where prepack freed it (a call no packed path takes:
+    under torch.compile)."""
+    if layer.weight.numel():
+        return layer.weight
+    if layer.packed_weight is not None:
+        return layer.packed_weight.to_dense()
+    from pagedkernels.w16_gemm import unpack_w16
+    return unpack_w16(layer.w16_weight, layer.w16_rows)
+
+
 def prepack_linears(model: nn.Module) -> int:
-    """Prepack every unquantized float32 CPU linear weight of ``model`` (see
+    """Prepack every unquantized float32 or bf16 CPU linear weight of ``model`` (see
     :meth:`UnquantizedLinearMethod.prepack`); weights that another module also uses (a tied LM head's
     embedding) are kept. Returns how many were packed."""
     users: dict[int, int] = {}

@@ -9,12 +9,17 @@ from torch import nn
 
 from engine.layers.quantization.base import replace_param
 from pagedkernels.quant_formats import WQWeight
+from pagedkernels.wq_gemm import check_wq_perm
 
 
 def install_wq(layer: nn.Module, wq: WQWeight, *, drop: tuple[str, ...], pad_perm: torch.Tensor | None = None) -> None:
     """Replace the checkpoint's parameters (``drop``) with the canonical ones: ``qweight`` (uint8), ``scales``,
     ``zeros`` (float zero points, or None: symmetric), ``perm`` (act-order column order, or None), and
-    ``pad_perm`` (see :func:`wq_apply`)."""
+    ``pad_perm`` (see :func:`wq_apply`; built by gptq.py's regrouping, in range by construction). ``perm``'s column
+    indices are checked here, once: wq_gemm reads no tensor value on the host, so that a quantized model's decode
+    step can be a CPU graph (act-order GPTQ decoded eagerly while wq_gemm checked them on every call)."""
+    if wq.perm is not None:
+        check_wq_perm(wq.perm, wq.qweight.shape[1] * (8 // wq.bits))
     for name in drop:
         replace_param(layer, name, None)
         delattr(layer, name)

@@ -1,0 +1,28 @@
+"""bench.lora_cpu --quick: every token count and method measured on its tiny projection, each LoRA method's result
+checked against the float32 reference first (a mis-wired benchmark fails here), the ratios and the report written."""
+
+from __future__ import annotations
+
+import json
+
+from bench import lora_cpu
+
+
+def test_quick_run_writes_every_row(tmp_path, capsys):
+    out = tmp_path / "lora.json"
+    assert lora_cpu.main(["--quick", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["quick"] and report["benchmark"] == "bench.lora_cpu" and report["cpu"]
+    methods = ("pagedkernels", "per-adapter loop", "torch twin", "base linear")
+    rows = {(r["projection"], r["tokens"], r["method"]): r for r in report["rows"]}
+    assert set(rows) == {(name, n, m) for name, _, _ in lora_cpu.QUICK_PROJECTIONS for n in lora_cpu.QUICK_TOKENS
+                         for m in methods}
+    assert lora_cpu.TOKENS == (1, 64, 1024) and report["peaks"] is None   # the real run's token counts
+    for (name, tokens, method), row in rows.items():
+        assert row["us"] > 0 and row["us_min"] <= row["us"]
+        if method == "base linear":
+            assert row["loop_over_this"] is None and row["GFLOPs"] is None
+        else:
+            assert row["loop_over_this"] > 0 and row["this_over_base"] > 0 and row["GFLOPs"] > 0
+    assert rows[("qkv", 64, "per-adapter loop")]["loop_over_this"] == 1.0
+    assert "loop/this" in capsys.readouterr().out

@@ -1,0 +1,221 @@
+/* Multi-LoRA shrink and expand (pagedkernels/lora.py has the math): a batch whose tokens use different adapters,
+ * each token's adapter slot in idx[t] (-1: none), the adapters' weights stacked by slot.
+ *
+ *   shrink: out[t, j]        = scale * sum_k x[t, k] * a[idx[t], j, k]          (0 when idx[t] = -1)
+ *   expand: out[t, o_s + n] += sum_r buf[t, s R + r] * b[idx[t], o_s + n, r]   (row untouched when idx[t] = -1)
+ *
+ * Each call first groups the tokens by slot (a counting sort: one pass, which also checks every index; a bad one
+ * returns 1 before anything is written), then splits the work into items of one slot and one block of the
+ * output: rows of A (shrink) or columns of B (expand). An item converts its block of weights to float32 once and
+ * runs every token of its slot against it, so the block stays in cache while the tokens pass, and a batch of many
+ * adapters reads each adapter's weights about once, as one adapter's would be.
+ *
+ * Arithmetic is float32: the shrink's dots in VW-wide vector accumulators (its K is a hidden size), summed across
+ * lanes once per output; the expand's small rank reduction as broadcasts and FMAs over a block of output columns
+ * (no horizontal sums). Every token's result is the same operations in the same order whatever tokens share its
+ * batch. Same build and calling convention as the other kernels: Python checks shapes, dtypes and strides (row
+ * strides in elements, last dimensions contiguous); dtype codes 0 = float32, 1 = float16, 2 = bfloat16. */
+#include "cpu_common.h"
+
+/* Rows of A per shrink item, and tokens taken together (JB x TB vector accumulators). */
+#define JB 4 /* vsumw4 sums four accumulators at once */
+#define TB 2
+/* Output columns per expand item. */
+#define NB 64
+/* Below this many multiply-adds (about 50 us of one core's work) a call runs on one thread: a LoRA call is small next
+ * to its layer's GEMM, and a fork/join whose threads are not all running at once (a loaded machine) waits for a
+ * time slice. A judgment, not a measurement (the machine this was written on was shared): bench/lora_cpu.py on a
+ * quiet one is where to tune it. */
+#define LORA_PARALLEL_MIN 262144
+#define BAD_VALUES 1
+#define OUT_OF_MEMORY (-2)
+
+/* order: the token ids grouped by slot (stable), tokens without an adapter last; starts[l] .. starts[l + 1]: slot
+ * l's run (starts[num_loras + 1] = M). Returns 0, or BAD_VALUES for an index outside [-1, num_loras). */
+static int group_tokens(const int32_t *idx, int64_t M, int64_t num_loras, int64_t *starts, int64_t *order) {
+    memset(starts, 0, sizeof(int64_t) * (num_loras + 2));
+    for (int64_t t = 0; t < M; t++) {
+        const int32_t v = idx[t];
+        if (v < -1 || v >= num_loras) return BAD_VALUES;
+        starts[(v < 0 ? num_loras : v) + 1]++;
+    }
+    for (int64_t l = 0; l <= num_loras; l++) starts[l + 1] += starts[l];
+    int64_t *cursor = starts + num_loras + 2; /* scratch after starts: num_loras + 1 entries */
+    memcpy(cursor, starts, sizeof(int64_t) * (num_loras + 1));
+    for (int64_t t = 0; t < M; t++) {
+        const int32_t v = idx[t];
+        order[cursor[v < 0 ? num_loras : v]++] = t;
+    }
+    return 0;
+}
+
+static inline float *row_as_float(const void *base, int64_t offset, int dtype, int64_t n, float *tmp) {
+    return (float *)load_row(base, offset, dtype, n, tmp);
+}
+
+/* x [M, K] (row stride x_s0, dtype dt), a [num_loras, N, K] (strides a_s0, a_s1; x's dtype), idx int32 [M],
+ * out float32 [M, N] (row stride o_s0). Returns 0, BAD_VALUES (an index out of range: nothing written) or
+ * OUT_OF_MEMORY. */
+int pk_lora_shrink(const void *x, int64_t x_s0, int dt, int64_t M, int64_t K, const void *a, int64_t a_s0,
+                   int64_t a_s1, int64_t N, int64_t num_loras, const int32_t *idx, float scale, float *out,
+                   int64_t o_s0, int num_threads) {
+    if (M <= 0 || N <= 0) return 0;
+    int64_t *meta = (int64_t *)malloc(sizeof(int64_t) * (2 * num_loras + 3 + M));
+    if (!meta) return OUT_OF_MEMORY;
+    int64_t *starts = meta, *order = meta + 2 * num_loras + 3;
+    if (group_tokens(idx, M, num_loras, starts, order)) {
+        free(meta);
+        return BAD_VALUES;
+    }
+    for (int64_t i = starts[num_loras]; i < M; i++) memset(out + order[i] * o_s0, 0, sizeof(float) * N);
+    /* items: (slot, block of JB rows of A), for the slots with tokens */
+    const int64_t row_blocks = (N + JB - 1) / JB;
+    int64_t items = 0;
+    for (int64_t l = 0; l < num_loras; l++) items += starts[l + 1] > starts[l] ? row_blocks : 0;
+    int64_t *item_slot = (int64_t *)malloc(sizeof(int64_t) * (items > 0 ? items : 1));
+    if (!item_slot) {
+        free(meta);
+        return OUT_OF_MEMORY;
+    }
+    items = 0;
+    for (int64_t l = 0; l < num_loras; l++)
+        if (starts[l + 1] > starts[l])
+            for (int64_t b = 0; b < row_blocks; b++) item_slot[items++] = l * row_blocks + b;
+    const int64_t work = starts[num_loras] * N * K;
+    int failed = 0;
+#pragma omp parallel num_threads(work >= LORA_PARALLEL_MIN ? num_threads : 1)
+    {
+        /* per thread: JB rows of A and TB rows of x as float32 (16-bit inputs only) */
+        float *buf = dt == 0 ? NULL : (float *)malloc(sizeof(float) * (JB + TB) * K);
+        const int ok = dt == 0 || buf != NULL;
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < items; item++) {
+            if (!ok) continue;
+            const int64_t l = item_slot[item] / row_blocks, j0 = item_slot[item] % row_blocks * JB;
+            const int jn = N - j0 < JB ? (int)(N - j0) : JB;
+            const float *arow[JB];
+            for (int j = 0; j < JB; j++) /* rows past N repeat the last one: computed, never stored */
+                arow[j] = row_as_float(a, l * a_s0 + (j0 + (j < jn ? j : jn - 1)) * a_s1, dt, K,
+                                       buf ? buf + j * K : NULL);
+            for (int64_t i = starts[l]; i < starts[l + 1]; i += TB) {
+                const int tn = starts[l + 1] - i < TB ? (int)(starts[l + 1] - i) : TB;
+                const float *xrow[TB];
+                for (int t = 0; t < TB; t++) /* a missing partner repeats the last token: computed, never stored */
+                    xrow[t] = row_as_float(x, order[i + (t < tn ? t : tn - 1)] * x_s0, dt, K,
+                                           buf ? buf + (JB + t) * K : NULL);
+                vfw acc[TB][JB];
+                memset(acc, 0, sizeof acc);
+                int64_t k = 0;
+                for (; k + VW <= K; k += VW) {
+                    vfw av[JB];
+                    for (int j = 0; j < JB; j++) av[j] = vloadw(arow[j] + k);
+                    for (int t = 0; t < TB; t++) {
+                        const vfw xv = vloadw(xrow[t] + k);
+                        for (int j = 0; j < JB; j++) acc[t][j] += xv * av[j];
+                    }
+                }
+                for (int t = 0; t < tn; t++) {
+                    const vf4 sums = vsumw4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]);
+                    float *o = out + order[i + t] * o_s0 + j0;
+                    for (int j = 0; j < jn; j++) {
+                        float s = sums[j];
+                        for (int64_t kk = k; kk < K; kk++) s += xrow[t][kk] * arow[j][kk];
+                        o[j] = s * scale;
+                    }
+                }
+            }
+        }
+        free(buf);
+    }
+    free(item_slot);
+    free(meta);
+    return failed ? OUT_OF_MEMORY : 0;
+}
+
+/* buf float32 [M, num_slices * rank] (row stride buf_s0), b [num_loras,
+ * out_features, rank] (strides b_s0, b_s1; out's dtype), idx int32 [M], slice sizes n0, n1, n2 (the first
+ * num_slices used), out [M, out_features] (row stride o_s0, dtype dt), updated in place. Returns 0, BAD_VALUES
+ * or OUT_OF_MEMORY. */
+int pk_lora_expand(const float *buffer, int64_t buf_s0, int64_t M, int64_t rank, const void *b, int64_t b_s0,
+                   int64_t b_s1, int64_t num_loras, const int32_t *idx, int64_t n0, int64_t n1, int64_t n2,
+                   int num_slices, void *out, int64_t o_s0, int dt, int num_threads) {
+    if (M <= 0) return 0;
+    int64_t *meta = (int64_t *)malloc(sizeof(int64_t) * (2 * num_loras + 3 + M));
+    if (!meta) return OUT_OF_MEMORY;
+    int64_t *starts = meta, *order = meta + 2 * num_loras + 3;
+    if (group_tokens(idx, M, num_loras, starts, order)) {
+        free(meta);
+        return BAD_VALUES;
+    }
+    const int64_t sizes[3] = {n0, num_slices > 1 ? n1 : 0, num_slices > 2 ? n2 : 0};
+    int64_t col_blocks = 0, slice_start[3] = {0, 0, 0}, out_features = 0;
+    for (int s = 0; s < num_slices; s++) {
+        slice_start[s] = out_features;
+        out_features += sizes[s];
+        col_blocks += (sizes[s] + NB - 1) / NB;
+    }
+    int64_t items = 0;
+    for (int64_t l = 0; l < num_loras; l++) items += starts[l + 1] > starts[l] ? col_blocks : 0;
+    int64_t *item_code = (int64_t *)malloc(sizeof(int64_t) * (items > 0 ? items : 1));
+    if (!item_code) {
+        free(meta);
+        return OUT_OF_MEMORY;
+    }
+    items = 0; /* item: slot * col_blocks + (its slice's first block + block within the slice) */
+    for (int64_t l = 0; l < num_loras; l++)
+        if (starts[l + 1] > starts[l])
+            for (int64_t c = 0; c < col_blocks; c++) item_code[items++] = l * col_blocks + c;
+    const int64_t work = starts[num_loras] * out_features * rank;
+    int failed = 0;
+#pragma omp parallel num_threads(work >= LORA_PARALLEL_MIN ? num_threads : 1)
+    {
+        /* per thread: the B block transposed to [rank][NB] float32, a converted row of b, a row of out */
+        const int64_t tmp_len = rank > NB ? rank : NB;
+        float *bt = (float *)malloc(sizeof(float) * (rank * NB + tmp_len + NB));
+        if (!bt) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < items; item++) {
+            if (!bt) continue;
+            const int64_t l = item_code[item] / col_blocks;
+            int64_t c = item_code[item] % col_blocks;
+            int s = 0;
+            while (c >= (sizes[s] + NB - 1) / NB) c -= (sizes[s++] + NB - 1) / NB;
+            const int64_t c0 = slice_start[s] + c * NB; /* first column of out and b */
+            const int nc = slice_start[s] + sizes[s] - c0 < NB ? (int)(slice_start[s] + sizes[s] - c0) : NB;
+            float *tmp = bt + rank * NB, *orow = tmp + tmp_len;
+            for (int n = 0; n < nc; n++) {
+                const float *brow = load_row(b, l * b_s0 + (c0 + n) * b_s1, dt, rank, tmp);
+                for (int64_t r = 0; r < rank; r++) bt[r * NB + n] = brow[r];
+            }
+            for (int64_t r = 0; r < rank; r++)
+                for (int n = nc; n < NB; n++) bt[r * NB + n] = 0.0f;
+            for (int64_t i = starts[l]; i < starts[l + 1]; i++) {
+                const int64_t t = order[i];
+                const float *u = buffer + t * buf_s0 + s * rank;
+                float acc[NB];
+                memset(acc, 0, sizeof acc);
+                for (int64_t r = 0; r < rank; r++) {
+                    const float ur = u[r];
+                    const float *btr = bt + r * NB;
+#pragma omp simd
+                    for (int n = 0; n < NB; n++) acc[n] += ur * btr[n];
+                }
+                const float *prev = load_row(out, t * o_s0 + c0, dt, nc, orow);
+                float *dst = dt == 0 ? (float *)out + t * o_s0 + c0 : orow;
+                for (int n = 0; n < nc; n++) dst[n] = prev[n] + acc[n];
+                if (dt != 0) store_row(out, t * o_s0 + c0, dt, nc, dst);
+            }
+        }
+        free(bt);
+    }
+    free(item_code);
+    free(meta);
+    return failed ? OUT_OF_MEMORY : 0;
+}

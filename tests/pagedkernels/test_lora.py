@@ -1,0 +1,400 @@
+"""pk.lora_shrink / pk.lora_expand against a float64 oracle: a batch of tokens over mixed adapter slots, ranks 8 to 64
+zero-padded to the stack's rank, slots without tokens between used ones (their weights NaN: never read), tokens
+without an adapter, fused projections as 1, 2 and 3 slices of unequal sizes, the Triton path's K splits. The
+Triton kernels run interpreted on CPU (small shapes: an interpreted launch costs a second), the native kernels and
+the PyTorch twin at every dtype.
+
+The oracle sees only each adapter's own rank: the padding must contribute nothing. Memory an op must not read
+is NaN (unused slots, the buffer rows of tokens without an adapter); memory it must not write is checked bit for
+bit (the other columns of a wider output, the rows of tokens without an adapter).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pagedkernels as pk
+from pagedkernels import _native
+from pagedkernels.lora import MAX_SHRINK_SPLITS, shrink_num_splits
+from tests.conftest import TRITON_DEVICE
+
+NATIVE = _native.library() is not None
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+# ---------------------------------------------------------------------------------------------
+# cases and the oracle
+# ---------------------------------------------------------------------------------------------
+
+# name: (num_tokens, in_features, slice sizes, the stack's rank, each slot's rank (None: no token uses it),
+#        forced K splits of the Triton shrink or None)
+CASES = {
+    # q/k/v-like slices, ranks 8 / 64 / 16 in a rank-64 stack, slot 2 empty between used ones
+    "mixed-qkv": (13, 48, (40, 16, 16), 64, [8, 64, None, 16], None),
+    # gate/up-like slices, K split three ways over five K tiles (uneven), slot 2 empty at the end
+    "gate-up-split-k": (20, 80, (24, 24), 16, [16, 8, None], 3),
+    # a single decode token on the second slot
+    "decode-token": (1, 48, (24,), 16, [None, 8], None),
+    # no token has an adapter
+    "no-adapter": (5, 32, (16,), 8, [8], None),
+}
+
+
+def _params(op_dtypes_for_triton):
+    """(backend, device, dtype, case): the Triton cases on TRITON_DEVICE (the conftest skips a "triton" case on
+    "cpu" where the interpreter is off, i.e. on a GPU machine, so the device is a parameter)."""
+    params = []
+    for case in CASES:
+        for dtype in DTYPES:
+            params.append(pytest.param("torch", "cpu", dtype, case, id=f"torch-{_name(dtype)}-{case}"))
+            params.append(pytest.param("native", "cpu", dtype, case, id=f"native-{_name(dtype)}-{case}",
+                                       marks=pytest.mark.skipif(not NATIVE, reason="no C compiler here")))
+            # The interpreter's bf16 arithmetic is wrong (bf16 runs on CUDA), and each interpreted launch costs
+            # about a second: fp32 for every case, fp16 for the two that cross the most masks.
+            if TRITON_DEVICE == "cuda" or (dtype == torch.float32 or (dtype, case) in op_dtypes_for_triton):
+                params.append(pytest.param("triton", TRITON_DEVICE, dtype, case,
+                                           id=f"triton-{TRITON_DEVICE}-{_name(dtype)}-{case}"))
+    return params
+
+
+TRITON_FP16 = {(torch.float16, "mixed-qkv"), (torch.float16, "gate-up-split-k")}
+
+
+def _name(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+class Adapters:
+    """Random adapters of each slot's own rank, and their stack: ``lora_a [slots, S*R, K]``, ``lora_b [slots, N,
+    R]`` zero-padded past each rank, NaN for a slot no token uses."""
+
+    def __init__(self, in_features, slice_sizes, max_rank, ranks, dtype, gen):
+        self.slice_sizes, self.max_rank, self.ranks = tuple(slice_sizes), max_rank, ranks
+        if gen is None:   # see absolute()
+            return
+        num_slots, num_slices, out_features = len(ranks), len(slice_sizes), sum(slice_sizes)
+        self.a = [[None] * num_slices for _ in ranks]  # [slot][slice]: [rank, K], the dtype's values as float64
+        self.b = [[None] * num_slices for _ in ranks]  # [slot][slice]: [N_s, rank]
+        self.lora_a = torch.full((num_slots, num_slices * max_rank, in_features), float("nan"), dtype=dtype)
+        self.lora_b = torch.full((num_slots, out_features, max_rank), float("nan"), dtype=dtype)
+        for slot, rank in enumerate(ranks):
+            if rank is None:
+                continue
+            self.lora_a[slot].zero_()
+            self.lora_b[slot].zero_()
+            offset = 0
+            for s, size in enumerate(slice_sizes):
+                a = (torch.randn(rank, in_features, generator=gen) / in_features ** 0.5).to(dtype)
+                b = torch.randn(size, rank, generator=gen).to(dtype)
+                self.lora_a[slot, s * max_rank: s * max_rank + rank] = a
+                self.lora_b[slot, offset:offset + size, :rank] = b
+                self.a[slot][s], self.b[slot][s] = a.double(), b.double()
+                offset += size
+
+    def absolute(self) -> "Adapters":
+        """The same adapters with every weight's magnitude (the oracle of |x| then gives the accumulation's scale)."""
+        other = Adapters(0, self.slice_sizes, self.max_rank, self.ranks, None, None)
+        other.a = [[None if a is None else a.abs() for a in slot] for slot in self.a]
+        other.b = [[None if b is None else b.abs() for b in slot] for slot in self.b]
+        return other
+
+    def shrink(self, x, indices, scale):
+        """float64 [num_tokens, S*R]: each slice's rank rows, zeros past them and for tokens without an adapter."""
+        out = torch.zeros(x.shape[0], len(self.slice_sizes) * self.max_rank, dtype=torch.float64)
+        for t, slot in enumerate(indices.tolist()):
+            if slot < 0:
+                continue
+            for s, a in enumerate(self.a[slot]):
+                out[t, s * self.max_rank: s * self.max_rank + a.shape[0]] = scale * (x[t].double() @ a.t())
+        return out
+
+    def expand(self, buffer, indices, base):
+        """float64 base + delta; ``buffer`` read only at each adapter's own rank (a NaN elsewhere would show)."""
+        out = base.double().clone()
+        for t, slot in enumerate(indices.tolist()):
+            if slot < 0:
+                continue
+            offset = 0
+            for s, b in enumerate(self.b[slot]):
+                u = buffer[t, s * self.max_rank: s * self.max_rank + b.shape[1]].double()
+                out[t, offset:offset + b.shape[0]] += b @ u
+                offset += b.shape[0]
+        return out
+
+
+def _indices(num_tokens, ranks, gen):
+    """Each used slot at least once (when there are enough tokens), the rest drawn from the used slots and -1, in
+    shuffled order (not grouped by slot)."""
+    used = [slot for slot, rank in enumerate(ranks) if rank is not None]
+    if ranks == [8] and num_tokens == 5:  # "no-adapter"
+        return torch.full((num_tokens,), -1, dtype=torch.int32)
+    choices = used + [-1]
+    values = (used + [-1])[:num_tokens] if num_tokens >= len(choices) else used[:num_tokens]
+    values += [choices[i] for i in torch.randint(len(choices), (num_tokens - len(values),), generator=gen).tolist()]
+    return torch.tensor(values, dtype=torch.int32)[torch.randperm(num_tokens, generator=gen)]
+
+
+def _case(case, dtype, seed=0):
+    num_tokens, in_features, slice_sizes, max_rank, ranks, splits = CASES[case]
+    gen = torch.Generator().manual_seed(seed)
+    adapters = Adapters(in_features, slice_sizes, max_rank, ranks, dtype, gen)
+    x = torch.randn(num_tokens, in_features, generator=gen).to(dtype)
+    return adapters, x, _indices(num_tokens, ranks, gen), splits
+
+
+def _assert_within(got, exact, bound, what):
+    excess = ((got.double() - exact).abs() - bound)
+    assert not got.isnan().any(), f"{what}: NaN (a padded, unused or masked value was read)"
+    worst = excess.max().item() if excess.numel() else 0.0
+    assert worst <= 0, f"{what}: off the float64 oracle by {worst:.3g} past the bound"
+
+
+def _product_bound(magnitudes, out_dtype, exact, *, rounded_operand: torch.dtype | None = None):
+    """float32 accumulation (2^-21 per term, times 4 for the lanes' partial sums and their sum), the output's
+    rounding, and for the Triton expand of 16-bit weights the buffer rounded to them first."""
+    bound = magnitudes * 2.0 ** -21 * 4
+    if rounded_operand is not None:
+        bound = bound + magnitudes * torch.finfo(rounded_operand).eps
+    if out_dtype != torch.float32:
+        bound = bound + exact.abs() * torch.finfo(out_dtype).eps
+    return bound + 1e-30
+
+
+# ---------------------------------------------------------------------------------------------
+# the oracle
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend,device,dtype,case", _params(TRITON_FP16))
+def test_shrink_matches_the_float64_oracle(backend, device, dtype, case):
+    adapters, x, indices, splits = _case(case, dtype)
+    # Every row is written: zeros for tokens without an adapter, into an `out` that starts as NaN.
+    out = torch.full((x.shape[0], adapters.lora_a.shape[1]), float("nan"), device=device)
+    with pk.use_backend(backend):
+        result = pk.lora_shrink(x.to(device), adapters.lora_a.to(device), indices.to(device), scale=0.5,
+                                num_splits=splits, out=out)
+    assert result.data_ptr() == out.data_ptr() and result.dtype == torch.float32
+    exact = adapters.shrink(x, indices, 0.5)
+    magnitudes = adapters.absolute().shrink(x.abs(), indices, 0.5)
+    _assert_within(result.cpu(), exact, _product_bound(magnitudes, torch.float32, exact), f"{backend} shrink")
+    assert (result.cpu()[indices < 0] == 0).all()
+
+
+@pytest.mark.parametrize("backend,device,dtype,case", _params(TRITON_FP16))
+def test_expand_matches_the_float64_oracle(backend, device, dtype, case):
+    """``out`` is a strided view of a wider tensor (the base layer's output inside a bigger buffer): only its
+    columns of the adapted rows change; the buffer rows of tokens without an adapter are NaN (never read)."""
+    adapters, _, indices, _ = _case(case, dtype, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    num_tokens, out_features = indices.shape[0], sum(adapters.slice_sizes)
+    buffer = torch.randn(num_tokens, adapters.lora_a.shape[1], generator=gen)
+    for s, size in enumerate(adapters.slice_sizes):  # past each adapter's rank the shrink gives zeros
+        for t, slot in enumerate(indices.tolist()):
+            if slot >= 0:
+                buffer[t, s * adapters.max_rank + adapters.ranks[slot]:(s + 1) * adapters.max_rank] = 0.0
+    buffer[indices < 0] = float("nan")
+    wide = torch.randn(num_tokens, out_features + 7, generator=gen).to(dtype)
+    wide[:, :3] = float("nan")
+    wide[:, 3 + out_features:] = float("nan")
+    before = wide.clone()
+    base = before[:, 3:3 + out_features]
+    wide = wide.to(device)
+    mapping = pk.lora_mapping(indices.to(device), adapters.lora_b.shape[0])
+    with pk.use_backend(backend):
+        result = pk.lora_expand(buffer.to(device), adapters.lora_b.to(device), indices.to(device),
+                                wide[:, 3:3 + out_features], slice_sizes=adapters.slice_sizes,
+                                sorted_token_ids=mapping[0], lora_token_starts=mapping[1])
+    assert result.data_ptr() == wide[:, 3:].data_ptr()
+    wide = wide.cpu()
+    torch.testing.assert_close(wide[:, :3], before[:, :3], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(wide[:, 3 + out_features:], before[:, 3 + out_features:], rtol=0, atol=0,
+                               equal_nan=True)
+    torch.testing.assert_close(wide[indices < 0], before[indices < 0], rtol=0, atol=0, equal_nan=True)
+    got = wide[:, 3:3 + out_features]
+    exact = adapters.expand(buffer, indices, base)
+    magnitudes = (adapters.absolute().expand(buffer.abs().nan_to_num(), indices, torch.zeros_like(base))
+                  + base.double().abs())
+    rounded = dtype if backend == "triton" and dtype != torch.float32 else None
+    _assert_within(got[indices >= 0], exact[indices >= 0],
+                   _product_bound(magnitudes, dtype, exact, rounded_operand=rounded)[indices >= 0],
+                   f"{backend} expand")
+
+
+@pytest.mark.skipif(not NATIVE, reason="native CPU kernels unavailable (no C compiler)")
+def test_a_token_gets_the_same_bits_in_any_batch():
+    """The native kernels compute a token's shrink and expand results with the same operations whatever tokens
+    share its batch (the grouping, the pairing of tokens, the threads): alone or among others, bit for bit. (Not
+    the twin's property: torch's GEMMs block by the row count.)"""
+    backend = "native"
+    adapters, x, indices, _ = _case("mixed-qkv", torch.float32, seed=3)
+    base = torch.randn(x.shape[0], sum(adapters.slice_sizes), generator=torch.Generator().manual_seed(3))
+    with pk.use_backend(backend):
+        buffer = pk.lora_shrink(x, adapters.lora_a, indices)
+        together = pk.lora_expand(buffer, adapters.lora_b, indices, base.clone(), slice_sizes=adapters.slice_sizes)
+        for t in range(x.shape[0]):
+            alone = pk.lora_shrink(x[t:t + 1], adapters.lora_a, indices[t:t + 1])
+            assert torch.equal(alone, buffer[t:t + 1])
+            row = pk.lora_expand(alone, adapters.lora_b, indices[t:t + 1], base[t:t + 1].clone(),
+                                 slice_sizes=adapters.slice_sizes)
+            assert torch.equal(row, together[t:t + 1])
+
+
+# ---------------------------------------------------------------------------------------------
+# the grouping, the split heuristic
+# ---------------------------------------------------------------------------------------------
+
+def test_lora_mapping_groups_tokens_by_slot_stably():
+    indices = torch.tensor([2, -1, 0, 2, 3, -1, 0, 2], dtype=torch.int32)
+    sorted_ids, starts = torch.full((8,), -7, dtype=torch.int32), torch.full((5,), -7, dtype=torch.int32)
+    result = pk.lora_mapping(indices, 4, sorted_token_ids=sorted_ids, lora_token_starts=starts)
+    assert result[0] is sorted_ids and result[1] is starts
+    assert sorted_ids.tolist() == [2, 6, 0, 3, 7, 4, 1, 5]   # slot 0, (slot 1: none), slot 2, slot 3, then -1s
+    assert starts.tolist() == [0, 2, 2, 5, 6]
+    empty = pk.lora_mapping(torch.empty(0, dtype=torch.int32), 3)
+    assert empty[0].shape == (0,) and empty[1].tolist() == [0, 0, 0, 0]
+
+
+def test_shrink_splits_follow_the_shapes_only():
+    """The documented examples (H100, 132 SMs); never past MAX_SHRINK_SPLITS or under 256 features a split; and
+    the interpreter's stand-in gives the small tiles tests need."""
+    def splits(tokens, width, k):
+        return shrink_num_splits(tokens, width, k, 132, torch.bfloat16, "cuda")
+    assert [splits(n, 48, 4096) for n in (1, 64, 1024, 8192)] == [16, 16, 16, 3]
+    assert splits(1, 48, 576) == 2 and splits(1, 192, 255) == 1
+    assert splits(1, 16, 1 << 20) == MAX_SHRINK_SPLITS
+
+
+# ---------------------------------------------------------------------------------------------
+# errors
+# ---------------------------------------------------------------------------------------------
+
+NATIVE_PARAM = pytest.param("native", "cpu", marks=pytest.mark.skipif(not NATIVE, reason="no C compiler here"))
+
+
+@pytest.mark.parametrize("backend,device", [("torch", "cpu"), NATIVE_PARAM, ("triton", TRITON_DEVICE)])
+@pytest.mark.parametrize("bad", [2, -2])
+def test_an_index_outside_the_slots_raises_before_writing(backend, device, bad, monkeypatch):
+    """Values are checked on CPU tensors always, on CUDA with PAGEDKERNELS_DEBUG=1 (a host sync)."""
+    monkeypatch.setenv("PAGEDKERNELS_DEBUG", "1")
+    adapters, x, indices, _ = _case("decode-token", torch.float32)
+    x, lora_a, lora_b = x.to(device), adapters.lora_a.to(device).nan_to_num(), adapters.lora_b.to(device).nan_to_num()
+    indices = torch.tensor([bad], dtype=torch.int32, device=device)
+    out = torch.full((1, lora_a.shape[1]), 3.0, device=device)
+    base = torch.full((1, lora_b.shape[1]), 5.0, device=device)
+    with pk.use_backend(backend):
+        with pytest.raises(ValueError, match=rf"token_lora_indices must lie in \[-1, 2\).*got {bad} for token 0"):
+            pk.lora_shrink(x, lora_a, indices, out=out)
+        with pytest.raises(ValueError, match=r"token_lora_indices must lie in \[-1, 2\)"):
+            pk.lora_expand(out, lora_b, indices, base)
+    assert (out == 3.0).all() and (base == 5.0).all()
+
+
+def _args():
+    gen = torch.Generator().manual_seed(0)
+    return dict(x=torch.randn(3, 32, generator=gen), lora_a=torch.randn(2, 16, 32, generator=gen),
+                lora_b=torch.randn(2, 24, 8, generator=gen), indices=torch.tensor([0, -1, 1], dtype=torch.int32),
+                buffer=torch.randn(3, 16, generator=gen), out=torch.randn(3, 24, generator=gen))
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda a: pk.lora_shrink(a["x"], a["lora_a"].half(), a["indices"]), r"lora_a must have dtype in \(float32\)"),
+    (lambda a: pk.lora_shrink(a["x"][:, :16], a["lora_a"], a["indices"]), r"lora_a must have shape \[\*, \*, 16\]"),
+    (lambda a: pk.lora_shrink(a["x"], a["lora_a"], a["indices"].long()), "token_lora_indices must have dtype"),
+    (lambda a: pk.lora_shrink(a["x"], a["lora_a"], a["indices"][:2]), r"token_lora_indices must have shape \[3\]"),
+    (lambda a: pk.lora_shrink(a["x"], a["lora_a"], a["indices"], scale=float("inf")), "scale must be a finite"),
+    (lambda a: pk.lora_shrink(a["x"], a["lora_a"], a["indices"], num_splits=0), "num_splits must be an int >= 1"),
+    (lambda a: pk.lora_shrink(a["x"], a["lora_a"], a["indices"], out=torch.empty(3, 8)),
+     r"out must have shape \[3, 16\]"),
+    (lambda a: pk.lora_shrink(a["x"], a["lora_a"], a["indices"], sorted_token_ids=a["indices"]),
+     "sorted_token_ids and lora_token_starts come together"),
+    (lambda a: pk.lora_shrink(a["x"].t(), a["lora_a"], a["indices"]), "x must"),
+    (lambda a: pk.lora_expand(a["buffer"], a["lora_b"], a["indices"], a["out"], slice_sizes=(8, 8)),
+     r"slice_sizes \[8, 8\] sum to 16, not out's 24"),
+    (lambda a: pk.lora_expand(a["buffer"], a["lora_b"], a["indices"], a["out"], slice_sizes=(6, 6, 6, 6)),
+     "slice_sizes must be 1 to 3 positive ints"),
+    (lambda a: pk.lora_expand(a["buffer"], a["lora_b"], a["indices"], a["out"], slice_sizes=(24,)),
+     r"buffer must have shape \[3, 8\]"),   # one slice of rank 8 (two: the 16 columns given)
+    (lambda a: pk.lora_expand(a["buffer"], a["lora_b"].half(), a["indices"], a["out"], slice_sizes=(12, 12)),
+     r"lora_b must have dtype in \(float32\)"),
+    (lambda a: pk.lora_expand(a["buffer"].half(), a["lora_b"], a["indices"], a["out"], slice_sizes=(12, 12)),
+     r"buffer must have dtype in \(float32\)"),
+    (lambda a: pk.lora_mapping(a["indices"], 0), "num_loras must be an int >= 1"),
+])
+def test_argument_errors_name_the_argument(call, match):
+    with pytest.raises(ValueError, match=match):
+        call(_args())
+
+
+# ---------------------------------------------------------------------------------------------
+# graphs
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not NATIVE, reason="native CPU kernels unavailable (no C compiler)")
+def test_cpu_graph_replays_follow_new_indices_and_fewer_rows():
+    """shrink + expand recorded once in a CPU graph (pagedkernels.cpu_graph) over static buffers: replays read the
+    indices and activations the buffers hold then, and a replay of fewer rows computes just those."""
+    from pagedkernels.cpu_graph import CPUGraph
+
+    adapters, x, indices, _ = _case("mixed-qkv", torch.float32, seed=5)
+    lora_a, lora_b = adapters.lora_a.nan_to_num(), adapters.lora_b.nan_to_num()
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(x.shape[0], lora_b.shape[1], generator=gen)
+    static_x, static_indices, static_base = x.clone(), indices.clone(), base.clone()
+
+    def step():
+        out = static_base.clone()
+        buffer = pk.lora_shrink(static_x, lora_a, static_indices)
+        return pk.lora_expand(buffer, lora_b, static_indices, out, slice_sizes=adapters.slice_sizes)
+
+    with pk.use_backend("native"):
+        graph = CPUGraph()
+        graph.capture(step, rows=x.shape[0])
+        assert graph.num_kernel_calls == 2 and graph.resizable
+        for seed in (6, 7):
+            g = torch.Generator().manual_seed(seed)
+            static_x.copy_(torch.randn(x.shape, generator=g))
+            static_indices.copy_(indices[torch.randperm(x.shape[0], generator=g)])
+            torch.testing.assert_close(graph.replay(), step(), rtol=0, atol=0)
+        static_indices.copy_(torch.flip(indices, [0]))
+        eager = step()
+        torch.testing.assert_close(graph.replay(4)[:4], eager[:4], rtol=0, atol=0)
+    exact = adapters.expand(adapters.shrink(static_x, static_indices, 1.0), static_indices, static_base)
+    torch.testing.assert_close(eager.double(), exact, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_graph_capture_follows_the_index_buffers(dtype, monkeypatch):
+    """The mapping (sort, scatter-add, cumsum), the split shrink and its sum, and the expand capture into one CUDA
+    graph; replays follow the indices copied into the device buffer, with a different number of adapters each."""
+    monkeypatch.delenv("PAGEDKERNELS_DEBUG", raising=False)
+    adapters, x, indices, _ = _case("mixed-qkv", dtype, seed=8)
+    lora_a, lora_b = adapters.lora_a.nan_to_num().cuda(), adapters.lora_b.nan_to_num().cuda()
+    x, static_indices = x.cuda(), indices.cuda()
+    base = torch.randn(x.shape[0], lora_b.shape[1], device="cuda").to(dtype)
+    out = torch.empty_like(base)
+    sorted_ids = torch.empty(x.shape[0], dtype=torch.int32, device="cuda")
+    starts = torch.empty(lora_a.shape[0] + 1, dtype=torch.int32, device="cuda")
+
+    def step():
+        out.copy_(base)
+        pk.lora_mapping(static_indices, lora_a.shape[0], sorted_token_ids=sorted_ids, lora_token_starts=starts)
+        buffer = pk.lora_shrink(x, lora_a, static_indices, num_splits=3, sorted_token_ids=sorted_ids,
+                                lora_token_starts=starts)
+        pk.lora_expand(buffer, lora_b, static_indices, out, slice_sizes=adapters.slice_sizes,
+                       sorted_token_ids=sorted_ids, lora_token_starts=starts)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for new in (indices, torch.where(indices == 0, 1, indices), torch.full_like(indices, -1)):
+        static_indices.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        exact = adapters.expand(adapters.shrink(x.cpu(), new, 1.0), new, base.cpu())
+        torch.testing.assert_close(out.cpu().double(), exact, rtol=2e-2, atol=2e-2)
