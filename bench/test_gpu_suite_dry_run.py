@@ -201,7 +201,10 @@ def _quant(result):
 
 
 def _tune(result):
-    assert len(result["rows"]) == len(gpu_suite.kernels.TINY_PREFILL_SWEEP)   # one row each, SDPA on the first
+    prefill = [r for r in result["rows"] if r["op"] == "paged_prefill_attention tiles"]
+    decode = [r for r in result["rows"] if r["op"] == "paged_decode_attention splits"]
+    assert len(prefill) == len(gpu_suite.kernels.TINY_PREFILL_SWEEP)   # one row each, SDPA on the first
+    assert len(decode) == 3 and len(prefill) + len(decode) == len(result["rows"])
     assert all(r["check"] == "ok" and r["ms"] for r in result["rows"])
     assert sum(r["baseline"] == "sdpa-flash" for r in result["rows"]) == 1
 
