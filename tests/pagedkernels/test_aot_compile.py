@@ -6,7 +6,7 @@ no compile errors, no register spills in a hot kernel, shared memory within each
 The recording tests run in this process (recording launches nothing, so the interpreter does not
 matter); the compile test runs ``python -m pagedkernels._aot`` over every distinct variant once per Triton
 version, both at once, and writes the combined table to its tmp dir (``aot_report.md``). Compiling all of
-them costs about 1,300 CPU-seconds (431 variants x 2 targets x 2 Tritons); results of unchanged variants come
+them costs about 1,350 CPU-seconds (451 variants x 2 targets x 2 Tritons); results of unchanged variants come
 from ``pagedkernels/aot_results.json`` (keyed by Triton version, target, the kernel's source hash and the
 specialization; see ``pagedkernels._aot``), so a run compiles only what changed since it was written.
 (The one-per-class tier, ``--representatives``, missed fp32 prefill spills that only some masked head
