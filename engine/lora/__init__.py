@@ -16,8 +16,8 @@ from engine.lora.adapter import LoRAAdapter, LoRAModuleWeights, load_peft_adapte
 from engine.lora.cache import PinnedLRU
 from engine.lora.config import LoRAConfig
 from engine.lora.layers import LoRABatch, LoRALinear, LoRATarget, apply_lora
-from engine.lora.manager import LoRAManager, token_slots
+from engine.lora.manager import LoRAManager, check_lora_adapter, lora_targets, token_slots
 from engine.lora.request import LoRARequest
 
 __all__ = ["LoRAAdapter", "LoRABatch", "LoRAConfig", "LoRALinear", "LoRAManager", "LoRAModuleWeights", "LoRARequest",
-           "LoRATarget", "PinnedLRU", "apply_lora", "load_peft_adapter", "token_slots"]
+           "LoRATarget", "PinnedLRU", "apply_lora", "check_lora_adapter", "load_peft_adapter", "lora_targets", "token_slots"]
