@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 
 
@@ -36,6 +37,8 @@ class NewSequenceData:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # A beam of a beam search: return the top `beam_candidates` log-softmax entries instead of sampling.
     beam_candidates: int = 0
+    # The LoRA adapter its tokens run with (None: the base model); a fork has its parent's.
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)
@@ -70,6 +73,9 @@ class SchedulerOutput:
     block_moves: list[tuple[str, list[tuple[int, int]]]] = field(default_factory=list)
     # Guided decoding: (seq_ids, int32 [len(seq_ids), ceil(vocab / 32)] token bitmask), for sequences that sample.
     grammar_bitmask: tuple[list[int], torch.Tensor] | None = None
+    # Multi-LoRA: the step's distinct adapters, lora_int_id -> LoRARequest (at most max_loras; the scheduler chose
+    # the step so). Decided with the step, so a worker places exactly these in its slots before the forward.
+    lora_requests: dict[int, LoRARequest] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

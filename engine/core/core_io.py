@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestMetrics
 from engine.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
 
@@ -32,15 +33,18 @@ class EngineCoreRequest:
     arrival_time: float
     # params.bad_words as token ids (the input processor has the tokenizer); [] without bad words.
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # The LoRA adapter the request runs with (engine.lora.LoRARequest), None for the base model.
+    lora_request: LoRARequest | None = None
 
     def to_wire(self) -> list:
         return [self.request_id, self.prompt, self.prompt_token_ids, encode_params(self.params), self.arrival_time,
-                self.bad_words_token_ids]
+                self.bad_words_token_ids, None if self.lora_request is None else self.lora_request.to_wire()]
 
     @classmethod
     def from_wire(cls, data: list) -> "EngineCoreRequest":
-        request_id, prompt, prompt_token_ids, params, arrival_time, bad_words = data
-        return cls(request_id, prompt, prompt_token_ids, decode_params(params), arrival_time, bad_words or [])
+        request_id, prompt, prompt_token_ids, params, arrival_time, bad_words, lora = data
+        return cls(request_id, prompt, prompt_token_ids, decode_params(params), arrival_time, bad_words or [],
+                   LoRARequest.from_wire(lora))
 
 
 # One logprob entry of one token position: [(token id, logprob, rank), ...], the position's own token first.

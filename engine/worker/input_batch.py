@@ -13,6 +13,7 @@ Per row, on the host (numpy; the inputs of a step are gathered from these with v
   temperature, top_p, min_p, frequency/presence/repetition penalties   float32 [max_num_seqs]; top_k int32
   special        bool [max_num_seqs]: the row needs a per-row look (own generator, logit_bias, allowed_token_ids,
                  bad words, min_tokens, logprobs, prompt logprobs, penalties); the others are all arrays
+  lora_int_id    int64 [max_num_seqs]: the row's LoRA adapter (0: the base model)
 Penalties read each row's own tokens (token_ids) and its distinct output tokens (SequenceState, kept up to date as
 tokens are appended), not vocabulary-wide counts (engine/worker/sampler.py Penalties).
 """
@@ -46,6 +47,8 @@ class SequenceState:
     # Made once per request, not per step: logit_bias as (ids, values) tensors, allowed_token_ids as a tensor.
     logit_bias_tensors: tuple[torch.Tensor, torch.Tensor] | None = None
     allowed_tensor: torch.Tensor | None = None
+    # The LoRA adapter its tokens run with (engine.lora.LoRARequest), None for the base model.
+    lora_request: object | None = None
 
     def __post_init__(self) -> None:
         if self.uses_penalties:
@@ -82,7 +85,8 @@ class SequenceState:
         state = cls(seq_id=new.seq_id, token_ids=list(new.token_ids), num_prompt_tokens=new.num_prompt_tokens,
                     num_computed_tokens=new.num_computed_tokens, block_ids=list(new.block_ids), params=new.params,
                     generator=generator, stop_token_ids=list(new.stop_token_ids),
-                    bad_words_token_ids=new.bad_words_token_ids, beam_candidates=new.beam_candidates)
+                    bad_words_token_ids=new.bad_words_token_ids, beam_candidates=new.beam_candidates,
+                    lora_request=new.lora_request)
         if torch.device(device).type != "cpu":   # copied once per request (from pinned memory), not every step
             if state.logit_bias_tensors is not None:
                 state.logit_bias_tensors = tuple(t.pin_memory().to(device, non_blocking=True)
@@ -135,6 +139,7 @@ class InputBatch:
         self.presence_penalty = np.zeros(max_num_seqs, dtype=np.float32)
         self.repetition_penalty = np.ones(max_num_seqs, dtype=np.float32)
         self.special = np.zeros(max_num_seqs, dtype=bool)
+        self.lora_int_id = np.zeros(max_num_seqs, dtype=np.int64)
 
     # -- the step's diff ------------------------------------------------------------------------------------
     def update(self, out: SchedulerOutput) -> None:
@@ -191,6 +196,7 @@ class InputBatch:
         self.presence_penalty[row] = p.presence_penalty
         self.repetition_penalty[row] = p.repetition_penalty
         self.special[row] = state.special
+        self.lora_int_id[row] = 0 if state.lora_request is None else state.lora_request.lora_int_id
 
     def append_sampled(self, seq_id: int, token_ids: list[int], *, at: int) -> None:
         """Tokens this worker sampled for `seq_id` when it had `at` tokens, appended as the core will append them:
@@ -243,7 +249,7 @@ class InputBatch:
         self.block_table[dst, :num_blocks] = self.block_table[src, :num_blocks]
         for array in (self.num_tokens, self.num_computed_tokens, self.num_prompt_tokens, self.temperature,
                       self.top_p, self.top_k, self.min_p, self.frequency_penalty, self.presence_penalty,
-                      self.repetition_penalty, self.special):
+                      self.repetition_penalty, self.special, self.lora_int_id):
             array[dst] = array[src]
 
     # -- reading ----------------------------------------------------------------------------------------------

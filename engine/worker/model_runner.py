@@ -23,6 +23,15 @@ inductor's code (SmolLM2 fp32, 48 requests, 2-core EPYC: 8.8 s eager, 16.4 s com
 ops and each attention layer is one (``engine::unified_attention``), so the graph holds them as opaque
 nodes; the decode graphs capture the compiled forward. A compilation that fails is logged and the
 runner goes on eagerly.
+
+Multi-LoRA (``enable_lora``, engine/lora): the model's decoder linears are wrapped in LoRA layers with
+``max_loras`` device slots (:class:`engine.lora.LoRAManager`). Each step the runner places the adapters the
+scheduler chose for it (``SchedulerOutput.lora_requests``) in the slots and writes every token's slot into the
+layers' :class:`~engine.lora.LoRABatch` buffers; an adapter that no longer loads fails its requests alone (their
+rows run without it, their outputs are dropped). A step none of whose tokens has an adapter skips the LoRA
+kernels. Decode graphs are keyed by (batch size, LoRA active): ``graphs`` without adapters, ``lora_graphs`` with
+them (the layers decide in Python, at capture, whether to launch the kernels); the slot buffers are static, so a
+replay reads the step's slots.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ from engine.distributed.communication import broadcast_tensor, min_over_ranks
 from engine.distributed.parallel_state import get_tp_world_size, num_kv_heads_per_rank
 from engine.layers.attention import Attention, AttentionMetadata, forward_context
 from engine.layers.quantization import process_weights_after_loading
+from engine.lora import LoRAManager, token_slots
 from engine.worker.loader import load_dummy_weights, load_model
 from engine.worker import memory as gpu_memory
 from engine.worker.memory import MemorySnapshot, check_free_memory, kv_cache_budget
@@ -215,6 +225,11 @@ class ModelRunner:
             self.memory.reset_peak_memory_stats()
         self.model = self._build_model()
         self._report_kv_scales(self.model, model_config.model_dir)
+        # Multi-LoRA: the decoder linears wrapped with their adapters' slots, before torch.compile sees the model.
+        self.lora = None
+        if engine_config.lora_config is not None:
+            self.lora = LoRAManager(self.model, engine_config.lora_config, dtype=self.dtype,
+                                    max_num_tokens=max(self.max_num_batched_tokens, max_num_seqs))
         # The forward every path calls: the module itself, or its torch.compile wrapper (compiled lazily per
         # input signature: mixed and decode batches, dynamic in the token count).
         self.forward = self.model
@@ -251,6 +266,7 @@ class ModelRunner:
         self.graph_batch_sizes = (cpu_graph_batch_sizes(max_num_seqs) if graph_runner_class is CPUGraph
                                   else graph_batch_sizes(max_num_seqs))
         self.graphs: dict[int, object] = {}  # padded batch size -> captured graph runner
+        self.lora_graphs: dict[int, object] = {}  # the same, for steps whose tokens run LoRA adapters
         if not self.enforce_eager:
             self._allocate_static_buffers()
             # On CUDA every graph of the ladder is captured now (largest first, so the smaller ones reuse its
@@ -382,6 +398,8 @@ class ModelRunner:
         positions = np.concatenate([np.arange(n) for n in lens])
         input_ids_t, positions_t, meta = self.build_inputs(np.zeros(num_tokens, dtype=np.int64), positions,
                                                            np.asarray(lens, dtype=np.int64), block_tables)
+        if self.lora is not None:   # the LoRA kernels' buffers count in the peak too
+            self.lora.prepare_batch(None, num_tokens, active=True)
         hidden_states = self._forward(input_ids_t, positions_t, meta)
         logits = self.model.compute_logits(hidden_states[self._to_device(np.cumsum(lens) - 1)])
         prompt_logits = self.model.compute_logits(hidden_states)
@@ -390,6 +408,8 @@ class ModelRunner:
         sampler_dummy_run(logits)
         del logits, prompt_logits, prompt_logprobs
         self._bind_kv_cache(None)
+        if self.lora is not None:
+            self.lora.prepare_batch(None)
 
     def _allocate_kv_cache(self) -> None:
         c = self.config
@@ -476,14 +496,24 @@ class ModelRunner:
         return self.staging.to_device(array)
 
     def _forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                        num_seqs: int) -> ForwardResult:
-        """The forward (see ForwardResult): a pure-decode batch within the ladder replays its graph."""
+                        num_seqs: int, lora_slots: np.ndarray | None = None) -> ForwardResult:
+        """The forward (see ForwardResult): a pure-decode batch within the ladder replays its graph. lora_slots:
+        int32 [num_tokens], each token's LoRA slot (-1: none), or None: no adapter in the step."""
         if meta.is_decode and not self.enforce_eager and num_seqs <= self.graph_batch_sizes[-1]:
-            output = self.run_decode_graph(input_ids, positions, meta)
+            output = self.run_decode_graph(input_ids, positions, meta, lora_slots)
             if isinstance(output, tuple):
                 return ForwardResult(logits=output[0], greedy_ids=output[1])
             return ForwardResult(hidden_states=output)
+        self._prepare_lora(lora_slots, input_ids.shape[0])
         return ForwardResult(hidden_states=self._forward(input_ids, positions, meta))
+
+    def _prepare_lora(self, lora_slots: np.ndarray | None, num_tokens: int) -> bool:
+        """The LoRA layers' slots for a forward of `num_tokens` rows (those past lora_slots padding); returns
+        whether the layers run their kernels (some token has an adapter). False without LoRA."""
+        if self.lora is None:
+            return False
+        self.lora.prepare_batch(lora_slots, num_tokens)
+        return self.lora.batch.active
 
     def _logits(self, forward: ForwardResult, index: np.ndarray | slice) -> torch.Tensor:
         """Logits [len(index), vocab] float32 of the step's tokens `index` (positions in the flattened batch)."""
@@ -548,7 +578,11 @@ class ModelRunner:
                                                            batch.block_table[model_rows, :width])
         if in_flight:   # those rows' input at that position is the id in flight: from the device
             self._feed_in_flight(pending, in_flight, model_rows, starts, cu, input_ids_t)
-        forward = self._forward_hidden(input_ids_t, positions_t, meta, num_seqs)
+        lora_failed: dict[int, str] = {}   # seq_id -> why its adapter is missing (its request fails)
+        lora_slots = None
+        if self.lora is not None and scheduler_output.lora_requests:
+            lora_slots = self._lora_token_slots(scheduler_output, model_rows, query_lens, lora_failed)
+        forward = self._forward_hidden(input_ids_t, positions_t, meta, num_seqs, lora_slots)
         if self.drafter is not None:
             self.drafter.run_target_step(input_ids_t, positions_t, meta)
         # The forward is queued: now the previous step's ids may come to the host (penalties, bad words, min_tokens
@@ -580,7 +614,7 @@ class ModelRunner:
                 plain, _, _ = self._split_sampling(scheduler_output, first_logit, num_drafts)
                 self._pending = SampledIds([batch.seq_ids[row] for row, _ in plain], self.device) if plain else None
             return None
-        output = ModelRunnerOutput()
+        output = ModelRunnerOutput(failed=dict(lora_failed))
         for i, row in prompt_rows:
             try:
                 output.prompt_logprobs[batch.seq_ids[row]] = self._prompt_logprobs(
@@ -597,6 +631,10 @@ class ModelRunner:
         if forward.greedy_ids is not None and len(logits_index):
             greedy_ids = forward.greedy_ids[self._to_device(np.asarray(logits_index, dtype=np.int64))]
         sampled = self._sample(scheduler_output, logits, first_logit, num_drafts, output, greedy_ids)
+        for seq_id in lora_failed:   # sampled from rows computed without their adapter: dropped
+            for results in (output.sampled_token_ids, output.logprobs, output.beam_candidates,
+                            output.num_accepted_tokens, output.prompt_logprobs, output.spec_token_ids):
+                results.pop(seq_id, None)
         if sampled is not None and self.async_scheduling:
             sampled.start_copy()
             self._pending = sampled
@@ -604,6 +642,46 @@ class ModelRunner:
         for seq_id, token_ids in output.sampled_token_ids.items():   # the worker's own tokens, as the core's
             batch.append_sampled(seq_id, token_ids, at=len(batch.states[seq_id].token_ids))
         return output
+
+    def _lora_token_slots(self, scheduler_output: SchedulerOutput, model_rows: np.ndarray, query_lens: np.ndarray,
+                          failed: dict[int, str]) -> np.ndarray:
+        """int32 [num_tokens]: the LoRA slot of each token of the step (-1: the base model), after placing the
+        step's adapters (scheduler_output.lora_requests) in the device slots. An adapter that fails to load (its
+        directory changed since its requests were accepted) leaves its rows on the base model and their sequences
+        in `failed` (seq_id -> message naming lora_request): the core fails those requests alone."""
+        missing: dict[int, str] = {}
+        slot_of = self.lora.set_active_adapters(
+            list(scheduler_output.lora_requests.values()),
+            on_error=lambda request, error: missing.__setitem__(request.lora_int_id, f"lora_request: {error}"))
+        batch = self.input_batch
+        lora_ids = batch.lora_int_id[model_rows]
+        row_slots = np.full(len(model_rows), -1, dtype=np.int32)
+        for lora_int_id, slot in slot_of.items():
+            row_slots[lora_ids == lora_int_id] = slot
+        for lora_int_id, message in missing.items():
+            for row in model_rows[lora_ids == lora_int_id].tolist():
+                failed[batch.seq_ids[row]] = message
+        return token_slots(row_slots, query_lens)
+
+    # -- adapters (the executor's add_lora / remove_lora, between steps) ----------------------------------------
+
+    def add_lora(self, lora_request) -> bool:
+        """Load an adapter into the host cache (ValueError for a bad one); returns whether it was read."""
+        if self.lora is None:
+            raise ValueError("this engine was started without LoRA (enable_lora=True)")
+        return self.lora.add_adapter(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter from the host cache and its device slot (between steps: no batch holds it now; a step
+        that needs it again loads it again). Returns whether it was loaded."""
+        if self.lora is None:
+            return False
+        self.lora.unpin()
+        return self.lora.remove_adapter(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        """The ids of the adapters in the host cache, least recently used first."""
+        return [] if self.lora is None else [r.lora_int_id for r in self.lora.list_adapters()]
 
     def _core_token_counts(self, scheduler_output: SchedulerOutput) -> dict[int, int]:
         """row -> how many tokens the core has of the sequence in that row (this step's diff tells: all of a new
@@ -970,12 +1048,13 @@ class ModelRunner:
             return self.model(input_ids, positions, meta)
 
     def run_decode_graph(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                         meta: AttentionMetadata) -> torch.Tensor:
+                         meta: AttentionMetadata, lora_slots: np.ndarray | None = None) -> torch.Tensor:
         """A pure-decode batch of n sequences through the graph of the smallest ladder size b >= n:
         inputs copied into the static buffers' first n rows, rows n..b padding (input id 0 at
         position 0, slot -1: no K/V written, seq_len 0: no key read). Returns the final hidden
         states ``[n, hidden_size]``, or with ``step_graphs`` (logits ``[n, vocab]``, greedy ids ``[n]``): views
-        of the graph's output buffers, valid until the next replay."""
+        of the graph's output buffers, valid until the next replay. lora_slots: int32 [n], each row's LoRA slot
+        (-1 or None: none): a step with adapters replays the LoRA variant of the graph (``lora_graphs``)."""
         num_seqs = input_ids.shape[0]
         batch_size = next(size for size in self.graph_batch_sizes if size >= num_seqs)
         self.static_input_ids[:num_seqs].copy_(input_ids)
@@ -988,11 +1067,13 @@ class ModelRunner:
         self.static_seq_lens[num_seqs:batch_size].zero_()
         # Columns past a sequence's last block keep stale ids: never read (its seq_len bounds them).
         self.static_block_tables[:num_seqs, :meta.block_tables.shape[1]].copy_(meta.block_tables)
-        runner = self.graphs.get(batch_size)
+        lora_active = self._prepare_lora(lora_slots, batch_size)
+        graphs = self.lora_graphs if lora_active else self.graphs
+        runner = graphs.get(batch_size)
         if runner is None:
             try:
-                runner, output = self._capture_decode_graph(batch_size)
-                self.graphs[batch_size] = runner
+                runner, output = self._capture_decode_graph(batch_size, lora_active)
+                graphs[batch_size] = runner
                 every_size = list(range(1, self.graph_batch_sizes[-1] + 1))
                 if isinstance(runner, CPUGraph) and not runner.resizable and self.graph_batch_sizes != every_size:
                     logger.info("this model's CPU graphs cannot replay fewer rows than they recorded: one graph "
@@ -1005,6 +1086,7 @@ class ModelRunner:
                 # way a replay cannot follow): decode eagerly from now on, as enforce_eager would.
                 logger.warning("decode graphs are off for this model: %s", error)
                 self.enforce_eager = True
+                self._prepare_lora(lora_slots, num_seqs)
                 return self._forward(input_ids, positions, meta)
         if isinstance(runner, CPUGraph):
             return _rows(runner.replay(num_seqs), num_seqs)
@@ -1014,16 +1096,23 @@ class ModelRunner:
         """Capture the decode graph of every ladder size not captured yet, largest first. The static buffers hold
         padding rows (slot -1, seq_len 0) while capturing: nothing is written to or read from the KV cache."""
         start = time.perf_counter()
+        variants = (False, True) if self.lora is not None else (False,)
         with torch.inference_mode():
-            for batch_size in reversed(self.graph_batch_sizes):
-                if batch_size not in self.graphs:
-                    self.graphs[batch_size] = self._capture_decode_graph(batch_size)[0]
-        logger.info("captured %d decode graphs (batch sizes %s) in %.1f s", len(self.graph_batch_sizes),
-                    self.graph_batch_sizes, time.perf_counter() - start)
+            for lora_active in variants:   # with LoRA, each size's LoRA variant too
+                graphs = self.lora_graphs if lora_active else self.graphs
+                for batch_size in reversed(self.graph_batch_sizes):
+                    if batch_size not in graphs:
+                        if self.lora is not None:   # padding rows: the kernels run (or not) on no adapter
+                            self.lora.prepare_batch(None, batch_size, active=lora_active)
+                        graphs[batch_size] = self._capture_decode_graph(batch_size, lora_active)[0]
+        logger.info("captured %d decode graphs (batch sizes %s%s) in %.1f s",
+                    len(self.graph_batch_sizes) * len(variants), self.graph_batch_sizes,
+                    ", with and without LoRA" if len(variants) > 1 else "", time.perf_counter() - start)
 
-    def _capture_decode_graph(self, batch_size: int) -> tuple[object, torch.Tensor | None]:
-        """The graph runner of `batch_size`, captured on the static buffers, and the output of its capture's
-        forward on them when that is this step's result (a CPU graph's), else None."""
+    def _capture_decode_graph(self, batch_size: int, lora_active: bool = False) -> tuple[object, torch.Tensor | None]:
+        """The graph runner of `batch_size` (its LoRA variant with `lora_active`: the LoRA batch is prepared so),
+        captured on the static buffers, and the output of its capture's forward on them when that is this step's
+        result (a CPU graph's), else None."""
         meta = AttentionMetadata(slot_mapping=self.static_slot_mapping[:batch_size],
                                  block_tables=self.static_block_tables[:batch_size],
                                  seq_lens=self.static_seq_lens[:batch_size],
@@ -1037,7 +1126,7 @@ class ModelRunner:
         if isinstance(runner, CPUGraph):
             # The first CPU graph warms up and checks its replay against the recorded run; the others record
             # the same forward at another size, and their recording run serves the step that needed them.
-            first = not self.graphs
+            first = not (self.lora_graphs if lora_active else self.graphs)
             return runner, runner.capture(forward, warm_up=first, check=first, rows=batch_size)
         runner.capture(forward)
         return runner, None
