@@ -1,7 +1,8 @@
 """The FastAPI app (`build_app`) and `python -m engine serve` (`run_server`).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id}, POST /tokenize,
-POST /detokenize, GET /version, GET /health, GET /metrics. Errors are OpenAI's JSON: 400 for invalid parameters,
+POST /detokenize, GET /version, GET /health, GET /metrics; with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True also POST
+/v1/load_lora_adapter and /v1/unload_lora_adapter (LoRA adapters: engine/entrypoints/openai/lora.py). Errors are OpenAI's JSON: 400 for invalid parameters,
 wrong types, malformed JSON, text that is not valid Unicode (lone surrogates) and over-long prompts, 401 without
 the API key (when one is set), 404 for an unknown model or route, 413 for a body far past any prompt the server
 takes, 500 for a request the engine failed (the engine goes on serving the others).
@@ -23,6 +24,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import AsyncLLMEngine, EngineDeadError
+from engine.entrypoints.openai.lora import add_lora_routes, parse_lora_modules
+from engine.entrypoints.openai.lora import runtime_updating_allowed as runtime_lora_updating_allowed
 from engine.entrypoints.openai.metrics import ServerMetrics
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from engine.entrypoints.openai.serving import json_safe, MAX_CHARS_PER_TOKEN, OpenAIError, OpenAIServing
@@ -141,18 +144,22 @@ class _APIKeyMiddleware:
 def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key: str | None = None,
               chat_template: str | None = None, trust_request_chat_template: bool = False,
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None, on_ready: Callable[[], None] | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, on_ready: Callable[[], None] | None = None,
+              lora_modules: list | None = None, api_server_count: int = 1) -> FastAPI:
     """The server app around a (not yet started) AsyncLLMEngine; the step loop starts with the app, and
     on_ready is called once its start-up is done (the engine started, the chat-template workers imported).
 
     chat_template: the template text to use instead of the tokenizer's. trust_request_chat_template: let requests
     bring their own (it runs on the server). enable_auto_tool_choice with tool_call_parser ("hermes",
     "llama3_json"): tool_choice "auto" parses tool calls from the output. reasoning_parser ("qwen3",
-    "deepseek_r1"): <think> text goes to reasoning_content."""
+    "deepseek_r1"): <think> text goes to reasoning_content. lora_modules: LoRARequests served as models of their
+    names (--lora-modules); api_server_count: the API server processes in front of the engine (runtime adapter
+    loading needs one)."""
     serving = OpenAIServing(engine, served_model_names, chat_template=chat_template,
                             trust_request_chat_template=trust_request_chat_template,
                             enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
-                            reasoning_parser=reasoning_parser)
+                            reasoning_parser=reasoning_parser, lora_modules=lora_modules,
+                            api_server_count=api_server_count)
     metrics = ServerMetrics(served_model_names[0])
     body_limit = max_body_bytes(engine.max_model_len)
     metrics.attach(engine)
@@ -238,6 +245,9 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key:
         return _respond(await _cancel_on_disconnect(raw_request, serving.create_chat_completion(request)))
 
     app.openapi = _openapi_with_request_models(app, [CompletionRequest, ChatCompletionRequest])
+
+    if runtime_lora_updating_allowed():
+        add_lora_routes(app, serving, parse_body, body_limit)
 
     @app.post("/tokenize")
     async def tokenize(raw_request: Request):
@@ -349,7 +359,9 @@ def _frontend_app(args, address: str, info: dict, on_ready: Callable[[], None] |
                     chat_template=load_chat_template(args.chat_template),
                     trust_request_chat_template=args.trust_request_chat_template,
                     enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-                    reasoning_parser=args.reasoning_parser, on_ready=on_ready)
+                    reasoning_parser=args.reasoning_parser, on_ready=on_ready,
+                    lora_modules=parse_lora_modules(getattr(args, "lora_modules", None)),
+                    api_server_count=getattr(args, "api_server_count", 1))
     return engine, app
 
 
@@ -405,6 +417,7 @@ def run_server(args) -> None:
     the cause logged); Ctrl-C or SIGTERM shuts everything down (status 0). No process is left either way."""
     import signal
 
+    from engine.entrypoints.openai.lora import check_lora_modules
     from engine.mp_engine import start_engine_core
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
@@ -415,6 +428,7 @@ def run_server(args) -> None:
     load_chat_template(args.chat_template)   # a bad template is refused before the model loads
     engine_args = serve_engine_args(args)
     name = served_model_name(args)
+    check_lora_modules(engine_args, parse_lora_modules(getattr(args, "lora_modules", None)), name)
     # Bind before the engine starts (a port in use fails fast), announce once connections are accepted.
     sock = _listen_socket(args.host, args.port, reuse_port=count > 1)
     port = sock.getsockname()[1]
