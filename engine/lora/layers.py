@@ -78,7 +78,7 @@ class LoRABatch:
         if not n <= num_tokens <= self.max_num_tokens:
             raise ValueError(f"num_tokens must lie in [{n} (the slots given), {self.max_num_tokens}], got {num_tokens}")
         if n:
-            slots = torch.as_tensor(token_slots)
+            slots = token_slots if isinstance(token_slots, torch.Tensor) else torch.as_tensor(token_slots)
             if slots.dtype != torch.int32:
                 slots = slots.to(torch.int32)
             if slots.device.type == "cpu":

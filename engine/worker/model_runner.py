@@ -509,11 +509,13 @@ class ModelRunner:
 
     def _prepare_lora(self, lora_slots: np.ndarray | None, num_tokens: int) -> bool:
         """The LoRA layers' slots for a forward of `num_tokens` rows (those past lora_slots padding); returns
-        whether the layers run their kernels (some token has an adapter). False without LoRA."""
+        whether the layers run their kernels (some token has an adapter). False without LoRA. On CUDA the slots
+        go through the pinned staging (a pageable copy would wait for the device)."""
         if self.lora is None:
             return False
-        self.lora.prepare_batch(lora_slots, num_tokens)
-        return self.lora.batch.active
+        active = lora_slots is not None and bool((lora_slots >= 0).any())
+        self.lora.prepare_batch(self._to_device(lora_slots) if active else None, num_tokens, active=active)
+        return active
 
     def _logits(self, forward: ForwardResult, index: np.ndarray | slice) -> torch.Tensor:
         """Logits [len(index), vocab] float32 of the step's tokens `index` (positions in the flattened batch)."""

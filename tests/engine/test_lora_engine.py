@@ -13,6 +13,10 @@
 - a bad adapter (rank over max_lora_rank, an unknown target module, shapes of another model) is a ValueError
   naming lora_request for its request alone; an adapter whose directory goes away after its request was accepted
   fails that request only (RequestOutput.error), and none of its blocks enters the prefix cache.
+- on the fake CUDA device (tests/engine/fake_cuda.py), the CUDA paths: both graph variants captured without a host
+  sync, the slots staged through pinned memory, the LoRA graph replayed for a decode batch with adapters only;
+- the scheduler keeps a step within max_loras (a request that does not fit keeps its place), and a request's
+  adapter crosses the core process's socket.
 
 The requests run alone come from one reference engine (max_loras = 4, a cache that never preempts)."""
 from __future__ import annotations
@@ -299,6 +303,66 @@ def test_an_adapter_gone_before_its_step_fails_that_request_only(reference, llam
     assert sum(1 for b in bm.hash_to_block_id.values() if bm.blocks[b].token_ids == tuple(prompt_a[:16])) == 1
     assert tuple(prompt_a[:16]) in registered
     engine.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------
+# the CUDA paths (the fake device), the scheduler, the wire
+# ---------------------------------------------------------------------------------------------
+
+def test_the_cuda_paths_with_adapters(llama_dir, llama_loras, monkeypatch):
+    """On the fake CUDA device (tests/engine/fake_cuda.py): the decode graphs of the whole ladder are captured with
+    and without LoRA, with no host sync; a step places two adapters in the slots and runs a mixed batch (prefill
+    chunks on two adapters and on the base model) on the device, the slots and their grouping staged without a
+    pageable copy; a decode batch with adapters replays the LoRA graph, one without them the plain graph."""
+    import numpy as np
+    import safetensors.torch
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from engine.step_records import CachedSequenceData, NewSequenceData, SchedulerOutput
+    from engine.worker.model_runner import ModelRunner, graph_batch_sizes
+    from tests.engine.fake_cuda import FakeCudaMemory, FakeGraphRunner, fake_cuda, no_host_sync
+    from tests.engine.models_util import engine_config
+
+    load_file = safetensors.torch.load_file
+
+    def real_load_file(*args, **kwargs):   # the adapter is on disk: real CPU tensors, as for the checkpoint
+        with unset_fake_temporarily():
+            return load_file(*args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "load_file", real_load_file)
+    FakeGraphRunner.captured_batch_sizes = []
+    prompts = [random_token_ids(30, seed=60 + i) for i in range(3)]   # (fake mode's tensors hold no values)
+    with fake_cuda(FakeCudaMemory()):
+        config = engine_config(llama_dir, device="cuda", max_model_len=128, block_size=16, num_kv_blocks=64,
+                               max_num_seqs=8, max_num_batched_tokens=64, enable_lora=True, max_loras=2)
+        runner = ModelRunner(config, graph_runner_class=FakeGraphRunner, compile_model=False,
+                             capture_graphs_at_startup=True)
+        ladder = graph_batch_sizes(8)
+        assert sorted(FakeGraphRunner.captured_batch_sizes) == sorted(ladder * 2)
+        assert sorted(runner.graphs) == sorted(runner.lora_graphs) == ladder
+        loras = llama_loras[:2]
+        new = [NewSequenceData(seq_id=i, token_ids=p, num_prompt_tokens=len(p), num_computed_tokens=0,
+                               block_ids=[2 * i, 2 * i + 1], params=SamplingParams(), seed=None, stop_token_ids=[],
+                               lora_request=lora) for i, (p, lora) in enumerate(zip(prompts, [*loras, None]))]
+        output = runner.execute_model(SchedulerOutput(
+            new_seqs=new, cached_seqs=[], num_scheduled_tokens={0: 20, 1: 16, 2: 9},
+            lora_requests={lora.lora_int_id: lora for lora in loras}))
+        assert output.sampled_token_ids == {} and not output.failed   # mid-prompt: nothing samples
+        assert runner.lora.batch.active and runner.lora.batch.token_lora_indices.device.type == "cuda"
+        assert runner.lora.slots.keys() == [1, 2]
+        with no_host_sync():   # the adapters in their slots already: the next chunk's step waits for nothing
+            runner.execute_model(SchedulerOutput(
+                new_seqs=[], cached_seqs=[CachedSequenceData(i, [], 2, [], n) for i, n in ((0, 20), (1, 16))],
+                num_scheduled_tokens={0: 8, 1: 8}, lora_requests={lora.lora_int_id: lora for lora in loras}))
+        replays = []
+        for kind, graphs in (("lora", runner.lora_graphs), ("plain", runner.graphs)):
+            graphs[4].replay = lambda kind=kind, graph=graphs[4]: replays.append(kind) or graph.output
+        for lora_slots in (np.array([0, -1, 1], dtype=np.int32), None, np.array([-1, -1, -1], dtype=np.int32)):
+            input_ids, positions, meta = runner.build_inputs(np.array([5, 6, 7]), np.array([3, 4, 5]),
+                                                             np.ones(3, dtype=np.int64),
+                                                             np.arange(3, dtype=np.int32)[:, None])
+            runner.run_decode_graph(input_ids, positions, meta, lora_slots)   # 3 rows: the graph of 4
+        assert replays == ["lora", "plain", "plain"]
 
 
 # ---------------------------------------------------------------------------------------------
