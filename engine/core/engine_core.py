@@ -109,6 +109,8 @@ class EngineCore:
         self._pending_grammars: dict[str, tuple[Sequence, object, float]] = {}
         # Requests a step's output processing touched beyond its own (beams advanced): failed with it if it raises.
         self._step_groups: dict[str, SequenceGroup] = {}
+        # LoRA adapters checked (loaded once on every rank): lora_int_id -> LoRARequest.
+        self._known_loras: dict = {}
 
     def _user_max_model_len(self) -> int | None:
         """max_model_len if the user set it (then a cache that cannot hold it is an error), else None."""
@@ -145,7 +147,7 @@ class EngineCore:
             raise ValueError(f"n must be <= max_num_seqs={self.scheduler.max_num_seqs}, got {params.n}")
         check_prompt_token_ids(request.prompt_token_ids, self.model_config.vocab_size, self.max_model_len)
         if request.lora_request is not None:
-            self._load_lora_for_request(request.lora_request)
+            self._check_request_lora(request.lora_request)
         seq = Sequence(request_id, request.prompt, request.prompt_token_ids, params,
                        arrival_time=request.arrival_time, eos_token_ids=self.model_config.eos_token_ids,
                        max_model_len=self.max_model_len, lora_request=request.lora_request)
@@ -204,28 +206,42 @@ class EngineCore:
         if self.config.lora_config is None:
             raise ValueError(f"{what}: this engine was started without LoRA (enable_lora=True, serve --enable-lora)")
 
-    def _load_lora_for_request(self, lora_request) -> bool:
-        """A request's adapter loaded (or found) in the workers' host caches before the request is queued: a bad
-        adapter is a ValueError naming lora_request, and the request is refused alone."""
+    def _check_request_lora(self, lora_request) -> None:
+        """A request's adapter, before the request is queued. One the core has not seen is loaded into the
+        workers' host caches now (add_lora): a bad one is a ValueError naming lora_request, the request refused
+        alone. One seen before is taken as it is, with no call to the workers: a step that needs it loads it again
+        if the host cache let it go (and fails its requests alone should it no longer load)."""
+        known = self._known_loras.get(getattr(lora_request, "lora_int_id", None))
+        if known is None or (known.lora_name, known.lora_path) != (lora_request.lora_name, lora_request.lora_path):
+            self.add_lora(lora_request)
+
+    def add_lora(self, lora_request) -> bool:
+        """Load an adapter into the workers' host caches now; returns whether it was read from disk. ValueError
+        naming lora_request for a bad adapter, or for an id that names another adapter the core knows (requests
+        on that one may still be running: its slots must not change weights under them)."""
         self._check_lora_enabled("lora_request")
         from engine.lora import LoRARequest
 
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        known = self._known_loras.get(lora_request.lora_int_id)
+        if known is not None and (known.lora_name, known.lora_path) != (lora_request.lora_name, lora_request.lora_path):
+            raise ValueError(f"lora_request: lora_int_id {lora_request.lora_int_id} already names adapter "
+                             f"{known.lora_name!r} ({known.lora_path}); {lora_request.lora_name!r} needs another id "
+                             f"(or remove_lora the other first)")
         try:
-            return self.executor.add_lora(lora_request)
+            loaded = self.executor.add_lora(lora_request)
         except ValueError as error:
             raise ValueError(f"lora_request: {error}") from error
-
-    def add_lora(self, lora_request) -> bool:
-        """Load an adapter into the workers' host caches now (a later request on it finds it there); returns
-        whether it was read from disk. ValueError for a bad adapter."""
-        return self._load_lora_for_request(lora_request)
+        self._known_loras[lora_request.lora_int_id] = lora_request
+        return loaded
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Drop an adapter from the host caches and device slots; returns whether it was loaded. Requests still
-        running on it read it again when they are next scheduled (vLLM's remove_lora)."""
+        running on it read it again when they are next scheduled (vLLM's remove_lora); a request on it after
+        this is checked again."""
         self._check_lora_enabled("remove_lora")
+        self._known_loras.pop(lora_int_id, None)
         return self.executor.remove_lora(lora_int_id)
 
     def list_loras(self) -> set[int]:

@@ -247,8 +247,8 @@ def test_a_bad_adapter_is_a_value_error_naming_lora_request(reference, llama_lor
 
 
 def test_a_bad_adapter_leaves_the_requests_in_flight_alone(reference, tmp_path):
-    """On the engine, a request on a bad adapter is refused when it is added; the requests already in it finish
-    as they would have."""
+    """On the engine, a request on a bad adapter, or on another adapter under an id the engine knows, is refused
+    when it is added; the requests already in it finish as they would have."""
     llm, work, alone = reference
     engine = llm.llm_engine
     bad = LoRARequest("bad", 98, write_adapter(tmp_path / "bad", lora_pair(Q, 32, 128, 256), r=32))
@@ -256,6 +256,9 @@ def test_a_bad_adapter_leaves_the_requests_in_flight_alone(reference, tmp_path):
     engine.step()
     with pytest.raises(ValueError, match="^lora_request: .* over max_lora_rank=16"):
         engine.add_request("bad", {"prompt_token_ids": [5, 6, 7]}, _greedy(), lora_request=bad)
+    clash = LoRARequest("clash", work[2][2].lora_int_id, bad.lora_path)   # another adapter under good's id
+    with pytest.raises(ValueError, match=rf"^lora_request: lora_int_id 1 already names adapter 'all-r8'"):
+        engine.add_request("clash", {"prompt_token_ids": [5, 6, 7]}, _greedy(), lora_request=clash)
     finished = {}
     while engine.has_unfinished_requests():
         finished.update({o.request_id: o for o in engine.step() if o.finished})
