@@ -401,7 +401,7 @@ def run_phase(phase: Phase, args: argparse.Namespace, device: torch.device, out_
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--phase", default="all", help="all (default), a number 1-9 or a name (see the module doc)")
+    parser.add_argument("--phase", default="all", help="all (default), a number 1-10 or a name (see the module doc)")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="output directory (default: bench/results)")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (= --dry-run)")
     parser.add_argument("--dry-run", action="store_true",

@@ -427,13 +427,20 @@ def _heads(num_q_heads: int, num_kv_heads: int, head_dim: int) -> str:
 
 
 def decode_case(device, dtype, *, num_seqs: int, seq_len: int, num_q_heads: int, num_kv_heads: int,
-                head_dim: int, block_size: int = 16, compile: bool = True, target: Target | None = None) -> Case:
+                head_dim: int, block_size: int = 16, compile: bool = True, target: Target | None = None,
+                num_splits: int | None = None) -> Case:
+    """num_splits: the launch's split count (None: the wrapper's heuristic, as the engine launches it)."""
     gen = _generator(device)
     kv = random_paged_kv([seq_len] * num_seqs, num_kv_heads, head_dim, block_size, dtype, device, gen)
     q = _randn(num_seqs, num_q_heads, head_dim, dtype=dtype, device=device, gen=gen)
     out = torch.empty_like(q)
     # The split-K scratch comes from the caller, as in the engine: the timed call allocates nothing.
-    workspace = pk.decode_workspace(num_seqs, num_q_heads, num_kv_heads, head_dim, device=device)
+    if num_splits is None:
+        workspace = pk.decode_workspace(num_seqs, num_q_heads, num_kv_heads, head_dim, device=device)
+    else:
+        from pagedkernels.decode_attention import decode_workspace_numel
+        workspace = torch.empty(max(1, decode_workspace_numel(num_seqs, num_q_heads, head_dim, num_splits)),
+                                dtype=torch.float32, device=device)
     k_dense = dense_kv(kv.key_cache, kv.block_tables, seq_len)  # [B, Hkv, L, D]
     v_dense = dense_kv(kv.value_cache, kv.block_tables, seq_len)
     q_dense = q.unsqueeze(2)  # [B, Hq, 1, D]
@@ -441,7 +448,7 @@ def decode_case(device, dtype, *, num_seqs: int, seq_len: int, num_q_heads: int,
 
     def fn():
         return pk.paged_decode_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, out=out,
-                                         workspace=workspace)
+                                         workspace=workspace, num_splits=num_splits)
 
     item = q.element_size()
     tokens = num_seqs * seq_len
@@ -1083,15 +1090,38 @@ def prefill_tile_case(device, dtype, *, config: tuple[int, int, int, int], basel
 
 def tune_suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False) -> list[functools.partial]:
     """The prefill kernel's launch configurations on the target shape (8 x 2048 new tokens, 32q/8kv heads, d128),
-    against SDPA-flash measured once: which tiles the heuristic should pick on this GPU."""
+    against SDPA-flash measured once: which tiles the heuristic should pick on this GPU. Then the decode kernel's
+    split count on its target shape and smaller batches (DECODE_SPLIT_SWEEP): whether decode_num_splits follows this
+    GPU (the H200 reached 0.879 of its copy bandwidth at the heuristic's one split where the H100 reached 0.976)."""
     d = dict(device=device, dtype=dtype)
     if tiny:
         shape = dict(num_seqs=2, new_tokens=32, num_q_heads=4, num_kv_heads=2, head_dim=64)
         configs = TINY_PREFILL_SWEEP
+        decode_sweep = [(2, 64, splits) for splits in (None, 1, 2)]
+        decode_heads = dict(num_q_heads=4, num_kv_heads=2, head_dim=64)
     else:
         shape = dict(num_seqs=8, new_tokens=2048, num_q_heads=32, num_kv_heads=8, head_dim=128)
         configs = PREFILL_SWEEP
-    return [partial(prefill_tile_case, **d, config=c, baseline=i == 0, **shape) for i, c in enumerate(configs)]
+        decode_sweep = DECODE_SPLIT_SWEEP
+        decode_heads = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
+    return [partial(prefill_tile_case, **d, config=c, baseline=i == 0, **shape) for i, c in enumerate(configs)] + [
+        partial(decode_split_case, **d, num_seqs=n, seq_len=length, num_splits=splits, **decode_heads)
+        for n, length, splits in decode_sweep]
+
+
+# (sequences, context, split count) of the decode kernel tried by the "tune" phase, 32q/8kv heads, d128, bf16; None
+# is the wrapper's own heuristic (decode_num_splits), measured beside the forced counts.
+DECODE_SPLIT_SWEEP = [(64, 4096, s) for s in (None, 1, 2, 3, 4)] + [(16, 4096, s) for s in (None, 2, 4, 8)] + \
+                     [(4, 4096, s) for s in (None, 8, 16, 32)]
+
+
+def decode_split_case(device, dtype, *, num_splits: int | None, **shape) -> Case:
+    """The decode case at a forced split count (None: the heuristic's), without baselines."""
+    case = decode_case(device, dtype, compile=False, num_splits=num_splits, **shape)
+    case.op = "paged_decode_attention splits"
+    case.shape += f"; splits {'heuristic' if num_splits is None else num_splits}"
+    case.baselines = []
+    return case
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1125,7 +1155,8 @@ def run_suite(device: torch.device | str, *, tiny: bool = False, compile: bool =
     rows: list[Row] = []
     targets, not_run = [], []
     if tune:
-        builds, op_of = tune_suite(device, dtype, tiny=tiny), {prefill_tile_case: "paged_prefill_attention tiles"}
+        builds, op_of = tune_suite(device, dtype, tiny=tiny), {prefill_tile_case: "paged_prefill_attention tiles",
+                                                              decode_split_case: "paged_decode_attention splits"}
     elif quant:
         builds, op_of = quant_suite(device, dtype, tiny=tiny), QUANT_OP_OF_CASE
     else:
@@ -1238,7 +1269,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the results to this JSON file")
     parser.add_argument("--quant", action="store_true",
                         help="the quantized ops (W4A16 and FP8 GEMMs, fp8-KV decode) instead of the main matrix")
-    parser.add_argument("--tune", action="store_true", help="the prefill kernel's launch-configuration sweep")
+    parser.add_argument("--tune", action="store_true", help="the prefill kernel's launch-configuration sweep and the decode kernel's split counts")
     args = parser.parse_args(argv)
     device = "cpu" if args.dry_run else args.device
     if device.startswith("cuda") and not torch.cuda.is_available():

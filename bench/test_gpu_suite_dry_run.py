@@ -201,11 +201,30 @@ def _quant(result):
 
 
 def _tune(result):
-    assert len(result["rows"]) == len(gpu_suite.kernels.TINY_PREFILL_SWEEP)   # one row each, SDPA on the first
+    prefill = [r for r in result["rows"] if r["op"] == "paged_prefill_attention tiles"]
+    decode = [r for r in result["rows"] if r["op"] == "paged_decode_attention splits"]
+    assert len(prefill) == len(gpu_suite.kernels.TINY_PREFILL_SWEEP)   # one row each, SDPA on the first
+    assert len(decode) == 3 and len(prefill) + len(decode) == len(result["rows"])
     assert all(r["check"] == "ok" and r["ms"] for r in result["rows"])
     assert sum(r["baseline"] == "sdpa-flash" for r in result["rows"]) == 1
 
 
+def _async(result):
+    audit = {row["kind"]: row for row in result["sync_audit"]["kinds"]}
+    assert set(audit) == {"decode_greedy", "decode_sampled", "speculative", "guided"}
+    assert audit["guided"].get("not_run") == "xgrammar is not installed"   # absent on the image
+    for kind in ("decode_greedy", "decode_sampled", "speculative"):
+        row = audit[kind]
+        assert "error" not in row, row
+        assert row["steps"] > 0 and row["syncs_per_step"] is None   # counted on CUDA only
+        # Async scheduling where it applies: its one-step-late reads happened; speculation runs without it.
+        assert row["async_scheduling"] is False   # the engine's default on CPU
+    without, with_async = (result[key]["models"]["qwen3-0.6b"] for key in ("engine_sync", "engine"))
+    assert without["async_scheduling"] is False and with_async["async_scheduling"] is True
+    assert without["engine"]["complete"] and with_async["engine"]["complete"]
+    assert without["engine"]["output_tokens"] == with_async["engine"]["output_tokens"] > 0
+
+
 CHECKS = {"headline": _headline, "kernels": _kernels, "quant": _quant, "tune": _tune, "engine": _engine_model("qwen3-0.6b", True),
           "llama": _engine_model("llama-3-8b", False), "kernel-tests": _tests("kernel tests"),
-          "engine-tests": _tests("engine tests on CUDA"), "other-tests": _tests("other tests")}
+          "engine-tests": _tests("engine tests on CUDA"), "other-tests": _tests("other tests"), "async": _async}

@@ -1,4 +1,5 @@
-"""bench.serve against an in-process server on a tiny random-weight Llama: ``python -m pytest bench/test_serve.py``."""
+"""bench.serve against an in-process server on a tiny random-weight Llama (`server`, `tiny_llama`: bench/conftest.py):
+``python -m pytest bench/test_serve.py``."""
 from __future__ import annotations
 
 import json
@@ -9,23 +10,6 @@ pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
 
 from bench import serve  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> str:
-    from tests.engine.models_util import build_tiny_model_dir
-
-    return build_tiny_model_dir("llama", str(tmp_path_factory.mktemp("tiny-llama")))
-
-
-@pytest.fixture(scope="module")
-def server(tiny_llama):
-    from engine.async_engine import AsyncLLMEngine
-    from engine.entrypoints.openai.api_server import ServerThread, build_app
-
-    engine = AsyncLLMEngine.from_args(tiny_llama, num_kv_blocks=64, max_model_len=256)
-    with ServerThread(build_app(engine, served_model_names=["tiny"])) as server:
-        yield server
 
 
 def test_max_concurrency_random_token_ids(server, tiny_llama, tmp_path):

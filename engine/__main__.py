@@ -47,7 +47,11 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--host", default="127.0.0.1")
     group.add_argument("--port", type=int, default=8000)
     group.add_argument("--served-model-name", default=None, help="model name in the API (default: the model)")
-    group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    group.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every route but /health (and /metrics unless "
+                            "--disable-metrics-auth)")
+    group.add_argument("--disable-metrics-auth", action="store_true",
+                       help="with --api-key, serve /metrics without the key (for a scraper that sends none)")
     group.add_argument("--chat-template", default=None,
                        help="chat template (a file, or the template itself) instead of the tokenizer's")
     group.add_argument("--trust-request-chat-template", action="store_true",
@@ -59,6 +63,21 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                             "Qwen2/3) or llama3_json ({\"name\": ..., \"parameters\": ...})")
     group.add_argument("--reasoning-parser", choices=("qwen3", "deepseek_r1"), default=None,
                        help="move <think>...</think> text to reasoning_content")
+    group.add_argument("--special-tokens-in-messages", choices=("escape", "reject", "allow"), default="escape",
+                       help="special-token text (e.g. <|im_end|>) in the content of user and tool messages: escape "
+                            "(default: it stays text, tokenized as such), reject (400), allow (it becomes control "
+                            "tokens, as in transformers and vLLM: a client can forge turns, a system one included)")
+    group.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="on SIGTERM/SIGINT, seconds the requests in flight get to finish; then every stream "
+                            "still open ends with an error event and [DONE] and the server exits (default 30)")
+    group.add_argument("--request-header-timeout", type=float, default=10.0,
+                       help="seconds a connection gets to send a request's headers (408, or closed if it sent "
+                            "nothing; 0: no limit; default 10)")
+    group.add_argument("--request-body-timeout", type=float, default=60.0,
+                       help="seconds a request gets to send its body (408; 0: no limit; default 60)")
+    group.add_argument("--limit-concurrency", type=int, default=None,
+                       help="connections each API server process keeps open at most; one more gets a 503 and is "
+                            "closed (default: what the open-files limit leaves after 256)")
     group.add_argument("--log-level", default="info", help="uvicorn log level")
     group.add_argument("--disable-log-requests", action="store_true",
                        help="accepted for vLLM compatibility: the server logs no request contents")
@@ -152,8 +171,12 @@ def cmd_serve(args) -> None:
             missing = e.name if isinstance(e, ModuleNotFoundError) and e.name else None
             why = f"{missing.split('.')[0]} is not installed" if missing else f"importing {name} failed: {e}"
             raise MissingExtraError(f"`serve` needs the serve extra ({why}); install it with: {SERVE_INSTALL}") from None
-    from engine.entrypoints.openai.api_server import run_server
-    run_server(args)
+    from engine.entrypoints.openai.api_server import exit_now, run_server
+    try:
+        run_server(args)
+    except SystemExit as e:   # a process of the server died: status 1
+        exit_now(e.code if isinstance(e.code, int) else 1)
+    exit_now(0)   # shut down in order: no interpreter teardown to wait for (see exit_now)
 
 
 def build_parser() -> argparse.ArgumentParser:

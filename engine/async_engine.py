@@ -17,10 +17,14 @@ loop goes on serving; LLMEngine itself finishes the requests of a failed step wi
         print(output.outputs[0].text)   # cumulative, like vLLM's RequestOutput
 
 A request whose consumer goes away (the generator is closed, garbage-collected or its task cancelled) is
-aborted, so its blocks return to the pool.
+aborted, so its blocks return to the pool, and the callbacks see it finish with finish_reason "abort".
+
+`interrupt_streams(message)` ends every stream at once (a server's shutdown deadline): each generate() raises
+StreamInterruptedError and its request is aborted; requests that arrive afterwards are refused the same way.
 """
 import asyncio
 import copy
+import dataclasses
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -42,6 +46,11 @@ class EngineDeadError(RuntimeError):
     """The step loop raised; the engine can serve no more requests."""
 
 
+class StreamInterruptedError(RuntimeError):
+    """The server ended this request's stream before the request finished (interrupt_streams: its shutdown
+    deadline); the request was aborted."""
+
+
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, *, num_tokenizer_threads: int = NUM_TOKENIZER_THREADS):
         self.engine = engine
@@ -56,6 +65,7 @@ class AsyncLLMEngine:
         self._loop_task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self.dead_error: BaseException | None = None
+        self.interrupt_message: str | None = None   # set by interrupt_streams: no stream runs any more
         # Called (in the event loop) with every finished RequestOutput: the server's metrics hook in here.
         self.finished_callbacks: list[Callable[[RequestOutput], None]] = []
         # Called (in the event loop) with every RequestOutput, finished or not (the inter-token latency metric).
@@ -130,6 +140,28 @@ class AsyncLLMEngine:
         if queue is not None:   # None: its consumer left and the abort is queued behind this step
             queue.put_nowait(output)
 
+    def interrupt_streams(self, message: str) -> int:
+        """End every open stream now: its generate() raises StreamInterruptedError(message) and aborts its
+        request; generate() refuses new requests the same way from now on. Returns how many streams were open."""
+        self.interrupt_message = message
+        for queue in self._streams.values():
+            queue.put_nowait(StreamInterruptedError(message))
+        return len(self._streams)
+
+    def _check_not_interrupted(self) -> None:
+        if self.interrupt_message is not None:
+            raise StreamInterruptedError(self.interrupt_message)
+
+    def _report_abort(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                      last: RequestOutput | None) -> None:
+        """Tell the callbacks that a request whose consumer left finished as aborted (the engine's own abort
+        output goes nowhere: its stream is gone), from the last output the consumer saw."""
+        outputs = [] if last is None else [dataclasses.replace(c, finish_reason=c.finish_reason or "abort")
+                                           for c in last.outputs]
+        self._dispatch(RequestOutput(request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
+                                     outputs=outputs, finished=True,
+                                     metrics=None if last is None else last.metrics))
+
     async def _call(self, fn, *args):
         """Run one LLMEngine call on the engine thread, between steps."""
         return await asyncio.get_running_loop().run_in_executor(self._engine_thread, fn, *args)
@@ -187,11 +219,14 @@ class AsyncLLMEngine:
     async def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
                                   chat_template: str | None = None, tools: list[dict] | None = None,
                                   continue_final_message: bool = False,
-                                  chat_template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+                                  chat_template_kwargs: dict | None = None,
+                                  literals: dict[str, str] | None = None) -> tuple[str, list[int]]:
         """Render a conversation with the chat template (the tokenizer's unless `chat_template`) and tokenize it
         (tokenizer thread). tools go to the template as `tools`; chat_template_kwargs are further template
-        variables (e.g. enable_thinking). Raises ValueError when there is no template or the messages do not
-        render."""
+        variables (e.g. enable_thinking). literals: {placeholder: text} put in the messages in place of text
+        that must stay text: each placeholder in the rendered prompt becomes that text, tokenized with special
+        tokens split (never a control token). Raises ValueError when there is no template or the messages do
+        not render."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this needs the tokenizer, and the engine has none (skip_tokenizer_init=True)")
@@ -212,6 +247,8 @@ class AsyncLLMEngine:
             chat_template=template, messages=messages, tools=tools,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message, template_vars=template_vars)
+        if literals:
+            return await self.run_on_tokenizer_thread(_encode_with_literals, text, literals)
         # The template wrote every special token it wants: no BOS again (as LLM.chat).
         token_ids = await self.run_on_tokenizer_thread(
             lambda tokenizer: tokenizer.encode(text, add_special_tokens=False))
@@ -233,22 +270,27 @@ class AsyncLLMEngine:
         adapter (engine.LoRARequest; None: the base model). Invalid input raises ValueError before anything is
         yielded, leaving other requests untouched."""
         self.start()
+        self._check_not_interrupted()
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already running")
         params = params if params is not None else self.engine.default_sampling_params()
         request = await self.process_request(request_id, prompt, params, lora_request=lora_request)
+        self._check_not_interrupted()
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
-        finished = False
+        added = finished = False
+        last = None
         try:
             await self._call(self.engine.add_processed_request, request)
+            added = True
             self._wake.set()
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
-                    finished = True   # the engine is dead: nothing to abort
+                    finished = isinstance(item, EngineDeadError)   # the engine is dead: nothing to abort
                     raise item
                 finished = item.finished
+                last = item
                 yield item
         finally:
             if self._streams.get(request_id) is queue:
@@ -257,13 +299,14 @@ class AsyncLLMEngine:
                 # Fire and forget: the executor runs it after whatever step is in flight. (Awaiting is not
                 # allowed here when the generator is being garbage-collected.)
                 self._engine_thread.submit(self.engine.abort_request, request_id)
+                if added:
+                    self._report_abort(request_id, request.prompt, request.prompt_token_ids, last)
 
     async def abort(self, request_id: str) -> None:
         """Stop a request; its stream ends with a finish_reason "abort" output. Unknown ids are ignored."""
         output = await self._call(self.engine.abort_request, request_id)
-        queue = self._streams.get(request_id)
-        if output is not None and queue is not None:
-            queue.put_nowait(output)
+        if output is not None:
+            self._dispatch(output)   # its stream (if any) ends with it, and the callbacks count it
 
     async def get_metrics(self) -> EngineMetrics:
         """LLMEngine.get_metrics(), taken between steps."""
@@ -297,3 +340,29 @@ class AsyncLLMEngine:
         if self._chat_template_sandbox is not None:
             self._chat_template_sandbox.shutdown()
 
+
+def _encode_with_literals(text: str, literals: dict[str, str], *, tokenizer) -> tuple[str, list[int]]:
+    """(text with each placeholder of `literals` replaced by its text, token ids): the text between placeholders
+    tokenized as a rendered prompt is (special tokens are control tokens), each literal with special tokens split
+    into ordinary ones. Raises ValueError when the rendered text holds a placeholder's start but not the whole
+    placeholder (the template changed it)."""
+    import re
+
+    pieces, token_ids, position = [], [], 0
+    for match in re.finditer("|".join(map(re.escape, literals)), text):
+        segment = text[position:match.start()]
+        literal = literals[match.group(0)]
+        if segment:
+            token_ids += tokenizer.encode(segment, add_special_tokens=False)
+        token_ids += tokenizer.encode(literal, add_special_tokens=False, split_special_tokens=True)
+        pieces += [segment, literal]
+        position = match.end()
+    tail = text[position:]
+    if tail:
+        token_ids += tokenizer.encode(tail, add_special_tokens=False)
+    pieces.append(tail)
+    text = "".join(pieces)
+    common = next(iter(literals)).rsplit("N", 1)[0]   # the placeholders' shared part (each ends in N<index>X)
+    if common in text:
+        raise ValueError("the chat template altered the placeholder of special-token text in a message")
+    return text, token_ids

@@ -74,7 +74,7 @@ class EngineArgs:
         group.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
         group.add_argument("--max-num-seqs-per-request", type=int, default=None,
                            help="most sequences of one request (n > 1) in a step while other requests run or "
-                                "wait (default: no limit; serve: 32)")
+                                "wait (default: no limit; serve: 16 on CPU, 32 on GPUs)")
         group.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
         group.add_argument("--num-kv-blocks", type=int, default=None,
                            help="KV-cache size in blocks (overrides the memory-derived size)")

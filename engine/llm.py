@@ -53,7 +53,8 @@ class LLM:
             metadata, Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weights kept quantized; README "GGUF models"), or a hub id
             (downloaded with huggingface_hub).
         tokenizer: a different tokenizer directory or hub id (default: the model's; a GGUF's own).
-        dtype: "auto" (the checkpoint's; bf16/fp16 checkpoints run as float32 on CPU), or a torch dtype / name.
+        dtype: "auto" (the checkpoint's, except on CPU: bf16 checkpoints in bf16 where the CPU has AMX-BF16 or
+            AVX512-BF16, else float32; fp16 and quantized ones in float32), or a torch dtype / name.
         device: "auto" (CUDA when available, else CPU), "cpu" or "cuda[:N]".
         block_size: tokens per KV-cache block.
         max_model_len: longest prompt + output (default: the model's max_position_embeddings).
@@ -61,7 +62,7 @@ class LLM:
         max_num_seqs_per_request: most sequences of one request (n > 1) in a step while other requests run or
             wait, the rest taking turns (default: no limit).
         max_num_batched_tokens: token budget of one step (default 8192 on GPUs, 1024 on CPU: chunked prefill
-            is always on, so it need not hold a whole prompt; see engine/core/llm_engine.py).
+            is always on, so it need not hold a whole prompt; engine/platform.py says why).
         num_kv_blocks: KV-cache size in blocks; overrides the memory-derived size.
         gpu_memory_utilization: share of GPU memory the engine may use (CUDA only).
         kv_cache_dtype: "auto" stores the KV cache in the model's dtype; "fp8" (or "fp8_e4m3", vLLM's names) in

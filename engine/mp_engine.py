@@ -11,7 +11,8 @@ one core.
     engine = MPAsyncLLMEngine(core.address, core.info)
 
 The core going away (crash, kill) is noticed within a second: every open stream ends with EngineDeadError, new
-requests are refused and /health answers 500.
+requests are refused and /health answers 500. A stream its consumer leaves (or interrupt_streams ends) is aborted
+in the core and reported to the callbacks as finished with "abort", as in AsyncLLMEngine.
 """
 from __future__ import annotations
 
@@ -212,6 +213,8 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
         processed = self.engine.output_processor.process_outputs([EngineCoreOutput.from_wire(d) for d in data])
         if processed.stops:   # stop strings ended these completions: the core stops generating them
             self._send(["stop", [[request_id, indices] for request_id, indices in processed.stops]])
+        if processed.failed:   # their output failed here (ended with the error): the core stops them
+            self._send(["abort", processed.failed])
         for output in processed.request_outputs:
             self._dispatch(output)
 
@@ -228,6 +231,7 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
     async def generate(self, prompt, params: SamplingParams, request_id: str, lora_request=None):
         """As AsyncLLMEngine.generate; the request runs in the core process."""
         self.start()
+        self._check_not_interrupted()
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already running")
         arrival = time.time()
@@ -236,21 +240,24 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
                                              lora_request=lora_request)
         if self.dead_error is not None:
             raise EngineDeadError("the engine core has failed") from self.dead_error
+        self._check_not_interrupted()
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         output_processor = self.engine.output_processor
         output_processor.add_request(request_id, request.prompt, request.prompt_token_ids, params)
         finished = False
+        last = None
         try:
             self._send(["add", request.to_wire()])
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
-                    finished = True
+                    finished = isinstance(item, EngineDeadError)   # the core is gone: nothing to abort
                     raise item
                 finished = item.finished
                 if finished and not item.outputs and item.error:   # refused by add_request's checks: a 400
                     raise ValueError(item.error)
+                last = item
                 yield item
         finally:
             if self._streams.get(request_id) is queue:
@@ -259,6 +266,7 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
                 output_processor.abort_request(request_id)
                 if self.dead_error is None and self._socket is not None:
                     self._send(["abort", [request_id]])
+                self._report_abort(request_id, request.prompt, request.prompt_token_ids, last)
 
     async def abort(self, request_id: str) -> None:
         if self.dead_error is None and self._socket is not None:

@@ -461,10 +461,10 @@ class EngineCore:
                 # An adapter that no longer loads (its directory changed since the request came in): the request's
                 # own field at fault, as when add_request refuses it.
                 lora = message.startswith("lora_request:")
+                if lora:
+                    group.error_param = "lora_request"
                 self._fail_group(group, message if lora else f"sampling failed: {message}")
-                output = self._make_output(group)
-                output.error_param = "lora_request" if lora else None
-                outputs.append(output)
+                outputs.append(self._make_output(group))
         return outputs
 
     def _fail_group(self, group: SequenceGroup, message: str, *, log: bool = True) -> None:
@@ -639,9 +639,13 @@ class EngineCore:
         appended = 0
         for j, token_id in enumerate(tokens):
             if seq.guided is not None and not seq.guided.accept(token_id):
-                # Only the sampler's last-resort fallback can pick a token the grammar forbids (see sampler.py).
+                # Only the sampler's last-resort fallback can pick a token the grammar forbids (see sampler.py),
+                # and only when the grammar allows no token at all: it dead-ends here. The request's grammar is
+                # at fault (a client error naming guided_decoding), not the engine.
                 seq.finish_reason = "error"
-                seq.group.error = f"guided decoding: the grammar does not allow the sampled token {token_id}"
+                seq.group.error = (f"guided_decoding: the grammar admits no token after {seq.num_output_tokens} "
+                                   f"generated token(s) and is not complete (it dead-ends)")
+                seq.group.error_param = "guided_decoding"
                 break
             seq.append_token(token_id)
             appended += 1
@@ -720,7 +724,8 @@ class EngineCore:
             prompt_logprobs, group.prompt_logprobs_sent = first.prompt_logprobs, True
         return EngineCoreOutput(request_id=group.request_id, completions=completions, finished=group.is_finished,
                                 num_cached_tokens=first.num_cached_tokens, metrics=first.metrics,
-                                prompt_logprobs=prompt_logprobs, error=group.error)
+                                prompt_logprobs=prompt_logprobs, error=group.error,
+                                error_param=group.error_param)
 
 
 def _logprob_entry(token_id: int, logprob: float, rank: int, topk_ids: list[int],

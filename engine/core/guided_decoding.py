@@ -4,7 +4,9 @@ choices or an EBNF grammar.
 One `GuidedDecoding` per engine holds xgrammar's GrammarCompiler, built from the tokenizer with the MODEL's
 vocabulary size (the embedding can be padded past the tokenizer: those ids are never allowed), and an LRU of
 compiled grammars keyed by their spec, so a schema used by many requests compiles once. Compilation happens in
-add_request: a bad schema/regex/grammar is a ValueError naming guided_decoding before the request is queued.
+add_request: a bad schema/regex/grammar, or one whose start admits no token at all, is a ValueError naming
+guided_decoding before the request is queued. A grammar that dead-ends later (a state past the start that
+admits no token and is not complete) fails its request when it gets there, also naming guided_decoding.
 
 Each guided sequence owns a `GrammarState` (an xgrammar GrammarMatcher that has accepted exactly its output
 tokens). Per step, the scheduler fills one token bitmask for the guided sequences that sample (`fill_bitmask`)
@@ -119,6 +121,10 @@ class GuidedDecoding:
             message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             message = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", message)   # xgrammar's "[time] file.cc:line: " prefix
             raise ValueError(f"guided_decoding {kind} is invalid: {message}") from e
+        if not _admits_a_token(self._xgr, compiled, self.vocab_size):
+            # Generation could only fail: the sampler's fallback would pick a token the grammar refuses.
+            raise ValueError(f"guided_decoding {kind} admits no output: no token can begin it (the empty output "
+                             f"is not one either)")
         with self._lock:
             self._cache[key] = compiled
             self._cache.move_to_end(key)
@@ -138,6 +144,13 @@ class GuidedDecoding:
     def new_state(self, params: GuidedDecodingParams, compiled=None) -> GrammarState:
         """A fresh matcher for one sequence (at the start of its output), of `compiled` (compiled here if None)."""
         return GrammarState(self._xgr.GrammarMatcher(self.compile(params) if compiled is None else compiled))
+
+
+def _admits_a_token(xgrammar, compiled, vocab_size: int) -> bool:
+    """Whether the grammar's start state allows any token (a stop token too, when the empty output is complete)."""
+    bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
+    xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+    return bool(bitmask.any())
 
 
 def fill_bitmask(states: list[GrammarState], vocab_size: int) -> torch.Tensor:

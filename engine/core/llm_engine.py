@@ -82,6 +82,10 @@ class LLMEngine:
         return self.engine_core.requests
 
     @property
+    def beam_candidates(self):
+        return self.engine_core.beam_candidates
+
+    @property
     def spec_decode_stats(self):
         return self.engine_core.spec_decode_stats
 
@@ -194,4 +198,6 @@ class LLMEngine:
         processed = self.output_processor.process_outputs(self.engine_core.step())
         for request_id, indices in processed.stops:   # stop strings ended these: no more tokens for them
             self.engine_core.stop_sequences(request_id, indices)
+        for request_id in processed.failed:   # their output failed here: the core stops them too
+            self.engine_core.abort_request(request_id)
         return processed.request_outputs

@@ -10,6 +10,7 @@ so the core's step loop does no detokenization.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -17,6 +18,8 @@ from engine.core.core_io import EngineCoreOutput, LogprobEntry
 from engine.core.detokenizer import Detokenizer, check_stop_strings
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("engine")
 
 
 class _Completion:
@@ -104,6 +107,24 @@ class RequestState:
                              metrics=out.metrics, prompt_logprobs=self.prompt_logprobs, error=out.error,
                              error_param=out.error_param)
 
+    def failed(self, message: str, out: EngineCoreOutput) -> RequestOutput:
+        """The request's final output after its processing failed here: every completion ends with "error"."""
+        self.finished = True
+        indices = sorted(set(self.completions) | {c.index for c in out.completions}) or [0]
+        outputs = []
+        for i in indices:
+            c = self.completions.get(i)
+            outputs.append(CompletionOutput(index=i, text="" if c is None else c.output_text,
+                                            token_ids=[] if c is None else list(c.output_token_ids),
+                                            cumulative_logprob=None if c is None else c.cumulative_logprob,
+                                            logprobs=None if c is None or c.logprobs is None else list(c.logprobs),
+                                            finish_reason="error"))
+        if out.metrics is not None:
+            out.metrics.finished_time = time.time()
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+                             outputs=outputs, finished=True, num_cached_tokens=out.num_cached_tokens,
+                             metrics=out.metrics, prompt_logprobs=self.prompt_logprobs, error=message)
+
     def _detokenize(self, c: _Completion, index: int, token_ids: list[int], finish_reason, stop_reason) -> int:
         """Append `token_ids` to completion `c` with their text (stop token, stop string, length: vLLM's order);
         returns how many were kept (fewer when a stop string ends the completion inside them)."""
@@ -139,6 +160,8 @@ class ProcessedOutputs:
     request_outputs: list[RequestOutput] = field(default_factory=list)
     # (request id, completion indices) that stop strings ended here: the core must finish them.
     stops: list[tuple[str, list[int]]] = field(default_factory=list)
+    # Requests whose processing failed here (their detokenization, say): ended with an error, the core must abort.
+    failed: list[str] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -166,7 +189,14 @@ class OutputProcessor:
             state = self.requests.get(out.request_id)
             if state is None:   # finished here already (a stop string), or aborted by its consumer
                 continue
-            output = state.add(out)
+            try:
+                output = state.add(out)
+            except Exception as error:   # this request's own failure: it ends alone, with the error
+                logger.exception("processing the output of request %r failed", out.request_id)
+                del self.requests[out.request_id]
+                processed.failed.append(out.request_id)
+                processed.request_outputs.append(state.failed(f"{type(error).__name__}: {error}", out))
+                continue
             if state.stops:
                 processed.stops.append((out.request_id, state.stops))
                 state.stops = []

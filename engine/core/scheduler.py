@@ -5,10 +5,13 @@ its tokens, plus under speculative decoding the drafts proposed for it); a step 
 count, whatever that count means (a prefill chunk, one decode token, 1 + k to verify k drafts). There is no prefill
 or decode phase here.
 
-Every step has a token budget (`max_num_batched_tokens`). Running sequences come first, in arrival order, each
-taking what it has to compute or what is left of the budget (a prompt longer than that is cut into chunks:
-chunked prefill; drafts are verified only whole); swapped-out requests come back next; waiting sequences are then
-admitted in arrival order (FCFS) while the budget, `max_num_seqs` and the free blocks allow.
+Every step has a token budget (`max_num_batched_tokens`). Running sequences come first, those decoding before
+those computing a prompt (a decode row costs one token of the budget, and a long prompt computed in chunks, or a
+preempted request recomputing its tokens, must not take a step's whole budget from the requests already
+streaming), each group in arrival order, each taking what it has to compute or what is left of the budget (a
+prompt longer than that is cut into chunks: chunked prefill; drafts are verified only whole); swapped-out
+requests come back next; waiting sequences are then admitted in arrival order (FCFS) while the budget,
+`max_num_seqs` and the free blocks allow.
 
 When a running sequence needs a block and none is free, the latest-arrived running request not yet scheduled
 this step is preempted, all its sequences together (an n > 1 request or a beam search is one unit; members
@@ -132,8 +135,11 @@ class Scheduler:
         self._step_loras = set()
         waiting_turn = self._over_fair_share()
 
-        # Running sequences, in arrival order: each what it has to compute (drafts only whole), within the budget.
-        for seq in list(self.running):
+        # Running sequences, those decoding (one token to compute, and drafts) before those computing a prompt or
+        # recomputing after a preemption, each group in arrival order: each what it has to compute (drafts only
+        # whole), within the budget.
+        decoding = [seq.num_tokens + seq.num_output_placeholders - seq.num_computed_tokens <= 1 for seq in self.running]
+        for seq in [s for s, d in zip(self.running, decoding) if d] + [s for s, d in zip(self.running, decoding) if not d]:
             if self._budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:   # preempted earlier in this loop

@@ -34,7 +34,7 @@ class SequenceGroup:
     """The sequences of one request: a single one until the prompt is computed, then n (parallel sampling) or
     the live beams (beam search). Forked sequences share the request's metrics and their parent's blocks."""
 
-    __slots__ = ("request_id", "seqs", "n", "forked", "beam", "error", "prompt_logprobs_sent")
+    __slots__ = ("request_id", "seqs", "n", "forked", "beam", "error", "error_param", "prompt_logprobs_sent")
 
     def __init__(self, request_id: str, n: int = 1):
         self.request_id = request_id
@@ -43,6 +43,7 @@ class SequenceGroup:
         self.forked = n == 1   # an n > 1 request forks once, when its prompt is computed
         self.beam = None       # the BeamSearchState of a beam-search request
         self.error: str | None = None   # why the engine failed this request (RequestOutput.error)
+        self.error_param: str | None = None   # set with error when the request's own field was at fault
         self.prompt_logprobs_sent = False   # its prompt logprobs went out with an output (they go once)
 
     @property

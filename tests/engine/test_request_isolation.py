@@ -93,10 +93,17 @@ class _FailForBias:
     def __init__(self, sampler):
         self.sampler = sampler
 
-    def __call__(self, logits, meta):
+    def _check(self, meta):
         if meta.logit_bias and any(7 in bias[0].tolist() for bias in meta.logit_bias.values()):
             raise RuntimeError("this request's parameters break the sampler")
+
+    def __call__(self, logits, meta):
+        self._check(meta)
         return self.sampler(logits, meta)
+
+    def sample(self, logits, meta):   # the runner's entry (the draws stay on the device)
+        self._check(meta)
+        return self.sampler.sample(logits, meta)
 
     def __getattr__(self, name):
         return getattr(self.sampler, name)

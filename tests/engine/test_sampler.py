@@ -8,18 +8,9 @@ from engine.sampling_params import SamplingParams
 from engine.core.scheduler import new_sequence_data
 from engine.core.sequence import Sequence
 from engine.worker.input_batch import SequenceState
+from tests.engine.sampler_paths import sampler_path  # noqa: F401 (autouse: every test on both paths)
 
 VOCAB = 12
-
-
-@pytest.fixture(autouse=True, params=["host_checks", "sync_free"])
-def sampler_path(request, monkeypatch):
-    """Every test runs on both of the sampler's paths: the one that checks values on the host (CPU's) and the
-    sync-free one (CUDA's: masks and torch.where, no value read), here on CPU tensors."""
-    if request.param == "sync_free":
-        init = Sampler.__init__
-        monkeypatch.setattr(Sampler, "__init__", lambda self, **kwargs: init(self, **{**kwargs, "sync_free": True}))
-    return request.param
 
 
 def seq_with(params: SamplingParams, prompt=(1, 2, 3), output=(), eos=frozenset({11})) -> SequenceState:

@@ -16,22 +16,13 @@ from engine.core.scheduler import new_sequence_data
 from engine.core.sequence import Sequence
 from engine.worker.input_batch import SequenceState
 from tests.engine.models_util import random_token_ids
+from tests.engine.sampler_paths import sampler_path  # noqa: F401 (autouse: every test on both paths)
 
 VOCAB = 40
 EOS = 7
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
 extreme_floats = st.sampled_from([0.0, 1e-45, 1e-30, 1e-6, 0.5, 1.0, 2.0, 1e6, 1e30, 1e38, 1e300])
-
-@pytest.fixture(autouse=True, params=["host_checks", "sync_free"])
-def sampler_path(request, monkeypatch):
-    """Every test runs on both of the sampler's paths: the one that checks values on the host (CPU's) and the
-    sync-free one (CUDA's: masks and torch.where, no value read), here on CPU tensors."""
-    if request.param == "sync_free":
-        init = Sampler.__init__
-        monkeypatch.setattr(Sampler, "__init__", lambda self, **kwargs: init(self, **{**kwargs, "sync_free": True}))
-    return request.param
-
 
 
 @st.composite

@@ -45,6 +45,34 @@ def test_budget_chunks_long_prompt_and_takes_running_sequences_in_arrival_order(
     assert sum(n for _, n in sched.schedule().scheduled) == 2   # two decodes
 
 
+def test_decodes_go_before_prompts_computed_in_chunks():
+    """A request recomputing its tokens after a preemption (an old arrival, so first in arrival order) or any prompt
+    in chunks takes the budget after the requests that are decoding, which keep their one token a step."""
+    sched = make_scheduler(max_num_batched_tokens=8)
+    long, short = make_seq(30, "long"), make_seq(3, "short", first_token=2)
+    sched.add(long)
+    fake_step(sched, sched.schedule())   # long: 8 of its 30 prompt tokens
+    sched.add(short)
+    step = sched.schedule()              # long takes the whole budget: short waits
+    assert [(s.request_id, n) for s, n in step.scheduled] == [("long", 8)]
+    fake_step(sched, step)
+    sched.finish(long)                   # (long is done for this test; short gets admitted and decodes)
+    fake_step(sched, sched.schedule())
+    assert short.num_output_tokens == 1
+    late = make_seq(40, "late", first_token=4)
+    sched.add(late)
+    fake_step(sched, sched.schedule())   # short decodes, late's prompt starts in the rest of the budget
+    # Now an older request recomputing (preempted): it is in `running` before short, but short decodes first.
+    old = make_seq(20, "old", first_token=5)
+    old.seq_id, old.order = -1, (-1, 0)  # arrived before everyone
+    sched.running.insert(0, old)
+    old.status = SequenceStatus.RUNNING
+    assert sched.block_manager.allocate_slots(old, 0)
+    step = sched.schedule()
+    assert [s.request_id for s, _ in step.scheduled][:1] == ["short"]
+    assert dict((s.request_id, n) for s, n in step.scheduled) == {"short": 1, "old": 7}
+
+
 def test_max_num_seqs_and_fcfs():
     sched = make_scheduler(max_num_seqs=2, max_num_batched_tokens=100)
     seqs = [make_seq(3, str(i), first_token=10 * i) for i in range(4)]

@@ -196,16 +196,17 @@ VALID_COMMON = {
     "ignore_eos": st.booleans(), "stop_token_ids": st.lists(valid_id, max_size=3),
     "allowed_token_ids": valid_ids, "bad_words": st.lists(nonblank, max_size=3),
     "include_stop_str_in_output": st.booleans(), "skip_special_tokens": st.booleans(),
-    "truncate_prompt_tokens": st.integers(1, 70), "prompt_logprobs": st.integers(0, 20),
+    "truncate_prompt_tokens": st.integers(1, MAX_MODEL_LEN), "prompt_logprobs": st.integers(0, 20),
     "user": st.text(max_size=4), "metadata": st.dictionaries(st.text(max_size=3), st.text(max_size=3), max_size=2),
     "store": st.booleans(), "service_tier": st.just("auto"), "use_beam_search": st.just(False),
     "length_penalty": st.just(1.0),
 }
 VALID_COMPLETION = {**VALID_COMMON, "logprobs": st.integers(0, 20), "echo": st.booleans(), "suffix": st.just("")}
 text_part = st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=3)})
+# (content null is OpenAI's for an assistant message with tool_calls only: a 400 otherwise)
 valid_message = st.fixed_dictionaries({
     "role": st.sampled_from(["user", "system", "assistant", "tool"]),
-    "content": st.one_of(st.text(max_size=3), st.none(), st.lists(text_part, min_size=1, max_size=1))})
+    "content": st.one_of(st.text(max_size=3), st.lists(text_part, min_size=1, max_size=1))})
 VALID_CHAT = {**VALID_COMMON, "add_generation_prompt": st.booleans(), "continue_final_message": st.booleans(),
               "chat_template_kwargs": st.sampled_from([{}, {"enable_thinking": False}]),
               "parallel_tool_calls": st.booleans(), "modalities": st.just(["text"])}

@@ -358,27 +358,63 @@ def test_metrics_have_inter_token_latency_and_queue_time(served):
 
 
 # -- item 1: the processes ----------------------------------------------------------------------------------------
-def test_a_killed_core_is_reported_and_the_server_exits(llama_dir):
-    server = ServeProcess(llama_dir)
-    pids = server.tree()
-    with ThreadPoolExecutor(1) as pool:
-        running = pool.submit(lambda: list(server.client.completions.create(
-            model=MODEL, prompt="hello", max_tokens=100, stream=True, extra_body={"ignore_eos": True})))
-        time.sleep(1.0)
-        core = re.search(r"engine core: pid (\d+)", "".join(server.lines))
-        os.kill(int(core.group(1)), signal.SIGKILL)
+def long_streams(server, count: int, max_tokens: int = 1000):
+    """Start `count` streams, each on a connection of its own (so that --api-server-count spreads them); returns
+    (futures of each stream's events, or the exception that cut it; the pool). Returns once every stream has
+    its first event."""
+    pool = ThreadPoolExecutor(count)
+    started = [threading.Event() for _ in range(count)]
+
+    def stream(i: int):
+        events = []
         try:
-            chunks = running.result(timeout=30)   # ends (an error in-band or a dropped connection), never hangs
-            assert not chunks or chunks[-1].choices == [] or chunks[-1].choices[0].finish_reason is None or True
-        except (openai.APIError, httpx.HTTPError):
-            pass
+            with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
+                    "model": MODEL, "prompt": "hello", "max_tokens": max_tokens, "stream": True,
+                    "ignore_eos": True}) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        started[i].set()
+        except httpx.HTTPError as e:   # the connection was cut
+            started[i].set()
+            return e
+        return events, time.monotonic()
+    futures = [pool.submit(stream, i) for i in range(count)]
+    for event in started:
+        assert event.wait(60), "a stream did not start"
+    return futures, pool
+
+
+def ended_in_band(result) -> dict | None:
+    """The in-band error a stream ended with (then [DONE]), None when its connection was cut."""
+    if isinstance(result, Exception):
+        return None
+    events, _ = result
+    assert events[-1] == "[DONE]", events[-3:]
+    return json.loads(events[-2])["error"]
+
+
+def test_a_killed_core_is_reported_and_the_server_exits(llama_dir):
+    server = ServeProcess(llama_dir, "--max-model-len", "1024")
+    pids = server.tree()
+    futures, pool = long_streams(server, 3)
+    core = re.search(r"engine core: pid (\d+)", "".join(server.lines))
+    killed = time.monotonic()
+    os.kill(int(core.group(1)), signal.SIGKILL)
+    with pool:
+        results = [f.result(timeout=30) for f in futures]
+    for result in results:   # every stream ends at once, with the error in-band and [DONE]
+        error = ended_in_band(result)
+        assert error is not None and "engine core" in error["message"], error
+        assert result[1] - killed <= 3.0
     assert server.process.wait(30) == 1
+    assert time.monotonic() - killed <= 5.0
     assert "engine core process" in "".join(server.lines)
     assert not _wait_gone(pids)
 
 
 def test_several_api_servers_share_one_core_and_stop_cleanly(llama_dir):
-    server = ServeProcess(llama_dir, "--api-server-count", "2")
+    server = ServeProcess(llama_dir, "--api-server-count", "2", "--max-model-len", "1024", "--shutdown-timeout", "1")
     try:
         assert "2 API server processes" in "".join(server.lines)
         texts = {server.client.completions.create(model=MODEL, prompt="hello", max_tokens=6, temperature=0.0)
@@ -386,21 +422,29 @@ def test_several_api_servers_share_one_core_and_stop_cleanly(llama_dir):
         assert len(texts) == 1
         # Each on a connection of its own (httpx.post opens one per call): the kernel spreads new connections over
         # every socket listening on the port (SO_REUSEPORT), and the supervisor's own, once left open and never
-        # accepted on, held a third of them unanswered (this loop then passed with probability (2/3)**12 < 1%).
+        # accepted on, held a third of the connections (of 2 API servers) unanswered (this loop then passed with
+        # probability (2/3)**12 < 1%).
         for _ in range(12):
             response = httpx.post(server.url + "/v1/completions", timeout=30,
                                   json={"model": MODEL, "prompt": "hello", "max_tokens": 2, "temperature": 0.0})
             assert response.status_code == 200, response.text
         pids = server.tree()
         assert len(pids) >= 4   # the supervisor, the core, two API servers (and their template sandboxes)
+        # SIGTERM with streams in flight: each API server drains for --shutdown-timeout, then ends them in-band.
+        futures, pool = long_streams(server, 4)
     finally:
         pids = server.tree()
+        stopped = time.monotonic()
         assert server.stop() == 0
+    assert time.monotonic() - stopped <= 1 + 5
+    with pool:
+        for future in futures:
+            assert ended_in_band(future.result(timeout=30))["code"] == "server_shutting_down"
     assert not _wait_gone(pids)
 
 
 def test_a_dead_api_server_takes_the_server_down(llama_dir):
-    server = ServeProcess(llama_dir, "--api-server-count", "2")
+    server = ServeProcess(llama_dir, "--api-server-count", "2", "--max-model-len", "1024")
     pids = server.tree()
     children = [pid for pid in pids if pid != server.process.pid]
     # Neither the core, a template sandbox nor multiprocessing's resource tracker (also a child of the supervisor).
@@ -410,8 +454,19 @@ def test_a_dead_api_server_takes_the_server_down(llama_dir):
         direct = [int(p) for p in f.read().split()]
     core = int(re.search(r"engine core: pid (\d+)", "".join(server.lines)).group(1))
     victim = next(pid for pid in direct if pid != core and pid in frontends)
+    # 12 streams on connections of their own: all on the victim with probability 2**-12.
+    futures, pool = long_streams(server, 12)
+    killed = time.monotonic()
     os.kill(victim, signal.SIGKILL)
-    assert server.process.wait(60) == 1
+    with pool:
+        results = [f.result(timeout=30) for f in futures]
+    survivors = [r for r in results if ended_in_band(r) is not None]
+    assert survivors, "no stream was on the surviving API server"
+    for result in survivors:   # the survivor's healthy streams end at once, the reason in-band
+        assert "another of its processes exited" in ended_in_band(result)["message"]
+        assert result[1] - killed <= 3.0
+    assert server.process.wait(30) == 1
+    assert time.monotonic() - killed <= 5.0
     assert "api-server" in "".join(server.lines)
     assert not _wait_gone(pids)
 
@@ -433,10 +488,17 @@ class _FailForBias:
     def __init__(self, sampler):
         self.sampler = sampler
 
-    def __call__(self, logits, meta):
+    def _check(self, meta):
         if meta.logit_bias and any(7 in bias[0].tolist() for bias in meta.logit_bias.values()):
             raise RuntimeError("this request breaks the sampler")
+
+    def __call__(self, logits, meta):
+        self._check(meta)
         return self.sampler(logits, meta)
+
+    def sample(self, logits, meta):   # the runner's entry (the draws stay on the device)
+        self._check(meta)
+        return self.sampler.sample(logits, meta)
 
     def __getattr__(self, name):
         return getattr(self.sampler, name)

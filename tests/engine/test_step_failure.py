@@ -125,6 +125,12 @@ class _FailOnceSampler:
             raise RuntimeError("injected failure")
         return self.sampler(logits, seqs)
 
+    def sample(self, logits, seqs):   # the runner's entry (the draws stay on the device)
+        self.calls += 1
+        if self.calls == 2:
+            raise RuntimeError("injected failure")
+        return self.sampler.sample(logits, seqs)
+
 
 def test_kv_of_a_failed_forward_is_not_served_from_the_prefix_cache(llama_dir, reference):
     """The forward writes its KV, the KV is then poisoned (as a forward dying half-way could leave it) and the

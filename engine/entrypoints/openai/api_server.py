@@ -2,14 +2,21 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id}, POST /tokenize,
 POST /detokenize, GET /version, GET /health, GET /metrics; with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True also POST
-/v1/load_lora_adapter and /v1/unload_lora_adapter (LoRA adapters: engine/entrypoints/openai/lora.py). Errors are OpenAI's JSON: 400 for invalid parameters,
-wrong types, malformed JSON, text that is not valid Unicode (lone surrogates) and over-long prompts, 401 without
-the API key (when one is set), 404 for an unknown model or route, 413 for a body far past any prompt the server
-takes, 500 for a request the engine failed (the engine goes on serving the others).
+/v1/load_lora_adapter and /v1/unload_lora_adapter (LoRA adapters: engine/entrypoints/openai/lora.py). Errors are
+OpenAI's JSON: 400 for invalid parameters, wrong types, malformed JSON, text that is not valid Unicode (lone surrogates) and over-long prompts, 401 without
+the API key (when one is set: on every route but /health, and /metrics unless --disable-metrics-auth), 404 for an
+unknown model or route, 408 for headers or a body that do not arrive in time, 413 for a body far past any prompt
+the server takes, 500 for a request the engine failed (the engine goes on serving the others), 503 for a
+connection past --limit-concurrency and for a request the shutdown ended (in-band for a stream).
+
+Production limits of `serve` (each a flag): --shutdown-timeout (DrainingServer), --request-header-timeout and
+--limit-concurrency (http_limits.py, below the app), --request-body-timeout (parse_body).
 
 Request bodies are parsed here rather than by FastAPI, so that every way a body can be wrong (bytes that are not
 UTF-8, JSON nesting too deep for the parser, strings no encoder takes) ends as a 400 before anything else runs."""
 import asyncio
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -17,6 +24,7 @@ import socket
 from contextlib import asynccontextmanager
 from typing import Callable
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -26,15 +34,28 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.async_engine import AsyncLLMEngine, EngineDeadError
 from engine.entrypoints.openai.lora import add_lora_routes, parse_lora_modules
 from engine.entrypoints.openai.lora import runtime_updating_allowed as runtime_lora_updating_allowed
-from engine.entrypoints.openai.metrics import ServerMetrics
+from engine.entrypoints.openai.metrics import metrics_model_name, ServerMetrics
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from engine.entrypoints.openai.serving import json_safe, MAX_CHARS_PER_TOKEN, OpenAIError, OpenAIServing
 
 logger = logging.getLogger(__name__)
 
+# Production limits (`serve`'s defaults; each has its flag).
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0   # an orchestrator's usual grace period (Kubernetes' terminationGracePeriodSeconds)
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 60.0       # a prompt at the body limit over a slow link
+# Once the shutdown deadline ends the streams, how long their last events get to reach the clients before the
+# connections left are closed.
+SHUTDOWN_FLUSH_S = 1.0
+# File descriptors kept for the process's own use (model files, ZMQ, pipes to workers) below RLIMIT_NOFILE when
+# the connection cap is derived from it.
+RESERVED_FDS = 256
+
 
 def _error_response(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.to_json(), status_code=error.status)
+    # After a 408 the rest of the body may still come: the connection cannot carry another request.
+    headers = {"connection": "close"} if isinstance(error, _BodyTimeoutError) else None
+    return JSONResponse(error.to_json(), status_code=error.status, headers=headers)
 
 
 def _check_unicode(value) -> None:
@@ -65,9 +86,14 @@ def max_body_bytes(max_model_len: int) -> int:
     return 8 * MAX_CHARS_PER_TOKEN * max_model_len + (1 << 20)
 
 
-async def parse_body(raw_request: Request, model: type[BaseModel] | None, max_bytes: int):
-    """The request's JSON body, validated as `model` (a dict when None); every failure is an OpenAIError 400
-    (413 for a body over max_bytes) naming the field the client sent."""
+class _BodyTimeoutError(OpenAIError):
+    """The body did not arrive in time: answered 408 with `Connection: close` (the rest of it may still come)."""
+
+    def __init__(self, timeout_s: float):
+        super().__init__(408, f"the request body did not arrive within {timeout_s:g} s", code="request_timeout")
+
+
+async def _read_body(raw_request: Request, max_bytes: int) -> bytes:
     too_large = OpenAIError(413, f"the request body is larger than this server takes ({max_bytes} bytes)",
                             code="request_too_large")
     declared = raw_request.headers.get("content-length", "")
@@ -79,7 +105,18 @@ async def parse_body(raw_request: Request, model: type[BaseModel] | None, max_by
         if size > max_bytes:
             raise too_large
         chunks.append(chunk)
-    body = b"".join(chunks)
+    return b"".join(chunks)
+
+
+async def parse_body(raw_request: Request, model: type[BaseModel] | None, max_bytes: int,
+                     timeout_s: float | None = None):
+    """The request's JSON body, validated as `model` (a dict when None); every failure is an OpenAIError 400
+    (413 for a body over max_bytes, 408 for one that does not arrive within timeout_s) naming the field the
+    client sent."""
+    try:
+        body = await asyncio.wait_for(_read_body(raw_request, max_bytes), timeout_s)
+    except asyncio.TimeoutError:
+        raise _BodyTimeoutError(timeout_s) from None
     try:
         data = json.loads(body)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -126,41 +163,64 @@ def _openapi_with_request_models(app: FastAPI, models: list[type[BaseModel]]):
 
 
 class _APIKeyMiddleware:
-    """401 on /v1 routes without `Authorization: Bearer <api_key>`. A plain ASGI middleware: Starlette's
-    BaseHTTPMiddleware would hide client disconnects from the handlers."""
+    """Every route but the `open_paths` (/health; /metrics too with disable_metrics_auth) needs
+    `Authorization: Bearer <api_key>`: 401 without it or with another key (unknown routes too, so that nothing
+    about the server shows without the key), 400 with more than one Authorization header (which one counts would
+    be up to each proxy on the way). The key is compared in constant time on SHA-256 digests, so the time taken
+    tells nothing of the key or its length. A plain ASGI middleware: Starlette's BaseHTTPMiddleware would hide
+    client disconnects from the handlers."""
 
-    def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+    def __init__(self, app, api_key: str, open_paths: frozenset[str] = frozenset({"/health"})):
+        self.app, self.open_paths = app, open_paths
+        self.key_digest = hashlib.sha256(api_key.encode("utf-8")).digest()
+
+    def _refusal(self, headers) -> OpenAIError | None:
+        values = [value for name, value in headers if name == b"authorization"]
+        if len(values) > 1:
+            return OpenAIError(400, f"the request has {len(values)} Authorization headers; send one",
+                               param="authorization", code="invalid_api_key")
+        scheme, _, token = values[0].strip().partition(b" ") if values else (b"", b"", b"")
+        digest = hashlib.sha256(token.strip()).digest()
+        # compare_digest on both, whatever the scheme: the time taken does not depend on what was sent.
+        if not hmac.compare_digest(digest, self.key_digest) or scheme.lower() != b"bearer":
+            return OpenAIError(401, "Incorrect or missing API key.", code="invalid_api_key")   # OpenAI's
+        return None
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            if dict(scope["headers"]).get(b"authorization") != self.expected:
-                response = _error_response(OpenAIError(401, "Incorrect or missing API key.", code="invalid_api_key"))
-                await response(scope, receive, send)
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
+            error = self._refusal(scope["headers"])
+            if error is not None:
+                await _error_response(error)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
 
 def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key: str | None = None,
-              chat_template: str | None = None, trust_request_chat_template: bool = False,
+              disable_metrics_auth: bool = False, chat_template: str | None = None, trust_request_chat_template: bool = False,
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None, on_ready: Callable[[], None] | None = None,
-              lora_modules: list | None = None, api_server_count: int = 1) -> FastAPI:
+              reasoning_parser: str | None = None, special_tokens_in_messages: str = "escape",
+              request_body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S,
+              on_ready: Callable[[], None] | None = None, lora_modules: list | None = None,
+              api_server_count: int = 1) -> FastAPI:
     """The server app around a (not yet started) AsyncLLMEngine; the step loop starts with the app, and
     on_ready is called once its start-up is done (the engine started, the chat-template workers imported).
 
-    chat_template: the template text to use instead of the tokenizer's. trust_request_chat_template: let requests
+    api_key: every route but /health needs `Authorization: Bearer <api_key>` (and /metrics unless
+    disable_metrics_auth). chat_template: the template text to use instead of the tokenizer's. trust_request_chat_template: let requests
     bring their own (it runs on the server). enable_auto_tool_choice with tool_call_parser ("hermes",
     "llama3_json"): tool_choice "auto" parses tool calls from the output. reasoning_parser ("qwen3",
-    "deepseek_r1"): <think> text goes to reasoning_content. lora_modules: LoRARequests served as models of their
-    names (--lora-modules); api_server_count: the API server processes in front of the engine (runtime adapter
-    loading needs one)."""
+    "deepseek_r1"): <think> text goes to reasoning_content. special_tokens_in_messages ("escape", "reject",
+    "allow"): what special-token text in user and tool message content becomes (OpenAIServing._guard_special_tokens).
+    request_body_timeout_s: a body must arrive within this long (408 otherwise; None: no limit). lora_modules:
+    LoRARequests served as models of their names (--lora-modules); api_server_count: the API server processes in
+    front of the engine (runtime adapter loading needs one)."""
     serving = OpenAIServing(engine, served_model_names, chat_template=chat_template,
                             trust_request_chat_template=trust_request_chat_template,
                             enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
-                            reasoning_parser=reasoning_parser, lora_modules=lora_modules,
+                            reasoning_parser=reasoning_parser,
+                            special_tokens_in_messages=special_tokens_in_messages, lora_modules=lora_modules,
                             api_server_count=api_server_count)
-    metrics = ServerMetrics(served_model_names[0])
+    metrics = ServerMetrics(metrics_model_name(served_model_names[0]))
     body_limit = max_body_bytes(engine.max_model_len)
     metrics.attach(engine)
 
@@ -201,7 +261,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key:
         return _error_response(OpenAIError(500, str(error), type="internal_server_error"))
 
     if api_key is not None:
-        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+        open_paths = frozenset({"/health", "/metrics"} if disable_metrics_auth else {"/health"})
+        app.add_middleware(_APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
 
     @app.get("/health")
     async def health():
@@ -236,26 +297,27 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key:
 
     @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(raw_request: Request):
-        request = await parse_body(raw_request, CompletionRequest, body_limit)
+        request = await parse_body(raw_request, CompletionRequest, body_limit, request_body_timeout_s)
         return _respond(await _cancel_on_disconnect(raw_request, serving.create_completion(request)))
 
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(raw_request: Request):
-        request = await parse_body(raw_request, ChatCompletionRequest, body_limit)
+        request = await parse_body(raw_request, ChatCompletionRequest, body_limit, request_body_timeout_s)
         return _respond(await _cancel_on_disconnect(raw_request, serving.create_chat_completion(request)))
 
     app.openapi = _openapi_with_request_models(app, [CompletionRequest, ChatCompletionRequest])
 
     if runtime_lora_updating_allowed():
-        add_lora_routes(app, serving, parse_body, body_limit)
+        add_lora_routes(app, serving, lambda raw_request: parse_body(raw_request, None, body_limit,
+                                                                     request_body_timeout_s))
 
     @app.post("/tokenize")
     async def tokenize(raw_request: Request):
-        return await serving.tokenize(await parse_body(raw_request, None, body_limit))
+        return await serving.tokenize(await parse_body(raw_request, None, body_limit, request_body_timeout_s))
 
     @app.post("/detokenize")
     async def detokenize(raw_request: Request):
-        return await serving.detokenize(await parse_body(raw_request, None, body_limit))
+        return await serving.detokenize(await parse_body(raw_request, None, body_limit, request_body_timeout_s))
 
     return app
 
@@ -335,6 +397,69 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def default_connection_limit() -> int:
+    """--limit-concurrency's default: what RLIMIT_NOFILE leaves after RESERVED_FDS, so that connections can never
+    take the descriptors the process needs for itself (at least 64)."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 20
+    return max(64, soft - RESERVED_FDS)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's Server with a bounded shutdown. Once it should exit (SIGTERM, SIGINT, stop()) the listener
+    closes, idle connections close, and the requests in flight get `shutdown_timeout_s` to finish; then every
+    stream still open ends with an in-band 503 error and `[DONE]` and a request not streamed yet gets a 503
+    (engine.interrupt_streams), and SHUTDOWN_FLUSH_S later every connection left (a client that does not read)
+    is closed. The process then exits within shutdown_timeout_s + SHUTDOWN_FLUSH_S and the app's own shutdown.
+    uvicorn's graceful shutdown alone waits for every connection, for ever.
+
+    stop(0, reason) ends everything at once: `serve` does that when the engine core or another API server
+    process dies (the surviving streams end at once, with the reason in-band)."""
+
+    def __init__(self, config, engine: AsyncLLMEngine, shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S):
+        if shutdown_timeout_s < 0:
+            raise ValueError(f"shutdown_timeout_s must be >= 0, got {shutdown_timeout_s}")
+        # uvicorn's own deadline only as a backstop, after ours.
+        config.timeout_graceful_shutdown = shutdown_timeout_s + SHUTDOWN_FLUSH_S + 1.0
+        super().__init__(config)
+        self.engine = engine
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.stop_reason = (f"the server is shutting down and this request did not finish within its "
+                            f"{shutdown_timeout_s:g} s (--shutdown-timeout)")
+
+    def stop(self, grace_s: float, reason: str) -> None:
+        """Shut down giving the requests in flight at most grace_s (shortening a grace period already running);
+        `reason` is what the streams ended then are told. Plain attribute writes only: safe in a signal handler
+        and from any thread."""
+        if grace_s < self.shutdown_timeout_s:
+            self.shutdown_timeout_s, self.stop_reason = grace_s, reason
+        self.should_exit = True
+
+    async def shutdown(self, sockets=None) -> None:
+        deadline = asyncio.create_task(self._end_at_deadline(), name="shutdown-deadline")
+        try:
+            await super().shutdown(sockets)
+        finally:
+            deadline.cancel()
+
+    async def _end_at_deadline(self) -> None:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        while loop.time() - start < self.shutdown_timeout_s:   # re-read: stop() may shorten it
+            await asyncio.sleep(0.05)
+        num_streams = self.engine.interrupt_streams(self.stop_reason)
+        if num_streams:
+            logger.warning("shutdown: ended %d request(s) still running: %s", num_streams, self.stop_reason)
+        await asyncio.sleep(SHUTDOWN_FLUSH_S)
+        for connection in list(self.server_state.connections):
+            connection.transport.abort()
+        for task in list(self.server_state.tasks):
+            task.cancel()
+
+
 def _listen_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
     # IPPROTO_TCP named, not left 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP (accepted ones
     # inherit it). With proto 0, Nagle held each response's body (written after its headers) until the client's
@@ -351,15 +476,29 @@ def _listen_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
     return sock
 
 
+def _http_protocol(args) -> type:
+    """uvicorn's HTTP protocol class with the header deadline and the connection cap of `serve`'s arguments."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    from engine.entrypoints.openai.http_limits import limited_protocol
+
+    limit = args.limit_concurrency if args.limit_concurrency is not None else default_connection_limit()
+    return limited_protocol(AutoHTTPProtocol, header_timeout_s=args.request_header_timeout or None,
+                            max_connections=limit)
+
+
 def _frontend_app(args, address: str, info: dict, on_ready: Callable[[], None] | None = None):
     from engine.mp_engine import MPAsyncLLMEngine
 
     engine = MPAsyncLLMEngine(address, info)
     app = build_app(engine, served_model_names=[served_model_name(args)], api_key=args.api_key,
+                    disable_metrics_auth=args.disable_metrics_auth,
                     chat_template=load_chat_template(args.chat_template),
                     trust_request_chat_template=args.trust_request_chat_template,
                     enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-                    reasoning_parser=args.reasoning_parser, on_ready=on_ready,
+                    reasoning_parser=args.reasoning_parser,
+                    special_tokens_in_messages=args.special_tokens_in_messages,
+                    request_body_timeout_s=args.request_body_timeout or None, on_ready=on_ready,
                     lora_modules=parse_lora_modules(getattr(args, "lora_modules", None)),
                     api_server_count=getattr(args, "api_server_count", 1))
     return engine, app
@@ -368,8 +507,9 @@ def _frontend_app(args, address: str, info: dict, on_ready: Callable[[], None] |
 def _run_frontend(args, address: str, info: dict, sock: socket.socket,
                   on_ready: Callable[[], None] | None = None) -> int:
     """Serve HTTP on `sock` with a front end of the core at `address` until shut down (0) or the core dies (1);
-    on_ready is called once the app's start-up is done."""
-    import uvicorn
+    on_ready is called once the app's start-up is done. SIGTERM/SIGINT shut down with --shutdown-timeout for the
+    requests in flight, SIGUSR1 at once (DrainingServer)."""
+    import signal
 
     from engine.core.core_process import freeze_startup_objects
 
@@ -378,13 +518,17 @@ def _run_frontend(args, address: str, info: dict, sock: socket.socket,
         if on_ready is not None:
             on_ready()
     engine, app = _frontend_app(args, address, info, ready)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level))
+    server = DrainingServer(uvicorn.Config(app, log_level=args.log_level, http=_http_protocol(args)), engine,
+                            args.shutdown_timeout)
     core_died = []
 
-    def on_dead(error) -> None:   # the core is gone: no request can be served, so the server stops
+    def on_dead(error) -> None:   # the core is gone: no request can be served, so the server stops at once
         core_died.append(error)
-        server.should_exit = True
+        server.stop(0, f"the server is shutting down: {error}")
     engine.dead_callbacks.append(on_dead)
+    # The supervisor's "stop now": another process of the server died (its streams are cut; ours end cleanly).
+    signal.signal(signal.SIGUSR1, lambda signum, frame: server.stop(
+        0, "the server is shutting down: another of its processes exited"))
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:
@@ -408,13 +552,31 @@ def _frontend_process_main(args, address: str, info: dict, port: int, ready) -> 
     def on_ready() -> None:
         ready.send(os.getpid())
         ready.close()
-    raise SystemExit(_run_frontend(args, address, info, sock, on_ready))
+    exit_now(_run_frontend(args, address, info, sock, on_ready))
+
+
+def exit_now(status: int) -> None:
+    """End this process with `status` once the server has shut down (everything it holds released in order):
+    output flushed, then os._exit, skipping the interpreter's teardown, which took 2-3 s with torch and triton
+    loaded on a busy machine: time an orchestrator's grace period (--shutdown-timeout + 5 s) and a failover
+    (5 s) do not have."""
+    import sys
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
 
 
 def run_server(args) -> None:
     """`python -m engine serve`: the engine core in its own process, --api-server-count API server processes in
-    front of it (this process itself when 1). A process that dies takes the server down with it (exit status 1,
-    the cause logged); Ctrl-C or SIGTERM shuts everything down (status 0). No process is left either way."""
+    front of it (this process itself when 1). A process that dies takes the server down with it at once (every
+    surviving stream ends with the error in-band; exit status 1, the cause logged); Ctrl-C or SIGTERM shuts
+    everything down, the requests in flight given --shutdown-timeout seconds (status 0). No process is left
+    either way."""
     import signal
 
     from engine.entrypoints.openai.lora import check_lora_modules
@@ -425,6 +587,13 @@ def run_server(args) -> None:
     count = getattr(args, "api_server_count", 1)
     if count < 1:
         raise ValueError(f"--api-server-count must be >= 1, got {count}")
+    for flag, value in (("--shutdown-timeout", args.shutdown_timeout),
+                        ("--request-header-timeout", args.request_header_timeout),
+                        ("--request-body-timeout", args.request_body_timeout)):
+        if not value >= 0:
+            raise ValueError(f"{flag} must be >= 0 seconds, got {value}")
+    if args.limit_concurrency is not None and args.limit_concurrency < 1:
+        raise ValueError(f"--limit-concurrency must be >= 1, got {args.limit_concurrency}")
     load_chat_template(args.chat_template)   # a bad template is refused before the model loads
     engine_args = serve_engine_args(args)
     name = served_model_name(args)
@@ -453,9 +622,33 @@ def run_server(args) -> None:
         raise SystemExit(status)
 
 
+def _stop_frontends(frontends: list, grace_s: float) -> None:
+    """Stop the API server processes still running: SIGTERM (each drains for grace_s, DrainingServer), or SIGUSR1
+    when grace_s is 0 (each ends its streams at once); SIGKILL for any still there SHUTDOWN_FLUSH_S + 2 s after
+    its deadline. Leaves no process."""
+    import signal
+    import time
+
+    for process in frontends:
+        if process.is_alive():
+            try:
+                os.kill(process.pid, signal.SIGTERM if grace_s > 0 else signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace_s + SHUTDOWN_FLUSH_S + 2.0
+    for process in frontends:
+        process.join(max(deadline - time.monotonic(), 0.0))
+    for process in frontends:
+        if process.is_alive():
+            logger.error("%s (pid %d) did not stop in time: killed", process.name, process.pid)
+            process.kill()
+            process.join(5)
+
+
 def _supervise(args, core, port: int, count: int, name: str, sock: socket.socket) -> int:
-    """Start `count` API server processes on `port` and wait: the first process (or the core) to exit ends them
-    all (status 1); Ctrl-C/SIGTERM ends them all (status 0). `sock`, this process's listening socket on the port
+    """Start `count` API server processes on `port` and wait: the first process (or the core) to exit ends the
+    others at once (status 1); Ctrl-C/SIGTERM ends them all, each draining for --shutdown-timeout (status 0).
+    `sock`, this process's listening socket on the port
     (it held the port while the core started), is closed once the API servers listen on it: with SO_REUSEPORT the
     kernel spreads connections over every listening socket of the port, and one left open here, never accepted,
     held a third of the connections (of 2 API servers) unanswered."""
@@ -483,15 +676,13 @@ def _supervise(args, core, port: int, count: int, name: str, sock: socket.socket
         process = watched[ended[0]]
         logger.error("%s (pid %d) exited with status %s: shutting the server down", process.name, process.pid,
                      process.exitcode)
+        _stop_frontends(frontends, 0.0)
         return 1
     except KeyboardInterrupt:
+        _stop_frontends(frontends, args.shutdown_timeout)
         return 0
-    finally:
+    finally:   # a failed start, or a second Ctrl-C while stopping: no process is left behind
         for process in frontends:
-            if process.is_alive():
-                process.terminate()
-        for process in frontends:
-            process.join(15)
             if process.is_alive():
                 process.kill()
                 process.join(5)

@@ -82,17 +82,16 @@ def check_lora_modules(engine_args, modules: list[LoRARequest], served_model_nam
         check_lora_adapter(module, config.model_config, config.lora_config)
 
 
-def add_lora_routes(app, serving, parse_body, body_limit: int) -> None:
-    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter on `app` (when runtime updating is allowed)."""
+def add_lora_routes(app, serving, read_body) -> None:
+    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter on `app` (when runtime updating is allowed);
+    read_body(request): the request's JSON body as a dict (the app's parse_body, with its limits)."""
     from fastapi import Request
     from fastapi.responses import PlainTextResponse
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(raw_request: Request):
-        body = await parse_body(raw_request, None, body_limit)
-        return PlainTextResponse(await serving.load_lora_adapter(body))
+        return PlainTextResponse(await serving.load_lora_adapter(await read_body(raw_request)))
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(raw_request: Request):
-        body = await parse_body(raw_request, None, body_limit)
-        return PlainTextResponse(await serving.unload_lora_adapter(body))
+        return PlainTextResponse(await serving.unload_lora_adapter(await read_body(raw_request)))

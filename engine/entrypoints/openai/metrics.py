@@ -3,7 +3,15 @@
 Gauges are read from the engine when scraped (`await ServerMetrics.render(engine)`); latency histograms are
 observed as requests finish (AsyncLLMEngine.finished_callbacks). Every metric is exported twice: under this
 project's `engine_` names (unlabelled) and under vLLM's `vllm:` names with a `model_name` label, so dashboards and
-tools written for vLLM (Grafana boards, benchmark scrapers) read this server unchanged."""
+tools written for vLLM (Grafana boards, benchmark scrapers) read this server unchanged.
+
+`request_success` counts requests, one per request whatever its `n`, under the request's finish reason: its worst
+choice's ("error" > "abort" > "length" > "stop"). A request its client left (a dropped stream, a disconnect, the
+shutdown deadline) counts under "abort", and only there: how long a client chose to wait is not a latency of the
+server, so it adds to no histogram. The `model_name` label is the served model name, never a filesystem path
+(metrics_model_name)."""
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
@@ -16,6 +24,25 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+
+
+# Worst first: a request's finish reason is its worst choice's.
+_FINISH_REASON_ORDER = ("error", "abort", "length", "stop")
+
+
+def request_finish_reason(output: RequestOutput) -> str:
+    """The finish reason of a whole request (all its choices): the worst of theirs; "abort" when it has none yet
+    (a request left before its first output)."""
+    reasons = {c.finish_reason or "abort" for c in output.outputs}
+    return next((reason for reason in _FINISH_REASON_ORDER if reason in reasons), min(reasons, default="abort"))
+
+
+def metrics_model_name(served_model_name: str) -> str:
+    """The `model_name` label: the served name, except that a local path (the model directory, when no
+    --served-model-name was given) is cut to its last component: scrapers and dashboards see no path."""
+    if os.path.sep in served_model_name and os.path.exists(served_model_name):
+        return os.path.basename(os.path.normpath(served_model_name))
+    return served_model_name
 
 
 def request_latencies(output: RequestOutput) -> tuple[float | None, float | None, float | None]:
@@ -143,8 +170,13 @@ class ServerMetrics:
             self._last_token[output.request_id] = (m.num_output_tokens, m.last_token_time)
 
     def observe_finished(self, output: RequestOutput) -> None:
-        ttft, tpot, e2e = request_latencies(output)
         model = self.model_name
+        reason = request_finish_reason(output)
+        self.request_success.labels(finished_reason=reason).inc()
+        self.vllm_request_success.labels(model_name=model, finished_reason=reason).inc()
+        if reason == "abort":
+            return
+        ttft, tpot, e2e = request_latencies(output)
         for value, ours, theirs in ((ttft, self.ttft, self.vllm_ttft), (tpot, self.tpot, self.vllm_tpot),
                                     (e2e, self.e2e, self.vllm_e2e)):
             if value is not None:
@@ -156,10 +188,6 @@ class ServerMetrics:
         self.vllm_prompt_tokens_hist.labels(model_name=model).observe(len(output.prompt_token_ids))
         self.vllm_generation_tokens_hist.labels(model_name=model).observe(
             sum(len(c.token_ids) for c in output.outputs))
-        for completion in output.outputs:
-            reason = completion.finish_reason or "abort"
-            self.request_success.labels(finished_reason=reason).inc()
-            self.vllm_request_success.labels(model_name=model, finished_reason=reason).inc()
 
     async def render(self, engine: AsyncLLMEngine) -> bytes:
         stats = await engine.get_metrics()

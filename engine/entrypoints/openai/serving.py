@@ -4,7 +4,9 @@ requests -> response JSON or server-sent events.
 Every check happens before the first engine request is queued, and the engine's own checks (add_request)
 surface before the HTTP response starts (the first output of every engine request is awaited first), so a
 bad request gets a clean 4xx and leaves the requests in flight untouched. A request the engine failed
-(RequestOutput.error, a step that raised) is a 500 for that request alone, in-band for a stream.
+(RequestOutput.error, a step that raised) is a 500 for that request alone, in-band for a stream; one whose own
+field was at fault only once queued (RequestOutput.error_param: a grammar that dead-ends) a 400 naming it; one the
+server's shutdown ended (StreamInterruptedError) a 503.
 
 Streamed text holds back the last len(longest stop string) - 1 characters until the request finishes, because a
 stop string is cut from the text once it completes: streamed and non-streamed outputs are then equal. Tool calls
@@ -16,12 +18,13 @@ LLMEngine.sampling_defaults) and then OpenAI's, as vLLM does."""
 import asyncio
 import json
 import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from engine.async_engine import AsyncLLMEngine
+from engine.async_engine import AsyncLLMEngine, StreamInterruptedError
 from engine.entrypoints.openai.lora import lora_int_id
 from engine.lora import LoRARequest
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -55,6 +58,11 @@ class OpenAIError(Exception):
 
 def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, param=param, code=code)
+
+
+def shutting_down(error: StreamInterruptedError) -> OpenAIError:
+    """A request the server's shutdown ended (or refused): 503, in-band for a stream."""
+    return OpenAIError(503, str(error), type="service_unavailable_error", code="server_shutting_down")
 
 
 def _param_of(error: ValueError, renames: dict[str, str] | None = None) -> str | None:
@@ -144,9 +152,15 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], *, chat_template: str | None = None,
                  trust_request_chat_template: bool = False, enable_auto_tool_choice: bool = False,
                  tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                 lora_modules: list[LoRARequest] | None = None, api_server_count: int = 1):
+                 special_tokens_in_messages: str = "escape", lora_modules: list[LoRARequest] | None = None,
+                 api_server_count: int = 1):
         if enable_auto_tool_choice and tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
+        if special_tokens_in_messages not in SPECIAL_TOKEN_MODES:
+            raise ValueError(f"special_tokens_in_messages must be one of {SPECIAL_TOKEN_MODES}, got "
+                             f"{special_tokens_in_messages!r}")
+        self.special_tokens_in_messages = special_tokens_in_messages
+        self._special_token_pattern: re.Pattern | None | bool = False   # False: not built yet
         self.engine = engine
         self.served_model_names = served_model_names
         self.chat_template = chat_template
@@ -271,6 +285,41 @@ class OpenAIServing:
     def _check_unsupported(self, request) -> None:
         for name in request.unsupported_fields():
             raise bad_request(f"{name} is not supported by this server", param=name)
+        limit = self.engine.max_model_len
+        if request.truncate_prompt_tokens is not None and request.truncate_prompt_tokens > limit:
+            raise bad_request(f"truncate_prompt_tokens ({request.truncate_prompt_tokens}) must be at most this "
+                              f"model's maximum context length ({limit})", param="truncate_prompt_tokens")
+
+    def _guard_special_tokens(self, messages: list[dict]) -> tuple[list[dict], dict[str, str] | None]:
+        """Special-token text in the content of user and tool messages (special_tokens_in_messages): "escape"
+        swaps each occurrence for a placeholder that the tokenization after rendering turns back into the text's
+        own tokens, never the control token (returns the messages and {placeholder: text}); "reject" is a 400
+        naming the message; "allow" leaves it (it becomes control tokens: a user can forge turns)."""
+        if self.special_tokens_in_messages == "allow":
+            return messages, None
+        pattern = self._special_token_pattern
+        if pattern is False:
+            pattern = self._special_token_pattern = _special_token_pattern(self.engine.tokenizer)
+        if pattern is None:
+            return messages, None
+        literals: dict[str, str] = {}
+        nonce = uuid.uuid4().hex
+        guarded = []
+        for i, message in enumerate(messages):
+            content = message["content"]
+            if message["role"] in UNTRUSTED_ROLES and content and (match := pattern.search(content)):
+                if self.special_tokens_in_messages == "reject":
+                    raise bad_request(f"messages[{i}].content holds the special token {match.group(0)!r}; this "
+                                      f"server refuses special-token text in {message['role']} messages",
+                                      param="messages", code="special_token_in_content")
+
+                def placeholder(match: re.Match) -> str:
+                    key = f"{LITERAL_PREFIX}{nonce}N{len(literals)}X"
+                    literals[key] = match.group(0)
+                    return key
+                message = {**message, "content": pattern.sub(placeholder, content)}
+            guarded.append(message)
+        return guarded, (literals or None)
 
     def _guided_decoding(self, request, tool_schema: dict | None = None) -> tuple[object | None, str | None]:
         """(GuidedDecodingParams or None, the request field that asked for it)."""
@@ -366,6 +415,8 @@ class OpenAIServing:
             await _close_all(prepared.streams)
             if isinstance(e, ValueError):
                 raise bad_request(str(e), param=_param_of(e, prepared.renames)) from e
+            if isinstance(e, StreamInterruptedError):
+                raise shutting_down(e) from e
             raise
         for first in prepared.firsts:
             _raise_if_failed(first, prepared.renames)
@@ -374,7 +425,7 @@ class OpenAIServing:
     async def _outputs(prepared: _Prepared) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) pairs of all the request's engine requests as they come. Closing this
         iterator closes the engine streams, which aborts the requests still running. A failed engine request
-        raises OpenAIError (500)."""
+        raises OpenAIError (500); one the server's shutdown ended, OpenAIError (503)."""
         tasks: list[asyncio.Task] = []
         try:
             for i, first in enumerate(prepared.firsts):
@@ -382,7 +433,7 @@ class OpenAIServing:
             pending = [i for i, first in enumerate(prepared.firsts) if not first.finished]
             if len(pending) == 1:
                 async for output in prepared.streams[pending[0]]:
-                    _raise_if_failed(output)
+                    _raise_if_failed(output, prepared.renames)
                     yield pending[0], output
                 return
             queue: asyncio.Queue = asyncio.Queue()
@@ -404,8 +455,10 @@ class OpenAIServing:
                 elif isinstance(item, Exception):
                     raise item
                 else:
-                    _raise_if_failed(item)
+                    _raise_if_failed(item, prepared.renames)
                     yield i, item
+        except StreamInterruptedError as e:
+            raise shutting_down(e) from e
         finally:
             for task in tasks:
                 task.cancel()
@@ -588,12 +641,13 @@ class OpenAIServing:
         mode = self._tool_mode(request)
         tools = ([t.model_dump(by_alias=True, exclude_none=True) for t in request.tools]
                  if request.tools and mode.kind != "none" else None)
+        messages, literals = self._guard_special_tokens(messages)
         try:
             text, token_ids = await self.engine.apply_chat_template(
                 messages, add_generation_prompt=request.add_generation_prompt,
                 chat_template=request.chat_template or self.chat_template, tools=tools,
                 continue_final_message=request.continue_final_message,
-                chat_template_kwargs=request.chat_template_kwargs)
+                chat_template_kwargs=request.chat_template_kwargs, literals=literals)
         except ValueError as e:
             raise bad_request(str(e), param="messages") from e
         text, token_ids = await self._tokenize({"prompt": text, "prompt_token_ids": token_ids}, "messages")
@@ -800,10 +854,11 @@ class OpenAIServing:
             add_generation_prompt = body.get("add_generation_prompt", True)
             if not isinstance(add_generation_prompt, bool):
                 raise bad_request("add_generation_prompt must be a bool", param="add_generation_prompt")
+            messages, literals = self._guard_special_tokens(messages)
             try:
                 _, tokens = await self.engine.apply_chat_template(
                     messages, add_generation_prompt=add_generation_prompt, chat_template=self.chat_template,
-                    chat_template_kwargs=kwargs)
+                    chat_template_kwargs=kwargs, literals=literals)
             except ValueError as e:
                 raise bad_request(str(e), param="messages") from e
         elif isinstance(body.get("prompt"), str):
@@ -901,8 +956,30 @@ def _num_chars(value) -> int:
     return total
 
 
+# OpenAI's message roles ("function" is its deprecated form of "tool").
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+# What --special-tokens-in-messages does with special-token text in the content of these roles' messages (the
+# text of end users and of tools' outputs, where an application does not write it itself).
+SPECIAL_TOKEN_MODES = ("escape", "reject", "allow")
+UNTRUSTED_ROLES = ("user", "tool", "function")
+# Placeholders are ASCII letters and digits only: no template filter (tojson, escape, trim) changes them.
+LITERAL_PREFIX = "SPECIALTOKENTEXT"
+
+
+def _special_token_pattern(tokenizer) -> re.Pattern | None:
+    """A regex of the tokenizer's special tokens (those its encode turns into control tokens wherever they occur
+    in text), longest first; None when it has none."""
+    tokens = set(getattr(tokenizer, "all_special_tokens", None) or ())
+    for token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(token, "special", False):
+            tokens.add(str(token.content))
+    tokens = sorted((t for t in tokens if t), key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, tokens))) if tokens else None
+
+
 def _chat_messages(messages: list[dict] | None) -> list[dict]:
-    """Validate messages; content given as a list of text parts is joined into one string; the arguments of
+    """Validate messages as OpenAI does (a known role; content, which only an assistant message with tool calls
+    may leave out or null); content given as a list of text parts is joined into one string; the arguments of
     earlier tool calls (JSON text in the API) become objects, as chat templates expect."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list", param="messages")
@@ -913,6 +990,13 @@ def _chat_messages(messages: list[dict] | None) -> list[dict]:
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str):
             raise bad_request(f"messages[{i}] has no role", param="messages")
+        if role not in CHAT_ROLES:
+            raise bad_request(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {role!r:.40}",
+                              param="messages")
+        if content is None and not (role == "assistant" and (message.get("tool_calls") or
+                                                             message.get("function_call"))):
+            raise bad_request(f"messages[{i}].content is required for role {role!r}"
+                              + (" without tool_calls" if role == "assistant" else ""), param="messages")
         if isinstance(content, list):
             parts = []
             for part in content:
