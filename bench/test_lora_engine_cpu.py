@@ -28,6 +28,7 @@ def test_quick_run_measures_every_side_and_writes_json(tiny_llama, tmp_path):
     assert report["quick"] and report["benchmark"] == "bench.lora_engine_cpu"
     assert report["adapters"]["ranks"] == list(lora_engine_cpu.QUICK_RANKS)
     assert lora_engine_cpu.RANKS == (8, 16, 8, 16) and report["requests"]["count"] == 6
+    assert report["rounds"] == {"engine": 2, "peft": 1}
     assert set(report["sides"]) == {"engine-lora", "engine-base", "peft"}
     for side in report["sides"].values():
         assert side["output_lengths_exact"] is True and side["output_tokens"] == report["requests"]["output_tokens"]
