@@ -1,13 +1,15 @@
 """The FastAPI app (`build_app`) and `python -m engine serve` (`run_server`).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id}, POST /tokenize,
-POST /detokenize, GET /version, GET /health, GET /metrics; with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True also POST
-/v1/load_lora_adapter and /v1/unload_lora_adapter (LoRA adapters: engine/entrypoints/openai/lora.py). Errors are
-OpenAI's JSON: 400 for invalid parameters, wrong types, malformed JSON, text that is not valid Unicode (lone surrogates) and over-long prompts, 401 without
+POST /detokenize, GET /version, GET /health, GET /metrics. Errors are OpenAI's JSON: 400 for invalid parameters,
+wrong types, malformed JSON, text that is not valid Unicode (lone surrogates) and over-long prompts, 401 without
 the API key (when one is set: on every route but /health, and /metrics unless --disable-metrics-auth), 404 for an
 unknown model or route, 408 for headers or a body that do not arrive in time, 413 for a body far past any prompt
 the server takes, 500 for a request the engine failed (the engine goes on serving the others), 503 for a
 connection past --limit-concurrency and for a request the shutdown ended (in-band for a stream).
+
+LoRA adapters (engine/entrypoints/openai/lora.py): --lora-modules adapters are models of their own names; with
+VLLM_ALLOW_RUNTIME_LORA_UPDATING=True also POST /v1/load_lora_adapter and /v1/unload_lora_adapter.
 
 Production limits of `serve` (each a flag): --shutdown-timeout (DrainingServer), --request-header-timeout and
 --limit-concurrency (http_limits.py, below the app), --request-body-timeout (parse_body).
