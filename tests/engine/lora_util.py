@@ -68,16 +68,6 @@ def peft_merged_log_probs(model_dir: str, adapter_dir: str | None, token_ids: li
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-def peft_greedy(model_dir: str, adapter_dir: str | None, token_ids: list[int], max_tokens: int) -> list[int]:
-    """The next ``max_tokens`` greedy tokens of PEFT's merged model (EOS does not stop it)."""
-    model = peft_merged_model(model_dir, adapter_dir)
-    ids = torch.tensor([token_ids])
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens,
-                             min_new_tokens=max_tokens)
-    return out[0, len(token_ids):].tolist()
-
-
 def write_adapter(path, tensors: dict[str, torch.Tensor], **config) -> str:
     """An adapter directory as PEFT writes it, from raw tensors and adapter_config.json fields."""
     from safetensors.torch import save_file
