@@ -6,8 +6,8 @@ serialized with the step loop by construction (a single-thread executor is a FIF
 event loop never blocks on a step. Tokenization (and chat templating) runs on a small pool of tokenizer
 threads, each with its own copy of the tokenizer (HF fast tokenizers release the GIL while encoding, and a
 copy per thread keeps their Rust state from being shared), so a long prompt neither stalls the steps of
-requests already running nor the tokenization of other requests; detokenization is incremental inside the
-step (engine/core/detokenizer.py) and costs a few short decodes per token.
+requests already running nor the tokenization of other requests; detokenization is incremental, behind the
+engine core in the step (engine/core/output_processor.py), and costs a few short decodes per token.
 
 A step that raises fails the requests it held (their streams end with an error output), is logged, and the
 loop goes on serving; LLMEngine itself finishes the requests of a failed step with `RequestOutput.error`.
@@ -30,7 +30,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from engine.core.core_io import EngineCoreRequest
+from engine.step_records import EngineCoreRequest
 from engine.core.llm_engine import LLMEngine
 from engine.outputs import EngineMetrics, RequestOutput
 from engine.sampling_params import SamplingParams

@@ -27,7 +27,7 @@ import time
 import uuid
 
 from engine.async_engine import AsyncLLMEngine, EngineDeadError
-from engine.core.core_io import EngineCoreOutput
+from engine.step_records import EngineCoreOutput
 from engine.core.core_process import decode_metrics, packb, unpackb
 from engine.core.input_processor import InputProcessor
 from engine.core.output_processor import OutputProcessor

@@ -13,7 +13,7 @@ engine/mp_engine.py) in msgpack messages:
     core -> front end   ("outputs", [EngineCoreOutput.to_wire(), ...])  after each step, to the request's owner
                         ("dead", message)                               the core cannot go on (then it exits)
 
-Outputs are the core's token-id deltas (engine/core/core_io.py): each front end's OutputProcessor makes the text,
+Outputs are the core's token-id deltas (engine/step_records.py): each front end's OutputProcessor makes the text,
 finds the stop strings and tells the core which completions they ended ("stop"). A request the core refuses when
 it arrives (a check only the core can make) comes back as a finished output with `error` (and `error_param`: a
 400), so it reaches the request's stream like any failure.
@@ -31,7 +31,7 @@ import sys
 import time
 import traceback
 
-from engine.core.core_io import EngineCoreOutput, EngineCoreRequest
+from engine.step_records import EngineCoreOutput, EngineCoreRequest
 from engine.outputs import EngineMetrics, SpecDecodeStats
 
 logger = logging.getLogger(__name__)

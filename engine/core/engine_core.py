@@ -25,7 +25,7 @@ from collections import deque
 from engine.config import EngineConfig
 from engine.core.beam_search import BeamSearchParams, BeamSearchState
 from engine.core.block_manager import BlockManager
-from engine.core.core_io import CompletionDelta, EngineCoreOutput, EngineCoreRequest, LogprobEntry
+from engine.step_records import CompletionDelta, EngineCoreOutput, EngineCoreRequest, LogprobEntry
 from engine.core.generation_config import load_sampling_defaults
 from engine.core.input_processor import check_prompt_token_ids
 from engine.core.scheduler import ScheduledStep, Scheduler

@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from engine.core.core_io import EngineCoreRequest
-from engine.core.detokenizer import Detokenizer
+from engine.step_records import EngineCoreRequest
+from engine.core.output_processor import Detokenizer
 from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 

@@ -14,7 +14,7 @@ import logging
 
 from engine.config import EngineConfig
 from engine.core.beam_search import BeamSearchParams
-from engine.core.core_io import EngineCoreRequest
+from engine.step_records import EngineCoreRequest
 from engine.core.engine_core import EngineCore
 from engine.core.input_processor import InputProcessor
 from engine.core.output_processor import OutputProcessor

@@ -84,7 +84,7 @@ class Sequence:
         self.group.seqs.append(self)
         self.index = 0   # the completion index within the request
         # With params.prompt_logprobs: one entry per prompt token (None for the first), filled as prefill runs;
-        # an entry is [(token id, logprob, rank), ...] (engine/core/core_io.py LogprobEntry).
+        # an entry is [(token id, logprob, rank), ...] (engine/step_records.py LogprobEntry).
         self.prompt_logprobs = None if params.prompt_logprobs is None else [None] * len(prompt_token_ids)
         self.request_id = request_id
         self.prompt = prompt

@@ -43,7 +43,7 @@ class LoRARequest:
         return self.lora_path
 
     def to_wire(self) -> list:
-        """As plain msgpack-able data (the core's socket, engine/core/core_io.py)."""
+        """As plain msgpack-able data (the core's socket, engine/step_records.py)."""
         return [self.lora_name, self.lora_int_id, self.lora_path, self.base_model_name]
 
     @classmethod

@@ -16,6 +16,11 @@ Per row, on the host (numpy; the inputs of a step are gathered from these with v
   lora_int_id    int64 [max_num_seqs]: the row's LoRA adapter (0: the base model)
 Penalties read each row's own tokens (token_ids) and its distinct output tokens (SequenceState, kept up to date as
 tokens are appended), not vocabulary-wide counts (engine/worker/sampler.py Penalties).
+
+`HostStaging`: the host arrays of a step's inputs (token ids, positions, slots, block tables, sampling parameters) go
+to the device from pinned memory, so each copy is a true asynchronous DMA (from pageable memory the driver
+synchronizes the stream before it copies). Two arenas alternate between steps: the one a step fills is not the one
+the previous step's copies may still be reading. On CPU the device is the host: nothing is staged.
 """
 from __future__ import annotations
 
@@ -264,3 +269,61 @@ def speculation_allowed(state: SequenceState, num_new_tokens: int = 0) -> bool:
     p = state.params
     return (not state.uses_penalties and not state.bad_words_token_ids and not state.beam_candidates
             and state.num_output_tokens + num_new_tokens >= p.min_tokens)
+
+
+class HostStaging:
+    """Pinned staging for host -> device copies on CUDA (see the module docstring); on CPU `to_device` is a view.
+
+    Call `next_step()` before a step's first copy: it switches arenas, waiting (normally not at all) until the
+    copies made from the arena two steps ago are done."""
+
+    ALIGN = 64
+
+    def __init__(self, device: torch.device, initial_bytes: int = 1 << 20):
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self._arenas: list[torch.Tensor | None] = [None, None]
+        self._events: list[object | None] = [None, None]
+        self._sizes = [initial_bytes, initial_bytes]
+        self._current = 0
+        self._offset = 0
+
+    def next_step(self) -> None:
+        if not self.pinned:
+            return
+        self._events[self._current] = _record_event()
+        self._current ^= 1
+        event = self._events[self._current]
+        if event is not None:
+            event.synchronize()   # the copies of two steps ago: long done
+        self._offset = 0
+
+    def to_device(self, array: np.ndarray) -> torch.Tensor:
+        """`array` on the device: a view on CPU; on CUDA a non-blocking copy out of this step's pinned arena."""
+        array = np.ascontiguousarray(array)
+        tensor = torch.from_numpy(array)
+        if not self.pinned:
+            return tensor
+        nbytes = array.nbytes
+        arena = self._arena(self._offset + nbytes)
+        staged = arena[self._offset:self._offset + nbytes].view(tensor.dtype).view(tensor.shape)
+        staged.copy_(tensor)
+        self._offset += -(-nbytes // self.ALIGN) * self.ALIGN
+        return staged.to(self.device, non_blocking=True)
+
+    def _arena(self, needed: int) -> torch.Tensor:
+        index = self._current
+        arena = self._arenas[index]
+        if arena is None or arena.numel() < needed:
+            size = max(self._sizes[index], 2 * needed)
+            if arena is not None:   # copies queued from the old arena must finish before it is freed
+                torch.cuda.current_stream(self.device).synchronize()
+            self._arenas[index] = arena = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            self._sizes[index] = size
+        return arena
+
+
+def _record_event():
+    event = torch.cuda.Event()
+    event.record()
+    return event

@@ -32,7 +32,7 @@ pytest.importorskip("peft", reason="the oracle is PEFT's merged model (pip insta
 
 from engine import LLM, LoRARequest, SamplingParams  # noqa: E402
 from engine.core.block_manager import BlockManager  # noqa: E402
-from engine.core.core_io import EngineCoreRequest  # noqa: E402
+from engine.step_records import EngineCoreRequest  # noqa: E402
 from engine.core.scheduler import Scheduler  # noqa: E402
 from engine.core.sequence import Sequence  # noqa: E402
 from tests.engine.lora_util import ADAPTERS, lora_pair, peft_merged_log_probs, write_adapter  # noqa: E402
