@@ -5,7 +5,7 @@
 For each kind of step, an engine (dummy weights, token-id prompts, async scheduling where it applies) is brought to
 steady decoding, then a few steps run under ``torch.cuda.set_sync_debug_mode("warn")`` and every synchronizing CUDA
 call they make is counted, with where it came from (the innermost engine frame). The one deliberate wait, the read
-of the previous step's sampled ids one step late (engine/worker/device_io.py SampledIds.resolve), runs with the
+of the previous step's sampled ids one step late (engine/worker/sampler.py SampledIds.resolve), runs with the
 mode off and is counted apart. Kinds:
 
 - ``decode_greedy``: greedy rows (the nano-vllm workload's);
@@ -50,7 +50,7 @@ def _params(kind: str, index: int):
 def audit_kind(kind: str, model_dir: str, device: torch.device, *, num_requests: int, prompt_len: int) -> dict:
     """Steady-state steps of one kind (see the module docstring): syncs per step and where they come from."""
     from engine import LLM
-    from engine.worker import device_io
+    from engine.worker import sampler as sampler_module
 
     if kind == "guided":
         try:
@@ -74,7 +74,7 @@ def audit_kind(kind: str, model_dir: str, device: torch.device, *, num_requests:
             engine.step()
         counting = device.type == "cuda"
         deliberate = [0]
-        resolve = device_io.SampledIds.resolve
+        resolve = sampler_module.SampledIds.resolve
 
         def resolve_counted(self):   # the one allowed wait: with the mode off, counted apart
             if self.values is None:
@@ -88,7 +88,7 @@ def audit_kind(kind: str, model_dir: str, device: torch.device, *, num_requests:
             finally:
                 torch.cuda.set_sync_debug_mode(mode)
 
-        device_io.SampledIds.resolve = resolve_counted
+        sampler_module.SampledIds.resolve = resolve_counted
         per_step, origins = [], collections.Counter()
         try:
             for _ in range(MEASURED_STEPS):
@@ -108,7 +108,7 @@ def audit_kind(kind: str, model_dir: str, device: torch.device, *, num_requests:
                 for w in syncs:
                     origins[f"{os.path.basename(w.filename)}:{w.lineno}"] += 1
         finally:
-            device_io.SampledIds.resolve = resolve
+            sampler_module.SampledIds.resolve = resolve
         steps = max(len(per_step), 1)
         return {"kind": kind, "steps": len(per_step), "async_scheduling": engine.config.scheduler_config.async_scheduling,
                 "syncs_per_step": sum(per_step) / steps if counting else None, "syncs_each_step": per_step if counting

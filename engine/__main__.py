@@ -81,6 +81,9 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--log-level", default="info", help="uvicorn log level")
     group.add_argument("--disable-log-requests", action="store_true",
                        help="accepted for vLLM compatibility: the server logs no request contents")
+    group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="LoRA adapters served as models of their own names (with --enable-lora): NAME=PATH, or "
+                            "vLLM's JSON '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'")
     group.add_argument("--api-server-count", type=int, default=1,
                        help="API server processes (HTTP, tokenization, chat templates, streaming) in front of the "
                             "one engine core process, sharing the port")

@@ -6,8 +6,8 @@ serialized with the step loop by construction (a single-thread executor is a FIF
 event loop never blocks on a step. Tokenization (and chat templating) runs on a small pool of tokenizer
 threads, each with its own copy of the tokenizer (HF fast tokenizers release the GIL while encoding, and a
 copy per thread keeps their Rust state from being shared), so a long prompt neither stalls the steps of
-requests already running nor the tokenization of other requests; detokenization is incremental inside the
-step (engine/core/detokenizer.py) and costs a few short decodes per token.
+requests already running nor the tokenization of other requests; detokenization is incremental, behind the
+engine core in the step (engine/core/output_processor.py), and costs a few short decodes per token.
 
 A step that raises fails the requests it held (their streams end with an error output), is logged, and the
 loop goes on serving; LLMEngine itself finishes the requests of a failed step with `RequestOutput.error`.
@@ -30,7 +30,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from engine.core.core_io import EngineCoreRequest
+from engine.step_records import EngineCoreRequest
 from engine.core.llm_engine import LLMEngine
 from engine.outputs import EngineMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -194,21 +194,22 @@ class AsyncLLMEngine:
                                                                 truncate_prompt_tokens)
 
     def _process_request(self, request_id: str, prompt, params: SamplingParams,
-                         arrival_time: float | None) -> EngineCoreRequest:
+                         arrival_time: float | None, lora_request=None) -> EngineCoreRequest:
         text, token_ids = self._process_prompt(prompt, params.truncate_prompt_tokens)
         bad_words = None
         if params.bad_words and self.engine.tokenizer is not None:
             # 100k bad words are seconds of work the step loop must not do.
             bad_words = self.engine.bad_words_token_ids(params.bad_words, self._thread_tokenizer())
         return self.engine.input_processor.process(request_id, {"prompt": text, "prompt_token_ids": token_ids},
-                                                   params, arrival_time=arrival_time, bad_words_token_ids=bad_words)
+                                                   params, arrival_time=arrival_time, bad_words_token_ids=bad_words,
+                                                   lora_request=lora_request)
 
     async def process_request(self, request_id: str, prompt, params: SamplingParams, *,
-                              arrival_time: float | None = None) -> EngineCoreRequest:
+                              arrival_time: float | None = None, lora_request=None) -> EngineCoreRequest:
         """The input processor's request (engine/core/input_processor.py), made on a tokenizer thread: the prompt and
         the bad words tokenized, everything validated (ValueError naming the field)."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self._process_request,
-                                                                request_id, prompt, params, arrival_time)
+                                                                request_id, prompt, params, arrival_time, lora_request)
 
     async def run_on_tokenizer_thread(self, fn, *args):
         """fn(*args, tokenizer=...) on a tokenizer thread, with that thread's tokenizer (tokenize, detokenize)."""
@@ -261,17 +262,19 @@ class AsyncLLMEngine:
             self._chat_template_sandbox = ChatTemplateSandbox()
         return self._chat_template_sandbox
 
-    async def generate(self, prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt, params: SamplingParams, request_id: str,
+                       lora_request=None) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request (each cumulative; the last has finished=True).
 
-        prompt: a str, or {"prompt_token_ids": [...]} (optionally with "prompt" text). Invalid input raises
-        ValueError before anything is yielded, leaving other requests untouched."""
+        prompt: a str, or {"prompt_token_ids": [...]} (optionally with "prompt" text). lora_request: its LoRA
+        adapter (engine.LoRARequest; None: the base model). Invalid input raises ValueError before anything is
+        yielded, leaving other requests untouched."""
         self.start()
         self._check_not_interrupted()
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already running")
         params = params if params is not None else self.engine.default_sampling_params()
-        request = await self.process_request(request_id, prompt, params)
+        request = await self.process_request(request_id, prompt, params, lora_request=lora_request)
         self._check_not_interrupted()
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
@@ -308,6 +311,14 @@ class AsyncLLMEngine:
     async def get_metrics(self) -> EngineMetrics:
         """LLMEngine.get_metrics(), taken between steps."""
         return await self._call(self.engine.get_metrics)
+
+    async def add_lora(self, lora_request) -> bool:
+        """LLMEngine.add_lora between steps: the adapter loaded now (ValueError for a bad one)."""
+        return await self._call(self.engine.add_lora, lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """LLMEngine.remove_lora between steps."""
+        return await self._call(self.engine.remove_lora, lora_int_id)
 
     async def check_health(self) -> None:
         if self.dead_error is not None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.gguf_file import is_gguf_path
+from engine.lora.config import LoRAConfig
 from engine.platform import DevicePolicy
 
 
@@ -304,6 +305,7 @@ class EngineConfig:
     tokenizer: str | None = None          # the tokenizer's directory (None: the model's)
     skip_tokenizer_init: bool = False
     generation_config: str = "auto"       # sampling defaults: "auto", "vllm" or a directory
+    lora_config: LoRAConfig | None = None  # multi-LoRA (enable_lora): its limits; None: no adapters
 
     @property
     def device(self) -> torch.device:

@@ -48,6 +48,11 @@ class EngineArgs:
     speculative_config: dict | None = None
     quantization: str | None = None
     async_scheduling: bool | None = None   # None: on CUDA unless speculative decoding; off on CPU
+    # Multi-LoRA (vLLM's names): PEFT adapters chosen per request (engine/lora).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # vLLM options that mean nothing here, accepted so that vLLM scripts run (a warning says what they do here).
     trust_remote_code: bool = False
     disable_log_stats: bool = False
@@ -106,6 +111,13 @@ class EngineArgs:
         group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                            help="schedule the next step while the device runs this one, reading sampled ids one "
                                 "step late (default: on with CUDA, except with speculative decoding; off on CPU)")
+        group.add_argument("--enable-lora", action="store_true",
+                           help="serve PEFT LoRA adapters on the base model, chosen per request")
+        group.add_argument("--max-loras", type=int, default=1,
+                           help="most distinct adapters in one step (their device slots; default 1)")
+        group.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank served (default 16)")
+        group.add_argument("--max-cpu-loras", type=int, default=None,
+                           help="adapters kept loaded in host memory (default: --max-loras)")
         group.add_argument("--trust-remote-code", action="store_true",
                            help="accepted for vLLM compatibility: no model code is downloaded or run, the "
                                 "architectures are the engine's own")
@@ -165,7 +177,8 @@ class EngineArgs:
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be a bool or None (the device's default), got "
                              f"{self.async_scheduling!r}")
-        for name in ("enable_prefix_caching", "enforce_eager", "skip_tokenizer_init", "enable_expert_parallel"):
+        for name in ("enable_prefix_caching", "enforce_eager", "skip_tokenizer_init", "enable_lora",
+                     "enable_expert_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.generation_config is None or not isinstance(self.generation_config, str):
@@ -191,6 +204,7 @@ class EngineArgs:
             max_num_batched_tokens=self.max_num_batched_tokens or policy.default_max_num_batched_tokens,
             preemption_mode=self.preemption_mode, max_num_seqs_per_request=self.max_num_seqs_per_request,
             async_scheduling=_async_scheduling(self.async_scheduling, policy, speculative_config))
+        lora_config = _lora_config(self)
         cache_config = CacheConfig(block_size=self.block_size, gpu_memory_utilization=float(self.gpu_memory_utilization),
                                    swap_space=float(self.swap_space), enable_prefix_caching=self.enable_prefix_caching,
                                    num_gpu_blocks_override=self.num_kv_blocks, kv_cache_dtype=self.kv_cache_dtype)
@@ -200,7 +214,8 @@ class EngineArgs:
                             speculative_config=speculative_config, quant_config=model_config.quant_config,
                             seed=self.seed, enforce_eager=self.enforce_eager,
                             tokenizer=None if self.tokenizer is None else resolve_model_path(self.tokenizer),
-                            skip_tokenizer_init=self.skip_tokenizer_init, generation_config=self.generation_config)
+                            skip_tokenizer_init=self.skip_tokenizer_init, generation_config=self.generation_config,
+                            lora_config=lora_config)
 
     def create_engine(self):
         """The LLMEngine these options describe."""
@@ -224,6 +239,19 @@ def _note_vllm_compatibility_options(args: "EngineArgs") -> None:
     if args.enable_chunked_prefill is False:
         logger.warning("enable_chunked_prefill=False: chunked prefill is always on in this engine (a prompt longer "
                        "than max_num_batched_tokens is computed over several steps)")
+
+
+def _lora_config(args: "EngineArgs"):
+    """The LoRAConfig of enable_lora=True (limits checked: ValueError naming the option), else None. The limits
+    mean nothing without enable_lora, but are checked all the same (a typo should not wait for the day it is on)."""
+    from engine.lora import LoRAConfig
+
+    for name in ("max_loras", "max_lora_rank"):
+        _check_int(name, getattr(args, name), 1)
+    if args.max_cpu_loras is not None:
+        _check_int("max_cpu_loras", args.max_cpu_loras, 1)
+    config = LoRAConfig(max_lora_rank=args.max_lora_rank, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras)
+    return config if args.enable_lora else None
 
 
 def _async_scheduling(requested: bool | None, policy, speculative_config) -> bool:

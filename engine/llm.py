@@ -96,6 +96,11 @@ class LLM:
         async_scheduling: schedule step N+1 while step N runs, the sampled ids reaching the host one step late
             (vLLM's name; engine/core/engine_core.py). None: on with CUDA unless speculative decoding is on, off
             on CPU. Outputs are the same either way.
+        enable_lora: serve PEFT LoRA adapters on the base model, one per request (``generate(...,
+            lora_request=LoRARequest(name, int_id, path))``), many in one batch. max_loras: most distinct adapters
+            in one step (device slots; requests on others wait their turn). max_lora_rank: largest adapter rank
+            (smaller ones are padded to it in the slots). max_cpu_loras: adapters kept loaded in host memory
+            (default max_loras); both caches evict the least recently used. engine/lora.
         trust_remote_code, disable_log_stats, enable_chunked_prefill: vLLM's, accepted so that vLLM scripts run;
             nothing here runs remote code, logs periodic stats, or turns chunked prefill off (a warning says so).
         enable_expert_parallel: MoE models under tensor parallelism: each rank holds a share of the experts whole
@@ -114,7 +119,8 @@ class LLM:
                  preemption_mode: str = "recompute", generation_config: str = "auto",
                  tensor_parallel_size: int = 1, load_format: str = "auto", skip_tokenizer_init: bool = False,
                  speculative_config: dict | None = None, quantization: str | None = None,
-                 async_scheduling: bool | None = None, trust_remote_code: bool = False,
+                 async_scheduling: bool | None = None, enable_lora: bool = False, max_loras: int = 1,
+                 max_lora_rank: int = 16, max_cpu_loras: int | None = None, trust_remote_code: bool = False,
                  disable_log_stats: bool = False, enable_chunked_prefill: bool | None = None,
                  enable_expert_parallel: bool = False):
         self.llm_engine = EngineArgs(
@@ -126,9 +132,10 @@ class LLM:
             swap_space=swap_space, preemption_mode=preemption_mode,
             generation_config=generation_config, tensor_parallel_size=tensor_parallel_size, load_format=load_format,
             skip_tokenizer_init=skip_tokenizer_init, speculative_config=speculative_config,
-            quantization=quantization, async_scheduling=async_scheduling, trust_remote_code=trust_remote_code,
-            disable_log_stats=disable_log_stats, enable_chunked_prefill=enable_chunked_prefill,
-            enable_expert_parallel=enable_expert_parallel).create_engine()
+            quantization=quantization, async_scheduling=async_scheduling, enable_lora=enable_lora,
+            max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
+            trust_remote_code=trust_remote_code, disable_log_stats=disable_log_stats,
+            enable_chunked_prefill=enable_chunked_prefill, enable_expert_parallel=enable_expert_parallel).create_engine()
         self.request_counter = itertools.count()
 
     def get_tokenizer(self):
@@ -142,12 +149,14 @@ class LLM:
         return tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
         """Generate completions; outputs come back in the order of `prompts`.
 
         prompts: a str, a {"prompt_token_ids": [...]} dict, or a list of those. sampling_params: one for all
-        prompts or one per prompt (default SamplingParams()). Every prompt is validated before any is queued,
-        so a bad one raises ValueError without running the others."""
+        prompts or one per prompt (default SamplingParams()). lora_request: the LoRA adapter of every prompt (an
+        `engine.lora.LoRARequest`), or one per prompt (None: the base model); needs enable_lora. Every prompt is
+        validated (its adapter loaded and checked) before any runs, so a bad one raises ValueError without
+        running the others."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -161,6 +170,7 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts")
+        lora_requests = self._lora_requests(lora_request, len(prompts))
         engine = self.llm_engine
         inputs = []
         for prompt, params in zip(prompts, params_list):
@@ -170,9 +180,9 @@ class LLM:
             inputs.append({"prompt": text, "prompt_token_ids": token_ids})
         request_ids = [str(next(self.request_counter)) for _ in inputs]
         try:
-            for request_id, prompt, params in zip(request_ids, inputs, params_list):
+            for request_id, prompt, params, lora in zip(request_ids, inputs, params_list, lora_requests):
                 # Only the final output is read: the engine builds no output for a request before it finishes.
-                engine.add_request(request_id, prompt, params.final_only())
+                engine.add_request(request_id, prompt, params.final_only(), lora_request=lora)
             finished = self._run_engine(len(inputs), use_tqdm)
         except BaseException:
             for request_id in request_ids:   # leave no half-run request behind (e.g. on KeyboardInterrupt)
@@ -180,9 +190,20 @@ class LLM:
             raise
         return [finished[request_id] for request_id in request_ids]
 
-    def beam_search(self, prompts, params: BeamSearchParams, *, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    @staticmethod
+    def _lora_requests(lora_request, num_prompts: int) -> list:
+        """generate()'s lora_request as one entry per prompt (None, one for all, or a list of them)."""
+        if isinstance(lora_request, (list, tuple)):
+            if len(lora_request) != num_prompts:
+                raise ValueError(f"lora_request has {len(lora_request)} entries for {num_prompts} prompts")
+            return list(lora_request)
+        return [lora_request] * num_prompts
+
+    def beam_search(self, prompts, params: BeamSearchParams, *, use_tqdm: bool = False,
+                    lora_request=None) -> list[BeamSearchOutput]:
         """Beam search for each prompt (see engine/core/beam_search.py for the rule, transformers' beam search with
-        its `early_stopping` setting); returns per prompt the finished beams, best first. Beams share KV blocks."""
+        its `early_stopping` setting); returns per prompt the finished beams, best first. Beams share KV blocks.
+        lora_request: as for generate()."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(params, BeamSearchParams):
@@ -192,10 +213,11 @@ class LLM:
         for prompt in prompts:
             text, token_ids = engine.process_prompt(prompt)
             inputs.append({"prompt": text, "prompt_token_ids": token_ids})
+        lora_requests = self._lora_requests(lora_request, len(inputs))
         request_ids = [str(next(self.request_counter)) for _ in inputs]
         try:
-            for request_id, prompt in zip(request_ids, inputs):
-                engine.add_beam_request(request_id, prompt, params)
+            for request_id, prompt, lora in zip(request_ids, inputs, lora_requests):
+                engine.add_beam_request(request_id, prompt, params, lora_request=lora)
             finished = self._run_engine(len(inputs), use_tqdm)
         except BaseException:
             for request_id in request_ids:
@@ -218,9 +240,10 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
              use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, lora_request=None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or to a list of them,
-        through the tokenizer's chat template (or `chat_template`)."""
+        through the tokenizer's chat template (or `chat_template`). lora_request: as for generate(), per
+        conversation."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of messages or of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
@@ -233,7 +256,7 @@ class LLM:
                                                  add_generation_prompt=add_generation_prompt)
             # The template already wrote every special token it wants: do not add a BOS again.
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def stream_text(self, prompt, sampling_params: SamplingParams | None = None, *,
                     chat: bool = False) -> Iterator[str]:

@@ -27,7 +27,7 @@ import time
 import uuid
 
 from engine.async_engine import AsyncLLMEngine, EngineDeadError
-from engine.core.core_io import EngineCoreOutput
+from engine.step_records import EngineCoreOutput
 from engine.core.core_process import decode_metrics, packb, unpackb
 from engine.core.input_processor import InputProcessor
 from engine.core.output_processor import OutputProcessor
@@ -108,7 +108,8 @@ class _FrontendView:
         self.sampling_defaults = dict(info["sampling_defaults"])
         self.model_config = _ModelView(info["vocab_size"], frozenset(info["eos_token_ids"]))
         self.input_processor = InputProcessor(self.tokenizer, vocab_size=info["vocab_size"],
-                                              max_model_len=info["max_model_len"], max_num_seqs=info["max_num_seqs"])
+                                              max_model_len=info["max_model_len"], max_num_seqs=info["max_num_seqs"],
+                                              enable_lora=info.get("enable_lora", False))
         self.output_processor = OutputProcessor(self.tokenizer)
 
     def process_prompt(self, prompt, truncate_prompt_tokens: int | None = None) -> tuple[str | None, list[int]]:
@@ -217,17 +218,17 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
         for output in processed.request_outputs:
             self._dispatch(output)
 
-    async def _call_core(self, method: str):
+    async def _call_core(self, method: str, *args):
         if self.dead_error is not None:
             raise EngineDeadError("the engine core has failed") from self.dead_error
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
-        self._send(["call", call_id, method])
+        self._send(["call", call_id, method, *args])
         return await future
 
     # -- requests -------------------------------------------------------------------------------------------------
-    async def generate(self, prompt, params: SamplingParams, request_id: str):
+    async def generate(self, prompt, params: SamplingParams, request_id: str, lora_request=None):
         """As AsyncLLMEngine.generate; the request runs in the core process."""
         self.start()
         self._check_not_interrupted()
@@ -235,7 +236,8 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
             raise ValueError(f"request_id {request_id!r} is already running")
         arrival = time.time()
         params = params if params is not None else SamplingParams(**self.engine.sampling_defaults)
-        request = await self.process_request(request_id, prompt, params, arrival_time=arrival)
+        request = await self.process_request(request_id, prompt, params, arrival_time=arrival,
+                                             lora_request=lora_request)
         if self.dead_error is not None:
             raise EngineDeadError("the engine core has failed") from self.dead_error
         self._check_not_interrupted()
@@ -272,6 +274,20 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
 
     async def get_metrics(self) -> EngineMetrics:
         return decode_metrics(await self._call_core("get_metrics"))
+
+    async def add_lora(self, lora_request) -> bool:
+        """The core loads the adapter now (ValueError with its message for a bad one)."""
+        self.engine.input_processor.check_lora_request(lora_request)
+        status, value = await self._call_core("add_lora", lora_request.to_wire())
+        if status == "error":
+            raise ValueError(value)
+        return value
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        status, value = await self._call_core("remove_lora", lora_int_id)
+        if status == "error":
+            raise ValueError(value)
+        return value
 
     async def check_health(self) -> None:
         if self.dead_error is not None:

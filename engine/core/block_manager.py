@@ -9,7 +9,8 @@ compared too, against hash collisions). A new sequence whose leading full blocks
 blocks (ref_count + 1) instead of recomputing them. A block whose ref_count drops to 0 goes back to the free
 pool but keeps its hash: it can still be hit until it is handed out again. The free pool is LRU ordered
 (released blocks go to the tail, allocation takes the head), and a sequence releases its blocks last-first, so
-the tail of a prefix is evicted before its head.
+the tail of a prefix is evicted before its head. A sequence on a LoRA adapter computes other KV from the same
+tokens: its chain starts from the adapter (`hash_root`) instead of -1, so it hits only blocks of that adapter.
 
 Sharing within a request (parallel sampling, beam search): `fork` gives a child sequence its parent's block
 table, taking one more reference on every block. A block is written only at the sequence's next token slot; when
@@ -55,6 +56,13 @@ def compute_block_hash(parent_hash: int, token_ids) -> int:
     return hash((parent_hash, tuple(token_ids)))
 
 
+def hash_root(seq: Sequence) -> int:
+    """The parent hash of `seq`'s first block: -1 on the base model; on a LoRA adapter a value of the adapter's own
+    (its id, name and directory: vLLM keys its blocks by the adapter too), so no two adapters share KV blocks."""
+    lora = seq.lora_request
+    return -1 if lora is None else hash(("lora", lora.lora_int_id, lora.lora_name, lora.lora_path))
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
                  num_swap_blocks: int = 0):
@@ -90,7 +98,7 @@ class BlockManager:
             return []
         token_ids = seq.token_ids
         num_full_blocks = (len(token_ids) - 1) // self.block_size
-        hit_block_ids, parent_hash = [], -1
+        hit_block_ids, parent_hash = [], hash_root(seq)
         for i in range(num_full_blocks):
             block_tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
             parent_hash = compute_block_hash(parent_hash, block_tokens)
@@ -185,7 +193,7 @@ class BlockManager:
         first = num_full
         while first > 0 and self.blocks[seq.block_table[first - 1]].hash == -1:
             first -= 1
-        parent_hash = self.blocks[seq.block_table[first - 1]].hash if first > 0 else -1
+        parent_hash = self.blocks[seq.block_table[first - 1]].hash if first > 0 else hash_root(seq)
         for i in range(first, num_full):
             block = self.blocks[seq.block_table[i]]
             block_tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])

@@ -9,11 +9,11 @@ engine/mp_engine.py) in msgpack messages:
                         ("add", EngineCoreRequest.to_wire())
                         ("abort", [request_id, ...])
                         ("stop", [[request_id, [index, ...]], ...])     completions ended on a stop string
-                        ("call", call_id, method)                       -> ("result", call_id, value)
+                        ("call", call_id, method, *args)                -> ("result", call_id, value)
     core -> front end   ("outputs", [EngineCoreOutput.to_wire(), ...])  after each step, to the request's owner
                         ("dead", message)                               the core cannot go on (then it exits)
 
-Outputs are the core's token-id deltas (engine/core/core_io.py): each front end's OutputProcessor makes the text,
+Outputs are the core's token-id deltas (engine/step_records.py): each front end's OutputProcessor makes the text,
 finds the stop strings and tells the core which completions they ended ("stop"). A request the core refuses when
 it arrives (a check only the core can make) comes back as a finished output with `error` (and `error_param`: a
 400), so it reaches the request's stream like any failure.
@@ -31,7 +31,7 @@ import sys
 import time
 import traceback
 
-from engine.core.core_io import EngineCoreOutput, EngineCoreRequest
+from engine.step_records import EngineCoreOutput, EngineCoreRequest
 from engine.outputs import EngineMetrics, SpecDecodeStats
 
 logger = logging.getLogger(__name__)
@@ -82,6 +82,7 @@ class EngineCoreProc:
         config = core.config
         return {"max_model_len": core.max_model_len, "vocab_size": core.model_config.vocab_size,
                 "max_num_seqs": config.scheduler_config.max_num_seqs, "sampling_defaults": core.sampling_defaults,
+                "enable_lora": config.lora_config is not None,
                 "tokenizer": config.tokenizer or core.model_config.model_dir,
                 "eos_token_ids": sorted(core.model_config.eos_token_ids), "pid": os.getpid()}
 
@@ -145,12 +146,24 @@ class EngineCoreProc:
                     outputs.append(output)
             self._dispatch(outputs)
         elif kind == "call":
-            _, call_id, method = message
+            _, call_id, method, *args = message
             if method == "get_metrics":
                 value = encode_metrics(self.core.get_metrics())
+            elif method in ("add_lora", "remove_lora"):   # [status, value]: a bad adapter is the caller's error
+                value = self._lora_call(method, *args)
             else:
                 value = None
             self._send(identity, ["result", call_id, value])
+
+    def _lora_call(self, method: str, arg) -> list:
+        from engine.lora import LoRARequest
+
+        try:
+            if method == "add_lora":
+                return ["ok", self.core.add_lora(LoRARequest.from_wire(arg))]
+            return ["ok", self.core.remove_lora(arg)]
+        except ValueError as e:
+            return ["error", str(e)]
 
     def _step(self) -> None:
         from engine.executor import WorkerDiedError

@@ -25,7 +25,7 @@ from collections import deque
 from engine.config import EngineConfig
 from engine.core.beam_search import BeamSearchParams, BeamSearchState
 from engine.core.block_manager import BlockManager
-from engine.core.core_io import CompletionDelta, EngineCoreOutput, EngineCoreRequest, LogprobEntry
+from engine.step_records import CompletionDelta, EngineCoreOutput, EngineCoreRequest, LogprobEntry
 from engine.core.generation_config import load_sampling_defaults
 from engine.core.input_processor import check_prompt_token_ids
 from engine.core.scheduler import ScheduledStep, Scheduler
@@ -86,7 +86,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.scheduler_config.max_num_seqs,
                                    max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
                                    preemption_mode=config.scheduler_config.preemption_mode,
-                                   max_num_seqs_per_request=config.scheduler_config.max_num_seqs_per_request)
+                                   max_num_seqs_per_request=config.scheduler_config.max_num_seqs_per_request,
+                                   max_loras=config.lora_config.max_loras if config.lora_config is not None else None)
         # Steps launched and not yet turned into outputs, oldest first: at most `pipeline_depth` after a launch
         # (2 with async scheduling: the one running and the one just launched; 1 without).
         self.pipeline_depth = 2 if config.scheduler_config.async_scheduling else 1
@@ -108,6 +109,8 @@ class EngineCore:
         self._pending_grammars: dict[str, tuple[Sequence, object, float]] = {}
         # Requests a step's output processing touched beyond its own (beams advanced): failed with it if it raises.
         self._step_groups: dict[str, SequenceGroup] = {}
+        # LoRA adapters checked (loaded once on every rank): lora_int_id -> LoRARequest.
+        self._known_loras: dict = {}
 
     def _user_max_model_len(self) -> int | None:
         """max_model_len if the user set it (then a cache that cannot hold it is an error), else None."""
@@ -143,9 +146,11 @@ class EngineCore:
         if params.n > self.scheduler.max_num_seqs:
             raise ValueError(f"n must be <= max_num_seqs={self.scheduler.max_num_seqs}, got {params.n}")
         check_prompt_token_ids(request.prompt_token_ids, self.model_config.vocab_size, self.max_model_len)
+        if request.lora_request is not None:
+            self._check_request_lora(request.lora_request)
         seq = Sequence(request_id, request.prompt, request.prompt_token_ids, params,
                        arrival_time=request.arrival_time, eos_token_ids=self.model_config.eos_token_ids,
-                       max_model_len=self.max_model_len)
+                       max_model_len=self.max_model_len, lora_request=request.lora_request)
         if params.bad_words:
             seq.bad_words_token_ids = request.bad_words_token_ids
         pending_grammar = None
@@ -195,6 +200,54 @@ class EngineCore:
             raise ValueError(f"beam request {request.request_id!r} may need {needed} KV-cache blocks but the cache "
                              f"has only {self.block_manager.num_blocks}")
         group.beam = BeamSearchState(params, seq.num_prompt_tokens, self.model_config.eos_token_ids)
+
+    # -- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ------------------------------------------
+    def _check_lora_enabled(self, what: str) -> None:
+        if self.config.lora_config is None:
+            raise ValueError(f"{what}: this engine was started without LoRA (enable_lora=True, serve --enable-lora)")
+
+    def _check_request_lora(self, lora_request) -> None:
+        """A request's adapter, before the request is queued. One the core has not seen is loaded into the
+        workers' host caches now (add_lora): a bad one is a ValueError naming lora_request, the request refused
+        alone. One seen before is taken as it is, with no call to the workers: a step that needs it loads it again
+        if the host cache let it go (and fails its requests alone should it no longer load)."""
+        known = self._known_loras.get(getattr(lora_request, "lora_int_id", None))
+        if known is None or (known.lora_name, known.lora_path) != (lora_request.lora_name, lora_request.lora_path):
+            self.add_lora(lora_request)
+
+    def add_lora(self, lora_request) -> bool:
+        """Load an adapter into the workers' host caches now; returns whether it was read from disk. ValueError
+        naming lora_request for a bad adapter, or for an id that names another adapter the core knows (requests
+        on that one may still be running: its slots must not change weights under them)."""
+        self._check_lora_enabled("lora_request")
+        from engine.lora import LoRARequest
+
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        known = self._known_loras.get(lora_request.lora_int_id)
+        if known is not None and (known.lora_name, known.lora_path) != (lora_request.lora_name, lora_request.lora_path):
+            raise ValueError(f"lora_request: lora_int_id {lora_request.lora_int_id} already names adapter "
+                             f"{known.lora_name!r} ({known.lora_path}); {lora_request.lora_name!r} needs another id "
+                             f"(or remove_lora the other first)")
+        try:
+            loaded = self.executor.add_lora(lora_request)
+        except ValueError as error:
+            raise ValueError(f"lora_request: {error}") from error
+        self._known_loras[lora_request.lora_int_id] = lora_request
+        return loaded
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter from the host caches and device slots; returns whether it was loaded. Requests still
+        running on it read it again when they are next scheduled (vLLM's remove_lora); a request on it after
+        this is checked again."""
+        self._check_lora_enabled("remove_lora")
+        self._known_loras.pop(lora_int_id, None)
+        return self.executor.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters loaded in the host cache."""
+        self._check_lora_enabled("list_loras")
+        return set(self.executor.list_loras())
 
     @staticmethod
     def _check_grammar_size(spec) -> None:
@@ -387,7 +440,8 @@ class EngineCore:
                 self._append_prompt_logprobs(by_id[seq_id], prompt_logprobs)
             # Only now is the KV of the scheduled tokens known written: a failure before this line registers none
             # of their blocks in the prefix cache (a failed step's blocks are then freed unregistered).
-            sampling = self.scheduler.update_from_output(step, runner_output.num_accepted_tokens)
+            sampling = self.scheduler.update_from_output(step, runner_output.num_accepted_tokens,
+                                                         failed=runner_output.failed)
             failed = self._fail_seqs(by_id, runner_output.failed)
             return failed + self._update_requests(sampling, runner_output) + self._advance_beams()
         except WorkerDiedError:
@@ -404,7 +458,12 @@ class EngineCore:
         for seq_id, message in errors.items():
             group = by_id[seq_id].group
             if group.request_id in self.requests:
-                self._fail_group(group, f"sampling failed: {message}")
+                # An adapter that no longer loads (its directory changed since the request came in): the request's
+                # own field at fault, as when add_request refuses it.
+                lora = message.startswith("lora_request:")
+                if lora:
+                    group.error_param = "lora_request"
+                self._fail_group(group, message if lora else f"sampling failed: {message}")
                 outputs.append(self._make_output(group))
         return outputs
 

@@ -13,8 +13,9 @@ import time
 
 import torch
 
-from engine.core.core_io import EngineCoreRequest
-from engine.core.detokenizer import Detokenizer
+from engine.step_records import EngineCoreRequest
+from engine.core.output_processor import Detokenizer
+from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 
 # The most logprobs (and prompt_logprobs) a request may ask for: vLLM's default max_logprobs.
@@ -36,19 +37,24 @@ class InputProcessor:
     """Turns (prompt, SamplingParams) into an EngineCoreRequest for one model: its tokenizer (None with
     skip_tokenizer_init), vocabulary size, max_model_len and the most sequences a step holds."""
 
-    def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, max_num_seqs: int):
+    def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, max_num_seqs: int,
+                 enable_lora: bool = False):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
+        self.enable_lora = enable_lora
 
     def process(self, request_id: str, prompt, params: SamplingParams, *, arrival_time: float | None = None,
-                bad_words_token_ids: list[list[int]] | None = None) -> EngineCoreRequest:
+                bad_words_token_ids: list[list[int]] | None = None, lora_request=None) -> EngineCoreRequest:
         """The request for the core; raises ValueError naming what is wrong. bad_words_token_ids: params.bad_words
-        already tokenized (a server does it on a tokenizer thread), else they are tokenized here."""
+        already tokenized (a server does it on a tokenizer thread), else they are tokenized here. lora_request: its
+        LoRA adapter (an engine.lora.LoRARequest; the core loads and checks the adapter itself when the request
+        arrives)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         self.check_params(params)
+        self.check_lora_request(lora_request)
         text, token_ids = self.process_prompt(prompt, params.truncate_prompt_tokens)
         if params.bad_words:
             if bad_words_token_ids is None:
@@ -57,7 +63,18 @@ class InputProcessor:
                 raise ValueError(f"bad_words has a token id outside the vocabulary [0, {self.vocab_size})")
         return EngineCoreRequest(request_id, text, token_ids, params,
                                  arrival_time=arrival_time or time.time(),
-                                 bad_words_token_ids=list(bad_words_token_ids or []) if params.bad_words else [])
+                                 bad_words_token_ids=list(bad_words_token_ids or []) if params.bad_words else [],
+                                 lora_request=lora_request)
+
+    def check_lora_request(self, lora_request) -> None:
+        """A request's lora_request: None, or a LoRARequest on an engine started with LoRA."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be an engine.LoRARequest or None, got {type(lora_request).__name__}")
+        if not self.enable_lora:
+            raise ValueError("lora_request: this engine was started without LoRA (enable_lora=True, serve "
+                             "--enable-lora)")
 
     def check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: limits of this engine and ids of this vocabulary."""

@@ -14,7 +14,7 @@ import logging
 
 from engine.config import EngineConfig
 from engine.core.beam_search import BeamSearchParams
-from engine.core.core_io import EngineCoreRequest
+from engine.step_records import EngineCoreRequest
 from engine.core.engine_core import EngineCore
 from engine.core.input_processor import InputProcessor
 from engine.core.output_processor import OutputProcessor
@@ -39,7 +39,8 @@ class LLMEngine:
         self.engine_core = EngineCore(config, tokenizer=self.tokenizer)
         self.input_processor = InputProcessor(self.tokenizer, vocab_size=self.model_config.vocab_size,
                                               max_model_len=self.engine_core.max_model_len,
-                                              max_num_seqs=config.scheduler_config.max_num_seqs)
+                                              max_num_seqs=config.scheduler_config.max_num_seqs,
+                                              enable_lora=config.lora_config is not None)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod
@@ -122,13 +123,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     *, arrival_time: float | None = None,
-                    bad_words_token_ids: list[list[int]] | None = None) -> None:
+                    bad_words_token_ids: list[list[int]] | None = None, lora_request=None) -> None:
         """Queue a request. Everything is checked first: a bad request raises ValueError and leaves the engine
         (and the requests already in it) untouched. bad_words_token_ids: params.bad_words already tokenized
-        (a server does it off the step loop), else they are tokenized here."""
+        (a server does it off the step loop), else they are tokenized here. lora_request: the LoRA adapter it
+        runs with (engine.LoRARequest; None: the base model), loaded and checked now."""
         params = self.default_sampling_params() if params is None else params
         self.add_processed_request(self.input_processor.process(request_id, prompt, params, arrival_time=arrival_time,
-                                                                bad_words_token_ids=bad_words_token_ids))
+                                                                bad_words_token_ids=bad_words_token_ids,
+                                                                lora_request=lora_request))
 
     def add_processed_request(self, request: EngineCoreRequest) -> None:
         """Queue a request the input processor made (a server makes it on a tokenizer thread): ValueError, and
@@ -137,12 +140,13 @@ class LLMEngine:
         self.output_processor.add_request(request.request_id, request.prompt, request.prompt_token_ids,
                                           request.params)
 
-    def add_beam_request(self, request_id: str, prompt, params: BeamSearchParams) -> None:
+    def add_beam_request(self, request_id: str, prompt, params: BeamSearchParams, *, lora_request=None) -> None:
         """Queue a beam-search request (see engine/core/beam_search.py); its final RequestOutput holds the finished
         beams, best first, as completions (cumulative_logprob: the beam's sum of logprobs)."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-        request = self.input_processor.process(request_id, prompt, SamplingParams(temperature=0.0))
+        request = self.input_processor.process(request_id, prompt, SamplingParams(temperature=0.0),
+                                               lora_request=lora_request)
         self.engine_core.add_beam_request(request, params)
         self.output_processor.add_request(request_id, request.prompt, request.prompt_token_ids, request.params,
                                           beam=True)
@@ -160,6 +164,21 @@ class LLMEngine:
         """Abort every request in the engine after a step raised (their state is unknown): their final outputs,
         each carrying the error, for their streams."""
         return self.output_processor.process_outputs(self.engine_core.fail_all_requests(error)).request_outputs
+
+    # -- LoRA adapters (vLLM's LLMEngine.add_lora / remove_lora / list_loras) --------------------------------
+    def add_lora(self, lora_request) -> bool:
+        """Load an adapter now (requests on it later find it loaded); ValueError for a bad one. Returns whether it
+        was read from disk."""
+        self.input_processor.check_lora_request(lora_request)
+        return self.engine_core.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter (requests still on it load it again); returns whether it was loaded."""
+        return self.engine_core.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters loaded (the host cache)."""
+        return self.engine_core.list_loras()
 
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()

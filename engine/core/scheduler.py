@@ -35,6 +35,12 @@ a guided sequence (its grammar must accept the token before the next mask), a be
 a sequence that may have reached max_tokens, a preempted one. Without async scheduling, outputs come back before
 the next `schedule` and the placeholders are always 0 by then.
 
+Multi-LoRA (`max_loras`): a step runs at most `max_loras` distinct adapters (the workers' device slots; the base
+model counts for none). A waiting request is admitted when its adapter is one the running requests use, or they
+use fewer than `max_loras`; one that does not fit is skipped (it keeps its place) and the requests behind it go on
+being admitted, as vLLM's scheduler does. So the running requests never need more adapters than there are slots;
+should a step still meet one more (a swapped request coming back), that sequence sits the step out.
+
 The workers keep their own copy of every sequence (engine/worker/input_batch.py); `schedule` also writes the
 step's diff for them (engine/step_records.py): a sequence they have not seen in full, then per step only the
 tokens the core appended, the block-table entries from the first one that changed, and the computed count.
@@ -74,7 +80,8 @@ class ScheduledStep:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 preemption_mode: str = "recompute", max_num_seqs_per_request: int | None = None):
+                 preemption_mode: str = "recompute", max_num_seqs_per_request: int | None = None,
+                 max_loras: int | None = None):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
@@ -83,6 +90,8 @@ class Scheduler:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
         if max_num_seqs_per_request is not None and max_num_seqs_per_request < 1:
             raise ValueError(f"max_num_seqs_per_request must be >= 1, got {max_num_seqs_per_request}")
+        if max_loras is not None and max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {max_loras}")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         # Fairness: while other requests run or wait, one request's sequences take at most this many rows of a
@@ -93,6 +102,9 @@ class Scheduler:
         self._last_run: dict[int, int] = {}   # seq_id -> the last step that ran it (fair share rotation)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
+        # Most distinct LoRA adapters in one step (None: LoRA is off, no request has one).
+        self.max_loras = max_loras
+        self._step_loras: set[int] = set()   # the adapters of the sequences scheduled so far this step
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # sorted by seq.order: the last one is the preemption victim
         self.swapped: deque[SequenceGroup] = deque()   # FCFS among swapped-out requests
@@ -120,6 +132,7 @@ class Scheduler:
         scheduled: list[tuple[Sequence, int]] = []
         preempted = False
         self._step_index += 1
+        self._step_loras = set()
         waiting_turn = self._over_fair_share()
 
         # Running sequences, those decoding (one token to compute, and drafts) before those computing a prompt or
@@ -138,6 +151,8 @@ class Scheduler:
                 continue
             if seq.num_output_placeholders and not self._can_run_ahead(seq):
                 continue   # it needs its token in flight before its next step
+            if not self._lora_fits(seq, self._step_loras):
+                continue   # its adapter would be one more than the step's slots
             if seq.spec_token_ids and num_new_tokens + len(seq.spec_token_ids) <= self._budget:
                 num_new_tokens += len(seq.spec_token_ids)
             else:
@@ -158,6 +173,8 @@ class Scheduler:
                 break
             if not self.block_manager.can_swap_in(members, num_headroom_blocks=len(members)):
                 break
+            if not self._lora_fits(members[0], self._step_loras):
+                break
             self.swapped.popleft()
             self.block_manager.swap_in(members, self._moves)
             for seq in members:
@@ -170,12 +187,18 @@ class Scheduler:
                     self._schedule_seq(seq, num_new_tokens, scheduled)
 
         # Waiting sequences, FCFS; none while this step had to preempt (memory is short: let the running finish).
+        # One whose adapter does not fit is skipped and keeps its place.
+        loras_in_use = self._loras_in_use() if self.max_loras is not None and self.waiting else set()
+        skipped: list[Sequence] = []
         while (self.waiting and not preempted and not self.swapped and self._budget > 0
                and self._running_slots() + self._share(self._num_seqs_after_fork(self.waiting[0]))
                <= self.max_num_seqs):
             seq = self.waiting[0]
             if seq.num_output_placeholders:   # preempted with a token in flight: it resumes once the token is here
                 break
+            if not self._lora_fits(seq, loras_in_use):
+                skipped.append(self.waiting.popleft())
+                continue
             cached_block_ids = self.block_manager.lookup_prefix(seq)
             num_new_tokens = min(seq.num_tokens - len(cached_block_ids) * self.block_manager.block_size, self._budget)
             if not self.block_manager.allocate_slots(seq, num_new_tokens, cached_block_ids, moves=self._moves):
@@ -190,12 +213,28 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.order)
             self._schedule_seq(seq, num_new_tokens, scheduled)
+            if seq.lora_request is not None:
+                loras_in_use.add(seq.lora_request.lora_int_id)
+        self.waiting.extendleft(reversed(skipped))
 
         forks = self._fork_completing_prompts(scheduled)
         if self.max_num_seqs_per_request is not None:
             for seq, _ in scheduled:
                 self._last_run[seq.seq_id] = self._step_index
         return ScheduledStep(scheduled, self._worker_output(scheduled, forks, grammar_bitmask), forks)
+
+    def _lora_fits(self, seq: Sequence, loras: set[int]) -> bool:
+        """Whether `seq`'s adapter can join `loras` (adapters already taken): it is one of them, or there is room
+        for one more under max_loras. Always for the base model."""
+        lora = seq.lora_request
+        return (lora is None or self.max_loras is None or lora.lora_int_id in loras
+                or len(loras) < self.max_loras)
+
+    def _loras_in_use(self) -> set[int]:
+        """The adapters of the running and swapped-out requests, and of this step's (admission keeps these within
+        max_loras, so that every running request fits in a step's slots)."""
+        seqs = [*self.running, *(seq for group in self.swapped for seq in group.seqs)]
+        return {seq.lora_request.lora_int_id for seq in seqs if seq.lora_request is not None} | self._step_loras
 
     @staticmethod
     def _can_run_ahead(seq: Sequence) -> bool:
@@ -318,9 +357,12 @@ class Scheduler:
             if samplers:
                 bitmask = ([seq.seq_id for seq in samplers], grammar_bitmask(samplers))
         finished, self.finished_seq_ids = self.finished_seq_ids, []
+        loras = {seq.lora_request.lora_int_id: seq.lora_request for seq, _ in scheduled if seq.lora_request is not None}
+        assert self.max_loras is None or len(loras) <= self.max_loras, f"{len(loras)} adapters in one step"
         return SchedulerOutput(new_seqs=new_seqs, cached_seqs=cached_seqs, num_scheduled_tokens=num_scheduled,
                                spec_token_ids=spec, sample_from=sample_from, finished_seq_ids=finished,
-                               block_moves=group_block_moves(self._moves), grammar_bitmask=bitmask)
+                               block_moves=group_block_moves(self._moves), grammar_bitmask=bitmask,
+                               lora_requests=loras)
 
     @staticmethod
     def _num_seqs_after_fork(seq: Sequence) -> int:
@@ -335,6 +377,8 @@ class Scheduler:
         """`seq` has its slots (allocate_slots returned True): put it in the batch."""
         scheduled.append((seq, num_new_tokens))
         self._budget -= num_new_tokens
+        if seq.lora_request is not None:
+            self._step_loras.add(seq.lora_request.lora_int_id)
 
     def _pick_victim(self, scheduled: list[tuple[Sequence, int]]) -> SequenceGroup:
         scheduled_ids = {s.seq_id for s, _ in scheduled}
@@ -374,17 +418,18 @@ class Scheduler:
         bisect.insort(self.running, child, key=lambda s: s.order)
         return child
 
-    def update_from_output(self, step: ScheduledStep, num_accepted_tokens: dict[int, int] | None = None
-                           ) -> list[Sequence]:
+    def update_from_output(self, step: ScheduledStep, num_accepted_tokens: dict[int, int] | None = None,
+                           failed=()) -> list[Sequence]:
         """The model computed `step`: a sequence that verified k drafts and had a of them accepted computed k - a
         tokens too many (their KV is dropped); register the blocks the step filled (not for a sequence preempted
-        or finished since: its blocks are gone); release the step's placeholders. Returns the sequences that take
-        their next token(s) now (ScheduledStep.samples): the caller appends them."""
+        or finished since: its blocks are gone; nor for one the worker failed, `failed`: its KV may be wrong, e.g.
+        computed without its adapter); release the step's placeholders. Returns the sequences that take their
+        next token(s) now (ScheduledStep.samples): the caller appends them."""
         num_accepted_tokens = num_accepted_tokens or {}
         self.commit(step)
         for seq, _ in step.scheduled:
             epoch, num_computed = step.computed[seq.seq_id]
-            if seq.is_finished or seq.kv_epoch != epoch:
+            if seq.is_finished or seq.kv_epoch != epoch or seq.seq_id in failed:
                 continue
             num_drafts = len(step.output.spec_token_ids.get(seq.seq_id, ()))
             if num_drafts:
@@ -427,4 +472,5 @@ def new_sequence_data(seq: Sequence, num_computed_tokens: int) -> NewSequenceDat
                            num_computed_tokens=num_computed_tokens, block_ids=list(seq.block_table), params=seq.params,
                            seed=seq.seed, stop_token_ids=sorted(seq.stop_token_ids),
                            bad_words_token_ids=seq.bad_words_token_ids,
-                           beam_candidates=beam.num_candidates if beam is not None else 0)
+                           beam_candidates=beam.num_candidates if beam is not None else 0,
+                           lora_request=seq.lora_request)

@@ -70,11 +70,12 @@ class Sequence:
                  "arrival_time", "metrics", "num_output_tokens_sent", "logprobs",
                  "cumulative_logprob", "finish_reason", "stop_reason", "stop_token_ids", "max_tokens",
                  "group", "index", "order", "prompt_logprobs", "bad_words_token_ids", "guided", "spec_token_ids",
-                 "known_to_workers", "num_tokens_sent", "block_table_synced", "num_output_placeholders", "kv_epoch")
+                 "known_to_workers", "num_tokens_sent", "block_table_synced", "num_output_placeholders", "kv_epoch",
+                 "lora_request")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                  *, arrival_time: float, eos_token_ids: frozenset[int] = frozenset(),
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, lora_request=None):
         self.seq_id = next(Sequence._counter)
         # Scheduling order (arrival, then index within the request): preemption victims are the largest; the
         # sequences of one request sit next to each other, so a request is preempted as a whole.
@@ -83,7 +84,7 @@ class Sequence:
         self.group.seqs.append(self)
         self.index = 0   # the completion index within the request
         # With params.prompt_logprobs: one entry per prompt token (None for the first), filled as prefill runs;
-        # an entry is [(token id, logprob, rank), ...] (engine/core/core_io.py LogprobEntry).
+        # an entry is [(token id, logprob, rank), ...] (engine/step_records.py LogprobEntry).
         self.prompt_logprobs = None if params.prompt_logprobs is None else [None] * len(prompt_token_ids)
         self.request_id = request_id
         self.prompt = prompt
@@ -130,6 +131,9 @@ class Sequence:
         # Bumped whenever its KV moves or goes (preemption): a step scheduled before that must not register or
         # trim its blocks when its output comes back.
         self.kv_epoch = 0
+        # The LoRA adapter (engine.lora.LoRARequest) its tokens run with, None for the base model. Its KV differs
+        # from the base model's: its prefix-cache hashes start from the adapter (BlockManager.hash_root).
+        self.lora_request = lora_request
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -1,5 +1,5 @@
-"""Executors: the engine's one door to the model. `execute_model`, `copy_blocks`, `swap_out`, `swap_in` — the
-engine decides, the executor runs it on every device that holds part of the model.
+"""Executors: the engine's one door to the model. `execute_model`, `copy_blocks`, `swap_out`, `swap_in`, `add_lora`,
+`remove_lora` — the engine decides, the executor runs it on every device that holds part of the model.
 
 - `UniprocExecutor`: one ModelRunner (and its swap space) in this process.
 - `MultiprocExecutor`: tensor parallelism over `tensor_parallel_size` processes on torch.distributed. This process
@@ -80,6 +80,15 @@ class UniprocExecutor:
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         self.cache_engine.swap_in(pairs)
 
+    def add_lora(self, lora_request) -> bool:
+        return self.model_runner.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.model_runner.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self.model_runner.list_loras()
+
     def shutdown(self) -> None:
         pass
 
@@ -124,9 +133,19 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: EngineCon
                 method, args = broadcast_object(None)
                 if method == "shutdown":
                     break
-                getattr(executor, method)(*args)
+                try:
+                    getattr(executor, method)(*args)
+                except ValueError:
+                    # A request's own error (a bad LoRA adapter): rank 0 hits it too and refuses the request.
+                    if method not in _REQUEST_LEVEL_METHODS:
+                        raise
     finally:
         destroy_distributed_environment()
+
+
+# Executor calls whose ValueError is one request's (rank 0 reports it; every rank reads the same files), which a
+# worker survives; any other exception ends the worker.
+_REQUEST_LEVEL_METHODS = frozenset({"add_lora"})
 
 
 def launched_rank(tensor_parallel_size: int) -> int | None:
@@ -346,6 +365,16 @@ class MultiprocExecutor:
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         self._call("swap_in", (pairs,))
+
+    def add_lora(self, lora_request) -> bool:
+        """Load an adapter on every rank (each keeps its shard of it); ValueError (rank 0's) for a bad one."""
+        return self._call("add_lora", (lora_request,))
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self._call("remove_lora", (lora_int_id,))
+
+    def list_loras(self) -> list[int]:
+        return self.local.list_loras()   # every rank holds the same adapters: rank 0's answer is theirs
 
     def shutdown(self) -> None:
         """Stop the workers and leave the process group (idempotent)."""

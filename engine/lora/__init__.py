@@ -9,15 +9,17 @@
   slices, tensor-parallel shards), over ``pagedkernels.lora_shrink`` / ``lora_expand``; :class:`LoRABatch`, each
   token's slot in device buffers the runner fills.
 - cache.py / manager.py: :class:`LoRAManager`, the host cache and the device slots (LRU, the running batch's
-  adapters pinned).
+  adapters pinned); ``lora_targets`` / ``check_lora_adapter``: an adapter checked against a model without
+  building it (the server's --lora-modules).
 """
 
 from engine.lora.adapter import LoRAAdapter, LoRAModuleWeights, load_peft_adapter
 from engine.lora.cache import PinnedLRU
 from engine.lora.config import LoRAConfig
 from engine.lora.layers import LoRABatch, LoRALinear, LoRATarget, apply_lora
-from engine.lora.manager import LoRAManager, token_slots
+from engine.lora.manager import LoRAManager, check_lora_adapter, lora_targets, token_slots
 from engine.lora.request import LoRARequest
 
 __all__ = ["LoRAAdapter", "LoRABatch", "LoRAConfig", "LoRALinear", "LoRAManager", "LoRAModuleWeights", "LoRARequest",
-           "LoRATarget", "PinnedLRU", "apply_lora", "load_peft_adapter", "token_slots"]
+           "LoRATarget", "PinnedLRU", "apply_lora", "check_lora_adapter", "load_peft_adapter", "lora_targets",
+           "token_slots"]

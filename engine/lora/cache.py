@@ -37,6 +37,10 @@ class PinnedLRU(Generic[K, V]):
         """The value of ``key`` without touching the order."""
         return self._entries.get(key, default)
 
+    def has_room(self) -> bool:
+        """Whether a new key can go in: the map is not full, or one of its keys is not pinned."""
+        return len(self._entries) < self.capacity or any(k not in self._pinned for k in self._entries)
+
     def put(self, key: K, value: V) -> list[tuple[K, V]]:
         """Insert or replace ``key`` as the most recently used; returns the entries evicted to make room (least
         recently used unpinned first). ValueError when the map is full of pinned keys."""

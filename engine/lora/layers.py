@@ -17,8 +17,9 @@ row-parallel layer keeps its rank's block of A's input columns and the whole B, 
 partial output before the all-reduce: sum_r (x_r A_r^T) B^T = x A^T B^T, so the delta needs no collective of its
 own.
 
-:class:`LoRABatch` is the seam the model runner drives (phase 2 wires it): preallocated device buffers of
-``max_num_tokens`` entries, so CUDA graphs capture reads of them and replays see what the runner wrote since.
+:class:`LoRABatch` is the seam the model runner (engine/worker/model_runner.py) drives: preallocated device
+buffers of ``max_num_tokens`` entries, so CUDA graphs capture reads of them and replays see what the runner wrote
+since.
 Before each forward (and each graph replay) the runner calls :meth:`LoRABatch.prepare` with the slot of every
 token the forward runs, padding rows included. ``active`` is False when no token of the step has an adapter: the
 layers then skip the kernels (a step of base-model requests pays nothing). It is read in Python, so a graph
@@ -78,7 +79,7 @@ class LoRABatch:
         if not n <= num_tokens <= self.max_num_tokens:
             raise ValueError(f"num_tokens must lie in [{n} (the slots given), {self.max_num_tokens}], got {num_tokens}")
         if n:
-            slots = torch.as_tensor(token_slots)
+            slots = token_slots if isinstance(token_slots, torch.Tensor) else torch.as_tensor(token_slots)
             if slots.dtype != torch.int32:
                 slots = slots.to(torch.int32)
             if slots.device.type == "cpu":

@@ -42,6 +42,14 @@ class LoRARequest:
     def path(self) -> str:
         return self.lora_path
 
+    def to_wire(self) -> list:
+        """As plain msgpack-able data (the core's socket, engine/step_records.py)."""
+        return [self.lora_name, self.lora_int_id, self.lora_path, self.base_model_name]
+
+    @classmethod
+    def from_wire(cls, data: list | None) -> "LoRARequest | None":
+        return None if data is None else cls(*data)
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, LoRARequest) and self.lora_name == other.lora_name
 

@@ -13,8 +13,14 @@ Per row, on the host (numpy; the inputs of a step are gathered from these with v
   temperature, top_p, min_p, frequency/presence/repetition penalties   float32 [max_num_seqs]; top_k int32
   special        bool [max_num_seqs]: the row needs a per-row look (own generator, logit_bias, allowed_token_ids,
                  bad words, min_tokens, logprobs, prompt logprobs, penalties); the others are all arrays
+  lora_int_id    int64 [max_num_seqs]: the row's LoRA adapter (0: the base model)
 Penalties read each row's own tokens (token_ids) and its distinct output tokens (SequenceState, kept up to date as
 tokens are appended), not vocabulary-wide counts (engine/worker/sampler.py Penalties).
+
+`HostStaging`: the host arrays of a step's inputs (token ids, positions, slots, block tables, sampling parameters) go
+to the device from pinned memory, so each copy is a true asynchronous DMA (from pageable memory the driver
+synchronizes the stream before it copies). Two arenas alternate between steps: the one a step fills is not the one
+the previous step's copies may still be reading. On CPU the device is the host: nothing is staged.
 """
 from __future__ import annotations
 
@@ -46,6 +52,8 @@ class SequenceState:
     # Made once per request, not per step: logit_bias as (ids, values) tensors, allowed_token_ids as a tensor.
     logit_bias_tensors: tuple[torch.Tensor, torch.Tensor] | None = None
     allowed_tensor: torch.Tensor | None = None
+    # The LoRA adapter its tokens run with (engine.lora.LoRARequest), None for the base model.
+    lora_request: object | None = None
 
     def __post_init__(self) -> None:
         if self.uses_penalties:
@@ -82,7 +90,8 @@ class SequenceState:
         state = cls(seq_id=new.seq_id, token_ids=list(new.token_ids), num_prompt_tokens=new.num_prompt_tokens,
                     num_computed_tokens=new.num_computed_tokens, block_ids=list(new.block_ids), params=new.params,
                     generator=generator, stop_token_ids=list(new.stop_token_ids),
-                    bad_words_token_ids=new.bad_words_token_ids, beam_candidates=new.beam_candidates)
+                    bad_words_token_ids=new.bad_words_token_ids, beam_candidates=new.beam_candidates,
+                    lora_request=new.lora_request)
         if torch.device(device).type != "cpu":   # copied once per request (from pinned memory), not every step
             if state.logit_bias_tensors is not None:
                 state.logit_bias_tensors = tuple(t.pin_memory().to(device, non_blocking=True)
@@ -135,6 +144,7 @@ class InputBatch:
         self.presence_penalty = np.zeros(max_num_seqs, dtype=np.float32)
         self.repetition_penalty = np.ones(max_num_seqs, dtype=np.float32)
         self.special = np.zeros(max_num_seqs, dtype=bool)
+        self.lora_int_id = np.zeros(max_num_seqs, dtype=np.int64)
 
     # -- the step's diff ------------------------------------------------------------------------------------
     def update(self, out: SchedulerOutput) -> None:
@@ -191,6 +201,7 @@ class InputBatch:
         self.presence_penalty[row] = p.presence_penalty
         self.repetition_penalty[row] = p.repetition_penalty
         self.special[row] = state.special
+        self.lora_int_id[row] = 0 if state.lora_request is None else state.lora_request.lora_int_id
 
     def append_sampled(self, seq_id: int, token_ids: list[int], *, at: int) -> None:
         """Tokens this worker sampled for `seq_id` when it had `at` tokens, appended as the core will append them:
@@ -243,7 +254,7 @@ class InputBatch:
         self.block_table[dst, :num_blocks] = self.block_table[src, :num_blocks]
         for array in (self.num_tokens, self.num_computed_tokens, self.num_prompt_tokens, self.temperature,
                       self.top_p, self.top_k, self.min_p, self.frequency_penalty, self.presence_penalty,
-                      self.repetition_penalty, self.special):
+                      self.repetition_penalty, self.special, self.lora_int_id):
             array[dst] = array[src]
 
     # -- reading ----------------------------------------------------------------------------------------------
@@ -258,3 +269,61 @@ def speculation_allowed(state: SequenceState, num_new_tokens: int = 0) -> bool:
     p = state.params
     return (not state.uses_penalties and not state.bad_words_token_ids and not state.beam_candidates
             and state.num_output_tokens + num_new_tokens >= p.min_tokens)
+
+
+class HostStaging:
+    """Pinned staging for host -> device copies on CUDA (see the module docstring); on CPU `to_device` is a view.
+
+    Call `next_step()` before a step's first copy: it switches arenas, waiting (normally not at all) until the
+    copies made from the arena two steps ago are done."""
+
+    ALIGN = 64
+
+    def __init__(self, device: torch.device, initial_bytes: int = 1 << 20):
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self._arenas: list[torch.Tensor | None] = [None, None]
+        self._events: list[object | None] = [None, None]
+        self._sizes = [initial_bytes, initial_bytes]
+        self._current = 0
+        self._offset = 0
+
+    def next_step(self) -> None:
+        if not self.pinned:
+            return
+        self._events[self._current] = _record_event()
+        self._current ^= 1
+        event = self._events[self._current]
+        if event is not None:
+            event.synchronize()   # the copies of two steps ago: long done
+        self._offset = 0
+
+    def to_device(self, array: np.ndarray) -> torch.Tensor:
+        """`array` on the device: a view on CPU; on CUDA a non-blocking copy out of this step's pinned arena."""
+        array = np.ascontiguousarray(array)
+        tensor = torch.from_numpy(array)
+        if not self.pinned:
+            return tensor
+        nbytes = array.nbytes
+        arena = self._arena(self._offset + nbytes)
+        staged = arena[self._offset:self._offset + nbytes].view(tensor.dtype).view(tensor.shape)
+        staged.copy_(tensor)
+        self._offset += -(-nbytes // self.ALIGN) * self.ALIGN
+        return staged.to(self.device, non_blocking=True)
+
+    def _arena(self, needed: int) -> torch.Tensor:
+        index = self._current
+        arena = self._arenas[index]
+        if arena is None or arena.numel() < needed:
+            size = max(self._sizes[index], 2 * needed)
+            if arena is not None:   # copies queued from the old arena must finish before it is freed
+                torch.cuda.current_stream(self.device).synchronize()
+            self._arenas[index] = arena = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            self._sizes[index] = size
+        return arena
+
+
+def _record_event():
+    event = torch.cuda.Event()
+    event.record()
+    return event

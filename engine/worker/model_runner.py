@@ -5,16 +5,8 @@ The runner packs all new tokens back to back (input ids, positions, cache slots)
 ``cu_seqlens_q`` / ``seq_lens`` / block tables, runs the model (whose attention layers call
 pagedkernels), and computes logits only for the last new token of each sequence.
 
-Pure-decode batches on CUDA replay CUDA graphs: a batch is padded up the ``graph_batch_sizes``
-ladder (1, 2, 4, 8, then steps of 16 up to ``max_num_seqs``), copied into static input buffers,
-and the graph captured for that size (on first use) replays on them. Padded rows write no K/V
-(slot -1) and attend to nothing (seq_len 0); their outputs are dropped. On CPU they replay CPU graphs
-of the native kernels (``pagedkernels.cpu_graph``) on a ladder of their own (``cpu_graph_batch_sizes``),
-each captured by the first step that needs it; the kernels of a CPU graph process just the batch's rows, not
-the padding (only the few torch operations between them do). Batches above the ladder, mixed batches and
-``enforce_eager`` run eagerly.
-The capture/replay mechanics sit behind a small graph-runner interface, so a CPU double
-(:class:`EagerGraphRunner`) exercises the padding, buffer reuse and replay logic in tests.
+Pure-decode batches replay decode graphs (CUDA graphs, or CPU graphs of the native kernels):
+engine/worker/decode_graphs.py, the runner's other half.
 
 The forward runs under ``torch.compile`` (inductor, dynamic token count, fullgraph) by default on CUDA
 unless ``enforce_eager``, eagerly on CPU, where the engine's own oneDNN linears and native kernels beat
@@ -23,6 +15,15 @@ inductor's code (SmolLM2 fp32, 48 requests, 2-core EPYC: 8.8 s eager, 16.4 s com
 ops and each attention layer is one (``engine::unified_attention``), so the graph holds them as opaque
 nodes; the decode graphs capture the compiled forward. A compilation that fails is logged and the
 runner goes on eagerly.
+
+Multi-LoRA (``enable_lora``, engine/lora): the model's decoder linears are wrapped in LoRA layers with
+``max_loras`` device slots (:class:`engine.lora.LoRAManager`). Each step the runner places the adapters the
+scheduler chose for it (``SchedulerOutput.lora_requests``) in the slots and writes every token's slot into the
+layers' :class:`~engine.lora.LoRABatch` buffers; an adapter that no longer loads fails its requests alone (their
+rows run without it, their outputs are dropped). A step none of whose tokens has an adapter skips the LoRA
+kernels. Decode graphs are keyed by (batch size, LoRA active): ``graphs`` without adapters, ``lora_graphs`` with
+them (the layers decide in Python, at capture, whether to launch the kernels); the slot buffers are static, so a
+replay reads the step's slots.
 """
 
 from __future__ import annotations
@@ -39,22 +40,25 @@ import torch
 
 import pagedkernels as pk
 from pagedkernels import _native as pk_native
-from pagedkernels.cpu_graph import CPUGraph, GraphCaptureError
+from pagedkernels.cpu_graph import CPUGraph
 from engine.config import EngineConfig, ModelConfig, kv_cache_torch_dtype
 from engine.worker import cpu_malloc
 from engine.distributed.communication import broadcast_tensor, min_over_ranks
 from engine.distributed.parallel_state import get_tp_world_size, num_kv_heads_per_rank
 from engine.layers.attention import Attention, AttentionMetadata, forward_context
 from engine.layers.quantization import process_weights_after_loading
+from engine.lora import LoRAManager, token_slots
 from engine.worker.loader import load_dummy_weights, load_model
 from engine.worker import memory as gpu_memory
 from engine.worker.memory import MemorySnapshot, check_free_memory, kv_cache_budget
 from engine.step_records import ModelRunnerOutput, PromptLogprobs, SampleLogprobs, SchedulerOutput
-from engine.worker.device_io import AsyncModelRunnerOutput, HostStaging, SampledIds
-from engine.worker.input_batch import InputBatch, speculation_allowed
+from engine.worker.decode_graphs import (CUDAGraphRunner, DecodeGraphs, EagerGraphRunner,  # noqa: F401 (re-exported)
+                                         cpu_graph_batch_sizes, graph_batch_sizes)
+from engine.worker.input_batch import HostStaging, InputBatch, speculation_allowed
 from engine.worker.ngram_proposer import propose_ngram
 from engine.worker.rejection_sampler import rejection_sample
-from engine.worker.sampler import (Penalties, SampledTensors, Sampler, SamplingMetadata, _gather_logprobs,
+from engine.worker.sampler import (AsyncModelRunnerOutput, Penalties, SampledIds, SampledTensors, Sampler,
+                                   SamplingMetadata, _gather_logprobs,
                                    banned_token_ids, process_logits, random_probs, sampler_dummy_run)
 from engine.platform import DevicePolicy
 from engine.models import get_model_class
@@ -73,61 +77,6 @@ class ForwardResult:
     greedy_ids: torch.Tensor | None = None
 
 
-class CUDAGraphRunner:
-    """One decode step captured as a CUDA graph: ``capture(fn)`` runs ``fn`` once (warm-up:
-    Triton compiles, allocator settles), then records it; ``replay()`` reruns the recorded kernels on
-    whatever the static buffers hold and returns the same output tensor(s) each time."""
-
-    def __init__(self, pool=None):
-        self.pool = pool
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.output: torch.Tensor | None = None
-
-    @staticmethod
-    def new_pool(device: torch.device):
-        """A memory pool the graphs of one runner share (the smaller ones reuse the largest's memory)."""
-        return torch.cuda.graph_pool_handle()
-
-    def capture(self, fn: Callable[[], torch.Tensor]) -> None:
-        fn()
-        torch.cuda.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=self.pool):
-            self.output = fn()
-        torch.cuda.synchronize()
-
-    def replay(self) -> torch.Tensor:
-        self.graph.replay()
-        return self.output
-
-
-class EagerGraphRunner:
-    """CPU stand-in for :class:`CUDAGraphRunner` with the same contract: ``capture`` records the
-    callable and its output buffer; ``replay`` calls it again on the static buffers and writes the
-    result into that same buffer."""
-
-    def __init__(self, pool=None):
-        self.fn: Callable[[], torch.Tensor] | None = None
-        self.output: torch.Tensor | None = None
-        self.num_replays = 0
-
-    @staticmethod
-    def new_pool(device: torch.device):
-        return None
-
-    def capture(self, fn: Callable[[], torch.Tensor]) -> None:
-        self.fn = fn
-        output = fn()
-        self.output = tuple(t.clone() for t in output) if isinstance(output, tuple) else output.clone()
-
-    def replay(self) -> torch.Tensor:
-        self.num_replays += 1
-        output = self.fn()
-        if isinstance(output, tuple):
-            return tuple(buffer.copy_(t) for buffer, t in zip(self.output, output))
-        return self.output.copy_(output)
-
-
 def _env_flag(name: str, default: bool) -> bool:
     """An engine switch from the environment: ``0`` / ``false`` turn it off, any other value on, unset or empty
     leaves ``default``."""
@@ -135,22 +84,7 @@ def _env_flag(name: str, default: bool) -> bool:
     return env not in ("0", "false", "False") if env else default
 
 
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """Padded decode batch sizes graphs are captured for: 1, 2, 4, 8, then multiples of 16 up to
-    ``max_num_seqs``."""
-    return [s for s in (1, 2, 4, 8) if s <= max_num_seqs] + list(range(16, max_num_seqs + 1, 16))
-
-
-def cpu_graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """Decode batch sizes CPU graphs are recorded for: 1, 2, 4, 8, then 1.5x and 4/3x steps (16, 24, 32, 48, 64,
-    96, 128, ...), and ``max_num_seqs``. A CPU graph replays a smaller batch over just its rows (see
-    :meth:`pagedkernels.cpu_graph.CPUGraph.capture`), so a step pays only the torch operations' padding rows
-    (an embedding lookup; oneDNN's linears past the 16-bit kernel's 64 rows), at most half the batch more."""
-    ladder = [1, 2, 4, 8] + [base << shift for shift in range(max_num_seqs.bit_length()) for base in (16, 24)]
-    return sorted({size for size in ladder if size < max_num_seqs} | {max_num_seqs})
-
-
-class ModelRunner:
+class ModelRunner(DecodeGraphs):
     """One rank's model, KV cache, persistent batch and sampler (see the module docstring).
 
     Test knobs: `graph_runner_class` (a CPU double of CUDA graphs), `compile_model` (None: the device policy),
@@ -215,6 +149,11 @@ class ModelRunner:
             self.memory.reset_peak_memory_stats()
         self.model = self._build_model()
         self._report_kv_scales(self.model, model_config.model_dir)
+        # Multi-LoRA: the decoder linears wrapped with their adapters' slots, before torch.compile sees the model.
+        self.lora = None
+        if engine_config.lora_config is not None:
+            self.lora = LoRAManager(self.model, engine_config.lora_config, dtype=self.dtype,
+                                    max_num_tokens=max(self.max_num_batched_tokens, max_num_seqs))
         # The forward every path calls: the module itself, or its torch.compile wrapper (compiled lazily per
         # input signature: mixed and decode batches, dynamic in the token count).
         self.forward = self.model
@@ -251,6 +190,7 @@ class ModelRunner:
         self.graph_batch_sizes = (cpu_graph_batch_sizes(max_num_seqs) if graph_runner_class is CPUGraph
                                   else graph_batch_sizes(max_num_seqs))
         self.graphs: dict[int, object] = {}  # padded batch size -> captured graph runner
+        self.lora_graphs: dict[int, object] = {}  # the same, for steps whose tokens run LoRA adapters
         if not self.enforce_eager:
             self._allocate_static_buffers()
             # On CUDA every graph of the ladder is captured now (largest first, so the smaller ones reuse its
@@ -382,6 +322,8 @@ class ModelRunner:
         positions = np.concatenate([np.arange(n) for n in lens])
         input_ids_t, positions_t, meta = self.build_inputs(np.zeros(num_tokens, dtype=np.int64), positions,
                                                            np.asarray(lens, dtype=np.int64), block_tables)
+        if self.lora is not None:   # the LoRA kernels' buffers count in the peak too
+            self.lora.prepare_batch(None, num_tokens, active=True)
         hidden_states = self._forward(input_ids_t, positions_t, meta)
         logits = self.model.compute_logits(hidden_states[self._to_device(np.cumsum(lens) - 1)])
         prompt_logits = self.model.compute_logits(hidden_states)
@@ -390,6 +332,8 @@ class ModelRunner:
         sampler_dummy_run(logits)
         del logits, prompt_logits, prompt_logprobs
         self._bind_kv_cache(None)
+        if self.lora is not None:
+            self.lora.prepare_batch(None)
 
     def _allocate_kv_cache(self) -> None:
         c = self.config
@@ -434,19 +378,6 @@ class ModelRunner:
             for layer in layers:
                 layer.decode_workspace = self.decode_workspace
 
-    def _allocate_static_buffers(self) -> None:
-        """Inputs of the captured decode graphs, sized for the largest padded batch; a graph for
-        batch size b reads the first b rows."""
-        size = self.graph_batch_sizes[-1]
-        device = self.device
-        self.static_input_ids = torch.zeros(size, dtype=torch.int64, device=device)
-        self.static_positions = torch.zeros(size, dtype=torch.int64, device=device)
-        self.static_slot_mapping = torch.full((size,), -1, dtype=torch.int64, device=device)
-        self.static_seq_lens = torch.zeros(size, dtype=torch.int32, device=device)
-        self.static_block_tables = torch.zeros(size, self.max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.static_cu_seqlens_q = torch.arange(size + 1, dtype=torch.int32, device=device)
-        self.graph_pool = self.graph_runner_class.new_pool(device)
-
     # -- per step ---------------------------------------------------------------------------------
 
     def build_inputs(self, input_ids: np.ndarray, positions: np.ndarray, query_lens: np.ndarray,
@@ -470,20 +401,32 @@ class ModelRunner:
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A host array as a tensor on the runner's device: a view on CPU; on CUDA an asynchronous copy out of
-        pinned memory (engine/worker/device_io.py HostStaging), which neither waits for the device nor lets the
+        pinned memory (engine/worker/input_batch.py HostStaging), which neither waits for the device nor lets the
         driver stage a pageable source first (the step profile on an H100 counted 11 cudaStreamSynchronize a
         decode step when these copies were plain)."""
         return self.staging.to_device(array)
 
     def _forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                        num_seqs: int) -> ForwardResult:
-        """The forward (see ForwardResult): a pure-decode batch within the ladder replays its graph."""
+                        num_seqs: int, lora_slots: np.ndarray | None = None) -> ForwardResult:
+        """The forward (see ForwardResult): a pure-decode batch within the ladder replays its graph. lora_slots:
+        int32 [num_tokens], each token's LoRA slot (-1: none), or None: no adapter in the step."""
         if meta.is_decode and not self.enforce_eager and num_seqs <= self.graph_batch_sizes[-1]:
-            output = self.run_decode_graph(input_ids, positions, meta)
+            output = self.run_decode_graph(input_ids, positions, meta, lora_slots)
             if isinstance(output, tuple):
                 return ForwardResult(logits=output[0], greedy_ids=output[1])
             return ForwardResult(hidden_states=output)
+        self._prepare_lora(lora_slots, input_ids.shape[0])
         return ForwardResult(hidden_states=self._forward(input_ids, positions, meta))
+
+    def _prepare_lora(self, lora_slots: np.ndarray | None, num_tokens: int) -> bool:
+        """The LoRA layers' slots for a forward of `num_tokens` rows (those past lora_slots padding); returns
+        whether the layers run their kernels (some token has an adapter). False without LoRA. On CUDA the slots
+        go through the pinned staging (a pageable copy would wait for the device)."""
+        if self.lora is None:
+            return False
+        active = lora_slots is not None and bool((lora_slots >= 0).any())
+        self.lora.prepare_batch(self._to_device(lora_slots) if active else None, num_tokens, active=active)
+        return active
 
     def _logits(self, forward: ForwardResult, index: np.ndarray | slice) -> torch.Tensor:
         """Logits [len(index), vocab] float32 of the step's tokens `index` (positions in the flattened batch)."""
@@ -548,7 +491,11 @@ class ModelRunner:
                                                            batch.block_table[model_rows, :width])
         if in_flight:   # those rows' input at that position is the id in flight: from the device
             self._feed_in_flight(pending, in_flight, model_rows, starts, cu, input_ids_t)
-        forward = self._forward_hidden(input_ids_t, positions_t, meta, num_seqs)
+        lora_failed: dict[int, str] = {}   # seq_id -> why its adapter is missing (its request fails)
+        lora_slots = None
+        if self.lora is not None and scheduler_output.lora_requests:
+            lora_slots = self._lora_token_slots(scheduler_output, model_rows, query_lens, lora_failed)
+        forward = self._forward_hidden(input_ids_t, positions_t, meta, num_seqs, lora_slots)
         if self.drafter is not None:
             self.drafter.run_target_step(input_ids_t, positions_t, meta)
         # The forward is queued: now the previous step's ids may come to the host (penalties, bad words, min_tokens
@@ -580,7 +527,7 @@ class ModelRunner:
                 plain, _, _ = self._split_sampling(scheduler_output, first_logit, num_drafts)
                 self._pending = SampledIds([batch.seq_ids[row] for row, _ in plain], self.device) if plain else None
             return None
-        output = ModelRunnerOutput()
+        output = ModelRunnerOutput(failed=dict(lora_failed))
         for i, row in prompt_rows:
             try:
                 output.prompt_logprobs[batch.seq_ids[row]] = self._prompt_logprobs(
@@ -597,6 +544,10 @@ class ModelRunner:
         if forward.greedy_ids is not None and len(logits_index):
             greedy_ids = forward.greedy_ids[self._to_device(np.asarray(logits_index, dtype=np.int64))]
         sampled = self._sample(scheduler_output, logits, first_logit, num_drafts, output, greedy_ids)
+        for seq_id in lora_failed:   # sampled from rows computed without their adapter: dropped
+            for results in (output.sampled_token_ids, output.logprobs, output.beam_candidates,
+                            output.num_accepted_tokens, output.prompt_logprobs, output.spec_token_ids):
+                results.pop(seq_id, None)
         if sampled is not None and self.async_scheduling:
             sampled.start_copy()
             self._pending = sampled
@@ -604,6 +555,46 @@ class ModelRunner:
         for seq_id, token_ids in output.sampled_token_ids.items():   # the worker's own tokens, as the core's
             batch.append_sampled(seq_id, token_ids, at=len(batch.states[seq_id].token_ids))
         return output
+
+    def _lora_token_slots(self, scheduler_output: SchedulerOutput, model_rows: np.ndarray, query_lens: np.ndarray,
+                          failed: dict[int, str]) -> np.ndarray:
+        """int32 [num_tokens]: the LoRA slot of each token of the step (-1: the base model), after placing the
+        step's adapters (scheduler_output.lora_requests) in the device slots. An adapter that fails to load (its
+        directory changed since its requests were accepted) leaves its rows on the base model and their sequences
+        in `failed` (seq_id -> message naming lora_request): the core fails those requests alone."""
+        missing: dict[int, str] = {}
+        slot_of = self.lora.set_active_adapters(
+            list(scheduler_output.lora_requests.values()),
+            on_error=lambda request, error: missing.__setitem__(request.lora_int_id, f"lora_request: {error}"))
+        batch = self.input_batch
+        lora_ids = batch.lora_int_id[model_rows]
+        row_slots = np.full(len(model_rows), -1, dtype=np.int32)
+        for lora_int_id, slot in slot_of.items():
+            row_slots[lora_ids == lora_int_id] = slot
+        for lora_int_id, message in missing.items():
+            for row in model_rows[lora_ids == lora_int_id].tolist():
+                failed[batch.seq_ids[row]] = message
+        return token_slots(row_slots, query_lens)
+
+    # -- adapters (the executor's add_lora / remove_lora, between steps) ----------------------------------------
+
+    def add_lora(self, lora_request) -> bool:
+        """Load an adapter into the host cache (ValueError for a bad one); returns whether it was read."""
+        if self.lora is None:
+            raise ValueError("this engine was started without LoRA (enable_lora=True)")
+        return self.lora.add_adapter(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter from the host cache and its device slot (between steps: no batch holds it now; a step
+        that needs it again loads it again). Returns whether it was loaded."""
+        if self.lora is None:
+            return False
+        self.lora.unpin()
+        return self.lora.remove_adapter(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        """The ids of the adapters in the host cache, least recently used first."""
+        return [] if self.lora is None else [r.lora_int_id for r in self.lora.list_adapters()]
 
     def _core_token_counts(self, scheduler_output: SchedulerOutput) -> dict[int, int]:
         """row -> how many tokens the core has of the sequence in that row (this step's diff tells: all of a new
@@ -969,79 +960,6 @@ class ModelRunner:
             self.forward, self.compiled = self.model, False
             return self.model(input_ids, positions, meta)
 
-    def run_decode_graph(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                         meta: AttentionMetadata) -> torch.Tensor:
-        """A pure-decode batch of n sequences through the graph of the smallest ladder size b >= n:
-        inputs copied into the static buffers' first n rows, rows n..b padding (input id 0 at
-        position 0, slot -1: no K/V written, seq_len 0: no key read). Returns the final hidden
-        states ``[n, hidden_size]``, or with ``step_graphs`` (logits ``[n, vocab]``, greedy ids ``[n]``): views
-        of the graph's output buffers, valid until the next replay."""
-        num_seqs = input_ids.shape[0]
-        batch_size = next(size for size in self.graph_batch_sizes if size >= num_seqs)
-        self.static_input_ids[:num_seqs].copy_(input_ids)
-        self.static_input_ids[num_seqs:batch_size].zero_()
-        self.static_positions[:num_seqs].copy_(positions)
-        self.static_positions[num_seqs:batch_size].zero_()
-        self.static_slot_mapping[:num_seqs].copy_(meta.slot_mapping)
-        self.static_slot_mapping[num_seqs:batch_size].fill_(-1)
-        self.static_seq_lens[:num_seqs].copy_(meta.seq_lens)
-        self.static_seq_lens[num_seqs:batch_size].zero_()
-        # Columns past a sequence's last block keep stale ids: never read (its seq_len bounds them).
-        self.static_block_tables[:num_seqs, :meta.block_tables.shape[1]].copy_(meta.block_tables)
-        runner = self.graphs.get(batch_size)
-        if runner is None:
-            try:
-                runner, output = self._capture_decode_graph(batch_size)
-                self.graphs[batch_size] = runner
-                every_size = list(range(1, self.graph_batch_sizes[-1] + 1))
-                if isinstance(runner, CPUGraph) and not runner.resizable and self.graph_batch_sizes != every_size:
-                    logger.info("this model's CPU graphs cannot replay fewer rows than they recorded: one graph "
-                                "per decode batch size from now on")
-                    self.graph_batch_sizes = every_size
-                if output is not None:   # a CPU graph's recording run was this step's forward
-                    return _rows(output, num_seqs)
-            except GraphCaptureError as error:
-                # This model's decode step cannot be a CPU graph (it computes outside the native kernels in a
-                # way a replay cannot follow): decode eagerly from now on, as enforce_eager would.
-                logger.warning("decode graphs are off for this model: %s", error)
-                self.enforce_eager = True
-                return self._forward(input_ids, positions, meta)
-        if isinstance(runner, CPUGraph):
-            return _rows(runner.replay(num_seqs), num_seqs)
-        return _rows(runner.replay(), num_seqs)
-
-    def capture_all_graphs(self) -> None:
-        """Capture the decode graph of every ladder size not captured yet, largest first. The static buffers hold
-        padding rows (slot -1, seq_len 0) while capturing: nothing is written to or read from the KV cache."""
-        start = time.perf_counter()
-        with torch.inference_mode():
-            for batch_size in reversed(self.graph_batch_sizes):
-                if batch_size not in self.graphs:
-                    self.graphs[batch_size] = self._capture_decode_graph(batch_size)[0]
-        logger.info("captured %d decode graphs (batch sizes %s) in %.1f s", len(self.graph_batch_sizes),
-                    self.graph_batch_sizes, time.perf_counter() - start)
-
-    def _capture_decode_graph(self, batch_size: int) -> tuple[object, torch.Tensor | None]:
-        """The graph runner of `batch_size`, captured on the static buffers, and the output of its capture's
-        forward on them when that is this step's result (a CPU graph's), else None."""
-        meta = AttentionMetadata(slot_mapping=self.static_slot_mapping[:batch_size],
-                                 block_tables=self.static_block_tables[:batch_size],
-                                 seq_lens=self.static_seq_lens[:batch_size],
-                                 cu_seqlens_q=self.static_cu_seqlens_q[:batch_size + 1], is_decode=True)
-        input_ids, positions = self.static_input_ids[:batch_size], self.static_positions[:batch_size]
-        runner = self.graph_runner_class(self.graph_pool)
-        forward = lambda: self._forward(input_ids, positions, meta)  # noqa: E731
-        if self.step_graphs:
-            forward = lambda: _logits_and_greedy(self.model.compute_logits(  # noqa: E731
-                self._forward(input_ids, positions, meta)))
-        if isinstance(runner, CPUGraph):
-            # The first CPU graph warms up and checks its replay against the recorded run; the others record
-            # the same forward at another size, and their recording run serves the step that needed them.
-            first = not self.graphs
-            return runner, runner.capture(forward, warm_up=first, check=first, rows=batch_size)
-        runner.capture(forward)
-        return runner, None
-
     def copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks ``src -> dst`` in every layer (copy-on-write)."""
         if not mapping:
@@ -1050,18 +968,6 @@ class ModelRunner:
         pk.copy_blocks(self.key_caches, self.value_caches, block_mapping)
         if self.drafter is not None:   # the draft model's cache mirrors the blocks of the model's
             pk.copy_blocks(self.drafter.key_caches, self.drafter.value_caches, block_mapping)
-
-
-def _rows(output, num_rows: int):
-    """The first `num_rows` rows of a graph's output (a tensor, or a tuple of them)."""
-    if isinstance(output, tuple):
-        return tuple(t[:num_rows] for t in output)
-    return output[:num_rows]
-
-
-def _logits_and_greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits, their greedy ids), NaN counted as -inf and +inf as the largest float, as the sampler counts them."""
-    return logits, logits.nan_to_num(nan=float("-inf"), posinf=torch.finfo(logits.dtype).max).argmax(dim=-1)
 
 
 def _plain_greedy(meta: SamplingMetadata) -> bool:

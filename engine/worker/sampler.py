@@ -21,10 +21,21 @@ probability exceeds it. A seeded request draws its number from its own torch.Gen
 depend on what else is in the batch; the other rows draw from the sampler's generator (seeded from LLM(seed)).
 One number per row (instead of one per vocabulary entry, as in the exponential race argmax(probs / q)) keeps
 the random draws off the CPU profile.
+
+The draws stay on the device (`Sampler.sample` -> `SampledTensors`); `SampledIds` holds a step's plain-sampled rows
+until the host reads them: a copy to pinned host memory is queued behind the sampler and read when the values are
+wanted (at once without async scheduling, one step later with it, when the next step's inputs also take the ids
+from the device: `scatter_into`), and `AsyncModelRunnerOutput` is a step's output whose ids are filled in by
+`get_output()`, the engine core's one deliberate wait. On CPU the ids are read where they are.
 """
+from __future__ import annotations
+
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from engine.step_records import ModelRunnerOutput, SampleLogprobs
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 # Repetition penalties are clamped to this range so that 1 / penalty stays finite in float32.
@@ -745,3 +756,101 @@ def _gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor,
                      num_logprobs: list[int | None]) -> SamplerOutput:
     """pack_logprobs and unpack_logprobs at once (the values read back now)."""
     return unpack_logprobs(pack_logprobs(raw_logprobs, sampled, num_logprobs).tolist(), num_logprobs)
+
+
+# -- the draws on their way to the host --------------------------------------------------------------------------------
+
+def _record_event():
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+class SampledIds:
+    """The plain-sampled rows of one step, in order: `seq_ids` and their ids on the device (`ids`, int64), with the
+    packed logprobs of the rows that asked (SampledTensors). `start_copy()` queues the copy to the host;
+    `resolve()` waits for it (if it has not landed) and returns {seq_id: SampleLogprobs or None} after filling
+    `values`. Failed rows (sampling raised for them alone) are named in `failed`: their ids are 0 and unused."""
+
+    def __init__(self, seq_ids: list[int], device: torch.device, host_lengths: list[int] | None = None):
+        self.seq_ids = seq_ids
+        self.position = {seq_id: j for j, seq_id in enumerate(seq_ids)}
+        # seq_id -> its token count on the host when it sampled (where its id goes; rank 0, which samples).
+        self.host_lengths = dict(zip(seq_ids, host_lengths or ()))
+        self.ids = torch.zeros(len(seq_ids), dtype=torch.int64, device=device)
+        self.parts: list[tuple[int, SampledTensors]] = []   # (first position, what one sampling call drew)
+        self.failed: set[int] = set()
+        self.values: list[int] | None = None
+        self.logprobs: dict[int, SampleLogprobs] = {}
+        self._host = None
+        self._event = None
+
+    def add(self, start: int, drawn: SampledTensors) -> None:
+        """What one sampling call drew for positions start.. (the whole batch, or one row after a failure)."""
+        self.ids[start:start + drawn.sampled_token_ids.shape[0]] = drawn.sampled_token_ids
+        self.parts.append((start, drawn))
+
+    def start_copy(self) -> None:
+        """Queue the copy of the ids (and logprobs) to pinned host memory behind the sampler (CUDA); on CPU the
+        values are where they are."""
+        if self.ids.device.type != "cuda":
+            return
+        tensors = [self.ids] + [drawn.packed_logprobs for _, drawn in self.parts if drawn.packed_logprobs is not None]
+        self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for host, tensor in zip(self._host, tensors):
+            host.copy_(tensor, non_blocking=True)
+        self._event = _record_event()
+
+    def resolve(self) -> None:
+        """The values on the host (waiting for the copy if it has not landed yet: the one deliberate wait)."""
+        if self.values is not None:
+            return
+        if self._event is not None:
+            self._event.synchronize()
+            ids, packed = self._host[0], iter(self._host[1:])
+        else:
+            ids, packed = self.ids, iter(drawn.packed_logprobs for _, drawn in self.parts
+                                         if drawn.packed_logprobs is not None)
+        self.values = ids.tolist()
+        for start, drawn in self.parts:
+            if drawn.packed_logprobs is None:
+                continue
+            rows = drawn.to_lists(self.values[start:start + drawn.sampled_token_ids.shape[0]], next(packed).tolist())
+            for j, lp in enumerate(rows.sampled_logprobs):
+                if lp is not None:
+                    self.logprobs[self.seq_ids[start + j]] = SampleLogprobs(
+                        [lp], [rows.sampled_ranks[j]], [rows.topk_token_ids[j]], [rows.topk_logprobs[j]])
+
+    def tokens(self) -> dict[int, list[int]]:
+        """{seq_id: [its sampled id]} of the rows that did not fail (after resolve())."""
+        return {seq_id: [self.values[j]] for j, seq_id in enumerate(self.seq_ids) if seq_id not in self.failed}
+
+    def fill(self, output: ModelRunnerOutput) -> None:
+        """Put the resolved values into `output` (sampled ids and logprobs)."""
+        self.resolve()
+        output.sampled_token_ids.update(self.tokens())
+        for seq_id, logprobs in self.logprobs.items():
+            if seq_id not in self.failed:
+                output.logprobs[seq_id] = logprobs
+
+    def scatter_into(self, input_ids: torch.Tensor, token_index: list[int], seq_ids: list[int],
+                     to_device) -> None:
+        """input_ids[token_index[i]] = the id sampled for seq_ids[i], on the device (no value read)."""
+        if not token_index:
+            return
+        src = to_device(np.asarray([self.position[s] for s in seq_ids], dtype=np.int64))
+        dst = to_device(np.asarray(token_index, dtype=np.int64))
+        input_ids.index_copy_(0, dst, self.ids.index_select(0, src))
+
+
+class AsyncModelRunnerOutput:
+    """A step's output whose plain-sampled ids are still on their way to the host (async scheduling)."""
+
+    def __init__(self, output: ModelRunnerOutput, sampled: SampledIds):
+        self._output = output
+        self._sampled = sampled
+
+    def get_output(self) -> ModelRunnerOutput:
+        """The complete ModelRunnerOutput (waits for the ids' copy if it has not landed)."""
+        self._sampled.fill(self._output)
+        return self._output

@@ -43,3 +43,23 @@ def tiny_arch(request) -> str:
     """Parametrizes a test over the tiny architectures (``TINY_ARCHITECTURES``)."""
     return request.param
 
+
+
+@pytest.fixture(scope="session")
+def peft_adapters(tiny_model_dir, tmp_path_factory):
+    """Factory: ``peft_adapters(arch, names)`` -> {name: directory} of tests/engine/lora_util.py's ADAPTERS for
+    that tiny model, made with PEFT once per session (needs peft)."""
+    pytest.importorskip("peft", reason="the LoRA oracle is PEFT (pip install peft, the dev extra)")
+    from tests.engine.lora_util import ADAPTERS, make_peft_adapter
+
+    made: dict[tuple[str, str], str] = {}
+
+    def get(arch: str, names) -> dict[str, str]:
+        for name in names:
+            if (arch, name) not in made:
+                out = str(tmp_path_factory.mktemp(f"lora-{arch}-{name}"))
+                made[(arch, name)] = make_peft_adapter(tiny_model_dir(arch), out, seed=len(made) + 1,
+                                                       **ADAPTERS[name])
+        return {name: made[(arch, name)] for name in names}
+
+    return get

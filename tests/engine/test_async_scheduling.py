@@ -1,7 +1,7 @@
 """Async scheduling (engine/core/engine_core.py, vLLM's async_scheduling) with the same scheduler, core and runner code
 the CUDA engine runs, here on the CPU: the core schedules and launches step N+1 before it reads step N's sampled
 ids, each sampling sequence holding a placeholder (engine/core/scheduler.py), and the runner feeds a token still in
-flight to the next forward from the device tensor it sampled into (engine/worker/device_io.py). What must hold:
+flight to the next forward from the device tensor it sampled into (engine/worker/sampler.py SampledIds). What must hold:
 
 - the pipeline really runs one step ahead (the order of launches and reads is checked, not assumed);
 - the outputs are those of the engine without it (greedy, and seeded sampling), whatever the request asks for:
@@ -19,7 +19,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.core.beam_search import BeamSearchParams
 from engine.sampling_params import GuidedDecodingParams
-from engine.worker.device_io import AsyncModelRunnerOutput
+from engine.worker.sampler import AsyncModelRunnerOutput
 from tests.engine.models_util import random_token_ids
 
 

@@ -197,7 +197,7 @@ def test_cpu_graphs_that_cannot_replay_fewer_rows_get_one_per_batch_size(tiny_mo
     monkeypatch.setattr(CPUGraph, "_replays_fewer_rows", lambda self, output: False)
     eager = make_runner(model_dir, enforce_eager=True)
     graphed = make_runner(model_dir, enforce_eager=False)
-    with caplog.at_level("INFO", logger="engine.worker.model_runner"):
+    with caplog.at_level("INFO", logger="engine.worker.decode_graphs"):
         got = _run(graphed, _sequences(graphed.config.vocab_size))
     for a, b in zip(got, _run(eager, _sequences(eager.config.vocab_size))):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
@@ -221,7 +221,7 @@ def test_a_forward_a_cpu_graph_cannot_follow_runs_eagerly(tiny_model_dir, caplog
         return model_forward(input_ids, positions, meta)
 
     graphed.model.forward = reads_a_value
-    with caplog.at_level("WARNING", logger="engine.worker.model_runner"):
+    with caplog.at_level("WARNING", logger="engine.worker.decode_graphs"):
         got = _run(graphed, _sequences(graphed.config.vocab_size))
     assert graphed.enforce_eager and graphed.graphs == {}
     assert sum("decode graphs are off" in r.getMessage() for r in caplog.records) == 1

@@ -2,7 +2,7 @@
 honours skip_special_tokens; stop strings found across token boundaries and cut."""
 import pytest
 
-from engine.core.detokenizer import Detokenizer, check_stop_strings
+from engine.core.output_processor import Detokenizer, check_stop_strings
 from engine.sampling_params import SamplingParams
 from engine.core.output_processor import _Completion
 from tests.engine.models_util import make_tokenizer

@@ -205,7 +205,7 @@ def test_async_steps_queue_without_waiting_for_the_device(tiny_model_dir, monkey
     ids from the device, queue everything without one host sync or pageable copy (no_host_sync); the only read is
     the deliberate one of the previous step's ids, one step late (SampledIds.resolve, stood in for here: a fake
     device holds no values)."""
-    from engine.worker.device_io import AsyncModelRunnerOutput, SampledIds
+    from engine.worker.sampler import AsyncModelRunnerOutput, SampledIds
     from tests.engine.fake_cuda import no_host_sync
 
     model_dir = tiny_model_dir("llama")

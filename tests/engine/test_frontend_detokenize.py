@@ -15,8 +15,8 @@ import msgpack
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.core.core_io import EngineCoreOutput, EngineCoreRequest
-from engine.core.detokenizer import Detokenizer
+from engine.step_records import EngineCoreOutput, EngineCoreRequest
+from engine.core.output_processor import Detokenizer
 from engine.core.output_processor import OutputProcessor
 from tests.engine.models_util import random_token_ids
 

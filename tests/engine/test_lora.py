@@ -3,8 +3,7 @@
 The model-level test runs the engine's model (its weights from the tiny checkpoints, the LoRA layers wrapped
 around its projections) on one prefill batch whose sequences use four different adapters and the base model, and
 compares every position's log-probabilities with transformers running ``PeftModel.merge_and_unload()`` of each
-adapter on its sequence alone. The adapters differ in what PEFT lets them differ in: rank (4 to 16 in a rank-16
-stack), lora_alpha, rslora, rank_pattern / alpha_pattern, target subsets. The rest: loading errors (each a
+adapter on its sequence alone (the adapters: tests/engine/lora_util.py ADAPTERS). The rest: loading errors (each a
 ValueError naming the problem, leaving the caches as they were), the caches' LRU order and pinning, the batch
 buffers, tensor-parallel shards (TP=2 ranks built in one process with ``planned_layout``, their partial outputs
 combined as the collectives would, against TP=1).
@@ -12,9 +11,6 @@ combined as the collectives would, against TP=1).
 
 from __future__ import annotations
 
-import copy
-import functools
-import json
 import math
 import os
 
@@ -32,52 +28,8 @@ from engine.lora import (LoRABatch, LoRAConfig, LoRALinear, LoRAManager, LoRAReq
                          token_slots)
 from engine.models import get_model_class, load_model_config  # noqa: E402
 from engine.worker.loader import load_model  # noqa: E402
-from tests.engine.models_util import load_hf_model, random_token_ids  # noqa: E402
-
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# name: LoraConfig options (r, lora_alpha, target_modules, use_rslora, rank_pattern, alpha_pattern)
-ADAPTERS = {
-    "all-r8": dict(r=8, lora_alpha=16, target_modules=TARGETS),
-    "qv-down-rslora-r16": dict(r=16, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], use_rslora=True),
-    "patterns-r4": dict(r=4, lora_alpha=4, target_modules=TARGETS, rank_pattern={"down_proj": 12},
-                        alpha_pattern={"q_proj": 32}),
-    "mlp-o-r16": dict(r=16, lora_alpha=32, target_modules=["gate_proj", "up_proj", "o_proj"]),
-}
-
-
-@functools.lru_cache(maxsize=None)
-def hf_base(model_dir: str):
-    """transformers' model of ``model_dir`` (loaded once; PEFT gets deep copies, as it changes what it wraps)."""
-    return load_hf_model(model_dir)
-
-
-def make_peft_adapter(model_dir: str, out_dir: str, *, seed: int, **options) -> str:
-    """A PEFT LoRA adapter of ``model_dir`` with random A and B (sized so that its delta moves the logits by
-    about as much as the base weights make them), saved as PEFT saves it; returns ``out_dir``."""
-    from peft import LoraConfig, get_peft_model
-
-    model = get_peft_model(copy.deepcopy(hf_base(model_dir)), LoraConfig(init_lora_weights=False, **options))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_A" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) / param.shape[1] ** 0.5)
-            elif "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.5 / param.shape[1] ** 0.5)
-    model.save_pretrained(out_dir)
-    return out_dir
-
-
-def peft_merged_log_probs(model_dir: str, adapter_dir: str | None, token_ids: list[int]) -> torch.Tensor:
-    """float32 log-softmax at every position of transformers' model with the adapter merged by PEFT (or none)."""
-    from peft import PeftModel
-
-    model = hf_base(model_dir)
-    if adapter_dir is not None:
-        model = PeftModel.from_pretrained(copy.deepcopy(model), adapter_dir).merge_and_unload()
-    with torch.inference_mode():
-        logits = model(torch.tensor([token_ids])).logits[0]
-    return torch.log_softmax(logits.float(), dim=-1)
+from tests.engine.lora_util import ADAPTERS, lora_pair, peft_merged_log_probs, write_adapter  # noqa: E402
+from tests.engine.models_util import random_token_ids  # noqa: E402
 
 
 def engine_model(model_dir: str):
@@ -123,22 +75,6 @@ def prefill_log_probs(model, sequences: list[list[int]], block_size: int = 16) -
         return list(torch.log_softmax(model.compute_logits(hidden).float(), dim=-1).split(lens))
 
 
-@pytest.fixture(scope="module")
-def peft_adapters(tiny_model_dir, tmp_path_factory):
-    """Factory: ``peft_adapters(arch, names)`` -> {name: directory} of the ADAPTERS for that tiny model."""
-    made: dict[tuple[str, str], str] = {}
-
-    def get(arch: str, names) -> dict[str, str]:
-        for name in names:
-            if (arch, name) not in made:
-                out = str(tmp_path_factory.mktemp(f"lora-{arch}-{name}"))
-                made[(arch, name)] = make_peft_adapter(tiny_model_dir(arch), out, seed=len(made) + 1,
-                                                       **ADAPTERS[name])
-        return {name: made[(arch, name)] for name in names}
-
-    return get
-
-
 # ---------------------------------------------------------------------------------------------
 # against PEFT
 # ---------------------------------------------------------------------------------------------
@@ -181,24 +117,6 @@ def test_mixed_adapter_batch_matches_peft_merged_models(arch, names, tiny_model_
 # ---------------------------------------------------------------------------------------------
 # loading errors
 # ---------------------------------------------------------------------------------------------
-
-def write_adapter(path, tensors: dict[str, torch.Tensor], **config) -> str:
-    """An adapter directory as PEFT writes it, from raw tensors and adapter_config.json fields."""
-    from safetensors.torch import save_file
-
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump({"peft_type": "LORA", "r": 8, "lora_alpha": 8, "bias": "none", **config}, f)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "adapter_model.safetensors"))
-    return str(path)
-
-
-def lora_pair(module: str, rank: int, in_features: int, out_features: int, seed: int = 0) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    prefix = f"base_model.model.{module}"
-    return {f"{prefix}.lora_A.weight": torch.randn(rank, in_features, generator=gen) / in_features ** 0.5,
-            f"{prefix}.lora_B.weight": torch.randn(out_features, rank, generator=gen) / rank ** 0.5}
-
 
 @pytest.fixture(scope="module")
 def llama_manager(tiny_model_dir):

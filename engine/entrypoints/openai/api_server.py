@@ -8,6 +8,9 @@ unknown model or route, 408 for headers or a body that do not arrive in time, 41
 the server takes, 500 for a request the engine failed (the engine goes on serving the others), 503 for a
 connection past --limit-concurrency and for a request the shutdown ended (in-band for a stream).
 
+LoRA adapters (engine/entrypoints/openai/lora.py): --lora-modules adapters are models of their own names; with
+VLLM_ALLOW_RUNTIME_LORA_UPDATING=True also POST /v1/load_lora_adapter and /v1/unload_lora_adapter.
+
 Production limits of `serve` (each a flag): --shutdown-timeout (DrainingServer), --request-header-timeout and
 --limit-concurrency (http_limits.py, below the app), --request-body-timeout (parse_body).
 
@@ -31,6 +34,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import AsyncLLMEngine, EngineDeadError
+from engine.entrypoints.openai.lora import add_lora_routes, parse_lora_modules
+from engine.entrypoints.openai.lora import runtime_updating_allowed as runtime_lora_updating_allowed
 from engine.entrypoints.openai.metrics import metrics_model_name, ServerMetrics
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from engine.entrypoints.openai.serving import json_safe, MAX_CHARS_PER_TOKEN, OpenAIError, OpenAIServing
@@ -197,7 +202,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key:
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
               reasoning_parser: str | None = None, special_tokens_in_messages: str = "escape",
               request_body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S,
-              on_ready: Callable[[], None] | None = None) -> FastAPI:
+              on_ready: Callable[[], None] | None = None, lora_modules: list | None = None,
+              api_server_count: int = 1) -> FastAPI:
     """The server app around a (not yet started) AsyncLLMEngine; the step loop starts with the app, and
     on_ready is called once its start-up is done (the engine started, the chat-template workers imported).
 
@@ -207,12 +213,15 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key:
     "llama3_json"): tool_choice "auto" parses tool calls from the output. reasoning_parser ("qwen3",
     "deepseek_r1"): <think> text goes to reasoning_content. special_tokens_in_messages ("escape", "reject",
     "allow"): what special-token text in user and tool message content becomes (OpenAIServing._guard_special_tokens).
-    request_body_timeout_s: a body must arrive within this long (408 otherwise; None: no limit)."""
+    request_body_timeout_s: a body must arrive within this long (408 otherwise; None: no limit). lora_modules:
+    LoRARequests served as models of their names (--lora-modules); api_server_count: the API server processes in
+    front of the engine (runtime adapter loading needs one)."""
     serving = OpenAIServing(engine, served_model_names, chat_template=chat_template,
                             trust_request_chat_template=trust_request_chat_template,
                             enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
                             reasoning_parser=reasoning_parser,
-                            special_tokens_in_messages=special_tokens_in_messages)
+                            special_tokens_in_messages=special_tokens_in_messages, lora_modules=lora_modules,
+                            api_server_count=api_server_count)
     metrics = ServerMetrics(metrics_model_name(served_model_names[0]))
     body_limit = max_body_bytes(engine.max_model_len)
     metrics.attach(engine)
@@ -299,6 +308,10 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key:
         return _respond(await _cancel_on_disconnect(raw_request, serving.create_chat_completion(request)))
 
     app.openapi = _openapi_with_request_models(app, [CompletionRequest, ChatCompletionRequest])
+
+    if runtime_lora_updating_allowed():
+        add_lora_routes(app, serving, lambda raw_request: parse_body(raw_request, None, body_limit,
+                                                                     request_body_timeout_s))
 
     @app.post("/tokenize")
     async def tokenize(raw_request: Request):
@@ -487,7 +500,9 @@ def _frontend_app(args, address: str, info: dict, on_ready: Callable[[], None] |
                     enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
                     reasoning_parser=args.reasoning_parser,
                     special_tokens_in_messages=args.special_tokens_in_messages,
-                    request_body_timeout_s=args.request_body_timeout or None, on_ready=on_ready)
+                    request_body_timeout_s=args.request_body_timeout or None, on_ready=on_ready,
+                    lora_modules=parse_lora_modules(getattr(args, "lora_modules", None)),
+                    api_server_count=getattr(args, "api_server_count", 1))
     return engine, app
 
 
@@ -566,6 +581,7 @@ def run_server(args) -> None:
     either way."""
     import signal
 
+    from engine.entrypoints.openai.lora import check_lora_modules
     from engine.mp_engine import start_engine_core
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
@@ -583,6 +599,7 @@ def run_server(args) -> None:
     load_chat_template(args.chat_template)   # a bad template is refused before the model loads
     engine_args = serve_engine_args(args)
     name = served_model_name(args)
+    check_lora_modules(engine_args, parse_lora_modules(getattr(args, "lora_modules", None)), name)
     # Bind before the engine starts (a port in use fails fast), announce once connections are accepted.
     sock = _listen_socket(args.host, args.port, reuse_port=count > 1)
     port = sock.getsockname()[1]

@@ -25,6 +25,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from engine.async_engine import AsyncLLMEngine, StreamInterruptedError
+from engine.entrypoints.openai.lora import lora_int_id
+from engine.lora import LoRARequest
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from engine.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from engine.entrypoints.openai.tool_parsers import (ToolCall, get_tool_parser, named_tool_schema,
@@ -92,6 +94,7 @@ class _Prepared:
     params: SamplingParams
     prompts: list[tuple[str | None, list[int]]]
     renames: dict[str, str] = field(default_factory=dict)
+    lora_request: LoRARequest | None = None   # the adapter the request's model field names
     streams: list[AsyncIterator[RequestOutput]] = field(default_factory=list)
     firsts: list[RequestOutput] = field(default_factory=list)
 
@@ -149,7 +152,8 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], *, chat_template: str | None = None,
                  trust_request_chat_template: bool = False, enable_auto_tool_choice: bool = False,
                  tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                 special_tokens_in_messages: str = "escape"):
+                 special_tokens_in_messages: str = "escape", lora_modules: list[LoRARequest] | None = None,
+                 api_server_count: int = 1):
         if enable_auto_tool_choice and tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
         if special_tokens_in_messages not in SPECIAL_TOKEN_MODES:
@@ -164,23 +168,80 @@ class OpenAIServing:
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.tool_call_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
         self.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
+        # LoRA adapters served as models of their own names (engine/entrypoints/openai/lora.py).
+        self.lora_requests: dict[str, LoRARequest] = {m.lora_name: m for m in lora_modules or ()}
+        self.api_server_count = api_server_count
+        self._lora_loads = 0   # adapters loaded at run time (each gets its own lora_int_id)
 
     # -- shared -------------------------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
+        if model is not None and model not in self.served_model_names and model not in self.lora_requests:
             raise OpenAIError(404, f"The model `{model}` does not exist.", type="not_found_error", param="model",
                               code="model_not_found")
 
     def model_card(self, name: str) -> dict:
+        lora = self.lora_requests.get(name)
+        if lora is not None:   # vLLM's card of an adapter: its directory as root, the base model as parent
+            return {"id": name, "object": "model", "created": 0, "owned_by": "engine", "root": lora.lora_path,
+                    "parent": lora.base_model_name or self.served_model_names[0],
+                    "max_model_len": self.engine.max_model_len}
         return {"id": name, "object": "model", "created": 0, "owned_by": "engine", "root": name,
                 "max_model_len": self.engine.max_model_len}
 
     def models(self) -> dict:
-        return {"object": "list", "data": [self.model_card(name) for name in self.served_model_names]}
+        return {"object": "list", "data": [self.model_card(name) for name in [*self.served_model_names,
+                                                                                *self.lora_requests]]}
 
     def model(self, model_id: str) -> dict:
         self.check_model(model_id)
         return self.model_card(model_id)
+
+    def lora_request(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's model field names (None: the base model)."""
+        return None if model is None else self.lora_requests.get(model)
+
+    # -- /v1/load_lora_adapter, /v1/unload_lora_adapter (vLLM's; engine/entrypoints/openai/lora.py) ---------
+    def _check_runtime_lora(self) -> None:
+        if not self.engine.engine.input_processor.enable_lora:
+            raise bad_request("LoRA is not enabled on this server (serve --enable-lora)")
+        if self.api_server_count > 1:
+            raise bad_request(f"adapters cannot be loaded or unloaded at run time with --api-server-count "
+                              f"{self.api_server_count}: each API server process keeps its own adapter names (give "
+                              f"them with --lora-modules)")
+
+    async def load_lora_adapter(self, body: dict) -> str:
+        """{"lora_name", "lora_path"}: load the adapter in the engine (400 naming lora_path when it does not
+        load), then serve it under lora_name."""
+        self._check_runtime_lora()
+        name, path = body.get("lora_name"), body.get("lora_path")
+        for param, value in (("lora_name", name), ("lora_path", path)):
+            if not isinstance(value, str) or not value:
+                raise bad_request(f"{param} must be a non-empty string", param=param)
+        if name in self.lora_requests or name in self.served_model_names:
+            raise bad_request(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
+        self._lora_loads += 1
+        lora = LoRARequest(name, lora_int_id(name, path, self._lora_loads), path)
+        try:
+            await self.engine.add_lora(lora)
+        except ValueError as e:
+            raise bad_request(str(e).removeprefix("lora_request: "), param="lora_path") from e
+        if name in self.lora_requests:   # loaded by a concurrent call meanwhile
+            raise bad_request(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
+        self.lora_requests[name] = lora
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    async def unload_lora_adapter(self, body: dict) -> str:
+        """{"lora_name"}: stop serving the adapter and unload it (requests already running on it finish on it)."""
+        self._check_runtime_lora()
+        name = body.get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise bad_request("lora_name must be a non-empty string", param="lora_name")
+        lora = self.lora_requests.pop(name, None)
+        if lora is None:
+            raise OpenAIError(404, f"The lora adapter '{name}' cannot be found.", type="not_found_error",
+                              param="lora_name")
+        await self.engine.remove_lora(lora.lora_int_id)
+        return f"Success: LoRA adapter '{name}' removed successfully."
 
     @property
     def sampling_defaults(self) -> dict:
@@ -346,7 +407,7 @@ class OpenAIServing:
         own rejections (ValueError from add_request) become a 400 before any response byte is sent."""
         prepared.streams = [
             self.engine.generate({"prompt": text, "prompt_token_ids": token_ids}, prepared.params,
-                                 f"{prepared.request_id}-{i}")
+                                 f"{prepared.request_id}-{i}", lora_request=prepared.lora_request)
             for i, (text, token_ids) in enumerate(prepared.prompts)]
         try:
             prepared.firsts = list(await asyncio.gather(*(anext(s) for s in prepared.streams)))
@@ -434,7 +495,8 @@ class OpenAIServing:
         # One SamplingParams for all prompts: an unset max_tokens resolves per prompt, so take the smallest.
         params = self._sampling_params(request, max_tokens=min(budgets), logprobs=request.logprobs,
                                        prompt_logprobs=prompt_logprobs, guided=guided, renames=renames)
-        prepared = _Prepared(f"cmpl-{uuid.uuid4().hex}", params, prompts, renames)
+        prepared = _Prepared(f"cmpl-{uuid.uuid4().hex}", params, prompts, renames,
+                             lora_request=self.lora_request(request.model))
         await self._start(prepared)
         if request.stream:
             return self._stream_completion(request, prepared)
@@ -610,7 +672,8 @@ class OpenAIServing:
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self._sampling_params(request, max_tokens=max_tokens, logprobs=logprobs,
                                        prompt_logprobs=request.prompt_logprobs, guided=guided, renames=renames)
-        prepared = _Prepared(f"chatcmpl-{uuid.uuid4().hex}", params, [(text, token_ids)], renames)
+        prepared = _Prepared(f"chatcmpl-{uuid.uuid4().hex}", params, [(text, token_ids)], renames,
+                             lora_request=self.lora_request(request.model))
         await self._start(prepared)
         if request.stream:
             return self._stream_chat(request, prepared, mode)

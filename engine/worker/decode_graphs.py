@@ -1,0 +1,215 @@
+"""Decode graphs: a pure-decode step captured once per padded batch size and replayed (CUDA graphs on GPUs, CPU
+graphs of the native kernels on CPUs), as the runner's `DecodeGraphs` half (engine/worker/model_runner.py is the
+other: what a step shares on every device).
+
+Pure-decode batches on CUDA replay CUDA graphs: a batch is padded up the ``graph_batch_sizes`` ladder (1, 2, 4, 8,
+then steps of 16 up to ``max_num_seqs``), copied into static input buffers, and the graph captured for that size
+replays on them. Padded rows write no K/V (slot -1) and attend to nothing (seq_len 0); their outputs are dropped. On
+one rank (not in CPU graphs) a graph runs the whole step to the sampler: the forward, the LM head over its rows and
+their greedy argmax (``ModelRunner.step_graphs``). On CPU the steps replay CPU graphs of the native kernels
+(``pagedkernels.cpu_graph``) on a ladder of their own (``cpu_graph_batch_sizes``), each captured by the first step
+that needs it; the kernels of a CPU graph process just the batch's rows, not the padding (only the few torch
+operations between them do). Batches above the ladder, mixed batches and ``enforce_eager`` run eagerly.
+
+The capture/replay mechanics sit behind a small graph-runner interface, so a CPU double (:class:`EagerGraphRunner`)
+exercises the padding, buffer reuse and replay logic in tests. With LoRA, graphs are keyed by (batch size, LoRA
+active): ``graphs`` without adapters, ``lora_graphs`` with them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from engine.layers.attention import AttentionMetadata
+from pagedkernels.cpu_graph import CPUGraph, GraphCaptureError
+
+logger = logging.getLogger(__name__)
+
+
+class CUDAGraphRunner:
+    """One decode step captured as a CUDA graph: ``capture(fn)`` runs ``fn`` once (warm-up:
+    Triton compiles, allocator settles), then records it; ``replay()`` reruns the recorded kernels on
+    whatever the static buffers hold and returns the same output tensor(s) each time."""
+
+    def __init__(self, pool=None):
+        self.pool = pool
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.output: torch.Tensor | None = None
+
+    @staticmethod
+    def new_pool(device: torch.device):
+        """A memory pool the graphs of one runner share (the smaller ones reuse the largest's memory)."""
+        return torch.cuda.graph_pool_handle()
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> None:
+        fn()
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            self.output = fn()
+        torch.cuda.synchronize()
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.output
+
+
+class EagerGraphRunner:
+    """CPU stand-in for :class:`CUDAGraphRunner` with the same contract: ``capture`` records the
+    callable and its output buffer; ``replay`` calls it again on the static buffers and writes the
+    result into that same buffer."""
+
+    def __init__(self, pool=None):
+        self.fn: Callable[[], torch.Tensor] | None = None
+        self.output: torch.Tensor | None = None
+        self.num_replays = 0
+
+    @staticmethod
+    def new_pool(device: torch.device):
+        return None
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> None:
+        self.fn = fn
+        output = fn()
+        self.output = tuple(t.clone() for t in output) if isinstance(output, tuple) else output.clone()
+
+    def replay(self) -> torch.Tensor:
+        self.num_replays += 1
+        output = self.fn()
+        if isinstance(output, tuple):
+            return tuple(buffer.copy_(t) for buffer, t in zip(self.output, output))
+        return self.output.copy_(output)
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Padded decode batch sizes graphs are captured for: 1, 2, 4, 8, then multiples of 16 up to
+    ``max_num_seqs``."""
+    return [s for s in (1, 2, 4, 8) if s <= max_num_seqs] + list(range(16, max_num_seqs + 1, 16))
+
+
+def cpu_graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Decode batch sizes CPU graphs are recorded for: 1, 2, 4, 8, then 1.5x and 4/3x steps (16, 24, 32, 48, 64,
+    96, 128, ...), and ``max_num_seqs``. A CPU graph replays a smaller batch over just its rows (see
+    :meth:`pagedkernels.cpu_graph.CPUGraph.capture`), so a step pays only the torch operations' padding rows
+    (an embedding lookup; oneDNN's linears past the 16-bit kernel's 64 rows), at most half the batch more."""
+    ladder = [1, 2, 4, 8] + [base << shift for shift in range(max_num_seqs.bit_length()) for base in (16, 24)]
+    return sorted({size for size in ladder if size < max_num_seqs} | {max_num_seqs})
+
+
+class DecodeGraphs:
+    """The decode-graph half of :class:`engine.worker.model_runner.ModelRunner` (a mixin: its state is the runner's
+    graph_runner_class, graph_batch_sizes, graphs / lora_graphs, static buffers, step_graphs and _forward)."""
+
+    def _allocate_static_buffers(self) -> None:
+        """Inputs of the captured decode graphs, sized for the largest padded batch; a graph for
+        batch size b reads the first b rows."""
+        size = self.graph_batch_sizes[-1]
+        device = self.device
+        self.static_input_ids = torch.zeros(size, dtype=torch.int64, device=device)
+        self.static_positions = torch.zeros(size, dtype=torch.int64, device=device)
+        self.static_slot_mapping = torch.full((size,), -1, dtype=torch.int64, device=device)
+        self.static_seq_lens = torch.zeros(size, dtype=torch.int32, device=device)
+        self.static_block_tables = torch.zeros(size, self.max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.static_cu_seqlens_q = torch.arange(size + 1, dtype=torch.int32, device=device)
+        self.graph_pool = self.graph_runner_class.new_pool(device)
+
+    def run_decode_graph(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                         meta: AttentionMetadata, lora_slots: np.ndarray | None = None) -> torch.Tensor:
+        """A pure-decode batch of n sequences through the graph of the smallest ladder size b >= n:
+        inputs copied into the static buffers' first n rows, rows n..b padding (input id 0 at
+        position 0, slot -1: no K/V written, seq_len 0: no key read). Returns the final hidden
+        states ``[n, hidden_size]``, or with ``step_graphs`` (logits ``[n, vocab]``, greedy ids ``[n]``): views
+        of the graph's output buffers, valid until the next replay. lora_slots: int32 [n], each row's LoRA slot
+        (-1 or None: none): a step with adapters replays the LoRA variant of the graph (``lora_graphs``)."""
+        num_seqs = input_ids.shape[0]
+        batch_size = next(size for size in self.graph_batch_sizes if size >= num_seqs)
+        self.static_input_ids[:num_seqs].copy_(input_ids)
+        self.static_input_ids[num_seqs:batch_size].zero_()
+        self.static_positions[:num_seqs].copy_(positions)
+        self.static_positions[num_seqs:batch_size].zero_()
+        self.static_slot_mapping[:num_seqs].copy_(meta.slot_mapping)
+        self.static_slot_mapping[num_seqs:batch_size].fill_(-1)
+        self.static_seq_lens[:num_seqs].copy_(meta.seq_lens)
+        self.static_seq_lens[num_seqs:batch_size].zero_()
+        # Columns past a sequence's last block keep stale ids: never read (its seq_len bounds them).
+        self.static_block_tables[:num_seqs, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        lora_active = self._prepare_lora(lora_slots, batch_size)
+        graphs = self.lora_graphs if lora_active else self.graphs
+        runner = graphs.get(batch_size)
+        if runner is None:
+            try:
+                runner, output = self._capture_decode_graph(batch_size, lora_active)
+                graphs[batch_size] = runner
+                every_size = list(range(1, self.graph_batch_sizes[-1] + 1))
+                if isinstance(runner, CPUGraph) and not runner.resizable and self.graph_batch_sizes != every_size:
+                    logger.info("this model's CPU graphs cannot replay fewer rows than they recorded: one graph "
+                                "per decode batch size from now on")
+                    self.graph_batch_sizes = every_size
+                if output is not None:   # a CPU graph's recording run was this step's forward
+                    return _rows(output, num_seqs)
+            except GraphCaptureError as error:
+                # This model's decode step cannot be a CPU graph (it computes outside the native kernels in a
+                # way a replay cannot follow): decode eagerly from now on, as enforce_eager would.
+                logger.warning("decode graphs are off for this model: %s", error)
+                self.enforce_eager = True
+                self._prepare_lora(lora_slots, num_seqs)
+                return self._forward(input_ids, positions, meta)
+        if isinstance(runner, CPUGraph):
+            return _rows(runner.replay(num_seqs), num_seqs)
+        return _rows(runner.replay(), num_seqs)
+
+    def capture_all_graphs(self) -> None:
+        """Capture the decode graph of every ladder size not captured yet, largest first. The static buffers hold
+        padding rows (slot -1, seq_len 0) while capturing: nothing is written to or read from the KV cache."""
+        start = time.perf_counter()
+        variants = (False, True) if self.lora is not None else (False,)
+        with torch.inference_mode():
+            for lora_active in variants:   # with LoRA, each size's LoRA variant too
+                graphs = self.lora_graphs if lora_active else self.graphs
+                for batch_size in reversed(self.graph_batch_sizes):
+                    if batch_size not in graphs:
+                        if self.lora is not None:   # padding rows: the kernels run (or not) on no adapter
+                            self.lora.prepare_batch(None, batch_size, active=lora_active)
+                        graphs[batch_size] = self._capture_decode_graph(batch_size, lora_active)[0]
+        logger.info("captured %d decode graphs (batch sizes %s%s) in %.1f s",
+                    len(self.graph_batch_sizes) * len(variants), self.graph_batch_sizes,
+                    ", with and without LoRA" if len(variants) > 1 else "", time.perf_counter() - start)
+
+    def _capture_decode_graph(self, batch_size: int, lora_active: bool = False) -> tuple[object, torch.Tensor | None]:
+        """The graph runner of `batch_size` (its LoRA variant with `lora_active`: the LoRA batch is prepared so),
+        captured on the static buffers, and the output of its capture's forward on them when that is this step's
+        result (a CPU graph's), else None."""
+        meta = AttentionMetadata(slot_mapping=self.static_slot_mapping[:batch_size],
+                                 block_tables=self.static_block_tables[:batch_size],
+                                 seq_lens=self.static_seq_lens[:batch_size],
+                                 cu_seqlens_q=self.static_cu_seqlens_q[:batch_size + 1], is_decode=True)
+        input_ids, positions = self.static_input_ids[:batch_size], self.static_positions[:batch_size]
+        runner = self.graph_runner_class(self.graph_pool)
+        forward = lambda: self._forward(input_ids, positions, meta)  # noqa: E731
+        if self.step_graphs:
+            forward = lambda: _logits_and_greedy(self.model.compute_logits(  # noqa: E731
+                self._forward(input_ids, positions, meta)))
+        if isinstance(runner, CPUGraph):
+            # The first CPU graph warms up and checks its replay against the recorded run; the others record
+            # the same forward at another size, and their recording run serves the step that needed them.
+            first = not (self.lora_graphs if lora_active else self.graphs)
+            return runner, runner.capture(forward, warm_up=first, check=first, rows=batch_size)
+        runner.capture(forward)
+        return runner, None
+
+
+def _rows(output, num_rows: int):
+    """The first `num_rows` rows of a graph's output (a tensor, or a tuple of them)."""
+    if isinstance(output, tuple):
+        return tuple(t[:num_rows] for t in output)
+    return output[:num_rows]
+
+
+def _logits_and_greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, their greedy ids), NaN counted as -inf and +inf as the largest float, as the sampler counts them."""
+    return logits, logits.nan_to_num(nan=float("-inf"), posinf=torch.finfo(logits.dtype).max).argmax(dim=-1)
