@@ -162,6 +162,9 @@ def load_peft_adapter(path: str, *, lora_int_id: int, lora_name: str, targets: M
                              f"lora_A / lora_B of {sorted({t.rpartition('.')[2] for t in targets})})")
         module = match["module"]
         if module not in targets:
+            if ".experts." in f".{module}.":
+                raise ValueError(f"{where}: targets {module!r}, an expert of a mixture of experts: LoRA on the "
+                                 f"experts is not supported (the attention projections and dense MLPs are)")
             last = module.rpartition(".")[2]
             if last in {t.rpartition(".")[2] for t in targets}:
                 raise ValueError(f"{where}: targets {module!r}, which this base model does not have (it has "
