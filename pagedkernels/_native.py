@@ -437,12 +437,11 @@ def moe_topk(logits2d, top_k: int, scoring: int, renormalize: bool, bias, num_gr
 
 
 def fused_moe(hidden, w13_packed, w2_packed, topk_weights, topk_ids, activation: int, expert_map,
-              intermediate: int, out) -> bool:
+              intermediate: int, out, native_scratch_bytes) -> bool:
     """The MoE MLP for ``hidden`` (float32, bfloat16 or float16) and pack_moe_weight panels (arguments checked by the
     op); ``out`` [M, H] in hidden's dtype written in place. Returns False, having written nothing, when an id is
-    outside its table."""
-    from .fused_moe import native_scratch_bytes
-
+    outside its table. native_scratch_bytes: the op's (pagedkernels.fused_moe.native_scratch_bytes: the kernel's
+    scratch layout lives with the op, and this loader imports no op module)."""
     num_tokens, hidden_size = hidden.shape
     top_k = topk_ids.shape[1]
     num_experts = w13_packed.shape[0]

@@ -215,7 +215,7 @@ def fused_moe(
         _check_routing_values(topk_ids, expert_map, num_experts)
     if native:
         if not _native.fused_moe(hidden, w13, w2, topk_weights, topk_ids, ACTIVATIONS.index(activation),
-                                 expert_map, intermediate, out):
+                                 expert_map, intermediate, out, native_scratch_bytes):
             _check_routing_values(topk_ids, expert_map, num_experts)
             raise RuntimeError("pagedkernels native fused_moe rejected expert ids the checks accept")
     elif not packed and use_triton(hidden):

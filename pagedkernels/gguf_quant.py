@@ -43,8 +43,8 @@ from ._validate import FLOAT_DTYPES, check_tensor
 __all__ = ["GGUF_BLOCKS", "GGUF_TYPE_IDS", "GGUF_INTERLEAVED", "gguf_dequantize", "gguf_gemm", "gguf_interleave",
            "gguf_deinterleave", "gguf_take_rows", "check_gguf_weight"]
 
-# type -> (values per block, bytes per block)
-GGUF_BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q6_K": (256, 210)}
+# type -> (values per block, bytes per block): the table lives with the other weight formats, below this module
+from .quant_formats import GGUF_BLOCKS  # noqa: E402
 # ggml's type ids (gguf.GGMLQuantizationType), for callers holding those.
 GGUF_TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 

@@ -49,6 +49,9 @@ from dataclasses import dataclass
 
 import torch
 
+# GGUF block types -> (values per block, bytes per block), as ggml lays them out (pagedkernels.gguf_quant's formats).
+GGUF_BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q6_K": (256, 210)}
+
 __all__ = ["WQWeight", "pack_int4", "unpack_int4", "quantize_wq", "dequantize_wq", "gptq_to_wq", "awq_to_wq",
            "gguf_to_wq", "AWQ_ORDER"]
 
@@ -246,8 +249,6 @@ def gguf_to_wq(qweight: torch.Tensor, quant_type: str, *, scale_dtype: torch.dty
     """A GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K tensor (uint8 ``[N, row_bytes]``, its blocks as in the file) in the
     canonical layout with one group per 32 values. Exact with float32 scales and zeros (the default):
     Q4_1's and Q4_K's minimum becomes a float zero point -m / d."""
-    from .gguf_quant import GGUF_BLOCKS
-
     if quant_type not in ("Q4_0", "Q4_1", "Q8_0", "Q4_K"):
         raise ValueError(f"quant_type must be Q4_0, Q4_1, Q8_0 or Q4_K, got {quant_type!r}")
     elems, nbytes = GGUF_BLOCKS[quant_type]
