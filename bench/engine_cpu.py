@@ -119,29 +119,47 @@ class FlopModel:
                 + 4 * self.attention_width * pairs)
 
 
-def measure_matmul_gflops(n: int, repeats: int = 5, dtype: torch.dtype = torch.float32) -> dict[str, float]:
+def measure_matmul_gflops(n: int, repeats: int = 5, dtype: torch.dtype = torch.float32,
+                          call_budget_s: float = 2.0) -> dict[str, float]:
     """GFLOP/s of an n^3 matmul in ``dtype`` through torch.matmul and through oneDNN (where present: float32 through
-    the engine's linear, bf16 through oneDNN's prepacked bf16 inner product, as the engine's bf16 layers call it)."""
+    the engine's linear, bf16 through oneDNN's prepacked bf16 inner product, as the engine's bf16 layers call it).
+
+    A path whose n^3 call would take over ``call_budget_s`` (predicted from a call at n/8) is timed at the largest
+    halving of n within it, and its name says the size: torch's bf16 matmul on a CPU without bf16 arithmetic took
+    64 s a call at 2048^3 on an AVX2 EPYC (best of 5: 6.4 min of a benchmark's start-up)."""
     from engine.layers.linear import linear
     from engine.layers.quantization import unquantized
 
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    c = torch.empty(n, n, dtype=dtype)
-    candidates = {"torch.matmul": lambda: torch.matmul(a, b, out=c)}
-    if dtype == torch.float32:
-        candidates["engine linear (oneDNN)"] = lambda: linear(a, b)
-    elif unquantized._onednn_bf16_available():
-        packed = torch.ops.mkldnn._reorder_linear_weight(b, unquantized.PREPACK_BATCH_HINT)
-        candidates["oneDNN prepacked bf16"] = lambda: unquantized._ONEDNN_LINEAR(a, packed, None, "none", [], "")
-    rates = {}
-    for name, fn in candidates.items():
+    def candidates(size: int) -> dict:
+        a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+        c = torch.empty(size, size, dtype=dtype)
+        paths = {"torch.matmul": lambda: torch.matmul(a, b, out=c)}
+        if dtype == torch.float32:
+            paths["engine linear (oneDNN)"] = lambda: linear(a, b)
+        elif unquantized._onednn_bf16_available():
+            packed = torch.ops.mkldnn._reorder_linear_weight(b, unquantized.PREPACK_BATCH_HINT)
+            paths["oneDNN prepacked bf16"] = lambda: unquantized._ONEDNN_LINEAR(a, packed, None, "none", [], "")
+        return paths
+
+    def best_of(fn, count: int) -> float:
         fn()
         best = float("inf")
-        for _ in range(repeats):
+        for _ in range(count):
             start = time.perf_counter()
             fn()
             best = min(best, time.perf_counter() - start)
-        rates[name] = 2 * n**3 / best / 1e9
+        return best
+
+    probe_n = max(64, n // 8)
+    probes = {name: best_of(fn, 1) for name, fn in candidates(probe_n).items()}
+    full = candidates(n)
+    rates = {}
+    for name, probe_s in probes.items():
+        size, predicted = n, probe_s * (n / probe_n) ** 3
+        while size > probe_n and predicted > call_budget_s:
+            size, predicted = size // 2, predicted / 8
+        fn = full[name] if size == n else candidates(size)[name]
+        rates[name if size == n else f"{name} (at {size}^3)"] = 2 * size**3 / best_of(fn, repeats) / 1e9
     return rates
 
 

@@ -23,3 +23,11 @@ def _triton_on_cpu_needs_the_interpreter(request):
     if forces_triton and params.get("device", "cpu") == "cpu" and not interpreter_active():
         pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1, off on a CUDA machine (the cuda case runs "
                     "the compiled kernel)")
+
+
+@pytest.fixture(scope="session")
+def portable_cache_dir(tmp_path_factory):
+    """One library cache for the tests that build the native kernels for other -march values in subprocesses
+    (the attention's, the block GEMM's and the 16-bit GEMM's portable builds): each march is built afresh once
+    in the session (the library's cache key holds its flags) and then shared."""
+    return tmp_path_factory.mktemp("portable_native_cache")

@@ -197,8 +197,7 @@ def test_avx512_bf16_builds(target, tmp_path):
         graph_c = tmp_path / "graph_cpu.c"
         graph_c.write_text(_native.graph_source())
         built = tmp_path / "lib.so"
-        command = _native._compile_command(_native.c_compiler(), _native.SOURCES + (graph_c,), built)
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        proc = _native.build(_native.c_compiler(), _native.SOURCES + (graph_c,), built)
     assert proc.returncode == 0, proc.stderr[-3000:]
     disassembly = subprocess.run(["objdump", "-d", str(built)], capture_output=True, text=True).stdout
     assert "vdpbf16ps" in disassembly

@@ -239,10 +239,11 @@ def test_invalid_arguments(changes, name, backend, monkeypatch):
 
 @pytest.mark.skipif(_native.library() is None or os.uname().machine != "x86_64", reason="needs a C compiler on x86-64")
 @pytest.mark.parametrize("march", ["x86-64", "x86-64-v3"])
-def test_native_gemm_portable_builds(march, tmp_path):
+def test_native_gemm_portable_builds(march, portable_cache_dir):
     """The native block GEMM's other paths (this machine's build takes the widest): scalar C (x86-64) and AVX2
-    without VNNI (x86-64-v3: maddubs), each built afresh in a process of its own, every block type and format at
-    one row (each format's single-row copy of the loop) and a few, against the float64 product."""
+    without VNNI (x86-64-v3: maddubs), each built afresh (once a session) and run in a process of its own, every
+    block type and format at one row (each format's single-row copy of the loop) and a few, against the float64
+    product."""
     script = textwrap.dedent("""
         import torch, pagedkernels as pk
         from pagedkernels import _native
@@ -262,7 +263,7 @@ def test_native_gemm_portable_builds(march, tmp_path):
                 assert_gemm_close(out, x, gguf_reference(qweight, base), "native", msg=f"{quant_type} M={M}")
         print("ok", _native.library().pk_quant_simd_level())
     """)
-    env = {**os.environ, "PAGEDKERNELS_NATIVE_MARCH": march, "PAGEDKERNELS_CACHE_DIR": str(tmp_path)}
+    env = {**os.environ, "PAGEDKERNELS_NATIVE_MARCH": march, "PAGEDKERNELS_CACHE_DIR": str(portable_cache_dir)}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True,
                           timeout=300)

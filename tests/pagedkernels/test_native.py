@@ -306,11 +306,12 @@ def test_loops_with_selects_vectorize_without_avx512(source_name, marker, tmp_pa
 
 @pytest.mark.skipif(_native.library() is None or os.uname().machine != "x86_64", reason="needs a C compiler on x86-64")
 @pytest.mark.parametrize("march", ["x86-64", "x86-64-v3"])
-def test_attention_portable_builds(march, tmp_path):
+def test_attention_portable_builds(march, portable_cache_dir):
     """The attention's vectors are the machine's width (16 floats with AVX-512, 8 with AVX2, 4 with SSE), and so are
     the heads a pass keeps in registers: the tests of the one-pass and split decode paths, again on builds for SSE2
-    (x86-64) and AVX2 (x86-64-v3), each built afresh in a process of its own."""
-    env = {**os.environ, "PAGEDKERNELS_NATIVE_MARCH": march, "PAGEDKERNELS_CACHE_DIR": str(tmp_path)}
+    (x86-64) and AVX2 (x86-64-v3), each built afresh (once a session, shared
+    with the other portable-build tests) and run in a process of its own."""
+    env = {**os.environ, "PAGEDKERNELS_NATIVE_MARCH": march, "PAGEDKERNELS_CACHE_DIR": str(portable_cache_dir)}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
                            "one_pass or splits_the_keys"], env=env, cwd=root, capture_output=True, text=True,

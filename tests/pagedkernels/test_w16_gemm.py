@@ -141,11 +141,11 @@ def test_empty_products():
 
 @pytest.mark.skipif(not NATIVE or os.uname().machine != "x86_64", reason="needs a C compiler on x86-64")
 @pytest.mark.parametrize("march", ["x86-64", "x86-64-v3"])
-def test_portable_builds(march, tmp_path):
+def test_portable_builds(march, portable_cache_dir):
     """The kernel's other SIMD paths (this machine's build takes the widest): generic vectors (x86-64: SSE2,
     fp16 converted element by element) and AVX2/F16C (x86-64-v3: bf16 widened in even/odd pairs), each built
-    afresh in a process of its own, at row counts that take every block size and remainder, with float32 and
-    16-bit activations."""
+    afresh (once a session) and run in a process of its own, at row counts that take every block size and
+    remainder, with float32 and 16-bit activations."""
     script = textwrap.dedent("""
         import torch, pagedkernels as pk
         from pagedkernels import _native
@@ -164,7 +164,7 @@ def test_portable_builds(march, tmp_path):
                         assert_product(pk.w16_gemm(x, pk.pack_w16(w), N), x, w)
         print("ok")
     """)
-    env = {**os.environ, "PAGEDKERNELS_NATIVE_MARCH": march, "PAGEDKERNELS_CACHE_DIR": str(tmp_path)}
+    env = {**os.environ, "PAGEDKERNELS_NATIVE_MARCH": march, "PAGEDKERNELS_CACHE_DIR": str(portable_cache_dir)}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True,
                           timeout=300)
