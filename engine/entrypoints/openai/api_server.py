@@ -655,11 +655,15 @@ def _supervise(args, core, port: int, count: int, name: str, sock: socket.socket
     kernel spreads connections over every listening socket of the port, and one left open here, never accepted,
     held a third of the connections (of 2 API servers) unanswered."""
     import multiprocessing
+    import time
     from multiprocessing.connection import wait
 
     context = multiprocessing.get_context("spawn")
     frontends = []
     try:
+        # All started at once, then waited for (one after the other, each start-up's imports waited for the last's:
+        # 7 s more per process on 2 cores).
+        receivers = []
         for i in range(count):
             receiver, sender = context.Pipe(duplex=False)
             process = context.Process(target=_frontend_process_main, name=f"api-server-{i}",
@@ -667,7 +671,10 @@ def _supervise(args, core, port: int, count: int, name: str, sock: socket.socket
             process.start()
             sender.close()
             frontends.append(process)
-            if not receiver.poll(300) or not isinstance(receiver.recv(), int):
+            receivers.append(receiver)
+        deadline = time.monotonic() + 300
+        for i, receiver in enumerate(receivers):
+            if not receiver.poll(max(deadline - time.monotonic(), 0.0)) or not isinstance(receiver.recv(), int):
                 raise RuntimeError(f"API server process {i} did not start")
         sock.close()
         print(f"serving {name!r} on http://{args.host}:{port} ({count} API server processes, engine core: pid "
