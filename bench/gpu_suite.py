@@ -36,7 +36,7 @@ overruns). Nothing is installed or downloaded: the engine's models are config.js
 a package this machine lacks (hypothesis, ...) are not run, and the report names them.
 
 ``--dry-run`` runs a phase's code on CPU with tiny shapes and a wall-clock timer, and collects its tests
-(``--collect-only``) instead of running them: CI runs every phase so (bench/test_gpu_suite_dry_run.py).
+(``--collect-only``) instead of running them: scripts/test_bench_tools.sh runs every phase so (bench/test_gpu_suite_dry_run.py).
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ def test_requests_are_seeded_and_in_range():
     assert all(1000 <= t < 49152 for r in a for t in r.prompt_token_ids)
 
 
+@pytest.mark.bench_e2e   # the benchmark run end to end: scripts/test_bench_tools.sh
 def test_benchmark_runs_every_side_and_writes_json(tiny_llama, tmp_path):
     """The small mode of the whole benchmark: the engine in float32 (this process) and bfloat16 (a process of its
     own), transformers, and a stand-in vLLM at float32 and at its default dtype (auto, which it reports as bf16): every

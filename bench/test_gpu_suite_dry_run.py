@@ -23,6 +23,9 @@ import pytest
 
 from bench import gpu_suite
 
+# The benchmark run end to end: its own tier (scripts/test_bench_tools.sh), not the default run.
+pytestmark = pytest.mark.bench_e2e
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Installed here (the dev and serve extras) but not on the GPU image. Not httpx: transformers 5.17 imports it
 # (huggingface_hub's HTTP client), so an image where transformers imports has it.

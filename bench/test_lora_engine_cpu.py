@@ -11,6 +11,9 @@ import pytest
 
 from bench import lora_engine_cpu
 
+# The benchmark run end to end: its own tier (scripts/test_bench_tools.sh), not the default run.
+pytestmark = pytest.mark.bench_e2e
+
 pytest.importorskip("peft", reason="the benchmark's baseline and its adapters are PEFT's")
 
 

@@ -9,6 +9,9 @@ import pytest
 
 from bench import moe_cpu
 
+# The benchmark run end to end: its own tier (scripts/test_bench_tools.sh), not the default run.
+pytestmark = pytest.mark.bench_e2e
+
 pytest.importorskip("transformers")
 
 

@@ -28,6 +28,7 @@ def fast_timer(monkeypatch):
     monkeypatch.setattr(K, "wall_timer", _one_shot)
 
 
+@pytest.mark.bench_e2e   # the benchmark run end to end: scripts/test_bench_tools.sh
 def test_dry_run_writes_complete_report(tmp_path, fast_timer, capsys):
     rc = gpu_suite.main(["--dry-run", "--phase", "kernels", "--no-compile", "--out", str(tmp_path)])
     assert rc == 0, capsys.readouterr().out
@@ -72,6 +73,7 @@ def test_dry_run_writes_complete_report(tmp_path, fast_timer, capsys):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.bench_e2e   # the benchmark run end to end: scripts/test_bench_tools.sh
 def test_tests_phase_reports_each_pytest_run(tmp_path, capsys):
     """A tests phase in a dry run collects its selection (here replaced by --pytest-args) and reports it."""
     rc = gpu_suite.main(["--dry-run", "--phase", "kernel-tests", "--pytest-args",
@@ -84,6 +86,7 @@ def test_tests_phase_reports_each_pytest_run(tmp_path, capsys):
     assert "## Tests" in json_path.with_suffix(".md").read_text()
 
 
+@pytest.mark.bench_e2e   # the benchmark run end to end: scripts/test_bench_tools.sh
 def test_a_cut_test_run_keeps_its_summary(tmp_path):
     """Past its time limit pytest gets SIGINT and still prints what ran: the run is marked cut, not failed."""
     test_file = tmp_path / "test_slow.py"

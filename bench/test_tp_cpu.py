@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import tp_cpu
 
 
+@pytest.mark.bench_e2e   # the benchmark run end to end: scripts/test_bench_tools.sh
 def test_tp_benchmark_report(tmp_path):
     from tests.engine.models_util import build_tiny_model_dir
 
