@@ -88,8 +88,9 @@ def test_triton_bf16_on_the_gpu(case):
     assert_moe_close(out, moe_reference(x, w13, w2, weights, ids), TOLERANCE[torch.bfloat16])
 
 
-@pytest.mark.skipif(not HEAVY, reason="thousands of tokens under the Triton interpreter take minutes: set "
-                                      "PAGEDKERNELS_HEAVY_TESTS=1 (CI runs them on the native and PyTorch backends)")
+@pytest.mark.skipif(not HEAVY and TRITON_DEVICE != "cuda",
+                    reason="thousands of tokens under the Triton interpreter take minutes: set "
+                           "PAGEDKERNELS_HEAVY_TESTS=1 (CI runs them on the native and PyTorch backends; GPUs always)")
 @pytest.mark.parametrize("case", NATIVE_CASES[-3:], ids=_case_id)
 def test_triton_thousands_of_tokens(case):
     tokens, hidden, intermediate, experts, top_k, skew = case
