@@ -6,7 +6,8 @@ adapter i mod 4 of four PEFT LoRA adapters (ranks 8, 16, 8, 16 on every projecti
 o, gate, up, down; random A and B, made with PEFT and saved as PEFT saves them, into a temporary directory unless
 ``--adapters`` names four). Three sides, each in a process of its own (bench.engine_cpu.PipedSide: nothing one side
 sets for its process reaches another; stopped between its calls), the engine sides run ``--rounds`` times taking
-turns, best time kept (PEFT's, minutes long, once):
+turns, best time kept (PEFT's, minutes long, once); the engine sides empty their prefix cache before each call
+(``LLM.reset_prefix_cache``), so every round computes its prompts, as PEFT's side does:
 
 - ``engine-lora``: ``LLM(enable_lora=True, max_loras=4, max_lora_rank=16)``, the 48 requests in one
   ``generate`` with their ``lora_request``s;
@@ -114,6 +115,9 @@ class EngineSide:
     def generate(self, prompts: list[list[int]], max_tokens: list[int], adapters: list[int | None]) -> list[list[int]]:
         params = [self.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
         loras = [None if a is None or not self.loras else self.loras[a] for a in adapters]
+        # Each round computes its prompts (a later round over the same prompts would find their KV cached and
+        # time the decode alone, and PEFT's side has no cache to find).
+        self.llm.reset_prefix_cache()
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=loras,
                                     use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outputs]

@@ -312,6 +312,10 @@ class AsyncLLMEngine:
         """LLMEngine.get_metrics(), taken between steps."""
         return await self._call(self.engine.get_metrics)
 
+    async def reset_prefix_cache(self) -> bool:
+        """LLMEngine.reset_prefix_cache between steps."""
+        return await self._call(self.engine.reset_prefix_cache)
+
     async def add_lora(self, lora_request) -> bool:
         """LLMEngine.add_lora between steps: the adapter loaded now (ValueError for a bad one)."""
         return await self._call(self.engine.add_lora, lora_request)

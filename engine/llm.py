@@ -142,6 +142,12 @@ class LLM:
         """The engine's tokenizer (None with skip_tokenizer_init)."""
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache's blocks (vLLM's ``LLM.reset_prefix_cache``), e.g. between a benchmark's rounds
+        over the same prompts, so each round computes its prompts' KV. Returns False, and keeps the cache, while
+        requests are unfinished (a ``generate`` interrupted by an exception leaves them)."""
+        return self.llm_engine.reset_prefix_cache()
+
     def _require_tokenizer(self, what: str):
         tokenizer = self.get_tokenizer()
         if tokenizer is None:

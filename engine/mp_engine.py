@@ -275,6 +275,10 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
     async def get_metrics(self) -> EngineMetrics:
         return decode_metrics(await self._call_core("get_metrics"))
 
+    async def reset_prefix_cache(self) -> bool:
+        """The core empties its prefix cache (False while requests hold KV blocks)."""
+        return bool(await self._call_core("reset_prefix_cache"))
+
     async def add_lora(self, lora_request) -> bool:
         """The core loads the adapter now (ValueError with its message for a bad one)."""
         self.engine.input_processor.check_lora_request(lora_request)

@@ -88,6 +88,17 @@ class BlockManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's ``reset_prefix_cache``): the next prompts compute their KV afresh, as a
+        benchmark's rounds after the first need. Only while no sequence holds a block: returns False (and changes
+        nothing) otherwise."""
+        if len(self.free_block_ids) != self.num_blocks:
+            return False
+        self.hash_to_block_id.clear()
+        for block in self.blocks:
+            block.hash, block.token_ids = -1, ()
+        return True
+
     # -- admission and growth ----------------------------------------------------------------------------------
     def lookup_prefix(self, seq: Sequence) -> list[int]:
         """The prefix-cache hits of a sequence without blocks: ids of the cached blocks holding its leading full

@@ -149,6 +149,8 @@ class EngineCoreProc:
             _, call_id, method, *args = message
             if method == "get_metrics":
                 value = encode_metrics(self.core.get_metrics())
+            elif method == "reset_prefix_cache":
+                value = self.core.reset_prefix_cache()
             elif method in ("add_lora", "remove_lora"):   # [status, value]: a bad adapter is the caller's error
                 value = self._lora_call(method, *args)
             else:

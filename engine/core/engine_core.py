@@ -215,6 +215,14 @@ class EngineCore:
         if known is None or (known.lora_name, known.lora_path) != (lora_request.lora_name, lora_request.lora_path):
             self.add_lora(lora_request)
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache; False (with a warning) while requests hold KV blocks (vLLM's behaviour)."""
+        if self.block_manager.reset_prefix_cache():
+            return True
+        logger.warning("the prefix cache was not reset: %d KV blocks are held by unfinished requests",
+                       self.block_manager.num_blocks - self.block_manager.num_free_blocks)
+        return False
+
     def add_lora(self, lora_request) -> bool:
         """Load an adapter into the workers' host caches now; returns whether it was read from disk. ValueError
         naming lora_request for a bad adapter, or for an id that names another adapter the core knows (requests

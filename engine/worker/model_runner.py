@@ -109,6 +109,7 @@ class ModelRunner(DecodeGraphs):
         self.policy = DevicePolicy.for_device(self.device)
         if self.policy.keep_freed_host_memory:
             cpu_malloc.keep_freed_memory()
+            cpu_malloc.bound_onednn_caches()
         enforce_eager = engine_config.enforce_eager
         if compile_model is None:
             # as in vLLM, enforce_eager means no torch.compile either

@@ -122,6 +122,28 @@ def test_engine_metrics_and_request_timings(llama_dir):
     assert m.time_to_first_token > 0 and m.time_per_output_token > 0
 
 
+def test_reset_prefix_cache(llama_dir):
+    """vLLM's LLMEngine.reset_prefix_cache: refused while a request holds blocks; afterwards the same prompt is a
+    miss (no cached token counted) and its greedy tokens are unchanged."""
+    engine = make_engine(llama_dir, max_model_len=256, num_kv_blocks=32)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    def run(request_id):
+        engine.add_request(request_id, {"prompt_token_ids": PROMPT_40}, params)
+        final = None
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                final = o
+                if not o.finished:   # the request holds its blocks
+                    assert not engine.reset_prefix_cache()
+        return final.outputs[0].token_ids
+
+    first = run("a")
+    assert run("b") == first and engine.get_metrics().prefix_cache_hit_rate == pytest.approx(32 / 80)
+    assert engine.reset_prefix_cache()
+    assert run("c") == first and engine.get_metrics().prefix_cache_hit_rate == pytest.approx(32 / 120)
+
+
 # -- state machine: real scheduler and block manager, a fake model writing a shadow KV cache -------------------
 
 BLOCK_SIZE = 4

@@ -125,6 +125,7 @@ def test_consumer_leaving_aborts_the_request(engine, how, monkeypatch):
             if stats.num_running == 0:
                 break
             await asyncio.sleep(0.01)
+        assert await engine.reset_prefix_cache()
         await engine.shutdown()
         return stats
 

@@ -100,6 +100,28 @@ def test_prefix_caching_disabled_never_hits():
     assert b.num_computed_tokens == 0 and not bm.hash_to_block_id
 
 
+def test_reset_prefix_cache_forgets_every_block_and_is_refused_while_blocks_are_held():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = make_seq(list(range(12)))
+    admit(bm, a)
+    compute(bm, a, 12)
+    before = snapshot(bm)
+    assert not bm.reset_prefix_cache()   # a holds its blocks: nothing changes
+    assert snapshot(bm) == before
+    bm.deallocate(a)
+    assert bm.lookup_prefix(make_seq(list(range(12)))) != []
+    assert bm.reset_prefix_cache()
+    assert not bm.hash_to_block_id and all(b.hash == -1 and b.token_ids == () for b in bm.blocks)
+    assert bm.num_free_blocks == 8
+    b = make_seq(list(range(12)))
+    admit(bm, b)
+    assert b.num_computed_tokens == 0   # a miss: computed afresh
+    compute(bm, b, 12)
+    c = make_seq(list(range(12)))
+    admit(bm, c)
+    assert c.num_computed_tokens == 8   # and cached again after
+
+
 def test_allocate_slots_counts_blocks_of_a_chunk_and_is_all_or_nothing():
     bm = BlockManager(num_blocks=3, block_size=4)
     a = make_seq(list(range(20)))

@@ -2,6 +2,7 @@
 
 Each case runs in a subprocess: the setting is process-wide and lasts for the process."""
 
+import json
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -193,3 +195,47 @@ def test_a_kv_cache_the_system_cannot_commit_fails_the_start_with_what_to_do(mon
                            max_num_batched_tokens=512)
     with pytest.raises(MemoryError, match="KV cache: not enough memory .*num_kv_blocks=.*ENGINE_CPU_KV_PREFAULT=0"):
         ModelRunner(config)
+
+
+# oneDNN's and ideep's primitive caches: a float32 product on oneDNN for each of 120 row counts not seen before,
+# memory in use (glibc's mallinfo2) before and after. The caches' settings are read when the first primitive is
+# made: cpu_malloc.bound_onednn_caches runs before that, after torch is imported, as the model runner calls it.
+NEW_SHAPES = textwrap.dedent("""
+    import ctypes, json, os, sys, torch
+    from engine.worker import cpu_malloc
+    settings = cpu_malloc.bound_onednn_caches()
+    libc = ctypes.CDLL("libc.so.6")
+    class Info(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in
+                    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+    libc.mallinfo2.restype = Info
+    w = torch.ops.mkldnn._reorder_linear_weight(torch.randn(1536, 576), batch_size=64)
+    linear = lambda x: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    linear(torch.randn(3, 576))
+    before = libc.mallinfo2().uordblks
+    for rows in range(200, 320):
+        linear(torch.randn(rows, 576))
+    print(json.dumps({"settings": settings, "grew_mb": (libc.mallinfo2().uordblks - before) / 2**20}))
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not torch.backends.mkldnn.is_available()
+                    or not hasattr(torch.ops.mkldnn, "_linear_pointwise"),
+                    reason="glibc's mallinfo2 and torch's oneDNN linear are needed")
+def test_onednn_primitive_caches_are_bounded_unless_the_environment_says_otherwise():
+    def run(**env):
+        base = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+        out = subprocess.run([sys.executable, "-c", NEW_SHAPES], env={**base, "PYTHONPATH": str(ROOT), **env},
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    from engine.worker import cpu_malloc
+    default = run()
+    assert default["settings"] == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(cpu_malloc.ONEDNN_CACHE_CAPACITY),
+                                   "LRU_CACHE_CAPACITY": str(cpu_malloc.ONEDNN_CACHE_CAPACITY)}
+    tiny = run(ONEDNN_PRIMITIVE_CACHE_CAPACITY="4", LRU_CACHE_CAPACITY="4")
+    assert tiny["settings"] == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "4", "LRU_CACHE_CAPACITY": "4"}   # left alone
+    # 120 new shapes kept (the default holds 512) against 4: the caches are what grows, and their setting holds.
+    assert tiny["grew_mb"] < 8, tiny
+    assert default["grew_mb"] > tiny["grew_mb"] + 8, (default, tiny)
