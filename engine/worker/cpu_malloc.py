@@ -73,13 +73,14 @@ def keep_freed_memory() -> bool:
 # oneDNN keeps every primitive it creates in a cache of its own (ONEDNN_PRIMITIVE_CACHE_CAPACITY), and ideep, torch's
 # layer over it, the same in another (LRU_CACHE_CAPACITY): 1024 entries each by default. A primitive is made for
 # each shape of product, and a step's row count is its shape: every prefill or mixed step of a row count not seen
-# before adds one a distinct linear shape, ~0.2 MB each with its JIT-compiled code. Measured on a 2-core AMD EPYC,
-# SmolLM2-135M float32, prompts of 8-600 tokens one at a time: the process grew ~1.3 MB a new row count, +390 MB
-# after 300 of them and still growing (a server's RSS rose ~84 MB every thousand requests of a soak); with 256
-# entries each the memory in use stopped at +100 MB. 512 bounds it near +200 MB and leaves room for the row counts
-# of decode steps (one per batch size, used again and again), which a smaller cache would evict and make again at
-# 0.7-3 ms a primitive (the same machine, [n, 576] x [576, 1536]).
-ONEDNN_CACHE_CAPACITY = 512
+# before adds one a distinct linear shape, ~0.55 MB with both caches (JIT-compiled code included). Measured on a
+# 2-core AMD EPYC, SmolLM2-135M float32, prompts of 8-600 tokens one at a time, 100 a round: at the defaults the
+# process grew 190-200 MB a round and kept growing (a server's RSS rose ~84 MB every thousand requests of a soak);
+# with 256 or 512 entries each the memory in use stopped, but the heap's free holes between the cached primitives
+# grew ~60 MB a round, unreturned; with 64 each the process stayed within 3 MB from the second round on. A decode
+# step's row count (its batch size) comes back step after step and stays among the most recent; a primitive made
+# again costs 0.7-3 ms (the same machine, [n, 576] x [576, 1536]).
+ONEDNN_CACHE_CAPACITY = 64
 _ONEDNN_CACHE_SETTINGS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
 
