@@ -165,11 +165,11 @@ class LLMEngine:
         each carrying the error, for their streams."""
         return self.output_processor.process_outputs(self.engine_core.fail_all_requests(error)).request_outputs
 
-    # -- LoRA adapters (vLLM's LLMEngine.add_lora / remove_lora / list_loras) --------------------------------
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (see EngineCore.reset_prefix_cache)."""
         return self.engine_core.reset_prefix_cache()
 
+    # -- LoRA adapters (vLLM's LLMEngine.add_lora / remove_lora / list_loras) --------------------------------
     def add_lora(self, lora_request) -> bool:
         """Load an adapter now (requests on it later find it loaded); ValueError for a bad one. Returns whether it
         was read from disk."""

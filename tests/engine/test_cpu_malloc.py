@@ -4,6 +4,7 @@ Each case runs in a subprocess: the setting is process-wide and lasts for the pr
 
 import json
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -219,7 +220,7 @@ NEW_SHAPES = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or not torch.backends.mkldnn.is_available()
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc" or not torch.backends.mkldnn.is_available()
                     or not hasattr(torch.ops.mkldnn, "_linear_pointwise"),
                     reason="glibc's mallinfo2 and torch's oneDNN linear are needed")
 def test_onednn_primitive_caches_are_bounded_unless_the_environment_says_otherwise():
