@@ -294,8 +294,9 @@ class PhaseRun:
     def sync_audit(self) -> None:
         from bench import sync_audit
 
-        self.result["sync_audit"] = sync_audit.run(self.device, tiny=self.dry_run,
-                                                   log=lambda line: print(line, flush=True))
+        self.result["sync_audit"] = {}
+        sync_audit.run(self.device, tiny=self.dry_run, log=lambda line: print(line, flush=True),
+                       results=self.result["sync_audit"], on_progress=self.save)
 
 
 def _headline(run: PhaseRun) -> None:
@@ -343,13 +344,17 @@ def _llama(run: PhaseRun) -> None:
 
 
 def _async(run: PhaseRun) -> None:
+    # The engine's default (async scheduling on CUDA) first, with batch-1 decode on the same engine: the key numbers
+    # of a short lease; then the same workload without async scheduling; the sync audit (one engine per step kind,
+    # saved after each) last, since it is the longest and its kinds are independent of each other.
     run.step("limits", run.peaks) \
-        and run.step("sync audit", run.sync_audit) \
+        and run.step("engine with async scheduling", lambda: run.engine(
+            ["qwen3-0.6b"], ("throughput", "profile", "batch1"), async_scheduling=True,
+            reserve_s=run.budget.remaining() * 0.6)) \
         and run.step("engine without async scheduling", lambda: run.engine(
             ["qwen3-0.6b"], ("throughput", "profile"), async_scheduling=False, key="engine_sync",
-            reserve_s=run.budget.remaining() / 2)) \
-        and run.step("engine with async scheduling", lambda: run.engine(
-            ["qwen3-0.6b"], ("throughput", "profile"), async_scheduling=True))
+            reserve_s=run.budget.remaining() * 0.45)) \
+        and run.step("sync audit", run.sync_audit)
 
 
 def _test_phase(label: str, args: list[str]) -> Callable[[PhaseRun], None]:

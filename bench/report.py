@@ -149,6 +149,15 @@ def markdown(result: dict) -> str:
                   _md_table(list(COLUMNS) + ["note"], [table_cells(r) + [r["note"]] for r in result["rows"]]), ""]
     if result.get("engine"):
         lines += engine_markdown(result["engine"])
+    if result.get("engine_sync"):
+        lines += ["## Without async scheduling", ""] + engine_markdown(result["engine_sync"])[1:]
+    if (result.get("sync_audit") or {}).get("kinds"):
+        lines += ["## Host syncs per step (torch.cuda sync debug mode)", "",
+                  _md_table(["kind", "async scheduling", "steps", "syncs/step", "deliberate reads/step", "origins"],
+                            [[k["kind"], str(k.get("async_scheduling", "-")), str(k.get("steps", "-")),
+                              num(k.get("syncs_per_step"), ".2f"), num(k.get("deliberate_reads_per_step"), ".2f"),
+                              k.get("not_run") or k.get("error") or json.dumps(k.get("origins"))]
+                             for k in result["sync_audit"]["kinds"]]), ""]
     for key, title in (("not_run", "Not run (budget)"), ("kernel_cases_not_run", "Kernel cases not run (budget)"),
                        ("cut", "Cut at the budget"), ("notes", "Notes")):
         if result.get(key):

@@ -119,10 +119,14 @@ def audit_kind(kind: str, model_dir: str, device: torch.device, *, num_requests:
         torch.cuda.empty_cache() if device.type == "cuda" else None
 
 
-def run(device: torch.device, *, tiny: bool, model: str = "qwen3-0.6b", kinds=KINDS, log=print) -> dict:
+def run(device: torch.device, *, tiny: bool, model: str = "qwen3-0.6b", kinds=KINDS, log=print,
+        results: dict | None = None, on_progress=None) -> dict:
+    """Audit each of ``kinds``; ``results`` (a dict to fill in place, so a caller cut at its budget keeps the kinds
+    done) gets a row per kind, and ``on_progress()`` runs after each."""
     from bench import engine_gpu
 
-    results = {"model": model, "kinds": []}
+    results = {} if results is None else results
+    results.update(model=model, kinds=[])
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = engine_gpu.write_config_dir(os.path.join(tmp, model), model, tiny=tiny)
         for kind in kinds:
@@ -136,6 +140,8 @@ def run(device: torch.device, *, tiny: bool, model: str = "qwen3-0.6b", kinds=KI
                                          f"{row['syncs_per_step']} syncs/step, "
                                          f"{row['deliberate_reads_per_step']:.2f} deliberate reads/step, "
                                          f"origins {row['origins']}"))
+            if on_progress is not None:
+                on_progress()
     return results
 
 
