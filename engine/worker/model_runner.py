@@ -848,47 +848,58 @@ class ModelRunner(DecodeGraphs):
         the drafts accepted against them. Their requests have no position-dependent stage (penalties,
         bad words, min_tokens ahead, a grammar): the core proposes for no other."""
         batch = self.input_batch
-        max_k = int(max(num_drafts[row] for row, _ in entries))
+        ks = [int(num_drafts[row]) for row, _ in entries]
+        max_k = max(ks)
         rows = [row for row, _ in entries for _ in range(max_k + 1)]
-        index = [min(first + j, first + int(num_drafts[row])) for row, first in entries for j in range(max_k + 1)]
-        row_logits = logits[torch.tensor(index, device=logits.device)].float()
-        raw_logprobs = torch.log_softmax(row_logits, dim=-1)
+        index = np.array([min(first + j, first + k) for (_, first), k in zip(entries, ks) for j in range(max_k + 1)],
+                         dtype=np.int64)
+        row_logits = logits[self._to_device(index)].float()
+        want_logprobs = any(batch.state_at(row).params.logprobs is not None for row, _ in entries)
+        raw_logprobs = torch.log_softmax(row_logits, dim=-1) if want_logprobs else None
         meta = self.sampling_metadata(rows)
-        processed, row_max, argmax, _ = process_logits(row_logits.clone(), meta)
-        greedy_rows = torch.tensor(meta.greedy, device=logits.device)
-        random = [i for i, greedy in enumerate(meta.greedy) if not greedy]
-        probs = processed
-        if random:
-            probs = processed.clone()
-            random_t = torch.tensor(random, device=logits.device)
-            probs[random_t] = random_probs(processed[random_t], row_max[random_t], meta, random)
+        if self.sampler.sync_free:   # on CUDA: nothing read back but the result, once (below)
+            probs = self.sampler.target_probs(row_logits.clone(), meta)
+        else:
+            processed, row_max, argmax, _ = process_logits(row_logits.clone(), meta)
+            random = [i for i, greedy in enumerate(meta.greedy) if not greedy]
+            probs = processed
+            if random:
+                probs = processed.clone()
+                random_t = torch.tensor(random, device=logits.device)
+                probs[random_t] = random_probs(processed[random_t], row_max[random_t], meta, random)
         vocab = probs.shape[-1]
-        drafts = torch.full((len(entries), max_k), -1, dtype=torch.int64)
-        for j, (row, _) in enumerate(entries):
-            k = int(num_drafts[row])
+        drafts = np.full((len(entries), max_k), -1, dtype=np.int64)
+        for j, ((row, _), k) in enumerate(zip(entries, ks)):
             start = batch.num_tokens[row]
-            drafts[j, :k] = torch.from_numpy(batch.token_ids[row, start:start + k].astype(np.int64))
+            drafts[j, :k] = batch.token_ids[row, start:start + k]
         generators = [batch.state_at(row).generator for row, _ in entries]
         draft_probs = None if self.drafter is None else \
             self.drafter.draft_probs_for([batch.seq_ids[row] for row, _ in entries], max_k, vocab)
-        result = rejection_sample(drafts.to(logits.device),
-                                  torch.tensor([int(num_drafts[row]) for row, _ in entries], device=logits.device),
+        result = rejection_sample(self._to_device(drafts), self._to_device(np.array(ks, dtype=np.int64)),
                                   probs.view(len(entries), max_k + 1, vocab), draft_probs,
-                                  greedy_rows.view(len(entries), max_k + 1)[:, 0],
-                                  generators=generators, default_generator=self.sampler.generator)
-        tokens, accepted = result.output_token_ids.tolist(), result.num_accepted.tolist()
+                                  self._to_device(np.array(meta.greedy[::max_k + 1], dtype=np.bool_)),
+                                  generators=generators, default_generator=self.sampler.generator,
+                                  num_draft_tokens_host=ks)
+        read = self._read_speculative(result)
         for j, (row, _) in enumerate(entries):
             seq_id = batch.seq_ids[row]
-            emitted = tokens[j][:accepted[j] + 1]
+            accepted = read[j][-1]
+            emitted = read[j][:accepted + 1]
             output.sampled_token_ids[seq_id] = emitted
-            output.num_accepted_tokens[seq_id] = accepted[j]
+            output.num_accepted_tokens[seq_id] = accepted
             k = batch.state_at(row).params.logprobs
             if k is not None:
                 lp_rows = raw_logprobs[j * (max_k + 1):j * (max_k + 1) + len(emitted)]
-                emitted_t = torch.tensor(emitted, device=lp_rows.device)
-                sampled = _gather_logprobs(lp_rows, emitted_t, [k] * len(emitted))
+                sampled = _gather_logprobs(lp_rows, result.output_token_ids[j, :len(emitted)], [k] * len(emitted))
                 output.logprobs[seq_id] = SampleLogprobs(sampled.sampled_logprobs, sampled.sampled_ranks,
                                                          sampled.topk_token_ids, sampled.topk_logprobs)
+
+    @staticmethod
+    def _read_speculative(result) -> list[list[int]]:
+        """A speculative step's one read from the device: per request, its output row (drafts then the sampled
+        token, -1 after) and, last, how many drafts it accepted. The next schedule needs them now (speculative
+        steps run without async scheduling)."""
+        return torch.cat([result.output_token_ids, result.num_accepted.unsqueeze(1)], dim=1).tolist()
 
     def _propose(self, output: ModelRunnerOutput, scheduler_output: SchedulerOutput) -> None:
         """Drafts for each sequence's next step, from its tokens and what it emitted now: n-gram lookups, or the

@@ -38,7 +38,8 @@ class RejectionOutput:
 def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor, target_probs: torch.Tensor,
                      draft_probs: torch.Tensor | None, greedy: torch.Tensor, *,
                      generators: list[torch.Generator | None] | None = None,
-                     default_generator: torch.Generator | None = None) -> RejectionOutput:
+                     default_generator: torch.Generator | None = None,
+                     num_draft_tokens_host: list[int] | None = None) -> RejectionOutput:
     """Speculative sampling for a batch.
 
     draft_token_ids: int64 [num_reqs, max_k], request r's drafts in [:num_draft_tokens[r]], -1 after.
@@ -48,6 +49,8 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tens
     draft_probs: float32 [num_reqs, max_k, vocab], the proposer's q_i, or None for a deterministic proposer.
     greedy: bool [num_reqs].
     generators: per request, its own generator (seeded requests) or None for `default_generator`.
+    num_draft_tokens_host: num_draft_tokens as a list, when the caller has it: seeded requests need the counts on
+        the host, which would otherwise read them back from the device.
     """
     num_reqs, max_k = draft_token_ids.shape
     device = target_probs.device
@@ -67,7 +70,8 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tens
     p_draft = target_probs[:, :max_k].gather(2, drafts[..., None]).squeeze(-1)        # [num_reqs, max_k]
     q_draft = (torch.ones_like(p_draft) if draft_probs is None
                else draft_probs.gather(2, drafts[..., None]).squeeze(-1))
-    uniform = _uniform((num_reqs, max_k), device, generators, default_generator, num_draft_tokens)
+    uniform = _uniform((num_reqs, max_k), device, generators, default_generator,
+                       num_draft_tokens if num_draft_tokens_host is None else num_draft_tokens_host)
     random_accept = uniform * q_draft < p_draft    # u < p / q without dividing (q may be 0 where p is too)
     accept = torch.where(greedy[:, None], greedy_accept, random_accept) & is_draft
     # The accepted prefix: positions before the first rejection (cumprod of the accept flags).
@@ -83,7 +87,7 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tens
         at = num_accepted.clamp(max=max_k - 1)   # the rejected position (only used where rejected)
         if draft_probs is None:                  # q is the point mass on the rejected draft: zero its p
             q_final = torch.zeros_like(p_final)
-            q_final[rows, drafts[rows, at]] = 1.0
+            q_final.scatter_(1, drafts[rows, at].unsqueeze(1), 1.0)   # (an index_put here waits for the device)
         else:
             q_final = draft_probs[rows, at]
         residual = torch.where(rejected[:, None], (p_final - q_final).clamp(min=0.0), p_final)
@@ -102,12 +106,13 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tens
 
 
 def _uniform(shape: tuple[int, int], device, generators, default_generator,
-             num_draft_tokens: torch.Tensor) -> torch.Tensor:
+             num_draft_tokens: torch.Tensor | list[int]) -> torch.Tensor:
     """Uniforms in [0, 1): a request with its own generator draws exactly one per draft token from it, so its
     stream does not depend on the other requests' draft lengths."""
     uniform = torch.rand(shape, device=device, generator=default_generator)
     if generators and any(g is not None for g in generators):
-        for row, (generator, k) in enumerate(zip(generators, num_draft_tokens.tolist())):
+        counts = num_draft_tokens.tolist() if isinstance(num_draft_tokens, torch.Tensor) else num_draft_tokens
+        for row, (generator, k) in enumerate(zip(generators, counts)):
             if generator is not None and k:
                 uniform[row, :k].uniform_(generator=generator)
     return uniform

@@ -294,11 +294,25 @@ class Sampler:
     def _sample_on_device(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """The sync-free draw (see the class docstring): the same stages in the same order, every row's greedy and
         random pick computed and the right one taken per row, a dead row's fallback chosen by masks."""
+        argmax, greedy, scaled, dead, fallback = self._process_on_device(logits, meta)
+        sampled = argmax
+        if scaled is not None:
+            uniform = self.uniform(logits.shape[0], logits.device, meta, list(range(logits.shape[0])))
+            drawn = _sample_from_logits(scaled, uniform).clamp_(max=logits.shape[1] - 1)
+            sampled = torch.where(greedy, sampled, drawn)
+        return torch.where(dead, fallback, sampled)
+
+    def _process_on_device(self, logits: torch.Tensor, meta: SamplingMetadata):
+        """The stages before a sync-free draw, in place on logits [num_rows, vocab] float32 (bias, masks,
+        penalties, NaN/inf handled), without reading a value: returns (argmax [num_rows], greedy flags or None,
+        the scaled logits of every row (temperature, min-p, top-k / top-p; None when every row is greedy), dead
+        [num_rows]: rows with nothing left, fallback [num_rows]: their token)."""
         num_rows, vocab_size = logits.shape
         unmasked, mask_rows, grammar_rows, grammar_bitmask = apply_stages(logits, meta)
         _sanitize(logits)
         row_max = logits.amax(dim=-1)
-        sampled = logits.argmax(dim=-1)
+        argmax = logits.argmax(dim=-1)
+        greedy = scaled = None
         if not all(meta.greedy):
             greedy = _flags(meta.greedy, logits.device)
             # A greedy row divides by 1 here (its pick is the argmax anyway); a dead row's values are dropped below.
@@ -312,13 +326,22 @@ class Sampler:
                 top_p = meta.top_p if meta.top_p is not None else [1.0] * num_rows
                 scaled = _top_k_top_p_sorted(scaled, _as_tensor(top_k, logits.device, vocab_size),
                                              _as_tensor(top_p, logits.device))
-            uniform = self.uniform(num_rows, logits.device, meta, list(range(num_rows)))
-            drawn = _sample_from_logits(scaled, uniform).clamp_(max=vocab_size - 1)
-            sampled = torch.where(greedy, sampled, drawn)
         dead = row_max == float("-inf")
         fallback = _fallback_on_device(num_rows, mask_rows, unmasked, grammar_rows, grammar_bitmask, vocab_size,
                                        logits.device)
-        return torch.where(dead, fallback, sampled)
+        return argmax, greedy, scaled, dead, fallback
+
+    def target_probs(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Rejection sampling's target rows (engine/worker/rejection_sampler.py) from logits [num_rows, vocab]
+        (modified in place), on the device without reading a value: a greedy row's processed logits (only their
+        argmax is used), a random row's probabilities after temperature, min-p and top-k / top-p, a dead row a
+        point mass on its fallback token. The sync-free counterpart of process_logits + random_probs."""
+        argmax, greedy, scaled, dead, fallback = self._process_on_device(logits, meta)
+        probs = logits
+        if scaled is not None:
+            probs = torch.where(greedy.unsqueeze(1), logits, torch.softmax(scaled, dim=-1))
+        point = torch.zeros_like(probs).scatter_(1, fallback.unsqueeze(1), 1.0)
+        return torch.where(dead.unsqueeze(1), point, probs)
 
     def _sample_random(self, logits: torch.Tensor, row_max: torch.Tensor, meta: SamplingMetadata,
                        rows: list[int]) -> torch.Tensor:

@@ -6,9 +6,20 @@ import pytest
 from engine.worker.sampler import Sampler
 
 
-@pytest.fixture(autouse=True, params=["host_checks", "sync_free"])
-def sampler_path(request, monkeypatch):
-    if request.param == "sync_free":
+def _use(path: str, monkeypatch) -> str:
+    if path == "sync_free":
         init = Sampler.__init__
         monkeypatch.setattr(Sampler, "__init__", lambda self, **kwargs: init(self, **{**kwargs, "sync_free": True}))
-    return request.param
+    return path
+
+
+@pytest.fixture(autouse=True, params=["host_checks", "sync_free"])
+def sampler_path(request, monkeypatch):
+    return _use(request.param, monkeypatch)
+
+
+@pytest.fixture(params=["host_checks", "sync_free"])
+def both_sampler_paths(request, monkeypatch):
+    """sampler_path for the tests that name it (`@pytest.mark.usefixtures("both_sampler_paths")`), where a module
+    also holds tests that take no fixtures (a hypothesis state machine)."""
+    return _use(request.param, monkeypatch)

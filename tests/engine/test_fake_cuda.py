@@ -239,3 +239,51 @@ def test_async_steps_queue_without_waiting_for_the_device(tiny_model_dir, monkey
         assert resolved == [[0, 1, 2, 3]]   # the first step's ids, read during the second
         # ... and appended to the worker's own batch, so the second step's penalties and bad words saw them.
         assert all(len(runner.input_batch.states[i].token_ids) == len(p) + 1 for i, p in enumerate(prompts))
+
+
+def test_a_speculative_step_reads_the_device_once(tiny_model_dir, monkeypatch):
+    """An n-gram speculative step on the CUDA paths (greedy and sampled rows verifying drafts, seeded and not)
+    queues its verification and rejection sampling without a host sync or pageable copy; its one read is the
+    accepted tokens (ModelRunner._read_speculative, stood in for here: a fake device holds no values). The H200's
+    sync audit counted 8 a step before (2026-11-28)."""
+    from engine.worker.sampler import SampledIds
+    from tests.engine.fake_cuda import no_host_sync
+
+    model_dir = tiny_model_dir("llama")
+    reads = []
+
+    def read_without_values(result):   # the one read: every draft rejected, token 5 sampled after it
+        reads.append(tuple(result.output_token_ids.shape))
+        num_reqs, width = result.output_token_ids.shape
+        return [[5] + [-1] * (width - 1) + [0] for _ in range(num_reqs)]
+
+    monkeypatch.setattr(ModelRunner, "_read_speculative", staticmethod(read_without_values))
+    kinds = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05),
+             SamplingParams(temperature=0.7, seed=3)]
+    prompts = [random_token_ids(9 + i, seed=50 + i) for i in range(len(kinds))]
+    with fake_cuda():
+        config = engine_config(model_dir, device="cuda", max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
+                               num_kv_blocks=64, max_num_seqs=MAX_NUM_SEQS,
+                               max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+                               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+        runner = ModelRunner(config, graph_runner_class=FakeGraphRunner, compile_model=False,
+                             capture_graphs_at_startup=True)
+        monkeypatch.setattr(runner, "_propose", lambda output, scheduler_output: None)   # reads tokens: not here
+        new = [NewSequenceData(seq_id=i, token_ids=prompt, num_prompt_tokens=len(prompt), num_computed_tokens=0,
+                               block_ids=[i], params=params, seed=params.seed, stop_token_ids=[2],
+                               bad_words_token_ids=[])
+               for i, (prompt, params) in enumerate(zip(prompts, kinds))]
+        # The prompt step samples plain rows, read as they are (no async scheduling beside speculation): zeros.
+        monkeypatch.setattr(SampledIds, "resolve", lambda self: setattr(self, "values", [0] * len(self.seq_ids)))
+        runner.execute_model(SchedulerOutput(
+            new_seqs=new, cached_seqs=[], num_scheduled_tokens={i: len(p) for i, p in enumerate(prompts)}))
+        assert not reads
+        decode = [CachedSequenceData(i, [7], 1, [], len(p), token_start=len(p)) for i, p in enumerate(prompts)]
+        drafts = {0: [3, 4, 5], 1: [6, 7], 2: [8]}
+        with no_host_sync():
+            output = runner.execute_model(SchedulerOutput(
+                new_seqs=[], cached_seqs=decode, num_scheduled_tokens={i: 1 + len(drafts[i]) for i in drafts},
+                spec_token_ids=drafts))
+        assert not output.failed, output.failed   # (a sync raised inside sampling fails the rows instead)
+        assert reads == [(3, 4)]
+        assert output.sampled_token_ids == {0: [5], 1: [5], 2: [5]} and output.num_accepted_tokens == {0: 0, 1: 0, 2: 0}

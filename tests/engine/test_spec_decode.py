@@ -15,6 +15,7 @@ from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence
 from tests.engine.block_invariants import assert_refcounts_match_holders, finish_all_and_assert_released
 from tests.engine.models_util import TINY_ARCHITECTURES, random_token_ids
+from tests.engine.sampler_paths import both_sampler_paths  # noqa: F401 (the tests that sample run on both paths)
 
 K = 4
 NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -54,6 +55,7 @@ def draft_dir(tiny_model_dir):
     return tiny_model_dir("qwen3")
 
 
+@pytest.mark.usefixtures("both_sampler_paths")
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
 def test_greedy_speculative_output_equals_plain_output(tiny_model_dir, draft_dir, arch):
     model_dir = tiny_model_dir(arch)
@@ -66,6 +68,7 @@ def test_greedy_speculative_output_equals_plain_output(tiny_model_dir, draft_dir
     assert draft_stats.num_draft_tokens > 0
 
 
+@pytest.mark.usefixtures("both_sampler_paths")
 def test_self_draft_accepts_everything_greedy_and_sampled(llama_dir):
     """The target as its own draft: q = p, so every draft is accepted, greedy or sampled (acceptance
     min(1, p/q) = 1), and a verifying step emits k + 1 tokens."""
@@ -79,6 +82,7 @@ def test_self_draft_accepts_everything_greedy_and_sampled(llama_dir):
         assert all(len(c.token_ids) == params.max_tokens for o in outputs for c in o.outputs)
 
 
+@pytest.mark.usefixtures("both_sampler_paths")
 @pytest.mark.parametrize("mistake", [None, 0, 2])
 def test_oracle_drafts_right_partly_right_and_wrong(llama_dir, monkeypatch, mistake):
     """Proposals taken from the plain run's own continuation, with one token wrong at `mistake` (None: all
@@ -126,6 +130,7 @@ def test_preemption_prefix_caching_and_chunked_prefill(llama_dir, draft_dir, pro
         assert _tokens(outputs) == expected and stats.num_drafts > 0
 
 
+@pytest.mark.usefixtures("both_sampler_paths")
 def test_parallel_sampling_logprobs_and_stopping_inside_a_draft(llama_dir, monkeypatch):
     """n = 2 (greedy: identical completions), logprobs of every token, a stop token, a stop string and
     max_tokens / min_tokens that end inside a draft (oracle drafts, all right, so every step proposes k)."""
