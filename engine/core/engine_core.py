@@ -33,7 +33,7 @@ from engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.executor import WorkerDiedError
 from engine.executor.executor import launched_rank, make_executor, run_launched_worker
 from engine.outputs import EngineMetrics, SpecDecodeStats
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.step_records import ModelRunnerOutput, PromptLogprobs
 
 logger = logging.getLogger("engine")
@@ -624,7 +624,19 @@ class EngineCore:
             if group.is_finished:
                 self.requests.pop(request_id, None)
                 group.seqs[0].metrics.finished_time = now
-        return [self._make_output(group) for group in groups.values()]
+        return [self._make_output(group) for group in groups.values() if self._emits_now(group)]
+
+    @staticmethod
+    def _emits_now(group: SequenceGroup) -> bool:
+        """Whether a request that gained tokens this step sends its output now: always when it streams (DELTA or
+        CUMULATIVE), has stop strings (the output processor looks for them in each step's text), is a beam
+        search, finished or failed; a FINAL_ONLY request (LLM.generate's) otherwise waits for its end, whose
+        output carries every token since (_make_output sends what was not sent). At 256 running requests, building
+        and processing the outputs nobody reads was a fifth of the host's step (the H200 profile of 2026-11-28)."""
+        if group.is_finished or group.error is not None or group.beam is not None:
+            return True
+        params = group.seqs[0].params
+        return params.output_kind is not RequestOutputKind.FINAL_ONLY or bool(params.stop)
 
     def _update_seq(self, seq: Sequence, runner_output: ModelRunnerOutput, groups: dict[str, SequenceGroup],
                     positions: dict[str, int], now: float) -> None:

@@ -54,9 +54,12 @@ class SequenceState:
     allowed_tensor: torch.Tensor | None = None
     # The LoRA adapter its tokens run with (engine.lora.LoRARequest), None for the base model.
     lora_request: object | None = None
+    # uses_penalties, kept: appending a token asks it every step.
+    penalized: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
-        if self.uses_penalties:
+        self.penalized = self.uses_penalties
+        if self.penalized:
             self.unique_output_ids = dict.fromkeys(self.token_ids[self.num_prompt_tokens:])
         if self.bad_words_token_ids and not isinstance(self.bad_words_token_ids, BadWords):
             self.bad_words_token_ids = BadWords(self.bad_words_token_ids)   # indexed once (see BadWords)
@@ -69,8 +72,13 @@ class SequenceState:
 
     def append(self, token_ids: list[int]) -> None:
         self.token_ids += token_ids
-        if self.uses_penalties:
+        if self.penalized:
             self.unique_output_ids.update(dict.fromkeys(token_ids))
+
+    def append_one(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        if self.penalized:
+            self.unique_output_ids[token_id] = None
 
     @property
     def special(self) -> bool:
@@ -159,8 +167,10 @@ class InputBatch:
         self.condense()
         for new in out.new_seqs:
             self.states[new.seq_id] = SequenceState.from_new(new, self.device)
+        states, row_of = self.states, self.row_of
+        rows, computed = [], []   # rows that only advance their computed count (most decode steps): set at once
         for cached in out.cached_seqs:
-            state = self.states[cached.seq_id]
+            state = states[cached.seq_id]
             new_token_ids = cached.new_token_ids
             if cached.token_start is not None:   # skip the tokens this worker sampled and appended itself
                 held = len(state.token_ids) - cached.token_start
@@ -168,13 +178,22 @@ class InputBatch:
                     raise RuntimeError(f"sequence {cached.seq_id}: the core's tokens start at {cached.token_start}, "
                                        f"past the worker's {len(state.token_ids)}")
                 new_token_ids = new_token_ids[held:]
-            state.append(new_token_ids)
-            del state.block_ids[cached.block_ids_from:]
-            state.block_ids += cached.new_block_ids
+            if new_token_ids:
+                state.append(new_token_ids)
+            if cached.new_block_ids or cached.block_ids_from < len(state.block_ids):
+                del state.block_ids[cached.block_ids_from:]
+                state.block_ids += cached.new_block_ids
             state.num_computed_tokens = cached.num_computed_tokens
-            row = self.row_of.get(cached.seq_id)
-            if row is not None:
+            row = row_of.get(cached.seq_id)
+            if row is None:
+                continue
+            if new_token_ids or cached.new_block_ids:
                 self._append_to_row(row, cached, new_token_ids)
+            else:
+                rows.append(row)
+                computed.append(cached.num_computed_tokens)
+        if rows:
+            self.num_computed_tokens[rows] = computed
         for seq_id in in_step:
             if seq_id not in self.row_of:
                 self._add_row(self.states[seq_id])
@@ -215,6 +234,25 @@ class InputBatch:
             start = self.num_tokens[row]
             self.token_ids[row, start:start + len(token_ids)] = token_ids
             self.num_tokens[row] = start + len(token_ids)
+
+    def append_sampled_ids(self, seq_ids: list[int], token_ids: list[int], lengths: list[int]) -> None:
+        """append_sampled for one token each (a plain sampling step's ids: token_ids[i] for seq_ids[i], which had
+        lengths[i] tokens then), the rows' arrays written at once."""
+        states, row_of = self.states, self.row_of
+        rows, tokens = [], []
+        for seq_id, token_id, at in zip(seq_ids, token_ids, lengths):
+            state = states.get(seq_id)
+            if state is None or len(state.token_ids) != at:
+                continue
+            state.append_one(token_id)
+            row = row_of.get(seq_id)
+            if row is not None:
+                rows.append(row)
+                tokens.append(token_id)
+        if rows:
+            index = np.array(rows, dtype=np.int64)
+            self.token_ids[index, self.num_tokens[index]] = tokens
+            self.num_tokens[index] += 1
 
     def _append_to_row(self, row: int, cached: CachedSequenceData, new: list[int]) -> None:
         start = self.num_tokens[row]

@@ -627,8 +627,11 @@ class ModelRunner(DecodeGraphs):
         if pending is None or not self._is_driver():
             return
         pending.resolve()
-        for seq_id, token_ids in pending.tokens().items():
-            self.input_batch.append_sampled(seq_id, token_ids, at=pending.host_lengths[seq_id])
+        kept = [j for j, seq_id in enumerate(pending.seq_ids) if seq_id not in pending.failed] if pending.failed \
+            else range(len(pending.seq_ids))
+        seq_ids = [pending.seq_ids[j] for j in kept]
+        self.input_batch.append_sampled_ids(seq_ids, [pending.values[j] for j in kept],
+                                            [pending.host_lengths[seq_id] for seq_id in seq_ids])
 
     def _is_driver(self) -> bool:
         from engine.distributed.parallel_state import get_tp_rank

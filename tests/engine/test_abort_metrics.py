@@ -230,3 +230,65 @@ class EngineCoreMachine(RuleBasedStateMachine):
 TestEngineCoreMachine = EngineCoreMachine.TestCase
 TestEngineCoreMachine.settings = settings(max_examples=120, stateful_step_count=40, deadline=None,
                                           suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_final_only_requests_get_one_output_with_every_token(llama_dir, async_scheduling):
+    """A FINAL_ONLY request (LLM.generate's) without stop strings gets no output before it ends, and that one output
+    holds what a streamed twin's last holds (tokens, logprobs, finish reason, token counts); with stop strings it
+    goes out every step (the output processor looks for them in each step's text); aborted midway, it returns every
+    token generated so far, as its streamed twin does."""
+    from engine.sampling_params import RequestOutputKind
+
+    engine = make_engine(llama_dir, async_scheduling=async_scheduling)
+    final = RequestOutputKind.FINAL_ONLY
+    base = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    requests = {"streamed": base, "final": base.final_only(),
+                "final-stop": SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2,
+                                             stop=["\x00never"], output_kind=final),
+                "sampled-n2": SamplingParams(temperature=0.9, seed=4, n=2, max_tokens=9, ignore_eos=True),
+                "sampled-n2-final": SamplingParams(temperature=0.9, seed=4, n=2, max_tokens=9, ignore_eos=True,
+                                                   output_kind=final),
+                "abort-streamed": SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True),
+                "abort-final": SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True, output_kind=final)}
+    for request_id, params in requests.items():
+        engine.add_request(request_id, {"prompt_token_ids": PROMPT_40}, params)
+    seen: dict[str, list] = {request_id: [] for request_id in requests}
+    core_outputs: dict[str, int] = {request_id: 0 for request_id in requests}   # what the core sent, per request
+    core_step = engine.engine_core.step
+
+    def counted_step():
+        outputs = core_step()
+        for out in outputs:
+            core_outputs[out.request_id] += 1
+        return outputs
+
+    engine.engine_core.step = counted_step
+    aborted = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+        steps += 1
+        if steps == 6:
+            aborted = {request_id: engine.abort_request(request_id) for request_id in ("abort-streamed", "abort-final")}
+    assert [o.finished for o in seen["final"]] == [True]
+    assert [o.finished for o in seen["sampled-n2-final"]] == [True]
+    assert not seen["abort-final"] and len(seen["abort-streamed"]) >= 2
+    assert core_outputs["final"] == core_outputs["sampled-n2-final"] == 1 and core_outputs["abort-final"] == 0
+    assert core_outputs["final-stop"] == core_outputs["streamed"] >= 12   # every step's, for its stop strings
+
+    def completions(output):
+        return [(c.index, c.token_ids, c.finish_reason, c.cumulative_logprob,
+                 None if c.logprobs is None else [{t: lp.logprob for t, lp in e.items()} for e in c.logprobs])
+                for c in output.outputs]
+
+    assert completions(seen["final"][0]) == completions(seen["streamed"][-1])
+    assert completions(seen["final-stop"][-1]) == completions(seen["streamed"][-1])
+    assert completions(seen["sampled-n2-final"][0]) == completions(seen["sampled-n2"][-1])
+    assert seen["final"][0].metrics.num_output_tokens == seen["streamed"][-1].metrics.num_output_tokens == 12
+    abort_streamed, abort_final = aborted["abort-streamed"], aborted["abort-final"]
+    assert abort_final.outputs[0].finish_reason == abort_streamed.outputs[0].finish_reason == "abort"
+    assert abort_final.outputs[0].token_ids == abort_streamed.outputs[0].token_ids
+    assert len(abort_final.outputs[0].token_ids) >= 4
+    assert_everything_free(engine)
