@@ -199,7 +199,10 @@ class BlockManager:
         if num_computed_tokens is None:
             num_computed_tokens = seq.num_computed_tokens
         # Computed tokens past the sequence's tokens are accepted drafts not appended yet: not counted until then.
-        num_full = min(min(num_computed_tokens, seq.num_tokens) // self.block_size, len(seq.block_table))
+        block_table = seq.block_table
+        num_full = min(min(num_computed_tokens, len(seq.token_ids)) // self.block_size, len(block_table))
+        if num_full == 0 or self.blocks[block_table[num_full - 1]].hash != -1:
+            return   # nothing full, or every full block registered already (most steps)
         # Registered blocks form a prefix of the table (held blocks are never evicted): find where it ends.
         first = num_full
         while first > 0 and self.blocks[seq.block_table[first - 1]].hash == -1:

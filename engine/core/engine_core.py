@@ -618,25 +618,29 @@ class EngineCore:
                 logger.exception("processing the output of request %r failed", seq.request_id)
                 groups[seq.request_id] = seq.group
                 self._fail_group(seq.group, f"{type(error).__name__}: {error}")
+        outputs = []
         for request_id, group in groups.items():
             # One token position per step for all of a request's sequences (several under speculation).
-            group.seqs[0].metrics.num_output_tokens += positions.get(request_id, 0)
+            metrics = group.seqs[0].metrics
+            metrics.num_output_tokens += positions.get(request_id, 0)
             if group.is_finished:
                 self.requests.pop(request_id, None)
-                group.seqs[0].metrics.finished_time = now
-        return [self._make_output(group) for group in groups.values() if self._emits_now(group)]
+                metrics.finished_time = now
+                outputs.append(self._make_output(group))
+            elif self._emits_every_step(group):
+                outputs.append(self._make_output(group))
+        return outputs
 
     @staticmethod
-    def _emits_now(group: SequenceGroup) -> bool:
-        """Whether a request that gained tokens this step sends its output now: always when it streams (DELTA or
-        CUMULATIVE), has stop strings (the output processor looks for them in each step's text), is a beam
-        search, finished or failed; a FINAL_ONLY request (LLM.generate's) otherwise waits for its end, whose
-        output carries every token since (_make_output sends what was not sent). At 256 running requests, building
-        and processing the outputs nobody reads was a fifth of the host's step (the H200 profile of 2026-11-28)."""
-        if group.is_finished or group.error is not None or group.beam is not None:
-            return True
+    def _emits_every_step(group: SequenceGroup) -> bool:
+        """Whether a running request that gained tokens this step sends its output now: when it streams (DELTA or
+        CUMULATIVE), has stop strings (the output processor looks for them in each step's text), is a beam search
+        or failed; a FINAL_ONLY request (LLM.generate's) otherwise waits for its end, whose output carries every
+        token since (_make_output sends what was not sent). At 256 running requests, building and processing the
+        outputs nobody reads was a fifth of the host's step (the H200 profile of 2026-11-28)."""
         params = group.seqs[0].params
-        return params.output_kind is not RequestOutputKind.FINAL_ONLY or bool(params.stop)
+        return (params.output_kind is not RequestOutputKind.FINAL_ONLY or bool(params.stop)
+                or group.error is not None or group.beam is not None)
 
     def _update_seq(self, seq: Sequence, runner_output: ModelRunnerOutput, groups: dict[str, SequenceGroup],
                     positions: dict[str, int], now: float) -> None:
@@ -649,16 +653,18 @@ class EngineCore:
             seq.finish_reason = "length"
             self.scheduler.finish(seq)
             return
-        tokens = runner_output.sampled_token_ids[seq.seq_id]
-        logprobs = runner_output.logprobs.get(seq.seq_id)
+        seq_id = seq.seq_id
+        tokens = runner_output.sampled_token_ids[seq_id]
+        logprobs = runner_output.logprobs.get(seq_id) if runner_output.logprobs else None
         num_drafts = len(seq.spec_token_ids)
         if num_drafts:
             self.spec_decode_stats.record(num_drafts, len(tokens) - 1)
-        if seq.guided is not None and seq.guided.error is not None:
-            raise RuntimeError(f"guided decoding: {seq.guided.error}")
+        guided = seq.guided
+        if guided is not None and guided.error is not None:
+            raise RuntimeError(f"guided decoding: {guided.error}")
         appended = 0
         for j, token_id in enumerate(tokens):
-            if seq.guided is not None and not seq.guided.accept(token_id):
+            if guided is not None and not guided.accept(token_id):
                 # Only the sampler's last-resort fallback can pick a token the grammar forbids (see sampler.py),
                 # and only when the grammar allows no token at all: it dead-ends here. The request's grammar is
                 # at fault (a client error naming guided_decoding), not the engine.
@@ -673,7 +679,7 @@ class EngineCore:
             if logprobs is not None:
                 self._append_logprobs(seq, token_id, logprobs, j)
             self._check_stop(seq, token_id)
-            if seq.finish_reason is None and seq.guided is not None and seq.guided.is_terminated:
+            if seq.finish_reason is None and guided is not None and guided.is_terminated:
                 seq.finish_reason = "stop"   # the grammar is complete: nothing more may follow
             if seq.finish_reason is not None:
                 break
@@ -689,7 +695,9 @@ class EngineCore:
             # The accepted drafts are tokens now: their blocks can be registered; rejected ones' blocks go.
             self.block_manager.cache_full_blocks(seq)
             self.block_manager.trim(seq)
-        seq.spec_token_ids = self._next_drafts(seq, runner_output.spec_token_ids.get(seq.seq_id))
+        drafts = runner_output.spec_token_ids.get(seq_id) if runner_output.spec_token_ids else None
+        if drafts or num_drafts:
+            seq.spec_token_ids = self._next_drafts(seq, drafts)
 
     def _next_drafts(self, seq: Sequence, drafts: list[int] | None) -> list[int]:
         """The drafts `seq` verifies next step: what the worker proposed, cut so that every token they could
