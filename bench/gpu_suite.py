@@ -20,8 +20,8 @@
    against 16-bit-KV decode.
 9. tune (300 s): the prefill kernel's launch configurations on the target shape against SDPA-flash (which tiles
    launch_config should pick on this GPU).
-10. async (540 s): host syncs per step kind under torch.cuda.set_sync_debug_mode (bench/sync_audit.py), then the
-   Qwen3-0.6B-shape throughput and step profile without and with async scheduling, side by side.
+10. async (540 s): the Qwen3-0.6B-shape throughput and step profile with async scheduling (and batch-1 decode) and
+   without it, side by side; then host syncs per step kind under torch.cuda.set_sync_debug_mode (bench/sync_audit.py).
 11. moe (540 s): the mixture-of-experts layer (pagedkernels.fused_moe) at Qwen3-30B-A3B's shape, 1 / 16 / 64 tokens
    against copy bandwidth (the routed experts' weights) and 4096 against the bf16 matmul rate, Mixtral-8x7B's at 1
    and 4096, each against the per-expert loop; then the engine on a Qwen3-30B-A3B-shaped dummy model (61 GB of
