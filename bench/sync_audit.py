@@ -11,7 +11,7 @@ mode off and is counted apart. Kinds:
 - ``decode_greedy``: greedy rows (the nano-vllm workload's);
 - ``decode_sampled``: temperature with top-k, top-p, min-p and repetition/presence penalties, some rows seeded;
 - ``speculative``: n-gram speculative decoding (which runs without async scheduling: its rejection sampling reads
-  the accepted counts on the host);
+  the accepted counts on the host, ModelRunner._read_speculative, counted apart as ``speculative_reads_per_step``);
 - ``guided``: a regex grammar (xgrammar; not on the GPU image, reported as not run there).
 
 On CPU (``--dry-run``, CI) the same code runs with tiny shapes and no counting (there is no device to wait for).
@@ -89,6 +89,24 @@ def audit_kind(kind: str, model_dir: str, device: torch.device, *, num_requests:
                 torch.cuda.set_sync_debug_mode(mode)
 
         sampler_module.SampledIds.resolve = resolve_counted
+        # A speculative step's read of its tokens and accepted counts (ModelRunner._read_speculative: the next
+        # schedule needs them, so these steps run without async scheduling): counted apart too, and reported.
+        from engine.worker.model_runner import ModelRunner
+        read_speculative = ModelRunner.__dict__["_read_speculative"]
+        speculative_reads = [0]
+
+        def read_speculative_counted(result):
+            speculative_reads[0] += 1
+            if not counting:
+                return read_speculative.__func__(result)
+            mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode(0)
+            try:
+                return read_speculative.__func__(result)
+            finally:
+                torch.cuda.set_sync_debug_mode(mode)
+
+        ModelRunner._read_speculative = staticmethod(read_speculative_counted)
         per_step, origins = [], collections.Counter()
         try:
             for _ in range(MEASURED_STEPS):
@@ -109,10 +127,12 @@ def audit_kind(kind: str, model_dir: str, device: torch.device, *, num_requests:
                     origins[f"{os.path.basename(w.filename)}:{w.lineno}"] += 1
         finally:
             sampler_module.SampledIds.resolve = resolve
+            ModelRunner._read_speculative = read_speculative
         steps = max(len(per_step), 1)
         return {"kind": kind, "steps": len(per_step), "async_scheduling": engine.config.scheduler_config.async_scheduling,
                 "syncs_per_step": sum(per_step) / steps if counting else None, "syncs_each_step": per_step if counting
-                else None, "deliberate_reads_per_step": deliberate[0] / steps, "origins": dict(origins.most_common(8))}
+                else None, "deliberate_reads_per_step": deliberate[0] / steps,
+                "speculative_reads_per_step": speculative_reads[0] / steps, "origins": dict(origins.most_common(8))}
     finally:
         engine.shutdown()
         del llm, engine
@@ -139,6 +159,7 @@ def run(device: torch.device, *, tiny: bool, model: str = "qwen3-0.6b", kinds=KI
             log(f"sync audit {kind}: " + (row.get("not_run") or row.get("error") or
                                          f"{row['syncs_per_step']} syncs/step, "
                                          f"{row['deliberate_reads_per_step']:.2f} deliberate reads/step, "
+                                         f"{row['speculative_reads_per_step']:.2f} speculative reads/step, "
                                          f"origins {row['origins']}"))
             if on_progress is not None:
                 on_progress()

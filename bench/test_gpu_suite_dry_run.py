@@ -231,6 +231,9 @@ def _async(result):
         assert row["steps"] > 0 and row["syncs_per_step"] is None   # counted on CUDA only
         # Async scheduling where it applies: its one-step-late reads happened; speculation runs without it.
         assert row["async_scheduling"] is False   # the engine's default on CPU
+    # The speculative step's one read is counted apart (it verified drafts in some of its steps).
+    assert audit["speculative"]["speculative_reads_per_step"] > 0
+    assert all(audit[kind]["speculative_reads_per_step"] == 0 for kind in ("decode_greedy", "decode_sampled"))
     without, with_async = (result[key]["models"]["qwen3-0.6b"] for key in ("engine_sync", "engine"))
     assert without["async_scheduling"] is False and with_async["async_scheduling"] is True
     assert without["engine"]["complete"] and with_async["engine"]["complete"]
