@@ -33,6 +33,7 @@ Every part checks a ``bench.budget.Budget`` and stops cleanly, marking what it c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -205,26 +206,14 @@ def step_profile(llm, requests, temperature: float, steps: tuple[int, int] = PRO
         engine.add_request(f"profile-{i}", {"prompt_token_ids": prompt},
                            SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True,
                                           output_kind=RequestOutputKind.FINAL_ONLY))
-    executor = engine.executor
-    real_execute = executor.execute_model
-    inside = [0.0]
-
-    def timed_execute(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return real_execute(*args, **kwargs)
-        finally:
-            inside[0] += time.perf_counter() - start
-
     for _ in range(steps[0]):
         if engine.has_unfinished_requests():
             engine.step()
     synchronize(engine.device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
-    executor.execute_model = timed_execute
     ran = 0
     try:
-        with profile(activities=activities) as prof:
+        with timed_execute_model(engine) as inside, profile(activities=activities) as prof:
             start = time.perf_counter()
             for _ in range(steps[1] - steps[0]):
                 if not engine.has_unfinished_requests():
@@ -233,10 +222,8 @@ def step_profile(llm, requests, temperature: float, steps: tuple[int, int] = PRO
                 ran += 1
             synchronize(engine.device)
             wall = time.perf_counter() - start
-        executor.execute_model = real_execute  # (the cProfile pass runs the engine as it is)
-        python = python_profile(engine, steps[1] - steps[0], top)
+        python = python_profile(engine, steps[1] - steps[0], top)   # (the engine as it is, untimed)
     finally:
-        executor.execute_model = real_execute
         for request_id in list(engine.requests):
             engine.abort_request(request_id)
     events = prof.key_averages()
@@ -251,6 +238,28 @@ def step_profile(llm, requests, temperature: float, steps: tuple[int, int] = PRO
             "top_cpu_ops": [{"name": e.key[:120], "self_ms_per_step": e.self_cpu_time_total / 1e3 / ran,
                              "calls": e.count} for e in cpu_ops[:top]],
             "python": python}
+
+
+@contextlib.contextmanager
+def timed_execute_model(engine):
+    """Inside, the engine's ``executor.execute_model`` adds its wall time (seconds) to the yielded list's one entry
+    (the runner's share of a step: the batch's update, inputs, forward, sampling); restored on exit."""
+    executor = engine.executor
+    real_execute = executor.execute_model
+    inside = [0.0]
+
+    def timed_execute(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return real_execute(*args, **kwargs)
+        finally:
+            inside[0] += time.perf_counter() - start
+
+    executor.execute_model = timed_execute
+    try:
+        yield inside
+    finally:
+        executor.execute_model = real_execute
 
 
 def device_us(event) -> float:

@@ -9,16 +9,14 @@ host bounds the step. That Python is the same on CPU, so this measures it here: 
 LLM.generate's FINAL_ONLY outputs (async scheduling on by default, as on CUDA), ``--steps`` steps timed ``--reps``
 times. Reported: the whole step, the time inside the executor's ``execute_model`` (the runner: the batch's update,
 inputs, the forward, sampling) and the rest (the core and the output path), min and median over the repeats.
-``--profile``: the functions with the most own time under cProfile. Numbers mean something only side by side
-(the commit before and after, alternating, on a quiet machine)."""
+``--profile``: the functions with the most own time under cProfile (bench.engine_gpu's python_profile). Numbers
+mean something only side by side (the commit before and after, alternating, on a quiet machine)."""
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
 import os
 import platform
-import pstats
 import random
 import statistics
 import tempfile
@@ -27,6 +25,7 @@ import time
 
 def run(num_seqs: int = 256, steps: int = 40, reps: int = 5, async_scheduling: bool = True, profile: bool = False,
         top: int = 25, log=print) -> dict:
+    from bench.engine_gpu import python_profile, timed_execute_model
     from engine import LLM, SamplingParams
     from engine.sampling_params import RequestOutputKind
 
@@ -53,28 +52,16 @@ def run(num_seqs: int = 256, steps: int = 40, reps: int = 5, async_scheduling: b
                                                   output_kind=RequestOutputKind.FINAL_ONLY))
             for _ in range(warmup):   # prefills done, every request decoding
                 engine.step()
-            executor = engine.executor
-            real_execute = executor.execute_model
-            inside = [0.0]
-
-            def timed_execute(*args, **kwargs):
-                start = time.perf_counter()
-                try:
-                    return real_execute(*args, **kwargs)
-                finally:
-                    inside[0] += time.perf_counter() - start
-
-            executor.execute_model = timed_execute
             rows = []
-            for _ in range(reps):
-                inside[0] = 0.0
-                start = time.perf_counter()
-                for _ in range(steps):
-                    engine.step()
-                wall = time.perf_counter() - start
-                rows.append({"step_ms": wall / steps * 1e3, "execute_model_ms": inside[0] / steps * 1e3,
-                             "outside_ms": (wall - inside[0]) / steps * 1e3})
-            executor.execute_model = real_execute
+            with timed_execute_model(engine) as inside:
+                for _ in range(reps):
+                    inside[0] = 0.0
+                    start = time.perf_counter()
+                    for _ in range(steps):
+                        engine.step()
+                    wall = time.perf_counter() - start
+                    rows.append({"step_ms": wall / steps * 1e3, "execute_model_ms": inside[0] / steps * 1e3,
+                                 "outside_ms": (wall - inside[0]) / steps * 1e3})
             result = {"num_seqs": num_seqs, "steps": steps, "reps": reps, "async_scheduling": async_scheduling,
                       "cpu": platform.processor() or platform.machine(), "runs": rows}
             for key in ("step_ms", "execute_model_ms", "outside_ms"):
@@ -83,19 +70,9 @@ def run(num_seqs: int = 256, steps: int = 40, reps: int = 5, async_scheduling: b
             log(f"{num_seqs} running, async scheduling {'on' if async_scheduling else 'off'}: step "
                 f"{result['step_ms']['min']:.2f} ms (median {result['step_ms']['median']:.2f}), execute_model "
                 f"{result['execute_model_ms']['min']:.2f} ms, the rest {result['outside_ms']['min']:.2f} ms")
-            if profile:
-                profiler = cProfile.Profile()
-                profiler.enable()
-                for _ in range(steps):
-                    engine.step()
-                profiler.disable()
-                stats = pstats.Stats(profiler).stats
-                ranked = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
-                result["top_own_time"] = [
-                    {"function": f"{os.path.basename(k[0])}:{k[1]}({k[2]})", "own_ms_per_step": v[2] / steps * 1e3,
-                     "cumulative_ms_per_step": v[3] / steps * 1e3, "calls_per_step": v[0] / steps}
-                    for k, v in ranked]
-                for row in result["top_own_time"]:
+            if profile:   # bench.engine_gpu's: `steps` plain steps, then `steps` under cProfile
+                result["python"] = python_profile(engine, steps, top)
+                for row in result["python"]["top_own_time"]:
                     log(f"  {row['own_ms_per_step']:7.3f} ms own {row['cumulative_ms_per_step']:7.3f} ms cum "
                         f"{row['calls_per_step']:8.1f} calls  {row['function']}")
             return result

@@ -16,5 +16,5 @@ def test_small_run_splits_the_step_and_writes_the_report(tmp_path):
         assert row["step_ms"] > 0 and row["execute_model_ms"] > 0
         assert abs(row["execute_model_ms"] + row["outside_ms"] - row["step_ms"]) < 1e-6
     assert report["step_ms"]["min"] <= report["step_ms"]["median"]
-    profile = report["top_own_time"]
+    profile = report["python"]["top_own_time"]
     assert profile and all(0 <= row["own_ms_per_step"] <= row["cumulative_ms_per_step"] + 1e-9 for row in profile)

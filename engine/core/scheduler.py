@@ -342,8 +342,8 @@ class Scheduler:
             else:
                 token_ids, sent = seq.token_ids, seq.num_tokens_sent
                 block_table, synced = seq.block_table, seq.block_table_synced
-                # (positional: the fields' order, seq_id, new_token_ids, block_ids_from, new_block_ids,
-                # num_computed_tokens, token_start; the keywords cost a tenth of the step's diff at 256 rows)
+                # Positional, in the fields' order: seq_id, new_token_ids, block_ids_from, new_block_ids,
+                # num_computed_tokens, token_start (one record per scheduled sequence per step).
                 cached_seqs.append(CachedSequenceData(seq_id, token_ids[sent:], synced, block_table[synced:],
                                                       seq.num_computed_tokens, sent))
                 seq.num_tokens_sent = len(token_ids)
@@ -432,7 +432,6 @@ class Scheduler:
         num_accepted_tokens = num_accepted_tokens or {}
         self.commit(step)
         computed, spec = step.computed, step.output.spec_token_ids
-        cache_full_blocks = self.block_manager.cache_full_blocks if self.block_manager.enable_prefix_caching else None
         finished = SequenceStatus.FINISHED
         for seq, _ in step.scheduled:
             epoch, num_computed = computed[seq.seq_id]
@@ -444,8 +443,7 @@ class Scheduler:
                     num_rejected = num_drafts - num_accepted_tokens.get(seq.seq_id, 0)
                     seq.num_computed_tokens -= num_rejected
                     num_computed -= num_rejected
-            if cache_full_blocks is not None:
-                cache_full_blocks(seq, num_computed)
+            self.block_manager.cache_full_blocks(seq, num_computed)
         placeholders = step.num_placeholders
         for seq in step.samples:
             seq.num_output_placeholders -= placeholders[seq.seq_id]
