@@ -308,6 +308,21 @@ def _elementwise_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None
                 pk.rotary_embedding(positions, q, None, cos_sin, is_neox=is_neox, head_size=head_size)
             yield (f"rotary {name} heads={num_q_heads}/{num_kv_heads} head={head_size} rot={rot_dim} "
                    f"{'neox' if is_neox else 'gptj'}"), rotary
+        # Qwen3's q/k norm and rotary in one launch: Qwen3-0.6B, Qwen3-30B-A3B, and a partial GPT-J rotary.
+        for num_q_heads, num_kv_heads, head_size, rot_dim, is_neox in ((16, 8, 128, 128, True), (32, 4, 128, 128, True),
+                                                                        (16, 16, 256, 64, False)):
+            def qk_norm_rotary(gen, dtype=dtype, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                               head_size=head_size, rot_dim=rot_dim, is_neox=is_neox):
+                cos_sin = pk.compute_cos_sin_cache(64, rot_dim, 10000.0)
+                positions = torch.tensor([0, 5, 63])
+                qkv = _randn(3, (num_q_heads + 2 * num_kv_heads) * head_size, dtype=dtype, generator=gen)
+                q = qkv[:, : num_q_heads * head_size]
+                k = qkv[:, num_q_heads * head_size: (num_q_heads + num_kv_heads) * head_size]
+                pk.qk_norm_rotary_embedding(positions, q, k, _randn(head_size, dtype=dtype, generator=gen),
+                                            _randn(head_size, dtype=dtype, generator=gen), 1e-6, cos_sin,
+                                            is_neox=is_neox, head_size=head_size)
+            yield (f"qk_norm_rotary {name} heads={num_q_heads}/{num_kv_heads} head={head_size} rot={rot_dim} "
+                   f"{'neox' if is_neox else 'gptj'}"), qk_norm_rotary
         def silu(gen, dtype=dtype):
             pk.silu_and_mul(_randn(3, 2 * 1536, dtype=dtype, generator=gen))
         yield f"silu_and_mul {name}", silu
@@ -563,6 +578,7 @@ VALUE_CONSTEXPRS = {
     "_prefill_attention_kernel": ("GROUP", "GROUP_PAD", "HEAD_DIM", "BLOCK_SIZE", "BLOCK_Q", "SLIDING_WINDOW",
                                   "USE_SOFTCAP"),
     "_rotary_kernel": ("Q_HEAD_BLOCKS", "K_HEAD_BLOCKS"),
+    "_qk_norm_rotary_kernel": ("Q_HEAD_BLOCKS", "K_HEAD_BLOCKS"),
     "_fused_moe_kernel": ("A_ROW_DIV",),
     "_moe_sum_kernel": ("TOP_K",),
 }

@@ -45,20 +45,21 @@ from .moe_topk import moe_topk as _moe_topk
 from .prefill_attention import paged_prefill_attention as _paged_prefill_attention
 from .rms_norm import fused_add_rms_norm as _fused_add_rms_norm
 from .rms_norm import rms_norm as _rms_norm
+from .rotary import qk_norm_rotary_embedding as _qk_norm_rotary_embedding
 from .rotary import rotary_embedding as _rotary_embedding
 from .w16_gemm import w16_gemm as _w16_gemm
 from .wq_gemm import wq_gemm as _wq_gemm
 
 __all__ = ["reshape_and_cache", "paged_decode_attention", "paged_prefill_attention", "rms_norm",
-           "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "wq_gemm", "gguf_gemm", "gguf_dequantize",
-           "fp8_gemm", "w16_gemm", "moe_topk", "moe_align_block_size", "fused_moe", "lora_shrink", "lora_expand",
-           "OPS"]
+           "fused_add_rms_norm", "rotary_embedding", "qk_norm_rotary_embedding", "silu_and_mul", "wq_gemm",
+           "gguf_gemm", "gguf_dequantize", "fp8_gemm", "w16_gemm", "moe_topk", "moe_align_block_size", "fused_moe",
+           "lora_shrink", "lora_expand", "OPS"]
 
 # Every op this module registers, by its name under torch.ops.pagedkernels.
 OPS = ("reshape_and_cache", "paged_decode_attention", "paged_decode_attention_workspace", "paged_prefill_attention",
-       "rms_norm", "fused_add_rms_norm_", "rotary_embedding", "silu_and_mul", "wq_gemm", "gguf_gemm",
-       "gguf_dequantize", "fp8_gemm", "w16_gemm", "moe_topk", "moe_align_block_size", "fused_moe", "lora_shrink",
-       "lora_expand_")
+       "rms_norm", "fused_add_rms_norm_", "rotary_embedding", "qk_norm_rotary_embedding", "silu_and_mul", "wq_gemm",
+       "gguf_gemm", "gguf_dequantize", "fp8_gemm", "w16_gemm", "moe_topk", "moe_align_block_size", "fused_moe",
+       "lora_shrink", "lora_expand_")
 
 
 # -- KV cache -----------------------------------------------------------------------------------
@@ -201,6 +202,27 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                      is_neox: bool = True, head_size: int | None = None) -> None:
     """See :func:`pagedkernels.rotary_embedding` (q and k both given, rotated in place)."""
     _rotary_embedding_op(positions, q, k, cos_sin_cache, is_neox, head_size)
+
+
+@torch.library.custom_op("pagedkernels::qk_norm_rotary_embedding", mutates_args=("q", "k"))
+def _qk_norm_rotary_embedding_op(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                                 k_weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor, is_neox: bool,
+                                 head_size: int | None = None) -> None:
+    _qk_norm_rotary_embedding(positions, q, k, q_weight, k_weight, eps, cos_sin_cache, is_neox=is_neox,
+                              head_size=head_size)
+
+
+@_qk_norm_rotary_embedding_op.register_fake
+def _(positions, q, k, q_weight, k_weight, eps, cos_sin_cache, is_neox, head_size=None) -> None:
+    _qk_norm_rotary_embedding(positions, q, k, q_weight, k_weight, eps, cos_sin_cache, is_neox=is_neox,
+                              head_size=head_size)  # checks only
+
+
+def qk_norm_rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                             k_weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor, *,
+                             is_neox: bool = True, head_size: int | None = None) -> None:
+    """See :func:`pagedkernels.qk_norm_rotary_embedding` (q and k normalized and rotated in place)."""
+    _qk_norm_rotary_embedding_op(positions, q, k, q_weight, k_weight, eps, cos_sin_cache, is_neox, head_size)
 
 
 @torch.library.custom_op("pagedkernels::silu_and_mul", mutates_args=())

@@ -114,3 +114,21 @@ class RotaryEmbedding(nn.Module):
         """positions int64 ``[num_tokens]``; q ``[num_tokens, num_heads, head_dim]``, k likewise with the KV
         heads (strided views of the fused qkv are fine)."""
         pk_ops().rotary_embedding(positions, q, k, self.cos_sin_cache, is_neox=True)
+
+    def forward_qk_norm(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: nn.Module,
+                        k_norm: nn.Module, *, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3's per-head norms of q and k (``q_norm``, ``k_norm``: RMSNorm layers over head_dim), then the
+        rotation; returns the new q and k. ``fused`` (default: on CUDA) runs them as one kernel
+        (pagedkernels.qk_norm_rotary_embedding, when both norms share their eps) in place on q and k, which may
+        be views of the fused qkv: one launch a layer instead of three. Otherwise the norms make new tensors,
+        then the rotation runs on those (the CPU's path: its native norm and rotary kernels, each recorded in
+        the CPU graph)."""
+        if fused is None:
+            fused = q.is_cuda
+        if fused and q_norm.eps == k_norm.eps:
+            pk_ops().qk_norm_rotary_embedding(positions, q, k, q_norm.weight, k_norm.weight, q_norm.eps,
+                                              self.cos_sin_cache, is_neox=True)
+            return q, k
+        q, k = q_norm(q), k_norm(k)
+        self.forward(positions, q, k)
+        return q, k

@@ -50,8 +50,9 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        self.rotary_emb(positions, q, k)
+            q, k = self.rotary_emb.forward_qk_norm(positions, q, k, self.q_norm, self.k_norm)
+        else:
+            self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, meta))
 
 

@@ -246,6 +246,37 @@ def test_partial_rotary_leaves_the_other_dims():
         RotaryEmbedding(head_dim, 64, 10000.0, rotary_dim=80)
 
 
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_qk_norm_rotary_fused_equals_the_norms_then_the_rotation(backend):
+    """Qwen3's attention inputs: forward_qk_norm(fused=True) (CUDA's default: one kernel, in place on views of
+    the fused qkv) gives what the norms then the rotation give (the CPU's default), the Triton kernel under the
+    interpreter included; v is untouched."""
+    import pagedkernels as pk
+    from engine.layers.layernorm import RMSNorm
+
+    g = torch.Generator().manual_seed(6)
+    rope = RotaryEmbedding(64, max_position=32, base=10000.0)
+    q_norm, k_norm = RMSNorm(64, 1e-6), RMSNorm(64, 1e-6)
+    q_norm.weight.data.copy_(0.5 + torch.rand(64, generator=g))
+    k_norm.weight.data.copy_(0.5 + torch.rand(64, generator=g))
+    positions = torch.tensor([0, 3, 17, 31])
+    qkv = torch.randn(4, (3 + 2) * 64, generator=g)
+    views = lambda t: (t[:, :192].view(4, 3, 64), t[:, 192:256].view(4, 1, 64))   # noqa: E731
+    expected_q, expected_k = rope.forward_qk_norm(positions, *views(qkv.clone()), q_norm, k_norm, fused=False)
+    fused = qkv.clone()
+    with pk.use_backend(backend):
+        q, k = rope.forward_qk_norm(positions, *views(fused), q_norm, k_norm, fused=True)
+    assert q.data_ptr() == fused.data_ptr()   # in place, on the views
+    torch.testing.assert_close(q, expected_q, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(k, expected_k, atol=2e-6, rtol=2e-6)
+    assert torch.equal(fused[:, 256:], qkv[:, 256:])
+    # norms of different eps: the unfused path, whatever `fused` asks
+    k_norm.eps = 1e-5
+    unfused = qkv.clone()
+    q2, _ = rope.forward_qk_norm(positions, *views(unfused), q_norm, k_norm, fused=True)
+    assert q2.data_ptr() != unfused.data_ptr() and torch.equal(unfused, qkv)
+
+
 def test_rms_norm_offset_is_added_once_at_load():
     """Gemma's (1 + w): the loaded weight is stored as 1 + w, and the norm equals transformers' Gemma2RMSNorm."""
     from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm

@@ -61,7 +61,8 @@ def test_every_kernel_is_recorded_for_every_dtype(recorded):
     assert kernels == set(_aot.launched_kernels())
     for name, arg in (("_decode_split_kernel", "q_ptr"), ("_prefill_attention_kernel", "q_ptr"),
                       ("_reshape_and_cache_kernel", "key_ptr"), ("_rms_norm_kernel", "x_ptr"),
-                      ("_rotary_kernel", "q_ptr"), ("_silu_and_mul_kernel", "x_ptr"), ("_wq_gemm_kernel", "x_ptr"),
+                      ("_rotary_kernel", "q_ptr"), ("_qk_norm_rotary_kernel", "q_ptr"), ("_silu_and_mul_kernel", "x_ptr"),
+                      ("_wq_gemm_kernel", "x_ptr"),
                       ("_gguf_dequantize_kernel", "out_ptr"), ("_fused_moe_kernel", "a_ptr"),
                       ("_moe_sum_kernel", "out_ptr"), ("_moe_topk_kernel", "logits_ptr"),
                       ("_lora_shrink_kernel", "x_ptr"), ("_lora_expand_kernel", "out_ptr")):

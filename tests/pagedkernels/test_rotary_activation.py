@@ -100,6 +100,87 @@ def test_rotary_embedding_3d_q_without_k(backend, device):
     torch.testing.assert_close(q[0].cpu().double(), q_ref[0], atol=0, rtol=0)
 
 
+def qk_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-head RMSNorm in float64: x [num_tokens, num_heads, head_size]."""
+    x = x.double().cpu()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double().cpu()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype, atol, rtol", TOLERANCES)
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_size, rot_dim", ROTARY_SHAPES)
+def test_qk_norm_rotary_embedding(backend, device, dtype, atol, rtol, is_neox, num_q_heads, num_kv_heads, head_size,
+                                  rot_dim):
+    """Qwen3's q/k norm and the rotation in one call against the float64 oracle (the norm, then the rotation),
+    on strided views of a fused qkv buffer whose v comes out untouched."""
+    skip_bf16_interpreter(backend, dtype, device)
+    g = torch.Generator().manual_seed(3 * head_size + rot_dim + is_neox)
+    num_tokens, max_position, eps = 5, 40, 1e-6
+    positions = torch.randint(0, max_position, (num_tokens,), generator=g).to(device)
+    cos_sin = make_cos_sin_cache(max_position, rot_dim).to(torch.float32).to(device)
+    q_width, kv_width = num_q_heads * head_size, num_kv_heads * head_size
+    qkv = (3 * torch.randn(num_tokens, q_width + 2 * kv_width, generator=g)).to(dtype).to(device)
+    q, k, v = qkv[:, :q_width], qkv[:, q_width: q_width + kv_width], qkv[:, q_width + kv_width:]
+    q_weight = (0.5 + torch.rand(head_size, generator=g)).to(dtype).to(device)
+    k_weight = (0.5 + torch.rand(head_size, generator=g)).to(device)   # float32: any float dtype
+    q3, k3 = q.view(num_tokens, num_q_heads, head_size), k.view(num_tokens, num_kv_heads, head_size)
+    q_ref = rotary_ref(qk_norm_ref(q3, q_weight, eps), positions, cos_sin, is_neox)
+    k_ref = rotary_ref(qk_norm_ref(k3, k_weight, eps), positions, cos_sin, is_neox)
+    v_before = v.clone()
+
+    with pk.use_backend(backend):
+        pk.qk_norm_rotary_embedding(positions, q, k, q_weight, k_weight, eps, cos_sin, is_neox=is_neox,
+                                    head_size=head_size)
+
+    # the normed value is rounded to the dtype before it rotates (as the unfused ops store it): two roundings
+    torch.testing.assert_close(q3.cpu().double(), q_ref, atol=2 * atol, rtol=2 * rtol)
+    torch.testing.assert_close(k3.cpu().double(), k_ref, atol=2 * atol, rtol=2 * rtol)
+    assert torch.equal(v, v_before)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_qk_norm_rotary_embedding_matches_the_unfused_ops(backend, device):
+    """The fused call gives what rms_norm on q and k, then rotary_embedding give (float32; the sum of squares
+    may add in another order)."""
+    g = torch.Generator().manual_seed(5)
+    positions = torch.tensor([0, 7, 3, 19], device=device)
+    cos_sin = make_cos_sin_cache(20, 64).float().to(device)
+    qkv = torch.randn(4, (4 + 2 * 2) * 64, generator=g).to(device)
+    weights = torch.rand(2, 64, generator=g).to(device)
+    fused, unfused = qkv.clone(), qkv.clone()
+    with pk.use_backend(backend):
+        q, k = fused[:, :256].view(4, 4, 64), fused[:, 256:384].view(4, 2, 64)
+        pk.qk_norm_rotary_embedding(positions, q, k, weights[0], weights[1], 1e-5, cos_sin)
+        q, k = unfused[:, :256].view(4, 4, 64), unfused[:, 256:384].view(4, 2, 64)
+        q.copy_(pk.rms_norm(q, weights[0], 1e-5))
+        k.copy_(pk.rms_norm(k, weights[1], 1e-5))
+        pk.rotary_embedding(positions, q, k, cos_sin)
+    torch.testing.assert_close(fused, unfused, atol=2e-6, rtol=2e-6)
+
+
+def test_qk_norm_rotary_validation():
+    positions = torch.tensor([0, 1, 2])
+    q, k = torch.randn(3, 4, 64), torch.randn(3, 2, 64)
+    w = torch.ones(64)
+    cos_sin = make_cos_sin_cache(8, 64).float()
+    cases = [
+        (dict(k=None), "k must be given"),
+        (dict(q_weight=torch.ones(32)), "q_weight"),
+        (dict(k_weight=torch.ones(64, 1)), "k_weight"),
+        (dict(k_weight=torch.ones(64, dtype=torch.int32)), "k_weight"),
+        (dict(eps=-1.0), "eps"),
+        (dict(eps=None), "eps"),
+        (dict(positions=torch.tensor([0, 1, 8])), "positions"),
+        (dict(q=torch.randn(2, 4, 64)), "q"),
+    ]
+    for override, match in cases:
+        args = dict(positions=positions, q=q, k=k, q_weight=w, k_weight=w, eps=1e-6, cos_sin_cache=cos_sin)
+        args.update(override)
+        with pytest.raises(ValueError, match=match):
+            pk.qk_norm_rotary_embedding(**args)
+
+
 def test_compute_cos_sin_cache():
     cache = pk.compute_cos_sin_cache(100, 16, 500000.0)
     assert cache.shape == (100, 16) and cache.dtype == torch.float32

@@ -183,6 +183,8 @@ def _opcheck_cases():
         "rms_norm": (hidden, weight, 1e-6),
         "fused_add_rms_norm_": (hidden.clone(), hidden.flip(0).clone(), weight, 1e-6),
         "rotary_embedding": (inp["positions"], q.clone(), k.clone(), inp["cos_sin"], True),
+        "qk_norm_rotary_embedding": (inp["positions"], q.clone(), k.clone(), torch.rand(HEAD_DIM, generator=gen),
+                                     torch.rand(HEAD_DIM, generator=gen), 1e-6, inp["cos_sin"], True),
         "silu_and_mul": (hidden,),
         "moe_topk": (torch.randn(num_tokens, 8, generator=gen), 2, "softmax", True, None, 1, 1, torch.float32),
         "moe_align_block_size": (torch.tensor([[3, 1], [1, 0], [7, 3]], dtype=torch.int32), 16, 8),
@@ -290,6 +292,9 @@ SPECS = {
                              ("eps", 1e-6)], None),
     "rotary_embedding": ([("positions", ((3,), torch.int64)), ("q", _Q), ("k", _KV),
                           ("cos_sin_cache", ((64, HEAD_DIM), torch.float32)), ("is_neox", True)], None),
+    "qk_norm_rotary_embedding": ([("positions", ((3,), torch.int64)), ("q", _Q), ("k", _KV),
+                                  ("q_weight", ((HEAD_DIM,), None)), ("k_weight", ((HEAD_DIM,), None)), ("eps", 1e-6),
+                                  ("cos_sin_cache", ((64, HEAD_DIM), torch.float32)), ("is_neox", True)], None),
     "silu_and_mul": ([("x", ((3, 96), None))], ((3, 48), None)),
     "moe_topk": ([("logits", ((3, 8), None)), ("top_k", 2), ("scoring", "softmax"), ("renormalize", True),
                   ("correction_bias", ((8,), torch.float32)), ("num_expert_group", 1), ("topk_group", 1),
@@ -396,6 +401,8 @@ def _public_call(op, args):
         return None
     if op == "rotary_embedding":
         return pk.rotary_embedding(*args[:4], is_neox=kw["is_neox"])
+    if op == "qk_norm_rotary_embedding":
+        return pk.qk_norm_rotary_embedding(*args[:7], is_neox=kw["is_neox"])
     if op == "moe_topk":
         return pk.moe_topk(*args[:2], **{k: kw[k] for k in names[2:]})
     if op == "fused_moe":
