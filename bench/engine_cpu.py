@@ -475,6 +475,7 @@ def _measure(args, sides: list, requests: list[Request], single_prompt: list[int
     ("float32", and "bfloat16" where a side runs in it), :func:`measure_matmul_gflops`'s rates."""
     results: dict[str, dict] = {}
     outputs: dict[str, list] = {}
+    cpu_bf16 = _native.cpu_bf16_isa()
     for side in sides:
         side.generate(make_requests(2, 8, 8, flop_model.vocab_size, args.seed + 2))  # warm-up
     singles = single_stream(sides, single_prompt, args.single_new_tokens)
@@ -482,7 +483,10 @@ def _measure(args, sides: list, requests: list[Request], single_prompt: list[int
         single = singles[side.name]
         print(f"{side.name}: single stream {single['decode_tokens_per_s']:.1f} decode tok/s "
               f"({single['end_to_end_tokens_per_s']:.1f} end to end)", flush=True)
-        rate_dtype = "bfloat16" if side.dtype != "float32" and "bfloat16" in matmul_rates else "float32"
+        # A bf16 side's fraction is of the bf16 rate where the CPU multiplies bf16 (AMX, AVX512-BF16); elsewhere
+        # its products are float32 ones on widened values (torch's bf16 matmul emulates, ~1 GFLOP/s on Zen 3).
+        rate_dtype = ("bfloat16" if side.dtype != "float32" and "bfloat16" in matmul_rates and cpu_bf16
+                      else "float32")
         batch, outputs[side.name] = throughput(side, requests, flop_model, max(matmul_rates[rate_dtype].values()))
         batch["matmul_dtype"] = rate_dtype
         print(f"{side.name}: {batch['output_tokens']} output tokens in {batch['seconds']:.2f} s = "
