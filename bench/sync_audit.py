@@ -76,17 +76,20 @@ def audit_kind(kind: str, model_dir: str, device: torch.device, *, num_requests:
         deliberate = [0]
         resolve = sampler_module.SampledIds.resolve
 
-        def resolve_counted(self):   # the one allowed wait: with the mode off, counted apart
-            if self.values is None:
-                deliberate[0] += 1
+        def unwatched(read, *args):   # a deliberate read: with the mode off, counted apart by its caller
             if not counting:
-                return resolve(self)
+                return read(*args)
             mode = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode(0)
             try:
-                return resolve(self)
+                return read(*args)
             finally:
                 torch.cuda.set_sync_debug_mode(mode)
+
+        def resolve_counted(self):   # the one allowed wait
+            if self.values is None:
+                deliberate[0] += 1
+            return unwatched(resolve, self)
 
         sampler_module.SampledIds.resolve = resolve_counted
         # A speculative step's read of its tokens and accepted counts (ModelRunner._read_speculative: the next
@@ -97,14 +100,7 @@ def audit_kind(kind: str, model_dir: str, device: torch.device, *, num_requests:
 
         def read_speculative_counted(result):
             speculative_reads[0] += 1
-            if not counting:
-                return read_speculative.__func__(result)
-            mode = torch.cuda.get_sync_debug_mode()
-            torch.cuda.set_sync_debug_mode(0)
-            try:
-                return read_speculative.__func__(result)
-            finally:
-                torch.cuda.set_sync_debug_mode(mode)
+            return unwatched(read_speculative.__func__, result)
 
         ModelRunner._read_speculative = staticmethod(read_speculative_counted)
         per_step, origins = [], collections.Counter()

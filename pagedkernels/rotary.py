@@ -9,6 +9,7 @@ import triton.language as tl
 from . import _native
 from ._backend import has_no_data, use_native, use_triton, value_checks_enabled
 from ._validate import FLOAT_DTYPES, check_tensor
+from .rms_norm import rms_norm
 
 
 def compute_cos_sin_cache(
@@ -44,6 +45,30 @@ def compute_cos_sin_cache(
 
 
 @triton.jit
+def _pair_offsets(half, IS_NEOX: tl.constexpr, HALF_PAD: tl.constexpr):
+    """A head's rotated pairs as two [HALF_PAD] offset vectors: neox (d, d + half), GPT-J (2d, 2d + 1)."""
+    offs_d = tl.arange(0, HALF_PAD)
+    if IS_NEOX:
+        offs_1 = offs_d
+        offs_2 = offs_d + half
+    else:
+        offs_1 = 2 * offs_d
+        offs_2 = 2 * offs_d + 1
+    return offs_1, offs_2
+
+
+@triton.jit
+def _token_cos_sin(positions_ptr, token, cos_sin_ptr, stride_cs_pos, half, HALF_PAD: tl.constexpr):
+    """cos and sin ([HALF_PAD] fp32, zero past half) of the token's position, from the cos_sin cache."""
+    pos = tl.load(positions_ptr + token)
+    offs_d = tl.arange(0, HALF_PAD)
+    cs_row = cos_sin_ptr + pos * stride_cs_pos
+    cos = tl.load(cs_row + offs_d, mask=offs_d < half, other=0.0).to(tl.float32)
+    sin = tl.load(cs_row + half + offs_d, mask=offs_d < half, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
 def _rotate_heads(
     base_ptr,  # [num_heads, head_size] for one token (head stride given)
     stride_head: tl.int64,
@@ -57,12 +82,7 @@ def _rotate_heads(
     NUM_HEAD_BLOCKS: tl.constexpr,  # cdiv(num_heads, BLOCK_H), compile-time loop bound
 ):
     offs_d = tl.arange(0, HALF_PAD)  # [HALF_PAD]
-    if IS_NEOX:  # pairs (d, d + half)
-        offs_1 = offs_d
-        offs_2 = offs_d + half
-    else:  # GPT-J: pairs (2d, 2d + 1)
-        offs_1 = 2 * offs_d
-        offs_2 = 2 * offs_d + 1
+    offs_1, offs_2 = _pair_offsets(half, IS_NEOX, HALF_PAD)
     for head_block in range(NUM_HEAD_BLOCKS):
         offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
         mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < half)  # [BLOCK_H, HALF_PAD]
@@ -105,11 +125,7 @@ def _rotary_kernel(
     Dimensions past rot_dim are left untouched (partial rotary).
     """
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token)
-    offs_d = tl.arange(0, HALF_PAD)
-    cs_row = cos_sin_ptr + pos * stride_cs_pos
-    cos = tl.load(cs_row + offs_d, mask=offs_d < half, other=0.0).to(tl.float32)
-    sin = tl.load(cs_row + half + offs_d, mask=offs_d < half, other=0.0).to(tl.float32)
+    cos, sin = _token_cos_sin(positions_ptr, token, cos_sin_ptr, stride_cs_pos, half, HALF_PAD)
     _rotate_heads(q_ptr + token * stride_q_tok, stride_q_head, num_q_heads, cos, sin, half,
                   IS_NEOX, BLOCK_H, HALF_PAD, Q_HEAD_BLOCKS)
     if HAS_K:
@@ -138,12 +154,7 @@ def _norm_rotate_heads(
     the tensor's dtype, as pagedkernels.rms_norm stores it), then the rotation of _rotate_heads on those rounded
     values. The head is read once and written once."""
     offs_d = tl.arange(0, HALF_PAD)
-    if IS_NEOX:
-        offs_1 = offs_d
-        offs_2 = offs_d + half
-    else:
-        offs_1 = 2 * offs_d
-        offs_2 = 2 * offs_d + 1
+    offs_1, offs_2 = _pair_offsets(half, IS_NEOX, HALF_PAD)
     d_mask = offs_d < half
     w1 = tl.load(w_ptr + offs_1, mask=d_mask, other=0.0).to(tl.float32)
     w2 = tl.load(w_ptr + offs_2, mask=d_mask, other=0.0).to(tl.float32)
@@ -203,11 +214,7 @@ def _qk_norm_rotary_kernel(
     """One program per token: q_norm then rotary on its q heads, k_norm then rotary on its k heads (Qwen3's
     attention), what rms_norm, rms_norm and rotary_embedding do in three launches."""
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token)
-    offs_d = tl.arange(0, HALF_PAD)
-    cs_row = cos_sin_ptr + pos * stride_cs_pos
-    cos = tl.load(cs_row + offs_d, mask=offs_d < half, other=0.0).to(tl.float32)
-    sin = tl.load(cs_row + half + offs_d, mask=offs_d < half, other=0.0).to(tl.float32)
+    cos, sin = _token_cos_sin(positions_ptr, token, cos_sin_ptr, stride_cs_pos, half, HALF_PAD)
     _norm_rotate_heads(q_ptr + token * stride_q_tok, stride_q_head, num_q_heads, q_weight_ptr, eps, head_size,
                        cos, sin, half, IS_NEOX, BLOCK_H, HALF_PAD, REST_PAD, Q_HEAD_BLOCKS)
     _norm_rotate_heads(k_ptr + token * stride_k_tok, stride_k_head, num_kv_heads, k_weight_ptr, eps, head_size,
@@ -377,7 +384,6 @@ def qk_norm_rotary_embedding(
         return  # nothing to compute (meta or fake tensors: checked only, the fake implementation)
     head_size = q3.shape[2]
     if not use_triton(q3):
-        from .rms_norm import rms_norm
         q3.copy_(rms_norm(q3, q_weight, eps))
         k3.copy_(rms_norm(k3, k_weight, eps))
         rotary_embedding(positions, q3, k3, cos_sin_cache, is_neox=is_neox, head_size=head_size)
