@@ -449,25 +449,32 @@ def _lora_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
     """lora_shrink and lora_expand for every dtype at Llama-3-8B's projections (K 4096 or 14336) over two adapter
     slots: decode (1 token: 16-token tiles, K split 16 or 32 ways) and prefill (64 and 256 tokens: 64-token tiles)
     at the shrink's output widths 8 (one slice of rank 8: a 16-wide tile), 48 (q/k/v at rank 16), 96 (rank 32) and
-    128 (gate/up at rank 64: a 64-wide tile twice), so the expand's rank tiles are 16, 32 and 64."""
+    128 (gate/up at rank 64: a 64-wide tile twice), so the expand's rank tiles are 16, 32 and 64; with and without
+    ``lora_ranks`` (a slot of half the stack's rank), one slice and several."""
     import pagedkernels as pk
 
     qkv, gate_up = (4096, 1024, 1024), (14336, 14336)
-    # (tokens, in_features, slice sizes, rank)
-    shapes = ((1, 4096, qkv, 16), (1, 14336, (4096,), 8), (64, 4096, qkv, 32), (256, 4096, gate_up, 64))
+    # (tokens, in_features, slice sizes, rank, with lora_ranks: the engine's calls, which always give them)
+    shapes = ((1, 4096, qkv, 16, True), (1, 14336, (4096,), 8, True), (1, 14336, (4096,), 8, False),
+              (64, 4096, qkv, 32, False), (256, 4096, gate_up, 64, True))
     for dtype in DTYPES:
         name = str(dtype).replace("torch.", "")
-        for num_tokens, in_features, sizes, rank in shapes:
-            def call(gen, dtype=dtype, num_tokens=num_tokens, in_features=in_features, sizes=sizes, rank=rank):
+        for num_tokens, in_features, sizes, rank, ranked in shapes:
+            def call(gen, dtype=dtype, num_tokens=num_tokens, in_features=in_features, sizes=sizes, rank=rank,
+                     ranked=ranked):
                 x = _randn(num_tokens, in_features, dtype=dtype, generator=gen)
                 lora_a = _randn(2, len(sizes) * rank, in_features, dtype=dtype, generator=gen)
                 lora_b = _randn(2, sum(sizes), rank, dtype=dtype, generator=gen)
                 indices = torch.randint(-1, 2, (num_tokens,), generator=gen, dtype=torch.int32)
                 mapping = dict(zip(("sorted_token_ids", "lora_token_starts"), pk.lora_mapping(indices, 2)))
+                if ranked:
+                    mapping["lora_ranks"] = torch.tensor([[rank // 2] * len(sizes), [rank] * len(sizes)],
+                                                         dtype=torch.int32)
                 buffer = pk.lora_shrink(x, lora_a, indices, **mapping)
                 pk.lora_expand(buffer, lora_b, indices, torch.zeros(num_tokens, sum(sizes), dtype=dtype),
                                slice_sizes=sizes, **mapping)
-            yield f"lora {name} tokens={num_tokens} K={in_features} slices={len(sizes)} rank={rank}", call
+            yield (f"lora {name} tokens={num_tokens} K={in_features} slices={len(sizes)} rank={rank}"
+                   f"{' lora_ranks' if ranked else ''}"), call
 
 
 def launch_matrix() -> list[tuple[str, Callable[[torch.Generator], None]]]:

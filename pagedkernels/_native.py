@@ -163,9 +163,10 @@ SIGNATURES = {
     "pk_moe_topk": [_ptr, _i64, _i32, _i64, _i64, _i64, _i32, _i32, _ptr, _i32, _i64, _i64, _ptr, _i32, _ptr, _i32],
     "pk_fused_moe": [_ptr, _i64, _i32, _i64, _i64, _ptr, _i32, _ptr, _i32, _i64, _ptr, _ptr, _i32, _i64, _i64, _ptr,
                      _i64, _i32, _ptr, _i64, _i32, _ptr, _i32],
-    "pk_lora_shrink": [_ptr, _i64, _i32, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _f32, _ptr, _i64, _i32],
-    "pk_lora_expand": [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _i32, _ptr, _i64, _i32,
+    "pk_lora_shrink": [_ptr, _i64, _i32, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _f32, _ptr, _i64,
                        _i32],
+    "pk_lora_expand": [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i32, _ptr, _i64,
+                       _i32, _i32],
 }
 # Kernels a CPU graph (pagedkernels.cpu_graph) can record and replay, by their index in this tuple.
 GRAPH_KERNELS = tuple(name for name, argtypes in SIGNATURES.items() if argtypes)
@@ -487,27 +488,31 @@ def fused_moe(hidden, w13_packed, w2_packed, topk_weights, topk_ids, activation:
     return _check_rc(rc, "fused_moe")
 
 
-def lora_shrink(x, lora_a, token_lora_indices, scale: float, out) -> bool:
-    """``out = scale * x @ lora_a[idx]^T`` per token (zero rows for idx -1); arguments checked by the op. Returns
-    False, having written nothing, when an index is out of range."""
+def lora_shrink(x, lora_a, token_lora_indices, scale: float, out, lora_ranks=None) -> bool:
+    """``out = scale * x @ lora_a[idx]^T`` per token (zero rows for idx -1; rows past a slot's rank in
+    ``lora_ranks``, when given, zero and not read); arguments checked by the op. Returns False, having written
+    nothing, when an index or a rank is out of range."""
     M, K = x.shape
     num_loras, N, _ = lora_a.shape
     idx = token_lora_indices.contiguous()
+    ranks, num_slices = (0, 1) if lora_ranks is None else (lora_ranks.data_ptr(), lora_ranks.shape[1])
     rc = library().pk_lora_shrink(x.data_ptr(), x.stride(0), DTYPE_CODES[x.dtype], M, K, lora_a.data_ptr(),
-                                  lora_a.stride(0), lora_a.stride(1), N, num_loras, idx.data_ptr(), float(scale),
-                                  out.data_ptr(), out.stride(0), torch.get_num_threads())
+                                  lora_a.stride(0), lora_a.stride(1), N, num_loras, idx.data_ptr(), ranks, num_slices,
+                                  float(scale), out.data_ptr(), out.stride(0), torch.get_num_threads())
     return _check_rc(rc, "lora_shrink")
 
 
-def lora_expand(buffer, lora_b, token_lora_indices, slice_sizes: tuple[int, ...], out) -> bool:
-    """``out[t, slice s] += buffer[t, s*R:(s+1)*R] @ lora_b[idx[t], slice s]^T`` per token with an adapter;
-    arguments checked by the op. Returns False, having written nothing, when an index is out of range."""
+def lora_expand(buffer, lora_b, token_lora_indices, slice_sizes: tuple[int, ...], out, lora_ranks=None) -> bool:
+    """``out[t, slice s] += buffer[t, s*R:(s+1)*R] @ lora_b[idx[t], slice s]^T`` per token with an adapter (up to
+    the slot's rank in ``lora_ranks`` when given); arguments checked by the op. Returns False, having written
+    nothing, when an index or a rank is out of range."""
     M = buffer.shape[0]
     num_loras, _, rank = lora_b.shape
     sizes = tuple(slice_sizes) + (0,) * (3 - len(slice_sizes))
     idx = token_lora_indices.contiguous()
+    ranks = 0 if lora_ranks is None else lora_ranks.data_ptr()
     rc = library().pk_lora_expand(buffer.data_ptr(), buffer.stride(0), M, rank,
                                   lora_b.data_ptr(), lora_b.stride(0), lora_b.stride(1), num_loras, idx.data_ptr(),
-                                  *sizes, len(slice_sizes), out.data_ptr(), out.stride(0), DTYPE_CODES[out.dtype],
-                                  torch.get_num_threads())
+                                  ranks, *sizes, len(slice_sizes), out.data_ptr(), out.stride(0),
+                                  DTYPE_CODES[out.dtype], torch.get_num_threads())
     return _check_rc(rc, "lora_expand")

@@ -11,7 +11,13 @@ gate/up) is ``S`` slices: their A matrices stacked along the rank dimension (row
     shrink:  buffer[t, j]          = scale * sum_k x[t, k] * lora_a[l, j, k]            (j < S*R; 0 when l = -1)
     expand:  out[t, o_s + n]      += sum_r buffer[t, s*R + r] * lora_b[l, o_s + n, r]   (n < N_s; nothing when l = -1)
 
-so ``out += scale * x @ A_s^T @ B_s^T`` per slice, the adapter's delta added to the base layer's output. The
+so ``out += scale * x @ A_s^T @ B_s^T`` per slice, the adapter's delta added to the base layer's output.
+
+Adapters of mixed ranks: ``lora_ranks`` (optional, int32 ``[num_slots, S]``, the same for both ops of a layer) gives
+slot l's own rank in slice s, ``r_ls <= R``. The padding past it is then taken as zero and not read: rows ``s*R +
+r_ls ..`` of ``lora_a[l]`` (the shrink writes zeros in those buffer columns) and columns ``r_ls ..`` of slice s's
+rows of ``lora_b[l]`` (the expand reads neither them nor those buffer columns). A stack serving ranks 8 and 16
+padded to 16 computes a quarter less; a slot of rank 0 costs nothing. Without it every slot is of rank R. The
 buffer is float32 ``[num_tokens, S*R]`` on every backend (its shape depends on the arguments' shapes alone, so a
 traced graph holds no device- or batch-dependent shape). For decode-sized batches the Triton shrink cuts K into
 ``num_splits`` parts (:func:`shrink_num_splits`, shapes only), each writing its partial sums to one plane of a
@@ -93,8 +99,25 @@ def _check_mapping(token_lora_indices, num_tokens: int, num_loras: int, sorted_t
             raise ValueError("sorted_token_ids and lora_token_starts must be contiguous")
 
 
+def _check_ranks(lora_ranks, num_loras: int, num_slices: int, like: tuple[str, torch.Tensor]) -> None:
+    if lora_ranks is not None:
+        check_tensor("lora_ranks", lora_ranks, ndim=2, dtypes=(torch.int32,), like=like,
+                     shape=(num_loras, num_slices))
+        if not lora_ranks.is_contiguous():
+            raise ValueError("lora_ranks must be contiguous")
+
+
+def _check_rank_values(lora_ranks: torch.Tensor, rank: int) -> None:
+    """Reads the ranks (a host sync on CUDA)."""
+    bad = (lora_ranks < 0) | (lora_ranks > rank)
+    if bool(bad.any()):
+        slot, s = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(f"lora_ranks must lie in [0, {rank}] (the stack's rank), got {int(lora_ranks[slot, s])} "
+                         f"for slot {slot}, slice {s}")
+
+
 def check_lora_shrink_args(x, lora_a, token_lora_indices, scale=1.0, num_splits=None, sorted_token_ids=None,
-                           lora_token_starts=None, out=None) -> tuple[int, int, int, int]:
+                           lora_token_starts=None, out=None, lora_ranks=None) -> tuple[int, int, int, int]:
     """Every check of :func:`lora_shrink`'s arguments that reads no tensor value (shared with its fake
     implementation). Returns (num_tokens, in_features, num_loras, S*R)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
@@ -113,6 +136,11 @@ def check_lora_shrink_args(x, lora_a, token_lora_indices, scale=1.0, num_splits=
     if num_splits is not None:
         _check_int("num_splits", num_splits, minimum=1)
     _check_mapping(token_lora_indices, num_tokens, num_loras, sorted_token_ids, lora_token_starts, on_x)
+    if lora_ranks is not None:
+        _check_ranks(lora_ranks, num_loras, lora_ranks.shape[-1] if lora_ranks.ndim == 2 else 1, on_x)
+        if width % lora_ranks.shape[1]:
+            raise ValueError(f"lora_ranks has {lora_ranks.shape[1]} slices, which do not divide lora_a's "
+                             f"{width} rank rows")
     if out is not None:
         check_tensor("out", out, dtypes=(torch.float32,), like=on_x, shape=(num_tokens, width))
         if out.stride(-1) != 1:
@@ -121,7 +149,7 @@ def check_lora_shrink_args(x, lora_a, token_lora_indices, scale=1.0, num_splits=
 
 
 def check_lora_expand_args(buffer, lora_b, token_lora_indices, out, slice_sizes=None, sorted_token_ids=None,
-                           lora_token_starts=None) -> tuple[int, tuple[int, ...], int, int]:
+                           lora_token_starts=None, lora_ranks=None) -> tuple[int, tuple[int, ...], int, int]:
     """Every check of :func:`lora_expand`'s arguments that reads no tensor value (shared with its fake
     implementation). Returns (num_tokens, slice sizes, num_loras, rank)."""
     check_tensor("out", out, ndim=2, dtypes=FLOAT_DTYPES)
@@ -145,6 +173,7 @@ def check_lora_expand_args(buffer, lora_b, token_lora_indices, out, slice_sizes=
     if buffer.stride(-1) != 1:
         raise ValueError("buffer must be contiguous in its last (S*R) dimension")
     _check_mapping(token_lora_indices, num_tokens, num_loras, sorted_token_ids, lora_token_starts, on_out)
+    _check_ranks(lora_ranks, num_loras, len(sizes), on_out)
     return num_tokens, sizes, num_loras, rank
 
 
@@ -207,7 +236,8 @@ def lora_mapping(token_lora_indices: torch.Tensor, num_loras: int, *, sorted_tok
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_lora_indices: torch.Tensor, *, scale: float = 1.0,
                 num_splits: int | None = None, sorted_token_ids: torch.Tensor | None = None,
-                lora_token_starts: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                lora_token_starts: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                lora_ranks: torch.Tensor | None = None) -> torch.Tensor:
     """``buffer[t] = scale * x[t] @ lora_a[token_lora_indices[t]]^T`` for every token, over mixed adapters.
 
     Args:
@@ -221,41 +251,51 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_lora_indices: torch
         sorted_token_ids, lora_token_starts: :func:`lora_mapping` of ``token_lora_indices`` (computed here when
             not given; pass them to share one grouping between a step's layers). Only the Triton path reads them.
         out: optional float32 ``[num_tokens, S*R]``, last dimension contiguous.
+        lora_ranks: optional int32 ``[num_loras, S]``, each slot's rank per slice in ``[0, R]`` (the module
+            docstring): its S gives the slices (R = S*R / S); rows of A past a slot's rank are not read and
+            give zeros.
 
     Returns float32 ``[num_tokens, S*R]`` (``out`` when given), float32 accumulation; all zero for a token
     without an adapter.
     """
     num_tokens, in_features, num_loras, width = check_lora_shrink_args(
-        x, lora_a, token_lora_indices, scale, num_splits, sorted_token_ids, lora_token_starts, out)
+        x, lora_a, token_lora_indices, scale, num_splits, sorted_token_ids, lora_token_starts, out, lora_ranks)
     if out is None:
         out = torch.empty(num_tokens, width, dtype=torch.float32, device=x.device)
-    if has_no_data(x, lora_a, token_lora_indices, sorted_token_ids, lora_token_starts, out):
+    if has_no_data(x, lora_a, token_lora_indices, sorted_token_ids, lora_token_starts, out, lora_ranks):
         return out  # meta or fake tensors: checked, nothing to compute (the fake implementation)
     if num_tokens == 0:
         return out
+    slice_rank = width // (1 if lora_ranks is None else lora_ranks.shape[1])
     if use_triton(x):
         if sorted_token_ids is None:
             sorted_token_ids, lora_token_starts = lora_mapping(token_lora_indices, num_loras)
         elif value_checks_enabled(x):
             _check_index_values(token_lora_indices, num_loras)
+        if lora_ranks is not None and value_checks_enabled(x):
+            _check_rank_values(lora_ranks, slice_rank)
         if num_splits is None:
             num_splits = shrink_num_splits(num_tokens, width, in_features, num_multiprocessors(x.device), x.dtype,
                                            launch_device_kind(x.device))
-        _shrink_triton(x, lora_a, sorted_token_ids, lora_token_starts, float(scale), num_splits, out)
+        _shrink_triton(x, lora_a, sorted_token_ids, lora_token_starts, float(scale), num_splits, out, lora_ranks)
     elif use_native(x):
-        if not _native.lora_shrink(x, lora_a, token_lora_indices, float(scale), out):
+        if not _native.lora_shrink(x, lora_a, token_lora_indices, float(scale), out, lora_ranks):
             _check_index_values(token_lora_indices, num_loras)
-            raise RuntimeError("pagedkernels native lora_shrink rejected indices the checks accept")
+            if lora_ranks is not None:
+                _check_rank_values(lora_ranks, slice_rank)
+            raise RuntimeError("pagedkernels native lora_shrink rejected values the checks accept")
     else:
         if value_checks_enabled(x):
             _check_index_values(token_lora_indices, num_loras)
-        _shrink_torch(x, lora_a, token_lora_indices, float(scale), out)
+            if lora_ranks is not None:
+                _check_rank_values(lora_ranks, slice_rank)
+        _shrink_torch(x, lora_a, token_lora_indices, float(scale), out, lora_ranks)
     return out
 
 
 def lora_expand(buffer: torch.Tensor, lora_b: torch.Tensor, token_lora_indices: torch.Tensor, out: torch.Tensor, *,
                 slice_sizes: Sequence[int] | None = None, sorted_token_ids: torch.Tensor | None = None,
-                lora_token_starts: torch.Tensor | None = None) -> torch.Tensor:
+                lora_token_starts: torch.Tensor | None = None, lora_ranks: torch.Tensor | None = None) -> torch.Tensor:
     """``out[t, slice s] += buffer[t, s*R:(s+1)*R] @ lora_b[token_lora_indices[t], slice s]^T`` in place.
 
     Args:
@@ -268,28 +308,37 @@ def lora_expand(buffer: torch.Tensor, lora_b: torch.Tensor, token_lora_indices: 
             wider tensor is fine): the base layer's output, which the adapters' deltas are added to.
         slice_sizes: the output features of each slice, at most 3, summing to out_features (default one slice).
         sorted_token_ids, lora_token_starts: as for :func:`lora_shrink`.
+        lora_ranks: optional int32 ``[num_loras, S]``, each slot's rank per slice in ``[0, R]``: B's columns and
+            the buffer's past it are not read.
 
     Returns ``out``: each adapted row ``out + delta`` with the delta in float32 (from 16-bit products on the
     Triton path), rounded once to out's dtype.
     """
     num_tokens, sizes, num_loras, rank = check_lora_expand_args(buffer, lora_b, token_lora_indices, out, slice_sizes,
-                                                                sorted_token_ids, lora_token_starts)
-    if has_no_data(buffer, lora_b, token_lora_indices, out, sorted_token_ids, lora_token_starts) or num_tokens == 0:
+                                                                sorted_token_ids, lora_token_starts, lora_ranks)
+    if (has_no_data(buffer, lora_b, token_lora_indices, out, sorted_token_ids, lora_token_starts, lora_ranks)
+            or num_tokens == 0):
         return out
     if use_triton(out):
         if sorted_token_ids is None:
             sorted_token_ids, lora_token_starts = lora_mapping(token_lora_indices, num_loras)
         elif value_checks_enabled(out):
             _check_index_values(token_lora_indices, num_loras)
-        _expand_triton(buffer, lora_b, sorted_token_ids, lora_token_starts, out, sizes)
+        if lora_ranks is not None and value_checks_enabled(out):
+            _check_rank_values(lora_ranks, rank)
+        _expand_triton(buffer, lora_b, sorted_token_ids, lora_token_starts, out, sizes, lora_ranks)
     elif use_native(out):
-        if not _native.lora_expand(buffer, lora_b, token_lora_indices, sizes, out):
+        if not _native.lora_expand(buffer, lora_b, token_lora_indices, sizes, out, lora_ranks):
             _check_index_values(token_lora_indices, num_loras)
-            raise RuntimeError("pagedkernels native lora_expand rejected indices the checks accept")
+            if lora_ranks is not None:
+                _check_rank_values(lora_ranks, rank)
+            raise RuntimeError("pagedkernels native lora_expand rejected values the checks accept")
     else:
         if value_checks_enabled(out):
             _check_index_values(token_lora_indices, num_loras)
-        _expand_torch(buffer, lora_b, token_lora_indices, out, sizes)
+            if lora_ranks is not None:
+                _check_rank_values(lora_ranks, rank)
+        _expand_torch(buffer, lora_b, token_lora_indices, out, sizes, lora_ranks)
     return out
 
 
@@ -306,19 +355,32 @@ def _slot_runs(token_lora_indices: torch.Tensor, num_loras: int) -> list[tuple[i
             if bounds[slot + 1] > bounds[slot]]
 
 
-def _shrink_torch(x, lora_a, token_lora_indices, scale, out):
+def _shrink_torch(x, lora_a, token_lora_indices, scale, out, lora_ranks=None):
     out.zero_()
+    ranks = None if lora_ranks is None else lora_ranks.tolist()
+    slice_rank = lora_a.shape[1] // (1 if ranks is None else len(ranks[0]))
     for slot, rows in _slot_runs(token_lora_indices, lora_a.shape[0]):
-        out.index_copy_(0, rows, (x.index_select(0, rows).float() @ lora_a[slot].float().t()) * scale)
+        inputs = x.index_select(0, rows).float()
+        if ranks is None:
+            out.index_copy_(0, rows, (inputs @ lora_a[slot].float().t()) * scale)
+            continue
+        product = torch.zeros(len(rows), lora_a.shape[1], dtype=torch.float32, device=x.device)
+        for s, r in enumerate(ranks[slot]):   # each slice's rows up to the slot's rank; zeros past it
+            start = s * slice_rank
+            product[:, start:start + r] = (inputs @ lora_a[slot, start:start + r].float().t()) * scale
+        out.index_copy_(0, rows, product)
 
 
-def _expand_torch(buffer, lora_b, token_lora_indices, out, sizes):
+def _expand_torch(buffer, lora_b, token_lora_indices, out, sizes, lora_ranks=None):
     rank = lora_b.shape[2]
+    ranks = None if lora_ranks is None else lora_ranks.tolist()
     for slot, rows in _slot_runs(token_lora_indices, lora_b.shape[0]):
         inputs = buffer.index_select(0, rows)
-        delta = torch.cat([inputs[:, s * rank:(s + 1) * rank] @ part.float().t()
-                           for s, part in enumerate(lora_b[slot].split(sizes, dim=0))], dim=1)
-        out.index_copy_(0, rows, (out.index_select(0, rows).float() + delta).to(out.dtype))
+        deltas = []
+        for s, part in enumerate(lora_b[slot].split(sizes, dim=0)):
+            r = rank if ranks is None else ranks[slot][s]
+            deltas.append(inputs[:, s * rank:s * rank + r] @ part[:, :r].float().t())
+        out.index_copy_(0, rows, (out.index_select(0, rows).float() + torch.cat(deltas, dim=1)).to(out.dtype))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -389,10 +451,14 @@ def _lora_shrink_kernel(
     out_ptr,  # fp32 [num_splits, num_tokens, width] (one split: [num_tokens, width])
     sorted_ids_ptr,  # int32 [num_tokens]: token ids grouped by slot, tokens without an adapter last
     starts_ptr,  # int32 [num_loras + 1]: where each slot's run starts in sorted_ids
+    ranks_ptr,  # int32 [num_loras, num_slices]: each slot's rank per slice (read only when has_ranks)
     num_tokens,
     width,
     in_features,
     scale,  # float
+    has_ranks,  # 0: every slot of rank slice_rank (ranks_ptr any int32 pointer, never read)
+    num_slices,
+    slice_rank,  # R: width = num_slices * R
     stride_x_m: tl.int64,
     stride_a_l: tl.int64,
     stride_a_n: tl.int64,
@@ -430,6 +496,11 @@ def _lora_shrink_kernel(
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if slot < num_loras:
+        # rows of A past the slot's rank in their slice: not read, zeros out
+        slot_ranks = tl.full([BLOCK_N], slice_rank, tl.int32)
+        if has_ranks != 0:
+            slot_ranks = tl.load(ranks_ptr + slot * num_slices + n_offs // slice_rank, mask=n_mask, other=0)
+        live = n_mask & (n_offs % slice_rank < slot_ranks)  # [BLOCK_N]
         k_tiles = tl.cdiv(in_features, BLOCK_K)
         tiles_per_split = tl.cdiv(k_tiles, tl.num_programs(1))
         tile_lo = split * tiles_per_split
@@ -443,9 +514,9 @@ def _lora_shrink_kernel(
             # X : (BLOCK_M, BLOCK_K)
             X = tl.load(x_rows + k_offs[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             # A : (BLOCK_K, BLOCK_N), the slot's rows n read along k
-            A = tl.load(a_cols + k_offs[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            A = tl.load(a_cols + k_offs[:, None], mask=k_mask[:, None] & live[None, :], other=0.0)
             acc += tl.dot(X, A, input_precision=DOT_PRECISION)
-        acc = acc * scale
+        acc = tl.where(live[None, :], acc * scale, 0.0)
     tl.store(out_ptrs, acc, mask=out_mask)
 
 
@@ -456,7 +527,10 @@ def _lora_expand_kernel(
     out_ptr,  # [num_tokens, out_features], updated in place
     sorted_ids_ptr,  # int32 [num_tokens]
     starts_ptr,  # int32 [num_loras + 1]
+    ranks_ptr,  # int32 [num_loras, num_slices]: each slot's rank per slice (read only when has_ranks)
     rank,
+    has_ranks,  # 0: every slot of rank `rank`
+    num_slices,
     slice_size_0,  # output features of each slice; 0 for slices past the last (the grid has one row per slice)
     slice_size_1,
     slice_size_2,
@@ -495,10 +569,14 @@ def _lora_expand_kernel(
     buf_rows = buffer_ptr + tokens[:, None] * stride_buf_m + s * rank  # [BLOCK_M, 1]
     b_cols = b_ptr + slot.to(tl.int64) * stride_b_l + columns[None, :] * stride_b_n  # [1, BLOCK_N]
 
+    # the slot's rank in this slice: the buffer's and B's columns past it are not read
+    slot_rank = rank
+    if has_ranks != 0:
+        slot_rank = tl.load(ranks_ptr + slot * num_slices + s)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
+    for r0 in range(0, slot_rank, BLOCK_R):
         r_offs = r0 + r_base
-        r_mask = r_offs < rank
+        r_mask = r_offs < slot_rank
         # U : (BLOCK_M, BLOCK_R)
         U = tl.load(buf_rows + r_offs[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
         # B : (BLOCK_R, BLOCK_N)
@@ -511,7 +589,7 @@ def _lora_expand_kernel(
     tl.store(out_ptrs, (previous.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def _shrink_triton(x, lora_a, sorted_token_ids, lora_token_starts, scale, num_splits, out):
+def _shrink_triton(x, lora_a, sorted_token_ids, lora_token_starts, scale, num_splits, out, lora_ranks=None):
     num_tokens, in_features = x.shape
     num_loras, width, _ = lora_a.shape
     block_m, block_n, block_k, num_warps = shrink_launch_config(num_tokens, width, x.dtype,
@@ -520,8 +598,11 @@ def _shrink_triton(x, lora_a, sorted_token_ids, lora_token_starts, scale, num_sp
     planes = out if num_splits == 1 else torch.empty(num_splits, num_tokens, width, dtype=torch.float32,
                                                      device=x.device)
     grid = (triton.cdiv(num_tokens, block_m) * triton.cdiv(width, block_n), num_splits, num_loras + 1)
+    num_slices = 1 if lora_ranks is None else lora_ranks.shape[1]
     _lora_shrink_kernel[grid](
-        x, lora_a, planes, sorted_token_ids, lora_token_starts, num_tokens, width, in_features, scale,
+        x, lora_a, planes, sorted_token_ids, lora_token_starts,
+        lora_token_starts if lora_ranks is None else lora_ranks, num_tokens, width, in_features, scale,
+        int(lora_ranks is not None), num_slices, width // num_slices,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), 0 if num_splits == 1 else planes.stride(0),
         planes.stride(-2),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
@@ -532,7 +613,7 @@ def _shrink_triton(x, lora_a, sorted_token_ids, lora_token_starts, scale, num_sp
         torch.sum(planes, dim=0, out=out)
 
 
-def _expand_triton(buffer, lora_b, sorted_token_ids, lora_token_starts, out, sizes):
+def _expand_triton(buffer, lora_b, sorted_token_ids, lora_token_starts, out, sizes, lora_ranks=None):
     num_tokens = out.shape[0]
     num_loras, _, rank = lora_b.shape
     block_m, block_n, block_r, num_warps = expand_launch_config(num_tokens, rank, out.dtype,
@@ -540,7 +621,9 @@ def _expand_triton(buffer, lora_b, sorted_token_ids, lora_token_starts, out, siz
     padded = tuple(sizes) + (0,) * (MAX_LORA_SLICES - len(sizes))
     grid = (triton.cdiv(num_tokens, block_m) * triton.cdiv(max(sizes), block_n), len(sizes), num_loras)
     _lora_expand_kernel[grid](
-        buffer, lora_b, out, sorted_token_ids, lora_token_starts, rank, *padded,
+        buffer, lora_b, out, sorted_token_ids, lora_token_starts,
+        lora_token_starts if lora_ranks is None else lora_ranks, rank, int(lora_ranks is not None), len(sizes),
+        *padded,
         buffer.stride(0), lora_b.stride(0), lora_b.stride(1), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
         DOT_PRECISION="ieee" if out.dtype == torch.float32 else None,

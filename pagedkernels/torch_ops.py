@@ -372,43 +372,46 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
 @torch.library.custom_op("pagedkernels::lora_shrink", mutates_args=())
 def _lora_shrink_op(x: torch.Tensor, lora_a: torch.Tensor, token_lora_indices: torch.Tensor, scale: float = 1.0,
                     num_splits: int | None = None, sorted_token_ids: torch.Tensor | None = None,
-                    lora_token_starts: torch.Tensor | None = None) -> torch.Tensor:
+                    lora_token_starts: torch.Tensor | None = None,
+                    lora_ranks: torch.Tensor | None = None) -> torch.Tensor:
     return _lora_shrink(x, lora_a, token_lora_indices, scale=scale, num_splits=num_splits,
-                        sorted_token_ids=sorted_token_ids, lora_token_starts=lora_token_starts)
+                        sorted_token_ids=sorted_token_ids, lora_token_starts=lora_token_starts, lora_ranks=lora_ranks)
 
 
 @_lora_shrink_op.register_fake
-def _(x, lora_a, token_lora_indices, scale=1.0, num_splits=None, sorted_token_ids=None, lora_token_starts=None):
+def _(x, lora_a, token_lora_indices, scale=1.0, num_splits=None, sorted_token_ids=None, lora_token_starts=None,
+      lora_ranks=None):
     return _lora_shrink(x, lora_a, token_lora_indices, scale=scale, num_splits=num_splits,
-                        sorted_token_ids=sorted_token_ids, lora_token_starts=lora_token_starts)
+                        sorted_token_ids=sorted_token_ids, lora_token_starts=lora_token_starts, lora_ranks=lora_ranks)
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_lora_indices: torch.Tensor, *, scale: float = 1.0,
                 num_splits: int | None = None, sorted_token_ids: torch.Tensor | None = None,
-                lora_token_starts: torch.Tensor | None = None) -> torch.Tensor:
+                lora_token_starts: torch.Tensor | None = None, lora_ranks: torch.Tensor | None = None) -> torch.Tensor:
     """See :func:`pagedkernels.lora_shrink`; returns a new float32 ``[num_tokens, S*R]``."""
-    return _lora_shrink_op(x, lora_a, token_lora_indices, scale, num_splits, sorted_token_ids, lora_token_starts)
+    return _lora_shrink_op(x, lora_a, token_lora_indices, scale, num_splits, sorted_token_ids, lora_token_starts,
+                           lora_ranks)
 
 
 @torch.library.custom_op("pagedkernels::lora_expand_", mutates_args=("out",))
 def _lora_expand_op(buffer: torch.Tensor, lora_b: torch.Tensor, token_lora_indices: torch.Tensor, out: torch.Tensor,
                     slice_sizes: list[int] | None = None, sorted_token_ids: torch.Tensor | None = None,
-                    lora_token_starts: torch.Tensor | None = None) -> None:
+                    lora_token_starts: torch.Tensor | None = None, lora_ranks: torch.Tensor | None = None) -> None:
     _lora_expand(buffer, lora_b, token_lora_indices, out, slice_sizes=slice_sizes, sorted_token_ids=sorted_token_ids,
-                 lora_token_starts=lora_token_starts)
+                 lora_token_starts=lora_token_starts, lora_ranks=lora_ranks)
 
 
 @_lora_expand_op.register_fake
 def _(buffer, lora_b, token_lora_indices, out, slice_sizes=None, sorted_token_ids=None,
-      lora_token_starts=None) -> None:
+      lora_token_starts=None, lora_ranks=None) -> None:
     _lora_expand(buffer, lora_b, token_lora_indices, out, slice_sizes=slice_sizes, sorted_token_ids=sorted_token_ids,
-                 lora_token_starts=lora_token_starts)  # checks only, on fake tensors
+                 lora_token_starts=lora_token_starts, lora_ranks=lora_ranks)  # checks only, on fake tensors
 
 
 def lora_expand(buffer: torch.Tensor, lora_b: torch.Tensor, token_lora_indices: torch.Tensor, out: torch.Tensor, *,
                 slice_sizes=None, sorted_token_ids: torch.Tensor | None = None,
-                lora_token_starts: torch.Tensor | None = None) -> torch.Tensor:
+                lora_token_starts: torch.Tensor | None = None, lora_ranks: torch.Tensor | None = None) -> torch.Tensor:
     """See :func:`pagedkernels.lora_expand` (``out`` updated in place and returned)."""
     _lora_expand_op(buffer, lora_b, token_lora_indices, out, None if slice_sizes is None else list(slice_sizes),
-                    sorted_token_ids, lora_token_starts)
+                    sorted_token_ids, lora_token_starts, lora_ranks)
     return out

@@ -6,6 +6,11 @@ slots of stacked adapter weights next to it (buffers, in the model's dtype, zero
 
     lora_a  [max_loras, num_slices * max_rank, input features of this rank]
     lora_b  [max_loras, output features of this rank, max_rank]     (the adapter's scaling folded in)
+    lora_ranks  int32 [max_loras, num_slices]: each slot's own rank per slice (0 where its adapter does not target
+                the slice, or the slot is empty)
+
+The kernels take ``lora_ranks``: an adapter of rank 8 in a stack of 16 costs what rank 8 does, and a slice the
+adapter leaves alone costs nothing.
 
 A fused projection is one slice per checkpoint projection (q / k / v, gate / up) in the order of its output rows.
 Its forward is the base layer's, plus ``pagedkernels.lora_shrink`` and ``lora_expand`` over the step's tokens,
@@ -148,12 +153,15 @@ class LoRALinear(nn.Module):
                                                    dtype=weight_dtype, device=device), persistent=False)
         self.register_buffer("lora_b", torch.zeros(batch.max_loras, base.output_size, max_rank, dtype=weight_dtype,
                                                    device=device), persistent=False)
+        self.register_buffer("lora_ranks", torch.zeros(batch.max_loras, num_slices, dtype=torch.int32, device=device),
+                             persistent=False)
 
     # -- the slots -------------------------------------------------------------------------------------------
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
+        self.lora_ranks[slot].zero_()
 
     def set_slice(self, slot: int, slice_index: int | None, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
         """Write one adapter's projection into ``slot``: ``lora_a [r, in_features]`` and ``lora_b [out_features,
@@ -173,6 +181,7 @@ class LoRALinear(nn.Module):
             b = lora_b[row:row + full] if slice_index is None else lora_b
             row += full
             self.lora_a[slot, s * self.max_rank: s * self.max_rank + rank] = lora_a
+            self.lora_ranks[slot, s] = rank
             if self.parallel == "row":
                 self.lora_b[slot, :, :rank] = b
             else:
@@ -190,8 +199,9 @@ class LoRALinear(nn.Module):
             num_tokens = x.shape[0]
             indices = self.batch.token_lora_indices[:num_tokens]
             mapping = self.batch.mapping(num_tokens)
-            buffer = ops.lora_shrink(x, self.lora_a, indices, **mapping)
-            out = ops.lora_expand(buffer, self.lora_b, indices, out, slice_sizes=self.slice_sizes, **mapping)
+            buffer = ops.lora_shrink(x, self.lora_a, indices, lora_ranks=self.lora_ranks, **mapping)
+            out = ops.lora_expand(buffer, self.lora_b, indices, out, slice_sizes=self.slice_sizes,
+                                  lora_ranks=self.lora_ranks, **mapping)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,10 @@
  * runs every token of its slot against it, so the block stays in cache while the tokens pass, and a batch of many
  * adapters reads each adapter's weights about once, as one adapter's would be.
  *
+ * Mixed ranks: ranks (NULL, or int32 [num_loras, num_slices]) gives each slot's own rank per slice, r_ls <= R; rows of
+ * A past it (the shrink writes zeros for them) and columns of B past it are then neither read nor computed, so a
+ * stack holding ranks 8 and 16 at R = 16 does a quarter less work. A rank outside [0, R] returns 1, as a bad index.
+ *
  * Arithmetic is float32: the shrink's dots in VW-wide vector accumulators (its K is a hidden size), summed across
  * lanes once per output; the expand's small rank reduction as broadcasts and FMAs over a block of output columns
  * (no horizontal sums). Every token's result is the same operations in the same order whatever tokens share its
@@ -49,17 +53,71 @@ static int group_tokens(const int32_t *idx, int64_t M, int64_t num_loras, int64_
     return 0;
 }
 
+/* Slot l's rank in slice s: ranks[l][s], or R for every slot without ranks. */
+static inline int64_t slot_rank(const int32_t *ranks, int64_t l, int64_t s, int64_t num_slices, int64_t R) {
+    return ranks ? ranks[l * num_slices + s] : R;
+}
+
+static int check_ranks(const int32_t *ranks, int64_t num_loras, int64_t num_slices, int64_t R) {
+    if (ranks)
+        for (int64_t i = 0; i < num_loras * num_slices; i++)
+            if (ranks[i] < 0 || ranks[i] > R) return BAD_VALUES;
+    return 0;
+}
+
 static inline float *row_as_float(const void *base, int64_t offset, int dtype, int64_t n, float *tmp) {
     return (float *)load_row(base, offset, dtype, n, tmp);
 }
 
-/* x [M, K] (row stride x_s0, dtype dt), a [num_loras, N, K] (strides a_s0, a_s1; x's dtype), idx int32 [M],
- * out float32 [M, N] (row stride o_s0). Returns 0, BAD_VALUES (an index out of range: nothing written) or
- * OUT_OF_MEMORY. */
+typedef float vf8 __attribute__((vector_size(32)));
+
+/* dst[j * ld + i] = rows[i][r + j] for i, j < 8: eight rows' 8 floats from r on, transposed by shuffles (unpack,
+ * then pairs, then halves: AVX's 8 x 8 transpose; split into halves where vectors are narrower). */
+static inline vf8 load8(const float *p) {
+    vf8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store8(float *p, vf8 v) { memcpy(p, &v, sizeof v); }
+
+#define PK_UNPACK_LO(a, b) __builtin_shufflevector(a, b, 0, 8, 1, 9, 4, 12, 5, 13)
+#define PK_UNPACK_HI(a, b) __builtin_shufflevector(a, b, 2, 10, 3, 11, 6, 14, 7, 15)
+#define PK_PAIRS_LO(a, b) __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13)
+#define PK_PAIRS_HI(a, b) __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15)
+#define PK_HALVES_LO(a, b) __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11)
+#define PK_HALVES_HI(a, b) __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15)
+
+/* dst[j * ld + i] = rows[i][r + j] for i, j < 8: eight rows' 8 floats from r on, transposed by shuffles (unpack,
+ * then pairs, then halves: AVX's 8 x 8 transpose; split into halves where vectors are narrower). Named values, not
+ * arrays: GCC copied an array of them through the stack in 16-byte halves, and the 32-byte reloads stalled. */
+static inline void transpose8(const float *const rows[8], int64_t r, float *dst, int64_t ld) {
+    const vf8 x0 = load8(rows[0] + r), x1 = load8(rows[1] + r), x2 = load8(rows[2] + r), x3 = load8(rows[3] + r);
+    const vf8 x4 = load8(rows[4] + r), x5 = load8(rows[5] + r), x6 = load8(rows[6] + r), x7 = load8(rows[7] + r);
+    const vf8 t0 = PK_UNPACK_LO(x0, x1), t1 = PK_UNPACK_HI(x0, x1), t2 = PK_UNPACK_LO(x2, x3);
+    const vf8 t3 = PK_UNPACK_HI(x2, x3), t4 = PK_UNPACK_LO(x4, x5), t5 = PK_UNPACK_HI(x4, x5);
+    const vf8 t6 = PK_UNPACK_LO(x6, x7), t7 = PK_UNPACK_HI(x6, x7);
+    const vf8 u0 = PK_PAIRS_LO(t0, t2), u1 = PK_PAIRS_HI(t0, t2), u2 = PK_PAIRS_LO(t1, t3), u3 = PK_PAIRS_HI(t1, t3);
+    const vf8 u4 = PK_PAIRS_LO(t4, t6), u5 = PK_PAIRS_HI(t4, t6), u6 = PK_PAIRS_LO(t5, t7), u7 = PK_PAIRS_HI(t5, t7);
+    store8(dst, PK_HALVES_LO(u0, u4));
+    store8(dst + ld, PK_HALVES_LO(u1, u5));
+    store8(dst + 2 * ld, PK_HALVES_LO(u2, u6));
+    store8(dst + 3 * ld, PK_HALVES_LO(u3, u7));
+    store8(dst + 4 * ld, PK_HALVES_HI(u0, u4));
+    store8(dst + 5 * ld, PK_HALVES_HI(u1, u5));
+    store8(dst + 6 * ld, PK_HALVES_HI(u2, u6));
+    store8(dst + 7 * ld, PK_HALVES_HI(u3, u7));
+}
+
+/* x [M, K] (row stride x_s0, dtype dt), a [num_loras, N, K] (strides a_s0, a_s1; x's dtype), idx int32 [M], ranks
+ * NULL or int32 [num_loras, num_slices] (N = num_slices * R), out float32 [M, N] (row stride o_s0). Returns 0,
+ * BAD_VALUES (an index or a rank out of range: nothing written) or OUT_OF_MEMORY. */
 int pk_lora_shrink(const void *x, int64_t x_s0, int dt, int64_t M, int64_t K, const void *a, int64_t a_s0,
-                   int64_t a_s1, int64_t N, int64_t num_loras, const int32_t *idx, float scale, float *out,
-                   int64_t o_s0, int num_threads) {
+                   int64_t a_s1, int64_t N, int64_t num_loras, const int32_t *idx, const int32_t *ranks,
+                   int64_t num_slices, float scale, float *out, int64_t o_s0, int num_threads) {
     if (M <= 0 || N <= 0) return 0;
+    const int64_t R = N / num_slices;
+    if (check_ranks(ranks, num_loras, num_slices, R)) return BAD_VALUES;
     int64_t *meta = (int64_t *)malloc(sizeof(int64_t) * (2 * num_loras + 3 + M));
     if (!meta) return OUT_OF_MEMORY;
     int64_t *starts = meta, *order = meta + 2 * num_loras + 3;
@@ -68,20 +126,32 @@ int pk_lora_shrink(const void *x, int64_t x_s0, int dt, int64_t M, int64_t K, co
         return BAD_VALUES;
     }
     for (int64_t i = starts[num_loras]; i < M; i++) memset(out + order[i] * o_s0, 0, sizeof(float) * N);
-    /* items: (slot, block of JB rows of A), for the slots with tokens */
-    const int64_t row_blocks = (N + JB - 1) / JB;
+    /* items: (slot, block of JB rows of A within one slice's rank), for the slots with tokens; the rows past a
+     * slot's rank are zeros in its tokens' outputs */
+    const int64_t row_blocks = num_slices * ((R + JB - 1) / JB);
     int64_t items = 0;
     for (int64_t l = 0; l < num_loras; l++) items += starts[l + 1] > starts[l] ? row_blocks : 0;
-    int64_t *item_slot = (int64_t *)malloc(sizeof(int64_t) * (items > 0 ? items : 1));
-    if (!item_slot) {
+    int64_t *item_row = (int64_t *)malloc(sizeof(int64_t) * 2 * (items > 0 ? items : 1));
+    if (!item_row) {
         free(meta);
         return OUT_OF_MEMORY;
     }
     items = 0;
-    for (int64_t l = 0; l < num_loras; l++)
-        if (starts[l + 1] > starts[l])
-            for (int64_t b = 0; b < row_blocks; b++) item_slot[items++] = l * row_blocks + b;
-    const int64_t work = starts[num_loras] * N * K;
+    int64_t work = 0;
+    for (int64_t l = 0; l < num_loras; l++) {
+        if (starts[l + 1] == starts[l]) continue;
+        for (int64_t sl = 0; sl < num_slices; sl++) {
+            const int64_t rank = slot_rank(ranks, l, sl, num_slices, R);
+            for (int64_t r = 0; r < rank; r += JB) {
+                item_row[2 * items] = l;
+                item_row[2 * items++ + 1] = sl * R + r;
+            }
+            work += (starts[l + 1] - starts[l]) * rank * K;
+            if (rank < R)
+                for (int64_t i = starts[l]; i < starts[l + 1]; i++)
+                    memset(out + order[i] * o_s0 + sl * R + rank, 0, sizeof(float) * (R - rank));
+        }
+    }
     int failed = 0;
 #pragma omp parallel num_threads(work >= LORA_PARALLEL_MIN ? num_threads : 1)
     {
@@ -95,8 +165,9 @@ int pk_lora_shrink(const void *x, int64_t x_s0, int dt, int64_t M, int64_t K, co
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < items; item++) {
             if (!ok) continue;
-            const int64_t l = item_slot[item] / row_blocks, j0 = item_slot[item] % row_blocks * JB;
-            const int jn = N - j0 < JB ? (int)(N - j0) : JB;
+            const int64_t l = item_row[2 * item], j0 = item_row[2 * item + 1];
+            const int64_t end = j0 / R * R + slot_rank(ranks, l, j0 / R, num_slices, R); /* the slice's last row */
+            const int jn = end - j0 < JB ? (int)(end - j0) : JB;
             const float *arow[JB];
             for (int j = 0; j < JB; j++) /* rows past N repeat the last one: computed, never stored */
                 arow[j] = row_as_float(a, l * a_s0 + (j0 + (j < jn ? j : jn - 1)) * a_s1, dt, K,
@@ -131,19 +202,20 @@ int pk_lora_shrink(const void *x, int64_t x_s0, int dt, int64_t M, int64_t K, co
         }
         free(buf);
     }
-    free(item_slot);
+    free(item_row);
     free(meta);
     return failed ? OUT_OF_MEMORY : 0;
 }
 
 /* buf float32 [M, num_slices * rank] (row stride buf_s0), b [num_loras,
- * out_features, rank] (strides b_s0, b_s1; out's dtype), idx int32 [M], slice sizes n0, n1, n2 (the first
- * num_slices used), out [M, out_features] (row stride o_s0, dtype dt), updated in place. Returns 0, BAD_VALUES
- * or OUT_OF_MEMORY. */
+ * out_features, rank] (strides b_s0, b_s1; out's dtype), idx int32 [M], ranks NULL or int32 [num_loras,
+ * num_slices], slice sizes n0, n1, n2 (the first num_slices used), out [M, out_features] (row stride o_s0, dtype
+ * dt), updated in place. Returns 0, BAD_VALUES or OUT_OF_MEMORY. */
 int pk_lora_expand(const float *buffer, int64_t buf_s0, int64_t M, int64_t rank, const void *b, int64_t b_s0,
-                   int64_t b_s1, int64_t num_loras, const int32_t *idx, int64_t n0, int64_t n1, int64_t n2,
-                   int num_slices, void *out, int64_t o_s0, int dt, int num_threads) {
+                   int64_t b_s1, int64_t num_loras, const int32_t *idx, const int32_t *ranks, int64_t n0, int64_t n1,
+                   int64_t n2, int num_slices, void *out, int64_t o_s0, int dt, int num_threads) {
     if (M <= 0) return 0;
+    if (check_ranks(ranks, num_loras, num_slices, rank)) return BAD_VALUES;
     int64_t *meta = (int64_t *)malloc(sizeof(int64_t) * (2 * num_loras + 3 + M));
     if (!meta) return OUT_OF_MEMORY;
     int64_t *starts = meta, *order = meta + 2 * num_loras + 3;
@@ -165,17 +237,24 @@ int pk_lora_expand(const float *buffer, int64_t buf_s0, int64_t M, int64_t rank,
         free(meta);
         return OUT_OF_MEMORY;
     }
-    items = 0; /* item: slot * col_blocks + (its slice's first block + block within the slice) */
-    for (int64_t l = 0; l < num_loras; l++)
-        if (starts[l + 1] > starts[l])
-            for (int64_t c = 0; c < col_blocks; c++) item_code[items++] = l * col_blocks + c;
-    const int64_t work = starts[num_loras] * out_features * rank;
+    /* item: slot * col_blocks + (its slice's first block + block within the slice); none for a slice of rank 0 */
+    items = 0;
+    int64_t work = 0;
+    for (int64_t l = 0; l < num_loras; l++) {
+        if (starts[l + 1] == starts[l]) continue;
+        for (int64_t sl = 0, c = 0; sl < num_slices; sl++) {
+            const int64_t blocks = (sizes[sl] + NB - 1) / NB, rk = slot_rank(ranks, l, sl, num_slices, rank);
+            for (int64_t k = 0; k < blocks && rk > 0; k++) item_code[items++] = l * col_blocks + c + k;
+            work += (starts[l + 1] - starts[l]) * sizes[sl] * rk;
+            c += blocks;
+        }
+    }
     int failed = 0;
 #pragma omp parallel num_threads(work >= LORA_PARALLEL_MIN ? num_threads : 1)
     {
-        /* per thread: the B block transposed to [rank][NB] float32, a converted row of b, a row of out */
-        const int64_t tmp_len = rank > NB ? rank : NB;
-        float *bt = (float *)malloc(sizeof(float) * (rank * NB + tmp_len + NB));
+        /* per thread: the B block transposed to [rank][NB] float32, 8 converted rows of b (16-bit b only), a row
+         * of out, and a zero row standing in for B's rows past the block's last column */
+        float *bt = (float *)malloc(sizeof(float) * (rank * NB + 8 * rank + NB + rank));
         if (!bt) {
 #pragma omp atomic write
             failed = 1;
@@ -189,27 +268,45 @@ int pk_lora_expand(const float *buffer, int64_t buf_s0, int64_t M, int64_t rank,
             while (c >= (sizes[s] + NB - 1) / NB) c -= (sizes[s++] + NB - 1) / NB;
             const int64_t c0 = slice_start[s] + c * NB; /* first column of out and b */
             const int nc = slice_start[s] + sizes[s] - c0 < NB ? (int)(slice_start[s] + sizes[s] - c0) : NB;
-            float *tmp = bt + rank * NB, *orow = tmp + tmp_len;
-            for (int n = 0; n < nc; n++) {
-                const float *brow = load_row(b, l * b_s0 + (c0 + n) * b_s1, dt, rank, tmp);
-                for (int64_t r = 0; r < rank; r++) bt[r * NB + n] = brow[r];
+            const int64_t rk = slot_rank(ranks, l, s, num_slices, rank); /* B's columns past it: not read */
+            float *tmp = bt + rank * NB, *orow = tmp + 8 * rank, *zeros = orow + NB;
+            memset(zeros, 0, sizeof(float) * rank);
+            for (int n = 0; n < NB; n += 8) { /* eight columns at a time: 8 x 8 transposes in registers */
+                const float *rows[8];
+                for (int i = 0; i < 8; i++)
+                    rows[i] = n + i < nc ? load_row(b, l * b_s0 + (c0 + n + i) * b_s1, dt, rk, tmp + i * rank)
+                                         : zeros;
+                int64_t r = 0;
+                for (; r + 8 <= rk; r += 8) transpose8(rows, r, bt + r * NB + n, NB);
+                for (; r < rk; r++)
+                    for (int i = 0; i < 8; i++) bt[r * NB + n + i] = rows[i][r];
             }
-            for (int64_t r = 0; r < rank; r++)
-                for (int n = nc; n < NB; n++) bt[r * NB + n] = 0.0f;
             for (int64_t i = starts[l]; i < starts[l + 1]; i++) {
                 const int64_t t = order[i];
                 const float *u = buffer + t * buf_s0 + s * rank;
-                float acc[NB];
-                memset(acc, 0, sizeof acc);
-                for (int64_t r = 0; r < rank; r++) {
-                    const float ur = u[r];
+                vfw acc[NB / VW];
+#pragma GCC unroll 16
+                for (int v = 0; v < NB / VW; v++) acc[v] = (vfw){0};
+                for (int64_t r = 0; r < rk; r++) {
+                    const vfw ur = (vfw){0} + u[r];
                     const float *btr = bt + r * NB;
-#pragma omp simd
-                    for (int n = 0; n < NB; n++) acc[n] += ur * btr[n];
+#pragma GCC unroll 16
+                    for (int v = 0; v < NB / VW; v++) acc[v] += ur * vloadw(btr + v * VW);
                 }
+                if (dt == 0 && nc == NB) {
+                    float *dst = (float *)out + t * o_s0 + c0;
+#pragma GCC unroll 16
+                    for (int v = 0; v < NB / VW; v++) {
+                        const vfw sum = vloadw(dst + v * VW) + acc[v];
+                        memcpy(dst + v * VW, &sum, sizeof sum);
+                    }
+                    continue;
+                }
+                float delta[NB];
+                memcpy(delta, acc, sizeof delta);
                 const float *prev = load_row(out, t * o_s0 + c0, dt, nc, orow);
                 float *dst = dt == 0 ? (float *)out + t * o_s0 + c0 : orow;
-                for (int n = 0; n < nc; n++) dst[n] = prev[n] + acc[n];
+                for (int n = 0; n < nc; n++) dst[n] = prev[n] + delta[n];
                 if (dt != 0) store_row(out, t * o_s0 + c0, dt, nc, dst);
             }
         }

@@ -4,8 +4,8 @@ without an adapter, fused projections as 1, 2 and 3 slices of unequal sizes, the
 Triton kernels run interpreted on CPU (small shapes: an interpreted launch costs a second), the native kernels and
 the PyTorch twin at every dtype.
 
-The oracle sees only each adapter's own rank: the padding must contribute nothing. Memory an op must not read
-is NaN (unused slots, the buffer rows of tokens without an adapter); memory it must not write is checked bit for
+The oracle sees only each adapter's own rank: the padding must contribute nothing. With ``lora_ranks`` (each slot's
+rank per slice) the padding is NaN: it must not be read at all. Memory an op must not read is NaN (unused slots, the buffer rows of tokens without an adapter); memory it must not write is checked bit for
 bit (the other columns of a wider output, the rows of tokens without an adapter).
 """
 
@@ -38,23 +38,31 @@ CASES = {
     "decode-token": (1, 48, (24,), 16, [None, 8], None),
     # no token has an adapter
     "no-adapter": (5, 32, (16,), 8, [8], None),
+    # a stack rank that is no multiple of 8 (the native expand's transposes in eights, then the rest)
+    "rank-12": (9, 40, (24, 16), 12, [4, 12], None),
 }
 
 
 def _params(op_dtypes_for_triton):
-    """(backend, device, dtype, case): the Triton cases on TRITON_DEVICE (the conftest skips a "triton" case on
-    "cpu" where the interpreter is off, i.e. on a GPU machine, so the device is a parameter)."""
+    """(backend, device, dtype, case, ranked): the Triton cases on TRITON_DEVICE (the conftest skips a "triton" case
+    on "cpu" where the interpreter is off, i.e. on a GPU machine, so the device is a parameter). ``ranked``: the op
+    gets ``lora_ranks`` and the padding past each rank is NaN (for every case on the native and torch backends; on
+    the interpreter for the float32 cases)."""
     params = []
     for case in CASES:
-        for dtype in DTYPES:
-            params.append(pytest.param("torch", "cpu", dtype, case, id=f"torch-{_name(dtype)}-{case}"))
-            params.append(pytest.param("native", "cpu", dtype, case, id=f"native-{_name(dtype)}-{case}",
-                                       marks=pytest.mark.skipif(not NATIVE, reason="no C compiler here")))
-            # The interpreter's bf16 arithmetic is wrong (bf16 runs on CUDA), and each interpreted launch costs
-            # about a second: fp32 for every case, fp16 for the two that cross the most masks.
-            if TRITON_DEVICE == "cuda" or (dtype == torch.float32 or (dtype, case) in op_dtypes_for_triton):
-                params.append(pytest.param("triton", TRITON_DEVICE, dtype, case,
-                                           id=f"triton-{TRITON_DEVICE}-{_name(dtype)}-{case}"))
+        for ranked in (False, True):
+            tag = "-ranked" if ranked else ""
+            for dtype in DTYPES:
+                params.append(pytest.param("torch", "cpu", dtype, case, ranked, id=f"torch-{_name(dtype)}-{case}{tag}"))
+                params.append(pytest.param("native", "cpu", dtype, case, ranked,
+                                           id=f"native-{_name(dtype)}-{case}{tag}",
+                                           marks=pytest.mark.skipif(not NATIVE, reason="no C compiler here")))
+                # The interpreter's bf16 arithmetic is wrong (bf16 runs on CUDA), and each interpreted launch costs
+                # about a second: fp32 for every case, fp16 for the two that cross the most masks.
+                if TRITON_DEVICE == "cuda" or (dtype == torch.float32 or
+                                               (not ranked and (dtype, case) in op_dtypes_for_triton)):
+                    params.append(pytest.param("triton", TRITON_DEVICE, dtype, case, ranked,
+                                               id=f"triton-{TRITON_DEVICE}-{_name(dtype)}-{case}{tag}"))
     return params
 
 
@@ -91,6 +99,20 @@ class Adapters:
                 self.lora_b[slot, offset:offset + size, :rank] = b
                 self.a[slot][s], self.b[slot][s] = a.double(), b.double()
                 offset += size
+
+    def ranked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``lora_a``, ``lora_b`` with NaN past each slot's rank instead of zeros, and ``lora_ranks`` int32 [slots, S]
+        (0 for an unused slot)."""
+        lora_a, lora_b = self.lora_a.clone(), self.lora_b.clone()
+        ranks = torch.zeros(len(self.ranks), len(self.slice_sizes), dtype=torch.int32)
+        for slot, rank in enumerate(self.ranks):
+            if rank is None:
+                continue
+            ranks[slot] = rank
+            lora_b[slot, :, rank:] = float("nan")
+            for s in range(len(self.slice_sizes)):
+                lora_a[slot, s * self.max_rank + rank:(s + 1) * self.max_rank] = float("nan")
+        return lora_a, lora_b, ranks
 
     def absolute(self) -> "Adapters":
         """The same adapters with every weight's magnitude (the oracle of |x| then gives the accumulation's scale)."""
@@ -165,14 +187,16 @@ def _product_bound(magnitudes, out_dtype, exact, *, rounded_operand: torch.dtype
 # the oracle
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("backend,device,dtype,case", _params(TRITON_FP16))
-def test_shrink_matches_the_float64_oracle(backend, device, dtype, case):
+@pytest.mark.parametrize("backend,device,dtype,case,ranked", _params(TRITON_FP16))
+def test_shrink_matches_the_float64_oracle(backend, device, dtype, case, ranked):
     adapters, x, indices, splits = _case(case, dtype)
-    # Every row is written: zeros for tokens without an adapter, into an `out` that starts as NaN.
+    # Every row is written: zeros for tokens without an adapter (and past each rank), into an `out` that starts
+    # as NaN.
     out = torch.full((x.shape[0], adapters.lora_a.shape[1]), float("nan"), device=device)
+    lora_a, _, ranks = adapters.ranked() if ranked else (adapters.lora_a, None, None)
     with pk.use_backend(backend):
-        result = pk.lora_shrink(x.to(device), adapters.lora_a.to(device), indices.to(device), scale=0.5,
-                                num_splits=splits, out=out)
+        result = pk.lora_shrink(x.to(device), lora_a.to(device), indices.to(device), scale=0.5,
+                                num_splits=splits, out=out, lora_ranks=None if ranks is None else ranks.to(device))
     assert result.data_ptr() == out.data_ptr() and result.dtype == torch.float32
     exact = adapters.shrink(x, indices, 0.5)
     magnitudes = adapters.absolute().shrink(x.abs(), indices, 0.5)
@@ -180,18 +204,21 @@ def test_shrink_matches_the_float64_oracle(backend, device, dtype, case):
     assert (result.cpu()[indices < 0] == 0).all()
 
 
-@pytest.mark.parametrize("backend,device,dtype,case", _params(TRITON_FP16))
-def test_expand_matches_the_float64_oracle(backend, device, dtype, case):
+@pytest.mark.parametrize("backend,device,dtype,case,ranked", _params(TRITON_FP16))
+def test_expand_matches_the_float64_oracle(backend, device, dtype, case, ranked):
     """``out`` is a strided view of a wider tensor (the base layer's output inside a bigger buffer): only its
-    columns of the adapted rows change; the buffer rows of tokens without an adapter are NaN (never read)."""
+    columns of the adapted rows change; the buffer rows of tokens without an adapter are NaN (never read), and with
+    ``lora_ranks`` so are its columns past each rank."""
     adapters, _, indices, _ = _case(case, dtype, seed=1)
+    _, lora_b, ranks = adapters.ranked() if ranked else (None, adapters.lora_b, None)
     gen = torch.Generator().manual_seed(2)
     num_tokens, out_features = indices.shape[0], sum(adapters.slice_sizes)
     buffer = torch.randn(num_tokens, adapters.lora_a.shape[1], generator=gen)
     for s, size in enumerate(adapters.slice_sizes):  # past each adapter's rank the shrink gives zeros
         for t, slot in enumerate(indices.tolist()):
             if slot >= 0:
-                buffer[t, s * adapters.max_rank + adapters.ranks[slot]:(s + 1) * adapters.max_rank] = 0.0
+                buffer[t, s * adapters.max_rank + adapters.ranks[slot]:(s + 1) * adapters.max_rank] = (
+                    float("nan") if ranked else 0.0)
     buffer[indices < 0] = float("nan")
     wide = torch.randn(num_tokens, out_features + 7, generator=gen).to(dtype)
     wide[:, :3] = float("nan")
@@ -201,9 +228,10 @@ def test_expand_matches_the_float64_oracle(backend, device, dtype, case):
     wide = wide.to(device)
     mapping = pk.lora_mapping(indices.to(device), adapters.lora_b.shape[0])
     with pk.use_backend(backend):
-        result = pk.lora_expand(buffer.to(device), adapters.lora_b.to(device), indices.to(device),
+        result = pk.lora_expand(buffer.to(device), lora_b.to(device), indices.to(device),
                                 wide[:, 3:3 + out_features], slice_sizes=adapters.slice_sizes,
-                                sorted_token_ids=mapping[0], lora_token_starts=mapping[1])
+                                sorted_token_ids=mapping[0], lora_token_starts=mapping[1],
+                                lora_ranks=None if ranks is None else ranks.to(device))
     assert result.data_ptr() == wide[:, 3:].data_ptr()
     wide = wide.cpu()
     torch.testing.assert_close(wide[:, :3], before[:, :3], rtol=0, atol=0, equal_nan=True)
@@ -289,6 +317,24 @@ def test_an_index_outside_the_slots_raises_before_writing(backend, device, bad, 
     assert (out == 3.0).all() and (base == 5.0).all()
 
 
+@pytest.mark.parametrize("backend,device", [("torch", "cpu"), NATIVE_PARAM, ("triton", TRITON_DEVICE)])
+@pytest.mark.parametrize("bad", [17, -1])
+def test_a_rank_outside_the_stack_raises_before_writing(backend, device, bad, monkeypatch):
+    monkeypatch.setenv("PAGEDKERNELS_DEBUG", "1")
+    adapters, x, indices, _ = _case("decode-token", torch.float32)
+    x, lora_a, lora_b = x.to(device), adapters.lora_a.to(device).nan_to_num(), adapters.lora_b.to(device).nan_to_num()
+    indices = indices.to(device)
+    ranks = torch.tensor([[4], [bad]], dtype=torch.int32, device=device)
+    out = torch.full((1, lora_a.shape[1]), 3.0, device=device)
+    base = torch.full((1, lora_b.shape[1]), 5.0, device=device)
+    with pk.use_backend(backend):
+        with pytest.raises(ValueError, match=rf"lora_ranks must lie in \[0, 16\].*got {bad} for slot 1, slice 0"):
+            pk.lora_shrink(x, lora_a, indices, out=out, lora_ranks=ranks)
+        with pytest.raises(ValueError, match=r"lora_ranks must lie in \[0, 16\]"):
+            pk.lora_expand(out, lora_b, indices, base, lora_ranks=ranks)
+    assert (out == 3.0).all() and (base == 5.0).all()
+
+
 def _args():
     gen = torch.Generator().manual_seed(0)
     return dict(x=torch.randn(3, 32, generator=gen), lora_a=torch.randn(2, 16, 32, generator=gen),
@@ -319,6 +365,14 @@ def _args():
     (lambda a: pk.lora_expand(a["buffer"].half(), a["lora_b"], a["indices"], a["out"], slice_sizes=(12, 12)),
      r"buffer must have dtype in \(float32\)"),
     (lambda a: pk.lora_mapping(a["indices"], 0), "num_loras must be an int >= 1"),
+    (lambda a: pk.lora_shrink(a["x"], a["lora_a"], a["indices"], lora_ranks=torch.ones(2, 3, dtype=torch.int32)),
+     "lora_ranks has 3 slices, which do not divide lora_a's 16 rank rows"),
+    (lambda a: pk.lora_shrink(a["x"], a["lora_a"], a["indices"], lora_ranks=torch.ones(3, 2, dtype=torch.int32)),
+     r"lora_ranks must have shape \[2, 2\]"),
+    (lambda a: pk.lora_expand(a["buffer"], a["lora_b"], a["indices"], a["out"], slice_sizes=(12, 12),
+                              lora_ranks=torch.ones(2, 2)), "lora_ranks must have dtype"),
+    (lambda a: pk.lora_expand(a["buffer"], a["lora_b"], a["indices"], a["out"], slice_sizes=(12, 12),
+                              lora_ranks=torch.ones(2, 1, dtype=torch.int32)), r"lora_ranks must have shape \[2, 2\]"),
 ])
 def test_argument_errors_name_the_argument(call, match):
     with pytest.raises(ValueError, match=match):
@@ -340,11 +394,14 @@ def test_cpu_graph_replays_follow_new_indices_and_fewer_rows():
     gen = torch.Generator().manual_seed(5)
     base = torch.randn(x.shape[0], lora_b.shape[1], generator=gen)
     static_x, static_indices, static_base = x.clone(), indices.clone(), base.clone()
+    full = torch.tensor([[rank or 0] * len(adapters.slice_sizes) for rank in adapters.ranks], dtype=torch.int32)
+    static_ranks = full.clone()
 
     def step():
         out = static_base.clone()
-        buffer = pk.lora_shrink(static_x, lora_a, static_indices)
-        return pk.lora_expand(buffer, lora_b, static_indices, out, slice_sizes=adapters.slice_sizes)
+        buffer = pk.lora_shrink(static_x, lora_a, static_indices, lora_ranks=static_ranks)
+        return pk.lora_expand(buffer, lora_b, static_indices, out, slice_sizes=adapters.slice_sizes,
+                              lora_ranks=static_ranks)
 
     with pk.use_backend("native"):
         graph = CPUGraph()
@@ -355,6 +412,12 @@ def test_cpu_graph_replays_follow_new_indices_and_fewer_rows():
             static_x.copy_(torch.randn(x.shape, generator=g))
             static_indices.copy_(indices[torch.randperm(x.shape[0], generator=g)])
             torch.testing.assert_close(graph.replay(), step(), rtol=0, atol=0)
+        whole = step()
+        static_ranks.copy_(torch.minimum(full, torch.tensor(4, dtype=torch.int32)))   # the ranks it reads then too
+        cut = step()
+        torch.testing.assert_close(graph.replay(), cut, rtol=0, atol=0)
+        assert not torch.equal(cut, whole)
+        static_ranks.copy_(full)
         static_indices.copy_(torch.flip(indices, [0]))
         eager = step()
         torch.testing.assert_close(graph.replay(4)[:4], eager[:4], rtol=0, atol=0)

@@ -167,6 +167,7 @@ def _opcheck_cases():
     key_cache8, value_cache8 = (c.float().nan_to_num().to(FP8) for c in (inp["key_cache8"], inp["value_cache8"]))
     lora_indices = torch.tensor([3, -1, 0], dtype=torch.int32)
     lora_mapping = pk.lora_mapping(lora_indices, 4)
+    lora_ranks = torch.tensor([[16, 8, 0], [4, 4, 4], [16, 16, 16], [8, 16, 12]], dtype=torch.int32)
     decode8 = (q, key_cache8, value_cache8, kv.block_tables, kv.seq_lens)
     return {
         "reshape_and_cache": (k, k.clone(), key_cache.clone(), value_cache.clone(), inp["slots"]),
@@ -192,9 +193,10 @@ def _opcheck_cases():
                       torch.tensor([[3, 1], [1, 0], [5, 3]], dtype=torch.int32), "silu",
                       torch.tensor([0, 1, -1, 2, 3, 4, 5, -1], dtype=torch.int32)),
         "lora_shrink": (torch.randn(num_tokens, 64, generator=gen), torch.randn(4, 48, 64, generator=gen),
-                        lora_indices, 0.5, None, *lora_mapping),
+                        lora_indices, 0.5, None, *lora_mapping, lora_ranks),
         "lora_expand_": (torch.randn(num_tokens, 48, generator=gen), torch.randn(4, 40, 16, generator=gen),
-                         lora_indices, torch.randn(num_tokens, 40, generator=gen), [24, 8, 8], *lora_mapping),
+                         lora_indices, torch.randn(num_tokens, 40, generator=gen), [24, 8, 8], *lora_mapping,
+                         lora_ranks),
     }
 
 
@@ -307,10 +309,12 @@ SPECS = {
                    ("activation", "silu"), ("expert_map", ((6,), torch.int32))], ((3, 40), None)),
     "lora_shrink": ([("x", ((3, 64), None)), ("lora_a", ((4, 48, 64), None)), ("token_lora_indices", _LORA_INDICES),
                      ("scale", 0.5), ("num_splits", None), ("sorted_token_ids", _LORA_INDICES),
-                     ("lora_token_starts", ((5,), torch.int32))], ((3, 48), torch.float32)),
+                     ("lora_token_starts", ((5,), torch.int32)), ("lora_ranks", ((4, 3), torch.int32))],
+                    ((3, 48), torch.float32)),
     "lora_expand_": ([("buffer", ((3, 48), torch.float32)), ("lora_b", ((4, 40, 16), None)),
                       ("token_lora_indices", _LORA_INDICES), ("out", ((3, 40), None)), ("slice_sizes", [24, 8, 8]),
-                      ("sorted_token_ids", _LORA_INDICES), ("lora_token_starts", ((5,), torch.int32))], None),
+                      ("sorted_token_ids", _LORA_INDICES), ("lora_token_starts", ((5,), torch.int32)),
+                      ("lora_ranks", ((4, 3), torch.int32))], None),
 }
 TENSOR_ARGS = [(op, arg) for op, (args, _) in SPECS.items() for arg, spec in args if isinstance(spec, tuple)]
 # The arguments that can be on another device than the op's other tensors (silu_and_mul has one tensor).
@@ -407,7 +411,7 @@ def _public_call(op, args):
         return pk.moe_topk(*args[:2], **{k: kw[k] for k in names[2:]})
     if op == "fused_moe":
         return pk.fused_moe(*args[:5], activation=kw["activation"], expert_map=kw["expert_map"])
-    mapping = {k: kw[k] for k in ("sorted_token_ids", "lora_token_starts") if k in kw}
+    mapping = {k: kw[k] for k in ("sorted_token_ids", "lora_token_starts", "lora_ranks") if k in kw}
     if op == "lora_shrink":
         return pk.lora_shrink(*args[:3], scale=kw["scale"], num_splits=kw["num_splits"], **mapping)
     if op == "lora_expand_":
