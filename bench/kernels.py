@@ -904,7 +904,7 @@ class LoRAInputs:
     """A LoRA layer's step: ``x [M, K]``, slots stacked as the engine holds them (``lora_a [L, S*R, K]``,
     ``lora_b [L, N, R]``, the scaling folded in), each token's slot (``indices``, -1: the base model), the base
     layer's output ``base [M, N]``, and the grouping computed once per step (``mapping``: pagedkernels'
-    lora_mapping; ``rows``: each slot's tokens, the per-adapter loop's)."""
+    lora_mapping and the slots' ranks; ``rows``: each slot's tokens, the per-adapter loop's)."""
     x: torch.Tensor
     lora_a: torch.Tensor
     lora_b: torch.Tensor
@@ -930,6 +930,8 @@ def lora_inputs(device, dtype, *, num_tokens: int, in_features: int, slice_sizes
     indices = torch.where(cycle == num_adapters, -1, cycle).to(torch.int32)
     base = _randn(num_tokens, out_features, dtype=dtype, device=device, gen=gen)
     mapping = dict(zip(("sorted_token_ids", "lora_token_starts"), pk.lora_mapping(indices, num_adapters)))
+    # every slot's rank, as the engine's LoRA layers pass them (all of them full here)
+    mapping["lora_ranks"] = torch.full((num_adapters, num_slices), rank, dtype=torch.int32, device=device)
     rows = [(indices == slot).nonzero().squeeze(1) for slot in range(num_adapters)]
     return LoRAInputs(x, lora_a, lora_b, indices, base, tuple(slice_sizes), rank, mapping, rows)
 
