@@ -99,7 +99,8 @@ def _check_mapping(token_lora_indices, num_tokens: int, num_loras: int, sorted_t
             raise ValueError("sorted_token_ids and lora_token_starts must be contiguous")
 
 
-def _check_ranks(lora_ranks, num_loras: int, num_slices: int, like: tuple[str, torch.Tensor]) -> None:
+def _check_ranks(lora_ranks, num_loras: int, num_slices: int | None, like: tuple[str, torch.Tensor]) -> None:
+    """``lora_ranks``: None, or int32 ``[num_loras, num_slices]`` (None: any number of slices), contiguous."""
     if lora_ranks is not None:
         check_tensor("lora_ranks", lora_ranks, ndim=2, dtypes=(torch.int32,), like=like,
                      shape=(num_loras, num_slices))
@@ -136,8 +137,8 @@ def check_lora_shrink_args(x, lora_a, token_lora_indices, scale=1.0, num_splits=
     if num_splits is not None:
         _check_int("num_splits", num_splits, minimum=1)
     _check_mapping(token_lora_indices, num_tokens, num_loras, sorted_token_ids, lora_token_starts, on_x)
+    _check_ranks(lora_ranks, num_loras, None, on_x)   # the shrink's slices: lora_ranks' second dimension
     if lora_ranks is not None:
-        _check_ranks(lora_ranks, num_loras, lora_ranks.shape[-1] if lora_ranks.ndim == 2 else 1, on_x)
         if width % lora_ranks.shape[1]:
             raise ValueError(f"lora_ranks has {lora_ranks.shape[1]} slices, which do not divide lora_a's "
                              f"{width} rank rows")

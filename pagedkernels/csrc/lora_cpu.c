@@ -255,9 +255,13 @@ int pk_lora_expand(const float *buffer, int64_t buf_s0, int64_t M, int64_t rank,
         /* per thread: the B block transposed to [rank][NB] float32, 8 converted rows of b (16-bit b only), a row
          * of out, and a zero row standing in for B's rows past the block's last column */
         float *bt = (float *)malloc(sizeof(float) * (rank * NB + 8 * rank + NB + rank));
+        float *tmp = NULL, *orow = NULL, *zeros = NULL;
         if (!bt) {
 #pragma omp atomic write
             failed = 1;
+        } else {
+            tmp = bt + rank * NB, orow = tmp + 8 * rank, zeros = orow + NB;
+            memset(zeros, 0, sizeof(float) * rank);
         }
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < items; item++) {
@@ -269,8 +273,6 @@ int pk_lora_expand(const float *buffer, int64_t buf_s0, int64_t M, int64_t rank,
             const int64_t c0 = slice_start[s] + c * NB; /* first column of out and b */
             const int nc = slice_start[s] + sizes[s] - c0 < NB ? (int)(slice_start[s] + sizes[s] - c0) : NB;
             const int64_t rk = slot_rank(ranks, l, s, num_slices, rank); /* B's columns past it: not read */
-            float *tmp = bt + rank * NB, *orow = tmp + 8 * rank, *zeros = orow + NB;
-            memset(zeros, 0, sizeof(float) * rank);
             for (int n = 0; n < NB; n += 8) { /* eight columns at a time: 8 x 8 transposes in registers */
                 const float *rows[8];
                 for (int i = 0; i < 8; i++)

@@ -300,37 +300,25 @@ NATIVE_PARAM = pytest.param("native", "cpu", marks=pytest.mark.skipif(not NATIVE
 
 
 @pytest.mark.parametrize("backend,device", [("torch", "cpu"), NATIVE_PARAM, ("triton", TRITON_DEVICE)])
-@pytest.mark.parametrize("bad", [2, -2])
-def test_an_index_outside_the_slots_raises_before_writing(backend, device, bad, monkeypatch):
+@pytest.mark.parametrize("index,rank,match", [
+    (2, None, r"token_lora_indices must lie in \[-1, 2\) (.*)got 2 for token 0"),
+    (-2, None, r"token_lora_indices must lie in \[-1, 2\) (.*)got -2 for token 0"),
+    (1, 17, r"lora_ranks must lie in \[0, 16\] (.*)got 17 for slot 1, slice 0"),
+    (1, -1, r"lora_ranks must lie in \[0, 16\] (.*)got -1 for slot 1, slice 0"),
+])
+def test_a_bad_index_or_rank_raises_before_writing(backend, device, index, rank, match, monkeypatch):
     """Values are checked on CPU tensors always, on CUDA with PAGEDKERNELS_DEBUG=1 (a host sync)."""
     monkeypatch.setenv("PAGEDKERNELS_DEBUG", "1")
-    adapters, x, indices, _ = _case("decode-token", torch.float32)
+    adapters, x, _, _ = _case("decode-token", torch.float32)
     x, lora_a, lora_b = x.to(device), adapters.lora_a.to(device).nan_to_num(), adapters.lora_b.to(device).nan_to_num()
-    indices = torch.tensor([bad], dtype=torch.int32, device=device)
+    indices = torch.tensor([index], dtype=torch.int32, device=device)
+    ranks = None if rank is None else torch.tensor([[4], [rank]], dtype=torch.int32, device=device)
     out = torch.full((1, lora_a.shape[1]), 3.0, device=device)
     base = torch.full((1, lora_b.shape[1]), 5.0, device=device)
     with pk.use_backend(backend):
-        with pytest.raises(ValueError, match=rf"token_lora_indices must lie in \[-1, 2\).*got {bad} for token 0"):
-            pk.lora_shrink(x, lora_a, indices, out=out)
-        with pytest.raises(ValueError, match=r"token_lora_indices must lie in \[-1, 2\)"):
-            pk.lora_expand(out, lora_b, indices, base)
-    assert (out == 3.0).all() and (base == 5.0).all()
-
-
-@pytest.mark.parametrize("backend,device", [("torch", "cpu"), NATIVE_PARAM, ("triton", TRITON_DEVICE)])
-@pytest.mark.parametrize("bad", [17, -1])
-def test_a_rank_outside_the_stack_raises_before_writing(backend, device, bad, monkeypatch):
-    monkeypatch.setenv("PAGEDKERNELS_DEBUG", "1")
-    adapters, x, indices, _ = _case("decode-token", torch.float32)
-    x, lora_a, lora_b = x.to(device), adapters.lora_a.to(device).nan_to_num(), adapters.lora_b.to(device).nan_to_num()
-    indices = indices.to(device)
-    ranks = torch.tensor([[4], [bad]], dtype=torch.int32, device=device)
-    out = torch.full((1, lora_a.shape[1]), 3.0, device=device)
-    base = torch.full((1, lora_b.shape[1]), 5.0, device=device)
-    with pk.use_backend(backend):
-        with pytest.raises(ValueError, match=rf"lora_ranks must lie in \[0, 16\].*got {bad} for slot 1, slice 0"):
+        with pytest.raises(ValueError, match=match):
             pk.lora_shrink(x, lora_a, indices, out=out, lora_ranks=ranks)
-        with pytest.raises(ValueError, match=r"lora_ranks must lie in \[0, 16\]"):
+        with pytest.raises(ValueError, match=match.split(" (.*)")[0]):
             pk.lora_expand(out, lora_b, indices, base, lora_ranks=ranks)
     assert (out == 3.0).all() and (base == 5.0).all()
 
@@ -368,7 +356,7 @@ def _args():
     (lambda a: pk.lora_shrink(a["x"], a["lora_a"], a["indices"], lora_ranks=torch.ones(2, 3, dtype=torch.int32)),
      "lora_ranks has 3 slices, which do not divide lora_a's 16 rank rows"),
     (lambda a: pk.lora_shrink(a["x"], a["lora_a"], a["indices"], lora_ranks=torch.ones(3, 2, dtype=torch.int32)),
-     r"lora_ranks must have shape \[2, 2\]"),
+     r"lora_ranks must have shape \[2, \*\]"),
     (lambda a: pk.lora_expand(a["buffer"], a["lora_b"], a["indices"], a["out"], slice_sizes=(12, 12),
                               lora_ranks=torch.ones(2, 2)), "lora_ranks must have dtype"),
     (lambda a: pk.lora_expand(a["buffer"], a["lora_b"], a["indices"], a["out"], slice_sizes=(12, 12),
