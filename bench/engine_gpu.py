@@ -156,21 +156,25 @@ def free_device_memory(device: torch.device) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def engine_throughput(llm, requests, temperature: float, budget: Budget) -> dict:
+def engine_throughput(llm, requests, temperature: float, budget: Budget, lora_requests: list | None = None) -> dict:
     """All requests queued at once, stepped until done; past the budget the rest is aborted and the result
-    says so (``complete`` False, tokens/s over what ran)."""
+    says so (``complete`` False, tokens/s over what ran). ``lora_requests``: each request's adapter (an engine
+    with LoRA enabled; the warm-up runs every adapter once, so the timing reads none from disk)."""
     from engine import SamplingParams
     from engine.sampling_params import RequestOutputKind
 
     engine = llm.llm_engine
-    warm_up = [{"prompt_token_ids": list(range(1, 17))}] * 2
-    llm.generate(warm_up, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    warm_loras = list(dict.fromkeys(lora_requests)) if lora_requests else [None, None]
+    warm_up = [{"prompt_token_ids": list(range(1, 17))}] * len(warm_loras)
+    llm.generate(warm_up, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False,
+                 **({"lora_request": warm_loras} if lora_requests else {}))
     synchronize(engine.device)
     start = time.perf_counter()
     for i, (prompt, n) in enumerate(requests):  # FINAL_ONLY, as LLM.generate (nano-vllm's protocol calls generate)
         engine.add_request(f"bench-{i}", {"prompt_token_ids": prompt},
                            SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True,
-                                          output_kind=RequestOutputKind.FINAL_ONLY))
+                                          output_kind=RequestOutputKind.FINAL_ONLY),
+                           lora_request=lora_requests[i] if lora_requests else None)
     outputs, complete = {}, True
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -26,6 +26,8 @@
    against copy bandwidth (the routed experts' weights) and 4096 against the bf16 matmul rate, Mixtral-8x7B's at 1
    and 4096, each against the per-expert loop; then the engine on a Qwen3-30B-A3B-shaped dummy model (61 GB of
    bf16), nano-vllm's protocol and batch-1 decode, its output tok/s beside phase 1's dense Qwen3-0.6B figure.
+12. lora (540 s): multi-LoRA serving (bench.lora_engine_gpu): the Qwen3-0.6B shape with four adapters of ranks 8 / 16
+   mixed in one workload, against the base model alone and against transformers + PEFT serving the same mix.
 
 ``--phase all`` (the default) runs them one after another. Each phase writes
 ``OUT/<date>-<device>-phase<N>-<name>.json`` and ``.md`` after every case (``.png`` at the end, when matplotlib
@@ -70,7 +72,8 @@ KERNEL_TESTS = ["tests/pagedkernels"]
 # The engine tests that run something on CUDA when it is there (device-parametrized or CUDA-only).
 CUDA_ENGINE_TESTS = ["tests/engine/test_cuda_engine.py", "tests/engine/test_cuda_graph_runner.py",
                      "tests/engine/test_distributed.py", "tests/engine/test_model_runner.py",
-                     "tests/engine/test_dummy_load.py", "tests/engine/test_config.py"]
+                     "tests/engine/test_dummy_load.py", "tests/engine/test_config.py",
+                     "tests/engine/test_lora_engine.py"]
 OTHER_TESTS = ["tests", "bench", *(f"--ignore={p}" for p in KERNEL_TESTS + CUDA_ENGINE_TESTS)]
 _LOCAL_PACKAGES = {"tests", "engine", "pagedkernels", "bench"}
 # The headline phase's kernel tests: at most this long, and the engine before them leaves them at least the
@@ -291,6 +294,18 @@ class PhaseRun:
                        on_progress=progress, log=lambda line: print(line, flush=True),
                        results=self.result.get(key), async_scheduling=async_scheduling)
 
+    def lora_engine(self) -> None:
+        from bench import lora_engine_gpu
+
+        def progress(partial: dict) -> None:
+            self.result["lora_engine"] = partial
+            self.result["lora_engine_targets"] = partial["targets"]
+            self.save()
+
+        lora_engine_gpu.run(self.device, tiny=self.dry_run, budget=self.budget,
+                            log=lambda line: print(line, flush=True), on_progress=progress,
+                            results=self.result.get("lora_engine"))
+
     def sync_audit(self) -> None:
         from bench import sync_audit
 
@@ -357,6 +372,10 @@ def _async(run: PhaseRun) -> None:
         and run.step("sync audit", run.sync_audit)
 
 
+def _lora(run: PhaseRun) -> None:
+    run.step("multi-LoRA engine", run.lora_engine)
+
+
 def _test_phase(label: str, args: list[str]) -> Callable[[PhaseRun], None]:
     return lambda run: run.step(label, lambda: run.tests(label, args))
 
@@ -373,6 +392,7 @@ PHASES = [
     Phase(9, "tune", 300.0, _tune),
     Phase(10, "async", 540.0, _async),
     Phase(11, "moe", 540.0, _moe),
+    Phase(12, "lora", 540.0, _lora),
 ]
 
 
@@ -408,7 +428,7 @@ def run_phase(phase: Phase, args: argparse.Namespace, device: torch.device, out_
         print(kernels.format_table(run.result["rows"]))
     if run.result["targets"]:
         print(kernels.format_targets(run.result["targets"]))
-    for t in run.result.get("engine_targets", []):
+    for t in run.result.get("engine_targets", []) + run.result.get("lora_engine_targets", []):
         print(f"  [{t['status'].upper():4}] {t['target']}: {kernels._fmt(t['value'], '.3f')} {t['note']}".rstrip())
     paths = run.save(png=True)
     print(f"phase {phase.number} done in {run.budget.elapsed():.0f} s; wrote " + ", ".join(str(p) for p in paths),
@@ -418,7 +438,7 @@ def run_phase(phase: Phase, args: argparse.Namespace, device: torch.device, out_
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--phase", default="all", help="all (default), a number 1-11 or a name (see the module doc)")
+    parser.add_argument("--phase", default="all", help="all (default), a number 1-12 or a name (see the module doc)")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="output directory (default: bench/results)")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (= --dry-run)")
     parser.add_argument("--dry-run", action="store_true",

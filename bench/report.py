@@ -151,6 +151,8 @@ def markdown(result: dict) -> str:
         lines += engine_markdown(result["engine"])
     if result.get("engine_sync"):
         lines += ["## Without async scheduling", ""] + engine_markdown(result["engine_sync"])[1:]
+    if result.get("lora_engine"):
+        lines += lora_engine_markdown(result["lora_engine"])
     if (result.get("sync_audit") or {}).get("kinds"):
         lines += ["## Host syncs per step (torch.cuda sync debug mode)", "",
                   _md_table(["kind", "async scheduling", "steps", "syncs/step", "deliberate reads/step",
@@ -201,6 +203,20 @@ def engine_markdown(engine: dict) -> list[str]:
                             [[t["target"], num(t["value"], ".3f"), t["status"] + (f" ({t['note']})" if t.get("note")
                                                                                   else "")]
                              for t in engine["targets"]]), ""]
+    return lines
+
+
+def lora_engine_markdown(lora: dict) -> list[str]:
+    """bench.lora_engine_gpu's sides and ratios as tables."""
+    lines = ["## Multi-LoRA engine", "", f"{lora.get('model')} shape, {lora.get('dtype')}, {lora.get('load_format')} "
+             f"weights; adapters {lora.get('adapters')}; workload {lora.get('workload')}", ""]
+    lines += [_md_table(["side", "output tok/s", "seconds", "note"],
+                        [[name, num(side.get("output_tokens_per_s")), num(side.get("seconds"), ".1f"),
+                          side.get("skipped") or ("" if side.get("complete", True) else "cut at the budget")]
+                         for name, side in lora.get("sides", {}).items()]), ""]
+    if lora.get("targets"):
+        lines += [_md_table(["target", "value", "status"],
+                            [[t["target"], num(t["value"], ".3f"), t["status"]] for t in lora["targets"]]), ""]
     return lines
 
 

@@ -41,3 +41,20 @@ def test_gpu_busy_counts_each_device_interval_once():
     kernels = kernel_events(events)
     assert [e.key for e in kernels] == ["sm90_xmma_gemm", "Memcpy HtoD"]
     assert sum(e.self_device_time_total for e in kernels) == 43.0
+
+
+def test_lora_ratios_need_both_sides_whole():
+    """bench.lora_engine_gpu: a ratio over a side cut at the budget, skipped or not run is n/a, with the reason."""
+    from bench.lora_engine_gpu import ratios
+
+    whole = {"output_tokens_per_s": 100.0, "complete": True}
+    values, targets = ratios({"engine-lora": dict(whole, output_tokens_per_s=90.0), "engine-base": whole,
+                              "peft": dict(whole, output_tokens_per_s=20.0)})
+    assert values == {"engine-lora / engine-base": 0.9, "engine-lora / peft": 4.5}
+    assert [t["status"] for t in targets] == ["pass", "fail"]
+    values, targets = ratios({"engine-lora": whole, "engine-base": dict(whole, complete=False),
+                              "peft": {"skipped": "peft is not installed here"}})
+    assert values == {"engine-lora / engine-base": None, "engine-lora / peft": None}
+    assert [(t["status"], t["note"]) for t in targets] == [("n/a", "engine-base: cut at the budget"),
+                                                           ("n/a", "peft: peft is not installed here")]
+    assert ratios({})[1][0]["note"] == "engine-lora: not run; engine-base: not run"
