@@ -26,11 +26,13 @@
 #define TB 2
 /* Output columns per expand item. */
 #define NB 64
-/* Below this many multiply-adds (about 50 us of one core's work) a call runs on one thread: a LoRA call is small next
- * to its layer's GEMM, and a fork/join whose threads are not all running at once (a loaded machine) waits for a
- * time slice. A judgment, not a measurement (the machine this was written on was shared): bench/lora_cpu.py on a
- * quiet one is where to tune it. */
-#define LORA_PARALLEL_MIN 262144
+/* Below this many multiply-adds (a few microseconds of one core's work) a call runs on one thread. A decode step's
+ * adapters come from memory, not the caches, so a call of a few tokens waits on its loads more than it computes, and
+ * two threads halve the wait. 262144 (the first guess) against 4096 on a 2-core Zen 3, 30 layers' worth of calls on
+ * cold weights: 4-16 tokens 7.0-8.1 -> 5.2-6.4 ms, 1 token 3.1 -> 2.7, 48 the same; the engine's decode step with
+ * four adapters 9% faster at batch 4 and 8, the same at 1, 16 and 48
+ * (bench/results/2026-11-29-lora-parallel-threshold-zen3-amd-epyc.md). */
+#define LORA_PARALLEL_MIN 4096
 #define BAD_VALUES 1
 #define OUT_OF_MEMORY (-2)
 
