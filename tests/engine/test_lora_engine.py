@@ -20,7 +20,8 @@
 - the scheduler keeps a step within max_loras (a request that does not fit keeps its place), and a request's
   adapter crosses the core process's socket.
 
-The requests run alone come from one reference engine (max_loras = 4, a cache that never preempts)."""
+The requests run alone come from one reference engine (max_loras = 4, a cache that never preempts). Every engine here
+runs on the CPU, on a GPU machine too, but the one of the CUDA test."""
 from __future__ import annotations
 
 import os
@@ -155,7 +156,7 @@ def llama_loras(peft_adapters) -> list[LoRARequest]:
 @pytest.fixture(scope="module")
 def reference(llama_dir, llama_loras):
     """The reference engine (4 slots, a cache that never preempts) and each workload request's tokens run alone."""
-    llm = LLM(llama_dir, enable_lora=True, max_loras=4, max_model_len=128, num_kv_blocks=96,
+    llm = LLM(llama_dir, device="cpu", enable_lora=True, max_loras=4, max_model_len=128, num_kv_blocks=96,
               max_num_batched_tokens=32)
     work = _workload(llama_loras)
     alone = [_run(llm, [entry])[0] for entry in work]
@@ -169,7 +170,7 @@ def test_mixed_batch_equals_each_request_alone(reference, llama_dir, async_sched
     request what it gets alone, with async scheduling off (the reference engine itself) and on."""
     llm, work, alone = reference
     if async_scheduling:
-        llm = LLM(llama_dir, enable_lora=True, max_loras=4, max_model_len=128, num_kv_blocks=96,
+        llm = LLM(llama_dir, device="cpu", enable_lora=True, max_loras=4, max_model_len=128, num_kv_blocks=96,
                   max_num_batched_tokens=32, async_scheduling=True)
     assert _run(llm, work) == alone
     assert llm.llm_engine.block_manager.num_free_blocks == llm.llm_engine.block_manager.num_blocks
@@ -202,8 +203,8 @@ def test_eviction_under_max_loras_and_preemption_keep_outputs_right(reference, l
     every step runs at most 2 adapters (some run 2), adapters give their slots up to others and leave the host
     (to be read again), requests are preempted, and every request gets what it gets alone."""
     _, work, alone = reference
-    llm = LLM(llama_dir, enable_lora=True, max_loras=2, max_cpu_loras=2, max_model_len=128, num_kv_blocks=20,
-              max_num_batched_tokens=32)
+    llm = LLM(llama_dir, device="cpu", enable_lora=True, max_loras=2, max_cpu_loras=2, max_model_len=128,
+              num_kv_blocks=20, max_num_batched_tokens=32)
     engine = llm.llm_engine
     executor = engine.engine_core.executor
     adapters_per_step = []
@@ -224,11 +225,13 @@ def test_eviction_under_max_loras_and_preemption_keep_outputs_right(reference, l
     engine.shutdown()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensor parallelism needs gloo, which the engine's group "
+                    "picks only where CUDA is absent (engine/distributed/parallel_state.py)")
 def test_tensor_parallel_equals_one_process(reference, llama_dir):
     """TP=2 (a spawned worker, gloo): each rank keeps its shard of every adapter; the workload's tokens are
     TP=1's."""
     _, work, alone = reference
-    llm = LLM(llama_dir, enable_lora=True, max_loras=2, max_model_len=128, num_kv_blocks=96,
+    llm = LLM(llama_dir, device="cpu", enable_lora=True, max_loras=2, max_model_len=128, num_kv_blocks=96,
               max_num_batched_tokens=32, tensor_parallel_size=2)
     try:
         assert _run(llm, work[:7]) == alone[:7]   # the base model and three adapters
@@ -241,7 +244,7 @@ def test_speculative_decoding_drafts_from_the_base_model(reference, tiny_model_d
     with each request's adapter, so the greedy tokens are the adapter's, not the draft's."""
     _, work, alone = reference
     greedy = [i for i, (_, params, _) in enumerate(work) if params.temperature == 0.0][::2]   # one per adapter
-    llm = LLM(llama_dir, enable_lora=True, max_loras=4, max_model_len=128, num_kv_blocks=96,
+    llm = LLM(llama_dir, device="cpu", enable_lora=True, max_loras=4, max_model_len=128, num_kv_blocks=96,
               max_num_batched_tokens=32, speculative_config={"model": llama_dir, "num_speculative_tokens": 3})
     assert _run(llm, [work[i] for i in greedy]) == [alone[i] for i in greedy]
     stats = llm.llm_engine.spec_decode_stats
@@ -295,7 +298,7 @@ def test_a_bad_adapter_leaves_the_requests_in_flight_alone(reference, tmp_path):
 
 
 def test_lora_request_needs_enable_lora(llama_dir, llama_loras):
-    llm = LLM(llama_dir, max_model_len=64, num_kv_blocks=8)
+    llm = LLM(llama_dir, device="cpu", max_model_len=64, num_kv_blocks=8)
     with pytest.raises(ValueError, match=r"^lora_request: this engine was started without LoRA"):
         llm.generate("Hello", _greedy(), lora_request=llama_loras[0], use_tqdm=False)
     with pytest.raises(ValueError, match=r"lora_request must be an engine.LoRARequest or None, got str"):
@@ -313,8 +316,8 @@ def test_an_adapter_gone_before_its_step_fails_that_request_only(reference, llam
     gone = str(tmp_path / "gone")
     shutil.copytree(peft_adapters("llama", ["all-r8"])["all-r8"], gone)
     x = LoRARequest("gone", 50, gone)
-    llm = LLM(llama_dir, enable_lora=True, max_loras=1, max_cpu_loras=1, max_model_len=128, num_kv_blocks=96,
-              async_scheduling=True)
+    llm = LLM(llama_dir, device="cpu", enable_lora=True, max_loras=1, max_cpu_loras=1, max_model_len=128,
+              num_kv_blocks=96, async_scheduling=True)
     engine = llm.llm_engine
     prompt_a = random_token_ids(40, seed=90)
     engine.add_request("a", {"prompt_token_ids": prompt_a}, _greedy())   # base model: computes A's prompt KV
