@@ -8,7 +8,9 @@
  * returns 1 before anything is written), then splits the work into items of one slot and one block of the
  * output: rows of A (shrink) or columns of B (expand). An item converts its block of weights to float32 once and
  * runs every token of its slot against it, so the block stays in cache while the tokens pass, and a batch of many
- * adapters reads each adapter's weights about once, as one adapter's would be.
+ * adapters reads each adapter's weights about once, as one adapter's would be. A shrink over a slot with more
+ * tokens than fit a core's L2 (a prompt's) turns that around: an item is a chunk of those tokens against every
+ * block of the slot's A, so x is read once and the slot's A (a few hundred KiB at most) stays in cache instead.
  *
  * Mixed ranks: ranks (NULL, or int32 [num_loras, num_slices]) gives each slot's own rank per slice, r_ls <= R; rows of
  * A past it (the shrink writes zeros for them) and columns of B past it are then neither read nor computed, so a
@@ -33,6 +35,8 @@
  * four adapters 9% faster at batch 4 and 8, the same at 1, 16 and 48
  * (bench/results/2026-11-29-lora-parallel-threshold-zen3-amd-epyc.md). */
 #define LORA_PARALLEL_MIN 4096
+/* A slot's tokens in chunks of about this many bytes of float32 x rows (within a core's L2 beside the slot's A). */
+#define SHRINK_CHUNK_BYTES (128 * 1024)
 #define BAD_VALUES 1
 #define OUT_OF_MEMORY (-2)
 
@@ -58,6 +62,13 @@ static int group_tokens(const int32_t *idx, int64_t M, int64_t num_loras, int64_
 /* Slot l's rank in slice s: ranks[l][s], or R for every slot without ranks. */
 static inline int64_t slot_rank(const int32_t *ranks, int64_t l, int64_t s, int64_t num_slices, int64_t R) {
     return ranks ? ranks[l * num_slices + s] : R;
+}
+
+/* Tokens per shrink chunk for rows of K features: a multiple of TB, at least 4 pairs. */
+static inline int64_t shrink_chunk(int64_t K) {
+    int64_t tokens = SHRINK_CHUNK_BYTES / (4 * (K > 0 ? K : 1));
+    tokens -= tokens % TB;
+    return tokens < 4 * TB ? 4 * TB : tokens;
 }
 
 static int check_ranks(const int32_t *ranks, int64_t num_loras, int64_t num_slices, int64_t R) {
@@ -111,6 +122,73 @@ static inline void transpose8(const float *const rows[8], int64_t r, float *dst,
     store8(dst + 7 * ld, PK_HALVES_HI(u3, u7));
 }
 
+/* The shrink's arguments and its work list, shared by its threads. */
+typedef struct {
+    const void *x;
+    int64_t x_s0;
+    int dt;
+    int64_t K;
+    const void *a;
+    int64_t a_s0, a_s1, R, num_slices;
+    const int32_t *ranks;
+    const int64_t *order, *blocks;
+    float scale;
+    float *out;
+    int64_t o_s0;
+} shrink_work;
+
+/* One item v = {slot, first token, end token, first block, end block} (in w->order and w->blocks); buf: the thread's
+ * float32 rows (16-bit inputs), NULL for float32. */
+static void shrink_item(const shrink_work *w, const int64_t *v, float *buf) {
+    const void *x = w->x, *a = w->a;
+    const int64_t x_s0 = w->x_s0, K = w->K, a_s0 = w->a_s0, a_s1 = w->a_s1, R = w->R, num_slices = w->num_slices;
+    const int64_t o_s0 = w->o_s0, *order = w->order, *blocks = w->blocks;
+    const int32_t *ranks = w->ranks;
+    const int dt = w->dt;
+    const float scale = w->scale;
+    float *out = w->out;
+    const int64_t l = v[0], t0 = v[1], t1 = v[2];
+    if (buf) /* the item's tokens converted once, for every block */
+        for (int64_t i = t0; i < t1; i++) load_row(x, order[i] * x_s0, dt, K, buf + (JB + i - t0) * K);
+    for (int64_t bk = v[3]; bk < v[4]; bk++) {
+        const int64_t j0 = blocks[bk];
+        const int64_t end = j0 / R * R + slot_rank(ranks, l, j0 / R, num_slices, R); /* the slice's last */
+        const int jn = end - j0 < JB ? (int)(end - j0) : JB;
+        const float *arow[JB];
+        for (int j = 0; j < JB; j++) /* rows past the rank repeat the last one: computed, never stored */
+            arow[j] = row_as_float(a, l * a_s0 + (j0 + (j < jn ? j : jn - 1)) * a_s1, dt, K,
+                                   buf ? buf + j * K : NULL);
+        for (int64_t i = t0; i < t1; i += TB) {
+            const int tn = t1 - i < TB ? (int)(t1 - i) : TB;
+            const float *xrow[TB];
+            for (int t = 0; t < TB; t++) { /* a missing partner repeats the last token: computed, not stored */
+                const int64_t at = i + (t < tn ? t : tn - 1);
+                xrow[t] = buf ? buf + (JB + at - t0) * K : (const float *)x + order[at] * x_s0;
+            }
+            vfw acc[TB][JB];
+            memset(acc, 0, sizeof acc);
+            int64_t k = 0;
+            for (; k + VW <= K; k += VW) {
+                vfw av[JB];
+                for (int j = 0; j < JB; j++) av[j] = vloadw(arow[j] + k);
+                for (int t = 0; t < TB; t++) {
+                    const vfw xv = vloadw(xrow[t] + k);
+                    for (int j = 0; j < JB; j++) acc[t][j] += xv * av[j];
+                }
+            }
+            for (int t = 0; t < tn; t++) {
+                const vf4 sums = vsumw4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]);
+                float *o = out + order[i + t] * o_s0 + j0;
+                for (int j = 0; j < jn; j++) {
+                    float sum = sums[j];
+                    for (int64_t kk = k; kk < K; kk++) sum += xrow[t][kk] * arow[j][kk];
+                    o[j] = sum * scale;
+                }
+            }
+        }
+    }
+}
+
 /* x [M, K] (row stride x_s0, dtype dt), a [num_loras, N, K] (strides a_s0, a_s1; x's dtype), idx int32 [M], ranks
  * NULL or int32 [num_loras, num_slices] (N = num_slices * R), out float32 [M, N] (row stride o_s0). Returns 0,
  * BAD_VALUES (an index or a rank out of range: nothing written) or OUT_OF_MEMORY. */
@@ -128,83 +206,78 @@ int pk_lora_shrink(const void *x, int64_t x_s0, int dt, int64_t M, int64_t K, co
         return BAD_VALUES;
     }
     for (int64_t i = starts[num_loras]; i < M; i++) memset(out + order[i] * o_s0, 0, sizeof(float) * N);
-    /* items: (slot, block of JB rows of A within one slice's rank), for the slots with tokens; the rows past a
-     * slot's rank are zeros in its tokens' outputs */
-    const int64_t row_blocks = num_slices * ((R + JB - 1) / JB);
-    int64_t items = 0;
-    for (int64_t l = 0; l < num_loras; l++) items += starts[l + 1] > starts[l] ? row_blocks : 0;
-    int64_t *item_row = (int64_t *)malloc(sizeof(int64_t) * 2 * (items > 0 ? items : 1));
-    if (!item_row) {
-        free(meta);
-        return OUT_OF_MEMORY;
-    }
-    items = 0;
-    int64_t work = 0;
+    /* Each slot's blocks of JB rows of A within its slices' ranks (blocks[slot_blocks[l]] on); the rows past a slot's
+     * rank are zeros in its tokens' outputs. Items: a slot of at most `chunk` tokens gives one item per row block
+     * (all its tokens against that block: a decode step's few tokens spread over both threads); a slot of more gives
+     * one per chunk of its tokens (that chunk against all its blocks, the chunk's rows of x staying in cache). */
+    const int64_t chunk = shrink_chunk(K);
+    int64_t num_blocks = 0, items = 0, work = 0;
+    int chunked = 0;
     for (int64_t l = 0; l < num_loras; l++) {
-        if (starts[l + 1] == starts[l]) continue;
+        const int64_t tokens = starts[l + 1] - starts[l], before = num_blocks;
+        if (tokens == 0) continue;
         for (int64_t sl = 0; sl < num_slices; sl++) {
             const int64_t rank = slot_rank(ranks, l, sl, num_slices, R);
-            for (int64_t r = 0; r < rank; r += JB) {
-                item_row[2 * items] = l;
-                item_row[2 * items++ + 1] = sl * R + r;
-            }
-            work += (starts[l + 1] - starts[l]) * rank * K;
+            num_blocks += (rank + JB - 1) / JB;
+            work += tokens * rank * K;
             if (rank < R)
                 for (int64_t i = starts[l]; i < starts[l + 1]; i++)
                     memset(out + order[i] * o_s0 + sl * R + rank, 0, sizeof(float) * (R - rank));
         }
+        items += tokens > chunk ? (tokens + chunk - 1) / chunk : num_blocks - before;
+        chunked |= tokens > chunk;
     }
+    /* item: slot, first and end token (in order), first and end block */
+    int64_t *blocks = (int64_t *)malloc(sizeof(int64_t) * (num_blocks + 5 * items + 1));
+    if (!blocks) {
+        free(meta);
+        return OUT_OF_MEMORY;
+    }
+    int64_t *item = blocks + num_blocks;
+    for (int64_t l = 0, b = 0, n = 0; l < num_loras; l++) {
+        const int64_t tokens = starts[l + 1] - starts[l], first = b;
+        if (tokens == 0) continue;
+        for (int64_t sl = 0; sl < num_slices; sl++)
+            for (int64_t r = 0; r < slot_rank(ranks, l, sl, num_slices, R); r += JB) blocks[b++] = sl * R + r;
+        if (tokens > chunk) { /* ceil(tokens / chunk) chunks of equal size (within a token) */
+            const int64_t parts = (tokens + chunk - 1) / chunk;
+            for (int64_t c = 0; c < parts; c++, n++) {
+                const int64_t values[5] = {l, starts[l] + tokens * c / parts, starts[l] + tokens * (c + 1) / parts,
+                                           first, b};
+                memcpy(item + 5 * n, values, sizeof values);
+            }
+        } else {
+            for (int64_t k = first; k < b; k++, n++) {
+                const int64_t values[5] = {l, starts[l], starts[l + 1], k, k + 1};
+                memcpy(item + 5 * n, values, sizeof values);
+            }
+        }
+    }
+    const shrink_work work_list = {x, x_s0, dt, K, a, a_s0, a_s1, R, num_slices, ranks, order, blocks, scale, out, o_s0};
     int failed = 0;
 #pragma omp parallel num_threads(work >= LORA_PARALLEL_MIN ? num_threads : 1)
     {
-        /* per thread: JB rows of A and TB rows of x as float32 (16-bit inputs only) */
-        float *buf = dt == 0 ? NULL : (float *)malloc(sizeof(float) * (JB + TB) * K);
+        /* per thread (16-bit inputs only): JB rows of A and an item's rows of x (at most `chunk`) as float32 */
+        float *buf = dt == 0 ? NULL : (float *)malloc(sizeof(float) * (JB + chunk) * K);
         const int ok = dt == 0 || buf != NULL;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
+        /* a prompt's chunks differ in cost from a decode step's blocks, and static shares would leave one thread
+         * waiting: dynamic then; static for equal items (each thread's run of blocks read in order) */
+        if (chunked) {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t it = 0; it < items; it++)
+                if (ok) shrink_item(&work_list, item + 5 * it, buf);
+        } else {
 #pragma omp for schedule(static)
-        for (int64_t item = 0; item < items; item++) {
-            if (!ok) continue;
-            const int64_t l = item_row[2 * item], j0 = item_row[2 * item + 1];
-            const int64_t end = j0 / R * R + slot_rank(ranks, l, j0 / R, num_slices, R); /* the slice's last row */
-            const int jn = end - j0 < JB ? (int)(end - j0) : JB;
-            const float *arow[JB];
-            for (int j = 0; j < JB; j++) /* rows past N repeat the last one: computed, never stored */
-                arow[j] = row_as_float(a, l * a_s0 + (j0 + (j < jn ? j : jn - 1)) * a_s1, dt, K,
-                                       buf ? buf + j * K : NULL);
-            for (int64_t i = starts[l]; i < starts[l + 1]; i += TB) {
-                const int tn = starts[l + 1] - i < TB ? (int)(starts[l + 1] - i) : TB;
-                const float *xrow[TB];
-                for (int t = 0; t < TB; t++) /* a missing partner repeats the last token: computed, never stored */
-                    xrow[t] = row_as_float(x, order[i + (t < tn ? t : tn - 1)] * x_s0, dt, K,
-                                           buf ? buf + (JB + t) * K : NULL);
-                vfw acc[TB][JB];
-                memset(acc, 0, sizeof acc);
-                int64_t k = 0;
-                for (; k + VW <= K; k += VW) {
-                    vfw av[JB];
-                    for (int j = 0; j < JB; j++) av[j] = vloadw(arow[j] + k);
-                    for (int t = 0; t < TB; t++) {
-                        const vfw xv = vloadw(xrow[t] + k);
-                        for (int j = 0; j < JB; j++) acc[t][j] += xv * av[j];
-                    }
-                }
-                for (int t = 0; t < tn; t++) {
-                    const vf4 sums = vsumw4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]);
-                    float *o = out + order[i + t] * o_s0 + j0;
-                    for (int j = 0; j < jn; j++) {
-                        float s = sums[j];
-                        for (int64_t kk = k; kk < K; kk++) s += xrow[t][kk] * arow[j][kk];
-                        o[j] = s * scale;
-                    }
-                }
-            }
+            for (int64_t it = 0; it < items; it++)
+                if (ok) shrink_item(&work_list, item + 5 * it, buf);
         }
         free(buf);
     }
-    free(item_row);
+    free(blocks);
     free(meta);
     return failed ? OUT_OF_MEMORY : 0;
 }

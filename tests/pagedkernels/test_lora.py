@@ -190,6 +190,24 @@ def _product_bound(magnitudes, out_dtype, exact, *, rounded_operand: torch.dtype
 @pytest.mark.parametrize("backend,device,dtype,case,ranked", _params(TRITON_FP16))
 def test_shrink_matches_the_float64_oracle(backend, device, dtype, case, ranked):
     adapters, x, indices, splits = _case(case, dtype)
+    _check_shrink(backend, device, adapters, x, indices, splits, ranked)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("native", marks=pytest.mark.skipif(
+    not NATIVE, reason="no C compiler here"))])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+def test_shrink_of_a_prompt_s_many_tokens_matches_the_oracle(backend, dtype):
+    """A prefill's long runs: the native shrink takes a slot of many tokens in chunks (32 rows of 1024 features),
+    each against all the slot's rows of A, beside a slot of few tokens taken a block of A at a time, in one call."""
+    gen = torch.Generator().manual_seed(3)
+    adapters = Adapters(1024, (40, 16, 16), 64, [8, 64, None, 16], dtype, gen)
+    slots = [0] * 75 + [1] * 5 + [3] * 33 + [-1] * 7    # in chunks: 75 = 25 + 25 + 25, 33 = 16 + 17; 5: blocks
+    indices = torch.tensor(slots, dtype=torch.int32)[torch.randperm(len(slots), generator=gen)]
+    x = torch.randn(len(slots), 1024, generator=gen).to(dtype)
+    _check_shrink(backend, "cpu", adapters, x, indices, None, True)
+
+
+def _check_shrink(backend, device, adapters, x, indices, splits, ranked):
     # Every row is written: zeros for tokens without an adapter (and past each rank), into an `out` that starts
     # as NaN.
     out = torch.full((x.shape[0], adapters.lora_a.shape[1]), float("nan"), device=device)
