@@ -27,7 +27,6 @@ from __future__ import annotations
 import os
 import shutil
 
-import msgpack
 import pytest
 import torch
 
@@ -429,6 +428,7 @@ def test_scheduler_admits_within_max_loras_and_skipped_requests_keep_their_place
 
 def test_lora_request_crosses_the_core_socket():
     """EngineCoreRequest.to_wire -> msgpack -> from_wire keeps the adapter (serve's path to the core process)."""
+    msgpack = pytest.importorskip("msgpack", reason="serve's wire format (pip install msgpack, the serve extra)")
     lora = LoRARequest("sql", 7, "/adapters/sql", base_model_name="tiny")
     request = EngineCoreRequest("r", None, [1, 2, 3], SamplingParams(max_tokens=3), 0.0, lora_request=lora)
     data = msgpack.unpackb(msgpack.packb(request.to_wire(), use_bin_type=True), raw=False)
