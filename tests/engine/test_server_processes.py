@@ -140,6 +140,13 @@ def test_aborts_are_counted_across_the_core_process(served):
         time.sleep(0.05)
 
 
+def _in_flight(served) -> int:
+    """Requests the engine holds, running or waiting (its /metrics gauges)."""
+    text = httpx.get(served.url + "/metrics", timeout=5).text
+    return sum(int(float(value)) for value in
+               re.findall(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$", text, re.MULTILINE))
+
+
 def test_sigterm_drains_then_ends_every_stream_in_band(served):
     """Last: the server ends here. Long streams (1000 tokens) cannot finish within the 1 s grace period."""
     pids = served.tree()
@@ -172,6 +179,12 @@ def test_sigterm_drains_then_ends_every_stream_in_band(served):
         whole = pool.submit(httpx.post, served.url + "/v1/completions", json=body, timeout=60)
         for event in started:
             assert event.wait(60), "a stream did not start"
+        # The non-streamed request shows no event: wait until the engine holds it too (on a busy machine its
+        # thread could still be connecting when the listener closes, and get a refused connection, not a 503).
+        deadline = time.monotonic() + 60
+        while _in_flight(served) < len(started) + 1:
+            assert time.monotonic() < deadline, "the non-streamed request never reached the engine"
+            time.sleep(0.05)
         signalled = time.monotonic()
         served.process.send_signal(signal.SIGTERM)
         deadline = signalled + SHUTDOWN_TIMEOUT_S
