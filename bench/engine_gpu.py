@@ -338,8 +338,6 @@ def transformers_throughput(model_dir: str, requests, temperature: float, device
     pad_id = config.eos_token_id if isinstance(config.eos_token_id, int) else 0
     api = "generate_batch" if hasattr(model, "generate_batch") and device.type == "cuda" else "generate"
     notes = []
-    order = sorted(range(len(requests)), key=lambda i: requests[i][1])
-    groups = [order[i:i + group] for i in range(0, len(order), group)]
 
     def run_group(indices: list[int]) -> None:
         nonlocal api
@@ -356,31 +354,46 @@ def transformers_throughput(model_dir: str, requests, temperature: float, device
             except Exception as e:  # an API still settling across versions: fall back, and say so
                 api = "generate"
                 notes.append(f"generate_batch failed ({type(e).__name__}: {str(e)[:200]}); batched generate used")
-        width = max(len(p) for p in prompts)
-        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        input_ids, mask = left_padded(prompts, pad_id, device)
         model.generate(input_ids=input_ids, attention_mask=mask, generation_config=gen_config)
 
-    done = []
     # no_grad, not inference_mode: generate_batch steps on its own thread, outside an inference-mode context,
     # and updates in place tensors made on this one (RuntimeError "Inplace update to inference tensor").
     with torch.no_grad():
-        run_group(groups[0][:2])  # warm-up
-        synchronize(device)
-        start = time.perf_counter()
-        for indices in groups:
-            if done and budget.expired(margin=5.0):
-                break
-            run_group(indices)
-            done += indices
-        synchronize(device)
-    seconds = time.perf_counter() - start
-    tokens = sum(requests[i][1] for i in done)
+        result = timed_groups(requests, group, run_group, device, budget)
     del model
     free_device_memory(device)
+    return dict(result, api=api, notes=notes)
+
+
+def left_padded(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids`` and ``attention_mask`` of ``prompts`` padded on the left to the longest (for ``generate``)."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    return input_ids, mask
+
+
+def timed_groups(requests, group: int, run_group, device: torch.device, budget: Budget) -> dict:
+    """A batched-generate side's timing: ``requests`` in output-length-sorted groups of ``group``, ``run_group(
+    indices)`` warmed up on two of them, then timed over the groups until the budget (a group started always
+    ends); credited the requested tokens of the groups run. Call it inside the grad mode the side needs."""
+    order = sorted(range(len(requests)), key=lambda i: requests[i][1])
+    groups = [order[i:i + group] for i in range(0, len(order), group)]
+    run_group(groups[0][:2])  # warm-up
+    synchronize(device)
+    done = []
+    start = time.perf_counter()
+    for indices in groups:
+        if done and budget.expired(margin=5.0):
+            break
+        run_group(indices)
+        done += indices
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    tokens = sum(requests[i][1] for i in done)
     return {"seconds": seconds, "output_tokens": tokens, "output_tokens_per_s": tokens / seconds,
-            "complete": len(done) == len(requests), "requests_run": len(done), "api": api, "group": group,
-            "notes": notes}
+            "complete": len(done) == len(requests), "requests_run": len(done), "group": group}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -37,8 +37,8 @@ import time
 import torch
 
 from bench.budget import Budget
-from bench.engine_gpu import (SHAPES, TINY_SHAPES, Workload, engine_throughput, free_device_memory, make_requests,
-                              synchronize, write_config_dir)
+from bench.engine_gpu import (SHAPES, TINY_SHAPES, Workload, engine_throughput, free_device_memory, left_padded,
+                              make_requests, timed_groups, write_config_dir)
 from bench.lora_engine_cpu import GOALS, RANKS, TARGET_MODULES
 
 MODEL = "qwen3-0.6b"
@@ -91,37 +91,19 @@ def peft_throughput(model_dir: str, requests, adapters: list[str], adapter_of: l
         model.load_adapter(path, adapter_name=f"adapter-{i}")
     model.to(device=device, dtype=dtype).eval()
     pad_id = config.eos_token_id if isinstance(config.eos_token_id, int) else 0
-    order = sorted(range(len(requests)), key=lambda i: requests[i][1])
-    groups = [order[i:i + group] for i in range(0, len(order), group)]
 
     def run_group(indices: list[int]) -> None:
-        prompts = [requests[i][0] for i in indices]
         new_tokens = max(requests[i][1] for i in indices)
-        width = max(len(p) for p in prompts)
-        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        input_ids, mask = left_padded([requests[i][0] for i in indices], pad_id, device)
         model.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
                        min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=pad_id,
                        adapter_names=[f"adapter-{adapter_of[i]}" for i in indices])
 
-    done = []
     with torch.inference_mode():
-        run_group(groups[0][:2])  # warm-up
-        synchronize(device)
-        start = time.perf_counter()
-        for indices in groups:
-            if done and budget.expired(margin=5.0):
-                break
-            run_group(indices)
-            done += indices
-        synchronize(device)
-    seconds = time.perf_counter() - start
-    tokens = sum(requests[i][1] for i in done)
+        result = timed_groups(requests, group, run_group, device, budget)
     del model, base
     free_device_memory(device)
-    return {"seconds": seconds, "output_tokens": tokens, "output_tokens_per_s": tokens / seconds,
-            "complete": len(done) == len(requests), "requests_run": len(done), "group": group,
-            "peft": __import__("peft").__version__}
+    return dict(result, peft=__import__("peft").__version__)
 
 
 def run(device: torch.device, *, tiny: bool, budget: Budget | None = None, hf_group: int = 64, log=print,
