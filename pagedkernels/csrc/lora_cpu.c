@@ -84,8 +84,7 @@ static inline float *row_as_float(const void *base, int64_t offset, int dtype, i
 
 typedef float vf8 __attribute__((vector_size(32)));
 
-/* dst[j * ld + i] = rows[i][r + j] for i, j < 8: eight rows' 8 floats from r on, transposed by shuffles (unpack,
- * then pairs, then halves: AVX's 8 x 8 transpose; split into halves where vectors are narrower). */
+/* Eight floats from p, and to p (any alignment). */
 static inline vf8 load8(const float *p) {
     vf8 v;
     memcpy(&v, p, sizeof v);
