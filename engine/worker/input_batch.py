@@ -33,6 +33,8 @@ from engine.sampling_params import SamplingParams
 from engine.step_records import CachedSequenceData, NewSequenceData, SchedulerOutput
 from engine.worker.sampler import BadWords
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
 
 @dataclass(slots=True)
 class SequenceState:
@@ -212,13 +214,15 @@ class InputBatch:
         self.num_computed_tokens[row] = state.num_computed_tokens
         self.block_table[row, :len(state.block_ids)] = state.block_ids
         p = state.params
-        self.temperature[row] = p.temperature
+        # Past float32's range a temperature or repetition penalty acts as its largest value (the sampler's
+        # clamp); stored so, numpy has no overflow to warn of.
+        self.temperature[row] = min(p.temperature, FLOAT32_MAX)
         self.top_p[row] = p.top_p
         self.top_k[row] = p.top_k if p.top_k < self.vocab_size else 0   # top_k >= the vocabulary keeps all: off
         self.min_p[row] = p.min_p
         self.frequency_penalty[row] = p.frequency_penalty
         self.presence_penalty[row] = p.presence_penalty
-        self.repetition_penalty[row] = p.repetition_penalty
+        self.repetition_penalty[row] = min(p.repetition_penalty, FLOAT32_MAX)
         self.special[row] = state.special
         self.lora_int_id[row] = 0 if state.lora_request is None else state.lora_request.lora_int_id
 
