@@ -153,6 +153,11 @@ def test_runtime_routes_need_the_switch_lora_and_one_api_server(monkeypatch):
     assert "/v1/load_lora_adapter" not in paths()
     monkeypatch.setenv(ENV_RUNTIME_UPDATING, "1")
     assert {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"} <= paths()
+    document = build_app(_stub_engine(True), served_model_names=[MODEL]).openapi()   # both in the OpenAPI document
+    load, unload = (document["paths"][f"/v1/{verb}_lora_adapter"]["post"] for verb in ("load", "unload"))
+    assert load["requestBody"]["content"]["application/json"]["schema"]["required"] == ["lora_name", "lora_path"]
+    assert "404" in unload["responses"] and "404" not in load["responses"]
+    assert unload["responses"]["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
     for serving, match in [(OpenAIServing(_stub_engine(False), [MODEL]), "LoRA is not enabled"),
                            (OpenAIServing(_stub_engine(True), [MODEL], api_server_count=2), "--api-server-count 2")]:
         with pytest.raises(OpenAIError, match=match) as error:

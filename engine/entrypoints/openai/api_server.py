@@ -6,7 +6,9 @@ wrong types, malformed JSON, text that is not valid Unicode (lone surrogates) an
 the API key (when one is set: on every route but /health, and /metrics unless --disable-metrics-auth), 404 for an
 unknown model or route, 408 for headers or a body that do not arrive in time, 413 for a body far past any prompt
 the server takes, 500 for a request the engine failed (the engine goes on serving the others), 503 for a
-connection past --limit-concurrency and for a request the shutdown ended (in-band for a stream).
+connection past --limit-concurrency and for a request the shutdown ended (in-band for a stream), 405 with Allow for
+a method a route does not take. GET /openapi.json documents all of it: each route's body, its answers and their
+schemas (protocol.py's models), and the error body under each status a route can return.
 
 LoRA adapters (engine/entrypoints/openai/lora.py): --lora-modules adapters are models of their own names; with
 VLLM_ALLOW_RUNTIME_LORA_UPDATING=True also POST /v1/load_lora_adapter and /v1/unload_lora_adapter.
@@ -29,7 +31,7 @@ from typing import Callable
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -37,7 +39,11 @@ from engine.async_engine import AsyncLLMEngine, EngineDeadError
 from engine.entrypoints.openai.lora import add_lora_routes, parse_lora_modules
 from engine.entrypoints.openai.lora import runtime_updating_allowed as runtime_lora_updating_allowed
 from engine.entrypoints.openai.metrics import metrics_model_name, ServerMetrics
-from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from engine.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                                CompletionResponse, DetokenizeRequest, DetokenizeResponse,
+                                                error_responses, ErrorResponse, ModelCard, ModelList,
+                                                TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse,
+                                                VersionResponse)
 from engine.entrypoints.openai.serving import json_safe, MAX_CHARS_PER_TOKEN, OpenAIError, OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -54,9 +60,10 @@ SHUTDOWN_FLUSH_S = 1.0
 RESERVED_FDS = 256
 
 
-def _error_response(error: OpenAIError) -> JSONResponse:
+def _error_response(error: OpenAIError, headers: dict | None = None) -> JSONResponse:
     # After a 408 the rest of the body may still come: the connection cannot carry another request.
-    headers = {"connection": "close"} if isinstance(error, _BodyTimeoutError) else None
+    if isinstance(error, _BodyTimeoutError):
+        headers = {**(headers or {}), "connection": "close"}
     return JSONResponse(error.to_json(), status_code=error.status, headers=headers)
 
 
@@ -126,8 +133,11 @@ async def parse_body(raw_request: Request, model: type[BaseModel] | None, max_by
     _check_unicode(data)
     if not isinstance(data, dict):
         raise OpenAIError(400, "the body must be a JSON object")
-    if model is None:
-        return data
+    return data if model is None else validate_body(data, model)
+
+
+def validate_body(data: dict, model: type[BaseModel]):
+    """`data` (a request's JSON object) as `model`; a ValidationError is a 400 naming the field."""
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -140,15 +150,39 @@ async def parse_body(raw_request: Request, model: type[BaseModel] | None, max_by
         raise OpenAIError(400, "the body is nested too deeply") from None
 
 
-def _body_schema(model: type[BaseModel]) -> dict:
-    """The OpenAPI requestBody of a route that parses its body itself (parse_body); the models it refers to are
-    added to the document's components by _openapi_with_request_models."""
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {
-        "$ref": f"#/components/schemas/{model.__name__}"}}}}}
+# The models the routes' own docs refer to by name, besides those FastAPI adds: the request bodies (parse_body reads
+# them, not FastAPI) and the error body.
+DOCUMENTED_MODELS = [CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest,
+                     DetokenizeRequest, ErrorResponse]
+# The errors every route can answer (the API key, a failure, the connection limit), and those of a route with a body.
+ANY_ROUTE_ERRORS = (401, 500, 503)
+BODY_ERRORS = (400, 408, 413)
 
 
-def _openapi_with_request_models(app: FastAPI, models: list[type[BaseModel]]):
-    """app.openapi, with the request models (and the models they nest) under components/schemas."""
+def _body_schema(*models: type[BaseModel]) -> dict:
+    """The OpenAPI requestBody of a route that parses its body itself (parse_body): one of `models`, which
+    _openapi_with_request_models adds (and the models they nest) to the document's components."""
+    refs = [{"$ref": f"#/components/schemas/{model.__name__}"} for model in models]
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": refs[0] if len(refs) == 1 else {"anyOf": refs}}}}}
+
+
+def _stream_or_json(model: type[BaseModel]) -> dict:
+    """responses= of a generation route: `model` as JSON, or with "stream": true server-sent events."""
+    return {200: {"model": model, "description": f"{model.__name__}, or with stream: its chunks as server-sent "
+                                                  "events (data: {...} lines, then data: [DONE])",
+                  # OpenAPI 3.1: an event stream's schema is that of each event (its data a chunk's JSON, or [DONE])
+                  "content": {"text/event-stream": {"schema": {
+                      "type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}}}},
+            **error_responses(*BODY_ERRORS, 404, *ANY_ROUTE_ERRORS)}
+
+
+def _openapi_with_request_models(app: FastAPI, models: list[type[BaseModel]],
+                                 vocab_size: Callable[[], int | None] = lambda: None, max_chars: int | None = None):
+    """app.openapi, with `models` (and the models they nest) under components/schemas. FastAPI's 422
+    (its own validation error) goes: this server answers 400 for every invalid request. vocab_size(): the
+    tokenizer's vocabulary, which the token ids of /detokenize are documented below (None: not known). max_chars:
+    the most characters a prompt may have (and tokens /detokenize takes)."""
     from fastapi.openapi.utils import get_openapi
 
     def openapi() -> dict:
@@ -159,6 +193,17 @@ def _openapi_with_request_models(app: FastAPI, models: list[type[BaseModel]]):
                 schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 schemas.update(schema.pop("$defs", {}))
                 schemas[model.__name__] = schema
+            for path in document.get("paths", {}).values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(name, None)
+            vocabulary = vocab_size()
+            if vocabulary is not None and "DetokenizeRequest" in schemas:
+                schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] = vocabulary - 1
+            if max_chars is not None:   # OpenAIServing's bounds on /tokenize's prompt and /detokenize's tokens
+                schemas["TokenizeCompletionRequest"]["properties"]["prompt"]["maxLength"] = max_chars
+                schemas["DetokenizeRequest"]["properties"]["tokens"]["maxItems"] = max_chars
             app.openapi_schema = document
         return app.openapi_schema
     return openapi
@@ -254,9 +299,10 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key:
                                            param=param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, error: StarletteHTTPException):
+    async def http_error(_: Request, error: StarletteHTTPException):   # its headers stay (a 405's Allow)
         return _error_response(OpenAIError(error.status_code, str(error.detail),
-                                           type="not_found_error" if error.status_code == 404 else "api_error"))
+                                           type="not_found_error" if error.status_code == 404 else "api_error"),
+                               headers=error.headers)
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, error: EngineDeadError):
@@ -266,12 +312,14 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key:
         open_paths = frozenset({"/health", "/metrics"} if disable_metrics_auth else {"/health"})
         app.add_middleware(_APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response,
+             responses={200: {"description": "The engine is serving (an empty body)"}, **error_responses(500, 503)})
     async def health():
         await engine.check_health()
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus' text format"}, **error_responses(*ANY_ROUTE_ERRORS)})
     async def prometheus_metrics():
         return Response(await metrics.render(engine), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -280,7 +328,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key:
         logger.exception("unhandled error in a request")
         return _error_response(OpenAIError(500, f"internal error: {type(error).__name__}", type="internal_server_error"))
 
-    @app.get("/version")
+    @app.get("/version", responses={200: {"model": VersionResponse}, **error_responses(*ANY_ROUTE_ERRORS)})
     async def version():
         from importlib.metadata import PackageNotFoundError
         from importlib.metadata import version as package_version
@@ -289,37 +337,47 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key:
         except PackageNotFoundError:
             return {"version": "unknown"}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={200: {"model": ModelList}, **error_responses(*ANY_ROUTE_ERRORS)})
     async def list_models():
         return serving.models()
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}",
+             responses={200: {"model": ModelCard}, **error_responses(404, *ANY_ROUTE_ERRORS)})
     async def get_model(model_id: str):
         return serving.model(model_id)
 
-    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest),
+              responses=_stream_or_json(CompletionResponse))
     async def completions(raw_request: Request):
         request = await parse_body(raw_request, CompletionRequest, body_limit, request_body_timeout_s)
         return _respond(await _cancel_on_disconnect(raw_request, serving.create_completion(request)))
 
-    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest),
+              responses=_stream_or_json(ChatCompletionResponse))
     async def chat_completions(raw_request: Request):
         request = await parse_body(raw_request, ChatCompletionRequest, body_limit, request_body_timeout_s)
         return _respond(await _cancel_on_disconnect(raw_request, serving.create_chat_completion(request)))
 
-    app.openapi = _openapi_with_request_models(app, [CompletionRequest, ChatCompletionRequest])
+    app.openapi = _openapi_with_request_models(
+        app, DOCUMENTED_MODELS, vocab_size=lambda: None if getattr(engine, "tokenizer", None) is None else len(engine.tokenizer),
+        max_chars=engine.max_model_len * MAX_CHARS_PER_TOKEN)
 
     if runtime_lora_updating_allowed():
         add_lora_routes(app, serving, lambda raw_request: parse_body(raw_request, None, body_limit,
                                                                      request_body_timeout_s))
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=_body_schema(TokenizeCompletionRequest, TokenizeChatRequest),
+              responses={200: {"model": TokenizeResponse}, **error_responses(*BODY_ERRORS, 404, *ANY_ROUTE_ERRORS)})
     async def tokenize(raw_request: Request):
-        return await serving.tokenize(await parse_body(raw_request, None, body_limit, request_body_timeout_s))
+        body = await parse_body(raw_request, None, body_limit, request_body_timeout_s)
+        return await serving.tokenize(validate_body(body, TokenizeChatRequest if "messages" in body
+                                                    else TokenizeCompletionRequest))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=_body_schema(DetokenizeRequest),
+              responses={200: {"model": DetokenizeResponse}, **error_responses(*BODY_ERRORS, 404, *ANY_ROUTE_ERRORS)})
     async def detokenize(raw_request: Request):
-        return await serving.detokenize(await parse_body(raw_request, None, body_limit, request_body_timeout_s))
+        return await serving.detokenize(await parse_body(raw_request, DetokenizeRequest, body_limit,
+                                                         request_body_timeout_s))
 
     return app
 

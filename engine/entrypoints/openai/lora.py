@@ -88,10 +88,20 @@ def add_lora_routes(app, serving, read_body) -> None:
     from fastapi import Request
     from fastapi.responses import PlainTextResponse
 
-    @app.post("/v1/load_lora_adapter")
+    from engine.entrypoints.openai.protocol import error_responses
+
+    def documented(*fields: str, not_found: tuple = ()) -> dict:   # the OpenAPI document's body and answers
+        body = {"type": "object", "required": list(fields),
+                "properties": {field: {"type": "string", "minLength": 1} for field in fields}}
+        return {"response_class": PlainTextResponse,
+                "openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {"schema": body}}}},
+                "responses": {200: {"description": "Success: ... (text)"},
+                              **error_responses(400, 401, *not_found, 408, 413, 500, 503)}}
+
+    @app.post("/v1/load_lora_adapter", **documented("lora_name", "lora_path"))
     async def load_lora_adapter(raw_request: Request):
         return PlainTextResponse(await serving.load_lora_adapter(await read_body(raw_request)))
 
-    @app.post("/v1/unload_lora_adapter")
+    @app.post("/v1/unload_lora_adapter", **documented("lora_name", not_found=(404,)))
     async def unload_lora_adapter(raw_request: Request):
         return PlainTextResponse(await serving.unload_lora_adapter(await read_body(raw_request)))

@@ -1,6 +1,7 @@
 """Request bodies of the OpenAI API (the fields this server implements), as pydantic models.
 
-Types are strict: `n: "2"`, `stream: "yes"` or `true` as a token id are 400s naming the field, not coerced.
+Types are strict: `n: "2"`, `stream: "yes"` or `true` as a token id are 400s naming the field, not coerced; a
+number with no fraction is an integer (`n: 2.0`), as JSON Schema has it.
 The extra sampling fields (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `guided_json`,
 ...) are vLLM's and come from the client's `extra_body`. Range checks that SamplingParams makes stay there (its
 ValueError names the field; the server turns it into a 400).
@@ -11,18 +12,71 @@ Fields OpenAI defines that this server cannot honour are declared and refused wi
 `parallel_tool_calls` true, `modalities` ["text"]). Other unknown fields are ignored, as OpenAI and vLLM do."""
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 # Every int is an int64 (OpenAI's seed is one): a larger value is a 400 naming its field, never an overflow in
 # the engine. Token ids are checked against the vocabulary by the engine (also a 400).
 INT64_MAX = 2 ** 63 - 1
-Seed = Annotated[int, Field(ge=-(2 ** 63), le=INT64_MAX)]
-TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
-Count = Annotated[int, Field(ge=1, le=INT64_MAX)]
-NonNegative = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
+
+def _integral(value):
+    """A JSON number with no fraction is an integer (JSON Schema's rule: 2.0 is one); other values stay as they
+    came, for the strict int check to take or refuse (a bool, a string, 2.5)."""
+    return int(value) if type(value) is float and value.is_integer() else value
+
+
+def Int(ge: int, le: int):
+    """An integer field in [ge, le]: strict (no strings, no bools), but 2.0 counts as 2."""
+    return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_integral)]
+
+
+Seed = Int(-(2 ** 63), INT64_MAX)
+TokenId = Int(0, INT64_MAX)
+Count = Int(1, INT64_MAX)
+NonNegative = Int(0, INT64_MAX)
 
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "spaces_between_special_tokens",
                   "guided_decoding_backend")
+
+
+def _doc(**schema) -> Any:
+    """A field's range in the OpenAPI document only: SamplingParams checks it and its 400 names the field (a
+    pydantic constraint would answer first, in other words)."""
+    return Field(default=None, json_schema_extra=schema)
+
+
+# A chat message as the server takes it (serving._chat_messages checks it; this is its OpenAPI schema): a known role
+# and content (a string or a list of text parts), which only an assistant message with tool calls may leave out or
+# null. Other keys (name, tool_call_id, ...) pass to the chat template.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+_TEXT_PARTS = {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
+    "type": {"const": "text"}, "text": {"type": "string"}}}}
+_TOOL_CALLS = {"type": "array", "items": {"type": "object", "required": ["function"], "properties": {
+    "id": {"type": "string"}, "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string"},
+        "arguments": {"anyOf": [{"type": "string"}, {"type": "object"}, {"type": "null"}]}}}}}}
+CHAT_MESSAGE_SCHEMA = {"type": "object", "anyOf": [
+    {"required": ["role", "content"], "properties": {
+        "role": {"enum": list(CHAT_ROLES)}, "content": {"anyOf": [{"type": "string"}, _TEXT_PARTS]},
+        "tool_calls": {"anyOf": [_TOOL_CALLS, {"type": "null"}]}}},
+    {"required": ["role", "tool_calls"], "properties": {
+        "role": {"const": "assistant"}, "content": {"anyOf": [{"type": "string"}, _TEXT_PARTS, {"type": "null"}]},
+        "tool_calls": {**_TOOL_CALLS, "minItems": 1}}}]}
+
+
+
+def _non_empty_alternatives(schema: dict) -> None:
+    """The OpenAPI document's prompt: each alternative (a string, a list, the lists in a list) non-empty, as
+    OpenAIServing.create_completion checks."""
+    def non_empty(alternative: dict) -> None:
+        if alternative.get("type") == "string":
+            alternative["minLength"] = 1
+        elif alternative.get("type") == "array":
+            alternative["minItems"] = 1
+            non_empty(alternative["items"])
+    for alternative in schema["anyOf"]:
+        non_empty(alternative)
 
 
 class _Strict(BaseModel):
@@ -70,23 +124,23 @@ class NamedToolChoice(_Strict):
 class _SamplingRequest(_Strict):
     model: str | None = None
     n: Count = 1
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: float | None = _doc(minimum=0)
+    top_p: float | None = _doc(exclusiveMinimum=0, maximum=1)
     stop: str | list[str] | None = None
     seed: Seed | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = _doc(minimum=-2, maximum=2)
+    frequency_penalty: float | None = _doc(minimum=-2, maximum=2)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
     # Extra sampling fields (vLLM's names).
-    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: Int(-1, INT64_MAX) | None = None
+    min_p: float | None = _doc(minimum=0, maximum=1)
+    repetition_penalty: float | None = _doc(exclusiveMinimum=0)
     ignore_eos: bool = False
     min_tokens: NonNegative = 0
     stop_token_ids: list[TokenId] | None = None
@@ -96,7 +150,7 @@ class _SamplingRequest(_Strict):
     allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: Count | None = None
-    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    prompt_logprobs: Int(0, 20) | None = None
     # Structured outputs (OpenAI's response_format, vLLM's guided_*).
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -131,10 +185,11 @@ class _SamplingRequest(_Strict):
 
 
 class CompletionRequest(_SamplingRequest):
-    # A string, a list of strings, a list of token ids, or a list of token-id lists.
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    # A string, a list of strings, a list of token ids, or a list of token-id lists; none of them empty.
+    prompt: Annotated[str | list[str] | list[TokenId] | list[list[TokenId]],
+                      Field(json_schema_extra=_non_empty_alternatives)]
     max_tokens: NonNegative | None = 16
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    logprobs: Int(0, 20) | None = None
     echo: bool = False
     suffix: str | None = None
 
@@ -143,11 +198,11 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[dict[str, Any]]
+    messages: Annotated[list[dict[str, Any]], Field(json_schema_extra={"minItems": 1, "items": CHAT_MESSAGE_SCHEMA})]
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Int(0, 20) | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -175,3 +230,132 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.modalities is not None and self.modalities != ["text"]:
             bad.append("modalities")
         return bad
+
+
+# -- /tokenize and /detokenize (vLLM's): their bodies, as OpenAIServing.tokenize / detokenize check them ------------
+class TokenizeCompletionRequest(_Strict):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(_Strict):
+    model: str | None = None
+    messages: Annotated[list[dict[str, Any]], Field(json_schema_extra={"minItems": 1, "items": CHAT_MESSAGE_SCHEMA})]
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+# -- Response bodies, for the OpenAPI document: the handlers build plain dicts, and the schemathesis test checks
+# every response against these (tests/engine/test_server_openapi.py). Fields beyond them may come (vLLM's). -------
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body, of every 4xx and 5xx."""
+    error: ErrorInfo
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    parent: str | None = None   # a LoRA adapter's base model
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatCompletionMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+    tool_calls: list[dict[str, Any]]
+    reasoning_content: str | None = None   # with --reasoning-parser
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatCompletionMessage
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+# The error statuses of the OpenAPI document (api_server's module docstring says when each comes).
+ERROR_STATUSES = {
+    400: "Invalid request: parameters, types, malformed JSON or a prompt too long (`param` names the field)",
+    401: "Missing or wrong API key (when the server has one)",
+    404: "Unknown model",
+    408: "The request's body did not arrive in time",
+    413: "The body is far larger than any prompt the server takes",
+    500: "The engine failed this request (the server goes on serving the others)",
+    503: "Past the server's connection limit, or ended by its shutdown",
+}
+
+
+def error_responses(*statuses: int) -> dict:
+    """`responses=` of a route, for the OpenAPI document: OpenAI's error body (JSON whatever the route's own
+    media type) under each of `statuses`; the document's components must hold ErrorResponse."""
+    body = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    return {status: {"description": ERROR_STATUSES[status], "content": body} for status in statuses}

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from engine.async_engine import AsyncLLMEngine, StreamInterruptedError
 from engine.entrypoints.openai.lora import lora_int_id
 from engine.lora import LoRARequest
-from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from engine.entrypoints.openai.protocol import (CHAT_ROLES, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                TokenizeChatRequest, TokenizeCompletionRequest)
 from engine.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from engine.entrypoints.openai.tool_parsers import (ToolCall, get_tool_parser, named_tool_schema,
                                                    parse_required_tool_calls, required_tools_schema)
@@ -839,42 +840,30 @@ class OpenAIServing:
         return {"content": content}
 
     # -- /tokenize, /detokenize -----------------------------------------------------------------------------
-    async def tokenize(self, body: dict) -> dict:
+    async def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
         """vLLM's /tokenize: {"prompt": str} or {"messages": [...]} -> {"count", "max_model_len", "tokens"}."""
-        self.check_model(body.get("model"))
-        add_special_tokens = body.get("add_special_tokens", True)
-        if not isinstance(add_special_tokens, bool):
-            raise bad_request("add_special_tokens must be a bool", param="add_special_tokens")
-        if "messages" in body:
-            messages = _chat_messages(body["messages"] if isinstance(body["messages"], list) else None)
+        self.check_model(request.model)
+        if isinstance(request, TokenizeChatRequest):
+            messages = _chat_messages(request.messages)
             self._check_prompt_size(_num_chars(messages), "messages")
-            kwargs = body.get("chat_template_kwargs")
-            if kwargs is not None and not isinstance(kwargs, dict):
-                raise bad_request("chat_template_kwargs must be an object", param="chat_template_kwargs")
-            add_generation_prompt = body.get("add_generation_prompt", True)
-            if not isinstance(add_generation_prompt, bool):
-                raise bad_request("add_generation_prompt must be a bool", param="add_generation_prompt")
             messages, literals = self._guard_special_tokens(messages)
             try:
                 _, tokens = await self.engine.apply_chat_template(
-                    messages, add_generation_prompt=add_generation_prompt, chat_template=self.chat_template,
-                    chat_template_kwargs=kwargs, literals=literals)
+                    messages, add_generation_prompt=request.add_generation_prompt, chat_template=self.chat_template,
+                    chat_template_kwargs=request.chat_template_kwargs, literals=literals)
             except ValueError as e:
                 raise bad_request(str(e), param="messages") from e
-        elif isinstance(body.get("prompt"), str):
-            prompt = body["prompt"]
+        else:
+            prompt = request.prompt
             self._check_prompt_size(len(prompt), "prompt")
             tokens = await self.engine.run_on_tokenizer_thread(
-                lambda tokenizer: tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
-        else:
-            raise bad_request("give prompt (a string) or messages", param="prompt")
+                lambda tokenizer: tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens))
         return {"count": len(tokens), "max_model_len": self.engine.max_model_len, "tokens": tokens}
 
-    async def detokenize(self, body: dict) -> dict:
-        self.check_model(body.get("model"))
-        tokens = body.get("tokens")
-        vocab_size = len(self.engine.tokenizer)
-        if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab_size for t in tokens):
+    async def detokenize(self, request: DetokenizeRequest) -> dict:
+        self.check_model(request.model)
+        tokens, vocab_size = request.tokens, len(self.engine.tokenizer)
+        if not all(t < vocab_size for t in tokens):
             raise bad_request(f"tokens must be a list of token ids in [0, {vocab_size})", param="tokens")
         if len(tokens) > self.engine.max_model_len * MAX_CHARS_PER_TOKEN:
             raise bad_request("too many tokens", param="tokens")
@@ -957,7 +946,6 @@ def _num_chars(value) -> int:
 
 
 # OpenAI's message roles ("function" is its deprecated form of "tool").
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # What --special-tokens-in-messages does with special-token text in the content of these roles' messages (the
 # text of end users and of tools' outputs, where an application does not write it itself).
 SPECIAL_TOKEN_MODES = ("escape", "reject", "allow")
@@ -1019,7 +1007,13 @@ def _chat_messages(messages: list[dict] | None) -> list[dict]:
                 function = call.get("function") if isinstance(call, dict) else None
                 if not isinstance(function, dict) or not isinstance(function.get("name"), str):
                     raise bad_request(f"messages[{i}].tool_calls entries need function.name", param="messages")
+                if call.get("type", "function") != "function" or not isinstance(call.get("id", ""), str):
+                    raise bad_request(f"messages[{i}].tool_calls entries' type must be \"function\" and their id a "
+                                      "string", param="messages")
                 arguments = function.get("arguments")
+                if arguments is not None and not isinstance(arguments, (str, dict)):
+                    raise bad_request(f"messages[{i}].tool_calls entries' function.arguments must be a JSON string "
+                                      "or an object", param="messages")
                 if isinstance(arguments, str):
                     try:
                         arguments = json.loads(arguments)
