@@ -358,9 +358,12 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key:
         request = await parse_body(raw_request, ChatCompletionRequest, body_limit, request_body_timeout_s)
         return _respond(await _cancel_on_disconnect(raw_request, serving.create_chat_completion(request)))
 
-    app.openapi = _openapi_with_request_models(
-        app, DOCUMENTED_MODELS, vocab_size=lambda: None if getattr(engine, "tokenizer", None) is None else len(engine.tokenizer),
-        max_chars=engine.max_model_len * MAX_CHARS_PER_TOKEN)
+    def vocab_size() -> int | None:
+        tokenizer = getattr(engine, "tokenizer", None)
+        return None if tokenizer is None else len(tokenizer)
+
+    app.openapi = _openapi_with_request_models(app, DOCUMENTED_MODELS, vocab_size=vocab_size,
+                                               max_chars=engine.max_model_len * MAX_CHARS_PER_TOKEN)
 
     if runtime_lora_updating_allowed():
         add_lora_routes(app, serving, lambda raw_request: parse_body(raw_request, None, body_limit,

@@ -1,4 +1,5 @@
-"""Request bodies of the OpenAI API (the fields this server implements), as pydantic models.
+"""Request bodies of the OpenAI API (the fields this server implements), as pydantic models, and the response
+bodies and error statuses the server's OpenAPI document describes (its handlers build the responses as dicts).
 
 Types are strict: `n: "2"`, `stream: "yes"` or `true` as a token id are 400s naming the field, not coerced; a
 number with no fraction is an integer (`n: 2.0`), as JSON Schema has it.
@@ -40,8 +41,8 @@ IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "spaces_between_s
 
 
 def _doc(**schema) -> Any:
-    """A field's range in the OpenAPI document only: SamplingParams checks it and its 400 names the field (a
-    pydantic constraint would answer first, in other words)."""
+    """A field's range, written in the OpenAPI document only: SamplingParams checks it (a 400 naming the field in
+    its own words), which a pydantic constraint would pre-empt with another message."""
     return Field(default=None, json_schema_extra=schema)
 
 
@@ -63,7 +64,6 @@ CHAT_MESSAGE_SCHEMA = {"type": "object", "anyOf": [
     {"required": ["role", "tool_calls"], "properties": {
         "role": {"const": "assistant"}, "content": {"anyOf": [{"type": "string"}, _TEXT_PARTS, {"type": "null"}]},
         "tool_calls": {**_TOOL_CALLS, "minItems": 1}}}]}
-
 
 
 def _non_empty_alternatives(schema: dict) -> None:
