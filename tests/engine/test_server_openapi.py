@@ -3,6 +3,7 @@ its `st run` command with every check (one left out on the generation routes, fo
 test_schemathesis_finds_nothing gives), against a tiny random-weight model behind an API key. Then the findings it made once, each
 pinned by a plain request: a 405's Allow header, a 500 for a non-string model on /tokenize and /detokenize,
 tool-call arguments of the wrong type accepted, 2.0 refused as an integer."""
+import json
 import os
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import pytest
 
 from tests.extras import require, require_serve_extra
 
-httpx, = require_serve_extra("httpx")
+httpx, jsonschema = require_serve_extra("httpx", "jsonschema")
 require("schemathesis", "the OpenAPI conformance client")
 
 from engine.async_engine import AsyncLLMEngine  # noqa: E402
@@ -128,3 +129,41 @@ def test_an_integer_may_come_as_a_number_without_a_fraction(server):
     for value in (2.5, "2", True):
         response = server.http.post("/v1/completions", json={**body, "n": value})
         assert response.status_code == 400 and response.json()["error"]["param"] == "n", value
+
+
+def _conforms(document: dict, instance, schema_name: str) -> None:
+    jsonschema.validate(instance, {"$ref": f"#/components/schemas/{schema_name}", "components": document["components"]})
+
+
+@pytest.mark.parametrize("path, body, response_name, chunk_name", [
+    ("/v1/completions", {"prompt": ["hello", "the sky"], "echo": True}, "CompletionResponse", "CompletionChunk"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}], "top_logprobs": 2,
+                              "logprobs": True}, "ChatCompletionResponse", "ChatCompletionChunk"),
+])
+def test_answers_and_stream_events_match_their_documented_schemas(server, path, body, response_name, chunk_name):
+    """Every answer of a generation route, and every event of its stream, is what the document says (what
+    schemathesis checks too, here on requests that surely reach generation and streaming)."""
+    document = server.http.get("/openapi.json").json()
+    body = {**body, "model": MODEL, "max_tokens": 5, "n": 2, "temperature": 0.8, "seed": 1, "ignore_eos": True}
+    if path == "/v1/completions":
+        body["logprobs"] = 2
+    response = server.http.post(path, json=body)
+    assert response.status_code == 200, response.text
+    _conforms(document, response.json(), response_name)
+    events = []
+    with server.http.stream("POST", path, json={**body, "stream": True, "stream_options": {
+            "include_usage": True, "continuous_usage_stats": True}}) as stream:
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        for line in stream.iter_lines():
+            if line.startswith("data: "):
+                events.append(line.removeprefix("data: "))
+    assert events[-1] == "[DONE]" and len(events) > 3
+    for event in events[:-1]:
+        _conforms(document, json.loads(event), chunk_name)
+    usage = json.loads(events[-2])   # the last event before [DONE]: the usage, no choices
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")   # the prefix cache may differ: not compared
+    assert usage["choices"] == [] and [usage["usage"][k] for k in counts] == [response.json()["usage"][k]
+                                                                              for k in counts]
+    error = server.http.post(path, json={**body, "n": 0})
+    assert error.status_code == 400
+    _conforms(document, error.json(), "ErrorResponse")

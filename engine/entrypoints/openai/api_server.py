@@ -39,11 +39,11 @@ from engine.async_engine import AsyncLLMEngine, EngineDeadError
 from engine.entrypoints.openai.lora import add_lora_routes, parse_lora_modules
 from engine.entrypoints.openai.lora import runtime_updating_allowed as runtime_lora_updating_allowed
 from engine.entrypoints.openai.metrics import metrics_model_name, ServerMetrics
-from engine.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                                CompletionResponse, DetokenizeRequest, DetokenizeResponse,
-                                                error_responses, ErrorResponse, ModelCard, ModelList,
-                                                TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse,
-                                                VersionResponse)
+from engine.entrypoints.openai.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+                                                CompletionChunk, CompletionRequest, CompletionResponse,
+                                                DetokenizeRequest, DetokenizeResponse, error_responses, ErrorResponse,
+                                                ModelCard, ModelList, TokenizeChatRequest, TokenizeCompletionRequest,
+                                                TokenizeResponse, VersionResponse)
 from engine.entrypoints.openai.serving import json_safe, MAX_CHARS_PER_TOKEN, OpenAIError, OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -151,9 +151,9 @@ def validate_body(data: dict, model: type[BaseModel]):
 
 
 # The models the routes' own docs refer to by name, besides those FastAPI adds: the request bodies (parse_body reads
-# them, not FastAPI) and the error body.
+# them, not FastAPI), the error body and the streams' chunks.
 DOCUMENTED_MODELS = [CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest,
-                     DetokenizeRequest, ErrorResponse]
+                     DetokenizeRequest, ErrorResponse, CompletionChunk, ChatCompletionChunk]
 # The errors every route can answer (the API key, a failure, the connection limit), and those of a route with a body.
 ANY_ROUTE_ERRORS = (401, 500, 503)
 BODY_ERRORS = (400, 408, 413)
@@ -167,13 +167,17 @@ def _body_schema(*models: type[BaseModel]) -> dict:
         "schema": refs[0] if len(refs) == 1 else {"anyOf": refs}}}}}
 
 
-def _stream_or_json(model: type[BaseModel]) -> dict:
-    """responses= of a generation route: `model` as JSON, or with "stream": true server-sent events."""
-    return {200: {"model": model, "description": f"{model.__name__}, or with stream: its chunks as server-sent "
-                                                  "events (data: {...} lines, then data: [DONE])",
-                  # OpenAPI 3.1: an event stream's schema is that of each event (its data a chunk's JSON, or [DONE])
+def _stream_or_json(model: type[BaseModel], chunk: type[BaseModel]) -> dict:
+    """responses= of a generation route: `model` as JSON, or with "stream": true server-sent events, each a
+    `chunk`'s JSON (an error that ends the stream: OpenAI's error body) and the last `[DONE]`."""
+    data = {"anyOf": [{"const": "[DONE]"}, {
+        "type": "string", "contentMediaType": "application/json",
+        "contentSchema": {"anyOf": [{"$ref": f"#/components/schemas/{chunk.__name__}"},
+                                    {"$ref": "#/components/schemas/ErrorResponse"}]}}]}
+    return {200: {"model": model, "description": f"{model.__name__}, or with stream: {chunk.__name__} events",
+                  # OpenAPI 3.1: an event stream's schema is that of each event
                   "content": {"text/event-stream": {"schema": {
-                      "type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}}}},
+                      "type": "object", "required": ["data"], "properties": {"data": data}}}}},
             **error_responses(*BODY_ERRORS, 404, *ANY_ROUTE_ERRORS)}
 
 
@@ -347,13 +351,13 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key:
         return serving.model(model_id)
 
     @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest),
-              responses=_stream_or_json(CompletionResponse))
+              responses=_stream_or_json(CompletionResponse, CompletionChunk))
     async def completions(raw_request: Request):
         request = await parse_body(raw_request, CompletionRequest, body_limit, request_body_timeout_s)
         return _respond(await _cancel_on_disconnect(raw_request, serving.create_completion(request)))
 
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest),
-              responses=_stream_or_json(ChatCompletionResponse))
+              responses=_stream_or_json(ChatCompletionResponse, ChatCompletionChunk))
     async def chat_completions(raw_request: Request):
         request = await parse_body(raw_request, ChatCompletionRequest, body_limit, request_body_timeout_s)
         return _respond(await _cancel_on_disconnect(raw_request, serving.create_chat_completion(request)))

@@ -328,6 +328,42 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class CompletionChunk(BaseModel):
+    """One event of a streamed completion: a choice's new text, or (stream_options.include_usage) the usage at the
+    end with no choices."""
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatCompletionDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChatCompletionChunkChoice(BaseModel):
+    index: int
+    delta: ChatCompletionDelta
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One event of a streamed chat completion (or the usage at the end, with no choices)."""
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatCompletionChunkChoice]
+    usage: Usage | None = None
+
+
 class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
