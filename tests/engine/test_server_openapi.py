@@ -88,8 +88,11 @@ def test_the_document_describes_every_answer(server):
     assert "content" not in document["paths"]["/health"]["get"]["responses"]["200"]   # an empty body
     assert set(document["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]) == {
         "application/json", "text/event-stream"}
-    # The model's vocabulary bounds /detokenize's token ids.
+    # The model's bounds on single fields: the vocabulary on /detokenize's token ids, the context on max_tokens.
     assert schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] == len(server.tokenizer) - 1
+    for name, field in [("CompletionRequest", "max_tokens"), ("ChatCompletionRequest", "max_completion_tokens"),
+                        ("ChatCompletionRequest", "truncate_prompt_tokens")]:
+        assert schemas[name]["properties"][field]["anyOf"][0]["maximum"] == 64, (name, field)
 
 
 def test_a_405_names_the_allowed_methods(server):

@@ -181,12 +181,21 @@ def _stream_or_json(model: type[BaseModel], chunk: type[BaseModel]) -> dict:
             **error_responses(*BODY_ERRORS, 404, *ANY_ROUTE_ERRORS)}
 
 
+def _at_most(field: dict, maximum: int) -> None:
+    """An integer field's schema (or its integer alternative, when it may be null) bounded by `maximum`."""
+    for alternative in field.get("anyOf", [field]):
+        if alternative.get("type") == "integer":
+            alternative["maximum"] = min(alternative.get("maximum", maximum), maximum)
+
+
 def _openapi_with_request_models(app: FastAPI, models: list[type[BaseModel]],
-                                 vocab_size: Callable[[], int | None] = lambda: None, max_chars: int | None = None):
+                                 vocab_size: Callable[[], int | None] = lambda: None,
+                                 max_model_len: int | None = None):
     """app.openapi, with `models` (and the models they nest) under components/schemas. FastAPI's 422
-    (its own validation error) goes: this server answers 400 for every invalid request. vocab_size(): the
-    tokenizer's vocabulary, which the token ids of /detokenize are documented below (None: not known). max_chars:
-    the most characters a prompt may have (and tokens /detokenize takes)."""
+    (its own validation error) goes: this server answers 400 for every invalid request. The bounds this model
+    sets on single fields are written in: vocab_size() (None: not known) on /detokenize's token ids; max_model_len
+    on max_tokens and truncate_prompt_tokens, and (times MAX_CHARS_PER_TOKEN) on /tokenize's prompt length and
+    /detokenize's token count. (Bounds across fields, a prompt plus max_tokens within the context, no schema says.)"""
     from fastapi.openapi.utils import get_openapi
 
     def openapi() -> dict:
@@ -205,9 +214,14 @@ def _openapi_with_request_models(app: FastAPI, models: list[type[BaseModel]],
             vocabulary = vocab_size()
             if vocabulary is not None and "DetokenizeRequest" in schemas:
                 schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] = vocabulary - 1
-            if max_chars is not None:   # OpenAIServing's bounds on /tokenize's prompt and /detokenize's tokens
+            if max_model_len is not None:   # OpenAIServing's bounds
+                max_chars = max_model_len * MAX_CHARS_PER_TOKEN
                 schemas["TokenizeCompletionRequest"]["properties"]["prompt"]["maxLength"] = max_chars
                 schemas["DetokenizeRequest"]["properties"]["tokens"]["maxItems"] = max_chars
+                for name in ("CompletionRequest", "ChatCompletionRequest"):
+                    for field in ("max_tokens", "max_completion_tokens", "truncate_prompt_tokens"):
+                        if field in schemas[name]["properties"]:
+                            _at_most(schemas[name]["properties"][field], max_model_len)
             app.openapi_schema = document
         return app.openapi_schema
     return openapi
@@ -367,7 +381,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key:
         return None if tokenizer is None else len(tokenizer)
 
     app.openapi = _openapi_with_request_models(app, DOCUMENTED_MODELS, vocab_size=vocab_size,
-                                               max_chars=engine.max_model_len * MAX_CHARS_PER_TOKEN)
+                                               max_model_len=engine.max_model_len)
 
     if runtime_lora_updating_allowed():
         add_lora_routes(app, serving, lambda raw_request: parse_body(raw_request, None, body_limit,
