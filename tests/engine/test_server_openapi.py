@@ -170,3 +170,16 @@ def test_answers_and_stream_events_match_their_documented_schemas(server, path, 
     error = server.http.post(path, json={**body, "n": 0})
     assert error.status_code == 400
     _conforms(document, error.json(), "ErrorResponse")
+
+
+def test_an_earlier_tool_call_may_have_a_null_id(server):
+    """Clients that replay an assistant turn whose tool call had no id send "id": null (langchain can); taken as
+    absent, as the document says. A wrong-typed id is the 400 above."""
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": None, "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+    response = server.http.post("/tokenize", json={"messages": messages})
+    assert response.status_code == 200, response.text
+    response = server.http.post("/tokenize", json={"messages": [messages[0], {**messages[1], "tool_calls": [
+        {**messages[1]["tool_calls"][0], "id": 7}]}]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"

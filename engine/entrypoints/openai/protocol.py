@@ -53,7 +53,7 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 _TEXT_PARTS = {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
     "type": {"const": "text"}, "text": {"type": "string"}}}}
 _TOOL_CALLS = {"type": "array", "items": {"type": "object", "required": ["function"], "properties": {
-    "id": {"type": "string"}, "type": {"const": "function"},
+    "id": {"type": ["string", "null"]}, "type": {"const": "function"},
     "function": {"type": "object", "required": ["name"], "properties": {
         "name": {"type": "string"},
         "arguments": {"anyOf": [{"type": "string"}, {"type": "object"}, {"type": "null"}]}}}}}}

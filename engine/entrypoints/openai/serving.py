@@ -1007,7 +1007,7 @@ def _chat_messages(messages: list[dict] | None) -> list[dict]:
                 function = call.get("function") if isinstance(call, dict) else None
                 if not isinstance(function, dict) or not isinstance(function.get("name"), str):
                     raise bad_request(f"messages[{i}].tool_calls entries need function.name", param="messages")
-                if call.get("type", "function") != "function" or not isinstance(call.get("id", ""), str):
+                if call.get("type", "function") != "function" or not isinstance(call.get("id", ""), (str, type(None))):
                     raise bad_request(f"messages[{i}].tool_calls entries' type must be \"function\" and their id a "
                                       "string", param="messages")
                 arguments = function.get("arguments")
