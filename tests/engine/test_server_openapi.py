@@ -5,6 +5,7 @@ pinned by a plain request: a 405's Allow header, a 500 for a non-string model on
 tool-call arguments of the wrong type accepted, 2.0 refused as an integer."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -23,8 +24,14 @@ API_KEY = "openapi-test-key"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    engine = AsyncLLMEngine.from_args(tiny_model_dir("qwen3"), num_kv_blocks=32, max_model_len=64)
+def server(tiny_model_dir, tmp_path_factory):
+    # The model's generation_config.json caps what a request leaves unset at 4 new tokens (its max_new_tokens, which
+    # a served model may have): schemathesis' valid requests then cost a few decode steps each, not a context's worth.
+    model_dir = tmp_path_factory.mktemp("tiny-qwen3-short") / "model"
+    shutil.copytree(tiny_model_dir("qwen3"), model_dir)
+    config = json.loads((model_dir / "generation_config.json").read_text())
+    (model_dir / "generation_config.json").write_text(json.dumps({**config, "max_new_tokens": 4}))
+    engine = AsyncLLMEngine.from_args(str(model_dir), num_kv_blocks=32, max_model_len=64)
     app = build_app(engine, served_model_names=[MODEL], api_key=API_KEY, enable_auto_tool_choice=True,
                     tool_call_parser="hermes")
     with ServerThread(app) as server:
