@@ -1,8 +1,9 @@
 """The server judged against its own OpenAPI document (/openapi.json) by schemathesis, a client nobody here wrote:
-its `st run` command with every check (one left out on the generation routes, for the reason
-test_schemathesis_finds_nothing gives), against a tiny random-weight model behind an API key. Then the findings it made once, each
-pinned by a plain request: a 405's Allow header, a 500 for a non-string model on /tokenize and /detokenize,
-tool-call arguments of the wrong type accepted, 2.0 refused as an integer."""
+its `st run` command with every check (one left out on the generation routes and /tokenize, for the reason
+test_schemathesis_finds_nothing gives), against a tiny random-weight model behind an API key. Then the findings it
+made once, each pinned by a plain request: a 405's Allow header, a 500 for a non-string model on /tokenize and
+/detokenize, tool-call arguments, type or id of the wrong type accepted, 2.0 refused as an integer; and real answers
+and stream events checked against the document's schemas."""
 import json
 import os
 import shutil
@@ -65,8 +66,9 @@ def test_schemathesis_finds_nothing(server, tmp_path):
     # what the model and the server are, not for its shape (a prompt plus max_tokens past the context length,
     # messages whose characters together pass the context's bound, a token id past the vocabulary, a chat
     # template from the request without --trust-request-chat-template), or for SamplingParams' cross-field rules
-    # (min_tokens <= max_tokens): positive_data_acceptance is left out there. (Where a single field carries such
-    # a bound, the served document says it: /detokenize's token ids and count, /tokenize's prompt length.)
+    # (min_tokens <= max_tokens, tool_choice with tools): positive_data_acceptance is left out there. (Where a
+    # single field carries such a bound, the served document says it: /detokenize's token ids and count,
+    # /tokenize's prompt length, max_tokens and truncate_prompt_tokens.)
     output = _schemathesis(server, tmp_path, "--exclude-path-regex", MODEL_BOUNDED_ROUTES)
     assert "Tested: 6" in output, output[-3000:]   # every other route of the document was reached
     output = _schemathesis(server, tmp_path, "--include-path-regex", MODEL_BOUNDED_ROUTES,
