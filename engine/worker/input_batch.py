@@ -31,9 +31,7 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from engine.step_records import CachedSequenceData, NewSequenceData, SchedulerOutput
-from engine.worker.sampler import BadWords
-
-FLOAT32_MAX = float(np.finfo(np.float32).max)
+from engine.worker.sampler import BadWords, FLOAT32_MAX
 
 
 @dataclass(slots=True)

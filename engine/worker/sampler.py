@@ -37,7 +37,7 @@ import torch
 
 from engine.step_records import ModelRunnerOutput, SampleLogprobs
 
-_FLOAT32_MAX = torch.finfo(torch.float32).max
+FLOAT32_MAX = torch.finfo(torch.float32).max
 # Repetition penalties are clamped to this range so that 1 / penalty stays finite in float32.
 _MIN_REPETITION_PENALTY = torch.finfo(torch.float32).tiny
 _MAX_REPETITION_PENALTY = 1.0 / torch.finfo(torch.float32).tiny
@@ -316,7 +316,7 @@ class Sampler:
         if not all(meta.greedy):
             greedy = _flags(meta.greedy, logits.device)
             # A greedy row divides by 1 here (its pick is the argmax anyway); a dead row's values are dropped below.
-            temperature = torch.where(greedy, 1.0, meta.temperature.clamp(max=_FLOAT32_MAX)).unsqueeze(1)
+            temperature = torch.where(greedy, 1.0, meta.temperature.clamp(max=FLOAT32_MAX)).unsqueeze(1)
             scaled = logits.sub(row_max.unsqueeze(1)).div_(temperature)
             scaled.nan_to_num_(nan=float("-inf"))
             if meta.min_p is not None:
@@ -455,7 +455,7 @@ def _scale_and_filter(logits: torch.Tensor, row_max: torch.Tensor, meta: Samplin
     # A huge temperature is clamped to the float32 range (it flattens the row instead of making
     # -inf / inf = NaN).
     temperature = meta.temperature if index is None else meta.temperature[index]
-    temperature = temperature.clamp(max=_FLOAT32_MAX).unsqueeze(1)
+    temperature = temperature.clamp(max=FLOAT32_MAX).unsqueeze(1)
     if bool(torch.isfinite(row_max.unsqueeze(1) / temperature).all()):
         logits.div_(temperature)   # every logit <= row_max: nothing overflows to +inf
     else:
@@ -529,7 +529,7 @@ def sampler_dummy_run(logits: torch.Tensor, num_logprobs: int = 20) -> torch.Ten
 def _sanitize(logits: torch.Tensor) -> None:
     """In place: NaN -> -inf (such a token is never chosen), +inf -> the largest float32 (so that shifting
     by the row maximum stays finite)."""
-    torch.nan_to_num_(logits, nan=float("-inf"), posinf=_FLOAT32_MAX, neginf=float("-inf"))
+    torch.nan_to_num_(logits, nan=float("-inf"), posinf=FLOAT32_MAX, neginf=float("-inf"))
 
 
 def _fallback_tokens(dead_rows: list[int], mask_rows: list[int], unmasked: torch.Tensor | None,
@@ -652,7 +652,7 @@ def _penalize(logits: torch.Tensor, penalties: Penalties) -> None:
     rows = penalties.rows.unsqueeze(1)
     seen = logits[rows, penalties.seen_ids]                                            # [m, S]
     rep = penalties.repetition.clamp(_MIN_REPETITION_PENALTY, _MAX_REPETITION_PENALTY).unsqueeze(1)
-    penalized = torch.where(seen > 0, seen / rep, seen * rep).clamp_(-_FLOAT32_MAX, _FLOAT32_MAX)
+    penalized = torch.where(seen > 0, seen / rep, seen * rep).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
     logits[rows, penalties.seen_ids] = torch.where(seen == float("-inf"), seen, penalized)
     logits.index_put_((rows.expand_as(penalties.output_ids), penalties.output_ids),
                       -penalties.frequency.unsqueeze(1) * penalties.output_weight, accumulate=True)

@@ -161,7 +161,7 @@ BODY_ERRORS = (400, 408, 413)
 
 def _body_schema(*models: type[BaseModel]) -> dict:
     """The OpenAPI requestBody of a route that parses its body itself (parse_body): one of `models`, which
-    _openapi_with_request_models adds (and the models they nest) to the document's components."""
+    _openapi_document adds (and the models they nest) to the document's components."""
     refs = [{"$ref": f"#/components/schemas/{model.__name__}"} for model in models]
     return {"requestBody": {"required": True, "content": {"application/json": {
         "schema": refs[0] if len(refs) == 1 else {"anyOf": refs}}}}}
@@ -188,9 +188,8 @@ def _at_most(field: dict, maximum: int) -> None:
             alternative["maximum"] = min(alternative.get("maximum", maximum), maximum)
 
 
-def _openapi_with_request_models(app: FastAPI, models: list[type[BaseModel]],
-                                 vocab_size: Callable[[], int | None] = lambda: None,
-                                 max_model_len: int | None = None):
+def _openapi_document(app: FastAPI, models: list[type[BaseModel]], vocab_size: Callable[[], int | None] = lambda: None,
+                      max_model_len: int | None = None):
     """app.openapi, with `models` (and the models they nest) under components/schemas. FastAPI's 422
     (its own validation error) goes: this server answers 400 for every invalid request. The bounds this model
     sets on single fields are written in: vocab_size() (None: not known) on /detokenize's token ids; max_model_len
@@ -380,8 +379,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key:
         tokenizer = getattr(engine, "tokenizer", None)
         return None if tokenizer is None else len(tokenizer)
 
-    app.openapi = _openapi_with_request_models(app, DOCUMENTED_MODELS, vocab_size=vocab_size,
-                                               max_model_len=engine.max_model_len)
+    app.openapi = _openapi_document(app, DOCUMENTED_MODELS, vocab_size=vocab_size, max_model_len=engine.max_model_len)
 
     if runtime_lora_updating_allowed():
         add_lora_routes(app, serving, lambda raw_request: parse_body(raw_request, None, body_limit,

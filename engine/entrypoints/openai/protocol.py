@@ -49,7 +49,7 @@ def _doc(**schema) -> Any:
 # A chat message as the server takes it (serving._chat_messages checks it; this is its OpenAPI schema): a known role
 # and content (a string or a list of text parts), which only an assistant message with tool calls may leave out or
 # null. Other keys (name, tool_call_id, ...) pass to the chat template.
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")   # "function": OpenAI's old "tool"
 _TEXT_PARTS = {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
     "type": {"const": "text"}, "text": {"type": "string"}}}}
 _TOOL_CALLS = {"type": "array", "items": {"type": "object", "required": ["function"], "properties": {

@@ -945,7 +945,6 @@ def _num_chars(value) -> int:
     return total
 
 
-# OpenAI's message roles ("function" is its deprecated form of "tool").
 # What --special-tokens-in-messages does with special-token text in the content of these roles' messages (the
 # text of end users and of tools' outputs, where an application does not write it itself).
 SPECIAL_TOKEN_MODES = ("escape", "reject", "allow")
