@@ -72,7 +72,7 @@ doc_to_target: "{{{{answer}}}}"
 generation_kwargs:
   until: ["\\n", "Q:"]
   do_sample: false
-  max_gen_toks: 24
+  max_gen_toks: 16
 metric_list:
   - metric: exact_match
     aggregation: mean
