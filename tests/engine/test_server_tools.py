@@ -137,6 +137,23 @@ def test_named_tool_choice_streamed_and_not(client):
     assert reply.choices[0].message.content and not reply.choices[0].message.tool_calls
 
 
+def test_named_tool_choice_cut_short_is_the_same_call_streamed_and_not(client):
+    # max_tokens ends the arguments mid-way: a call with what was generated and finish_reason "length", whether
+    # streamed or not (as vLLM and OpenAI answer), not the arguments moved into content.
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    kwargs = dict(model=MODEL, messages=ASK, tools=[TIME, WEATHER], tool_choice=named, max_tokens=4, temperature=0)
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "length" and not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert call.function.arguments.startswith("{")
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(call.function.arguments)
+    calls, finish_reason, content = _stream_tool_calls(client.chat.completions.create(stream=True, **kwargs))
+    assert finish_reason == "length" and content == ""
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", call.function.arguments)]
+
+
 def test_auto_tool_choice_parses_hermes_tool_calls(client):
     regex = r'Checking\.\n<tool_call>\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}", ' \
             r'"unit": "(celsius|fahrenheit)"\}\}</tool_call>'

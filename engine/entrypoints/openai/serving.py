@@ -718,13 +718,12 @@ class OpenAIServing:
             calls = parse_required_tool_calls(content)
             return reasoning, ("" if calls else content), calls
         if mode.kind == "named":
-            if not final:
+            # The output is the named tool's arguments: a call whenever there are any, also when max_tokens (or a
+            # stop string) cut them short, as the stream sends them and as vLLM and OpenAI answer; the
+            # finish_reason ("length") says the arguments are incomplete.
+            if not final or not content:
                 return reasoning, "", None
-            try:
-                valid = isinstance(json.loads(content), dict)
-            except json.JSONDecodeError:
-                valid = False
-            return (reasoning, "", [ToolCall(mode.name, content)]) if valid else (reasoning, content, None)
+            return reasoning, "", [ToolCall(mode.name, content)]
         return reasoning, content, None
 
     async def _stream_chat(self, request: ChatCompletionRequest, prepared: _Prepared, mode: _ToolMode
