@@ -8,6 +8,7 @@ and for "auto" a guided_regex that makes the model write a Hermes `<tool_call>` 
 Every structured output is parsed and validated against its schema."""
 import json
 import re
+from typing import Literal
 
 import pytest
 
@@ -152,6 +153,30 @@ def test_named_tool_choice_cut_short_is_the_same_call_streamed_and_not(client):
     calls, finish_reason, content = _stream_tool_calls(client.chat.completions.create(stream=True, **kwargs))
     assert finish_reason == "length" and content == ""
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", call.function.arguments)]
+
+
+def test_openai_parse_helpers(client):
+    # The openai client's structured-output helpers: a pydantic model as response_format (strict json_schema),
+    # parsed; the same through .stream; and as a strict function tool. Fields of a closed set keep the greedy
+    # output short whatever the model's taste.
+    from pydantic import BaseModel
+
+    class Capital(BaseModel):
+        city: Literal["Paris", "London", "Berlin"]
+        certain: bool
+
+    messages = [{"role": "user", "content": "Which city is the capital of France? Answer in JSON."}]
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=40, temperature=0)
+    choice = client.chat.completions.parse(response_format=Capital, **kwargs).choices[0]
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Capital)
+    assert Capital.model_validate_json(choice.message.content) == choice.message.parsed
+    with client.chat.completions.stream(response_format=Capital, **kwargs) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    assert streamed.message.parsed == choice.message.parsed and streamed.message.content == choice.message.content
+    reply = client.chat.completions.parse(tools=[openai.pydantic_function_tool(Capital)], tool_choice="required",
+                                          **kwargs).choices[0]
+    (call,) = reply.message.tool_calls
+    assert call.function.name == "Capital" and isinstance(call.function.parsed_arguments, Capital)
 
 
 def test_auto_tool_choice_parses_hermes_tool_calls(client):
