@@ -142,6 +142,14 @@ class LLM:
         """The engine's tokenizer (None with skip_tokenizer_init)."""
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams a request without any gets (vLLM's ``LLM.get_default_sampling_params``): the model's
+        generation_config.json fields (temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens as
+        max_tokens) over SamplingParams' own defaults, or just those with ``generation_config="vllm"``. A fresh
+        object each call, to change before passing it to ``generate``."""
+        default = getattr(self.llm_engine, "default_sampling_params", None)
+        return default() if default is not None else SamplingParams()
+
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache's blocks (vLLM's ``LLM.reset_prefix_cache``), e.g. between a benchmark's rounds
         over the same prompts, so each round computes its prompts' KV. Returns False, and keeps the cache, while
@@ -168,8 +176,7 @@ class LLM:
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts must be a str, a dict or a list of them, got {type(prompts).__name__}")
         if sampling_params is None:   # the model's defaults (generation_config.json), as vLLM
-            default = getattr(self.llm_engine, "default_sampling_params", None)
-            sampling_params = default() if default is not None else SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
@@ -279,8 +286,7 @@ class LLM:
             text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
             prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
         if sampling_params is None:
-            default = getattr(engine, "default_sampling_params", None)
-            sampling_params = default() if default is not None else SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if sampling_params.n != 1:
             raise ValueError(f"n must be 1 to stream, got {sampling_params.n}")
         text, token_ids = engine.process_prompt(prompt)

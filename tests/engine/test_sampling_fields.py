@@ -128,6 +128,23 @@ def test_generation_config_defaults(llama_dir, tmp_path, caplog):
     assert make_engine(llama_dir, num_kv_blocks=16, generation_config="vllm").default_sampling_params() == SamplingParams()
 
 
+def test_llm_get_default_sampling_params(llama_dir, tmp_path):
+    # vLLM's LLM.get_default_sampling_params: what a request without SamplingParams runs with, to adjust and pass on.
+    config_dir = write_generation_config(tmp_path, temperature=0.0, repetition_penalty=1.3, max_new_tokens=3)
+    llm = LLM(llama_dir, num_kv_blocks=16, generation_config=config_dir)
+    params = llm.get_default_sampling_params()
+    assert (params.temperature, params.repetition_penalty, params.max_tokens) == (0.0, 1.3, 3)
+    assert llm.get_default_sampling_params() is not params
+    prompt = {"prompt_token_ids": random_token_ids(5, seed=3)}
+    implicit = llm.generate(prompt, use_tqdm=False)[0].outputs[0]
+    explicit = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert implicit.token_ids == explicit.token_ids and len(implicit.token_ids) <= 3
+    params.max_tokens = 5   # adjusted and passed on, as vLLM scripts do
+    params.ignore_eos = True
+    assert len(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids) == 5
+    assert LLM(llama_dir, num_kv_blocks=16, generation_config="vllm").get_default_sampling_params() == SamplingParams()
+
+
 @pytest.mark.parametrize("generation_config,message", [("/no/such/dir", "generation_config must be"),
                                                        ("bad-value", "generation_config.*top_k")])
 def test_generation_config_errors(llama_dir, tmp_path, generation_config, message):
