@@ -6,6 +6,7 @@ every command and for `engine.LLM`. generate and chat print the text as the engi
 The default model is SmolLM2-135M-Instruct, converted on first use (see engine/default_model.py)."""
 import argparse
 import importlib
+import json
 import signal
 import sys
 
@@ -39,6 +40,17 @@ def _build(args):
                             seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos)
     engine_args = EngineArgs.from_cli_args(args)
     return LLM(engine_args.resolved_model(), **engine_args.engine_kwargs()), params   # LLM's kwargs are the fields
+
+
+def _json_strings(text: str) -> list[str]:
+    """A JSON list of strings (vLLM's form of --allowed-origins and its kin)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(f'expected a JSON list of strings, e.g. \'["https://example.com"]\', got {text!r}')
+    return value
 
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -78,7 +90,21 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--limit-concurrency", type=int, default=None,
                        help="connections each API server process keeps open at most; one more gets a 503 and is "
                             "closed (default: what the open-files limit leaves after 256)")
-    group.add_argument("--log-level", default="info", help="uvicorn log level")
+    group.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="info",
+                       choices=("critical", "error", "warning", "info", "debug", "trace"),
+                       help="uvicorn's log level (--uvicorn-log-level: vLLM's name)")
+    group.add_argument("--allowed-origins", type=_json_strings, default=["*"],
+                       help='origins whose pages a browser lets call the server (CORS), a JSON list '
+                            '(default ["*"]: any, as vLLM)')
+    group.add_argument("--allowed-methods", type=_json_strings, default=["*"], help="CORS methods, a JSON list")
+    group.add_argument("--allowed-headers", type=_json_strings, default=["*"], help="CORS headers, a JSON list")
+    group.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
+    group.add_argument("--root-path", default="",
+                       help="the path prefix a proxy serves the server under (FastAPI's root_path)")
+    group.add_argument("--disable-fastapi-docs", action="store_true",
+                       help="no /docs, /redoc or /openapi.json")
+    group.add_argument("--enable-request-id-headers", action="store_true",
+                       help="every response carries X-Request-Id (the request's own, else a fresh one)")
     group.add_argument("--disable-log-requests", action="store_true",
                        help="accepted for vLLM compatibility: the server logs no request contents")
     group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",

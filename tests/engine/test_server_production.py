@@ -236,3 +236,68 @@ def test_special_tokens_in_messages_modes(server, mode):
     else:
         assert guarded[0] == messages[0] and "<|" not in guarded[1]["content"]
         assert sorted(literals.values()) == ["<|im_end|>", "<|im_start|>"]
+
+
+# -- browsers, proxies, request ids (vLLM's --allowed-origins, --root-path, --disable-fastapi-docs,
+# --enable-request-id-headers) ----------------------------------------------------------------------------------
+def test_cors_by_default_any_origin_and_preflights_need_no_key(server):
+    preflight = httpx.options(server.url + "/v1/completions", timeout=TIMEOUT_S, headers={
+        "origin": "https://ui.example", "access-control-request-method": "POST",
+        "access-control-request-headers": "authorization, content-type"})
+    assert preflight.status_code == 200, preflight.text
+    assert preflight.headers["access-control-allow-origin"] == "*"
+    answer = httpx.get(server.url + "/v1/models", headers={**AUTH, "origin": "https://ui.example"}, timeout=TIMEOUT_S)
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "*"
+    refused = httpx.get(server.url + "/v1/models", headers={"origin": "https://ui.example"}, timeout=TIMEOUT_S)
+    assert_error(refused, 401)   # the key still guards every request that is not a preflight
+    assert "x-request-id" not in answer.headers   # off unless asked for
+
+
+def test_cors_rules_root_path_docs_off_and_request_ids(llama_dir):
+    from fastapi.testclient import TestClient
+
+    from engine.entrypoints.openai.api_server import CORSOptions
+
+    engine = AsyncLLMEngine.from_args(llama_dir, num_kv_blocks=16, max_model_len=MAX_MODEL_LEN)
+    app = build_app(engine, served_model_names=[MODEL], cors=CORSOptions(allowed_origins=("https://ui.example",)),
+                    enable_request_id_headers=True)
+    with ServerThread(app, root_path="/llm") as server:
+        def preflight(origin):
+            return httpx.options(server.url + "/v1/completions", timeout=TIMEOUT_S, headers={
+                "origin": origin, "access-control-request-method": "POST"})
+        allowed = preflight("https://ui.example")
+        assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "https://ui.example"
+        assert preflight("https://elsewhere.example").status_code == 400
+        # Behind a proxy that serves the server under /llm and strips the prefix: the routes as they are, and
+        # the document and its page name the prefix.
+        listed = httpx.get(server.url + "/v1/models", timeout=TIMEOUT_S)
+        assert listed.status_code == 200 and listed.json()["data"][0]["id"] == MODEL
+        assert httpx.get(server.url + "/openapi.json", timeout=TIMEOUT_S).json()["servers"] == [{"url": "/llm"}]
+        assert "/llm/openapi.json" in httpx.get(server.url + "/docs", timeout=TIMEOUT_S).text
+        fresh = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1}, headers={})
+        assert fresh.status_code == 200 and re.fullmatch(r"[0-9a-f]{32}", fresh.headers["x-request-id"])
+        again = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1},
+                     headers={"x-request-id": "trace-42"})
+        assert again.headers["x-request-id"] == "trace-42"
+        assert httpx.get(server.url + "/no-such-route", timeout=TIMEOUT_S).headers["x-request-id"]
+    # --disable-fastapi-docs (the app's routes only: its engine is not started)
+    quiet = TestClient(build_app(AsyncLLMEngine.from_args(llama_dir, num_kv_blocks=16, max_model_len=MAX_MODEL_LEN),
+                                 served_model_names=[MODEL], disable_fastapi_docs=True))
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert quiet.get(path).status_code == 404, path
+
+
+def test_http_options_from_the_command_line():
+    from engine.__main__ import build_parser
+    from engine.entrypoints.openai.api_server import CORSOptions, cors_options
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "/m", "--uvicorn-log-level", "debug", "--allowed-origins", '["https://a"]',
+                              "--allow-credentials", "--root-path", "/p", "--disable-fastapi-docs",
+                              "--enable-request-id-headers"])
+    assert args.log_level == "debug" and (args.root_path, args.disable_fastapi_docs) == ("/p", True)
+    assert args.enable_request_id_headers
+    assert cors_options(args) == CORSOptions(("https://a",), ("*",), ("*",), True)
+    assert cors_options(parser.parse_args(["serve", "/m"])) == CORSOptions()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "/m", "--allowed-origins", "https://a"])   # not a JSON list

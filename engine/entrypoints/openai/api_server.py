@@ -25,12 +25,15 @@ import json
 import logging
 import os
 import socket
+import uuid
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -226,6 +229,39 @@ def _openapi_document(app: FastAPI, models: list[type[BaseModel]], vocab_size: C
     return openapi
 
 
+@dataclass(frozen=True)
+class CORSOptions:
+    """Which browser pages may call the server (Starlette's CORSMiddleware; vLLM's --allowed-origins,
+    --allowed-methods, --allowed-headers, --allow-credentials and their defaults: any origin, method and header,
+    no credentials)."""
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
+class _RequestIdMiddleware:
+    """vLLM's --enable-request-id-headers: every response carries X-Request-Id, the request's own X-Request-Id
+    when it sent one, else a fresh uuid4 hex. A plain ASGI middleware (see _APIKeyMiddleware)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        sent = [value for name, value in scope["headers"] if name == b"x-request-id"]
+        request_id = sent[0] if sent else uuid.uuid4().hex.encode()
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": headers + [(b"x-request-id", request_id)]}
+            await send(message)
+        await self.app(scope, receive, send_with_id)
+
+
 class _APIKeyMiddleware:
     """Every route but the `open_paths` (/health; /metrics too with disable_metrics_auth) needs
     `Authorization: Bearer <api_key>`: 401 without it or with another key (unknown routes too, so that nothing
@@ -265,7 +301,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key:
               reasoning_parser: str | None = None, special_tokens_in_messages: str = "escape",
               request_body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S,
               on_ready: Callable[[], None] | None = None, lora_modules: list | None = None,
-              api_server_count: int = 1) -> FastAPI:
+              api_server_count: int = 1, cors: CORSOptions | None = CORSOptions(),
+              disable_fastapi_docs: bool = False, enable_request_id_headers: bool = False) -> FastAPI:
     """The server app around a (not yet started) AsyncLLMEngine; the step loop starts with the app, and
     on_ready is called once its start-up is done (the engine started, the chat-template workers imported).
 
@@ -277,7 +314,10 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key:
     "allow"): what special-token text in user and tool message content becomes (OpenAIServing._guard_special_tokens).
     request_body_timeout_s: a body must arrive within this long (408 otherwise; None: no limit). lora_modules:
     LoRARequests served as models of their names (--lora-modules); api_server_count: the API server processes in
-    front of the engine (runtime adapter loading needs one)."""
+    front of the engine (runtime adapter loading needs one). cors: the browsers' cross-origin rules (vLLM's
+    --allowed-origins and its kin; default any origin, as vLLM's; None: no CORS headers at all);
+    disable_fastapi_docs: no /docs, /redoc or /openapi.json; enable_request_id_headers: every response carries X-Request-Id (the request's own, else a
+    fresh one)."""
     serving = OpenAIServing(engine, served_model_names, chat_template=chat_template,
                             trust_request_chat_template=trust_request_chat_template,
                             enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
@@ -298,7 +338,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key:
         yield
         await engine.shutdown()
 
-    app = FastAPI(title="engine OpenAI-compatible server", lifespan=lifespan)
+    docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} if disable_fastapi_docs else {}
+    app = FastAPI(title="engine OpenAI-compatible server", lifespan=lifespan, **docs)
     app.state.engine, app.state.serving, app.state.metrics = engine, serving, metrics
 
     @app.exception_handler(OpenAIError)
@@ -328,6 +369,12 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key:
     if api_key is not None:
         open_paths = frozenset({"/health", "/metrics"} if disable_metrics_auth else {"/health"})
         app.add_middleware(_APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
+    if enable_request_id_headers:
+        app.add_middleware(_RequestIdMiddleware)
+    if cors is not None:   # outermost (added last): a browser's preflight carries no API key, and needs none
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
+                           allow_methods=list(cors.allowed_methods), allow_headers=list(cors.allowed_headers),
+                           allow_credentials=cors.allow_credentials)
 
     @app.get("/health", response_class=Response,
              responses={200: {"description": "The engine is serving (an empty body)"}, **error_responses(500, 503)})
@@ -579,8 +626,17 @@ def _frontend_app(args, address: str, info: dict, on_ready: Callable[[], None] |
                     special_tokens_in_messages=args.special_tokens_in_messages,
                     request_body_timeout_s=args.request_body_timeout or None, on_ready=on_ready,
                     lora_modules=parse_lora_modules(getattr(args, "lora_modules", None)),
-                    api_server_count=getattr(args, "api_server_count", 1))
+                    api_server_count=getattr(args, "api_server_count", 1), cors=cors_options(args),
+                    disable_fastapi_docs=args.disable_fastapi_docs,
+                    enable_request_id_headers=args.enable_request_id_headers)
     return engine, app
+
+
+def cors_options(args) -> CORSOptions:
+    """The CORS rules of the command line's --allowed-origins, --allowed-methods, --allowed-headers (each a JSON
+    list of strings, as vLLM takes them) and --allow-credentials."""
+    return CORSOptions(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
+                       args.allow_credentials)
 
 
 def _run_frontend(args, address: str, info: dict, sock: socket.socket,
@@ -597,8 +653,9 @@ def _run_frontend(args, address: str, info: dict, sock: socket.socket,
         if on_ready is not None:
             on_ready()
     engine, app = _frontend_app(args, address, info, ready)
-    server = DrainingServer(uvicorn.Config(app, log_level=args.log_level, http=_http_protocol(args)), engine,
-                            args.shutdown_timeout)
+    # --root-path: the prefix a proxy serves the app under (uvicorn's root_path: routes match with or without it)
+    server = DrainingServer(uvicorn.Config(app, log_level=args.log_level, http=_http_protocol(args),
+                                           root_path=args.root_path), engine, args.shutdown_timeout)
     core_died = []
 
     def on_dead(error) -> None:   # the core is gone: no request can be served, so the server stops at once
@@ -781,14 +838,14 @@ class ServerThread:
             client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
     """
 
-    def __init__(self, app, *, host: str = "127.0.0.1", startup_timeout_s: float = 30.0):
+    def __init__(self, app, *, host: str = "127.0.0.1", startup_timeout_s: float = 30.0, root_path: str = ""):
         import threading
 
         import uvicorn
 
         self.sock = _listen_socket(host, 0, reuse_port=False)
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", root_path=root_path))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                        name="uvicorn")
         self.startup_timeout_s = startup_timeout_s
