@@ -42,6 +42,9 @@ class EngineArgs:
     preemption_mode: str = "recompute"
     generation_config: str = "auto"
     tensor_parallel_size: int = 1
+    # vLLM's other parallel sizes: only 1 for now (a clear error, not a TypeError, for a vLLM script asking more).
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
@@ -96,6 +99,10 @@ class EngineArgs:
                                 "or a directory holding a generation_config.json")
         group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                            help="processes (one GPU each, or a share of the CPU cores) the model is sharded over")
+        group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                           help="pipeline stages (vLLM's; only 1 for now)")
+        group.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                           help="engine replicas (vLLM's; only 1 for now)")
         group.add_argument("--enable-expert-parallel", action="store_true",
                            help="MoE models: split the experts across the tensor-parallel ranks whole (each rank "
                                 "holds its share of the experts) instead of splitting each expert's intermediate "
@@ -172,6 +179,12 @@ class EngineArgs:
         check_kv_cache_dtype(self.kv_cache_dtype)
         _check_int("seed", self.seed)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        for name, what in (("pipeline_parallel_size", "pipeline parallelism"),
+                           ("data_parallel_size", "data parallelism (several engine replicas)")):
+            _check_int(name, getattr(self, name), 1)
+            if getattr(self, name) != 1:
+                raise ValueError(f"{name}={getattr(self, name)}: {what} is not supported yet; shard the model "
+                                 f"with tensor_parallel_size (or run one server per replica)")
         _check_choice("load_format", self.load_format, ("auto", "dummy"))
         _note_vllm_compatibility_options(self)
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):

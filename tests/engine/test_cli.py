@@ -85,6 +85,24 @@ def test_vllm_options_with_no_effect_here_are_accepted_with_a_note(model_dir, ca
         EngineArgs(model=model_dir, trust_remote_code="yes").create_engine_config()
 
 
+def test_vllm_parallel_sizes_beyond_one_are_clear_errors(model_dir):
+    from engine.__main__ import build_parser, parse_args
+    from engine.engine_args import EngineArgs
+
+    args = EngineArgs.from_cli_args(parse_args(build_parser(), ["serve", model_dir, "-pp", "1", "-dp", "1"]))
+    assert (args.pipeline_parallel_size, args.data_parallel_size) == (1, 1)
+    args.create_engine_config()
+    for flag, name in (("--pipeline-parallel-size", "pipeline_parallel_size"), ("-dp", "data_parallel_size")):
+        args = EngineArgs.from_cli_args(parse_args(build_parser(), ["serve", model_dir, flag, "2"]))
+        with pytest.raises(ValueError, match=f"{name}=2: .* not supported yet; shard the model with "
+                                             f"tensor_parallel_size"):
+            args.create_engine_config()
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
+        LLM(model_dir, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        EngineArgs(model=model_dir, data_parallel_size=0).create_engine_config()
+
+
 def test_download_prints_the_default_model_dir(monkeypatch, capsys):
     import engine.default_model
     monkeypatch.setattr(engine.default_model, "default_model_path", lambda: "/cache/SmolLM2")
