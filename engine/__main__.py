@@ -53,6 +53,16 @@ def _json_strings(text: str) -> list[str]:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     """Server-only options (vLLM's names); the engine options come from EngineArgs."""
     group = parser.add_argument_group("server")
@@ -105,8 +115,14 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                        help="no /docs, /redoc or /openapi.json")
     group.add_argument("--enable-request-id-headers", action="store_true",
                        help="every response carries X-Request-Id (the request's own, else a fresh one)")
-    group.add_argument("--disable-log-requests", action="store_true",
-                       help="accepted for vLLM compatibility: the server logs no request contents")
+    request_logs = group.add_mutually_exclusive_group()
+    request_logs.add_argument("--enable-log-requests", action="store_true",
+                              help="log each request's prompt and sampling parameters at INFO (vLLM's)")
+    request_logs.add_argument("--disable-log-requests", action="store_true",
+                              help="vLLM's older flag: no request contents are logged, the default here")
+    group.add_argument("--max-log-len", type=_non_negative_int, default=None,
+                       help="with --enable-log-requests, the most prompt characters (and token ids) a log line "
+                            "shows (default: all)")
     group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                        help="LoRA adapters served as models of their own names (with --enable-lora): NAME=PATH, or "
                             "vLLM's JSON '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'")

@@ -287,6 +287,30 @@ def test_cors_rules_root_path_docs_off_and_request_ids(llama_dir):
         assert quiet.get(path).status_code == 404, path
 
 
+def test_enable_log_requests_logs_prompts_and_params(llama_dir, caplog):
+    import logging
+
+    engine = AsyncLLMEngine.from_args(llama_dir, num_kv_blocks=16, max_model_len=MAX_MODEL_LEN)
+    with ServerThread(build_app(engine, served_model_names=[MODEL], enable_log_requests=True, max_log_len=5)) as server:
+        with caplog.at_level(logging.INFO, logger="engine"):
+            answer = post(server, "/v1/completions", {"model": MODEL, "prompt": "Hello world, how are you",
+                                                      "max_tokens": 2, "temperature": 0.5}, headers={})
+    assert answer.status_code == 200
+    (line,) = [r.getMessage() for r in caplog.records if "Received request" in r.getMessage()]
+    assert re.match(r"Received request cmpl-[0-9a-f]+-0: prompt: 'Hello', params: .*temperature=0\.5", line), line
+    ids = re.search(r"prompt_token_ids: \[([0-9, ]*)\] \((\d+)\)", line)
+    assert ids and len(ids.group(1).split(",")) == 5 and int(ids.group(2)) > 5, line
+
+
+def test_no_request_contents_logged_by_default(server, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="engine"):
+        assert post(server, "/v1/completions", {"model": MODEL, "prompt": "secret words", "max_tokens": 1}
+                    ).status_code == 200
+    assert not any("secret words" in r.getMessage() for r in caplog.records)
+
+
 def test_http_options_from_the_command_line():
     from engine.__main__ import build_parser
     from engine.entrypoints.openai.api_server import CORSOptions, cors_options
@@ -294,10 +318,12 @@ def test_http_options_from_the_command_line():
     parser = build_parser()
     args = parser.parse_args(["serve", "/m", "--uvicorn-log-level", "debug", "--allowed-origins", '["https://a"]',
                               "--allow-credentials", "--root-path", "/p", "--disable-fastapi-docs",
-                              "--enable-request-id-headers"])
+                              "--enable-request-id-headers", "--enable-log-requests", "--max-log-len", "40"])
     assert args.log_level == "debug" and (args.root_path, args.disable_fastapi_docs) == ("/p", True)
-    assert args.enable_request_id_headers
+    assert args.enable_request_id_headers and (args.enable_log_requests, args.max_log_len) == (True, 40)
     assert cors_options(args) == CORSOptions(("https://a",), ("*",), ("*",), True)
     assert cors_options(parser.parse_args(["serve", "/m"])) == CORSOptions()
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "/m", "--allowed-origins", "https://a"])   # not a JSON list
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "/m", "--max-log-len", "-1"])

@@ -302,7 +302,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key:
               request_body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S,
               on_ready: Callable[[], None] | None = None, lora_modules: list | None = None,
               api_server_count: int = 1, cors: CORSOptions | None = CORSOptions(),
-              disable_fastapi_docs: bool = False, enable_request_id_headers: bool = False) -> FastAPI:
+              disable_fastapi_docs: bool = False, enable_request_id_headers: bool = False,
+              enable_log_requests: bool = False, max_log_len: int | None = None) -> FastAPI:
     """The server app around a (not yet started) AsyncLLMEngine; the step loop starts with the app, and
     on_ready is called once its start-up is done (the engine started, the chat-template workers imported).
 
@@ -316,14 +317,16 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key:
     LoRARequests served as models of their names (--lora-modules); api_server_count: the API server processes in
     front of the engine (runtime adapter loading needs one). cors: the browsers' cross-origin rules (vLLM's
     --allowed-origins and its kin; default any origin, as vLLM's; None: no CORS headers at all);
-    disable_fastapi_docs: no /docs, /redoc or /openapi.json; enable_request_id_headers: every response carries X-Request-Id (the request's own, else a
-    fresh one)."""
+    disable_fastapi_docs: no /docs, /redoc or /openapi.json; enable_request_id_headers: every response carries
+    X-Request-Id (the request's own, else a fresh one); enable_log_requests: each request's prompt and parameters
+    logged at INFO (vLLM's --enable-log-requests), the prompt cut to max_log_len characters (and ids)."""
     serving = OpenAIServing(engine, served_model_names, chat_template=chat_template,
                             trust_request_chat_template=trust_request_chat_template,
                             enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
                             reasoning_parser=reasoning_parser,
                             special_tokens_in_messages=special_tokens_in_messages, lora_modules=lora_modules,
-                            api_server_count=api_server_count)
+                            api_server_count=api_server_count, log_requests=enable_log_requests,
+                            max_log_len=max_log_len)
     metrics = ServerMetrics(metrics_model_name(served_model_names[0]))
     body_limit = max_body_bytes(engine.max_model_len)
     metrics.attach(engine)
@@ -628,7 +631,8 @@ def _frontend_app(args, address: str, info: dict, on_ready: Callable[[], None] |
                     lora_modules=parse_lora_modules(getattr(args, "lora_modules", None)),
                     api_server_count=getattr(args, "api_server_count", 1), cors=cors_options(args),
                     disable_fastapi_docs=args.disable_fastapi_docs,
-                    enable_request_id_headers=args.enable_request_id_headers)
+                    enable_request_id_headers=args.enable_request_id_headers,
+                    enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len)
     return engine, app
 
 

@@ -17,6 +17,7 @@ Sampling fields the client left unset take the model's defaults (generation_conf
 LLMEngine.sampling_defaults) and then OpenAI's, as vLLM does."""
 import asyncio
 import json
+import logging
 import math
 import re
 import time
@@ -41,6 +42,8 @@ from engine.sampling_params import SamplingParams
 MAX_CHARS_PER_TOKEN = 32
 # vLLM's stand-in for top_p=0 (SamplingParams needs (0, 1]): only the most likely token survives top-p.
 _TOP_P_ZERO = 1e-8
+
+logger = logging.getLogger("engine")
 
 
 class OpenAIError(Exception):
@@ -154,7 +157,7 @@ class OpenAIServing:
                  trust_request_chat_template: bool = False, enable_auto_tool_choice: bool = False,
                  tool_call_parser: str | None = None, reasoning_parser: str | None = None,
                  special_tokens_in_messages: str = "escape", lora_modules: list[LoRARequest] | None = None,
-                 api_server_count: int = 1):
+                 api_server_count: int = 1, log_requests: bool = False, max_log_len: int | None = None):
         if enable_auto_tool_choice and tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
         if special_tokens_in_messages not in SPECIAL_TOKEN_MODES:
@@ -173,6 +176,12 @@ class OpenAIServing:
         self.lora_requests: dict[str, LoRARequest] = {m.lora_name: m for m in lora_modules or ()}
         self.api_server_count = api_server_count
         self._lora_loads = 0   # adapters loaded at run time (each gets its own lora_int_id)
+        # vLLM's --enable-log-requests / --max-log-len: each engine request's prompt and parameters, logged
+        # (the prompt cut to max_log_len characters, its ids to max_log_len ids; None: whole).
+        if max_log_len is not None and (isinstance(max_log_len, bool) or not isinstance(max_log_len, int)
+                                        or max_log_len < 0):
+            raise ValueError(f"max_log_len must be an int >= 0 or None, got {max_log_len!r}")
+        self.log_requests, self.max_log_len = log_requests, max_log_len
 
     # -- shared -------------------------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -406,6 +415,8 @@ class OpenAIServing:
     async def _start(self, prepared: _Prepared) -> None:
         """Queue one engine request per prompt and wait for each one's first output, so that the engine's
         own rejections (ValueError from add_request) become a 400 before any response byte is sent."""
+        if self.log_requests:
+            self._log_request(prepared)
         prepared.streams = [
             self.engine.generate({"prompt": text, "prompt_token_ids": token_ids}, prepared.params,
                                  f"{prepared.request_id}-{i}", lora_request=prepared.lora_request)
@@ -421,6 +432,14 @@ class OpenAIServing:
             raise
         for first in prepared.firsts:
             _raise_if_failed(first, prepared.renames)
+
+    def _log_request(self, prepared: _Prepared) -> None:
+        limit = self.max_log_len
+        for i, (text, token_ids) in enumerate(prepared.prompts):
+            logger.info("Received request %s-%d: prompt: %r, params: %s, prompt_token_ids: %s (%d), lora_request: %s",
+                        prepared.request_id, i, text if text is None or limit is None else text[:limit],
+                        prepared.params, token_ids if limit is None else token_ids[:limit], len(token_ids),
+                        prepared.lora_request)
 
     @staticmethod
     async def _outputs(prepared: _Prepared) -> AsyncIterator[tuple[int, RequestOutput]]:
