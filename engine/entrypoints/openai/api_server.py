@@ -685,7 +685,7 @@ def _frontend_process_main(args, address: str, info: dict, port: int, ready) -> 
     """An API server process of --api-server-count N > 1."""
     import signal
 
-    logging.basicConfig(level=logging.INFO)
+    configure_api_logging()
     sock = _listen_socket(args.host, port, reuse_port=True)
     signal.signal(signal.SIGTERM, _interrupt)
 
@@ -693,6 +693,12 @@ def _frontend_process_main(args, address: str, info: dict, port: int, ready) -> 
         ready.send(os.getpid())
         ready.close()
     exit_now(_run_frontend(args, address, info, sock, on_ready))
+
+
+def configure_api_logging() -> None:
+    """An API server process logs the engine's INFO lines (--enable-log-requests' among them) to stderr, as the core
+    process does; a no-op where the root logger is set up already (an embedding application, pytest)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-api %(levelname)s %(message)s")
 
 
 def exit_now(status: int) -> None:
@@ -721,6 +727,8 @@ def run_server(args) -> None:
 
     from engine.entrypoints.openai.lora import check_lora_modules
     from engine.mp_engine import start_engine_core
+
+    configure_api_logging()
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
