@@ -486,7 +486,8 @@ def test_cli_serve_subprocess(model_dir):
     stops the engine) completes, no traceback, exit status 0 (as the uvicorn command)."""
     command = [sys.executable, "-m", "engine", "serve", model_dir, "--port", "0",
                "--served-model-name", "tiny-cli", "--api-key", "k", "--max-model-len", "64",
-               "--num-kv-blocks", "16", "--no-enable-prefix-caching", "--log-level", "info"]
+               "--num-kv-blocks", "16", "--no-enable-prefix-caching", "--uvicorn-log-level", "info",
+               "--enable-log-requests", "--max-log-len", "8", "--enable-request-id-headers"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         line = ""
@@ -504,6 +505,8 @@ def test_cli_serve_subprocess(model_dir):
         reply = client.chat.completions.create(model="tiny-cli", messages=[{"role": "user", "content": "hi"}],
                                                max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
         assert reply.usage.completion_tokens == 3
+        raw = client.completions.with_raw_response.create(model="tiny-cli", prompt="secret words", max_tokens=1)
+        assert re.fullmatch(r"[0-9a-f]{32}", raw.headers["x-request-id"])
         with pytest.raises(openai.BadRequestError):   # --max-model-len 64 reached the engine
             client.completions.create(model="tiny-cli", prompt="hi", max_tokens=64)
         process.send_signal(signal.SIGINT)
@@ -514,6 +517,8 @@ def test_cli_serve_subprocess(model_dir):
             process.wait(timeout=TIMEOUT_S)
     assert process.returncode == 0, output
     assert "Traceback" not in output and "Application shutdown complete" in output, output
+    # --enable-log-requests: the API server process logs each request, its prompt cut to --max-log-len characters
+    assert re.search(r"engine-api INFO Received request cmpl-[0-9a-f]+-0: prompt: 'secret w', params: ", output), output
 
 
 def test_readme_curl_example(server):
