@@ -306,6 +306,7 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     generation_config: str = "auto"       # sampling defaults: "auto", "vllm" or a directory
     lora_config: LoRAConfig | None = None  # multi-LoRA (enable_lora): its limits; None: no adapters
+    max_logprobs: int = 20                 # the most logprobs / prompt_logprobs a request may ask for (-1: any)
 
     @property
     def device(self) -> torch.device:

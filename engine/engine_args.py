@@ -41,6 +41,7 @@ class EngineArgs:
     swap_space: float = 4
     preemption_mode: str = "recompute"
     generation_config: str = "auto"
+    max_logprobs: int = 20
     tensor_parallel_size: int = 1
     # vLLM's other parallel sizes: only 1 for now (a clear error, not a TypeError, for a vLLM script asking more).
     pipeline_parallel_size: int = 1
@@ -97,6 +98,9 @@ class EngineArgs:
         group.add_argument("--generation-config", default="auto",
                            help="sampling defaults: 'auto' (the model's generation_config.json), 'vllm' (none), "
                                 "or a directory holding a generation_config.json")
+        group.add_argument("--max-logprobs", type=int, default=20,
+                           help="the most logprobs (and prompt_logprobs) a request may ask for (default 20, as "
+                                "vLLM; -1: the whole vocabulary)")
         group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                            help="processes (one GPU each, or a share of the CPU cores) the model is sharded over")
         group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
@@ -179,6 +183,7 @@ class EngineArgs:
         check_kv_cache_dtype(self.kv_cache_dtype)
         _check_int("seed", self.seed)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_int("max_logprobs", self.max_logprobs, -1)
         for name, what in (("pipeline_parallel_size", "pipeline parallelism"),
                            ("data_parallel_size", "data parallelism (several engine replicas)")):
             _check_int(name, getattr(self, name), 1)
@@ -228,7 +233,7 @@ class EngineArgs:
                             seed=self.seed, enforce_eager=self.enforce_eager,
                             tokenizer=None if self.tokenizer is None else resolve_model_path(self.tokenizer),
                             skip_tokenizer_init=self.skip_tokenizer_init, generation_config=self.generation_config,
-                            lora_config=lora_config)
+                            lora_config=lora_config, max_logprobs=self.max_logprobs)
 
     def create_engine(self):
         """The LLMEngine these options describe."""

@@ -109,7 +109,8 @@ class _FrontendView:
         self.model_config = _ModelView(info["vocab_size"], frozenset(info["eos_token_ids"]))
         self.input_processor = InputProcessor(self.tokenizer, vocab_size=info["vocab_size"],
                                               max_model_len=info["max_model_len"], max_num_seqs=info["max_num_seqs"],
-                                              enable_lora=info.get("enable_lora", False))
+                                              enable_lora=info.get("enable_lora", False),
+                                              max_logprobs=info["max_logprobs"])
         self.output_processor = OutputProcessor(self.tokenizer)
 
     def process_prompt(self, prompt, truncate_prompt_tokens: int | None = None) -> tuple[str | None, list[int]]:

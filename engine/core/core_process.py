@@ -82,7 +82,7 @@ class EngineCoreProc:
         config = core.config
         return {"max_model_len": core.max_model_len, "vocab_size": core.model_config.vocab_size,
                 "max_num_seqs": config.scheduler_config.max_num_seqs, "sampling_defaults": core.sampling_defaults,
-                "enable_lora": config.lora_config is not None,
+                "enable_lora": config.lora_config is not None, "max_logprobs": config.max_logprobs,
                 "tokenizer": config.tokenizer or core.model_config.model_dir,
                 "eos_token_ids": sorted(core.model_config.eos_token_ids), "pid": os.getpid()}
 

@@ -18,7 +18,7 @@ from engine.core.output_processor import Detokenizer
 from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 
-# The most logprobs (and prompt_logprobs) a request may ask for: vLLM's default max_logprobs.
+# The most logprobs (and prompt_logprobs) a request may ask for by default: vLLM's default max_logprobs.
 MAX_LOGPROBS = 20
 
 
@@ -38,9 +38,11 @@ class InputProcessor:
     skip_tokenizer_init), vocabulary size, max_model_len and the most sequences a step holds."""
 
     def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, max_num_seqs: int,
-                 enable_lora: bool = False):
+                 enable_lora: bool = False, max_logprobs: int = MAX_LOGPROBS):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        # The most logprobs / prompt_logprobs a request may ask for (max_logprobs; -1: the whole vocabulary).
+        self.logprobs_limit = vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.enable_lora = enable_lora
@@ -80,7 +82,7 @@ class InputProcessor:
         """What SamplingParams cannot check alone: limits of this engine and ids of this vocabulary."""
         if params.n > self.max_num_seqs:
             raise ValueError(f"n must be <= max_num_seqs={self.max_num_seqs}, got {params.n}")
-        limit = min(MAX_LOGPROBS, self.vocab_size)
+        limit = self.logprobs_limit
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > limit:

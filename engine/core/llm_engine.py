@@ -40,7 +40,8 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, vocab_size=self.model_config.vocab_size,
                                               max_model_len=self.engine_core.max_model_len,
                                               max_num_seqs=config.scheduler_config.max_num_seqs,
-                                              enable_lora=config.lora_config is not None)
+                                              enable_lora=config.lora_config is not None,
+                                              max_logprobs=config.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod

@@ -169,3 +169,22 @@ def test_max_model_len_capped_to_the_cache_or_refused_when_explicit(llama_dir, c
     with pytest.raises(ValueError, match="max_model_len=128 .*80 tokens"):
         make_engine(llama_dir, num_kv_blocks=5, block_size=16, max_model_len=128)
     assert make_engine(llama_dir, num_kv_blocks=5, block_size=16, max_model_len=80).max_model_len == 80
+
+
+def test_max_logprobs_sets_the_limit_of_logprobs_and_prompt_logprobs(llama_dir):
+    # vLLM's max_logprobs (default 20; -1: the whole vocabulary): the top-k lists past 20 are real, and the limit
+    # is a ValueError naming the field.
+    llm = LLM(llama_dir, num_kv_blocks=16, max_logprobs=40)
+    prompt = {"prompt_token_ids": random_token_ids(6, seed=4)}
+    out = llm.generate(prompt, SamplingParams(max_tokens=2, logprobs=40, prompt_logprobs=33, temperature=0.0),
+                       use_tqdm=False)[0]
+    step = out.outputs[0].logprobs[0]
+    assert len(step) in (40, 41) and sorted(lp.rank for lp in step.values())[:40] == list(range(1, 41))
+    assert all(len(position) in (33, 34) for position in out.prompt_logprobs[1:])
+    with pytest.raises(ValueError, match="logprobs must be <= 40, got 41"):
+        llm.generate(prompt, SamplingParams(max_tokens=1, logprobs=41), use_tqdm=False)
+    everything = LLM(llama_dir, num_kv_blocks=16, max_logprobs=-1)
+    whole = everything.generate(prompt, SamplingParams(max_tokens=1, logprobs=TINY_VOCAB_SIZE), use_tqdm=False)
+    assert len(whole[0].outputs[0].logprobs[0]) == TINY_VOCAB_SIZE
+    with pytest.raises(ValueError, match="max_logprobs must be >= -1"):
+        LLM(llama_dir, num_kv_blocks=16, max_logprobs=-2)

@@ -311,16 +311,37 @@ def test_no_request_contents_logged_by_default(server, caplog):
     assert not any("secret words" in r.getMessage() for r in caplog.records)
 
 
+def test_max_logprobs_bounds_the_requests_and_the_document(llama_dir):
+    engine = AsyncLLMEngine.from_args(llama_dir, num_kv_blocks=16, max_model_len=MAX_MODEL_LEN, max_logprobs=30)
+    with ServerThread(build_app(engine, served_model_names=[MODEL])) as server:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 1, "temperature": 0}
+        assert post(server, "/v1/completions", {**body, "logprobs": 25}, headers={}).status_code == 200
+        assert_error(post(server, "/v1/completions", {**body, "logprobs": 31}, headers={}), 400, "logprobs", "30")
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "logprobs": True}
+        ok = post(server, "/v1/chat/completions", {**chat, "top_logprobs": 30}, headers={})
+        assert ok.status_code == 200 and len(ok.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 30
+        assert_error(post(server, "/v1/chat/completions", {**chat, "top_logprobs": 31}, headers={}), 400,
+                     "top_logprobs", "30")
+        schemas = httpx.get(server.url + "/openapi.json", timeout=TIMEOUT_S).json()["components"]["schemas"]
+        for name, field in (("CompletionRequest", "logprobs"), ("CompletionRequest", "prompt_logprobs"),
+                            ("ChatCompletionRequest", "top_logprobs")):
+            (integer,) = [a for a in schemas[name]["properties"][field]["anyOf"] if a.get("type") == "integer"]
+            assert integer["maximum"] == 30, (name, field)
+
+
 def test_http_options_from_the_command_line():
     from engine.__main__ import build_parser
+    from engine.engine_args import EngineArgs
     from engine.entrypoints.openai.api_server import CORSOptions, cors_options
 
     parser = build_parser()
     args = parser.parse_args(["serve", "/m", "--uvicorn-log-level", "debug", "--allowed-origins", '["https://a"]',
                               "--allow-credentials", "--root-path", "/p", "--disable-fastapi-docs",
-                              "--enable-request-id-headers", "--enable-log-requests", "--max-log-len", "40"])
+                              "--enable-request-id-headers", "--enable-log-requests", "--max-log-len", "40",
+                              "--max-logprobs", "50"])
     assert args.log_level == "debug" and (args.root_path, args.disable_fastapi_docs) == ("/p", True)
     assert args.enable_request_id_headers and (args.enable_log_requests, args.max_log_len) == (True, 40)
+    assert EngineArgs.from_cli_args(args).max_logprobs == 50
     assert cors_options(args) == CORSOptions(("https://a",), ("*",), ("*",), True)
     assert cors_options(parser.parse_args(["serve", "/m"])) == CORSOptions()
     with pytest.raises(SystemExit):

@@ -192,12 +192,13 @@ def _at_most(field: dict, maximum: int) -> None:
 
 
 def _openapi_document(app: FastAPI, models: list[type[BaseModel]], vocab_size: Callable[[], int | None] = lambda: None,
-                      max_model_len: int | None = None):
+                      max_model_len: int | None = None, max_logprobs: Callable[[], int | None] = lambda: None):
     """app.openapi, with `models` (and the models they nest) under components/schemas. FastAPI's 422
     (its own validation error) goes: this server answers 400 for every invalid request. The bounds this model
     sets on single fields are written in: vocab_size() (None: not known) on /detokenize's token ids; max_model_len
     on max_tokens and truncate_prompt_tokens, and (times MAX_CHARS_PER_TOKEN) on /tokenize's prompt length and
-    /detokenize's token count. (Bounds across fields, a prompt plus max_tokens within the context, no schema says.)"""
+    /detokenize's token count; max_logprobs() on logprobs, top_logprobs and prompt_logprobs. (Bounds across fields,
+    a prompt plus max_tokens within the context, no schema says.)"""
     from fastapi.openapi.utils import get_openapi
 
     def openapi() -> dict:
@@ -224,6 +225,12 @@ def _openapi_document(app: FastAPI, models: list[type[BaseModel]], vocab_size: C
                     for field in ("max_tokens", "max_completion_tokens", "truncate_prompt_tokens"):
                         if field in schemas[name]["properties"]:
                             _at_most(schemas[name]["properties"][field], max_model_len)
+            most_logprobs = max_logprobs()
+            if most_logprobs is not None:   # the input processor's limit
+                for name in ("CompletionRequest", "ChatCompletionRequest"):
+                    for field in ("logprobs", "top_logprobs", "prompt_logprobs"):
+                        if field in schemas[name]["properties"]:   # (chat's logprobs is a bool: left alone)
+                            _at_most(schemas[name]["properties"][field], most_logprobs)
             app.openapi_schema = document
         return app.openapi_schema
     return openapi
@@ -429,7 +436,12 @@ def build_app(engine: AsyncLLMEngine, *, served_model_names: list[str], api_key:
         tokenizer = getattr(engine, "tokenizer", None)
         return None if tokenizer is None else len(tokenizer)
 
-    app.openapi = _openapi_document(app, DOCUMENTED_MODELS, vocab_size=vocab_size, max_model_len=engine.max_model_len)
+    def max_logprobs() -> int | None:
+        processor = getattr(getattr(engine, "engine", None), "input_processor", None)
+        return getattr(processor, "logprobs_limit", None)
+
+    app.openapi = _openapi_document(app, DOCUMENTED_MODELS, vocab_size=vocab_size, max_model_len=engine.max_model_len,
+                                    max_logprobs=max_logprobs)
 
     if runtime_lora_updating_allowed():
         add_lora_routes(app, serving, lambda raw_request: parse_body(raw_request, None, body_limit,

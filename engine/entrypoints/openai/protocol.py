@@ -150,7 +150,7 @@ class _SamplingRequest(_Strict):
     allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: Count | None = None
-    prompt_logprobs: Int(0, 20) | None = None
+    prompt_logprobs: NonNegative | None = None   # at most the engine's max_logprobs (its 400)
     # Structured outputs (OpenAI's response_format, vLLM's guided_*).
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -189,7 +189,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: Annotated[str | list[str] | list[TokenId] | list[list[TokenId]],
                       Field(json_schema_extra=_non_empty_alternatives)]
     max_tokens: NonNegative | None = 16
-    logprobs: Int(0, 20) | None = None
+    logprobs: NonNegative | None = None   # at most the engine's max_logprobs (its 400)
     echo: bool = False
     suffix: str | None = None
 
@@ -202,7 +202,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: Int(0, 20) | None = None
+    top_logprobs: NonNegative | None = None   # at most the engine's max_logprobs (its 400)
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
