@@ -317,9 +317,10 @@ class EngineConfig:
         return dataclasses.replace(self, device_config=DeviceConfig(torch.device(device)))
 
 
-def resolve_model_path(model: str) -> str:
+def resolve_model_path(model: str, *, revision: str | None = None, download_dir: str | None = None) -> str:
     """`model` if it is a local directory or GGUF file, else a Hugging Face hub id downloaded with
-    huggingface_hub."""
+    huggingface_hub: at `revision` (a branch, tag or commit; None: the default branch), into `download_dir` (None:
+    huggingface_hub's cache), as vLLM's --revision and --download-dir."""
     if os.path.isdir(model) or is_gguf_path(model):
         return model
     if isinstance(model, str) and model.endswith(".gguf"):
@@ -329,7 +330,8 @@ def resolve_model_path(model: str) -> str:
         raise ValueError(f"model {model!r}: no such directory")
     try:
         from huggingface_hub import snapshot_download
-        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"])
+        return snapshot_download(model, revision=revision, cache_dir=download_dir,
+                                 allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"])
     except Exception as e:   # offline, unknown repo, invalid id: all mean "no such model here"
         raise ValueError(f"model {model!r} is not a local directory and could not be fetched from the "
                          f"Hugging Face hub ({type(e).__name__}: {e})") from e

@@ -42,6 +42,10 @@ class EngineArgs:
     preemption_mode: str = "recompute"
     generation_config: str = "auto"
     max_logprobs: int = 20
+    # A hub model's version and where it downloads to (vLLM's names; a local directory ignores them).
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
     tensor_parallel_size: int = 1
     # vLLM's other parallel sizes: only 1 for now (a clear error, not a TypeError, for a vLLM script asking more).
     pipeline_parallel_size: int = 1
@@ -98,6 +102,11 @@ class EngineArgs:
         group.add_argument("--generation-config", default="auto",
                            help="sampling defaults: 'auto' (the model's generation_config.json), 'vllm' (none), "
                                 "or a directory holding a generation_config.json")
+        group.add_argument("--revision", default=None,
+                           help="a hub model's branch, tag or commit (default: its default branch)")
+        group.add_argument("--tokenizer-revision", default=None, help="the same for a hub --tokenizer")
+        group.add_argument("--download-dir", default=None,
+                           help="where hub models download to (default: the Hugging Face cache)")
         group.add_argument("--max-logprobs", type=int, default=20,
                            help="the most logprobs (and prompt_logprobs) a request may ask for (default 20, as "
                                 "vLLM; -1: the whole vocabulary)")
@@ -208,7 +217,12 @@ class EngineArgs:
         device = resolve_device(self.device)
         if self.quantization is not None and not isinstance(self.quantization, str):
             raise ValueError(f"quantization must be a method name or None, got {self.quantization!r}")
-        model_config = load_model_config(resolve_model_path(self.resolved_model()), dtype=self.dtype,
+        for name in ("revision", "tokenizer_revision", "download_dir"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a str or None, got {getattr(self, name)!r}")
+        hub = {"download_dir": self.download_dir}
+        model_config = load_model_config(resolve_model_path(self.resolved_model(), revision=self.revision, **hub),
+                                         dtype=self.dtype,
                                          max_model_len=self.max_model_len, device=device,
                                          quantization=self.quantization)
         if self.kv_cache_dtype != "auto":
@@ -231,7 +245,8 @@ class EngineArgs:
                             device_config=DeviceConfig(device), load_config=LoadConfig(self.load_format),
                             speculative_config=speculative_config, quant_config=model_config.quant_config,
                             seed=self.seed, enforce_eager=self.enforce_eager,
-                            tokenizer=None if self.tokenizer is None else resolve_model_path(self.tokenizer),
+                            tokenizer=None if self.tokenizer is None else resolve_model_path(
+                                self.tokenizer, revision=self.tokenizer_revision, **hub),
                             skip_tokenizer_init=self.skip_tokenizer_init, generation_config=self.generation_config,
                             lora_config=lora_config, max_logprobs=self.max_logprobs)
 

@@ -123,7 +123,8 @@ class LLM:
                  max_lora_rank: int = 16, max_cpu_loras: int | None = None, trust_remote_code: bool = False,
                  disable_log_stats: bool = False, enable_chunked_prefill: bool | None = None,
                  enable_expert_parallel: bool = False, pipeline_parallel_size: int = 1, data_parallel_size: int = 1,
-                 max_logprobs: int = 20):
+                 max_logprobs: int = 20, revision: str | None = None, tokenizer_revision: str | None = None,
+                 download_dir: str | None = None):
         self.llm_engine = EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, device=device, block_size=block_size,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_seqs_per_request=max_num_seqs_per_request,
@@ -138,7 +139,8 @@ class LLM:
             trust_remote_code=trust_remote_code, disable_log_stats=disable_log_stats,
             enable_chunked_prefill=enable_chunked_prefill, enable_expert_parallel=enable_expert_parallel,
             pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size,
-            max_logprobs=max_logprobs).create_engine()
+            max_logprobs=max_logprobs, revision=revision, tokenizer_revision=tokenizer_revision,
+            download_dir=download_dir).create_engine()
         self.request_counter = itertools.count()
 
     def get_tokenizer(self):

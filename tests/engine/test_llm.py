@@ -377,6 +377,25 @@ def test_model_resolution_errors(monkeypatch):
         LLM("some-org/some-model")
 
 
+def test_hub_revision_and_download_dir_reach_the_download(monkeypatch, tiny_model_dir, tmp_path):
+    # vLLM's revision, tokenizer_revision and download_dir: what huggingface_hub is asked for (no network here: a
+    # stand-in returns a local model as the download).
+    import huggingface_hub
+
+    local, calls = tiny_model_dir("llama"), []
+
+    def download(repo_id, **kwargs):
+        calls.append((repo_id, kwargs["revision"], kwargs["cache_dir"]))
+        return local
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    llm = LLM("some-org/some-model", revision="v1.0", tokenizer="some-org/some-tokenizer", tokenizer_revision="abc123",
+              download_dir=str(tmp_path), num_kv_blocks=16)
+    assert calls == [("some-org/some-model", "v1.0", str(tmp_path)), ("some-org/some-tokenizer", "abc123", str(tmp_path))]
+    assert llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs
+    with pytest.raises(ValueError, match="revision must be a str"):
+        LLM(local, revision=3)
+
+
 @pytest.mark.parametrize("bad", [dict(block_size=0), dict(max_num_seqs=0), dict(max_num_batched_tokens=-1),
                                  dict(num_kv_blocks=0), dict(gpu_memory_utilization=1.5), dict(device="tpu")])
 def test_bad_engine_arguments(tiny_model_dir, bad):
