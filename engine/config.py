@@ -305,6 +305,7 @@ class EngineConfig:
     tokenizer: str | None = None          # the tokenizer's directory (None: the model's)
     skip_tokenizer_init: bool = False
     generation_config: str = "auto"       # sampling defaults: "auto", "vllm" or a directory
+    override_generation_config: dict | None = None   # generation_config.json keys over those defaults
     lora_config: LoRAConfig | None = None  # multi-LoRA (enable_lora): its limits; None: no adapters
     max_logprobs: int = 20                 # the most logprobs / prompt_logprobs a request may ask for (-1: any)
 

@@ -41,6 +41,7 @@ class EngineArgs:
     swap_space: float = 4
     preemption_mode: str = "recompute"
     generation_config: str = "auto"
+    override_generation_config: dict | None = None
     max_logprobs: int = 20
     # A hub model's version and where it downloads to (vLLM's names; a local directory ignores them).
     revision: str | None = None
@@ -85,7 +86,7 @@ class EngineArgs:
                            help="most sequences of one request (n > 1) in a step while other requests run or "
                                 "wait (default: no limit; serve: 16 on CPU, 32 on GPUs)")
         group.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
-        group.add_argument("--num-kv-blocks", type=int, default=None,
+        group.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks", type=int, default=None,
                            help="KV-cache size in blocks (overrides the memory-derived size)")
         group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                            help="share of GPU memory the engine may use (CUDA only)")
@@ -110,6 +111,9 @@ class EngineArgs:
         group.add_argument("--max-logprobs", type=int, default=20,
                            help="the most logprobs (and prompt_logprobs) a request may ask for (default 20, as "
                                 "vLLM; -1: the whole vocabulary)")
+        group.add_argument("--override-generation-config", type=_json_object, default=None, metavar="JSON",
+                           help='sampling defaults over generation_config\'s, in its keys, e.g. '
+                                '\'{"temperature": 0.5, "max_new_tokens": 256}\'')
         group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                            help="processes (one GPU each, or a share of the CPU cores) the model is sharded over")
         group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
@@ -210,6 +214,8 @@ class EngineArgs:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.generation_config is None or not isinstance(self.generation_config, str):
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}")
+        from engine.core.generation_config import load_sampling_defaults
+        load_sampling_defaults("vllm", "", self.override_generation_config)   # its keys and values, before the load
 
         from engine.config import resolve_model_path
         from engine.models import load_model_config
@@ -248,6 +254,7 @@ class EngineArgs:
                             tokenizer=None if self.tokenizer is None else resolve_model_path(
                                 self.tokenizer, revision=self.tokenizer_revision, **hub),
                             skip_tokenizer_init=self.skip_tokenizer_init, generation_config=self.generation_config,
+                            override_generation_config=self.override_generation_config,
                             lora_config=lora_config, max_logprobs=self.max_logprobs)
 
     def create_engine(self):

@@ -58,15 +58,18 @@ class EngineCore:
         generation_config = config.generation_config
         # Request fields a request leaves unset take these (the model's generation_config.json, like vLLM's
         # --generation-config auto); a server merges request fields over this dict.
-        self.sampling_defaults: dict = load_sampling_defaults(generation_config, model_dir)
+        self.sampling_defaults: dict = load_sampling_defaults(generation_config, model_dir,
+                                                              config.override_generation_config)
         try:   # a bad value in the file fails here, not in every request
             SamplingParams(**self.sampling_defaults)
         except ValueError as e:
             raise ValueError(f"generation_config: the model's sampling defaults {self.sampling_defaults} are "
                              f"invalid: {e}") from e
         if self.sampling_defaults:
-            logger.info("default sampling parameters from %s's generation_config.json: %s",
-                        model_dir if generation_config == "auto" else generation_config, self.sampling_defaults)
+            logger.info("default sampling parameters from %s's generation_config.json%s: %s",
+                        model_dir if generation_config == "auto" else generation_config,
+                        " and override_generation_config" if config.override_generation_config else "",
+                        self.sampling_defaults)
         self.max_model_len = self.model_config.max_model_len
         tensor_parallel_size = config.parallel_config.tensor_parallel_size
         rank = launched_rank(tensor_parallel_size) if tensor_parallel_size > 1 else None

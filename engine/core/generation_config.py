@@ -24,15 +24,27 @@ _SAMPLING_FIELDS = {
 }
 
 
-def load_sampling_defaults(generation_config: str, model_dir: str) -> dict:
+def load_sampling_defaults(generation_config: str, model_dir: str, overrides: dict | None = None) -> dict:
     """The SamplingParams overrides named by `generation_config`: "auto" reads `model_dir`'s
     generation_config.json, "vllm" uses none (vLLM's own defaults), any other value is a directory holding a
     generation_config.json. A missing file means no overrides; a malformed one is a ValueError naming
-    generation_config. Values are type-checked here; their ranges are checked by SamplingParams."""
+    generation_config. `overrides` (vLLM's --override-generation-config: generation_config.json's keys and values)
+    go over the file's, a key that is not a sampling default a ValueError. Values are type-checked here; their
+    ranges are checked by SamplingParams."""
     if not isinstance(generation_config, str) or not generation_config:
         raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, got {generation_config!r}")
-    if generation_config == "vllm":
-        return {}
+    if overrides is not None:
+        if not isinstance(overrides, dict):
+            raise ValueError(f"override_generation_config must be a dict, got {overrides!r}")
+        unknown = sorted(set(overrides) - set(_SAMPLING_FIELDS))
+        if unknown:
+            raise ValueError(f"override_generation_config: {unknown} are not sampling defaults; the keys are "
+                             f"{sorted(_SAMPLING_FIELDS)}")
+    defaults = {} if generation_config == "vllm" else _file_defaults(generation_config, model_dir)
+    return defaults | _sampling_fields(overrides or {}, "override_generation_config")
+
+
+def _file_defaults(generation_config: str, model_dir: str) -> dict:
     config_dir = model_dir if generation_config == "auto" else generation_config
     if generation_config != "auto" and not os.path.isdir(config_dir):
         raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, got {generation_config!r} "
@@ -47,6 +59,12 @@ def load_sampling_defaults(generation_config: str, model_dir: str) -> dict:
         raise ValueError(f"generation_config: cannot read {path}: {e}") from e
     if not isinstance(raw, dict):
         raise ValueError(f"generation_config: {path} must hold a JSON object")
+    return _sampling_fields(raw, f"generation_config: {path}")
+
+
+def _sampling_fields(raw: dict, where: str) -> dict:
+    """The SamplingParams fields of generation_config.json's keys in `raw`, type-checked (ValueError naming
+    `where`)."""
     defaults = {}
     for key, field_name in _SAMPLING_FIELDS.items():
         value = raw.get(key)
@@ -55,7 +73,6 @@ def load_sampling_defaults(generation_config: str, model_dir: str) -> dict:
         integer = field_name in ("top_k", "max_tokens")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and value != int(value)) \
                 or not math.isfinite(value):
-            raise ValueError(f"generation_config: {key}={value!r} in {path} is not a valid "
-                             f"{'integer' if integer else 'number'}")
+            raise ValueError(f"{where}: {key}={value!r} is not a valid {'integer' if integer else 'number'}")
         defaults[field_name] = int(value) if integer else float(value)
     return defaults

@@ -103,6 +103,17 @@ def test_vllm_parallel_sizes_beyond_one_are_clear_errors(model_dir):
         EngineArgs(model=model_dir, data_parallel_size=0).create_engine_config()
 
 
+def test_more_vllm_engine_flags():
+    from engine.__main__ import build_parser, parse_args
+    from engine.engine_args import EngineArgs
+
+    args = EngineArgs.from_cli_args(parse_args(build_parser(), [
+        "serve", "/m", "--override-generation-config", '{"temperature": 0.2}', "--num-gpu-blocks-override", "64",
+        "--max-logprobs", "-1", "--revision", "v2", "--tokenizer-revision", "t", "--download-dir", "/d"]))
+    assert args.override_generation_config == {"temperature": 0.2} and args.num_kv_blocks == 64
+    assert (args.max_logprobs, args.revision, args.tokenizer_revision, args.download_dir) == (-1, "v2", "t", "/d")
+
+
 def test_download_prints_the_default_model_dir(monkeypatch, capsys):
     import engine.default_model
     monkeypatch.setattr(engine.default_model, "default_model_path", lambda: "/cache/SmolLM2")

@@ -145,6 +145,22 @@ def test_llm_get_default_sampling_params(llama_dir, tmp_path):
     assert LLM(llama_dir, num_kv_blocks=16, generation_config="vllm").get_default_sampling_params() == SamplingParams()
 
 
+def test_override_generation_config(llama_dir, tmp_path):
+    # vLLM's --override-generation-config: generation_config.json's keys over the file's (or over none with "vllm").
+    config_dir = write_generation_config(tmp_path, temperature=0.5, top_k=7)
+    llm = LLM(llama_dir, num_kv_blocks=16, generation_config=config_dir,
+              override_generation_config={"top_k": 3, "max_new_tokens": 4})
+    params = llm.get_default_sampling_params()
+    assert (params.temperature, params.top_k, params.max_tokens) == (0.5, 3, 4)
+    alone = make_engine(llama_dir, num_kv_blocks=16, generation_config="vllm",
+                        override_generation_config={"repetition_penalty": 1.1})
+    assert alone.sampling_defaults == {"repetition_penalty": 1.1}
+    for bad, says in (({"temprature": 0.5}, "not sampling defaults"), ({"top_k": "3"}, "top_k='3' is not a valid"),
+                      ([1], "must be a dict")):
+        with pytest.raises(ValueError, match=f"override_generation_config.*{says}|{says}"):
+            LLM(llama_dir, num_kv_blocks=16, override_generation_config=bad)
+
+
 @pytest.mark.parametrize("generation_config,message", [("/no/such/dir", "generation_config must be"),
                                                        ("bad-value", "generation_config.*top_k")])
 def test_generation_config_errors(llama_dir, tmp_path, generation_config, message):
