@@ -42,6 +42,7 @@ class EngineArgs:
     preemption_mode: str = "recompute"
     generation_config: str = "auto"
     override_generation_config: dict | None = None
+    hf_overrides: dict | None = None
     max_logprobs: int = 20
     # A hub model's version and where it downloads to (vLLM's names; a local directory ignores them).
     revision: str | None = None
@@ -111,6 +112,8 @@ class EngineArgs:
         group.add_argument("--max-logprobs", type=int, default=20,
                            help="the most logprobs (and prompt_logprobs) a request may ask for (default 20, as "
                                 "vLLM; -1: the whole vocabulary)")
+        group.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON",
+                           help="config.json keys set over the model's, e.g. '{\"max_position_embeddings\": 8192}'")
         group.add_argument("--override-generation-config", type=_json_object, default=None, metavar="JSON",
                            help='sampling defaults over generation_config\'s, in its keys, e.g. '
                                 '\'{"temperature": 0.5, "max_new_tokens": 256}\'')
@@ -228,7 +231,7 @@ class EngineArgs:
                 raise ValueError(f"{name} must be a str or None, got {getattr(self, name)!r}")
         hub = {"download_dir": self.download_dir}
         model_config = load_model_config(resolve_model_path(self.resolved_model(), revision=self.revision, **hub),
-                                         dtype=self.dtype,
+                                         dtype=self.dtype, hf_overrides=self.hf_overrides,
                                          max_model_len=self.max_model_len, device=device,
                                          quantization=self.quantization)
         if self.kv_cache_dtype != "auto":

@@ -124,7 +124,8 @@ class LLM:
                  disable_log_stats: bool = False, enable_chunked_prefill: bool | None = None,
                  enable_expert_parallel: bool = False, pipeline_parallel_size: int = 1, data_parallel_size: int = 1,
                  max_logprobs: int = 20, revision: str | None = None, tokenizer_revision: str | None = None,
-                 download_dir: str | None = None, override_generation_config: dict | None = None):
+                 download_dir: str | None = None, override_generation_config: dict | None = None,
+                 hf_overrides: dict | None = None):
         self.llm_engine = EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, device=device, block_size=block_size,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_seqs_per_request=max_num_seqs_per_request,
@@ -140,7 +141,8 @@ class LLM:
             enable_chunked_prefill=enable_chunked_prefill, enable_expert_parallel=enable_expert_parallel,
             pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size,
             max_logprobs=max_logprobs, revision=revision, tokenizer_revision=tokenizer_revision,
-            download_dir=download_dir, override_generation_config=override_generation_config).create_engine()
+            download_dir=download_dir, override_generation_config=override_generation_config,
+            hf_overrides=hf_overrides).create_engine()
         self.request_counter = itertools.count()
 
     def get_tokenizer(self):

@@ -62,8 +62,19 @@ def get_model_class(architecture: str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
+def _override(hf: dict, overrides: dict) -> dict:
+    """config.json's dict with `overrides` set over it (and over its text_config, where it has one)."""
+    if not isinstance(overrides, dict) or not all(isinstance(key, str) for key in overrides):
+        raise ValueError(f"hf_overrides must be a dict of config.json keys, got {overrides!r}")
+    hf = {**hf, **overrides}
+    if isinstance(hf.get("text_config"), dict) and "text_config" not in overrides:
+        hf["text_config"] = {**hf["text_config"], **overrides}
+    return hf
+
+
 def load_model_config(model_dir: str, *, dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
-                      device: str | torch.device | None = None, quantization: str | None = None) -> ModelConfig:
+                      device: str | torch.device | None = None, quantization: str | None = None,
+                      hf_overrides: dict | None = None) -> ModelConfig:
     """Read ``model_dir/config.json`` (and ``generation_config.json`` when present); ``model_dir`` may
     also be a GGUF file, whose metadata gives both (engine/gguf_file.py).
 
@@ -74,6 +85,10 @@ def load_model_config(model_dir: str, *, dtype: str | torch.dtype = "auto", max_
     None means CUDA when available, else CPU): bf16 checkpoints run in bf16 on CPUs with AMX-BF16 or
     AVX512-BF16 and in float32 on others, float16 and quantized ones in float32 (see ``resolve_dtype``).
     ``max_model_len`` defaults to ``max_position_embeddings`` and may not exceed it.
+
+    ``hf_overrides`` (vLLM's): config.json keys and values set over the file's, before anything is read from it
+    (e.g. ``{"max_position_embeddings": 8192, "rope_scaling": {...}}``); a model that keeps its language model's
+    keys in ``text_config`` gets them there too.
     """
     model_dir = os.fspath(model_dir)
     if is_gguf_path(model_dir):   # a GGUF file: config and special tokens from its metadata
@@ -81,6 +96,8 @@ def load_model_config(model_dir: str, *, dtype: str | torch.dtype = "auto", max_
     else:
         hf = _read_json(os.path.join(model_dir, "config.json"), required=True)
         gen = _read_json(os.path.join(model_dir, "generation_config.json"), required=False) or {}
+    if hf_overrides is not None:
+        hf = _override(hf, hf_overrides)
     # Multimodal wrappers keep the language model in text_config; the keys we need live there.
     text = hf.get("text_config", hf)
 

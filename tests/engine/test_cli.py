@@ -109,7 +109,9 @@ def test_more_vllm_engine_flags():
 
     args = EngineArgs.from_cli_args(parse_args(build_parser(), [
         "serve", "/m", "--override-generation-config", '{"temperature": 0.2}', "--num-gpu-blocks-override", "64",
-        "--max-logprobs", "-1", "--revision", "v2", "--tokenizer-revision", "t", "--download-dir", "/d"]))
+        "--max-logprobs", "-1", "--revision", "v2", "--tokenizer-revision", "t", "--download-dir", "/d",
+        "--hf-overrides", '{"rope_theta": 5.0}']))
+    assert args.hf_overrides == {"rope_theta": 5.0}
     assert args.override_generation_config == {"temperature": 0.2} and args.num_kv_blocks == 64
     assert (args.max_logprobs, args.revision, args.tokenizer_revision, args.download_dir) == (-1, "v2", "t", "/d")
 

@@ -396,6 +396,29 @@ def test_hub_revision_and_download_dir_reach_the_download(monkeypatch, tiny_mode
         LLM(local, revision=3)
 
 
+def test_hf_overrides_equal_an_edited_config_json(tiny_model_dir, tmp_path):
+    # vLLM's hf_overrides: config.json keys set over the file's, as if the file said so.
+    import json
+    import shutil
+
+    original = tiny_model_dir("llama")
+    edited = tmp_path / "edited"
+    shutil.copytree(original, edited)
+    config = json.loads((edited / "config.json").read_text())
+    overrides = {"rope_theta": 123.0, "max_position_embeddings": 96}
+    (edited / "config.json").write_text(json.dumps({**config, **overrides}))
+    prompt, params = {"prompt_token_ids": random_token_ids(40, seed=2)}, SamplingParams(max_tokens=6, ignore_eos=True)
+
+    def tokens(llm):
+        return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    overridden = LLM(original, num_kv_blocks=16, hf_overrides=overrides)
+    assert overridden.llm_engine.max_model_len == 96
+    assert tokens(overridden) == tokens(LLM(str(edited), num_kv_blocks=16))
+    assert tokens(overridden) != tokens(LLM(original, num_kv_blocks=16))   # it did change the model
+    with pytest.raises(ValueError, match="hf_overrides must be a dict"):
+        LLM(original, hf_overrides=[("rope_theta", 1.0)])
+
+
 @pytest.mark.parametrize("bad", [dict(block_size=0), dict(max_num_seqs=0), dict(max_num_batched_tokens=-1),
                                  dict(num_kv_blocks=0), dict(gpu_memory_utilization=1.5), dict(device="tpu")])
 def test_bad_engine_arguments(tiny_model_dir, bad):
