@@ -109,6 +109,11 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--allowed-methods", type=_json_strings, default=["*"], help="CORS methods, a JSON list")
     group.add_argument("--allowed-headers", type=_json_strings, default=["*"], help="CORS headers, a JSON list")
     group.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
+    group.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key (with --ssl-certfile)")
+    group.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate chain")
+    group.add_argument("--ssl-ca-certs", default=None, help="CA certificates to check client certificates against")
+    group.add_argument("--ssl-cert-reqs", type=int, default=0,
+                       help="client certificates: 0 none, 1 optional, 2 required (Python's ssl.CERT_*)")
     group.add_argument("--root-path", default="",
                        help="the path prefix a proxy serves the server under (FastAPI's root_path)")
     group.add_argument("--disable-fastapi-docs", action="store_true",

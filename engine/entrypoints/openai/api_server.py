@@ -586,10 +586,21 @@ class DrainingServer(uvicorn.Server):
         finally:
             deadline.cancel()
 
+    def _abort_closed_connections(self) -> None:
+        """End the connections uvicorn has closed (idle keep-alive ones, or their last response written) whose
+        transport still waits: under TLS, asyncio waits for the client's close_notify up to 30 s
+        (ssl_shutdown_timeout), which an idle client never sends, and uvicorn waits for the connection. Every byte
+        of theirs is written, so nothing is lost."""
+        for connection in list(self.server_state.connections):
+            transport = connection.transport
+            if transport.is_closing() and transport.get_write_buffer_size() == 0:
+                transport.abort()
+
     async def _end_at_deadline(self) -> None:
         loop = asyncio.get_running_loop()
         start = loop.time()
         while loop.time() - start < self.shutdown_timeout_s:   # re-read: stop() may shorten it
+            self._abort_closed_connections()
             await asyncio.sleep(0.05)
         num_streams = self.engine.interrupt_streams(self.stop_reason)
         if num_streams:
@@ -648,6 +659,25 @@ def _frontend_app(args, address: str, info: dict, on_ready: Callable[[], None] |
     return engine, app
 
 
+def ssl_options(args) -> dict:
+    """uvicorn's TLS settings from --ssl-keyfile, --ssl-certfile, --ssl-ca-certs and --ssl-cert-reqs (vLLM's): HTTPS
+    on the server's own port, no proxy needed."""
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+    for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile),
+                       ("--ssl-ca-certs", args.ssl_ca_certs)):
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"{flag} {path!r}: no such file")
+    if args.ssl_keyfile is None:
+        return {}
+    return {"ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile, "ssl_ca_certs": args.ssl_ca_certs,
+            "ssl_cert_reqs": args.ssl_cert_reqs}
+
+
+def _scheme(args) -> str:
+    return "https" if args.ssl_certfile is not None else "http"
+
+
 def cors_options(args) -> CORSOptions:
     """The CORS rules of the command line's --allowed-origins, --allowed-methods, --allowed-headers (each a JSON
     list of strings, as vLLM takes them) and --allow-credentials."""
@@ -671,7 +701,8 @@ def _run_frontend(args, address: str, info: dict, sock: socket.socket,
     engine, app = _frontend_app(args, address, info, ready)
     # --root-path: the prefix a proxy serves the app under (uvicorn's root_path: routes match with or without it)
     server = DrainingServer(uvicorn.Config(app, log_level=args.log_level, http=_http_protocol(args),
-                                           root_path=args.root_path), engine, args.shutdown_timeout)
+                                           root_path=args.root_path, **ssl_options(args)),
+                            engine, args.shutdown_timeout)
     core_died = []
 
     def on_dead(error) -> None:   # the core is gone: no request can be served, so the server stops at once
@@ -754,7 +785,8 @@ def run_server(args) -> None:
             raise ValueError(f"{flag} must be >= 0 seconds, got {value}")
     if args.limit_concurrency is not None and args.limit_concurrency < 1:
         raise ValueError(f"--limit-concurrency must be >= 1, got {args.limit_concurrency}")
-    load_chat_template(args.chat_template)   # a bad template is refused before the model loads
+    load_chat_template(args.chat_template)   # a bad template (or TLS file) is refused before the model loads
+    ssl_options(args)
     engine_args = serve_engine_args(args)
     name = served_model_name(args)
     check_lora_modules(engine_args, parse_lora_modules(getattr(args, "lora_modules", None)), name)
@@ -767,7 +799,7 @@ def run_server(args) -> None:
     try:
         if count == 1:
             def announce() -> None:   # once requests are served at once (not queued behind the start-up)
-                print(f"serving {name!r} on http://{args.host}:{port} (engine core: pid {core.process.pid})",
+                print(f"serving {name!r} on {_scheme(args)}://{args.host}:{port} (engine core: pid {core.process.pid})",
                       flush=True)
             status = _run_frontend(args, core.address, core.info, sock, announce)
         else:
@@ -835,7 +867,7 @@ def _supervise(args, core, port: int, count: int, name: str, sock: socket.socket
             if not receiver.poll(max(deadline - time.monotonic(), 0.0)) or not isinstance(receiver.recv(), int):
                 raise RuntimeError(f"API server process {i} did not start")
         sock.close()
-        print(f"serving {name!r} on http://{args.host}:{port} ({count} API server processes, engine core: pid "
+        print(f"serving {name!r} on {_scheme(args)}://{args.host}:{port} ({count} API server processes, engine core: pid "
               f"{core.process.pid})", flush=True)
         watched = {p.sentinel: p for p in frontends}
         watched[core.process.sentinel] = core.process
