@@ -105,6 +105,13 @@ class LLM:
             nothing here runs remote code, logs periodic stats, or turns chunked prefill off (a warning says so).
         enable_expert_parallel: MoE models under tensor parallelism: each rank holds a share of the experts whole
             (vLLM's name) instead of a slice of every expert's intermediate size.
+        pipeline_parallel_size, data_parallel_size: vLLM's; only 1 for now (more is a ValueError saying so).
+        max_logprobs: the most logprobs / prompt_logprobs a request may ask for (default 20; -1: the whole
+            vocabulary).
+        revision, tokenizer_revision, download_dir: a hub model's (and hub tokenizer's) branch, tag or commit, and
+            where it downloads to (vLLM's names; a local directory ignores them).
+        hf_overrides: config.json keys and values set over the model's (vLLM's name).
+        override_generation_config: generation_config.json keys over the model's sampling defaults (vLLM's name).
 
     The options are `engine.engine_args.EngineArgs` (shared with `python -m engine` and the server).
     """
