@@ -217,8 +217,8 @@ class EngineArgs:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.generation_config is None or not isinstance(self.generation_config, str):
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}")
-        from engine.core.generation_config import load_sampling_defaults
-        load_sampling_defaults("vllm", "", self.override_generation_config)   # its keys and values, before the load
+        from engine.core.generation_config import check_generation_overrides
+        check_generation_overrides(self.override_generation_config)   # before the model loads
 
         from engine.config import resolve_model_path
         from engine.models import load_model_config
@@ -229,9 +229,8 @@ class EngineArgs:
         for name in ("revision", "tokenizer_revision", "download_dir"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a str or None, got {getattr(self, name)!r}")
-        hub = {"download_dir": self.download_dir}
-        model_config = load_model_config(resolve_model_path(self.resolved_model(), revision=self.revision, **hub),
-                                         dtype=self.dtype, hf_overrides=self.hf_overrides,
+        model_path = resolve_model_path(self.resolved_model(), revision=self.revision, download_dir=self.download_dir)
+        model_config = load_model_config(model_path, dtype=self.dtype, hf_overrides=self.hf_overrides,
                                          max_model_len=self.max_model_len, device=device,
                                          quantization=self.quantization)
         if self.kv_cache_dtype != "auto":
@@ -255,7 +254,7 @@ class EngineArgs:
                             speculative_config=speculative_config, quant_config=model_config.quant_config,
                             seed=self.seed, enforce_eager=self.enforce_eager,
                             tokenizer=None if self.tokenizer is None else resolve_model_path(
-                                self.tokenizer, revision=self.tokenizer_revision, **hub),
+                                self.tokenizer, revision=self.tokenizer_revision, download_dir=self.download_dir),
                             skip_tokenizer_init=self.skip_tokenizer_init, generation_config=self.generation_config,
                             override_generation_config=self.override_generation_config,
                             lora_config=lora_config, max_logprobs=self.max_logprobs)

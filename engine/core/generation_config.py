@@ -33,15 +33,23 @@ def load_sampling_defaults(generation_config: str, model_dir: str, overrides: di
     ranges are checked by SamplingParams."""
     if not isinstance(generation_config, str) or not generation_config:
         raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, got {generation_config!r}")
-    if overrides is not None:
-        if not isinstance(overrides, dict):
-            raise ValueError(f"override_generation_config must be a dict, got {overrides!r}")
-        unknown = sorted(set(overrides) - set(_SAMPLING_FIELDS))
-        if unknown:
-            raise ValueError(f"override_generation_config: {unknown} are not sampling defaults; the keys are "
-                             f"{sorted(_SAMPLING_FIELDS)}")
+    overrides = check_generation_overrides(overrides)
     defaults = {} if generation_config == "vllm" else _file_defaults(generation_config, model_dir)
-    return defaults | _sampling_fields(overrides or {}, "override_generation_config")
+    return defaults | overrides
+
+
+def check_generation_overrides(overrides: dict | None) -> dict:
+    """override_generation_config's SamplingParams fields ({} for None): a ValueError for a value that is not a
+    dict, a key that is not a sampling default, or a value of the wrong type."""
+    if overrides is None:
+        return {}
+    if not isinstance(overrides, dict):
+        raise ValueError(f"override_generation_config must be a dict, got {overrides!r}")
+    unknown = sorted(set(overrides) - set(_SAMPLING_FIELDS))
+    if unknown:
+        raise ValueError(f"override_generation_config: {unknown} are not sampling defaults; the keys are "
+                         f"{sorted(_SAMPLING_FIELDS)}")
+    return _sampling_fields(overrides, "override_generation_config")
 
 
 def _file_defaults(generation_config: str, model_dir: str) -> dict:
