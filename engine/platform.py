@@ -62,15 +62,24 @@ class DevicePolicy:
     # AMD Zen 4 and 5), or None (bf16 only widened to float32: AVX2 and older CPUs; GPUs, where it is not asked).
     cpu_bf16_isa: str | None = None
     # Rows up to which a bf16 product on the CPU takes the layer's panel-packed copy (pagedkernels.w16_gemm: one pass
-    # over the weight, vdpbf16ps where the CPU has it) instead of oneDNN's prepacked bf16 inner product. Up to a few
-    # dozen rows a product is bound by its weight's bytes, past that by arithmetic. Estimates, not yet measured on
-    # such machines (ENGINE_CPU_BF16_W16_MAX_ROWS overrides them): with AMX oneDNN's tiles outrun any vector kernel
-    # once a product leaves the memory-bound range, so 16; with AVX512-BF16 alone both multiply in vdpbf16ps, as the
-    # float32 path's kernel and oneDNN both use FMAs, where 64 measured best (engine/layers/quantization/
-    # unquantized.py). Without either, oneDNN has no bf16 inner product (it needs AVX512BW/VL/DQ or AVX-NE-CONVERT)
-    # and torch's fallback bf16 GEMM is far slower than the packed kernel at any size (2-core EPYC, one thread,
-    # loaded: [256, 576] x [576, 1536] 109 ms against 13 ms): every row. None: no limit.
+    # over the weight, vdpbf16ps where the CPU has it) instead of oneDNN's prepacked bf16 inner product
+    # (ENGINE_CPU_BF16_W16_MAX_ROWS overrides it). Up to a few dozen rows a product is bound by its weight's bytes,
+    # past that by arithmetic. With AVX512-BF16 alone both multiply in vdpbf16ps: 64, measured (2-core Zen 5, a
+    # decode step's SmolLM2 weights streamed from memory: the two level at 48 rows, the panels 0.89x oneDNN's time at
+    # 16 and 1.13-1.21x at 96-192; docs/performance.md). With AMX oneDNN's tiles outrun any vector kernel once a
+    # product leaves the memory-bound range: 16, an estimate (no AMX machine has run it). Without either, oneDNN has
+    # no bf16 inner product (it needs AVX512BW/VL/DQ or AVX-NE-CONVERT) and torch's fallback bf16 GEMM is far slower
+    # than the packed kernel at any size (2-core EPYC, one thread, loaded: [256, 576] x [576, 1536] 109 ms against
+    # 13 ms): every row. None: no limit.
     cpu_bf16_w16_max_rows: int | None = None
+    # The same limit for the products of a decode step's CPU graph (engine/worker/decode_graphs.py;
+    # ENGINE_CPU_BF16_W16_GRAPH_MAX_ROWS overrides it). A replay runs the panel kernel from C over just the step's
+    # rows, but a oneDNN product through torch, over all the rows of the graph's batch size (up to 1.5x the step's):
+    # with AVX512-BF16 every row (2-core Zen 5, SmolLM2 bf16: the 48 requests' 48-row steps 29-34 ms against 37-39
+    # with the oneDNN products from 16 rows; 160 requests of 16-128 tokens in and out, alternating, two prompt sets:
+    # 12.0-12.1 and 13.2-13.4 s against 12.5-12.7 and 15.5-15.8 s with the oneDNN products past 64 rows); with AMX
+    # the eager limit, an estimate.
+    cpu_bf16_w16_graph_max_rows: int | None = None
 
     @classmethod
     def for_device(cls, device: torch.device | str) -> "DevicePolicy":
@@ -82,7 +91,9 @@ class DevicePolicy:
                    prefault_kv_cache=not on_gpu,
                    serve_max_num_seqs_per_request=32 if on_gpu else 16, async_scheduling_by_default=on_gpu,
                    cpu_bf16_isa=None if on_gpu else pk_native.cpu_bf16_isa(),
-                   cpu_bf16_w16_max_rows=None if on_gpu else _cpu_bf16_w16_max_rows(pk_native.cpu_bf16_isa()))
+                   cpu_bf16_w16_max_rows=None if on_gpu else _cpu_bf16_w16_max_rows(pk_native.cpu_bf16_isa()),
+                   cpu_bf16_w16_graph_max_rows=None if on_gpu else _cpu_bf16_w16_max_rows(pk_native.cpu_bf16_isa(),
+                                                                                          graphs=True))
 
     def auto_dtype(self, checkpoint: torch.dtype, *, quantized: bool = False) -> tuple[torch.dtype, str]:
         """What ``dtype="auto"`` runs a checkpoint stored in ``checkpoint`` in, and why (a line for the log).
@@ -132,16 +143,20 @@ class DevicePolicy:
         return max(1, (os.cpu_count() or 1) // tensor_parallel_size)
 
 
-def _cpu_bf16_w16_max_rows(isa: str | None) -> int | None:
-    """DevicePolicy.cpu_bf16_w16_max_rows for a CPU whose bf16 arithmetic is ``isa``; ENGINE_CPU_BF16_W16_MAX_ROWS (a
-    non-negative int, or "all") overrides it."""
-    env = os.environ.get("ENGINE_CPU_BF16_W16_MAX_ROWS", "").strip()
+def _cpu_bf16_w16_max_rows(isa: str | None, *, graphs: bool = False) -> int | None:
+    """DevicePolicy.cpu_bf16_w16_max_rows (``graphs``: cpu_bf16_w16_graph_max_rows) for a CPU whose bf16 arithmetic is
+    ``isa``; ENGINE_CPU_BF16_W16_MAX_ROWS (ENGINE_CPU_BF16_W16_GRAPH_MAX_ROWS), a non-negative int or "all",
+    overrides it."""
+    name = "ENGINE_CPU_BF16_W16_GRAPH_MAX_ROWS" if graphs else "ENGINE_CPU_BF16_W16_MAX_ROWS"
+    env = os.environ.get(name, "").strip()
     if env:
         if env == "all":
             return None
         if not env.isdigit():
-            raise ValueError(f"ENGINE_CPU_BF16_W16_MAX_ROWS must be a non-negative int or 'all', got {env!r}")
+            raise ValueError(f"{name} must be a non-negative int or 'all', got {env!r}")
         return int(env)
+    if graphs:
+        return {"amx-bf16": _cpu_bf16_w16_max_rows(isa)}.get(isa)
     return {"amx-bf16": 16, "avx512-bf16": 64}.get(isa)
 
 

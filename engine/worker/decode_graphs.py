@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from engine.layers.attention import AttentionMetadata
+from engine.layers.quantization.unquantized import recording_decode_graph
 from pagedkernels.cpu_graph import CPUGraph, GraphCaptureError
 
 logger = logging.getLogger(__name__)
@@ -198,7 +199,8 @@ class DecodeGraphs:
             # The first CPU graph warms up and checks its replay against the recorded run; the others record
             # the same forward at another size, and their recording run serves the step that needed them.
             first = not (self.lora_graphs if lora_active else self.graphs)
-            return runner, runner.capture(forward, warm_up=first, check=first, rows=batch_size)
+            with recording_decode_graph():   # its bf16 products' panel path: BF16_W16_GRAPH_MAX_ROWS
+                return runner, runner.capture(forward, warm_up=first, check=first, rows=batch_size)
         runner.capture(forward)
         return runner, None
 

@@ -51,10 +51,13 @@ def assert_product(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bia
     assert excess <= 0, f"off the float64 product by {excess:.3g} past the bound"
 
 
-def test_bf16_linears_match_float64(monkeypatch):
+@pytest.mark.parametrize("in_graph", [False, True], ids=["eager", "decode-graph"])
+def test_bf16_linears_match_float64(monkeypatch, in_graph):
     """Prepacked bf16 linears (a biased one, an odd K, an LM head tied to its embedding) against the float64 product
     of their bf16 values, at row counts either side of the panel kernel's limit; which copies a layer keeps follows
-    the machine (oneDNN's where it multiplies bf16, the panels always), and the plain weight goes unless shared."""
+    the machine (oneDNN's where it multiplies bf16, the panels always), and the plain weight goes unless shared.
+    While a decode graph records, the limit is the graph's (set to 3 here: the machine's may be every row)."""
+    import contextlib
     from engine.layers.embed_head import LMHead, VocabEmbedding
     from engine.layers.linear import Linear, prepack_linears
     from engine.layers.quantization import unquantized
@@ -84,7 +87,20 @@ def test_bf16_linears_match_float64(monkeypatch):
     real = pk.w16_gemm
     monkeypatch.setattr(pk, "w16_gemm", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     limit = unquantized.BF16_W16_MAX_ROWS
+    if in_graph:
+        monkeypatch.setattr(unquantized, "BF16_W16_GRAPH_MAX_ROWS", 3)
+        limit = 3
     counts = sorted({1, 3, 70} | ({limit, limit + 1} if limit else set()))
+    with unquantized.recording_decode_graph() if in_graph else contextlib.nullcontext():
+        assert unquantized.bf16_w16_max_rows() == limit
+        products(model, plain, counts, g)
+    assert unquantized.bf16_w16_max_rows() == unquantized.BF16_W16_MAX_ROWS   # the graph's limit ends with it
+    panel_rows = [rows for rows in counts if not onednn or limit is None or rows <= limit]
+    assert calls == [rows for rows in panel_rows for _ in range(3)]
+
+
+def products(model: nn.Module, plain: dict, counts: list[int], g: torch.Generator) -> None:
+    """Each of ``model``'s three linears at each row count, against the float64 product of its ``plain`` weight."""
     for rows in counts:
         for name in ("biased", "odd_k", "head"):
             layer = getattr(model, name)
@@ -94,8 +110,6 @@ def test_bf16_linears_match_float64(monkeypatch):
             assert out.dtype == (torch.float32 if name == "head" else torch.bfloat16)   # logits: float32
             bias = plain["biased.bias"] if name == "biased" else None
             assert_product(out.to(torch.bfloat16), x, weight, bias)
-    panel_rows = [rows for rows in counts if not onednn or limit is None or rows <= limit]
-    assert calls == [rows for rows in panel_rows for _ in range(3)]
 
 
 MOE_ARCHS = ("mixtral", "olmoe")
@@ -136,15 +150,25 @@ def test_bf16_model_is_as_close_to_float64_as_transformers_bf16(tiny_model_dir, 
     assert ours_error <= 1.25 * their_error, f"engine bf16 off by {ours_error:.3f}, transformers bf16 {their_error:.3f}"
 
 
-def test_bf16_decode_replays_cpu_graphs_as_eager(tiny_model_dir):
+def test_bf16_decode_replays_cpu_graphs_as_eager(tiny_model_dir, monkeypatch):
     """bf16 decode steps go through CPU graphs as float32 ones do (captured per ladder size, smaller batches over
-    just their rows), with eager's logits and KV cache."""
+    just their rows), with eager's logits and KV cache. With oneDNN's products from the first row in eager steps, a
+    graph's products still take the panels up to the graph's limit (every row here)."""
+    from engine.layers.quantization import unquantized
+
+    monkeypatch.setattr(unquantized, "BF16_W16_MAX_ROWS", 0)
+    monkeypatch.setattr(unquantized, "BF16_W16_GRAPH_MAX_ROWS", None)
+    calls = []
+    real = pk.w16_gemm
+    monkeypatch.setattr(pk, "w16_gemm", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     model_dir = tiny_model_dir("llama")
     eager = bf16_runner(model_dir, enforce_eager=True, max_num_seqs=10, num_kv_blocks=NUM_KV_BLOCKS)
     graphed = bf16_runner(model_dir, enforce_eager=False, max_num_seqs=10, num_kv_blocks=NUM_KV_BLOCKS)
     assert graphed.graph_runner_class is CPUGraph
     expected = _run(eager, _sequences(eager.config.vocab_size))
+    eager_calls, calls[:] = len(calls), []
     got = _run(graphed, _sequences(graphed.config.vocab_size))
+    assert calls and (eager_calls == 0) == unquantized._onednn_bf16_available()
     assert not graphed.enforce_eager, "the capture fell back to eager"
     assert sorted(graphed.graphs) == [1, 4, 8, 10]
     assert all(g.num_kernel_calls > 0 and g.resizable for g in graphed.graphs.values())

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -66,8 +68,28 @@ def _w16_enabled() -> bool:
 
 
 # Rows up to which a bf16 CPU product takes the layer's panel-packed copy instead of oneDNN's prepacked bf16 one, by
-# the CPU's bf16 arithmetic (engine/platform.py, DevicePolicy.cpu_bf16_w16_max_rows); None: every row.
+# the CPU's bf16 arithmetic (engine/platform.py, DevicePolicy.cpu_bf16_w16_max_rows); None: every row. The products
+# of a decode step's CPU graph follow BF16_W16_GRAPH_MAX_ROWS (DevicePolicy.cpu_bf16_w16_graph_max_rows) instead.
 BF16_W16_MAX_ROWS = DevicePolicy.for_device("cpu").cpu_bf16_w16_max_rows
+BF16_W16_GRAPH_MAX_ROWS = DevicePolicy.for_device("cpu").cpu_bf16_w16_graph_max_rows
+_recording = threading.local()
+
+
+@contextlib.contextmanager
+def recording_decode_graph():
+    """Within: the forward being run is a decode step's CPU graph being recorded (warm-up run included), whose bf16
+    products follow :data:`BF16_W16_GRAPH_MAX_ROWS`."""
+    previous = getattr(_recording, "decode_graph", False)
+    _recording.decode_graph = True
+    try:
+        yield
+    finally:
+        _recording.decode_graph = previous
+
+
+def bf16_w16_max_rows() -> int | None:
+    """The row limit of a bf16 product's panel path here and now (None: every row)."""
+    return BF16_W16_GRAPH_MAX_ROWS if getattr(_recording, "decode_graph", False) else BF16_W16_MAX_ROWS
 
 
 def exact_16bit_dtype(weight: torch.Tensor) -> torch.dtype | None:
@@ -100,8 +122,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     A bf16 weight on the CPU (a bf16 model) gets both as well: oneDNN's prepacked bf16 copy (AMX tiles where the CPU
     has them) for prefills and large decode batches, where oneDNN multiplies bf16 at all, and the panel-packed copy
-    for products of up to :data:`BF16_W16_MAX_ROWS` rows (every product where oneDNN has no bf16): bf16 in and out,
-    float32 accumulation. The plain weight is then freed as for float32."""
+    for products of up to :data:`BF16_W16_MAX_ROWS` rows (in a decode step's CPU graph :data:`BF16_W16_GRAPH_MAX_ROWS`;
+    every product where oneDNN has no bf16): bf16 in and out, float32 accumulation. The plain weight is then freed as
+    for float32."""
 
     def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, weight_loader) -> None:
@@ -116,7 +139,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
         if w16 is not None and x.dim() == 2 and _cpu_eager(x) and (
                 (x.dtype == torch.float32 and x.shape[0] <= W16_MAX_ROWS and _onednn_applies(x))
                 or (x.dtype == torch.bfloat16 and w16.dtype == torch.bfloat16
-                    and (packed is None or BF16_W16_MAX_ROWS is None or x.shape[0] <= BF16_W16_MAX_ROWS))):
+                    and (packed is None or (limit := bf16_w16_max_rows()) is None or x.shape[0] <= limit))):
             from engine.layers import pk_ops
             out = pk_ops().w16_gemm(x if x.stride(-1) == 1 else x.contiguous(), w16, layer.w16_rows)
             return out if bias is None else out.add_(bias)
