@@ -64,9 +64,9 @@ class DevicePolicy:
     # Rows up to which a bf16 product on the CPU takes the layer's panel-packed copy (pagedkernels.w16_gemm: one pass
     # over the weight, vdpbf16ps where the CPU has it) instead of oneDNN's prepacked bf16 inner product
     # (ENGINE_CPU_BF16_W16_MAX_ROWS overrides it). Up to a few dozen rows a product is bound by its weight's bytes,
-    # past that by arithmetic. With AVX512-BF16 alone both multiply in vdpbf16ps: 64, measured (2-core Zen 5, a
-    # decode step's SmolLM2 weights streamed from memory: the two level at 48 rows, the panels 0.89x oneDNN's time at
-    # 16 and 1.13-1.21x at 96-192; docs/performance.md). With AMX oneDNN's tiles outrun any vector kernel once a
+    # past that by arithmetic. With AVX512-BF16 alone both multiply in vdpbf16ps: 96, measured (2-core Zen 5, a
+    # decode step's SmolLM2 weights streamed from memory: the panels 0.78-0.84x oneDNN's time at 16 rows, 0.87-0.91x
+    # at 64, 0.90x at 96, 0.96x at 128; docs/performance.md). With AMX oneDNN's tiles outrun any vector kernel once a
     # product leaves the memory-bound range: 16, an estimate (no AMX machine has run it). Without either, oneDNN has
     # no bf16 inner product (it needs AVX512BW/VL/DQ or AVX-NE-CONVERT) and torch's fallback bf16 GEMM is far slower
     # than the packed kernel at any size (2-core EPYC, one thread, loaded: [256, 576] x [576, 1536] 109 ms against
@@ -157,7 +157,7 @@ def _cpu_bf16_w16_max_rows(isa: str | None, *, graphs: bool = False) -> int | No
         return int(env)
     if graphs:
         return {"amx-bf16": _cpu_bf16_w16_max_rows(isa)}.get(isa)
-    return {"amx-bf16": 16, "avx512-bf16": 64}.get(isa)
+    return {"amx-bf16": 16, "avx512-bf16": 96}.get(isa)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -41,8 +41,11 @@ static inline __attribute__((always_inline)) void dot_step(vf16 acc[][2], const 
     vbf32 lo, hi;
     weight_pairs(load_bf32(p), both ? load_bf32(p + NP) : (vbf32){0}, &lo, &hi);
     for (int i = 0; i < mb; i++) {
-        uint32_t pair = xr[i][k]; /* x[k] in the low half, x[k + 1] in the high: the weight pairs' order */
-        if (both) pair |= (uint32_t)xr[i][k + 1] << 16;
+        /* x[k] in the low half, x[k + 1] in the high (little-endian: as they lie in memory): the weight pairs' order.
+         * One 32-bit load broadcast from memory; assembled from two 16-bit loads (GCC does not merge them) it took a
+         * shift, an or and a broadcast from a general register per row and k pair. */
+        uint32_t pair = xr[i][k];
+        if (both) memcpy(&pair, xr[i] + k, sizeof pair);
         const vbf32 xv = (vbf32)((vu16){0} + pair);
         acc[i][0] = dot_bf16_pairs(acc[i][0], lo, xv);
         acc[i][1] = dot_bf16_pairs(acc[i][1], hi, xv);

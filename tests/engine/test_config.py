@@ -262,17 +262,17 @@ def test_dtype_auto_on_cpu_says_why_when_the_kernels_did_not_build(tmp_path, mon
 
 def test_bf16_panel_row_limits_by_isa_and_environment(monkeypatch):
     """The rows up to which a CPU bf16 product takes the panel kernel, eager and in a decode graph: AMX-BF16 16 in
-    both (oneDNN's tiles past that); AVX512-BF16 64, and every row in a graph (measured on Zen 5); no fast bf16: every
+    both (oneDNN's tiles past that); AVX512-BF16 96, and every row in a graph (measured on Zen 5); no fast bf16: every
     row. ENGINE_CPU_BF16_W16_MAX_ROWS / ..._GRAPH_MAX_ROWS override them ("all": every row); anything else is refused
     by name."""
     from engine.platform import _cpu_bf16_w16_max_rows as limit
 
     for name in ("ENGINE_CPU_BF16_W16_MAX_ROWS", "ENGINE_CPU_BF16_W16_GRAPH_MAX_ROWS"):
         monkeypatch.delenv(name, raising=False)
-    assert [limit(isa) for isa in ("amx-bf16", "avx512-bf16", None)] == [16, 64, None]
+    assert [limit(isa) for isa in ("amx-bf16", "avx512-bf16", None)] == [16, 96, None]
     assert [limit(isa, graphs=True) for isa in ("amx-bf16", "avx512-bf16", None)] == [16, None, None]
-    monkeypatch.setenv("ENGINE_CPU_BF16_W16_GRAPH_MAX_ROWS", "96")
-    assert limit("avx512-bf16", graphs=True) == 96 and limit("avx512-bf16") == 64
+    monkeypatch.setenv("ENGINE_CPU_BF16_W16_GRAPH_MAX_ROWS", "48")
+    assert limit("avx512-bf16", graphs=True) == 48 and limit("avx512-bf16") == 96
     monkeypatch.setenv("ENGINE_CPU_BF16_W16_MAX_ROWS", "all")
     assert limit("amx-bf16") is None
     monkeypatch.setenv("ENGINE_CPU_BF16_W16_GRAPH_MAX_ROWS", "many")
