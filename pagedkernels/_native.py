@@ -4,7 +4,8 @@ The PyTorch twins are the reference on CPU but pay per-sequence Python and per-o
 decoding sequences the attention twin spends ~100 us per sequence and layer, and an RMSNorm or a
 rotary embedding of a decode batch is half a dozen small tensor ops. ``paged_attention_cpu.c`` walks
 the block table directly (no gathered copy of K/V) with an online softmax, one OpenMP work item per
-(sequence, KV head, chunk of 16 queries); ``elementwise_cpu.c`` does RMSNorm (with the residual add),
+(sequence, KV head, chunk of 16 queries), a prefill's chunk of queries in one pass over the keys;
+``elementwise_cpu.c`` does RMSNorm (with the residual add),
 rotary embedding and SiLU-and-mul in one pass each; ``moe_cpu.c`` does a mixture-of-experts layer in one call
 (the routing's top-k; the experts: a counting sort of the routed slots by expert, then each expert's slots one
 GEMM through the 16-bit-weight GEMM's panel kernel, ``w16_panel.h``); ``lora_cpu.c`` groups a batch's tokens by

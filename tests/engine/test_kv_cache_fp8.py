@@ -105,13 +105,15 @@ def _num_layers(tensors: dict) -> int:
 
 
 @pytest.mark.parametrize("decode_graphs", [False, True], ids=["prefill-op", "decode-op"])
-@pytest.mark.parametrize("scales", [None, (0.03125, 0.0234375)], ids=["scale-1", "checkpoint-scales"])
+@pytest.mark.parametrize("scales", [None, (0.03125, 0.015625)], ids=["scale-1", "checkpoint-scales"])
 def test_fp8_cache_is_attention_over_e4m3_rounded_kv(llama_dir, tmp_path, monkeypatch, scales, decode_graphs):
-    """The fp8 engine = a float32-cache engine writing e4m3-rounded K/V, in prefill and decode steps (decodes
-    through the prefill op as eager CPU runs them, or the decode op as graphs do). The checkpoint scales (k 1/32,
-    v 3/128) are small enough that the tiny Llama's K/V (up to ~15) clip at 448 * scale: the check covers the
-    clamp as well as the rounding. Measured: identical with scale 1.0, within 6.2e-5 with the scales (the kernels
-    fold them into the score scale and the output's normalization)."""
+    """The fp8 engine = a float32-cache engine writing e4m3-rounded K/V, bit for bit, in prefill and decode steps
+    (decodes through the prefill op as eager CPU runs them, or the decode op as graphs do). The checkpoint scales (k
+    1/32, v 1/64) are small enough that the tiny Llama's K/V (up to ~15) clip at 448 * scale: the check covers the
+    clamp as well as the rounding. They are powers of two, so the kernels' folding them into the score scale and the
+    output's normalization is exact and the two engines agree exactly. With v 3/128 they agreed to rounding, and this
+    model's nearly one-hot attention amplified that by chance: 6e-5 on one set of prompts, 0.027 on another; other
+    scales are held to the float64 oracle by tests/pagedkernels/test_fp8_kv_cache.py."""
     model_dir = llama_dir
     k_scale, v_scale = scales or (1.0, 1.0)
     if scales is not None:
@@ -142,7 +144,7 @@ def test_fp8_cache_is_attention_over_e4m3_rounded_kv(llama_dir, tmp_path, monkey
     reference, _ = _teacher_forced_logits(float32, PROMPTS, fed, steps=6)
     for got_steps, want_steps in zip(fp8_logits, reference):
         for got, want in zip(got_steps, want_steps):
-            torch.testing.assert_close(got, want, rtol=0, atol=2e-4)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 # -- accuracy against the float32 cache ----------------------------------------------------------------------------
