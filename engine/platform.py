@@ -155,8 +155,8 @@ def _cpu_bf16_w16_max_rows(isa: str | None, *, graphs: bool = False) -> int | No
         if not env.isdigit():
             raise ValueError(f"{name} must be a non-negative int or 'all', got {env!r}")
         return int(env)
-    if graphs:
-        return {"amx-bf16": _cpu_bf16_w16_max_rows(isa)}.get(isa)
+    if graphs:   # AMX: the eager limit (an estimate); AVX512-BF16 and CPUs without fast bf16: every row
+        return _cpu_bf16_w16_max_rows(isa) if isa == "amx-bf16" else None
     return {"amx-bf16": 16, "avx512-bf16": 96}.get(isa)
 
 
