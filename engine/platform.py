@@ -85,15 +85,15 @@ class DevicePolicy:
     def for_device(cls, device: torch.device | str) -> "DevicePolicy":
         device = torch.device(device)
         on_gpu = device.type == "cuda"
+        isa = None if on_gpu else pk_native.cpu_bf16_isa()
         return cls(device=device, default_max_num_batched_tokens=8192 if on_gpu else 1024,
                    compile_by_default=on_gpu, cuda_graphs=on_gpu, cpu_graphs=not on_gpu,
                    prepack_linears=not on_gpu, profile_gpu_memory=on_gpu, keep_freed_host_memory=not on_gpu,
                    prefault_kv_cache=not on_gpu,
                    serve_max_num_seqs_per_request=32 if on_gpu else 16, async_scheduling_by_default=on_gpu,
-                   cpu_bf16_isa=None if on_gpu else pk_native.cpu_bf16_isa(),
-                   cpu_bf16_w16_max_rows=None if on_gpu else _cpu_bf16_w16_max_rows(pk_native.cpu_bf16_isa()),
-                   cpu_bf16_w16_graph_max_rows=None if on_gpu else _cpu_bf16_w16_max_rows(pk_native.cpu_bf16_isa(),
-                                                                                          graphs=True))
+                   cpu_bf16_isa=isa,
+                   cpu_bf16_w16_max_rows=None if on_gpu else _cpu_bf16_w16_max_rows(isa),
+                   cpu_bf16_w16_graph_max_rows=None if on_gpu else _cpu_bf16_w16_max_rows(isa, graphs=True))
 
     def auto_dtype(self, checkpoint: torch.dtype, *, quantized: bool = False) -> tuple[torch.dtype, str]:
         """What ``dtype="auto"`` runs a checkpoint stored in ``checkpoint`` in, and why (a line for the log).

@@ -70,8 +70,9 @@ def _w16_enabled() -> bool:
 # Rows up to which a bf16 CPU product takes the layer's panel-packed copy instead of oneDNN's prepacked bf16 one, by
 # the CPU's bf16 arithmetic (engine/platform.py, DevicePolicy.cpu_bf16_w16_max_rows); None: every row. The products
 # of a decode step's CPU graph follow BF16_W16_GRAPH_MAX_ROWS (DevicePolicy.cpu_bf16_w16_graph_max_rows) instead.
-BF16_W16_MAX_ROWS = DevicePolicy.for_device("cpu").cpu_bf16_w16_max_rows
-BF16_W16_GRAPH_MAX_ROWS = DevicePolicy.for_device("cpu").cpu_bf16_w16_graph_max_rows
+_CPU_POLICY = DevicePolicy.for_device("cpu")
+BF16_W16_MAX_ROWS = _CPU_POLICY.cpu_bf16_w16_max_rows
+BF16_W16_GRAPH_MAX_ROWS = _CPU_POLICY.cpu_bf16_w16_graph_max_rows
 _recording = threading.local()
 
 
