@@ -1,6 +1,6 @@
 """Multi-LoRA kernels on the CPU: a batch mixing 4 adapters and the base model, at 1, 64 and 1024 tokens.
 
-    python -m bench.lora_cpu [--out bench/results/DATE-lora-cpu-CPU.json] [--quick]
+    python -m bench.lora_cpu [--out DIR | --out FILE.json] [--quick]
 
 For each projection of SmolLM2-135M (the engine's default model on CPU: q/k/v fused 576 -> 576 + 192 + 192, o
 576 -> 576, gate/up fused 576 -> 2 x 1536, down 1536 -> 576), rank 16, tokens cycling over the 4 adapters and the
@@ -37,6 +37,7 @@ import torch
 
 import pagedkernels as pk
 from bench import kernels
+from bench.report import write_cpu_report
 from pagedkernels import _native
 
 RANK, NUM_ADAPTERS = 16, 4
@@ -137,11 +138,15 @@ def run(projections, tokens, *, rounds: int, min_time: float, peaks: kernels.Pea
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.lora_cpu", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, help="write the JSON results here")
+    parser.add_argument("--out", type=Path,
+                        help="a directory (gets <date>-lora-cpu-kernels-<cpu>.json, as the other CPU benchmarks "
+                             "write) or a .json file to write the results to")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, few rounds: checks the code paths only")
     parser.add_argument("--min-time", type=float, default=0.3, help="seconds of calls per method and shape")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (the median is reported)")
     args = parser.parse_args(argv)
+    if args.out is not None and args.out.suffix != ".json":
+        args.out.mkdir(parents=True, exist_ok=True)   # a directory: checked now, not after minutes of timing
     if _native.library() is None:
         print(f"note: native kernels unavailable ({_native.build_error()}): 'pagedkernels' is the PyTorch twin")
     rounds, min_time = (2, 0.01) if args.quick else (args.rounds, args.min_time)
@@ -160,7 +165,9 @@ def main(argv=None) -> int:
         "load_average_before": load_before,   # the machine may be shared: compare runs at a low load only
         "load_average_after": os.getloadavg(),
     }
-    if args.out:
+    if args.out is not None and args.out.suffix != ".json":
+        print(f"wrote {write_cpu_report(args.out, 'lora-cpu-kernels', report)}")
+    elif args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1) + "\n")
         print(f"wrote {args.out}")

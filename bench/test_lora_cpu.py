@@ -26,3 +26,12 @@ def test_quick_run_writes_every_row(tmp_path, capsys):
             assert row["loop_over_this"] > 0 and row["this_over_base"] > 0 and row["GFLOPs"] > 0
     assert rows[("qkv", 64, "per-adapter loop")]["loop_over_this"] == 1.0
     assert "loop/this" in capsys.readouterr().out
+
+
+def test_out_directory_gets_the_dated_report_name(tmp_path):
+    """--out DIR writes DIR/<date>-lora-cpu-kernels-<cpu>.json, as bench.engine_cpu and bench.moe_cpu do (a
+    directory given before made the run fail at its end, after the timing)."""
+    assert lora_cpu.main(["--quick", "--out", str(tmp_path / "results")]) == 0
+    (path,) = (tmp_path / "results").iterdir()
+    assert path.name.endswith(".json") and "-lora-cpu-kernels-" in path.name
+    assert json.loads(path.read_text())["benchmark"] == "bench.lora_cpu"
