@@ -23,8 +23,11 @@ Backends:
   kernel (``csrc/w16_panel.h``, shared with :func:`pagedkernels.w16_gemm`; float32, fp16 or bf16 panels), the
   activation, the second GEMM, and the weighted sum: one call, parallel over (expert, panel) pairs, so a CPU
   graph records it like any native kernel (its row count is the token count). Hidden states in bf16 or fp16 (a
-  16-bit model on the CPU) are widened to float32 once per call and the result rounded once to their dtype: the
-  float32 kernel's result on the same values, rounded.
+  16-bit model on the CPU) come in and go out in their dtype, each token's float32 sum rounded once. bf16 hidden
+  states on bf16 panels, in a build with AVX512-BF16 (``_native.bf16_dot_path()``), take its pair dot products
+  for both GEMMs, the activated rows rounded to bf16 between them as a dense bf16 MLP rounds them (a 256-token
+  layer of 8 experts, hidden 1024, intermediate 1024, top-2: 7.2 -> 4.3 ms on a 2-core Zen 5); otherwise they are
+  widened to float32 once per call: the float32 kernel's result on the same values, rounded.
 - PyTorch twin (the reference): a loop over experts, each a float32 GEMM of its tokens.
 """
 

@@ -9,11 +9,13 @@
  * over (expert, panel) pairs: every output element has one writer, so the result does not depend on the thread
  * count or schedule, and a token's rows are the same additions whatever tokens it is batched with.
  *
- * A bf16 (or fp16) model's hidden states come in and go out in its dtype: the tokens' rows are widened to float32
- * once per call (into the scratch), everything after runs as for float32 activations, and each token's weighted sum
- * is rounded once to the output's dtype, so the result is the float32 kernel's on the widened rows, rounded. (The
- * GEMMs stay on the float32 panel kernel, also where the build has AVX512-BF16: w16_gemm_cpu.c's pair dot products
- * would take bf16 rows for both GEMMs, and the activated rows are float32 here.)
+ * A bf16 (or fp16) model's hidden states come in and go out in its dtype, and each token's weighted sum is rounded
+ * once to the output's dtype. Where the build has AVX512-BF16 (PK_BF16_DOT) and both the hidden states and the panels
+ * are bf16, the two GEMMs take the pair dot products of w16_panel.h's panel_rows_dot: GEMM 1 reads the tokens' bf16
+ * rows as they are, and the activated rows are rounded to bf16 for GEMM 2, as a dense bf16 MLP rounds them before
+ * its down projection (float32 accumulation throughout; the gate/up sums stay float32). Elsewhere the tokens' rows are
+ * widened to float32 once per call (into the scratch) and everything after runs as for float32 activations, so the
+ * result is the float32 kernel's on the widened rows, rounded.
  *
  * Ids are checked in the sorting pass, before anything is written: an id outside its table returns 1 (the op
  * then raises the ValueError naming it). */
@@ -148,6 +150,11 @@ int pk_fused_moe(const void *x, int64_t x_s0, int x_dt, int64_t M, int64_t H, co
     float *X = x_dt != 0 || o_dt != 0 ? A + S * I : NULL;
     const float *xf = x_dt != 0 ? X : (const float *)x;
     const int64_t xf_s0 = x_dt != 0 ? H : x_s0;
+#if PK_BF16_DOT
+    /* bf16 rows and panels: both GEMMs in pair dot products, the activated rows rounded to bf16 in A's first half */
+    const int dot = x_dt == 2 && w_dt == 2;
+    uint16_t *Ab = (uint16_t *)A;
+#endif
 
     /* 1. counting sort of the slots by local expert; ids (and the whole map) checked before anything is written */
     if (expert_map)
@@ -188,45 +195,85 @@ int pk_fused_moe(const void *x, int64_t x_s0, int x_dt, int64_t M, int64_t H, co
     const int threads = work >= W16_PARALLEL_MIN * 4 ? num_threads : 1;
 #pragma omp parallel num_threads(threads)
     {
-        if (x_dt != 0) {
-            /* 16-bit rows to float32, each once (GEMM 1 reads a token's row once per expert it routes to) */
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < M; t++) load_row(x, t * x_s0, x_dt, H, X + t * H);
-        }
-        /* 2. GEMM 1 per (active expert, gate/up panel): Y[rows of e] = x[tokens of e] @ w13[e]^T */
+#if PK_BF16_DOT
+        if (dot) {
+            /* 2 and 3 with pair dot products: GEMM 1 on the bf16 rows, the activation rounded to bf16 (each row
+             * activated in float32 in its gate half of Y, which nothing reads after, then rounded into Ab) */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < num_active * p13; item++) {
-            const int64_t e = active[item / p13], p = item % p13;
-            const int64_t first = offsets[e], count = offsets[e + 1] - first;
-            const char *panel_w = w13c + (e * p13 + p) * H * NP * wb;
-            const int64_t n0 = p * NP;
-            const int nc = 2 * I - n0 < NP ? (int)(2 * I - n0) : NP;
-            panel_rows(xf, xf_s0, token_of_row + first, count, H, panel_w, n0, nc, w_dt, Y + first * 2 * I, 2 * I, 0,
-                       p + 1 < p13 ? panel_w + H * NP * wb : NULL);
-        }
-        /* 3. the gated activation: A[r] = act(Y[r, :I]) * Y[r, I:] */
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            const float *y = Y + r * 2 * I;
-            float *a = A + r * I;
-            if (act == 0) {
-#pragma omp simd
-                for (int64_t i = 0; i < I; i++) a[i] = silu(y[i]) * y[I + i];
-            } else {
-#pragma omp simd
-                for (int64_t i = 0; i < I; i++) a[i] = gelu_tanh(y[i]) * y[I + i];
+            for (int64_t item = 0; item < num_active * p13; item++) {
+                const int64_t e = active[item / p13], p = item % p13;
+                const int64_t first = offsets[e], count = offsets[e + 1] - first;
+                const uint16_t *panel_w = (const uint16_t *)w13 + (e * p13 + p) * H * NP;
+                const int64_t n0 = p * NP;
+                const int nc = 2 * I - n0 < NP ? (int)(2 * I - n0) : NP;
+                panel_rows_dot((const uint16_t *)x, x_s0, token_of_row + first, count, H, panel_w, n0, nc,
+                               Y + first * 2 * I, 2 * I, 0, p + 1 < p13 ? panel_w + H * NP : NULL);
             }
-        }
-        /* 4. GEMM 2 per (active expert, down panel): Z[rows of e] = A[rows of e] @ w2[e]^T, into Y's buffer */
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++) {
+                float *y = Y + r * 2 * I;
+                if (act == 0) {
+#pragma omp simd
+                    for (int64_t i = 0; i < I; i++) y[i] = silu(y[i]) * y[I + i];
+                } else {
+#pragma omp simd
+                    for (int64_t i = 0; i < I; i++) y[i] = gelu_tanh(y[i]) * y[I + i];
+                }
+                store_row(Ab, r * I, 2, I, y);
+            }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < num_active * p2; item++) {
-            const int64_t e = active[item / p2], p = item % p2;
-            const int64_t first = offsets[e], count = offsets[e + 1] - first;
-            const char *panel_w = w2c + (e * p2 + p) * I * NP * wb;
-            const int64_t n0 = p * NP;
-            const int nc = H - n0 < NP ? (int)(H - n0) : NP;
-            panel_rows(A + first * I, I, NULL, count, I, panel_w, n0, nc, w_dt, Y + first * H, H, 0,
-                       p + 1 < p2 ? panel_w + I * NP * wb : NULL);
+            for (int64_t item = 0; item < num_active * p2; item++) {
+                const int64_t e = active[item / p2], p = item % p2;
+                const int64_t first = offsets[e], count = offsets[e + 1] - first;
+                const uint16_t *panel_w = (const uint16_t *)w2 + (e * p2 + p) * I * NP;
+                const int64_t n0 = p * NP;
+                const int nc = H - n0 < NP ? (int)(H - n0) : NP;
+                panel_rows_dot(Ab + first * I, I, NULL, count, I, panel_w, n0, nc, Y + first * H, H, 0,
+                               p + 1 < p2 ? panel_w + I * NP : NULL);
+            }
+        } else
+#endif
+        {
+            if (x_dt != 0) {
+                /* 16-bit rows to float32, each once (GEMM 1 reads a token's row once per expert it routes to) */
+#pragma omp for schedule(static)
+                for (int64_t t = 0; t < M; t++) load_row(x, t * x_s0, x_dt, H, X + t * H);
+            }
+            /* 2. GEMM 1 per (active expert, gate/up panel): Y[rows of e] = x[tokens of e] @ w13[e]^T */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < num_active * p13; item++) {
+                const int64_t e = active[item / p13], p = item % p13;
+                const int64_t first = offsets[e], count = offsets[e + 1] - first;
+                const char *panel_w = w13c + (e * p13 + p) * H * NP * wb;
+                const int64_t n0 = p * NP;
+                const int nc = 2 * I - n0 < NP ? (int)(2 * I - n0) : NP;
+                panel_rows(xf, xf_s0, token_of_row + first, count, H, panel_w, n0, nc, w_dt, Y + first * 2 * I,
+                           2 * I, 0, p + 1 < p13 ? panel_w + H * NP * wb : NULL);
+            }
+            /* 3. the gated activation: A[r] = act(Y[r, :I]) * Y[r, I:] */
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++) {
+                const float *y = Y + r * 2 * I;
+                float *a = A + r * I;
+                if (act == 0) {
+#pragma omp simd
+                    for (int64_t i = 0; i < I; i++) a[i] = silu(y[i]) * y[I + i];
+                } else {
+#pragma omp simd
+                    for (int64_t i = 0; i < I; i++) a[i] = gelu_tanh(y[i]) * y[I + i];
+                }
+            }
+            /* 4. GEMM 2 per (active expert, down panel): Z[rows of e] = A[rows of e] @ w2[e]^T, into Y's buffer */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < num_active * p2; item++) {
+                const int64_t e = active[item / p2], p = item % p2;
+                const int64_t first = offsets[e], count = offsets[e + 1] - first;
+                const char *panel_w = w2c + (e * p2 + p) * I * NP * wb;
+                const int64_t n0 = p * NP;
+                const int nc = H - n0 < NP ? (int)(H - n0) : NP;
+                panel_rows(A + first * I, I, NULL, count, I, panel_w, n0, nc, w_dt, Y + first * H, H, 0,
+                           p + 1 < p2 ? panel_w + I * NP * wb : NULL);
+            }
         }
         /* 5. out[t] = sum_j w[t, j] Z[row of slot (t, j)], in slot order (a 16-bit out: summed in X's row t, which
          * GEMM 1 no longer reads, then rounded once) */

@@ -318,4 +318,107 @@ static void __attribute__((unused)) panel_rows(const float *x, int64_t x_s0, con
     }
 }
 
+#if PK_BF16_DOT
+/* bf16 x times a bf16 weight in pair dot products (dot_bf16_pairs, cpu_common.h), for builds with AVX512-BF16: two k
+ * at a time, x never widened. Rows of MBD at a time, each with two accumulators of 16 lanes for the panel's 32 columns
+ * (16 + 2 weight vectors + the broadcast: 19 of AVX-512's 32 registers). Used by w16_gemm_cpu.c for a bf16 model's
+ * linears and by moe_cpu.c for its experts. */
+#define MBD 8
+/* The panel's rows k and k + 1 (32 bf16 each) as pairs (W[c][k], W[c][k + 1]) in 32-bit lanes: AVX-512's 16-bit
+ * unpacks interleave within 128-bit lanes, so lo holds columns 0-3, 8-11, 16-19, 24-27 and hi columns 4-7, 12-15,
+ * 20-23, 28-31; unscramble() puts the sums back in column order once per row. */
+static inline __attribute__((always_inline)) void weight_pairs(vbf32 r0, vbf32 r1, vbf32 *lo, vbf32 *hi) {
+    *lo = __builtin_shufflevector(r0, r1, 0, 32, 1, 33, 2, 34, 3, 35, 8, 40, 9, 41, 10, 42, 11, 43, 16, 48, 17, 49,
+                                  18, 50, 19, 51, 24, 56, 25, 57, 26, 58, 27, 59);
+    *hi = __builtin_shufflevector(r0, r1, 4, 36, 5, 37, 6, 38, 7, 39, 12, 44, 13, 45, 14, 46, 15, 47, 20, 52, 21, 53,
+                                  22, 54, 23, 55, 28, 60, 29, 61, 30, 62, 31, 63);
+}
+
+static inline void unscramble(vf16 lo, vf16 hi, float *cols) {
+    const vf16 first = __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const vf16 second = __builtin_shufflevector(lo, hi, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    memcpy(cols, &first, sizeof first);
+    memcpy(cols + 16, &second, sizeof second);
+}
+
+/* acc[i] += pairs of k and k + 1 (k + 1 only with `both`: an odd K's last k pairs with a zero) for rows i < mb. */
+static inline __attribute__((always_inline)) void dot_step(vf16 acc[][2], const uint16_t *const *xr, int mb, int64_t k,
+                                                           const uint16_t *p, const int both) {
+    vbf32 lo, hi;
+    weight_pairs(load_bf32(p), both ? load_bf32(p + NP) : (vbf32){0}, &lo, &hi);
+    for (int i = 0; i < mb; i++) {
+        /* x[k] in the low half, x[k + 1] in the high (little-endian: as they lie in memory): the weight pairs' order.
+         * One 32-bit load broadcast from memory; assembled from two 16-bit loads (GCC does not merge them) it took a
+         * shift, an or and a broadcast from a general register per row and k pair. */
+        uint32_t pair = xr[i][k];
+        if (both) memcpy(&pair, xr[i] + k, sizeof pair);
+        const vbf32 xv = (vbf32)((vu16){0} + pair);
+        acc[i][0] = dot_bf16_pairs(acc[i][0], lo, xv);
+        acc[i][1] = dot_bf16_pairs(acc[i][1], hi, xv);
+    }
+}
+
+/* Rows [m0, m0 + mb) of one panel (columns n0 .. n0 + nc - 1), bf16 x: input row i at x + (rows ? rows[m0 + i] :
+ * m0 + i) * x_s0, output row i at element offset (m0 + i) * o_s0 of out (dtype o_dt). Sums in blocks of KB k as the
+ * float32 kernel's (KB is even, so only an odd K's last k goes alone). */
+static inline __attribute__((always_inline)) void panel_dot(const uint16_t *x, int64_t x_s0, const int32_t *rows,
+                                                            int64_t m0, int mb, int64_t K, const uint16_t *panel_w,
+                                                            int64_t n0, int nc, void *out, int64_t o_s0, int o_dt,
+                                                            const uint16_t *ahead) {
+    vf16 total[MBD][2];
+    memset(total, 0, sizeof total);
+    const uint16_t *xr[MBD];
+    for (int i = 0; i < mb; i++) xr[i] = x + (rows ? (int64_t)rows[m0 + i] : m0 + i) * x_s0;
+    for (int64_t k0 = 0; k0 < K; k0 += KB) {
+        const int64_t k1 = k0 + KB < K ? k0 + KB : K;
+        vf16 acc[MBD][2];
+        memset(acc, 0, sizeof acc);
+        int64_t k = k0;
+        for (; k + 1 < k1; k += 2) {
+            if (ahead) {
+                __builtin_prefetch(ahead + k * NP, 0, 1);
+                __builtin_prefetch(ahead + (k + 1) * NP, 0, 1);
+            }
+            dot_step(acc, xr, mb, k, panel_w + k * NP, 1);
+        }
+        if (k < k1) {
+            if (ahead) __builtin_prefetch(ahead + k * NP, 0, 1);
+            dot_step(acc, xr, mb, k, panel_w + k * NP, 0);
+        }
+        for (int i = 0; i < mb; i++) {
+            total[i][0] += acc[i][0];
+            total[i][1] += acc[i][1];
+        }
+    }
+    for (int i = 0; i < mb; i++) {
+        float cols[NP];
+        unscramble(total[i][0], total[i][1], cols);
+        store_cols(out, (m0 + i) * o_s0 + n0, o_dt, cols, nc);
+    }
+}
+
+/* All M rows of one panel of a bf16 weight against bf16 x (rows: as panel_dot's), in blocks of MBD rows, each row
+ * count its own inlined copy; the first block's pass prefetches `ahead` (the next panel, or NULL). A row's sums are
+ * the same additions whatever the rows beside it. */
+static void __attribute__((unused)) panel_rows_dot(const uint16_t *x, int64_t x_s0, const int32_t *rows, int64_t M,
+                                                   int64_t K, const uint16_t *panel_w, int64_t n0, int nc, void *out,
+                                                   int64_t o_s0, int o_dt, const uint16_t *ahead) {
+    int64_t m0 = 0;
+#define ROWS_OF_PANEL_DOT(ROWS) \
+    panel_dot(x, x_s0, rows, m0, ROWS, K, panel_w, n0, nc, out, o_s0, o_dt, m0 == 0 ? ahead : NULL)
+    for (; m0 + MBD <= M; m0 += MBD) ROWS_OF_PANEL_DOT(MBD);
+    switch (M - m0) { /* the last rows: each count its own inlined copy */
+    case 1: ROWS_OF_PANEL_DOT(1); break;
+    case 2: ROWS_OF_PANEL_DOT(2); break;
+    case 3: ROWS_OF_PANEL_DOT(3); break;
+    case 4: ROWS_OF_PANEL_DOT(4); break;
+    case 5: ROWS_OF_PANEL_DOT(5); break;
+    case 6: ROWS_OF_PANEL_DOT(6); break;
+    case 7: ROWS_OF_PANEL_DOT(7); break;
+    default: break;
+    }
+#undef ROWS_OF_PANEL_DOT
+}
+#endif
+
 #endif

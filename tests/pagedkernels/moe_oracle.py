@@ -34,11 +34,13 @@ def _act(gate: torch.Tensor, activation: str) -> torch.Tensor:
     return 0.5 * gate * (1.0 + torch.tanh(0.7978845608028654 * (gate + 0.044715 * gate ** 3)))
 
 
-def moe_reference(x, w13, w2, weights, ids, activation="silu", expert_map=None):
+def moe_reference(x, w13, w2, weights, ids, activation="silu", expert_map=None, activation_dtype=None):
     """(out, magnitude) float64 ``[T, H]``: out[t] = sum_j w[t, j] w2[e] (act(gate) * up), e = the slot's expert
     (through ``expert_map``; a slot mapped to -1 adds nothing); magnitude the same sum over |terms|, with
     |act(gate)| bounded by 1.2 |gate| (act's slope, for the rounding of gate) and each GEMM's terms in absolute
-    value. Expert by expert, each a float64 product of the rows routed to it (by a mask, not a sort)."""
+    value. Expert by expert, each a float64 product of the rows routed to it (by a mask, not a sort).
+    ``activation_dtype``: the activated rows ``act(gate) * up`` rounded to it (to nearest) before the down
+    projection, as a kernel that feeds the second GEMM 16-bit rows does."""
     intermediate = w13.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float64)
     magnitude = torch.zeros_like(out)
@@ -52,6 +54,8 @@ def moe_reference(x, w13, w2, weights, ids, activation="silu", expert_map=None):
         gate_up = xd[tokens] @ w13e.t()
         abs_gate_up = xd[tokens].abs() @ w13e.abs().t()
         y = _act(gate_up[:, :intermediate], activation) * gate_up[:, intermediate:]
+        if activation_dtype is not None:
+            y = y.to(activation_dtype).double()
         abs_y = abs_gate_up[:, :intermediate] * 1.2 * abs_gate_up[:, intermediate:]
         w = weights.double()[tokens, slots][:, None]
         out.index_add_(0, tokens, w * (y @ w2e.t()))
