@@ -18,6 +18,10 @@ per id (the workloads are token ids).
    expert's tokens) and against transformers' own experts module in its default implementation, at 1, 16 and 256
    tokens of the model's layer shape (routing drawn from a softmax of random logits); best of ``--repeats``.
 
+``--dtypes float32,bfloat16`` adds an engine side running the model in bf16 (what ``dtype="auto"`` picks for a bf16
+checkpoint on a CPU with AMX or AVX512-BF16; the report's comparisons give its figures against the float32 side's
+and their greedy agreement) and to each kernel row the bf16 model's call (hidden states in bf16).
+
 ``--quick`` runs the same code on a tiny model (2 layers, hidden 128, 4 experts) and a few requests: it checks the
 code path; its numbers mean nothing. Figures are printed; ``--out DIR`` writes ``DIR/<date>-moe-cpu-<cpu>.json``.
 As bench.engine_cpu: compare runs at a low load average only (it is recorded before and after).
@@ -99,6 +103,24 @@ def active_flop_model(model_dir: str) -> engine_cpu.FlopModel:
     return flops
 
 
+def _bf16_row(pk, x, packed, w13, w2, weights, ids, repeats: int, float32_ms: float, flops: int) -> dict:
+    """The bf16 model's call of one kernel row: hidden states and routing weights in bf16, its time and check."""
+    xb, wb = x.bfloat16(), weights.bfloat16()
+    with torch.inference_mode():
+        with pk.use_backend("native" if _native.library() is not None else "torch"):
+            out = pk.fused_moe(xb, *packed, wb, ids)
+            ms = best_ms(lambda: pk.fused_moe(xb, *packed, wb, ids), repeats)
+        with pk.use_backend("torch"):
+            loop = pk.fused_moe(xb.float(), w13, w2, wb.float(), ids)
+    error, scale = (out.float() - loop).abs().max().item(), loop.abs().max().item()
+    # bf16 rounds the output, and on the pair-dot path the activated rows, each to 2^-8 of the value
+    bound = 2 * 2.0 ** -8 * max(scale, 1e-3) + 1e-5
+    return {"kernel_bf16_ms": ms, "kernel_bf16_gflops": flops / ms / 1e6, "bf16_over_float32": ms / float32_ms,
+            "bf16_path": _native.bf16_dot_path() if _native.library() is not None else "torch",
+            "bf16_max_abs_diff": error,
+            "bf16_check": "ok" if error <= bound else f"FAILED: {error:.3g} off the loop (max |out| {scale:.3g})"}
+
+
 # ------------------------------------------------------------------------------------------------
 # the kernel alone
 # ------------------------------------------------------------------------------------------------
@@ -114,9 +136,11 @@ def best_ms(fn, repeats: int) -> float:
     return best * 1e3
 
 
-def kernel_vs_loop(shape: dict, tokens_list, repeats: int, seed: int = 0) -> list[dict]:
+def kernel_vs_loop(shape: dict, tokens_list, repeats: int, seed: int = 0, bf16: bool = False) -> list[dict]:
     """fused_moe (native, bf16 panels) against the per-expert loop and transformers' experts module, at each
-    token count of ``tokens_list``, on one layer of ``shape`` with random bf16-valued weights."""
+    token count of ``tokens_list``, on one layer of ``shape`` with random bf16-valued weights. ``bf16``: also the
+    kernel as a bf16 model runs it (the same rows rounded to bf16 in and out; pair dot products where the build has
+    AVX512-BF16), checked against the float32 loop on the rounded rows at bf16's precision."""
     import pagedkernels as pk
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -164,6 +188,12 @@ def kernel_vs_loop(shape: dict, tokens_list, repeats: int, seed: int = 0) -> lis
               f"{loop_ms:.3f} ms ({rows[-1]['ratio_vs_loop']:.2f}x), transformers' experts "
               f"({implementation}) {hf_ms:.3f} ms "
               f"({rows[-1]['ratio_vs_transformers']:.2f}x); check {rows[-1]['check']}", flush=True)
+        if bf16:
+            rows[-1].update(_bf16_row(pk, x, packed, w13, w2, weights, ids, repeats, kernel_ms,
+                                      2 * tokens * top_k * 3 * hidden * inter))
+            print(f"  bf16 hidden states ({rows[-1]['bf16_path']}): kernel {rows[-1]['kernel_bf16_ms']:.3f} ms "
+                  f"({rows[-1]['kernel_bf16_gflops']:.0f} GFLOP/s, {rows[-1]['bf16_over_float32']:.2f}x the float32 "
+                  f"hidden states' time); check {rows[-1]['bf16_check']}", flush=True)
     return rows
 
 
@@ -178,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="kernel timings: best of this many (quick: 2)")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads for both sides (default: torch's)")
     parser.add_argument("--skip-transformers", action="store_true", help="engine figures only")
+    parser.add_argument("--dtypes", default="float32",
+                        help="the engine sides' dtypes, comma-separated (float32, bfloat16): bfloat16 adds an engine "
+                             "side running the model in bf16 (as dtype='auto' does on a CPU with AMX or AVX512-BF16) "
+                             "and the kernel's bf16 rows; the ratios against transformers are the float32 side's")
     parser.add_argument("--out", help="directory for <date>-moe-cpu-<cpu>.json (e.g. bench/results)")
     args = parser.parse_args(argv)
     if args.threads:
@@ -212,10 +246,17 @@ def run(args, shape: dict, model_dir: str) -> dict:
                                         measure.seed)
     single_prompt = engine_cpu.make_requests(1, 32 if not quick else 6, 32 if not quick else 6, flop_model.vocab_size,
                                              measure.seed + 1)[0].prompt_token_ids
+    dtypes = args.dtypes.split(",")
+    if dtypes[0] != "float32" or any(d not in ("float32", "bfloat16") for d in dtypes):
+        raise SystemExit(f"--dtypes {args.dtypes!r}: float32 first (the side compared with transformers), then "
+                         "optionally bfloat16")
     load_before = os.getloadavg()
-    matmul_rates = {"float32": engine_cpu.measure_matmul_gflops(measure.matmul_n)}  # the engine side: float32
-    kernels = kernel_vs_loop(shape, QUICK_KERNEL_TOKENS if quick else KERNEL_TOKENS, args.repeats or (2 if quick else 10))
-    sides = [engine_cpu.EngineSide(model_dir)]
+    matmul_rates = {"float32": engine_cpu.measure_matmul_gflops(measure.matmul_n)}
+    if "bfloat16" in dtypes:
+        matmul_rates["bfloat16"] = engine_cpu.measure_matmul_gflops(measure.matmul_n, dtype=torch.bfloat16)
+    kernels = kernel_vs_loop(shape, QUICK_KERNEL_TOKENS if quick else KERNEL_TOKENS, args.repeats or (2 if quick else 10),
+                             bf16="bfloat16" in dtypes)
+    sides = [engine_cpu.EngineSide(model_dir, dtype) for dtype in dtypes]
     try:
         if not args.skip_transformers:
             sides.append(engine_cpu.TransformersProcessSide(model_dir, len(requests)))

@@ -16,13 +16,16 @@ pytest.importorskip("transformers")
 
 
 def test_quick_run_writes_the_report(tmp_path):
-    assert moe_cpu.main(["--quick", "--model-dir", str(tmp_path / "model"), "--out", str(tmp_path)]) == 0
+    assert moe_cpu.main(["--quick", "--model-dir", str(tmp_path / "model"), "--out", str(tmp_path),
+                         "--dtypes", "float32,bfloat16"]) == 0
     [path] = tmp_path.glob("*-moe-cpu-*.json")
     report = json.loads(path.read_text())
     assert [row["tokens"] for row in report["kernel_vs_loop"]] == list(moe_cpu.QUICK_KERNEL_TOKENS)
     assert all(row["check"] == "ok" and row["kernel_ms"] > 0 and row["ratio_vs_loop"] > 0
                for row in report["kernel_vs_loop"])
-    for side in ("engine", "transformers"):
+    assert all(row["bf16_check"] == "ok" and row["kernel_bf16_ms"] > 0 for row in report["kernel_vs_loop"])
+    assert report["engine-bfloat16"]["dtype"] == "bfloat16"   # the bf16 side ran the model in bf16
+    for side in ("engine", "engine-bfloat16", "transformers"):
         assert report[side]["throughput"]["output_lengths_exact"] is True
         assert report[side]["single_stream"]["decode_tokens_per_s"] > 0
     # the same weights and greedy work on both sides, or the ratio would compare two computations
