@@ -391,7 +391,10 @@ def ended_in_band(result) -> dict | None:
         return None
     events, _ = result
     assert events[-1] == "[DONE]", events[-3:]
-    return json.loads(events[-2])["error"]
+    error = json.loads(events[-2]).get("error")
+    assert error is not None, f"the stream ended on its own ({len(events)} events) before the server ended it: " \
+                              f"{events[-2][:300]}"
+    return error
 
 
 def test_a_killed_core_is_reported_and_the_server_exits(llama_dir):
@@ -414,7 +417,7 @@ def test_a_killed_core_is_reported_and_the_server_exits(llama_dir):
 
 
 def test_several_api_servers_share_one_core_and_stop_cleanly(llama_dir):
-    server = ServeProcess(llama_dir, "--api-server-count", "2", "--max-model-len", "1024", "--shutdown-timeout", "1")
+    server = ServeProcess(llama_dir, "--api-server-count", "2", "--max-model-len", "1024", "--shutdown-timeout", "0.2")
     try:
         assert "2 API server processes" in "".join(server.lines)
         texts = {server.client.completions.create(model=MODEL, prompt="hello", max_tokens=6, temperature=0.0)
@@ -436,10 +439,23 @@ def test_several_api_servers_share_one_core_and_stop_cleanly(llama_dir):
         pids = server.tree()
         stopped = time.monotonic()
         assert server.stop() == 0
-    assert time.monotonic() - stopped <= 1 + 5
+    assert time.monotonic() - stopped <= 0.2 + 5
     with pool:
-        for future in futures:
-            assert ended_in_band(future.result(timeout=30))["code"] == "server_shutting_down"
+        results = [future.result(timeout=30) for future in futures]
+    # The streams start one after another: on a 2-core Zen 5 the last one's first token took up to 1.1 s, in which
+    # the tiny model ran the others to their 1000 tokens (its context allows no more). Those were no longer in
+    # flight; the last one was, and every stream still running at the SIGTERM ends in-band.
+    in_band = 0
+    for result in results:
+        assert not isinstance(result, Exception), f"a stream's connection was cut: {result!r}"
+        events, _ = result
+        last = json.loads(events[-2])
+        if "error" in last:
+            assert ended_in_band(result)["code"] == "server_shutting_down"
+            in_band += 1
+        else:
+            assert events[-1] == "[DONE]" and last["choices"][0]["finish_reason"] == "length", events[-3:]
+    assert in_band >= 1
     assert not _wait_gone(pids)
 
 
