@@ -120,6 +120,35 @@ static inline int64_t read_id(const void *ids, int ids_64, int64_t i) {
     return ids_64 ? ((const int64_t *)ids)[i] : (int64_t)((const int32_t *)ids)[i];
 }
 
+/* One (active expert, panel) item of an experts' GEMM: out rows [first, first + count) of expert e (its sorted rows,
+ * from offsets) = its input rows @ panel p of e's packed weight (np panels of K rows of 32, kind w_dt); the next panel
+ * prefetched. The expert's input row i is x's row gather[first + i] when gather is given, else x's row first + i.
+ * dot: bf16 rows and panels, in pair dot products (PK_BF16_DOT builds only); else float32 rows. */
+static inline void expert_item(int64_t item, int64_t np, const int32_t *active, const int32_t *offsets, const void *w,
+                               int64_t K, int64_t N, int w_dt, int dot, const void *x, int64_t x_s0,
+                               const int32_t *gather, float *out, int64_t o_s0) {
+    const int64_t e = active[item / np], p = item % np;
+    const int64_t first = offsets[e], count = offsets[e + 1] - first;
+    const int64_t panel_bytes = K * NP * W_BYTES(w_dt);
+    const char *panel_w = (const char *)w + (e * np + p) * panel_bytes;
+    const char *ahead = p + 1 < np ? panel_w + panel_bytes : NULL;
+    const int64_t n0 = p * NP;
+    const int nc = N - n0 < NP ? (int)(N - n0) : NP;
+    const int32_t *rows = gather ? gather + first : NULL;
+    const int64_t skip = gather ? 0 : first * x_s0; /* elements to the expert's first row */
+#if PK_BF16_DOT
+    if (dot) {
+        panel_rows_dot((const uint16_t *)x + skip, x_s0, rows, count, K, (const uint16_t *)panel_w, n0, nc,
+                       out + first * o_s0, o_s0, 0, (const uint16_t *)ahead);
+        return;
+    }
+#else
+    (void)dot;
+#endif
+    panel_rows((const float *)x + skip, x_s0, rows, count, K, panel_w, n0, nc, w_dt, out + first * o_s0, o_s0, 0,
+               ahead);
+}
+
 /* x [M, H] (row stride x_s0, dtype x_dt: 0 float32, 1 float16, 2 bfloat16) routed by ids [M, topk] (int32, or
  * int64 with ids_64) with weights tw [M, topk] (dtype tw_dt) through E local experts: w13 packed
  * [E, ceil(2I / 32), H, 32] (gate rows then up rows), w2 packed [E, ceil(H / 32), I, 32], both of kind w_dt (0
@@ -150,11 +179,10 @@ int pk_fused_moe(const void *x, int64_t x_s0, int x_dt, int64_t M, int64_t H, co
     float *X = x_dt != 0 || o_dt != 0 ? A + S * I : NULL;
     const float *xf = x_dt != 0 ? X : (const float *)x;
     const int64_t xf_s0 = x_dt != 0 ? H : x_s0;
-#if PK_BF16_DOT
-    /* bf16 rows and panels: both GEMMs in pair dot products, the activated rows rounded to bf16 in A's first half */
-    const int dot = x_dt == 2 && w_dt == 2;
+    /* bf16 rows and panels where the build multiplies bf16: both GEMMs in pair dot products, the activated rows
+     * rounded to bf16 in A's first half (Ab) */
+    const int dot = PK_BF16_DOT && x_dt == 2 && w_dt == 2;
     uint16_t *Ab = (uint16_t *)A;
-#endif
 
     /* 1. counting sort of the slots by local expert; ids (and the whole map) checked before anything is written */
     if (expert_map)
@@ -189,92 +217,41 @@ int pk_fused_moe(const void *x, int64_t x_s0, int x_dt, int64_t M, int64_t H, co
     }
 
     const int64_t p13 = (2 * I + NP - 1) / NP, p2 = (H + NP - 1) / NP;
-    const int64_t wb = W_BYTES(w_dt);
-    const char *w13c = (const char *)w13, *w2c = (const char *)w2;
     const int64_t work = rows * (3 * I) * H; /* multiply-adds */
     const int threads = work >= W16_PARALLEL_MIN * 4 ? num_threads : 1;
 #pragma omp parallel num_threads(threads)
     {
-#if PK_BF16_DOT
-        if (dot) {
-            /* 2 and 3 with pair dot products: GEMM 1 on the bf16 rows, the activation rounded to bf16 (each row
-             * activated in float32 in its gate half of Y, which nothing reads after, then rounded into Ab) */
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t item = 0; item < num_active * p13; item++) {
-                const int64_t e = active[item / p13], p = item % p13;
-                const int64_t first = offsets[e], count = offsets[e + 1] - first;
-                const uint16_t *panel_w = (const uint16_t *)w13 + (e * p13 + p) * H * NP;
-                const int64_t n0 = p * NP;
-                const int nc = 2 * I - n0 < NP ? (int)(2 * I - n0) : NP;
-                panel_rows_dot((const uint16_t *)x, x_s0, token_of_row + first, count, H, panel_w, n0, nc,
-                               Y + first * 2 * I, 2 * I, 0, p + 1 < p13 ? panel_w + H * NP : NULL);
-            }
+        if (x_dt != 0 && !dot) {
+            /* 16-bit rows to float32, each once (GEMM 1 reads a token's row once per expert it routes to) */
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < rows; r++) {
-                float *y = Y + r * 2 * I;
-                if (act == 0) {
-#pragma omp simd
-                    for (int64_t i = 0; i < I; i++) y[i] = silu(y[i]) * y[I + i];
-                } else {
-#pragma omp simd
-                    for (int64_t i = 0; i < I; i++) y[i] = gelu_tanh(y[i]) * y[I + i];
-                }
-                store_row(Ab, r * I, 2, I, y);
-            }
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t item = 0; item < num_active * p2; item++) {
-                const int64_t e = active[item / p2], p = item % p2;
-                const int64_t first = offsets[e], count = offsets[e + 1] - first;
-                const uint16_t *panel_w = (const uint16_t *)w2 + (e * p2 + p) * I * NP;
-                const int64_t n0 = p * NP;
-                const int nc = H - n0 < NP ? (int)(H - n0) : NP;
-                panel_rows_dot(Ab + first * I, I, NULL, count, I, panel_w, n0, nc, Y + first * H, H, 0,
-                               p + 1 < p2 ? panel_w + I * NP : NULL);
-            }
-        } else
-#endif
-        {
-            if (x_dt != 0) {
-                /* 16-bit rows to float32, each once (GEMM 1 reads a token's row once per expert it routes to) */
-#pragma omp for schedule(static)
-                for (int64_t t = 0; t < M; t++) load_row(x, t * x_s0, x_dt, H, X + t * H);
-            }
-            /* 2. GEMM 1 per (active expert, gate/up panel): Y[rows of e] = x[tokens of e] @ w13[e]^T */
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t item = 0; item < num_active * p13; item++) {
-                const int64_t e = active[item / p13], p = item % p13;
-                const int64_t first = offsets[e], count = offsets[e + 1] - first;
-                const char *panel_w = w13c + (e * p13 + p) * H * NP * wb;
-                const int64_t n0 = p * NP;
-                const int nc = 2 * I - n0 < NP ? (int)(2 * I - n0) : NP;
-                panel_rows(xf, xf_s0, token_of_row + first, count, H, panel_w, n0, nc, w_dt, Y + first * 2 * I,
-                           2 * I, 0, p + 1 < p13 ? panel_w + H * NP * wb : NULL);
-            }
-            /* 3. the gated activation: A[r] = act(Y[r, :I]) * Y[r, I:] */
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < rows; r++) {
-                const float *y = Y + r * 2 * I;
-                float *a = A + r * I;
-                if (act == 0) {
-#pragma omp simd
-                    for (int64_t i = 0; i < I; i++) a[i] = silu(y[i]) * y[I + i];
-                } else {
-#pragma omp simd
-                    for (int64_t i = 0; i < I; i++) a[i] = gelu_tanh(y[i]) * y[I + i];
-                }
-            }
-            /* 4. GEMM 2 per (active expert, down panel): Z[rows of e] = A[rows of e] @ w2[e]^T, into Y's buffer */
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t item = 0; item < num_active * p2; item++) {
-                const int64_t e = active[item / p2], p = item % p2;
-                const int64_t first = offsets[e], count = offsets[e + 1] - first;
-                const char *panel_w = w2c + (e * p2 + p) * I * NP * wb;
-                const int64_t n0 = p * NP;
-                const int nc = H - n0 < NP ? (int)(H - n0) : NP;
-                panel_rows(A + first * I, I, NULL, count, I, panel_w, n0, nc, w_dt, Y + first * H, H, 0,
-                           p + 1 < p2 ? panel_w + I * NP * wb : NULL);
-            }
+            for (int64_t t = 0; t < M; t++) load_row(x, t * x_s0, x_dt, H, X + t * H);
         }
+        /* 2. GEMM 1 per (active expert, gate/up panel): Y[rows of e] = x[tokens of e] @ w13[e]^T (the pair dots read
+         * the tokens' bf16 rows as they are) */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < num_active * p13; item++)
+            expert_item(item, p13, active, offsets, w13, H, 2 * I, w_dt, dot, dot ? x : (const void *)xf,
+                        dot ? x_s0 : xf_s0, token_of_row, Y, 2 * I);
+        /* 3. the gated activation: A[r] = act(Y[r, :I]) * Y[r, I:]; for the pair dots computed in place in Y's gate
+         * half, which nothing reads after, and rounded to bf16 into Ab */
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            float *y = Y + r * 2 * I;
+            float *a = dot ? y : A + r * I;
+            if (act == 0) {
+#pragma omp simd
+                for (int64_t i = 0; i < I; i++) a[i] = silu(y[i]) * y[I + i];
+            } else {
+#pragma omp simd
+                for (int64_t i = 0; i < I; i++) a[i] = gelu_tanh(y[i]) * y[I + i];
+            }
+            if (dot) store_row(Ab, r * I, 2, I, a);
+        }
+        /* 4. GEMM 2 per (active expert, down panel): Z[rows of e] = A[rows of e] @ w2[e]^T, into Y's buffer */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < num_active * p2; item++)
+            expert_item(item, p2, active, offsets, w2, I, H, w_dt, dot, dot ? (const void *)Ab : (const void *)A, I,
+                        NULL, Y, H);
         /* 5. out[t] = sum_j w[t, j] Z[row of slot (t, j)], in slot order (a 16-bit out: summed in X's row t, which
          * GEMM 1 no longer reads, then rounded once) */
 #pragma omp for schedule(static)
