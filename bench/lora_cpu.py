@@ -145,8 +145,9 @@ def main(argv=None) -> int:
     parser.add_argument("--min-time", type=float, default=0.3, help="seconds of calls per method and shape")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (the median is reported)")
     args = parser.parse_args(argv)
-    if args.out is not None and args.out.suffix != ".json":
-        args.out.mkdir(parents=True, exist_ok=True)   # a directory: checked now, not after minutes of timing
+    out_dir = args.out if args.out is not None and args.out.suffix != ".json" else None
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)   # checked now, not after minutes of timing
     if _native.library() is None:
         print(f"note: native kernels unavailable ({_native.build_error()}): 'pagedkernels' is the PyTorch twin")
     rounds, min_time = (2, 0.01) if args.quick else (args.rounds, args.min_time)
@@ -165,8 +166,8 @@ def main(argv=None) -> int:
         "load_average_before": load_before,   # the machine may be shared: compare runs at a low load only
         "load_average_after": os.getloadavg(),
     }
-    if args.out is not None and args.out.suffix != ".json":
-        print(f"wrote {write_cpu_report(args.out, 'lora-cpu-kernels', report)}")
+    if out_dir is not None:
+        print(f"wrote {write_cpu_report(out_dir, 'lora-cpu-kernels', report)}")
     elif args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1) + "\n")

@@ -41,6 +41,7 @@ from types import SimpleNamespace
 
 import torch
 
+import pagedkernels as pk
 from bench import engine_cpu
 from bench.report import write_cpu_report
 from pagedkernels import _native
@@ -103,7 +104,7 @@ def active_flop_model(model_dir: str) -> engine_cpu.FlopModel:
     return flops
 
 
-def _bf16_row(pk, x, packed, w13, w2, weights, ids, repeats: int, float32_ms: float, flops: int) -> dict:
+def _bf16_row(x, packed, w13, w2, weights, ids, repeats: int, float32_ms: float, flops: int) -> dict:
     """The bf16 model's call of one kernel row: hidden states and routing weights in bf16, its time and check."""
     xb, wb = x.bfloat16(), weights.bfloat16()
     with torch.inference_mode():
@@ -141,7 +142,6 @@ def kernel_vs_loop(shape: dict, tokens_list, repeats: int, seed: int = 0, bf16: 
     token count of ``tokens_list``, on one layer of ``shape`` with random bf16-valued weights. ``bf16``: also the
     kernel as a bf16 model runs it (the same rows rounded to bf16 in and out; pair dot products where the build has
     AVX512-BF16), checked against the float32 loop on the rounded rows at bf16's precision."""
-    import pagedkernels as pk
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hidden, inter, experts, top_k = (shape[k] for k in ("hidden_size", "moe_intermediate_size", "num_experts",
@@ -189,7 +189,7 @@ def kernel_vs_loop(shape: dict, tokens_list, repeats: int, seed: int = 0, bf16: 
               f"({implementation}) {hf_ms:.3f} ms "
               f"({rows[-1]['ratio_vs_transformers']:.2f}x); check {rows[-1]['check']}", flush=True)
         if bf16:
-            rows[-1].update(_bf16_row(pk, x, packed, w13, w2, weights, ids, repeats, kernel_ms,
+            rows[-1].update(_bf16_row(x, packed, w13, w2, weights, ids, repeats, kernel_ms,
                                       2 * tokens * top_k * 3 * hidden * inter))
             print(f"  bf16 hidden states ({rows[-1]['bf16_path']}): kernel {rows[-1]['kernel_bf16_ms']:.3f} ms "
                   f"({rows[-1]['kernel_bf16_gflops']:.0f} GFLOP/s, {rows[-1]['bf16_over_float32']:.2f}x the float32 "
