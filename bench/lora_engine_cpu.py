@@ -19,11 +19,14 @@ turns, best time kept (PEFT's, minutes long, once); the engine sides empty their
 
 Reported: output tokens/s of each side, ``engine-lora / engine-base`` (goal >= 0.8: serving four adapters costs
 at most a fifth of the base model's throughput) and ``engine-lora / peft`` (goal >= 5), the LoRA engine's greedy
-outputs against PEFT's request by request (same weights, same greedy work; float32 near-ties may flip an argmax
-in another batch shape), and the fraction of the float32 matmul rate (bench.engine_cpu.measure_matmul_gflops) each
-side reaches, its useful FLOPs counted alike: bench.engine_cpu.FlopModel's, plus 2 r (in + out) per token and
-adapted projection for the LoRA sides. The load average before and after is recorded: compare runs only on a quiet
-machine (the lead measures there).
+outputs against PEFT's request by request (same weights, same greedy work; near-ties, more of them in bf16, may
+flip an argmax in another batch shape), and the fraction of the matmul rate in the run's dtype
+(bench.engine_cpu.measure_matmul_gflops) each side reaches, its useful FLOPs counted alike:
+bench.engine_cpu.FlopModel's, plus 2 r (in + out) per token and adapted projection for the LoRA sides. The load
+average before and after is recorded: compare runs only on a quiet machine (the lead measures there).
+
+``--dtype bfloat16``: every side in bf16 (vLLM-CPU's default; the engine's bf16 linears and LoRA kernels, PEFT on a
+bf16 model), written as ``<date>-lora-engine-cpu-bf16-<cpu>.json``.
 
 ``--quick``: 6 requests of 4-12 tokens, rank 4 and 8 adapters, two rounds, a 256^3 matmul: it exercises the code
 for its test (bench/test_lora_engine_cpu.py), the numbers then mean nothing. Give it a small model (``--model``).
@@ -102,7 +105,7 @@ def lora_flops_per_token(model_dir: str, ranks: tuple[int, ...]) -> list[int]:
 
 
 class EngineSide:
-    def __init__(self, model_dir: str, adapters: list[str] | None):
+    def __init__(self, model_dir: str, adapters: list[str] | None, dtype: str = "float32"):
         from engine import LLM, LoRARequest, SamplingParams
 
         self.SamplingParams = SamplingParams
@@ -110,7 +113,7 @@ class EngineSide:
         kwargs = {}
         if adapters:   # every adapter in one step's slots
             kwargs = dict(enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=max(map(adapter_rank, adapters)))
-        self.llm = LLM(model_dir, dtype="float32", device="cpu", **kwargs)
+        self.llm = LLM(model_dir, dtype=dtype, device="cpu", **kwargs)
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int], adapters: list[int | None]) -> list[list[int]]:
         params = [self.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
@@ -126,7 +129,7 @@ class EngineSide:
 class PeftSide:
     """transformers + PEFT: the adapters in one PeftModel, one batched generate with mixed adapter_names."""
 
-    def __init__(self, model_dir: str, adapters: list[str]):
+    def __init__(self, model_dir: str, adapters: list[str], dtype: str = "float32"):
         import transformers
         from peft import PeftModel
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -134,7 +137,7 @@ class PeftSide:
         transformers.logging.set_verbosity_error()
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
         self.model = PeftModel.from_pretrained(model, adapters[0], adapter_name="adapter-0")
         for i, path in enumerate(adapters[1:], start=1):
             self.model.load_adapter(path, adapter_name=f"adapter-{i}")
@@ -171,12 +174,13 @@ def serve_side(side) -> None:
 class LoRASide(PipedSide):
     """A side of this benchmark in a process of its own (``python -m bench.lora_engine_cpu --serve-side KIND``)."""
 
-    def __init__(self, kind: str, model_dir: str, adapters: list[str]):
+    def __init__(self, kind: str, model_dir: str, adapters: list[str], dtype: str = "float32"):
         self.name = kind
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         super().__init__([sys.executable, "-m", "bench.lora_engine_cpu", "--model", model_dir, "--threads",
-                          str(torch.get_num_threads()), "--serve-side", kind, "--adapters", *adapters], env)
+                          str(torch.get_num_threads()), "--dtype", dtype, "--serve-side", kind, "--adapters", *adapters],
+                         env)
 
     def generate_mix(self, requests: list[Request], adapters: list[int | None]) -> list[list[int]]:
         self._signal(signal.SIGCONT)
@@ -243,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="timed runs per engine side, taking turns (best kept); PEFT runs once")
     parser.add_argument("--matmul-n", type=int, default=2048)
     parser.add_argument("--threads", type=int, help="torch.set_num_threads for every side (default: torch's)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="every side's weights and activations (vLLM-CPU's default is bfloat16; the matmul rate "
+                             "reported is then bf16's)")
     parser.add_argument("--skip-peft", action="store_true", help="the two engine sides only")
     parser.add_argument("--quick", action="store_true", help="a small run that exercises the code (its test)")
     parser.add_argument("--out", help="directory for <date>-lora-engine-cpu-<cpu>.json (e.g. bench/results)")
@@ -258,8 +265,8 @@ def main(argv: list[str] | None = None) -> int:
 
         args.model = default_model_path()
     if args.serve_side:
-        side = PeftSide(args.model, args.adapters) if args.serve_side == "peft" else \
-            EngineSide(args.model, args.adapters if args.serve_side == "engine-lora" else None)
+        side = PeftSide(args.model, args.adapters, args.dtype) if args.serve_side == "peft" else \
+            EngineSide(args.model, args.adapters if args.serve_side == "engine-lora" else None, args.dtype)
         serve_side(side)
         return 0
 
@@ -270,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                                                   seed=args.seed)
         report = run(args, adapters, tuple(adapter_rank(path) for path in adapters))
     if args.out:
-        print(f"wrote {write_cpu_report(args.out, 'lora-engine-cpu', report)}")
+        kind = "lora-engine-cpu" + ("" if args.dtype == "float32" else "-bf16")
+        print(f"wrote {write_cpu_report(args.out, kind, report)}")
     return 0
 
 
@@ -279,24 +287,24 @@ def run(args, adapters: list[str], ranks: tuple[int, ...]) -> dict:
     requests = make_requests(args.num_requests, args.min_len, args.max_len, flop_model.vocab_size, args.seed)
     mix = [i % NUM_ADAPTERS for i in range(len(requests))]
     load_before = os.getloadavg()
-    matmul = measure_matmul_gflops(args.matmul_n)
+    matmul = measure_matmul_gflops(args.matmul_n, dtype=getattr(torch, args.dtype))
     matmul_gflops = max(matmul.values())
     lora_flops = lora_flops_per_token(args.model, ranks)
     print(f"model {args.model}: {len(requests)} requests on {NUM_ADAPTERS} adapters (ranks {ranks}), "
           f"{sum(len(r.prompt_token_ids) for r in requests)} prompt / {sum(r.output_len for r in requests)} output "
-          f"tokens; float32 matmul {matmul_gflops:.1f} GFLOP/s; torch threads {torch.get_num_threads()}", flush=True)
+          f"tokens; {args.dtype}; {args.dtype} matmul {matmul_gflops:.1f} GFLOP/s; torch threads {torch.get_num_threads()}", flush=True)
     kinds = ["engine-lora", "engine-base"] + ([] if args.skip_peft else ["peft"])
     sides = []
     try:
         for kind in kinds:
-            sides.append(LoRASide(kind, args.model, adapters))
+            sides.append(LoRASide(kind, args.model, adapters, args.dtype))
         results, outputs = measure(sides, requests, mix, args.rounds, flop_model, lora_flops, matmul_gflops)
     finally:   # a side's process must not outlive the run (stopped, in a session of its own)
         for side in sides:
             side.close()
     for name, r in results.items():
         print(f"{name}: {r['output_tokens']} output tokens in {r['seconds']:.2f} s = {r['output_tokens_per_s']:.1f} "
-              f"tok/s, {r['frac_of_matmul']:.3f} of the float32 matmul rate (exact lengths: "
+              f"tok/s, {r['frac_of_matmul']:.3f} of the {args.dtype} matmul rate (exact lengths: "
               f"{r['output_lengths_exact']})", flush=True)
     ratios, targets = {}, []
     for label, goal in GOALS.items():
@@ -313,7 +321,7 @@ def run(args, adapters: list[str], ranks: tuple[int, ...]) -> dict:
                         "native_march": _native.native_march(), "torch_threads": torch.get_num_threads(),
                         "torch": torch.__version__, "python": platform.python_version(),
                         "load_average_before": load_before, "load_average_after": os.getloadavg()},
-        "model": args.model, "dtype": "float32",
+        "model": args.model, "dtype": args.dtype,
         "adapters": {"count": NUM_ADAPTERS, "ranks": list(ranks), "target_modules": TARGET_MODULES,
                      "paths": adapters if args.adapters else "made with PEFT for the run (random A and B)",
                      "lora_flops_per_token": lora_flops},

@@ -43,3 +43,14 @@ def test_quick_run_measures_every_side_and_writes_json(tiny_llama, tmp_path):
     assert all(t["status"] in ("met", "not met") for t in report["targets"])
     assert report["greedy_outputs_identical_engine_lora_vs_peft"] == "6/6"
     assert report["adapter_outputs_differ_from_base"] != "0/6"   # the adapters are live in the engine
+
+
+def test_quick_bf16_run_writes_its_own_file(tiny_llama, tmp_path):
+    """``--dtype bfloat16`` runs the engine sides in bf16 and names its file apart from the float32 run's."""
+    assert lora_engine_cpu.main(["--quick", "--dtype", "bfloat16", "--skip-peft", "--model", tiny_llama,
+                                 "--out", str(tmp_path)]) == 0
+    [path] = tmp_path.glob("*-lora-engine-cpu-bf16-*.json")
+    report = json.loads(path.read_text())
+    assert report["dtype"] == "bfloat16" and set(report["sides"]) == {"engine-lora", "engine-base"}
+    assert all(side["output_lengths_exact"] is True for side in report["sides"].values())
+    assert report["adapter_outputs_differ_from_base"] != "0/6"

@@ -167,14 +167,17 @@ def _run(script_or_args: list[str], env: dict, timeout: int = 600) -> subprocess
 @pytest.mark.skipif(not NATIVE or os.uname().machine != "x86_64", reason="needs a C compiler on x86-64")
 def test_avx512_bf16_kernels_emulated(tmp_path):
     """The AVX512-BF16 kernels (pair dot products, weight pairs unpacked within 128-bit lanes and the sums put back
-    in column order, odd K, the query-key tiles of 4 and 1 keys) built for AVX2 with the one instruction emulated,
-    in a process of their own: the numerics tests of this file pass on them. Built at -O1 (half the compile time of
-    -O3): this build checks what the kernels compute, not how fast."""
+    in column order, odd K, the query-key tiles of 4 and 1 keys, the LoRA shrink's and expand's pairs and odd ranks)
+    built for AVX2 with the one instruction emulated, in a process of their own: the numerics tests of this file and
+    test_lora.py's bf16 native ones pass on them. Built at -O1 (half the compile time of -O3): this build checks what
+    the kernels compute, not how fast."""
     env = {**os.environ, "PAGEDKERNELS_NATIVE_MARCH": "x86-64-v3", "PAGEDKERNELS_CACHE_DIR": str(tmp_path),
            "PAGEDKERNELS_NATIVE_CFLAGS": "-DPK_EMULATE_AVX512BF16 -O1"}
+    lora = os.path.join(os.path.dirname(__file__), "test_lora.py")
+    select = "test_bf16_cpu and (float64 or same_bits) or test_lora and bfloat16 and (native or same_bits)"
     script = ("import sys, pytest\nfrom pagedkernels import _native\n"
               "assert _native.bf16_dot_path() == 'AVX512-BF16 (emulated)', _native.bf16_dot_path()\n"
-              f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', {__file__!r}, '-k', 'float64 or same_bits']))")
+              f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', {__file__!r}, {lora!r}, '-k', {select!r}]))")
     proc = _run(["-c", script], env)
     assert proc.returncode == 0 and " passed" in proc.stdout and "skipped" not in proc.stdout \
         and "deselected" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
