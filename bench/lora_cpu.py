@@ -1,6 +1,6 @@
 """Multi-LoRA kernels on the CPU: a batch mixing 4 adapters and the base model, at 1, 64 and 1024 tokens.
 
-    python -m bench.lora_cpu [--out DIR | --out FILE.json] [--quick]
+    python -m bench.lora_cpu [--out DIR | --out FILE.json] [--dtype float32|bfloat16] [--quick]
 
 For each projection of SmolLM2-135M (the engine's default model on CPU: q/k/v fused 576 -> 576 + 192 + 192, o
 576 -> 576, gate/up fused 576 -> 2 x 1536, down 1536 -> 576), rank 16, tokens cycling over the 4 adapters and the
@@ -18,6 +18,9 @@ method back to back, so load from elsewhere falls on all alike; the minimum is r
 Rows carry the ratio ``loop / pagedkernels`` (above 1: the grouped kernels are faster) and ``lora / base`` (the
 delta's cost as a share of its layer's), GFLOP/s (2 M (K S R + N R)) and the fraction of the float32 matmul rate
 measured in the same run. Each method's result is checked against a float32 reference first.
+``--dtype bfloat16``: inputs, adapters and the base linear in bf16 (vLLM-CPU's default dtype; the base linear is then
+oneDNN's prepacked bf16 product), the fraction taken of the bf16 matmul rate, the file named
+``<date>-lora-cpu-kernels-bf16-<cpu>.json``.
 ``--quick``: one tiny projection at 1, 8 and 64 tokens, two rounds, no peak measured: it exercises the code for the
 tests (the numbers then mean nothing).
 """
@@ -25,6 +28,7 @@ tests (the numbers then mean nothing).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -78,7 +82,7 @@ def _methods(inp: kernels.LoRAInputs):
     """(name, fn) of every method; each writes into an output of its own (the deltas pile up over the calls: only
     the first call's result is checked)."""
     outs = {name: inp.base.clone() for name in ("pagedkernels", "loop", "twin")}
-    weight = torch.randn(sum(inp.slice_sizes), inp.x.shape[1]) * inp.x.shape[1] ** -0.5
+    weight = (torch.randn(sum(inp.slice_sizes), inp.x.shape[1]) * inp.x.shape[1] ** -0.5).to(inp.x.dtype)
     if hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available():
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
         base = lambda: torch.ops.mkldnn._linear_pointwise(inp.x, packed, None, "none", [], "")  # noqa: E731
@@ -97,18 +101,20 @@ def _methods(inp: kernels.LoRAInputs):
 
 def _check(inp: kernels.LoRAInputs) -> None:
     """Each LoRA method's result near the float32 reference (a mis-wired benchmark, not a precision test)."""
-    expected = kernels.lora_reference(inp)
+    expected, dtype = kernels.lora_reference(inp), inp.x.dtype
     for name, fn in (("pagedkernels", kernels.lora_grouped), ("per-adapter loop", kernels.lora_loop)):
-        kernels.assert_close(fn(inp, inp.base.clone()), expected, torch.float32, name)
+        kernels.assert_close(fn(inp, inp.base.clone()), expected, dtype, name)
     with pk.use_backend("torch"):
-        kernels.assert_close(kernels.lora_grouped(inp, inp.base.clone()), expected, torch.float32, "torch twin")
+        kernels.assert_close(kernels.lora_grouped(inp, inp.base.clone()), expected, dtype, "torch twin")
 
 
-def run(projections, tokens, *, rounds: int, min_time: float, peaks: kernels.Peaks | None) -> list[dict]:
+def run(projections, tokens, *, rounds: int, min_time: float, peaks: kernels.Peaks | None,
+        dtype: torch.dtype = torch.float32) -> list[dict]:
     rows = []
+    frac_key = f"frac_of_{kernels.DTYPE_NAMES[dtype]}_matmul"
     for name, in_features, sizes in projections:
         for num_tokens in tokens:
-            inp = kernels.lora_inputs(torch.device("cpu"), torch.float32, num_tokens=num_tokens,
+            inp = kernels.lora_inputs(torch.device("cpu"), dtype, num_tokens=num_tokens,
                                       in_features=in_features, slice_sizes=sizes, rank=RANK,
                                       num_adapters=NUM_ADAPTERS, gen=torch.Generator().manual_seed(num_tokens))
             _check(inp)
@@ -124,7 +130,7 @@ def run(projections, tokens, *, rounds: int, min_time: float, peaks: kernels.Pea
                     "adapters": NUM_ADAPTERS, "tokens": num_tokens, "method": method,
                     "us": round(seconds[method] * 1e6, 2), "us_min": round(min(s) * 1e6, 2),
                     "GFLOPs": None if gflops is None else _sig(gflops),
-                    "frac_of_fp32_matmul": None if gflops is None or peaks is None
+                    frac_key: None if gflops is None or peaks is None
                     else _sig(gflops / (peaks.matmul_tflops * 1e3)),
                     "loop_over_this": _sig(seconds["per-adapter loop"] / seconds[method]) if lora else None,
                     "this_over_base": _sig(seconds[method] / seconds["base linear"]) if lora else None,
@@ -142,6 +148,8 @@ def main(argv=None) -> int:
                         help="a directory (gets <date>-lora-cpu-kernels-<cpu>.json, as the other CPU benchmarks "
                              "write) or a .json file to write the results to")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, few rounds: checks the code paths only")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="inputs, adapters and the base linear (default float32)")
     parser.add_argument("--min-time", type=float, default=0.3, help="seconds of calls per method and shape")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (the median is reported)")
     args = parser.parse_args(argv)
@@ -152,22 +160,30 @@ def main(argv=None) -> int:
         print(f"note: native kernels unavailable ({_native.build_error()}): 'pagedkernels' is the PyTorch twin")
     rounds, min_time = (2, 0.01) if args.quick else (args.rounds, args.min_time)
     start, load_before = time.time(), os.getloadavg()
-    peaks = None
+    peaks, dtype = None, getattr(torch, args.dtype)
     if not args.quick:
         peaks = kernels.measure_peaks(torch.device("cpu"), kernels.wall_timer)
+        if dtype != torch.float32:   # the fraction is of the rate in the run's dtype (oneDNN's prepacked bf16)
+            from bench.engine_cpu import measure_matmul_gflops
+
+            rates = measure_matmul_gflops(peaks.matmul_n, dtype=dtype)
+            peaks = dataclasses.replace(peaks, matmul_tflops=max(rates.values()) / 1e3,
+                                        matmul_dtype=kernels.DTYPE_NAMES[dtype])
         print(kernels.format_peaks(vars(peaks)))
     rows = run(*((QUICK_PROJECTIONS, QUICK_TOKENS) if args.quick else (PROJECTIONS, TOKENS)), rounds=rounds,
-               min_time=min_time, peaks=peaks)
+               min_time=min_time, peaks=peaks, dtype=dtype)
     report = {
         "benchmark": "bench.lora_cpu", "quick": args.quick, "date": datetime.date.today().isoformat(),
         "cpu": _native.cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-        "native": _native.library() is not None, "torch": torch.__version__, "python": platform.python_version(),
+        "dtype": args.dtype, "native": _native.library() is not None,
+        "bf16_dot_path": _native.bf16_dot_path() if _native.library() is not None else None, "torch": torch.__version__, "python": platform.python_version(),
         "peaks": None if peaks is None else vars(peaks), "rows": rows, "seconds": round(time.time() - start, 1),
         "load_average_before": load_before,   # the machine may be shared: compare runs at a low load only
         "load_average_after": os.getloadavg(),
     }
     if out_dir is not None:
-        print(f"wrote {write_cpu_report(out_dir, 'lora-cpu-kernels', report)}")
+        kind = "lora-cpu-kernels" + ("" if args.dtype == "float32" else "-bf16")
+        print(f"wrote {write_cpu_report(out_dir, kind, report)}")
     elif args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1) + "\n")

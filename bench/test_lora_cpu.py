@@ -35,3 +35,14 @@ def test_out_directory_gets_the_dated_report_name(tmp_path):
     (path,) = (tmp_path / "results").iterdir()
     assert path.name.endswith(".json") and "-lora-cpu-kernels-" in path.name
     assert json.loads(path.read_text())["benchmark"] == "bench.lora_cpu"
+
+
+def test_quick_bf16_run_names_its_file_and_fraction(tmp_path):
+    """--dtype bfloat16: every method in bf16 (each checked against the float32 reference at bf16's tolerance), the
+    report saying so, its file apart from the float32 run's."""
+    assert lora_cpu.main(["--quick", "--dtype", "bfloat16", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.iterdir()
+    assert "-lora-cpu-kernels-bf16-" in path.name
+    report = json.loads(path.read_text())
+    assert report["dtype"] == "bfloat16"
+    assert all("frac_of_bf16_matmul" in row and row["us"] > 0 for row in report["rows"])
