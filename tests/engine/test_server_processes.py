@@ -144,11 +144,13 @@ def test_aborts_are_counted_across_the_core_process(served):
         time.sleep(0.05)
 
 
-def _in_flight(served) -> int:
-    """Requests the engine holds, running or waiting (its /metrics gauges)."""
+def _reached_engine(served) -> int:
+    """Requests the engine holds (running or waiting) or has finished, from its /metrics: unlike the gauges alone, a
+    count that a request ending on its own does not lower."""
     text = httpx.get(served.url + "/metrics", timeout=5).text
-    return sum(int(float(value)) for value in
-               re.findall(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$", text, re.MULTILINE))
+    return sum(int(float(value)) for value in re.findall(
+        r"^vllm:(?:num_requests_running|num_requests_waiting|request_success_total)\{[^}]*\} (\S+)$", text,
+        re.MULTILINE))
 
 
 def test_sigterm_drains_then_ends_every_stream_in_band(served):
@@ -158,6 +160,7 @@ def test_sigterm_drains_then_ends_every_stream_in_band(served):
     pids = served.tree()
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 1000, "ignore_eos": True}
     started = [threading.Event() for _ in range(6)]
+    before = _reached_engine(served)   # the earlier tests' requests
 
     def stream(i: int) -> list[str]:
         events = []
@@ -188,8 +191,9 @@ def test_sigterm_drains_then_ends_every_stream_in_band(served):
         assert started[-1].wait(60), "the openai client's stream did not start"
         # The non-streamed request shows no event: wait until the engine holds it too (on a busy machine its
         # thread could still be connecting when the listener closes, and get a refused connection, not a 503).
+        # Counted with the finished requests: a raw stream may end on its own meanwhile.
         deadline = time.monotonic() + 60
-        while _in_flight(served) < len(started) + 1:
+        while _reached_engine(served) - before < len(started) + 1:
             assert time.monotonic() < deadline, "the non-streamed request never reached the engine"
             time.sleep(0.05)
         signalled = time.monotonic()
