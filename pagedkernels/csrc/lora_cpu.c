@@ -138,10 +138,13 @@ typedef struct {
     float scale;
     float *out;
     int64_t o_s0;
+    const float *xf; /* 16-bit x of few-token slots converted once per call (row i: the token order[i]), or NULL */
 } shrink_work;
 
 /* One item v = {slot, first token, end token, first block, end block} (in w->order and w->blocks); buf: the thread's
- * float32 rows (16-bit inputs), NULL for float32. */
+ * float32 rows (16-bit inputs), NULL for float32. Its tokens' x rows come from w->xf where the call converted them
+ * up front (a decode step's slots: one item per block of A, and each item converting its tokens again cost 2.5x the
+ * float32 shrink in fp16 at 48 tokens), else converted here for its blocks (a prompt's chunk: its own tokens). */
 static void shrink_item(const shrink_work *w, const int64_t *v, float *buf) {
     const void *x = w->x, *a = w->a;
     const int64_t x_s0 = w->x_s0, K = w->K, a_s0 = w->a_s0, a_s1 = w->a_s1, R = w->R, num_slices = w->num_slices;
@@ -151,7 +154,8 @@ static void shrink_item(const shrink_work *w, const int64_t *v, float *buf) {
     const float scale = w->scale;
     float *out = w->out;
     const int64_t l = v[0], t0 = v[1], t1 = v[2];
-    if (buf) /* the item's tokens converted once, for every block */
+    const int convert = buf && !w->xf;
+    if (convert) /* the item's tokens converted once, for every block */
         for (int64_t i = t0; i < t1; i++) load_row(x, order[i] * x_s0, dt, K, buf + (JB + i - t0) * K);
     for (int64_t bk = v[3]; bk < v[4]; bk++) {
         const int64_t j0 = blocks[bk];
@@ -166,7 +170,8 @@ static void shrink_item(const shrink_work *w, const int64_t *v, float *buf) {
             const float *xrow[TB];
             for (int t = 0; t < TB; t++) { /* a missing partner repeats the last token: computed, not stored */
                 const int64_t at = i + (t < tn ? t : tn - 1);
-                xrow[t] = buf ? buf + (JB + at - t0) * K : (const float *)x + order[at] * x_s0;
+                xrow[t] = w->xf ? w->xf + at * K
+                          : buf ? buf + (JB + at - t0) * K : (const float *)x + order[at] * x_s0;
             }
             vfw acc[TB][JB];
             memset(acc, 0, sizeof acc);
@@ -327,12 +332,26 @@ int pk_lora_shrink(const void *x, int64_t x_s0, int dt, int64_t M, int64_t K, co
             }
         }
     }
-    const shrink_work work_list = {x, x_s0, dt, K, a, a_s0, a_s1, R, num_slices, ranks, order, blocks, scale, out, o_s0};
+    /* 16-bit x widened to float32: once per call for few-token slots (every block's item reads them), per item for
+     * a prompt's chunks */
+    const int64_t adapted = starts[num_loras];
+    float *xf = NULL;
+    if (shrink_widens(dt) && !chunked && adapted > 0 && !(xf = (float *)malloc(sizeof(float) * adapted * K))) {
+        free(blocks);
+        free(meta);
+        return OUT_OF_MEMORY;
+    }
+    const shrink_work work_list = {x, x_s0, dt, K, a, a_s0, a_s1, R, num_slices, ranks, order, blocks, scale, out, o_s0,
+                                   xf};
     int failed = 0;
 #pragma omp parallel num_threads(work >= LORA_PARALLEL_MIN ? num_threads : 1)
     {
-        /* per thread (16-bit inputs only): JB rows of A and an item's rows of x (at most `chunk`) as float32 */
-        float *buf = shrink_widens(dt) ? (float *)malloc(sizeof(float) * (JB + chunk) * K) : NULL;
+        if (xf) {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < adapted; i++) load_row(x, order[i] * x_s0, dt, K, xf + i * K);
+        }
+        /* per thread (16-bit inputs only): JB rows of A and (without xf) an item's rows of x, at most `chunk` */
+        float *buf = shrink_widens(dt) ? (float *)malloc(sizeof(float) * (JB + (xf ? 0 : chunk)) * K) : NULL;
         const int ok = !shrink_widens(dt) || buf != NULL;
         if (!ok) {
 #pragma omp atomic write
@@ -351,6 +370,7 @@ int pk_lora_shrink(const void *x, int64_t x_s0, int dt, int64_t M, int64_t K, co
         }
         free(buf);
     }
+    free(xf);
     free(blocks);
     free(meta);
     return failed ? OUT_OF_MEMORY : 0;
