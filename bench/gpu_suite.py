@@ -14,7 +14,8 @@
    the bandwidth floor, decode-step time at batch 64 / 256.
 4. llama (540 s): Llama-3-8B shape: engine throughput, batch-1 decode, decode-step time at batch 64 / 256.
 5. kernel-tests (540 s): tests/pagedkernels on CUDA, all of it.
-6. engine-tests (540 s): the engine tests that run on CUDA (compiled forward, CUDA graphs, NCCL, dummy weights).
+6. engine-tests (540 s): the engine tests that run on CUDA (compiled forward, CUDA graphs, NCCL, dummy weights;
+   speculative decoding, quantized checkpoints and the fp8 KV cache against their references on the GPU).
 7. other-tests (540 s): every other test module, on the GPU machine (``--shard K/N`` splits it).
 8. quant (300 s): the W4A16 and FP8 GEMMs against the 16-bit GEMM at decode and prefill shapes, fp8-KV decode
    against 16-bit-KV decode.
@@ -70,7 +71,8 @@ DEFAULT_OUT = REPO_ROOT / "bench" / "results"
 PYTEST_OPTIONS = ["-q", "-rfE", "-p", "no:cacheprovider", "--continue-on-collection-errors"]
 KERNEL_TESTS = ["tests/pagedkernels"]
 # The engine tests that run something on CUDA when it is there (device-parametrized or CUDA-only).
-CUDA_ENGINE_TESTS = ["tests/engine/test_cuda_engine.py", "tests/engine/test_cuda_graph_runner.py",
+CUDA_ENGINE_TESTS = ["tests/engine/test_cuda_engine.py", "tests/engine/test_cuda_features.py",
+                     "tests/engine/test_cuda_graph_runner.py",
                      "tests/engine/test_distributed.py", "tests/engine/test_model_runner.py",
                      "tests/engine/test_dummy_load.py", "tests/engine/test_config.py",
                      "tests/engine/test_lora_engine.py"]

@@ -14,39 +14,12 @@ from engine.core.block_manager import BlockManager
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence
 from tests.engine.block_invariants import assert_refcounts_match_holders, finish_all_and_assert_released
-from tests.engine.models_util import TINY_ARCHITECTURES, random_token_ids
+from tests.engine.models_util import TINY_ARCHITECTURES
 from tests.engine.sampler_paths import both_sampler_paths  # noqa: F401 (the tests that sample run on both paths)
-
-K = 4
-NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-
-
-def _prompts() -> list[dict]:
-    """Token-id prompts: two that repeat a span (n-gram matches), two random ones, of several lengths."""
-    span = random_token_ids(12, seed=7)
-    return [{"prompt_token_ids": span * 3 + random_token_ids(5, seed=8)},
-            {"prompt_token_ids": random_token_ids(9, seed=9) + span + span[:6]},
-            {"prompt_token_ids": random_token_ids(37, seed=10)},
-            {"prompt_token_ids": random_token_ids(3, seed=11)}]
-
-
-def _generate(model_dir: str, params=GREEDY, prompts=None, **kwargs):
-    must_preempt = kwargs.pop("must_preempt", False)
-    llm = LLM(model_dir, max_model_len=160, num_kv_blocks=kwargs.pop("num_kv_blocks", 64), **kwargs)
-    try:
-        outputs = llm.generate(prompts or _prompts(), params, use_tqdm=False)
-        bm = llm.llm_engine.block_manager
-        assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
-        metrics = llm.llm_engine.get_metrics()
-        assert metrics.num_preemptions > 0 or not must_preempt
-        return outputs, metrics.spec_decode
-    finally:
-        llm.llm_engine.shutdown()
-
-
-def _tokens(outputs) -> list[list[list[int]]]:
-    return [[list(c.token_ids) for c in o.outputs] for o in outputs]
+from tests.engine.spec_util import GREEDY, K, NGRAM
+from tests.engine.spec_util import completion_tokens as _tokens
+from tests.engine.spec_util import generate_checked as _generate
+from tests.engine.spec_util import spec_prompts as _prompts
 
 
 @pytest.fixture(scope="module")

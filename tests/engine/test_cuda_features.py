@@ -1,0 +1,163 @@
+"""Engine features on CUDA that had run only on the CPU's kernels: speculative decoding (n-gram proposals, a draft
+model, the model as its own draft), quantized linears (GPTQ and AWQ checkpoints through the Triton int4/int8 GEMM,
+fp8 checkpoints through the fp8 GEMM) and the fp8 KV cache (Triton attention over e4m3 codes). Each is held to the
+reference its CPU tests use, computed on the GPU in the same test: the plain engine's greedy tokens, the de-quantized
+float32 model's log-probabilities, the float32 cache's. The feature side runs as GPU users run it (compiled forward,
+CUDA graphs for pure-decode steps), the reference eagerly.
+
+Runs in the GPU suite's engine-tests phase (``python -m bench.gpu_suite --phase engine-tests``); skipped on CPU-only
+machines, where tests/engine/test_spec_decode.py, test_quantization.py and test_kv_cache_fp8.py hold the same
+behaviour on the CPU kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.worker.model_runner import ModelRunner
+from tests.engine import spec_util as spec
+from tests.engine.models_util import build_tiny_model_dir, engine_config
+from tests.engine.quant_checkpoints import quantize_model_dir
+from tests.engine.test_kv_cache_fp8 import PROMPTS as FP8_PROMPTS, _teacher_forced_logits
+from tests.engine.test_model_runner import BLOCK_SIZE, MIXED_SCHEDULE, mixed_sequences, run_schedule, scatter_blocks
+
+DEVICE = "cuda"
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run by the GPU suite)")
+
+# float32 on both sides, the Triton int4/int8 GEMM's fp32 dots exact ("ieee"): the CPU tests measured 3e-5 to 4e-5
+# between the quantized and the de-quantized model on exact kernels; other summation orders on the GPU stay far
+# below this.
+WQ_LOGPROB_ATOL = 1e-3
+# fp8 checkpoints on a GPU with fp8 tensor cores quantize the activations too (per token, or with the checkpoint's
+# static scale), as vLLM does; the CPU keeps them in float32. On the calm tiny Llama (activations the size of a
+# trained model's) that rounding moves log-probabilities by 0.12-0.13 (measured on the CPU with the activations
+# rounded to e4m3 the GPU's way, for the three checkpoints below), a per-tensor weight scale 25% off by 0.24,
+# per-channel scales in the wrong order by 0.91.
+FP8_LOGPROB_ATOL = 0.2
+
+
+def _free_cuda() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+# -- speculative decoding ------------------------------------------------------------------------------------------
+
+
+def test_speculative_decoding_keeps_the_greedy_output(llama_dir, tiny_model_dir):
+    """n-gram proposals and a random-weight draft model (another architecture) verified on the GPU: the plain
+    engine's greedy tokens, drafts proposed; every block free after each run (generate_checked checks)."""
+    plain, _ = spec.generate_checked(llama_dir, device=DEVICE, dtype="float32", enforce_eager=True)
+    want = spec.completion_tokens(plain)
+    draft = {"model": tiny_model_dir("qwen3"), "num_speculative_tokens": spec.K}
+    for name, config in (("ngram", spec.NGRAM), ("draft model", draft)):
+        outputs, stats = spec.generate_checked(llama_dir, device=DEVICE, dtype="float32", speculative_config=config)
+        assert spec.completion_tokens(outputs) == want, name
+        assert stats.num_drafts > 0 and stats.num_draft_tokens > 0, (name, stats)
+        _free_cuda()
+
+
+def test_self_draft_is_accepted_when_sampling(llama_dir):
+    """The model as its own draft, sampled (top-p, seeded): q = p up to the GPU's summation order, so (nearly)
+    every draft is accepted, and every request gets its max_tokens."""
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=21, ignore_eos=True)
+    outputs, stats = spec.generate_checked(llama_dir, params, device=DEVICE, dtype="float32",
+                                          speculative_config={"model": llama_dir, "num_speculative_tokens": spec.K})
+    assert all(len(c.token_ids) == params.max_tokens for o in outputs for c in o.outputs)
+    assert stats.num_draft_tokens > 0 and stats.acceptance_rate > 0.99, stats
+    _free_cuda()
+
+
+# -- quantized linears ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def calm_llama_dir(tmp_path_factory):
+    """test_kv_cache_fp8.py's tiny Llama with activations the size of a trained model's."""
+    return build_tiny_model_dir("llama", str(tmp_path_factory.mktemp("calm-llama")), initializer_range=0.05)
+
+
+def _runner(model_dir: str, *, enforce_eager: bool, kv_cache_dtype: str = "auto") -> ModelRunner:
+    config = engine_config(model_dir, device=DEVICE, dtype="float32", max_model_len=256, block_size=BLOCK_SIZE,
+                           num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=512, enforce_eager=enforce_eager,
+                           kv_cache_dtype=kv_cache_dtype)
+    # graphs captured when a pure-decode step first needs one: `runner.graphs` then says that decodes replayed them
+    return ModelRunner(config, capture_graphs_at_startup=False)
+
+
+def _schedule_logprobs(model_dir: str, *, enforce_eager: bool) -> list[tuple[int, int, torch.Tensor]]:
+    """tests/engine/test_model_runner.py's mixed schedule (prompts in chunks beside decodes, then pure-decode steps,
+    which replay CUDA graphs when not eager): each entry's log-probabilities, on the host."""
+    runner = _runner(model_dir, enforce_eager=enforce_eager)
+    runner.kv_cache.fill_(float("nan"))   # a read of a slot not written shows
+    seqs = mixed_sequences(runner.config.vocab_size, seed=7)
+    scatter_blocks(seqs, runner.num_kv_blocks, seed=2)
+    results = [(i, p, logprobs.float().cpu()) for i, p, logprobs in run_schedule(runner, seqs, MIXED_SCHEDULE)]
+    assert bool(runner.graphs) == (not enforce_eager), sorted(runner.graphs)
+    del runner
+    _free_cuda()
+    return results
+
+
+def _max_logprob_difference(quant_dir: str, deq_dir: str, *, greedy: bool) -> float:
+    got = _schedule_logprobs(quant_dir, enforce_eager=False)
+    want = _schedule_logprobs(deq_dir, enforce_eager=True)
+    worst = 0.0
+    for (index, position, logprobs), (_, _, expected) in zip(got, want, strict=True):
+        assert torch.isfinite(logprobs).all(), f"seq {index} position {position}: non-finite log-probabilities"
+        worst = max(worst, float((logprobs - expected).abs().max()))
+        if greedy:
+            assert int(logprobs.argmax()) == int(expected.argmax()), f"seq {index} position {position}: greedy"
+    return worst
+
+
+@pytest.mark.parametrize("method, opts", [
+    ("gptq", dict(bits=4, group_size=128, desc_act=False, sym=True)),
+    ("gptq", dict(bits=8, group_size=32, desc_act=True, sym=False)),
+    ("awq", dict(group_size=32)),
+], ids=["gptq4", "gptq8-act-order", "awq"])
+def test_int_checkpoints_match_the_dequantized_model(llama_dir, tmp_path, method, opts):
+    quant_dir, deq_dir = quantize_model_dir(llama_dir, str(tmp_path), method, **opts)
+    worst = _max_logprob_difference(quant_dir, deq_dir, greedy=True)
+    assert worst <= WQ_LOGPROB_ATOL, f"log-probabilities differ by {worst} > {WQ_LOGPROB_ATOL}"
+
+
+@pytest.mark.parametrize("method, opts", [
+    ("fp8", dict(activation_scheme="dynamic")),
+    ("fp8", dict(activation_scheme="static")),
+    ("compressed-tensors", dict(strategy="channel", static=False)),
+], ids=["fp8-dynamic", "fp8-static", "compressed-tensors-channel"])
+def test_fp8_checkpoints_stay_close_to_the_dequantized_model(calm_llama_dir, tmp_path, method, opts):
+    quant_dir, deq_dir = quantize_model_dir(calm_llama_dir, str(tmp_path), method, **opts)
+    worst = _max_logprob_difference(quant_dir, deq_dir, greedy=False)
+    assert worst <= FP8_LOGPROB_ATOL, f"log-probabilities differ by {worst} > {FP8_LOGPROB_ATOL}"
+
+
+# -- the fp8 KV cache ----------------------------------------------------------------------------------------------
+
+
+def test_fp8_kv_cache_close_to_the_float32_cache(calm_llama_dir):
+    """test_kv_cache_fp8.py's accuracy test on the GPU: teacher-forced on the float32 cache's greedy tokens (3
+    prompts x 32 steps: a prefill, then decode steps replaying CUDA graphs), every step's log-probabilities within
+    0.25 of the float32 cache's, the same argmax at >= 85 % of the steps, and some difference (the cache is fp8)."""
+    reference = _runner(calm_llama_dir, enforce_eager=True)
+    want, greedy = _teacher_forced_logits(reference, FP8_PROMPTS, None, steps=32)
+    del reference
+    _free_cuda()
+    runner = _runner(calm_llama_dir, enforce_eager=False, kv_cache_dtype="fp8")
+    assert runner.kv_cache.dtype == torch.float8_e4m3fn and runner.kv_cache.is_cuda
+    got, _ = _teacher_forced_logits(runner, FP8_PROMPTS, greedy, steps=32)
+    assert runner.graphs, "no decode step went through a CUDA graph"
+    diffs, same_argmax, steps = [], 0, 0
+    for got_steps, want_steps in zip(got, want, strict=True):
+        for g, w in zip(got_steps, want_steps, strict=True):
+            diffs.append((torch.log_softmax(g.float(), -1) - torch.log_softmax(w.float(), -1)).abs().max().item())
+            same_argmax += int(g.argmax()) == int(w.argmax())
+            steps += 1
+    assert max(diffs) < 0.25, max(diffs)
+    assert min(diffs) > 1e-4, "the fp8 cache should round K/V (no difference at all means it is not fp8)"
+    assert same_argmax >= 0.85 * steps, (same_argmax, steps)
+    del runner
+    _free_cuda()
