@@ -285,3 +285,31 @@ def test_quantized_decode_replays_cpu_graphs_as_eager(llama_dir, tmp_path, metho
     assert sorted(graphed.graphs) == [1, 4, 8, 10] and all(g.resizable for g in graphed.graphs.values())
     for step, (a, b) in enumerate(zip(got, runs[True][1])):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step}: {m}")
+
+
+@pytest.mark.native_kernels   # the default backend: Triton and torch._scaled_mm on a CUDA device
+def test_fp8_checkpoint_runs_the_cuda_paths(llama_dir, tmp_path):
+    """On the fake CUDA device (tests/engine/fake_cuda.py), a compressed-tensors fp8 checkpoint in bf16: the weights
+    and scales on the device, a mixed batch through the fp8 GEMM's argument checks (every tensor where the op wants
+    it; the fake op computes nothing) and the decode-graph ladder captured without a host sync. (The other formats
+    convert their tensors at load by reading values, which a device without data cannot; the GPU suite's
+    tests/engine/test_cuda_features.py runs every format's GEMM on a GPU.)"""
+    from engine.worker.model_runner import ModelRunner
+    from tests.engine.fake_cuda import FakeGraphRunner, fake_cuda
+    from tests.engine.models_util import ScheduledSeq as Entry
+
+    quant_dir, _ = quantize_model_dir(llama_dir, str(tmp_path), "compressed-tensors", strategy="channel", static=False)
+    prefill, decode = Entry(random_token_ids(37, seed=1), 0, [5, 9, 2]), Entry(random_token_ids(20, seed=3), 19, [8, 6])
+    decodes = [(Entry(random_token_ids(n + 1, seed=n), n, list(range(10, 11 + n // BLOCK_SIZE))), 1) for n in (3, 40)]
+    FakeGraphRunner.captured_batch_sizes = []
+    with fake_cuda():
+        config = engine_config(quant_dir, device="cuda", dtype="bfloat16", max_model_len=128, block_size=BLOCK_SIZE,
+                               num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=96)
+        runner = ModelRunner(config, graph_runner_class=FakeGraphRunner, compile_model=False,
+                             capture_graphs_at_startup=True)
+        qkv = runner.model.model.layers[0].self_attn.qkv_proj
+        assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight.device.type == "cuda"
+        logits = runner.compute_logits_for([(prefill, 37), (decode, 1)])
+        assert logits.shape == (2, runner.config.vocab_size) and logits.device.type == "cuda"
+        assert runner.compute_logits_for(decodes).device.type == "cuda"   # the decode graph of 2
+    assert sorted(FakeGraphRunner.captured_batch_sizes) == [1, 2, 4, 8]
