@@ -15,7 +15,7 @@
 4. llama (540 s): Llama-3-8B shape: engine throughput, batch-1 decode, decode-step time at batch 64 / 256.
 5. kernel-tests (540 s): tests/pagedkernels on CUDA, all of it.
 6. engine-tests (540 s): the engine tests that run on CUDA (compiled forward, CUDA graphs, NCCL, dummy weights;
-   speculative decoding, quantized checkpoints and the fp8 KV cache against their references on the GPU).
+   speculative decoding, quantized checkpoints, the fp8 KV cache and MoE models against their references on the GPU).
 7. other-tests (540 s): every other test module, on the GPU machine (``--shard K/N`` splits it).
 8. quant (300 s): the W4A16 and FP8 GEMMs against the 16-bit GEMM at decode and prefill shapes, fp8-KV decode
    against 16-bit-KV decode.

@@ -1,8 +1,9 @@
 """Engine features on CUDA that had run only on the CPU's kernels: speculative decoding (n-gram proposals, a draft
 model, the model as its own draft), quantized linears (GPTQ and AWQ checkpoints through the Triton int4/int8 GEMM,
-fp8 checkpoints through the fp8 GEMM) and the fp8 KV cache (Triton attention over e4m3 codes). Each is held to the
-reference its CPU tests use, computed on the GPU in the same test: the plain engine's greedy tokens, the de-quantized
-float32 model's log-probabilities, the float32 cache's. The feature side runs as GPU users run it (compiled forward,
+fp8 checkpoints through the fp8 GEMM), the fp8 KV cache (Triton attention over e4m3 codes) and mixture-of-experts
+models (the Triton fused-MoE kernel). Each is held to the reference its CPU tests use, computed on the GPU in the same
+test: the plain engine's greedy tokens, the de-quantized float32 model's log-probabilities, the float32 cache's,
+transformers' greedy tokens. The feature side runs as GPU users run it (compiled forward,
 CUDA graphs for pure-decode steps), the reference eagerly.
 
 Runs in the GPU suite's engine-tests phase (``python -m bench.gpu_suite --phase engine-tests``); skipped on CPU-only
@@ -14,10 +15,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import SamplingParams
+from engine import LLM, SamplingParams
+from engine.layers.fused_moe import FusedMoE
 from engine.worker.model_runner import ModelRunner
 from tests.engine import spec_util as spec
-from tests.engine.models_util import build_tiny_model_dir, engine_config
+from tests.engine.models_util import (TINY_MOE_ARCHITECTURES, build_tiny_model_dir, engine_config, load_hf_model,
+                                      random_token_ids)
 from tests.engine.quant_checkpoints import quantize_model_dir
 from tests.engine.test_kv_cache_fp8 import PROMPTS as FP8_PROMPTS, _teacher_forced_logits
 from tests.engine.test_model_runner import BLOCK_SIZE, MIXED_SCHEDULE, mixed_sequences, run_schedule, scatter_blocks
@@ -160,4 +163,42 @@ def test_fp8_kv_cache_close_to_the_float32_cache(calm_llama_dir):
     assert min(diffs) > 1e-4, "the fp8 cache should round K/V (no difference at all means it is not fp8)"
     assert same_argmax >= 0.85 * steps, (same_argmax, steps)
     del runner
+    _free_cuda()
+
+
+# -- mixture of experts --------------------------------------------------------------------------------------------
+
+MOE_PROMPTS = [random_token_ids(n, seed=60 + i) for i, n in enumerate((3, 45, 110, 17))]
+MOE_MAX_TOKENS = 10
+
+
+@pytest.mark.parametrize("arch", TINY_MOE_ARCHITECTURES)
+def test_moe_models_match_transformers(tiny_model_dir, arch):
+    """Mixtral, Qwen2-MoE (shared expert), Qwen3-MoE and OLMoE through the Triton fused-MoE kernel, compiled, decode
+    steps in CUDA graphs, float32: transformers' greedy tokens (run on the GPU too), prompts in 24-token chunks
+    beside decodes."""
+    model_dir = tiny_model_dir(arch)
+    hf = load_hf_model(model_dir).to(DEVICE)
+    want = []
+    with torch.inference_mode():
+        for prompt in MOE_PROMPTS:
+            out = hf.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=MOE_MAX_TOKENS, do_sample=False,
+                              pad_token_id=2, eos_token_id=None)
+            want.append(out[0, len(prompt):].tolist())
+    del hf
+    _free_cuda()
+    llm = LLM(model_dir, device=DEVICE, dtype="float32", max_model_len=160, max_num_seqs=8,
+              max_num_batched_tokens=24, gpu_memory_utilization=0.3)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in MOE_PROMPTS],
+                           SamplingParams(temperature=0.0, max_tokens=MOE_MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == want
+    runner = llm.llm_engine.model_runner
+    layers = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
+    assert layers and all(m.w13_packed is None and m.w13_weight.is_cuda for m in layers), \
+        "the GPU engine runs the Triton kernel on the stacked experts"
+    assert runner.compiled and runner.graphs
+    bm = llm.llm_engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    llm.llm_engine.shutdown()
+    del llm, runner, layers
     _free_cuda()
