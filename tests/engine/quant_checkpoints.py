@@ -27,10 +27,20 @@ import os
 import shutil
 
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from tests.pagedkernels.quant_oracle import AWQ_ORDER, _pack_words, gptq_dequantize
+
+
+# Integer checkpoints of three kinds (4-bit GPTQ, 8-bit act-order asymmetric GPTQ, AWQ), as (method, options) for
+# quantize_model_dir: the cases the CPU's default GEMM and the GPU's Triton GEMM are held to.
+INT_CHECKPOINT_CASES = [
+    pytest.param("gptq", dict(bits=4, group_size=128, desc_act=False, sym=True), id="gptq4"),
+    pytest.param("gptq", dict(bits=8, group_size=32, desc_act=True, sym=False), id="gptq8-act-order"),
+    pytest.param("awq", dict(group_size=32), id="awq"),
+]
 
 LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FP8_MAX = 448.0

@@ -21,7 +21,7 @@ from engine.worker.model_runner import ModelRunner
 from tests.engine import spec_util as spec
 from tests.engine.models_util import (TINY_MOE_ARCHITECTURES, build_tiny_model_dir, engine_config, load_hf_model,
                                       random_token_ids)
-from tests.engine.quant_checkpoints import quantize_model_dir
+from tests.engine.quant_checkpoints import INT_CHECKPOINT_CASES, quantize_model_dir
 from tests.engine.test_kv_cache_fp8 import PROMPTS as FP8_PROMPTS, _teacher_forced_logits
 from tests.engine.test_model_runner import BLOCK_SIZE, MIXED_SCHEDULE, mixed_sequences, run_schedule, scatter_blocks
 
@@ -116,11 +116,7 @@ def _max_logprob_difference(quant_dir: str, deq_dir: str, *, greedy: bool) -> fl
     return worst
 
 
-@pytest.mark.parametrize("method, opts", [
-    ("gptq", dict(bits=4, group_size=128, desc_act=False, sym=True)),
-    ("gptq", dict(bits=8, group_size=32, desc_act=True, sym=False)),
-    ("awq", dict(group_size=32)),
-], ids=["gptq4", "gptq8-act-order", "awq"])
+@pytest.mark.parametrize("method, opts", INT_CHECKPOINT_CASES)
 def test_int_checkpoints_match_the_dequantized_model(llama_dir, tmp_path, method, opts):
     quant_dir, deq_dir = quantize_model_dir(llama_dir, str(tmp_path), method, **opts)
     worst = _max_logprob_difference(quant_dir, deq_dir, greedy=True)

@@ -29,7 +29,8 @@ import torch
 from engine import LLM, SamplingParams
 from engine.layers.quantization import resolve_quant_config
 from tests.engine.models_util import engine_config, random_token_ids
-from tests.engine.quant_checkpoints import fp8_tensors, quantization_config, quantize_model_dir
+from tests.engine.quant_checkpoints import (INT_CHECKPOINT_CASES, fp8_tensors, quantization_config,
+                                           quantize_model_dir)
 from tests.engine.test_model_runner import (BLOCK_SIZE, MIXED_SCHEDULE, mixed_sequences, run_schedule,
                                            scatter_blocks)
 
@@ -102,11 +103,7 @@ def _assert_parity(quant_dir: str, deq_dir: str, atol: float, *, greedy: bool = 
 
 
 @pytest.mark.native_kernels
-@pytest.mark.parametrize("method, opts", [
-    ("gptq", dict(bits=4, group_size=128, desc_act=False, sym=True)),
-    ("gptq", dict(bits=8, group_size=32, desc_act=True, sym=False)),
-    ("awq", dict(group_size=32)),
-], ids=["gptq4", "gptq8-act-order", "awq"])
+@pytest.mark.parametrize("method, opts", INT_CHECKPOINT_CASES)
 def test_default_cpu_gemm_stays_close(llama_dir, tmp_path, method, opts):
     """The default CPU path (native int8-activation GEMM): a wrong layout would be off by tens."""
     import pagedkernels as pk
