@@ -176,7 +176,8 @@ def main(argv=None) -> int:
         "benchmark": "bench.lora_cpu", "quick": args.quick, "date": datetime.date.today().isoformat(),
         "cpu": _native.cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "dtype": args.dtype, "native": _native.library() is not None,
-        "bf16_dot_path": _native.bf16_dot_path() if _native.library() is not None else None, "torch": torch.__version__, "python": platform.python_version(),
+        "bf16_dot_path": _native.bf16_dot_path() if _native.library() is not None else None,
+        "torch": torch.__version__, "python": platform.python_version(),
         "peaks": None if peaks is None else vars(peaks), "rows": rows, "seconds": round(time.time() - start, 1),
         "load_average_before": load_before,   # the machine may be shared: compare runs at a low load only
         "load_average_after": os.getloadavg(),

@@ -179,8 +179,8 @@ class LoRASide(PipedSide):
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         super().__init__([sys.executable, "-m", "bench.lora_engine_cpu", "--model", model_dir, "--threads",
-                          str(torch.get_num_threads()), "--dtype", dtype, "--serve-side", kind, "--adapters", *adapters],
-                         env)
+                          str(torch.get_num_threads()), "--dtype", dtype, "--serve-side", kind,
+                          "--adapters", *adapters], env)
 
     def generate_mix(self, requests: list[Request], adapters: list[int | None]) -> list[list[int]]:
         self._signal(signal.SIGCONT)
@@ -292,7 +292,8 @@ def run(args, adapters: list[str], ranks: tuple[int, ...]) -> dict:
     lora_flops = lora_flops_per_token(args.model, ranks)
     print(f"model {args.model}: {len(requests)} requests on {NUM_ADAPTERS} adapters (ranks {ranks}), "
           f"{sum(len(r.prompt_token_ids) for r in requests)} prompt / {sum(r.output_len for r in requests)} output "
-          f"tokens; {args.dtype}; {args.dtype} matmul {matmul_gflops:.1f} GFLOP/s; torch threads {torch.get_num_threads()}", flush=True)
+          f"tokens; {args.dtype}; {args.dtype} matmul {matmul_gflops:.1f} GFLOP/s; "
+          f"torch threads {torch.get_num_threads()}", flush=True)
     kinds = ["engine-lora", "engine-base"] + ([] if args.skip_peft else ["peft"])
     sides = []
     try:

@@ -22,9 +22,10 @@
  * as they lie (x's and A's rows both run along K; B's rows hold a column's rank values in pairs, so its 32-bit words
  * transposed are the operand): nothing widened. Its expand rounds the buffer to bf16 first, as the Triton expand does
  * for 16-bit weights. One layer of SmolLM2 shapes (qkv, o, gate_up, down; 4 adapters of ranks 8 and 16) on a 2-core
- * Zen 5: 48 tokens 246 -> 133 us, 1024 tokens 2245 -> 906 us; float32 169 and 1560.
- * Every token's result is the same operations in the same order whatever tokens share its batch. Same build and calling convention as the other kernels: Python checks shapes, dtypes and strides (row
- * strides in elements, last dimensions contiguous); dtype codes 0 = float32, 1 = float16, 2 = bfloat16. */
+ * Zen 5: 48 tokens 246 -> 133 us, 1024 tokens 2245 -> 906 us; float32 169 and 1560. Every token's result is the
+ * same operations in the same order whatever tokens share its batch. Same build and calling convention as the other
+ * kernels: Python checks shapes, dtypes and strides (row strides in elements, last dimensions contiguous); dtype
+ * codes 0 = float32, 1 = float16, 2 = bfloat16. */
 #include "cpu_common.h"
 
 /* Rows of A per shrink item, and tokens taken together (JB x TB vector accumulators). */
@@ -580,7 +581,8 @@ int pk_lora_expand(const float *buffer, int64_t buf_s0, int64_t M, int64_t rank,
             c += blocks;
         }
     }
-    const expand_work work_list = {buffer, buf_s0, rank, b, b_s0, b_s1, ranks, num_slices, dt, out, o_s0, starts, order};
+    const expand_work work_list = {buffer, buf_s0, rank, b, b_s0, b_s1, ranks,
+                                   num_slices, dt, out, o_s0, starts, order};
     /* bf16 on builds with pair dots: each adapted token's buffer values as bf16 pairs, [M][num_slices * words] */
     uint32_t *pairs = NULL;
 #if PK_BF16_DOT
