@@ -41,9 +41,8 @@ FP8_LOGPROB_ATOL = 0.2
 
 
 def _free_cuda() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
 
 
 # -- speculative decoding ------------------------------------------------------------------------------------------
