@@ -102,10 +102,13 @@ def test_consumer_leaving_aborts_the_request(engine, how, monkeypatch):
     monkeypatch.setattr(core, "abort_request", recording_abort)
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 
+    streaming = asyncio.Event()
+
     async def consume(num_outputs):
         count = 0
         async for _ in engine.generate(PROMPTS[1], params, "leaver"):
             count += 1
+            streaming.set()
             if count == num_outputs:
                 break
 
@@ -114,7 +117,9 @@ def test_consumer_leaving_aborts_the_request(engine, how, monkeypatch):
             await consume(3)
         else:
             task = asyncio.create_task(consume(10_000))
-            await asyncio.sleep(0.2)
+            # Cancelled once it streams: the request is running then. (A fixed sleep raced a slow machine: a task
+            # cancelled before the engine thread took the request never adds it, and there is nothing to abort.)
+            await asyncio.wait_for(streaming.wait(), timeout=120)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
@@ -135,6 +140,36 @@ def test_consumer_leaving_aborts_the_request(engine, how, monkeypatch):
     # Aborted while running, not left to finish its 200 tokens.
     assert len(aborted) == 1 and aborted[0].outputs[0].finish_reason == "abort"
     assert len(aborted[0].outputs[0].token_ids) < 200
+
+
+@pytest.mark.parametrize("yields", [0, 1, 2, 3, 5, 8])
+def test_consumer_cancelled_before_its_request_runs_leaves_nothing_behind(engine, yields):
+    """Cancelled while tokenizing or while its add waits for the engine thread: the request either never enters
+    the engine or is aborted there; no blocks, no running or waiting request, and the engine serves the next one."""
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    follow_up = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    async def main():
+        task = asyncio.create_task(_drain(engine, PROMPTS[1], params, "early"))
+        for _ in range(yields):
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):
+            stats = await engine.get_metrics()
+            if stats.num_running == 0 and stats.num_waiting == 0:
+                break
+            await asyncio.sleep(0.01)
+        after = await _drain(engine, PROMPTS[2], follow_up, "next")
+        assert await engine.reset_prefix_cache()
+        await engine.shutdown()
+        return stats, after
+
+    stats, after = run(main())
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert after[-1].finished and len(after[-1].outputs[0].token_ids) == 4
+    assert_idle(engine)
 
 
 def test_bad_request_raises_and_leaves_others_running(engine, llm):
