@@ -61,13 +61,13 @@ from typing import Any, Callable, Iterator
 import torch
 
 KERNEL_MODULES = ("decode_attention", "prefill_attention", "cache_ops", "rms_norm", "rotary", "activation", "wq_gemm",
-                  "gguf_quant", "moe_topk", "moe_align", "fused_moe", "lora")
+                  "gguf_quant", "moe_topk", "moe_align", "fused_moe", "lora", "skinny_gemm")
 RESULTS_CACHE = Path(__file__).with_name("aot_results.json")
 # Kernels on the per-token path of every model step: a register spill there is a failure.
 HOT_KERNELS = frozenset({"_decode_split_kernel", "_decode_reduce_kernel", "_prefill_attention_kernel",
                          "_reshape_and_cache_kernel", "_rms_norm_kernel", "_wq_gemm_kernel", "_fused_moe_kernel",
                          "_moe_sum_kernel", "_moe_topk_kernel", "_moe_align_kernel", "_lora_shrink_kernel",
-                         "_lora_expand_kernel"})
+                         "_lora_expand_kernel", "_skinny_gemm_kernel"})
 # Shared memory one block may use (opt-in maximum), bytes: sm_90 (H100) 227 KiB, sm_80 (A100) 163 KiB.
 SHARED_MEMORY_LIMITS = {90: 227 * 1024, 80: 163 * 1024}
 DEFAULT_TARGETS = (90, 80)
@@ -477,10 +477,33 @@ def _lora_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
                    f"{' lora_ranks' if ranked else ''}"), call
 
 
+def _skinny_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
+    """skinny_gemm for every dtype at Qwen3-0.6B's and Llama-3-8B's decode projections: 1 to 8 rows (the rows
+    unrolled), 1 to 16 output rows a program (1: the 0.6B down projection, 16 with 8 warps: the 8B gate/up), K of
+    one block and of 28, with the RMSNorm prologue, the residual epilogue and a bias."""
+    import pagedkernels as pk
+
+    # (rows, N, K, norm, residual, bias)
+    shapes = ((1, 4096, 1024, True, False, False), (1, 1024, 3072, False, True, False),
+              (8, 6144, 1024, True, False, True), (4, 4096, 14336, False, True, False),
+              (2, 28672, 4096, True, False, False), (3, 1024, 2048, False, True, True))
+    for dtype in DTYPES:
+        name = str(dtype).replace("torch.", "")
+        for M, N, K, norm, residual, bias in shapes:
+            def call(gen, dtype=dtype, M=M, N=N, K=K, norm=norm, residual=residual, bias=bias):
+                x = _randn(M, K, dtype=dtype, generator=gen)
+                weight = torch.empty(N, K, dtype=dtype)   # recorded, not run: its values are never read
+                pk.skinny_gemm(x, weight, torch.zeros(N, dtype=dtype) if bias else None,
+                               norm_weight=torch.ones(K, dtype=dtype) if norm else None, eps=1e-6 if norm else None,
+                               residual=torch.zeros(M, N, dtype=dtype) if residual else None)
+            yield (f"skinny_gemm {name} M={M} N={N} K={K}{' norm' if norm else ''}{' residual' if residual else ''}"
+                   f"{' bias' if bias else ''}"), call
+
+
 def launch_matrix() -> list[tuple[str, Callable[[torch.Generator], None]]]:
     """(label, call) for every case: each call runs public ops on small CPU tensors."""
     return [*_attention_cases(), *_cache_op_cases(), *_elementwise_cases(), *_fp8_kv_cases(), *_quant_cases(),
-            *_moe_cases(), *_lora_cases()]
+            *_moe_cases(), *_lora_cases(), *_skinny_cases()]
 
 
 def record_matrix() -> list[Launch]:

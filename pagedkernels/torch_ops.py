@@ -47,19 +47,20 @@ from .rms_norm import fused_add_rms_norm as _fused_add_rms_norm
 from .rms_norm import rms_norm as _rms_norm
 from .rotary import qk_norm_rotary_embedding as _qk_norm_rotary_embedding
 from .rotary import rotary_embedding as _rotary_embedding
+from .skinny_gemm import skinny_gemm as _skinny_gemm
 from .w16_gemm import w16_gemm as _w16_gemm
 from .wq_gemm import wq_gemm as _wq_gemm
 
 __all__ = ["reshape_and_cache", "paged_decode_attention", "paged_prefill_attention", "rms_norm",
            "fused_add_rms_norm", "rotary_embedding", "qk_norm_rotary_embedding", "silu_and_mul", "wq_gemm",
            "gguf_gemm", "gguf_dequantize", "fp8_gemm", "w16_gemm", "moe_topk", "moe_align_block_size", "fused_moe",
-           "lora_shrink", "lora_expand", "OPS"]
+           "lora_shrink", "lora_expand", "skinny_gemm", "OPS"]
 
 # Every op this module registers, by its name under torch.ops.pagedkernels.
 OPS = ("reshape_and_cache", "paged_decode_attention", "paged_decode_attention_workspace", "paged_prefill_attention",
        "rms_norm", "fused_add_rms_norm_", "rotary_embedding", "qk_norm_rotary_embedding", "silu_and_mul", "wq_gemm",
        "gguf_gemm", "gguf_dequantize", "fp8_gemm", "w16_gemm", "moe_topk", "moe_align_block_size", "fused_moe",
-       "lora_shrink", "lora_expand_")
+       "lora_shrink", "lora_expand_", "skinny_gemm", "skinny_gemm_residual_")
 
 
 # -- KV cache -----------------------------------------------------------------------------------
@@ -415,3 +416,39 @@ def lora_expand(buffer: torch.Tensor, lora_b: torch.Tensor, token_lora_indices: 
     _lora_expand_op(buffer, lora_b, token_lora_indices, out, None if slice_sizes is None else list(slice_sizes),
                     sorted_token_ids, lora_token_starts, lora_ranks)
     return out
+
+
+# -- few-row GEMM (decode at small batch) ----------------------------------------------------------
+# Two ops, as decode attention's: the product returned (mutates nothing), or added into a residual (mutated).
+
+@torch.library.custom_op("pagedkernels::skinny_gemm", mutates_args=())
+def _skinny_gemm_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    norm_weight: torch.Tensor | None = None, eps: float | None = None) -> torch.Tensor:
+    return _skinny_gemm(x, weight, bias, norm_weight=norm_weight, eps=eps)
+
+
+@_skinny_gemm_op.register_fake
+def _(x, weight, bias=None, norm_weight=None, eps=None):
+    return _skinny_gemm(x, weight, bias, norm_weight=norm_weight, eps=eps)
+
+
+@torch.library.custom_op("pagedkernels::skinny_gemm_residual_", mutates_args=("residual",))
+def _skinny_gemm_residual_op(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                             bias: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                             eps: float | None = None) -> None:
+    _skinny_gemm(x, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual)
+
+
+@_skinny_gemm_residual_op.register_fake
+def _(x, weight, residual, bias=None, norm_weight=None, eps=None) -> None:
+    _skinny_gemm(x, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual)  # checks only
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                norm_weight: torch.Tensor | None = None, eps: float | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+    """See :func:`pagedkernels.skinny_gemm` (with ``residual``: added into it in place, and it is returned)."""
+    if residual is None:
+        return _skinny_gemm_op(x, weight, bias, norm_weight, eps)
+    _skinny_gemm_residual_op(x, weight, residual, bias, norm_weight, eps)
+    return residual

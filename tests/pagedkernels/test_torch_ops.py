@@ -71,6 +71,10 @@ def _inputs(seed=0):
         lora_b=torch.randn(3, 40, 8, generator=gen) / 3,
         lora_base=torch.randn(32, 40, generator=gen) / 6,
         lora_indices=torch.tensor([2, -1, 0], dtype=torch.int32),
+        # few-row products of the step's activation: one with its norm first, one added into a residual
+        skinny_w=torch.randn(24, 128, generator=gen) / 7,
+        skinny_norm=torch.rand(128, generator=gen) + 0.5,
+        skinny_bias=torch.randn(24, generator=gen),
     )
 
 
@@ -112,8 +116,10 @@ def _step(ops, inp, key_cache, value_cache):
     lora_buffer = ops.lora_shrink(inp["x"], inp["lora_a"], inp["lora_indices"], scale=0.5)
     lora_out = ops.lora_expand(lora_buffer, inp["lora_b"], inp["lora_indices"], inp["x"] @ inp["lora_base"],
                                slice_sizes=(24, 16))
+    skinny = ops.skinny_gemm(act, inp["skinny_w"], inp["skinny_bias"], norm_weight=inp["skinny_norm"], eps=1e-6)
+    skinny_res = ops.skinny_gemm(act, inp["skinny_w"], residual=skinny * 2)
     return (act, residual, decode_ws, projected, gguf_out, gguf_weight, fp8_out, w16_out, topk_weights, moe_out,
-            sorted_ids, expert_ids, num_post_padded, lora_buffer, lora_out)
+            sorted_ids, expert_ids, num_post_padded, lora_buffer, lora_out, skinny, skinny_res)
 
 
 def test_every_registered_op_is_listed_and_tested():
@@ -197,6 +203,9 @@ def _opcheck_cases():
         "lora_expand_": (torch.randn(num_tokens, 48, generator=gen), torch.randn(4, 40, 16, generator=gen),
                          lora_indices, torch.randn(num_tokens, 40, generator=gen), [24, 8, 8], *lora_mapping,
                          lora_ranks),
+        "skinny_gemm": (hidden, torch.randn(40, 96, generator=gen), torch.randn(40, generator=gen), weight, 1e-6),
+        "skinny_gemm_residual_": (hidden, torch.randn(40, 96, generator=gen),
+                                  torch.randn(num_tokens, 40, generator=gen), None, weight, 1e-6),
     }
 
 
@@ -315,6 +324,10 @@ SPECS = {
                       ("token_lora_indices", _LORA_INDICES), ("out", ((3, 40), None)), ("slice_sizes", [24, 8, 8]),
                       ("sorted_token_ids", _LORA_INDICES), ("lora_token_starts", ((5,), torch.int32)),
                       ("lora_ranks", ((4, 3), torch.int32))], None),
+    "skinny_gemm": ([("x", ((3, 64), None)), ("weight", ((40, 64), None)), ("bias", ((40,), None)),
+                     ("norm_weight", ((64,), None)), ("eps", 1e-6)], ((3, 40), None)),
+    "skinny_gemm_residual_": ([("x", ((3, 64), None)), ("weight", ((40, 64), None)), ("residual", ((3, 40), None)),
+                               ("bias", ((40,), None)), ("norm_weight", ((64,), None)), ("eps", 1e-6)], None),
 }
 TENSOR_ARGS = [(op, arg) for op, (args, _) in SPECS.items() for arg, spec in args if isinstance(spec, tuple)]
 # The arguments that can be on another device than the op's other tensors (silu_and_mul has one tensor).
@@ -417,6 +430,11 @@ def _public_call(op, args):
     if op == "lora_expand_":
         pk.lora_expand(*args[:4], slice_sizes=kw["slice_sizes"], **mapping)
         return None
+    if op == "skinny_gemm":
+        return pk.skinny_gemm(*args[:3], norm_weight=kw["norm_weight"], eps=kw["eps"])
+    if op == "skinny_gemm_residual_":
+        pk.skinny_gemm(*args[:2], kw["bias"], norm_weight=kw["norm_weight"], eps=kw["eps"], residual=kw["residual"])
+        return None
     return getattr(pk, op)(*args)
 
 
@@ -430,9 +448,9 @@ def test_public_ops_on_fake_and_meta_tensors(op, backend, monkeypatch):
     from pagedkernels import _native, cache_ops, decode_attention, gguf_quant, lora, prefill_attention
 
     # the modules, not the functions of the same names that pagedkernels re-exports
-    wq_gemm, fp8_gemm, w16_gemm, fused_moe, moe_topk, moe_align = (
+    wq_gemm, fp8_gemm, w16_gemm, fused_moe, moe_topk, moe_align, skinny_gemm = (
         importlib.import_module(f"pagedkernels.{m}")
-        for m in ("wq_gemm", "fp8_gemm", "w16_gemm", "fused_moe", "moe_topk", "moe_align"))
+        for m in ("wq_gemm", "fp8_gemm", "w16_gemm", "fused_moe", "moe_topk", "moe_align", "skinny_gemm"))
 
     def no_kernel(*args, **kwargs):
         raise AssertionError("a kernel was reached with tensors that hold no data")
@@ -450,7 +468,8 @@ def test_public_ops_on_fake_and_meta_tensors(op, backend, monkeypatch):
                          (fused_moe, "_fused_moe_triton"), (fused_moe, "_fused_moe_torch"), (_native, "fused_moe"),
                          (fused_moe, "unpack_moe_weight"), (lora, "_shrink_triton"), (lora, "_expand_triton"),
                          (lora, "_shrink_torch"), (lora, "_expand_torch"), (lora, "lora_mapping"),
-                         (_native, "lora_shrink"), (_native, "lora_expand")):
+                         (_native, "lora_shrink"), (_native, "lora_expand"), (skinny_gemm, "_skinny_triton"),
+                         (skinny_gemm, "_skinny_torch")):
         monkeypatch.setattr(module, attr, no_kernel)
     with pk.use_backend(backend):
         with FakeTensorMode():

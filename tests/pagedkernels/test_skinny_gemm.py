@@ -1,0 +1,169 @@
+"""skinny_gemm (few-row GEMM with an RMSNorm prologue or a residual-add epilogue) against a float64 oracle, both
+backends, and its argument checks."""
+
+import pytest
+import torch
+
+import pagedkernels as pk
+from pagedkernels import torch_ops
+from pagedkernels.skinny_gemm import MAX_ROWS, skinny_gemm_config
+
+BACKENDS = ["triton", "torch"]
+# (dtype, atol, rtol) against float64 with the op's rounding points: a few ulps of the dtype at these sizes.
+TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 1e-2), torch.bfloat16: (6e-2, 2e-2)}
+EPS = 1e-6
+
+
+def skip_bf16_interpreter(backend, dtype, device):
+    if backend == "triton" and dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("bf16 arithmetic is wrong in the Triton interpreter; tested on CUDA")
+
+
+def oracle(x, weight, bias=None, norm_weight=None, eps=None, residual=None):
+    """float64 with the op's rounding points: the normalized rows and the product in x's dtype, the residual's sum
+    in its dtype."""
+    xd = x.double().cpu()
+    if norm_weight is not None:
+        xd = (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.double().cpu()).to(x.dtype)
+        xd = xd.double()
+    product = xd @ weight.double().cpu().t()
+    if bias is not None:
+        product = product + bias.double().cpu()
+    product = product.to(x.dtype).double()
+    if residual is None:
+        return product
+    return (product + residual.double().cpu()).to(residual.dtype).double()
+
+
+def rand(*shape, g, dtype, device, scale=1.0):
+    return (torch.randn(*shape, generator=g) * scale).to(dtype=dtype, device=device)
+
+
+# (M, N, K): every row count up to MAX_ROWS among them, N past a block and odd, K over one BLOCK_K (512) and not a
+# multiple of it.
+SHAPES = [(1, 40, 64), (2, 7, 100), (3, 33, 600), (4, 64, 1030), (5, 17, 48), (8, 24, 520), (7, 5, 16)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("M, N, K", SHAPES)
+@pytest.mark.parametrize("kind", ["plain", "bias", "norm", "residual", "norm+bias+residual"])
+def test_matches_the_oracle(backend, device, dtype, M, N, K, kind):
+    skip_bf16_interpreter(backend, dtype, device)
+    g = torch.Generator().manual_seed(M * 1000 + N * 10 + K)
+    # x's rows strided (a slice of a wider buffer, NaN past K): only K values of a row are read.
+    buffer = torch.full((M, K + 3), float("nan"), dtype=dtype, device=device)
+    buffer[:, :K] = rand(M, K, g=g, dtype=dtype, device=device, scale=2.0)
+    x = buffer[:, :K]
+    weight = rand(N, K, g=g, dtype=dtype, device=device, scale=K ** -0.5)
+    bias = rand(N, g=g, dtype=dtype, device=device) if "bias" in kind else None
+    norm_weight = rand(K, g=g, dtype=torch.float32, device=device) if "norm" in kind else None
+    eps = EPS if norm_weight is not None else None
+    residual = rand(M, N, g=g, dtype=dtype, device=device) if "residual" in kind else None
+    residual_before = residual.clone() if residual is not None else None
+    x_before = x.clone()
+    with pk.use_backend(backend):
+        result = pk.skinny_gemm(x, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual)
+    expected = oracle(x, weight, bias, norm_weight, eps, residual_before)
+    atol, rtol = TOLERANCES[dtype]
+    assert result.shape == (M, N) and result.dtype == dtype
+    if residual is not None:
+        assert result is residual
+    torch.testing.assert_close(result.double().cpu(), expected, atol=atol, rtol=rtol)
+    assert torch.equal(x, x_before)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float32_residual_and_out(backend, device):
+    """A float32 residual stream beside fp16 activations (the sum rounded to float32, not to fp16), and ``out``."""
+    g = torch.Generator().manual_seed(3)
+    x = rand(3, 96, g=g, dtype=torch.float16, device=device)
+    weight = rand(50, 96, g=g, dtype=torch.float16, device=device, scale=0.1)
+    residual = rand(3, 50, g=g, dtype=torch.float32, device=device) * 1000
+    before = residual.clone()
+    with pk.use_backend(backend):
+        pk.skinny_gemm(x, weight, residual=residual)
+    torch.testing.assert_close(residual.double().cpu(), oracle(x, weight, residual=before), atol=1e-3, rtol=1e-6)
+    out = torch.full((3, 50), float("nan"), dtype=torch.float16, device=device)
+    with pk.use_backend(backend):
+        assert pk.skinny_gemm(x, weight, out=out) is out
+    torch.testing.assert_close(out.double().cpu(), oracle(x, weight), atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_prologue_equals_rms_norm_then_the_product(backend, device):
+    """The fused norm is the unfused pair's: rms_norm rounded to x's dtype, then the product (fp16: the pair and the
+    fused call agree to the product's own rounding)."""
+    g = torch.Generator().manual_seed(4)
+    x = rand(2, 300, g=g, dtype=torch.float16, device=device, scale=4.0)
+    weight = rand(64, 300, g=g, dtype=torch.float16, device=device, scale=0.06)
+    norm_weight = rand(300, g=g, dtype=torch.float16, device=device)
+    with pk.use_backend(backend):
+        fused = pk.skinny_gemm(x, weight, norm_weight=norm_weight, eps=EPS)
+        unfused = pk.skinny_gemm(pk.rms_norm(x, norm_weight, EPS), weight)
+    if backend == "torch":   # the same formula and order: the same bits
+        assert torch.equal(fused, unfused)
+    torch.testing.assert_close(fused.float(), unfused.float(), atol=2e-3, rtol=2e-3)
+
+
+def test_config_fills_the_device_and_stays_in_bounds():
+    for N in (1, 7, 1024, 4096, 6144, 151936):
+        for K in (16, 1000, 1024, 14336):
+            block_n, block_k, num_warps = skinny_gemm_config(1, N, K, 132)
+            assert block_n in (1, 2, 4, 8, 16) and 64 <= block_k <= 512 and num_warps in (4, 8)
+            assert block_k >= min(K, 512) or block_k == 64
+            programs = -(-N // block_n)
+            assert block_n == 1 or programs >= 4 * 132   # fewer programs only when the rows run out
+    assert skinny_gemm_config(1, 151936, 1024, 132)[0] == 16
+
+
+def test_custom_ops_trace_and_check_on_fake_tensors():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        x = torch.empty(2, 64, dtype=torch.float16)
+        weight = torch.empty(32, 64, dtype=torch.float16)
+        residual = torch.empty(2, 32, dtype=torch.float32)
+        out = torch_ops.skinny_gemm(x, weight, norm_weight=torch.empty(64), eps=1e-6)
+        assert out.shape == (2, 32) and out.dtype == torch.float16
+        assert torch_ops.skinny_gemm(x, weight, residual=residual) is residual
+        with pytest.raises(ValueError, match="weight must have shape"):
+            torch_ops.skinny_gemm(x, torch.empty(32, 65, dtype=torch.float16))
+    x = torch.randn(2, 64)
+    weight = torch.randn(32, 64)
+    residual = torch.randn(2, 32)
+    expected = oracle(x, weight, residual=residual.clone())
+    torch_ops.skinny_gemm(x, weight, residual=residual)
+    torch.testing.assert_close(residual.double(), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_compiles_without_graph_breaks():
+    def step(x, weight, norm_weight, residual):
+        torch_ops.skinny_gemm(x, weight, norm_weight=norm_weight, eps=1e-6, residual=residual)
+        return residual * 2
+
+    x, weight, norm_weight = torch.randn(1, 32), torch.randn(32, 32), torch.randn(32)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    expected = step(x, weight, norm_weight, torch.ones(1, 32))
+    torch.testing.assert_close(compiled(x, weight, norm_weight, torch.ones(1, 32)), expected)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda x, w: pk.skinny_gemm(x[:0], w), "1 to 8 rows"),
+    (lambda x, w: pk.skinny_gemm(torch.randn(MAX_ROWS + 1, 16), w), "1 to 8 rows"),
+    (lambda x, w: pk.skinny_gemm(x.t(), w), "x must have shape|contiguous"),
+    (lambda x, w: pk.skinny_gemm(x, w.half()), "weight must have dtype"),
+    (lambda x, w: pk.skinny_gemm(x, w[:, :8]), "weight must have shape"),
+    (lambda x, w: pk.skinny_gemm(x, w, torch.randn(5)), "bias must have shape"),
+    (lambda x, w: pk.skinny_gemm(x, w, norm_weight=torch.randn(16)), "eps must be a positive number"),
+    (lambda x, w: pk.skinny_gemm(x, w, norm_weight=torch.randn(16), eps=0.0), "eps must be a positive number"),
+    (lambda x, w: pk.skinny_gemm(x, w, eps=1e-6), "eps is the RMSNorm prologue's"),
+    (lambda x, w: pk.skinny_gemm(x, w, norm_weight=torch.randn(15), eps=1e-6), "norm_weight must have shape"),
+    (lambda x, w: pk.skinny_gemm(x, w, residual=torch.randn(2, 4)), "residual must have shape"),
+    (lambda x, w: pk.skinny_gemm(x, w, residual=torch.randn(2, 8), out=torch.randn(2, 8)), "exclude each other"),
+    (lambda x, w: pk.skinny_gemm(x, w, out=torch.randn(2, 8).half()), "out must have dtype"),
+    (lambda x, w: pk.skinny_gemm(x, w, out=torch.randn(8, 2).t()), "out must be contiguous"),
+])
+def test_bad_arguments_raise_value_errors_naming_them(call, message):
+    x, weight = torch.randn(2, 16), torch.randn(8, 16)
+    with pytest.raises(ValueError, match=message):
+        call(x, weight)
