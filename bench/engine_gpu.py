@@ -578,6 +578,20 @@ def run(device: torch.device, *, tiny: bool, models: list[str], parts: tuple[str
                         log(f"{name}: batch-1 profile: {row['batch1']['profile']['step_ms']:.2f} ms a step, GPU "
                             f"busy {_fmt(row['batch1']['profile']['gpu_busy_fraction'], '.2f')}")
                         progress()
+                    # The same on this engine with the few-row layers (pagedkernels.skinny_gemm, the norms and
+                    # residual adds fused in) in place of cuBLAS: the batch-1 graph captured again.
+                    runner = llm.llm_engine.model_runner
+                    if runner.skinny_max_rows == 0 and runner.set_skinny_max_rows(1):
+                        skinny = row["batch1_skinny"] = batch1_decode(llm, 16 if tiny else 128, 8 if tiny else 256,
+                                                                      copy_gbps)
+                        runner.set_skinny_max_rows(0)
+                        if skinny["decode_tokens_per_s"] and row["batch1"]["decode_tokens_per_s"]:
+                            skinny["speedup"] = skinny["decode_tokens_per_s"] / row["batch1"]["decode_tokens_per_s"]
+                        log(f"{name}: batch-1 decode with skinny_gemm {_fmt(skinny['decode_tokens_per_s'], '.1f')} "
+                            f"tok/s, {_fmt(skinny['frac_of_copy_bandwidth'], '.2f')} of copy bandwidth, "
+                            f"{_fmt(skinny.get('speedup'), '.2f')}x cuBLAS, "
+                            f"{_fmt(skinny.get('kernels_per_step'), '.0f')} kernels a step")
+                        progress()
                 if "decode_steps" in parts:
                     row["decode_steps"] = []
                     for b in ((2, 4) if tiny else (64, 256)):

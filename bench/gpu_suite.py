@@ -11,14 +11,15 @@
    (shrink + expand on Llama-3-8B's q/k/v at 1, 64 and 1024 tokens over 4 adapters and the base) against the
    per-adapter loop included.
 3. engine (540 s): Qwen3-0.6B shape: engine throughput and transformers in the same run, batch-1 decode vs
-   the bandwidth floor, decode-step time at batch 64 / 256.
+   the bandwidth floor (with cuBLAS, then with the few-row layers of pagedkernels.skinny_gemm on the same engine),
+   decode-step time at batch 64 / 256.
 4. llama (540 s): Llama-3-8B shape: engine throughput, batch-1 decode, decode-step time at batch 64 / 256.
 5. kernel-tests (540 s): tests/pagedkernels on CUDA, all of it.
 6. engine-tests (540 s): the engine tests that run on CUDA (compiled forward, CUDA graphs, NCCL, dummy weights;
    speculative decoding, quantized checkpoints, the fp8 KV cache and MoE models against their references on the GPU).
 7. other-tests (540 s): every other test module, on the GPU machine (``--shard K/N`` splits it).
 8. quant (300 s): the W4A16 and FP8 GEMMs against the 16-bit GEMM at decode and prefill shapes, fp8-KV decode
-   against 16-bit-KV decode.
+   against 16-bit-KV decode, the few-row GEMM (pagedkernels.skinny_gemm) against cuBLAS at batch-1 projections.
 9. tune (300 s): the prefill kernel's launch configurations on the target shape against SDPA-flash (which tiles
    launch_config should pick on this GPU).
 10. async (540 s): the Qwen3-0.6B-shape throughput and step profile with async scheduling (and batch-1 decode) and

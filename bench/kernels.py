@@ -791,6 +791,24 @@ def wq_gemm_case(device, dtype, *, M: int, N: int, K: int, group_size: int = 128
                 baselines=[_dense_linear_baseline(x, dense)], check=_gemm_check(fn, reference, dtype, device, "wq_gemm"))
 
 
+def skinny_gemm_case(device, dtype, *, M: int, N: int, K: int) -> Case:
+    """The few-row GEMM (``pagedkernels.skinny_gemm``: one program per few output rows over all of K) against cuBLAS
+    on the same weight, at a decode step's projection shapes: bound by the weight's bytes (frac of copy bandwidth)."""
+    gen = _generator(device)
+    weight = _randn(N, K, dtype=dtype, device=device, gen=gen) * K ** -0.5
+    x = _randn(M, K, dtype=dtype, device=device, gen=gen)
+    out = torch.empty(M, N, dtype=dtype, device=device)
+
+    def fn():
+        return pk.skinny_gemm(x, weight, out=out)
+
+    bytes_moved = (weight.numel() + x.numel() + out.numel()) * x.element_size()
+    reference = functools.cache(lambda: x.float() @ weight.float().t())
+    return Case("skinny_gemm", _gemm_shape(M, N, K), dtype, fn, bytes_moved, flops=2 * M * N * K, bound="copy",
+                baselines=[_dense_linear_baseline(x, weight)],
+                check=_gemm_check(fn, reference, dtype, device, "skinny_gemm"))
+
+
 def fp8_gemm_case(device, dtype, *, M: int, N: int, K: int) -> Case:
     """FP8: an e4m3 weight with per-channel scales against the 16-bit dense GEMM. On fp8 GPUs (compute
     capability 8.9+) the activation is quantized per token too and torch._scaled_mm multiplies (W8A8);
@@ -1007,7 +1025,7 @@ OP_OF_CASE = {decode_case: "paged_decode_attention", prefill_case: "paged_prefil
               rotary_case: "rotary_embedding", silu_and_mul_case: "silu_and_mul", lora_case: "lora shrink+expand"}
 # The quantized ops (the GPU suite's phase "quant"), kept out of the main matrix.
 QUANT_OP_OF_CASE = {wq_gemm_case: "wq_gemm", fp8_gemm_case: "fp8_gemm",
-                    fp8_kv_decode_case: "paged_decode_attention fp8-KV"}
+                    fp8_kv_decode_case: "paged_decode_attention fp8-KV", skinny_gemm_case: "skinny_gemm"}
 
 # The mixture-of-experts layers (the GPU suite's phase "moe"), kept out of the main matrix.
 MOE_OP_OF_CASE = {fused_moe_case: "fused_moe"}
@@ -1076,13 +1094,15 @@ def suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False,
 
 def quant_suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False) -> list[functools.partial]:
     """The quantized GEMMs against the 16-bit GEMM at decode (M = 1, 16) and prefill (M = 4096) shapes of a
-    Llama-3-8B MLP projection (N = 14336, K = 4096), and fp8-KV decode against 16-bit-KV decode."""
+    Llama-3-8B MLP projection (N = 14336, K = 4096), fp8-KV decode against 16-bit-KV decode, and the few-row GEMM
+    against cuBLAS at batch-1 projection shapes."""
     d = dict(device=device, dtype=dtype)
     if tiny:
         return [partial(wq_gemm_case, **d, M=1, N=64, K=256, group_size=64),
                 partial(wq_gemm_case, **d, M=80, N=64, K=256, group_size=64),
                 partial(fp8_gemm_case, **d, M=1, N=64, K=256),
-                partial(fp8_kv_decode_case, **d, num_seqs=4, seq_len=64, num_q_heads=4, num_kv_heads=2, head_dim=64)]
+                partial(fp8_kv_decode_case, **d, num_seqs=4, seq_len=64, num_q_heads=4, num_kv_heads=2, head_dim=64),
+                partial(skinny_gemm_case, **d, M=1, N=64, K=256)]
     mlp = dict(N=14336, K=4096)
     heads = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
     return [
@@ -1090,6 +1110,11 @@ def quant_suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False)
         *(partial(fp8_gemm_case, **d, M=M, **mlp) for M in (1, 16, 4096)),
         partial(fp8_kv_decode_case, **d, num_seqs=64, seq_len=4096, **heads),
         partial(fp8_kv_decode_case, **d, num_seqs=1, seq_len=32768, **heads),
+        # the few-row GEMM against cuBLAS at batch-1 decode's projections: Qwen3-0.6B's qkv, o, gate_up, down, then
+        # Llama-3-8B's gate_up and down, and 8 rows of the 0.6B qkv
+        *(partial(skinny_gemm_case, **d, M=1, N=N, K=K)
+          for N, K in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (28672, 4096), (4096, 14336))),
+        partial(skinny_gemm_case, **d, M=8, N=4096, K=1024),
     ]
 
 

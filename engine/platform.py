@@ -80,6 +80,11 @@ class DevicePolicy:
     # 12.0-12.1 and 13.2-13.4 s against 12.5-12.7 and 15.5-15.8 s with the oneDNN products past 64 rows); with AMX
     # the eager limit, an estimate.
     cpu_bf16_w16_graph_max_rows: int | None = None
+    # Steps of up to this many tokens run the decoder layers that can as few-row products with the norms and residual
+    # adds fused in (pagedkernels.skinny_gemm; engine/models/llama.py), on any device; 0: never. Off until the GPU suite
+    # has measured it against cuBLAS (bench.engine_gpu's batch-1 part runs both): ENGINE_SKINNY_GEMM_MAX_ROWS=1..8
+    # turns it on.
+    skinny_gemm_max_rows: int = 0
 
     @classmethod
     def for_device(cls, device: torch.device | str) -> "DevicePolicy":
@@ -93,7 +98,8 @@ class DevicePolicy:
                    serve_max_num_seqs_per_request=32 if on_gpu else 16, async_scheduling_by_default=on_gpu,
                    cpu_bf16_isa=isa,
                    cpu_bf16_w16_max_rows=None if on_gpu else _cpu_bf16_w16_max_rows(isa),
-                   cpu_bf16_w16_graph_max_rows=None if on_gpu else _cpu_bf16_w16_max_rows(isa, graphs=True))
+                   cpu_bf16_w16_graph_max_rows=None if on_gpu else _cpu_bf16_w16_max_rows(isa, graphs=True),
+                   skinny_gemm_max_rows=_skinny_gemm_max_rows())
 
     def auto_dtype(self, checkpoint: torch.dtype, *, quantized: bool = False) -> tuple[torch.dtype, str]:
         """What ``dtype="auto"`` runs a checkpoint stored in ``checkpoint`` in, and why (a line for the log).
@@ -141,6 +147,19 @@ class DevicePolicy:
         if self.device.type != "cpu":
             return None
         return max(1, (os.cpu_count() or 1) // tensor_parallel_size)
+
+
+def _skinny_gemm_max_rows() -> int:
+    """DevicePolicy.skinny_gemm_max_rows: ENGINE_SKINNY_GEMM_MAX_ROWS, an int from 0 to skinny_gemm's MAX_ROWS
+    (default 0)."""
+    from pagedkernels.skinny_gemm import MAX_ROWS
+
+    env = os.environ.get("ENGINE_SKINNY_GEMM_MAX_ROWS", "").strip()
+    if not env:
+        return 0
+    if not env.isdigit() or int(env) > MAX_ROWS:
+        raise ValueError(f"ENGINE_SKINNY_GEMM_MAX_ROWS must be an int from 0 to {MAX_ROWS}, got {env!r}")
+    return int(env)
 
 
 def _cpu_bf16_w16_max_rows(isa: str | None, *, graphs: bool = False) -> int | None:

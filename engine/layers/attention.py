@@ -63,12 +63,16 @@ class AttentionMetadata:
     seq_lens: int32 ``[num_seqs]``, tokens in the cache per sequence once the new ones are written.
     cu_seqlens_q: int32 ``[num_seqs + 1]``, sequence s owns new tokens ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``.
     is_decode: every sequence has exactly one new token.
+    skinny: the forward's decoder layers that can (engine/models/llama.py) multiply as few-row products
+    (``pagedkernels.skinny_gemm``) with the norms and residual adds fused into them: set by the runner for batches up
+    to its ``skinny_max_rows``. A Python bool: torch.compile traces a graph per value.
     """
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     cu_seqlens_q: torch.Tensor
     is_decode: bool
+    skinny: bool = False
 
 
 class Attention(nn.Module):

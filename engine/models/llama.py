@@ -13,9 +13,11 @@ from torch import nn
 from engine.config import ModelConfig, need, read_layer_types, read_rope
 from engine.layers.activation import gated_activation
 from engine.layers.attention import Attention, AttentionMetadata
+from engine.layers import pk_ops
 from engine.layers.embed_head import LMHead, VocabEmbedding
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import Linear, MergedLinear, QKVLinear
+from engine.layers.quantization.unquantized import UnquantizedLinearMethod
 from engine.layers.rotary_embedding import RotaryEmbedding
 
 
@@ -43,8 +45,12 @@ class LlamaAttention(nn.Module):
                               sliding_window=window, softcap=config.attn_logit_softcap)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        num_tokens = hidden_states.shape[0]
-        qkv = self.qkv_proj(hidden_states)  # [num_tokens, q_size + 2 * kv_size]
+        return self.o_proj(self.attend(positions, self.qkv_proj(hidden_states), meta))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The block between its two projections: ``qkv [num_tokens, q_size + 2 * kv_size]`` -> the attention's
+        output ``[num_tokens, q_size]`` (q/k norm and rotary, the KV cache write, paged attention)."""
+        num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -53,7 +59,7 @@ class LlamaAttention(nn.Module):
             q, k = self.rotary_emb.forward_qk_norm(positions, q, k, self.q_norm, self.k_norm)
         else:
             self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, meta))
+        return self.attn(q, k, v, meta)
 
 
 class LlamaMLP(nn.Module):
@@ -90,9 +96,12 @@ class LlamaDecoderLayer(nn.Module):
         self.add_module(self.mlp_name, parts.make_mlp(config, layer_idx, prefix=f"{prefix}.{self.mlp_name}"))
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.skinny = False   # whether a meta.skinny forward takes _forward_skinny (LlamaModel.prepare_skinny)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if meta.skinny and self.skinny:
+            return self._forward_skinny(positions, hidden_states, residual, meta)
         # The residual stream is carried unnormalized between layers; each norm first adds the
         # previous block's output into it (fused, in place).
         if residual is None:
@@ -102,6 +111,42 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states = self.self_attn(positions, hidden_states, meta)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self._modules[self.mlp_name](hidden_states), residual
+
+    def _forward_skinny(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                        meta: AttentionMetadata) -> tuple[torch.Tensor, None]:
+        """The layer for a few rows (``meta.skinny``): four ``skinny_gemm`` calls, the norms in the products after them
+        and the residual adds in the products before them (pagedkernels/skinny_gemm.py), so the layer is norm+qkv,
+        q/k norm+rotary, attention, o+add, norm+gate_up, SiLU-and-mul, down+add. The same rounding points as
+        :meth:`forward`. Returns the residual stream itself as the hidden states (and no residual): the next layer,
+        or the final norm, takes it as a stream with nothing left to add."""
+        ops = pk_ops()
+        stream = hidden_states if residual is None else residual.add_(hidden_states)
+        attn, mlp = self.self_attn, self._modules[self.mlp_name]
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        qkv = ops.skinny_gemm(stream, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=norm1.weight,
+                              eps=norm1.eps)
+        ops.skinny_gemm(attn.attend(positions, qkv, meta), attn.o_proj.weight, attn.o_proj.bias, residual=stream)
+        gate_up = ops.skinny_gemm(stream, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm_weight=norm2.weight,
+                                  eps=norm2.eps)
+        ops.skinny_gemm(mlp.act_fn(gate_up), mlp.down_proj.weight, mlp.down_proj.bias, residual=stream)
+        return stream, None
+
+    def can_run_skinny(self) -> bool:
+        """Whether :meth:`_forward_skinny` computes this layer: Llama's attention and gated MLP with plain float
+        weights in the activations' dtype (not quantized, not packed for the CPU, not wrapped with LoRA adapters) and
+        no tensor parallelism (a row-parallel product is summed over the ranks before its residual add)."""
+        attn, mlp = self.self_attn, self._modules[self.mlp_name]
+        if type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
+            return False
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        dtype = attn.qkv_proj.weight.dtype if isinstance(getattr(attn.qkv_proj, "weight", None), torch.Tensor) else None
+        return (dtype is not None
+                and all(type(layer.quant_method) is UnquantizedLinearMethod and layer.tp_size == 1
+                        and isinstance(getattr(layer, "weight", None), torch.Tensor) and layer.weight.dim() == 2
+                        and layer.weight.dtype == dtype and layer.weight.stride(-1) == 1
+                        and layer.packed_weight is None and layer.w16_weight is None for layer in linears)
+                and all(type(norm) is RMSNorm for norm in norms))
 
 
 class LlamaModel(nn.Module):
@@ -117,10 +162,19 @@ class LlamaModel(nn.Module):
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
 
+    def prepare_skinny(self) -> bool:
+        """Marks each layer that :meth:`LlamaDecoderLayer.can_run_skinny`; whether any can (the runner then sets
+        ``meta.skinny`` for small batches)."""
+        for layer in self.layers:
+            layer.skinny = layer.can_run_skinny()
+        return any(layer.skinny for layer in self.layers)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual, meta)
+        if residual is None:   # the few-row layers hand on the stream itself
+            return self.norm(hidden_states)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -194,6 +248,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions int64 ``[num_tokens]`` -> final hidden states ``[num_tokens, hidden_size]``."""
         return self.model(input_ids, positions, meta)
+
+    def prepare_skinny(self) -> bool:
+        """See :meth:`LlamaModel.prepare_skinny` (called by the runner once the weights are in their final form)."""
+        return self.model.prepare_skinny()
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[num_seqs, hidden_size]`` -> float32 ``[num_seqs, vocab_size]``."""

@@ -164,6 +164,24 @@ class DecodeGraphs:
             return _rows(runner.replay(num_seqs), num_seqs)
         return _rows(runner.replay(), num_seqs)
 
+    def set_skinny_max_rows(self, rows: int) -> int:
+        """Turn the decoder layers' few-row path (``meta.skinny``, pagedkernels.skinny_gemm) on for steps of up to
+        ``rows`` tokens, or off with 0, on a built runner: the model's layers are checked as at start-up, and the
+        decode graphs whose sizes change sides are dropped, to be captured again by the next step that needs them.
+        Returns the limit in force (0 where the model cannot take the path). What bench.engine_gpu's batch-1 part
+        compares on one engine; an engine's own setting is DevicePolicy.skinny_gemm_max_rows."""
+        from pagedkernels.skinny_gemm import MAX_ROWS
+
+        if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= MAX_ROWS:
+            raise ValueError(f"rows must be an int from 0 to {MAX_ROWS}, got {rows!r}")
+        prepare = getattr(self.model, "prepare_skinny", None)
+        before = self.skinny_max_rows
+        self.skinny_max_rows = rows if rows and self.lora is None and prepare is not None and prepare() else 0
+        for graphs in (self.graphs, getattr(self, "lora_graphs", {})):
+            for size in [s for s in graphs if (s <= before) != (s <= self.skinny_max_rows)]:
+                del graphs[size]
+        return self.skinny_max_rows
+
     def capture_all_graphs(self) -> None:
         """Capture the decode graph of every ladder size not captured yet, largest first. The static buffers hold
         padding rows (slot -1, seq_len 0) while capturing: nothing is written to or read from the KV cache."""
@@ -188,7 +206,8 @@ class DecodeGraphs:
         meta = AttentionMetadata(slot_mapping=self.static_slot_mapping[:batch_size],
                                  block_tables=self.static_block_tables[:batch_size],
                                  seq_lens=self.static_seq_lens[:batch_size],
-                                 cu_seqlens_q=self.static_cu_seqlens_q[:batch_size + 1], is_decode=True)
+                                 cu_seqlens_q=self.static_cu_seqlens_q[:batch_size + 1], is_decode=True,
+                                 skinny=batch_size <= self.skinny_max_rows)
         input_ids, positions = self.static_input_ids[:batch_size], self.static_positions[:batch_size]
         runner = self.graph_runner_class(self.graph_pool)
         forward = lambda: self._forward(input_ids, positions, meta)  # noqa: E731

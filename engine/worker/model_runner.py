@@ -155,6 +155,11 @@ class ModelRunner(DecodeGraphs):
         if engine_config.lora_config is not None:
             self.lora = LoRAManager(self.model, engine_config.lora_config, dtype=self.dtype,
                                     max_num_tokens=max(self.max_num_batched_tokens, max_num_seqs))
+        # Steps of up to this many tokens take the few-row path of the layers that have one (meta.skinny); 0: none.
+        self.skinny_max_rows = 0
+        prepare_skinny = getattr(self.model, "prepare_skinny", None)
+        if self.policy.skinny_gemm_max_rows and self.lora is None and prepare_skinny is not None and prepare_skinny():
+            self.skinny_max_rows = self.policy.skinny_gemm_max_rows
         # The forward every path calls: the module itself, or its torch.compile wrapper (compiled lazily per
         # input signature: mixed and decode batches, dynamic in the token count).
         self.forward = self.model
@@ -397,7 +402,8 @@ class ModelRunner(DecodeGraphs):
         to_device = self._to_device
         meta = AttentionMetadata(slot_mapping=to_device(slot_mapping), block_tables=to_device(block_tables),
                                  seq_lens=to_device(seq_lens), cu_seqlens_q=to_device(cu_seqlens_q),
-                                 is_decode=len(positions) == num_seqs)
+                                 is_decode=len(positions) == num_seqs,
+                                 skinny=len(positions) <= self.skinny_max_rows)
         return to_device(input_ids), to_device(positions), meta
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:

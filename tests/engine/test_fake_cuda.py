@@ -91,6 +91,34 @@ def test_every_architecture_runs_the_cuda_paths(tiny_model_dir, arch):
         assert logits.shape == (3, config.vocab_size) and logits.device.type == "cuda"
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_few_row_layers_run_the_cuda_paths(tiny_model_dir, arch, monkeypatch):
+    """ENGINE_SKINNY_GEMM_MAX_ROWS on CUDA: the decode graphs of up to its rows capture the few-row layers
+    (pagedkernels.skinny_gemm's fake implementation checks every argument's device, dtype and shape) with no host
+    sync; decode batches on them, and a mixed batch on the ordinary layers."""
+    model_dir = tiny_model_dir(arch)
+    monkeypatch.setenv("ENGINE_SKINNY_GEMM_MAX_ROWS", "8")
+    calls = []
+    from pagedkernels import torch_ops
+    real = torch_ops._skinny_gemm_residual_op
+    monkeypatch.setattr(torch_ops, "_skinny_gemm_residual_op",
+                        lambda *args: (calls.append(args[0].shape[0]), real(*args))[1])
+    FakeGraphRunner.captured_batch_sizes = []
+    decodes = [(Entry(random_token_ids(n + 1, seed=n), n, [n // BLOCK_SIZE]), 1) for n in (3, 9, 14)]
+    mixed = _mixed_batch()
+    with fake_cuda(FakeCudaMemory(total=80 * GiB, free=79 * GiB, peak_bytes=GiB // 4, non_torch_bytes=GiB // 4)):
+        runner = _runner(model_dir, num_kv_blocks=64)
+        assert runner.skinny_max_rows == 8 and all(layer.skinny for layer in runner.model.model.layers)
+        assert sorted(FakeGraphRunner.captured_batch_sizes) == graph_batch_sizes(MAX_NUM_SEQS)
+        # the residual products of the captures of 8, 4, 2 and 1 rows (warm-up and recording), two a layer; the
+        # graphs of 16 rows the ordinary layers
+        layers = runner.config.num_hidden_layers
+        assert sorted(set(calls)) == [1, 2, 4, 8] and all(calls.count(n) == 2 * 2 * layers for n in (1, 2, 4, 8))
+        assert runner.compute_logits_for(decodes).shape == (3, runner.config.vocab_size)
+        logits = runner.compute_logits_for(mixed)
+        assert logits.shape == (4, runner.config.vocab_size) and logits.device.type == "cuda"
+
+
 def test_kv_sizing_refuses_more_than_is_free(tiny_model_dir):
     model_dir = tiny_model_dir("llama")   # made before fake mode (the directory is written for real)
     with fake_cuda(FakeCudaMemory(total=80 * GiB, free=40 * GiB)):

@@ -1,0 +1,130 @@
+"""The decoder layers' few-row path (meta.skinny: pagedkernels.skinny_gemm with the norms and residual adds fused in,
+engine/models/llama.py) against the ordinary layers, on CPU through the op's PyTorch twin: eager steps, the decode
+graphs' ladder (the CUDA-graph double), and the compiled forward, as on CUDA. The Triton kernel itself is checked
+against a float64 oracle in tests/pagedkernels/test_skinny_gemm.py; on a GPU the suite's batch-1 part runs both."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import pytest
+import torch
+
+from engine.platform import DevicePolicy
+from tests.engine.test_cuda_graph_runner import RecordingGraphRunner, _run, _sequences, make_runner
+
+skinny_module = importlib.import_module("pagedkernels.skinny_gemm")
+
+
+@pytest.fixture
+def skinny_calls(monkeypatch):
+    """Every skinny_gemm the twin computes, as (rows, norm fused, residual fused); and the CPU's weight prepacking
+    off (a prepacked layer has no plain weight for the few-row path, so the runner would leave the path off)."""
+    calls = []
+    twin = skinny_module._skinny_torch
+
+    def spy(x, weight, bias, norm_weight, eps, residual, out):
+        calls.append((x.shape[0], norm_weight is not None, residual is not None))
+        return twin(x, weight, bias, norm_weight, eps, residual, out)
+
+    monkeypatch.setattr(skinny_module, "_skinny_torch", spy)
+    for_device = DevicePolicy.for_device.__func__
+    monkeypatch.setattr(DevicePolicy, "for_device", classmethod(
+        lambda cls, device: dataclasses.replace(for_device(cls, device), prepack_linears=False)))
+    return calls
+
+
+# mistral: a sliding window; qwen2: q/k/v biases; qwen3: q/k norms.
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_eager_steps_equal_the_ordinary_layers(tiny_model_dir, arch, skinny_calls, monkeypatch):
+    """Steps of up to 8 tokens (the decode steps of 3, 1, 5 and 3 sequences) take the few-row path, the prefill and
+    the decode step of 10 sequences the ordinary one; logits and KV cache as the ordinary layers'."""
+    model_dir = tiny_model_dir(arch)
+    ordinary = make_runner(model_dir, enforce_eager=True)
+    assert ordinary.skinny_max_rows == 0
+    monkeypatch.setenv("ENGINE_SKINNY_GEMM_MAX_ROWS", "8")
+    skinny = make_runner(model_dir, enforce_eager=True)
+    assert skinny.skinny_max_rows == 8 and all(layer.skinny for layer in skinny.model.model.layers)
+    expected = _run(ordinary, _sequences(ordinary.config.vocab_size))
+    assert skinny_calls == []
+    got = _run(skinny, _sequences(skinny.config.vocab_size))
+    for step, (a, b) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step}: {m}")
+    torch.testing.assert_close(skinny.kv_cache, ordinary.kv_cache, atol=1e-4, rtol=1e-4, equal_nan=True)
+    layers = skinny.config.num_hidden_layers
+    # four products a layer (norm+qkv, o+add, norm+gate_up, down+add) in each of the four small steps
+    assert skinny_calls == [call for rows in (3, 1, 5, 3)
+                            for call in [(rows, True, False), (rows, False, True)] * 2 * layers]
+
+
+def test_decode_graphs_take_the_few_row_path_up_to_the_limit(tiny_model_dir, skinny_calls, monkeypatch):
+    """The decode graphs' ladder (the CUDA-graph double): graphs of up to ENGINE_SKINNY_GEMM_MAX_ROWS rows capture the
+    few-row path, larger ones the ordinary layers; results as the eager runner's."""
+    model_dir = tiny_model_dir("qwen3")
+    eager = make_runner(model_dir, enforce_eager=True)
+    monkeypatch.setenv("ENGINE_SKINNY_GEMM_MAX_ROWS", "4")
+    graphed = make_runner(model_dir, enforce_eager=False, graph_runner_class=RecordingGraphRunner)
+    monkeypatch.setattr(RecordingGraphRunner, "replays", [])
+    monkeypatch.setattr(RecordingGraphRunner, "model_runner", graphed, raising=False)
+    expected = _run(eager, _sequences(eager.config.vocab_size))
+    got = _run(graphed, _sequences(graphed.config.vocab_size))
+    for step, (a, b) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step}: {m}")
+    assert [r["batch_size"] for r in RecordingGraphRunner.replays] == [4, 1, 8, 4]
+    # the graphs of 4 and 1 rows run skinny products (capture and replays), the graph of 8 and the eager steps none
+    assert {rows for rows, _, _ in skinny_calls} == {4, 1}
+
+
+def test_compiled_forward_takes_the_few_row_path(tiny_model_dir, skinny_calls, monkeypatch):
+    """torch.compile (inductor, fullgraph, dynamic: as on CUDA) traces the few-row layers with the skinny custom ops,
+    the residual stream updated in place inside the graph, and a separate graph for the ordinary steps."""
+    model_dir = tiny_model_dir("qwen3")
+    eager = make_runner(model_dir, enforce_eager=True, compile_model=False)
+    monkeypatch.setenv("ENGINE_SKINNY_GEMM_MAX_ROWS", "8")
+    compiled = make_runner(model_dir, enforce_eager=True, compile_model=True)
+    expected = _run(eager, _sequences(eager.config.vocab_size))
+    got = _run(compiled, _sequences(compiled.config.vocab_size))
+    assert compiled.compiled, "compilation fell back to eager"
+    for step, (a, b) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step}: {m}")
+    assert {rows for rows, _, _ in skinny_calls} == {3, 1, 5}
+
+
+def test_the_path_stays_off_where_it_cannot_run(tiny_model_dir, monkeypatch):
+    """Prepacked CPU weights (the CPU's default), another architecture's layers (OPT), or the variable unset: the
+    runner leaves it off. A bad value is an error naming the variable."""
+    monkeypatch.setenv("ENGINE_SKINNY_GEMM_MAX_ROWS", "8")
+    assert make_runner(tiny_model_dir("llama"), enforce_eager=True).skinny_max_rows == 0   # prepacked
+    for_device = DevicePolicy.for_device.__func__
+    monkeypatch.setattr(DevicePolicy, "for_device", classmethod(
+        lambda cls, device: dataclasses.replace(for_device(cls, device), prepack_linears=False)))
+    assert make_runner(tiny_model_dir("opt"), enforce_eager=True).skinny_max_rows == 0
+    assert make_runner(tiny_model_dir("llama"), enforce_eager=True).skinny_max_rows == 8
+    monkeypatch.setenv("ENGINE_SKINNY_GEMM_MAX_ROWS", "")
+    assert make_runner(tiny_model_dir("llama"), enforce_eager=True).skinny_max_rows == 0
+    for bad in ("9", "-1", "yes"):
+        monkeypatch.setenv("ENGINE_SKINNY_GEMM_MAX_ROWS", bad)
+        with pytest.raises(ValueError, match="ENGINE_SKINNY_GEMM_MAX_ROWS"):
+            DevicePolicy.for_device("cpu")
+
+
+def test_turned_on_and_off_on_a_built_runner(tiny_model_dir, skinny_calls, monkeypatch):
+    """set_skinny_max_rows (bench.engine_gpu's A/B on one engine): the decode graphs whose side changes are captured
+    again by the next step that needs them; results as the ordinary layers' either way."""
+    model_dir = tiny_model_dir("llama")
+    eager = make_runner(model_dir, enforce_eager=True)
+    graphed = make_runner(model_dir, enforce_eager=False, graph_runner_class=RecordingGraphRunner,
+                          capture_graphs_at_startup=True)
+    monkeypatch.setattr(RecordingGraphRunner, "replays", [])
+    monkeypatch.setattr(RecordingGraphRunner, "model_runner", graphed, raising=False)
+    assert graphed.skinny_max_rows == 0 and sorted(graphed.graphs) == [1, 2, 4, 8]
+    assert graphed.set_skinny_max_rows(2) == 2 and sorted(graphed.graphs) == [4, 8]
+    expected = _run(eager, _sequences(eager.config.vocab_size))
+    got = _run(graphed, _sequences(graphed.config.vocab_size))
+    for step, (a, b) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step}: {m}")
+    assert {rows for rows, _, _ in skinny_calls} == {1}   # the one-sequence step's graph
+    assert graphed.set_skinny_max_rows(0) == 0 and sorted(graphed.graphs) == [4, 8]
+    with pytest.raises(ValueError, match="rows must be an int from 0 to 8"):
+        graphed.set_skinny_max_rows(9)
