@@ -480,24 +480,27 @@ def _lora_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
 def _skinny_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
     """skinny_gemm for every dtype at Qwen3-0.6B's and Llama-3-8B's decode projections: 1 to 8 rows (the rows
     unrolled), 1 to 16 output rows a program (1: the 0.6B down projection, 16 with 8 warps: the 8B gate/up), K of
-    one block and of 28, with the RMSNorm prologue, the residual epilogue and a bias."""
+    one block and of 28, with the RMSNorm or SiLU-and-mul prologue, the residual epilogue and a bias, and plain."""
     import pagedkernels as pk
 
-    # (rows, N, K, norm, residual, bias)
-    shapes = ((1, 4096, 1024, True, False, False), (1, 1024, 3072, False, True, False),
-              (8, 6144, 1024, True, False, True), (4, 4096, 14336, False, True, False),
-              (2, 28672, 4096, True, False, False), (3, 1024, 2048, False, True, True))
+    # (rows, N, K, prologue, residual, bias)
+    shapes = ((1, 4096, 1024, "norm", False, False), (1, 1024, 3072, "silu", True, False),
+              (8, 6144, 1024, "norm", False, True), (4, 4096, 14336, "silu", True, False),
+              (2, 28672, 4096, "norm", False, False), (3, 1024, 2048, None, True, True),
+              (1, 2048, 1024, None, False, False))
     for dtype in DTYPES:
         name = str(dtype).replace("torch.", "")
-        for M, N, K, norm, residual, bias in shapes:
-            def call(gen, dtype=dtype, M=M, N=N, K=K, norm=norm, residual=residual, bias=bias):
-                x = _randn(M, K, dtype=dtype, generator=gen)
+        for M, N, K, prologue, residual, bias in shapes:
+            def call(gen, dtype=dtype, M=M, N=N, K=K, prologue=prologue, residual=residual, bias=bias):
+                norm = prologue == "norm"
+                x = _randn(M, 2 * K if prologue == "silu" else K, dtype=dtype, generator=gen)
                 weight = torch.empty(N, K, dtype=dtype)   # recorded, not run: its values are never read
                 pk.skinny_gemm(x, weight, torch.zeros(N, dtype=dtype) if bias else None,
                                norm_weight=torch.ones(K, dtype=dtype) if norm else None, eps=1e-6 if norm else None,
+                               gated="silu" if prologue == "silu" else None,
                                residual=torch.zeros(M, N, dtype=dtype) if residual else None)
-            yield (f"skinny_gemm {name} M={M} N={N} K={K}{' norm' if norm else ''}{' residual' if residual else ''}"
-                   f"{' bias' if bias else ''}"), call
+            yield (f"skinny_gemm {name} M={M} N={N} K={K}{' ' + prologue if prologue else ''}"
+                   f"{' residual' if residual else ''}{' bias' if bias else ''}"), call
 
 
 def launch_matrix() -> list[tuple[str, Callable[[torch.Generator], None]]]:

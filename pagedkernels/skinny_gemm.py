@@ -12,11 +12,13 @@ linear pair (vLLM's fused norm-quant and allreduce-add ideas, here for the plain
 - ``norm_weight`` (prologue, RMSNorm): ``y = rms_norm(x) * norm_weight`` then ``y @ W^T``. Every program computes
   the rows' mean squares itself (x is a few KiB, read from L2); y is rounded to x's dtype before the product, as the
   unfused ``rms_norm`` -> linear pair rounds it, so only the GEMM's own summation order differs from that pair.
+- ``gated="silu"`` (prologue, SwiGLU): x is the gate_up projection ``[M, 2K]`` and the product's input is
+  ``silu(gate) * up``, computed and rounded as ``silu_and_mul`` does, never stored.
 - ``residual`` (epilogue): ``residual <- residual + (x @ W^T + bias)``, the product rounded to x's dtype first and
   the sum to the residual's, as an unfused linear followed by ``fused_add_rms_norm``'s add. Returns the residual.
 
 A decoder layer on this path (engine/models/llama.py) is: norm+qkv, q/k norm+rotary, attention, o+residual,
-norm+gate_up, SiLU-and-mul, down+residual, against nine kernels and a split-K reduction around cuBLAS.
+norm+gate_up, SiLU-and-mul+down+residual, against nine kernels and a split-K reduction around cuBLAS.
 
 Backends: Triton (CUDA; fp32 accumulation; M up to :data:`MAX_ROWS`, the rows unrolled), and a PyTorch twin (CPU and
 the ``torch`` backend) with the same rounding points. There is no native CPU kernel: the CPU's few-row products go
@@ -40,7 +42,7 @@ MAX_ROWS = 8
 
 @triton.jit
 def _skinny_gemm_kernel(
-    x_ptr,  # [M, K]
+    x_ptr,  # [M, K] ([M, 2K] with GATED)
     w_ptr,  # [N, K], rows contiguous
     bias_ptr,  # [N] (HAS_BIAS)
     norm_ptr,  # [K] (HAS_NORM)
@@ -54,6 +56,7 @@ def _skinny_gemm_kernel(
     eps,
     HAS_BIAS: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    GATED: tl.constexpr,  # x is [M, 2K]: gate | up, and the product's input silu(gate) * up
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr,  # M rounded up to a power of two (<= MAX_ROWS), the rows unrolled
     BLOCK_N: tl.constexpr,
@@ -82,7 +85,11 @@ def _skinny_gemm_kernel(
         if HAS_NORM:
             g = tl.load(norm_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         for m in tl.static_range(BLOCK_M):
-            xm = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask & (offs_k * 0 + m < M), other=0.0).to(tl.float32)
+            row_mask = k_mask & (offs_k * 0 + m < M)
+            xm = tl.load(x_ptr + m * stride_xm + offs_k, mask=row_mask, other=0.0).to(tl.float32)
+            if GATED:   # as silu_and_mul: in fp32, rounded once to x's dtype
+                up = tl.load(x_ptr + m * stride_xm + K + offs_k, mask=row_mask, other=0.0).to(tl.float32)
+                xm = (xm / (1.0 + tl.exp(-xm)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
             if HAS_NORM:
                 rstd_m = tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
                 xm = (xm * rstd_m * g).to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -114,13 +121,24 @@ def skinny_gemm_config(M: int, N: int, K: int, num_multiprocessors: int) -> tupl
     return block_n, block_k, num_warps
 
 
-def check_skinny_gemm_args(x, weight, bias=None, norm_weight=None, eps=None, residual=None, out=None
+GATED = ("silu",)
+
+
+def check_skinny_gemm_args(x, weight, bias=None, norm_weight=None, eps=None, residual=None, out=None, gated=None
                            ) -> tuple[int, int, int]:
     """Every check of :func:`skinny_gemm`'s arguments (none reads a tensor value). Returns (M, N, K)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     if x.stride(-1) != 1:
         raise ValueError("x must be contiguous in its last (K) dimension")
     M, K = x.shape
+    if gated is not None:
+        if gated not in GATED:
+            raise ValueError(f"gated must be None or one of {GATED}, got {gated!r}")
+        if norm_weight is not None:
+            raise ValueError("gated and norm_weight exclude each other (one prologue)")
+        if K % 2:
+            raise ValueError(f"x must have shape [M, 2 * K] (gate | up) with gated, got {list(x.shape)}")
+        K //= 2
     if not 1 <= M <= MAX_ROWS:
         raise ValueError(f"x must have 1 to {MAX_ROWS} rows (skinny_gemm is for decode at small batch; a tiled GEMM "
                          f"serves more), got {M}")
@@ -153,7 +171,7 @@ def check_skinny_gemm_args(x, weight, bias=None, norm_weight=None, eps=None, res
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                norm_weight: torch.Tensor | None = None, eps: float | None = None,
+                norm_weight: torch.Tensor | None = None, eps: float | None = None, gated: str | None = None,
                 residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight^T (+ bias)`` for 1 to :data:`MAX_ROWS` rows, optionally with an RMSNorm before it or a residual
     add after it (module docstring).
@@ -164,27 +182,29 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         bias: optional ``[N]``, added in fp32 before the product is rounded.
         norm_weight, eps: the RMSNorm applied to x's rows first (``x / sqrt(mean(x^2) + eps) * norm_weight``,
             rounded to x's dtype).
+        gated: ``"silu"``: x is ``[M, 2K]`` (gate | up) and the product's input ``silu(gate) * up`` (rounded to
+            x's dtype); not with ``norm_weight``.
         residual: optional ``[M, N]``: the product is added into it (in place) instead of returned.
         out: optional ``[M, N]`` in x's dtype (not with ``residual``).
 
     Returns ``residual`` when given, else the ``[M, N]`` product in x's dtype (``out`` when given).
     """
-    M, N, K = check_skinny_gemm_args(x, weight, bias, norm_weight, eps, residual, out)
+    M, N, K = check_skinny_gemm_args(x, weight, bias, norm_weight, eps, residual, out, gated)
     if residual is None and out is None:
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     result = residual if residual is not None else out
     if has_no_data(x, weight, bias, norm_weight, result) or N == 0:
         return result
     if use_triton(x):
-        _skinny_triton(x, weight, bias, norm_weight, eps, residual, out)
+        _skinny_triton(x, weight, bias, norm_weight, eps, residual, out, gated)
     else:
-        _skinny_torch(x, weight, bias, norm_weight, eps, residual, out)
+        _skinny_torch(x, weight, bias, norm_weight, eps, residual, out, gated)
     return result
 
 
-def _skinny_triton(x, weight, bias, norm_weight, eps, residual, out) -> None:
-    M, K = x.shape
-    N = weight.shape[0]
+def _skinny_triton(x, weight, bias, norm_weight, eps, residual, out, gated=None) -> None:
+    M = x.shape[0]
+    N, K = weight.shape
     block_n, block_k, num_warps = skinny_gemm_config(M, N, K, num_multiprocessors(x.device))
     dummy = residual if residual is not None else out
     _skinny_gemm_kernel[(triton.cdiv(N, block_n),)](
@@ -193,13 +213,17 @@ def _skinny_triton(x, weight, bias, norm_weight, eps, residual, out) -> None:
         M, N, K, x.stride(0), weight.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0) if out is not None else 0,
         float(eps) if eps is not None else 0.0,
-        HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
+        HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, GATED=gated is not None,
+        HAS_RESIDUAL=residual is not None,
         BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
 
 
-def _skinny_torch(x, weight, bias, norm_weight, eps, residual, out) -> None:
+def _skinny_torch(x, weight, bias, norm_weight, eps, residual, out, gated=None) -> None:
     """The PyTorch twin: float32 arithmetic, the kernel's rounding points."""
     xf = x.float()
+    if gated is not None:
+        gate, up = xf.chunk(2, dim=-1)
+        xf = (gate / (1.0 + torch.exp(-gate)) * up).to(x.dtype).float()
     if norm_weight is not None:
         xf = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()).to(x.dtype).float()
     product = xf @ weight.float().t()

@@ -423,32 +423,33 @@ def lora_expand(buffer: torch.Tensor, lora_b: torch.Tensor, token_lora_indices: 
 
 @torch.library.custom_op("pagedkernels::skinny_gemm", mutates_args=())
 def _skinny_gemm_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    norm_weight: torch.Tensor | None = None, eps: float | None = None) -> torch.Tensor:
-    return _skinny_gemm(x, weight, bias, norm_weight=norm_weight, eps=eps)
+                    norm_weight: torch.Tensor | None = None, eps: float | None = None,
+                    gated: str | None = None) -> torch.Tensor:
+    return _skinny_gemm(x, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated)
 
 
 @_skinny_gemm_op.register_fake
-def _(x, weight, bias=None, norm_weight=None, eps=None):
-    return _skinny_gemm(x, weight, bias, norm_weight=norm_weight, eps=eps)
+def _(x, weight, bias=None, norm_weight=None, eps=None, gated=None):
+    return _skinny_gemm(x, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated)
 
 
 @torch.library.custom_op("pagedkernels::skinny_gemm_residual_", mutates_args=("residual",))
 def _skinny_gemm_residual_op(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
                              bias: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-                             eps: float | None = None) -> None:
-    _skinny_gemm(x, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual)
+                             eps: float | None = None, gated: str | None = None) -> None:
+    _skinny_gemm(x, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated, residual=residual)
 
 
 @_skinny_gemm_residual_op.register_fake
-def _(x, weight, residual, bias=None, norm_weight=None, eps=None) -> None:
-    _skinny_gemm(x, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual)  # checks only
+def _(x, weight, residual, bias=None, norm_weight=None, eps=None, gated=None) -> None:
+    _skinny_gemm(x, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated, residual=residual)  # checks only
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                norm_weight: torch.Tensor | None = None, eps: float | None = None,
+                norm_weight: torch.Tensor | None = None, eps: float | None = None, gated: str | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
     """See :func:`pagedkernels.skinny_gemm` (with ``residual``: added into it in place, and it is returned)."""
     if residual is None:
-        return _skinny_gemm_op(x, weight, bias, norm_weight, eps)
-    _skinny_gemm_residual_op(x, weight, residual, bias, norm_weight, eps)
+        return _skinny_gemm_op(x, weight, bias, norm_weight, eps, gated)
+    _skinny_gemm_residual_op(x, weight, residual, bias, norm_weight, eps, gated)
     return residual

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig, need, read_layer_types, read_rope
-from engine.layers.activation import gated_activation
+from engine.layers.activation import SiluAndMul, gated_activation
 from engine.layers.attention import Attention, AttentionMetadata
 from engine.layers import pk_ops
 from engine.layers.embed_head import LMHead, VocabEmbedding
@@ -114,9 +114,9 @@ class LlamaDecoderLayer(nn.Module):
 
     def _forward_skinny(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
                         meta: AttentionMetadata) -> tuple[torch.Tensor, None]:
-        """The layer for a few rows (``meta.skinny``): four ``skinny_gemm`` calls, the norms in the products after them
-        and the residual adds in the products before them (pagedkernels/skinny_gemm.py), so the layer is norm+qkv,
-        q/k norm+rotary, attention, o+add, norm+gate_up, SiLU-and-mul, down+add. The same rounding points as
+        """The layer for a few rows (``meta.skinny``): four ``skinny_gemm`` calls, the norms in the products after them,
+        the residual adds and SiLU-and-mul in the products before them (pagedkernels/skinny_gemm.py), so the layer is
+        norm+qkv, q/k norm+rotary, attention, o+add, norm+gate_up, SiLU-and-mul+down+add. The same rounding points as
         :meth:`forward`. Returns the residual stream itself as the hidden states (and no residual): the next layer,
         or the final norm, takes it as a stream with nothing left to add."""
         ops = pk_ops()
@@ -128,7 +128,10 @@ class LlamaDecoderLayer(nn.Module):
         ops.skinny_gemm(attn.attend(positions, qkv, meta), attn.o_proj.weight, attn.o_proj.bias, residual=stream)
         gate_up = ops.skinny_gemm(stream, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm_weight=norm2.weight,
                                   eps=norm2.eps)
-        ops.skinny_gemm(mlp.act_fn(gate_up), mlp.down_proj.weight, mlp.down_proj.bias, residual=stream)
+        if isinstance(mlp.act_fn, SiluAndMul):   # SiLU-and-mul in the down product's prologue
+            ops.skinny_gemm(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, gated="silu", residual=stream)
+        else:
+            ops.skinny_gemm(mlp.act_fn(gate_up), mlp.down_proj.weight, mlp.down_proj.bias, residual=stream)
         return stream, None
 
     def can_run_skinny(self) -> bool:

@@ -24,9 +24,9 @@ def skinny_calls(monkeypatch):
     calls = []
     twin = skinny_module._skinny_torch
 
-    def spy(x, weight, bias, norm_weight, eps, residual, out):
+    def spy(x, weight, bias, norm_weight, eps, residual, out, gated=None):
         calls.append((x.shape[0], norm_weight is not None, residual is not None))
-        return twin(x, weight, bias, norm_weight, eps, residual, out)
+        return twin(x, weight, bias, norm_weight, eps, residual, out, gated)
 
     monkeypatch.setattr(skinny_module, "_skinny_torch", spy)
     for_device = DevicePolicy.for_device.__func__
@@ -53,7 +53,7 @@ def test_eager_steps_equal_the_ordinary_layers(tiny_model_dir, arch, skinny_call
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step}: {m}")
     torch.testing.assert_close(skinny.kv_cache, ordinary.kv_cache, atol=1e-4, rtol=1e-4, equal_nan=True)
     layers = skinny.config.num_hidden_layers
-    # four products a layer (norm+qkv, o+add, norm+gate_up, down+add) in each of the four small steps
+    # four products a layer (norm+qkv, o+add, norm+gate_up, SiLU-and-mul+down+add) in each of the four small steps
     assert skinny_calls == [call for rows in (3, 1, 5, 3)
                             for call in [(rows, True, False), (rows, False, True)] * 2 * layers]
 

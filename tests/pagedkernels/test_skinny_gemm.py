@@ -19,10 +19,13 @@ def skip_bf16_interpreter(backend, dtype, device):
         pytest.skip("bf16 arithmetic is wrong in the Triton interpreter; tested on CUDA")
 
 
-def oracle(x, weight, bias=None, norm_weight=None, eps=None, residual=None):
-    """float64 with the op's rounding points: the normalized rows and the product in x's dtype, the residual's sum
-    in its dtype."""
+def oracle(x, weight, bias=None, norm_weight=None, eps=None, residual=None, gated=None):
+    """float64 with the op's rounding points: the normalized rows (or SiLU-and-mul's output) and the product in x's
+    dtype, the residual's sum in its dtype."""
     xd = x.double().cpu()
+    if gated is not None:
+        gate, up = xd.chunk(2, dim=-1)
+        xd = (gate / (1.0 + torch.exp(-gate)) * up).to(x.dtype).double()
     if norm_weight is not None:
         xd = (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.double().cpu()).to(x.dtype)
         xd = xd.double()
@@ -47,14 +50,16 @@ SHAPES = [(1, 40, 64), (2, 7, 100), (3, 33, 600), (4, 64, 1030), (5, 17, 48), (8
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("M, N, K", SHAPES)
-@pytest.mark.parametrize("kind", ["plain", "bias", "norm", "residual", "norm+bias+residual"])
+@pytest.mark.parametrize("kind", ["plain", "bias", "norm", "residual", "norm+bias+residual", "gated+residual"])
 def test_matches_the_oracle(backend, device, dtype, M, N, K, kind):
     skip_bf16_interpreter(backend, dtype, device)
     g = torch.Generator().manual_seed(M * 1000 + N * 10 + K)
-    # x's rows strided (a slice of a wider buffer, NaN past K): only K values of a row are read.
-    buffer = torch.full((M, K + 3), float("nan"), dtype=dtype, device=device)
-    buffer[:, :K] = rand(M, K, g=g, dtype=dtype, device=device, scale=2.0)
-    x = buffer[:, :K]
+    gated = "silu" if "gated" in kind else None
+    width = 2 * K if gated else K
+    # x's rows strided (a slice of a wider buffer, NaN past its width): only those values of a row are read.
+    buffer = torch.full((M, width + 3), float("nan"), dtype=dtype, device=device)
+    buffer[:, :width] = rand(M, width, g=g, dtype=dtype, device=device, scale=2.0)
+    x = buffer[:, :width]
     weight = rand(N, K, g=g, dtype=dtype, device=device, scale=K ** -0.5)
     bias = rand(N, g=g, dtype=dtype, device=device) if "bias" in kind else None
     norm_weight = rand(K, g=g, dtype=torch.float32, device=device) if "norm" in kind else None
@@ -63,8 +68,8 @@ def test_matches_the_oracle(backend, device, dtype, M, N, K, kind):
     residual_before = residual.clone() if residual is not None else None
     x_before = x.clone()
     with pk.use_backend(backend):
-        result = pk.skinny_gemm(x, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual)
-    expected = oracle(x, weight, bias, norm_weight, eps, residual_before)
+        result = pk.skinny_gemm(x, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated, residual=residual)
+    expected = oracle(x, weight, bias, norm_weight, eps, residual_before, gated)
     atol, rtol = TOLERANCES[dtype]
     assert result.shape == (M, N) and result.dtype == dtype
     if residual is not None:
@@ -88,6 +93,19 @@ def test_float32_residual_and_out(backend, device):
     with pk.use_backend(backend):
         assert pk.skinny_gemm(x, weight, out=out) is out
     torch.testing.assert_close(out.double().cpu(), oracle(x, weight), atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_gated_prologue_equals_silu_and_mul_then_the_product(backend, device):
+    g = torch.Generator().manual_seed(5)
+    x = rand(3, 2 * 200, g=g, dtype=torch.float16, device=device, scale=3.0)
+    weight = rand(40, 200, g=g, dtype=torch.float16, device=device, scale=0.07)
+    with pk.use_backend(backend):
+        fused = pk.skinny_gemm(x, weight, gated="silu")
+        unfused = pk.skinny_gemm(pk.silu_and_mul(x), weight)
+    if backend == "torch":
+        assert torch.equal(fused, unfused)
+    torch.testing.assert_close(fused.float(), unfused.float(), atol=2e-3, rtol=2e-3)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -162,6 +180,11 @@ def test_compiles_without_graph_breaks():
     (lambda x, w: pk.skinny_gemm(x, w, residual=torch.randn(2, 8), out=torch.randn(2, 8)), "exclude each other"),
     (lambda x, w: pk.skinny_gemm(x, w, out=torch.randn(2, 8).half()), "out must have dtype"),
     (lambda x, w: pk.skinny_gemm(x, w, out=torch.randn(8, 2).t()), "out must be contiguous"),
+    (lambda x, w: pk.skinny_gemm(x, w, gated="gelu"), "gated must be None or one of"),
+    (lambda x, w: pk.skinny_gemm(x, w, gated="silu"), "weight must have shape"),   # K 16 gated: 8 per half
+    (lambda x, w: pk.skinny_gemm(x[:, :15], w[:, :15], gated="silu"), r"x must have shape \[M, 2 \* K\]"),
+    (lambda x, w: pk.skinny_gemm(x, w[:, :8], gated="silu", norm_weight=torch.randn(8), eps=1e-6),
+     "exclude each other"),
 ])
 def test_bad_arguments_raise_value_errors_naming_them(call, message):
     x, weight = torch.randn(2, 16), torch.randn(8, 16)

@@ -117,7 +117,8 @@ def _step(ops, inp, key_cache, value_cache):
     lora_out = ops.lora_expand(lora_buffer, inp["lora_b"], inp["lora_indices"], inp["x"] @ inp["lora_base"],
                                slice_sizes=(24, 16))
     skinny = ops.skinny_gemm(act, inp["skinny_w"], inp["skinny_bias"], norm_weight=inp["skinny_norm"], eps=1e-6)
-    skinny_res = ops.skinny_gemm(act, inp["skinny_w"], residual=skinny * 2)
+    skinny_res = ops.skinny_gemm(torch.cat([act, act.flip(0)], dim=1), inp["skinny_w"], gated="silu",
+                                 residual=skinny * 2)
     return (act, residual, decode_ws, projected, gguf_out, gguf_weight, fp8_out, w16_out, topk_weights, moe_out,
             sorted_ids, expert_ids, num_post_padded, lora_buffer, lora_out, skinny, skinny_res)
 
@@ -203,7 +204,7 @@ def _opcheck_cases():
         "lora_expand_": (torch.randn(num_tokens, 48, generator=gen), torch.randn(4, 40, 16, generator=gen),
                          lora_indices, torch.randn(num_tokens, 40, generator=gen), [24, 8, 8], *lora_mapping,
                          lora_ranks),
-        "skinny_gemm": (hidden, torch.randn(40, 96, generator=gen), torch.randn(40, generator=gen), weight, 1e-6),
+        "skinny_gemm": (hidden, torch.randn(40, 48, generator=gen), torch.randn(40, generator=gen), None, None, "silu"),
         "skinny_gemm_residual_": (hidden, torch.randn(40, 96, generator=gen),
                                   torch.randn(num_tokens, 40, generator=gen), None, weight, 1e-6),
     }
