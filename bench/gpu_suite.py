@@ -20,8 +20,9 @@
 7. other-tests (540 s): every other test module, on the GPU machine (``--shard K/N`` splits it).
 8. quant (300 s): the W4A16 and FP8 GEMMs against the 16-bit GEMM at decode and prefill shapes, fp8-KV decode
    against 16-bit-KV decode, the few-row GEMM (pagedkernels.skinny_gemm) against cuBLAS at batch-1 projections.
-9. tune (300 s): the prefill kernel's launch configurations on the target shape against SDPA-flash (which tiles
-   launch_config should pick on this GPU).
+9. tune (360 s): the prefill kernel's launch configurations on the target shape against SDPA-flash (which tiles
+   launch_config should pick on this GPU), the decode kernel's split counts, and the few-row GEMM's launch
+   configurations at batch-1 projections against cuBLAS (what skinny_gemm_config should pick).
 10. async (540 s): the Qwen3-0.6B-shape throughput and step profile with async scheduling (and batch-1 decode) and
    without it, side by side; then host syncs per step kind under torch.cuda.set_sync_debug_mode (bench/sync_audit.py).
 11. moe (540 s): the mixture-of-experts layer (pagedkernels.fused_moe) at Qwen3-30B-A3B's shape, 1 / 16 / 64 tokens
@@ -341,7 +342,7 @@ def _quant(run: PhaseRun) -> None:
 
 
 def _tune(run: PhaseRun) -> None:
-    run.step("limits", run.peaks) and run.step("prefill tiles", lambda: run.kernels(headline=False, tune=True,
+    run.step("limits", run.peaks) and run.step("launch configurations", lambda: run.kernels(headline=False, tune=True,
                                                                                      case_s=20.0))
 
 
@@ -392,7 +393,7 @@ PHASES = [
     Phase(6, "engine-tests", 540.0, _test_phase("engine tests on CUDA", CUDA_ENGINE_TESTS)),
     Phase(7, "other-tests", 540.0, _test_phase("other tests", OTHER_TESTS)),
     Phase(8, "quant", 300.0, _quant),
-    Phase(9, "tune", 300.0, _tune),
+    Phase(9, "tune", 360.0, _tune),
     Phase(10, "async", 540.0, _async),
     Phase(11, "moe", 540.0, _moe),
     Phase(12, "lora", 540.0, _lora),

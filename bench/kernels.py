@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import importlib
 import json
 import statistics
 import sys
@@ -1186,7 +1187,9 @@ def tune_suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False) 
     """The prefill kernel's launch configurations on the target shape (8 x 2048 new tokens, 32q/8kv heads, d128),
     against SDPA-flash measured once: which tiles the heuristic should pick on this GPU. Then the decode kernel's
     split count on its target shape and smaller batches (DECODE_SPLIT_SWEEP): whether decode_num_splits follows this
-    GPU (the H200 reached 0.879 of its copy bandwidth at the heuristic's one split where the H100 reached 0.976)."""
+    GPU (the H200 reached 0.879 of its copy bandwidth at the heuristic's one split where the H100 reached 0.976).
+    Last the few-row GEMM's launch configurations at batch-1 projections (SKINNY_SWEEP), against cuBLAS once per
+    shape: which ones skinny_gemm_config should pick."""
     d = dict(device=device, dtype=dtype)
     if tiny:
         shape = dict(num_seqs=2, new_tokens=32, num_q_heads=4, num_kv_heads=2, head_dim=64)
@@ -1198,9 +1201,55 @@ def tune_suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False) 
         configs = PREFILL_SWEEP
         decode_sweep = DECODE_SPLIT_SWEEP
         decode_heads = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
+    skinny_shapes, skinny_configs = ([(1, 64, 256)], [(2, 128, 4)]) if tiny else (SKINNY_SWEEP_SHAPES, SKINNY_SWEEP)
     return [partial(prefill_tile_case, **d, config=c, baseline=i == 0, **shape) for i, c in enumerate(configs)] + [
         partial(decode_split_case, **d, num_seqs=n, seq_len=length, num_splits=splits, **decode_heads)
-        for n, length, splits in decode_sweep]
+        for n, length, splits in decode_sweep] + [
+        partial(skinny_config_case, **d, M=M, N=N, K=K, config=c, baseline=c is None)
+        for M, N, K in skinny_shapes for c in [None, *skinny_configs]]
+
+
+# skinny_gemm's (BLOCK_N, BLOCK_K, num_warps) tried by the "tune" phase at batch-1 projection shapes (SKINNY_SWEEP_SHAPES),
+# beside the wrapper's own heuristic (skinny_gemm_config).
+SKINNY_SWEEP = [(1, 512, 4), (2, 512, 4), (4, 512, 4), (8, 512, 4), (16, 512, 8), (4, 256, 4), (8, 256, 4),
+                (16, 256, 4), (2, 1024, 4), (4, 1024, 8), (8, 1024, 8)]
+# (M, N, K): Qwen3-0.6B's gate_up and down, Llama-3-8B's gate_up and down
+SKINNY_SWEEP_SHAPES = [(1, 6144, 1024), (1, 1024, 3072), (1, 28672, 4096), (1, 4096, 14336)]
+
+
+@contextlib.contextmanager
+def skinny_launch_config(config: tuple[int, int, int]):
+    """skinny_gemm launching with ``config`` (BLOCK_N, BLOCK_K, num_warps) for the body (its heuristic set aside)."""
+    skinny_module = importlib.import_module("pagedkernels.skinny_gemm")
+    real = skinny_module.skinny_gemm_config
+    skinny_module.skinny_gemm_config = lambda M, N, K, num_multiprocessors: config
+    try:
+        yield
+    finally:
+        skinny_module.skinny_gemm_config = real
+
+
+def skinny_config_case(device, dtype, *, config: tuple[int, int, int] | None, baseline: bool, M: int, N: int,
+                       K: int) -> Case:
+    """The few-row GEMM at ``config`` (None: the heuristic's), cuBLAS beside it only where ``baseline``."""
+    case = skinny_gemm_case(device, dtype, M=M, N=N, K=K)
+    if config is not None:
+        launch, check = case.fn, case.check
+
+        def fn():
+            with skinny_launch_config(config):
+                return launch()
+
+        def checked():
+            with skinny_launch_config(config):
+                check()
+
+        case.fn, case.check = fn, checked
+    case.op = "skinny_gemm configs"
+    case.shape += "; heuristic" if config is None else "; BLOCK_N {} BLOCK_K {} warps {}".format(*config)
+    if not baseline:
+        case.baselines = []
+    return case
 
 
 # (sequences, context, split count) of the decode kernel tried by the "tune" phase, 32q/8kv heads, d128, bf16; None
@@ -1251,7 +1300,8 @@ def run_suite(device: torch.device | str, *, tiny: bool = False, compile: bool =
     targets, not_run = [], []
     if tune:
         builds, op_of = tune_suite(device, dtype, tiny=tiny), {prefill_tile_case: "paged_prefill_attention tiles",
-                                                              decode_split_case: "paged_decode_attention splits"}
+                                                              decode_split_case: "paged_decode_attention splits",
+                                                              skinny_config_case: "skinny_gemm configs"}
     elif quant:
         builds, op_of = quant_suite(device, dtype, tiny=tiny), QUANT_OP_OF_CASE
     elif moe:

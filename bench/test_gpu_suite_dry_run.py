@@ -209,9 +209,12 @@ def _tune(result):
     prefill = [r for r in result["rows"] if r["op"] == "paged_prefill_attention tiles"]
     decode = [r for r in result["rows"] if r["op"] == "paged_decode_attention splits"]
     assert len(prefill) == len(gpu_suite.kernels.TINY_PREFILL_SWEEP)   # one row each, SDPA on the first
-    assert len(decode) == 3 and len(prefill) + len(decode) == len(result["rows"])
+    skinny = [r for r in result["rows"] if r["op"] == "skinny_gemm configs"]
+    assert len(decode) == 3 and len(prefill) + len(decode) + len(skinny) == len(result["rows"])
     assert all(r["check"] == "ok" and r["ms"] for r in result["rows"])
     assert sum(r["baseline"] == "sdpa-flash" for r in result["rows"]) == 1
+    # the heuristic's launch against cuBLAS, then the swept configuration alone
+    assert [r["baseline"] is not None for r in skinny] == [True, False]
 
 
 def _moe(result):
