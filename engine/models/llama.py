@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig, need, read_layer_types, read_rope
+from engine.layers import pk_ops
 from engine.layers.activation import SiluAndMul, gated_activation
 from engine.layers.attention import Attention, AttentionMetadata
-from engine.layers import pk_ops
 from engine.layers.embed_head import LMHead, VocabEmbedding
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import Linear, MergedLinear, QKVLinear

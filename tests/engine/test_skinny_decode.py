@@ -58,6 +58,21 @@ def test_eager_steps_equal_the_ordinary_layers(tiny_model_dir, arch, skinny_call
                             for call in [(rows, True, False), (rows, False, True)] * 2 * layers]
 
 
+def test_few_row_layers_and_ordinary_ones_in_one_model(tiny_model_dir, skinny_calls, monkeypatch):
+    """Qwen3-MoE's dense layer (mlp_only_layers) takes the few-row path, its expert layer the ordinary one: the stream
+    handed from one kind of layer to the other gives the ordinary model's logits."""
+    model_dir = tiny_model_dir("qwen3_moe")
+    ordinary = make_runner(model_dir, enforce_eager=True)
+    monkeypatch.setenv("ENGINE_SKINNY_GEMM_MAX_ROWS", "8")
+    mixed = make_runner(model_dir, enforce_eager=True)
+    assert [layer.skinny for layer in mixed.model.model.layers] == [False, True]
+    expected = _run(ordinary, _sequences(ordinary.config.vocab_size))
+    got = _run(mixed, _sequences(mixed.config.vocab_size))
+    for step, (a, b) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step}: {m}")
+    assert {rows for rows, _, _ in skinny_calls} == {3, 1, 5}
+
+
 def test_decode_graphs_take_the_few_row_path_up_to_the_limit(tiny_model_dir, skinny_calls, monkeypatch):
     """The decode graphs' ladder (the CUDA-graph double): graphs of up to ENGINE_SKINNY_GEMM_MAX_ROWS rows capture the
     few-row path, larger ones the ordinary layers; results as the eager runner's."""
