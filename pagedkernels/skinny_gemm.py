@@ -78,6 +78,8 @@ def _skinny_gemm_kernel(
         rstd = 1.0 / tl.sqrt(sumsq / K + eps)
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if BLOCK_M == 1:   # one row: the products summed elementwise, across K once at the end (no reduction per block)
+        wide = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
@@ -93,8 +95,13 @@ def _skinny_gemm_kernel(
             if HAS_NORM:
                 rstd_m = tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
                 xm = (xm * rstd_m * g).to(x_ptr.dtype.element_ty).to(tl.float32)
-            part = tl.sum(w * xm[None, :], axis=1)   # [BLOCK_N]
-            acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
+            if BLOCK_M == 1:
+                wide += w * xm[None, :]
+            else:
+                part = tl.sum(w * xm[None, :], axis=1)   # [BLOCK_N]
+                acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
+    if BLOCK_M == 1:
+        acc = tl.sum(wide, axis=1)[None, :]
 
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
