@@ -35,8 +35,8 @@ def skinny_calls(monkeypatch):
     return calls
 
 
-# mistral: a sliding window; qwen2: q/k/v biases; qwen3: q/k norms.
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+# mistral: a sliding window; qwen2: q/k/v biases; qwen3: q/k norms; phi3: partial rotary, LongRoPE.
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "phi3"])
 def test_eager_steps_equal_the_ordinary_layers(tiny_model_dir, arch, skinny_calls, monkeypatch):
     """Steps of up to 8 tokens (the decode steps of 3, 1, 5 and 3 sequences) take the few-row path, the prefill and
     the decode step of 10 sequences the ordinary one; logits and KV cache as the ordinary layers'."""
