@@ -1209,8 +1209,8 @@ def tune_suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False) 
         for M, N, K in skinny_shapes for c in [None, *skinny_configs]]
 
 
-# skinny_gemm's (BLOCK_N, BLOCK_K, num_warps) tried by the "tune" phase at batch-1 projection shapes (SKINNY_SWEEP_SHAPES),
-# beside the wrapper's own heuristic (skinny_gemm_config).
+# skinny_gemm's (BLOCK_N, BLOCK_K, num_warps) tried by the "tune" phase at batch-1 projection shapes
+# (SKINNY_SWEEP_SHAPES), beside the wrapper's own heuristic (skinny_gemm_config).
 SKINNY_SWEEP = [(1, 512, 2), (1, 512, 4), (1, 1024, 4), (2, 512, 4), (4, 512, 4), (8, 512, 4), (16, 512, 8),
                 (4, 256, 4), (8, 256, 4), (16, 256, 4), (2, 1024, 4), (4, 1024, 8), (8, 1024, 8)]
 # (M, N, K): Qwen3-0.6B's gate_up and down, Llama-3-8B's gate_up and down
