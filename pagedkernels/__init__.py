@@ -15,7 +15,8 @@ from .prefill_attention import paged_prefill_attention  # noqa: F401
 from .cache_ops import copy_blocks, reshape_and_cache, swap_blocks  # noqa: F401
 from .activation import silu_and_mul  # noqa: F401
 from .rms_norm import fused_add_rms_norm, rms_norm  # noqa: F401
-from .rotary import compute_cos_sin_cache, qk_norm_rotary_embedding, rotary_embedding  # noqa: F401
+from .rotary import (compute_cos_sin_cache, qk_norm_rotary_embedding, rotary_embedding,  # noqa: F401
+                     rotary_embedding_and_cache)
 from .wq_gemm import wq_gemm  # noqa: F401
 from .gguf_quant import (GGUF_BLOCKS, GGUF_INTERLEAVED, gguf_deinterleave, gguf_dequantize, gguf_gemm,  # noqa: F401
                          gguf_interleave, gguf_take_rows)

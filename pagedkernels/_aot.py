@@ -67,7 +67,7 @@ RESULTS_CACHE = Path(__file__).with_name("aot_results.json")
 HOT_KERNELS = frozenset({"_decode_split_kernel", "_decode_reduce_kernel", "_prefill_attention_kernel",
                          "_reshape_and_cache_kernel", "_rms_norm_kernel", "_wq_gemm_kernel", "_fused_moe_kernel",
                          "_moe_sum_kernel", "_moe_topk_kernel", "_moe_align_kernel", "_lora_shrink_kernel",
-                         "_lora_expand_kernel", "_skinny_gemm_kernel"})
+                         "_lora_expand_kernel", "_skinny_gemm_kernel", "_rotary_cache_kernel"})
 # Shared memory one block may use (opt-in maximum), bytes: sm_90 (H100) 227 KiB, sm_80 (A100) 163 KiB.
 SHARED_MEMORY_LIMITS = {90: 227 * 1024, 80: 163 * 1024}
 DEFAULT_TARGETS = (90, 80)
@@ -323,6 +323,27 @@ def _elementwise_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None
                                             is_neox=is_neox, head_size=head_size)
             yield (f"qk_norm_rotary {name} heads={num_q_heads}/{num_kv_heads} head={head_size} rot={rot_dim} "
                    f"{'neox' if is_neox else 'gptj'}"), qk_norm_rotary
+        # The rotary embedding and the KV-cache write in one launch (the few-row decoder layers'): Qwen3-0.6B with
+        # its q/k norms, Llama-3-8B without, into a cache of the model's dtype or float8; a partial GPT-J rotary.
+        for num_q_heads, num_kv_heads, head_size, rot_dim, is_neox, norm, fp8 in (
+                (16, 8, 128, 128, True, True, False), (32, 8, 128, 128, True, False, False),
+                (16, 8, 128, 128, True, True, True), (16, 16, 256, 64, False, True, False),
+                (32, 32, 96, 32, True, False, True)):
+            def rotary_cache(gen, dtype=dtype, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                             head_size=head_size, rot_dim=rot_dim, is_neox=is_neox, norm=norm, fp8=fp8):
+                cos_sin = pk.compute_cos_sin_cache(64, rot_dim, 10000.0)
+                positions = torch.tensor([0, 5, 63])
+                qkv = _randn(3, (num_q_heads + 2 * num_kv_heads) * head_size, dtype=dtype, generator=gen)
+                q, k, v = qkv.split([num_q_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size], 1)
+                caches = [torch.zeros(4, 16, num_kv_heads, head_size, dtype=torch.float8_e4m3fn if fp8 else dtype)
+                          for _ in range(2)]
+                weights = dict(q_weight=_randn(head_size, dtype=dtype, generator=gen),
+                               k_weight=_randn(head_size, dtype=dtype, generator=gen), eps=1e-6) if norm else {}
+                pk.rotary_embedding_and_cache(positions, q, k, v, *caches, torch.tensor([3, 17, -1]), cos_sin,
+                                              is_neox=is_neox, head_size=head_size, **weights,
+                                              **(dict(k_scale=0.5, v_scale=0.25) if fp8 else {}))
+            yield (f"rotary_and_cache {name} heads={num_q_heads}/{num_kv_heads} head={head_size} rot={rot_dim} "
+                   f"{'neox' if is_neox else 'gptj'}{' qk_norm' if norm else ''}{' fp8' if fp8 else ''}"), rotary_cache
         def silu(gen, dtype=dtype):
             pk.silu_and_mul(_randn(3, 2 * 1536, dtype=dtype, generator=gen))
         yield f"silu_and_mul {name}", silu
@@ -612,6 +633,7 @@ VALUE_CONSTEXPRS = {
                                   "USE_SOFTCAP"),
     "_rotary_kernel": ("Q_HEAD_BLOCKS", "K_HEAD_BLOCKS"),
     "_qk_norm_rotary_kernel": ("Q_HEAD_BLOCKS", "K_HEAD_BLOCKS"),
+    "_rotary_cache_kernel": ("Q_HEAD_BLOCKS", "K_HEAD_BLOCKS", "CACHE_HEAD_BLOCKS"),
     "_fused_moe_kernel": ("A_ROW_DIV",),
     "_moe_sum_kernel": ("TOP_K",),
 }

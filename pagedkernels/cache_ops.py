@@ -31,6 +31,42 @@ _COPY_TILE = 2048
 
 
 @triton.jit
+def _store_heads_to_cache(
+    key_row_ptr,  # one token's [num_kv_heads, head_dim] (head stride given)
+    value_row_ptr,
+    key_dst_ptr,  # the token's slot in each cache: [num_kv_heads, head_dim] (head stride given)
+    value_dst_ptr,
+    stride_k_head: tl.int64,
+    stride_v_head: tl.int64,
+    stride_kc_head: tl.int64,
+    stride_vc_head: tl.int64,
+    k_scale,
+    v_scale,
+    first_head,
+    num_kv_heads,
+    head_dim,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,
+):
+    """Heads ``first_head .. first_head + BLOCK_H`` of one token's key and value into its cache slot (as they are,
+    or as e4m3(x / scale) codes for a float8 cache)."""
+    offs_h = first_head + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    mask = (offs_h[:, None] < num_kv_heads) & (offs_d[None, :] < head_dim)  # [BLOCK_H, BLOCK_D]
+    src_k = key_row_ptr + offs_h[:, None] * stride_k_head + offs_d[None, :]
+    src_v = value_row_ptr + offs_h[:, None] * stride_v_head + offs_d[None, :]
+    dst_k = key_dst_ptr + offs_h[:, None] * stride_kc_head + offs_d[None, :]
+    dst_v = value_dst_ptr + offs_h[:, None] * stride_vc_head + offs_d[None, :]
+    if FP8:
+        tl.store(dst_k, _float_to_e4m3(tl.load(src_k, mask=mask).to(tl.float32) / k_scale), mask=mask)
+        tl.store(dst_v, _float_to_e4m3(tl.load(src_v, mask=mask).to(tl.float32) / v_scale), mask=mask)
+    else:
+        tl.store(dst_k, tl.load(src_k, mask=mask), mask=mask)
+        tl.store(dst_v, tl.load(src_v, mask=mask), mask=mask)
+
+
+@triton.jit
 def _reshape_and_cache_kernel(
     key_ptr,  # [num_tokens, num_kv_heads, head_dim]
     value_ptr,  # [num_tokens, num_kv_heads, head_dim]
@@ -63,23 +99,11 @@ def _reshape_and_cache_kernel(
         return
     block_id = slot // block_size
     block_offset = slot % block_size
-
-    offs_h = head_chunk * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
-    offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
-    mask = (offs_h[:, None] < num_kv_heads) & (offs_d[None, :] < head_dim)  # [BLOCK_H, BLOCK_D]
-
-    src_k = key_ptr + token * stride_k_tok + offs_h[:, None] * stride_k_head + offs_d[None, :]
-    src_v = value_ptr + token * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :]
-    dst_k = (key_cache_ptr + block_id * stride_kc_blk + block_offset * stride_kc_slot
-             + offs_h[:, None] * stride_kc_head + offs_d[None, :])
-    dst_v = (value_cache_ptr + block_id * stride_vc_blk + block_offset * stride_vc_slot
-             + offs_h[:, None] * stride_vc_head + offs_d[None, :])
-    if FP8:
-        tl.store(dst_k, _float_to_e4m3(tl.load(src_k, mask=mask).to(tl.float32) / k_scale), mask=mask)
-        tl.store(dst_v, _float_to_e4m3(tl.load(src_v, mask=mask).to(tl.float32) / v_scale), mask=mask)
-    else:
-        tl.store(dst_k, tl.load(src_k, mask=mask), mask=mask)
-        tl.store(dst_v, tl.load(src_v, mask=mask), mask=mask)
+    _store_heads_to_cache(key_ptr + token * stride_k_tok, value_ptr + token * stride_v_tok,
+                          key_cache_ptr + block_id * stride_kc_blk + block_offset * stride_kc_slot,
+                          value_cache_ptr + block_id * stride_vc_blk + block_offset * stride_vc_slot,
+                          stride_k_head, stride_v_head, stride_kc_head, stride_vc_head, k_scale, v_scale,
+                          head_chunk * BLOCK_H, num_kv_heads, head_dim, BLOCK_H, BLOCK_D, FP8)
 
 
 def check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping, k_scale=1.0,

@@ -9,6 +9,8 @@ import triton.language as tl
 from . import _native
 from ._backend import has_no_data, use_native, use_triton, value_checks_enabled
 from ._validate import FLOAT_DTYPES, check_tensor
+from ._fp8 import is_fp8
+from .cache_ops import _check_slots, _store_heads_to_cache, check_reshape_and_cache_args, reshape_and_cache
 from .rms_norm import rms_norm
 
 
@@ -221,6 +223,80 @@ def _qk_norm_rotary_kernel(
                        cos, sin, half, IS_NEOX, BLOCK_H, HALF_PAD, REST_PAD, K_HEAD_BLOCKS)
 
 
+@triton.jit
+def _rotary_cache_kernel(
+    positions_ptr,  # [num_tokens] int64
+    q_ptr,  # [num_tokens, num_q_heads, head_size]
+    k_ptr,  # [num_tokens, num_kv_heads, head_size]
+    v_ptr,  # [num_tokens, num_kv_heads, head_size]
+    q_weight_ptr,  # [head_size] (NORM)
+    k_weight_ptr,  # [head_size] (NORM)
+    cos_sin_ptr,  # [max_position, rot_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]; uint8 view of an fp8 cache
+    value_cache_ptr,
+    slot_mapping_ptr,  # [num_tokens] int64
+    k_scale,
+    v_scale,
+    stride_q_tok: tl.int64,
+    stride_q_head: tl.int64,
+    stride_k_tok: tl.int64,
+    stride_k_head: tl.int64,
+    stride_v_tok: tl.int64,
+    stride_v_head: tl.int64,
+    stride_cs_pos: tl.int64,
+    stride_kc_blk: tl.int64,
+    stride_kc_slot: tl.int64,
+    stride_kc_head: tl.int64,
+    stride_vc_blk: tl.int64,
+    stride_vc_slot: tl.int64,
+    stride_vc_head: tl.int64,
+    num_q_heads,
+    num_kv_heads,
+    head_size,
+    half,
+    eps,
+    block_size,
+    IS_NEOX: tl.constexpr,
+    NORM: tl.constexpr,  # Qwen3's per-head q/k norms first
+    FP8: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    REST_PAD: tl.constexpr,
+    Q_HEAD_BLOCKS: tl.constexpr,
+    K_HEAD_BLOCKS: tl.constexpr,
+    CACHE_BLOCK_H: tl.constexpr,
+    CACHE_BLOCK_D: tl.constexpr,
+    CACHE_HEAD_BLOCKS: tl.constexpr,
+):
+    """One program per token: _qk_norm_rotary_kernel's work (or _rotary_kernel's without NORM) on its q and k heads,
+    then _reshape_and_cache_kernel's for its k (as just stored) and v: the rotary embedding and the KV-cache write
+    of an attention layer in one launch."""
+    token = tl.program_id(0).to(tl.int64)
+    cos, sin = _token_cos_sin(positions_ptr, token, cos_sin_ptr, stride_cs_pos, half, HALF_PAD)
+    k_row = k_ptr + token * stride_k_tok
+    if NORM:
+        _norm_rotate_heads(q_ptr + token * stride_q_tok, stride_q_head, num_q_heads, q_weight_ptr, eps, head_size,
+                           cos, sin, half, IS_NEOX, BLOCK_H, HALF_PAD, REST_PAD, Q_HEAD_BLOCKS)
+        _norm_rotate_heads(k_row, stride_k_head, num_kv_heads, k_weight_ptr, eps, head_size,
+                           cos, sin, half, IS_NEOX, BLOCK_H, HALF_PAD, REST_PAD, K_HEAD_BLOCKS)
+    else:
+        _rotate_heads(q_ptr + token * stride_q_tok, stride_q_head, num_q_heads, cos, sin, half,
+                      IS_NEOX, BLOCK_H, HALF_PAD, Q_HEAD_BLOCKS)
+        _rotate_heads(k_row, stride_k_head, num_kv_heads, cos, sin, half, IS_NEOX, BLOCK_H, HALF_PAD, K_HEAD_BLOCKS)
+    slot = tl.load(slot_mapping_ptr + token)
+    if slot >= 0:  # a negative slot: padding, nothing cached
+        tl.debug_barrier()  # the rotated k, stored by every thread of the program, read back below
+        block_id = slot // block_size
+        block_offset = slot % block_size
+        for head_block in range(CACHE_HEAD_BLOCKS):
+            _store_heads_to_cache(k_row, v_ptr + token * stride_v_tok,
+                                  key_cache_ptr + block_id * stride_kc_blk + block_offset * stride_kc_slot,
+                                  value_cache_ptr + block_id * stride_vc_blk + block_offset * stride_vc_slot,
+                                  stride_k_head, stride_v_head, stride_kc_head, stride_vc_head, k_scale, v_scale,
+                                  head_block * CACHE_BLOCK_H, num_kv_heads, head_size, CACHE_BLOCK_H, CACHE_BLOCK_D,
+                                  FP8)
+
+
 def _as_heads(name: str, t: object, num_tokens: int, head_size: int,
               like: tuple[str, torch.Tensor]) -> torch.Tensor:
     """[num_tokens, num_heads, head_size] view of a 2-D or 3-D q/k (never a copy)."""
@@ -404,4 +480,103 @@ def qk_norm_rotary_embedding(
         q3.shape[1], k3.shape[1], head_size, half, float(eps),
         IS_NEOX=bool(is_neox), BLOCK_H=block_h, HALF_PAD=half_pad, REST_PAD=rest_pad,
         Q_HEAD_BLOCKS=triton.cdiv(q3.shape[1], block_h), K_HEAD_BLOCKS=triton.cdiv(k3.shape[1], block_h),
+    )
+
+
+def check_rotary_and_cache_args(positions, q, k, v, key_cache, value_cache, slot_mapping, cos_sin_cache,
+                                head_size=None, q_weight=None, k_weight=None, eps=None, k_scale=1.0,
+                                v_scale=1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every check of :func:`rotary_embedding_and_cache`'s arguments that reads no tensor value. Returns q, k and v
+    as ``[num_tokens, num_heads, head_size]`` views."""
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("q_weight and k_weight go together (the per-head norms of q and k)")
+    if q_weight is not None:
+        q3, k3 = check_qk_norm_rotary_args(positions, q, k, q_weight, k_weight, eps, cos_sin_cache, head_size)
+    else:
+        if eps is not None:
+            raise ValueError("eps is the per-head norms': give it with q_weight and k_weight")
+        if k is None:
+            raise ValueError("k must be given: rotary_embedding_and_cache writes it into key_cache")
+        q3, k3 = check_rotary_args(positions, q, k, cos_sin_cache, head_size)
+    v3 = _as_heads("v", v, positions.shape[0], q3.shape[2], ("positions", positions))
+    check_reshape_and_cache_args(k3, v3, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    return q3, k3, v3
+
+
+def rotary_embedding_and_cache(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    *,
+    is_neox: bool = True,
+    head_size: int | None = None,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """An attention layer's inputs in one pass: q and k rotated in place (after Qwen3's per-head norms when
+    ``q_weight`` / ``k_weight`` / ``eps`` are given), then each token's rotated k and its v written into its cache
+    slot. The same values as :func:`qk_norm_rotary_embedding` (or :func:`rotary_embedding`) followed by
+    :func:`reshape_and_cache`, which is what the CPU backends run; on CUDA one Triton launch instead of two (the
+    decode step of a small model at batch 1 is bound by its launches).
+
+    positions, q, k, cos_sin_cache, is_neox, head_size: as :func:`rotary_embedding`; v like k (strided views of a
+    fused qkv are fine). key_cache, value_cache, slot_mapping, k_scale, v_scale: as :func:`reshape_and_cache` (a
+    negative slot: nothing cached for that token, its q and k still rotated). q_weight, k_weight, eps: as
+    :func:`qk_norm_rotary_embedding`.
+    """
+    q3, k3, v3 = check_rotary_and_cache_args(positions, q, k, v, key_cache, value_cache, slot_mapping,
+                                             cos_sin_cache, head_size, q_weight, k_weight, eps, k_scale, v_scale)
+    num_tokens = positions.shape[0]
+    if (has_no_data(positions, q, k, v, key_cache, value_cache, slot_mapping, cos_sin_cache, q_weight, k_weight)
+            or num_tokens == 0):
+        return  # nothing to compute (meta or fake tensors: checked only)
+    head_size = q3.shape[2]
+    if not use_triton(q3):
+        if q_weight is not None:
+            qk_norm_rotary_embedding(positions, q3, k3, q_weight, k_weight, eps, cos_sin_cache, is_neox=is_neox,
+                                     head_size=head_size)
+        else:
+            rotary_embedding(positions, q3, k3, cos_sin_cache, is_neox=is_neox, head_size=head_size)
+        reshape_and_cache(k3, v3, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+        return
+    max_position, rot_dim = cos_sin_cache.shape
+    if value_checks_enabled(positions):
+        _check_positions(positions, max_position)
+        _check_slots(slot_mapping, key_cache.shape[0], key_cache.shape[1])
+    half = rot_dim // 2
+    half_pad = triton.next_power_of_2(half)
+    norm = q_weight is not None
+    rest = head_size - rot_dim
+    rest_pad = triton.next_power_of_2(rest) if rest and norm else 0
+    num_heads = max(q3.shape[1], k3.shape[1])
+    if norm:   # as qk_norm_rotary_embedding's launch
+        fit = max(1, 4096 // (2 * half_pad + rest_pad))
+        block_h = min(triton.next_power_of_2(num_heads), 1 << (fit.bit_length() - 1))
+    else:      # as rotary_embedding's
+        block_h = min(triton.next_power_of_2(num_heads), max(1, 2048 // half_pad))
+    num_kv_heads = k3.shape[1]
+    cache_block_d = triton.next_power_of_2(head_size)   # as reshape_and_cache's
+    cache_block_h = min(triton.next_power_of_2(num_kv_heads), max(1, 4096 // cache_block_d))
+    fp8 = is_fp8(key_cache)
+    _rotary_cache_kernel[(num_tokens,)](
+        positions.contiguous(), q3, k3, v3, q_weight if norm else cos_sin_cache, k_weight if norm else cos_sin_cache,
+        cos_sin_cache, key_cache.view(torch.uint8) if fp8 else key_cache,
+        value_cache.view(torch.uint8) if fp8 else value_cache, slot_mapping.contiguous(),
+        float(k_scale), float(v_scale),
+        q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), v3.stride(0), v3.stride(1), cos_sin_cache.stride(0),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        q3.shape[1], num_kv_heads, head_size, half, float(eps) if norm else 0.0, key_cache.shape[1],
+        IS_NEOX=bool(is_neox), NORM=norm, FP8=fp8, BLOCK_H=block_h, HALF_PAD=half_pad, REST_PAD=rest_pad,
+        Q_HEAD_BLOCKS=triton.cdiv(q3.shape[1], block_h), K_HEAD_BLOCKS=triton.cdiv(num_kv_heads, block_h),
+        CACHE_BLOCK_H=cache_block_h, CACHE_BLOCK_D=cache_block_d,
+        CACHE_HEAD_BLOCKS=triton.cdiv(num_kv_heads, cache_block_h),
     )

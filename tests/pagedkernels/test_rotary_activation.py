@@ -181,6 +181,90 @@ def test_qk_norm_rotary_validation():
             pk.qk_norm_rotary_embedding(**args)
 
 
+# (num_q_heads, num_kv_heads, head_size, rot_dim, block_size): the rotary shapes, over caches of several block sizes
+ROTARY_CACHE_SHAPES = [(4, 2, 64, 64, 16), (6, 3, 80, 32, 8), (2, 1, 128, 96, 32), (20, 4, 256, 256, 16)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("cache_dtype", ["model", "fp8"])
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_size, rot_dim, block_size", ROTARY_CACHE_SHAPES)
+def test_rotary_embedding_and_cache_equals_the_unfused_ops(backend, device, dtype, norm, cache_dtype, num_q_heads,
+                                                           num_kv_heads, head_size, rot_dim, block_size):
+    """q and k rotated (after the per-head norms with ``norm``) and the rotated k and v written into their slots, as
+    qk_norm_rotary_embedding (or rotary_embedding) then reshape_and_cache do it: the same bits. A padding token
+    (slot -1) is rotated and not cached; every other slot keeps its NaN."""
+    skip_bf16_interpreter(backend, dtype, device)
+    g = torch.Generator().manual_seed(7 * head_size + rot_dim + norm)
+    num_tokens, max_position, num_blocks, eps = 5, 40, 6, 1e-6
+    positions = torch.randint(0, max_position, (num_tokens,), generator=g).to(device)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[2] = -1
+    slots = slots.to(device)
+    cos_sin = make_cos_sin_cache(max_position, rot_dim).to(torch.float32).to(device)
+    q_width, kv_width = num_q_heads * head_size, num_kv_heads * head_size
+    qkv = (3 * torch.randn(num_tokens, q_width + 2 * kv_width, generator=g)).to(dtype).to(device)
+    weights = (0.5 + torch.rand(2, head_size, generator=g)).to(device) if norm else (None, None)
+    fp8 = cache_dtype == "fp8"
+    scales = dict(k_scale=0.05, v_scale=0.03) if fp8 else {}
+
+    def caches():
+        shape = (num_blocks, block_size, num_kv_heads, head_size)
+        if fp8:   # NaN codes (0x7f) where nothing is written
+            return [torch.full(shape, 0x7F, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+                    for _ in range(2)]
+        return [torch.full(shape, float("nan"), dtype=dtype, device=device) for _ in range(2)]
+
+    def split(buffer):
+        return (buffer[:, :q_width].view(num_tokens, num_q_heads, head_size),
+                buffer[:, q_width:q_width + kv_width].view(num_tokens, num_kv_heads, head_size),
+                buffer[:, q_width + kv_width:].view(num_tokens, num_kv_heads, head_size))
+
+    fused, unfused = qkv.clone(), qkv.clone()
+    fused_caches, unfused_caches = caches(), caches()
+    with pk.use_backend(backend):
+        q, k, v = split(fused)
+        pk.rotary_embedding_and_cache(positions, q, k, v, *fused_caches, slots, cos_sin, head_size=head_size,
+                                      q_weight=weights[0], k_weight=weights[1], eps=eps if norm else None, **scales)
+        q, k, v = split(unfused)
+        if norm:
+            pk.qk_norm_rotary_embedding(positions, q, k, weights[0], weights[1], eps, cos_sin, head_size=head_size)
+        else:
+            pk.rotary_embedding(positions, q, k, cos_sin, head_size=head_size)
+        pk.reshape_and_cache(k, v, *unfused_caches, slots, **scales)
+    assert torch.equal(fused, unfused)
+    for got, expected in zip(fused_caches, unfused_caches):
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    assert not torch.equal(fused, qkv), "nothing was rotated"
+
+
+def test_rotary_embedding_and_cache_validation():
+    positions, slots = torch.tensor([0, 1, 2]), torch.tensor([4, 9, -1])
+    q, k, v = torch.randn(3, 4, 64), torch.randn(3, 2, 64), torch.randn(3, 2, 64)
+    caches = (torch.zeros(4, 8, 2, 64), torch.zeros(4, 8, 2, 64))
+    cos_sin = make_cos_sin_cache(8, 64).float()
+    w = torch.ones(64)
+    cases = [
+        (dict(k=None), "k must be given"),
+        (dict(q_weight=w), "q_weight and k_weight go together"),
+        (dict(eps=1e-6), "eps is the per-head norms'"),
+        (dict(q_weight=w, k_weight=w), "eps"),
+        (dict(v=torch.randn(3, 3, 64)), "value must have shape"),
+        (dict(key_cache=torch.zeros(4, 8, 3, 64)), "key_cache|value_cache"),
+        (dict(slot_mapping=torch.tensor([0, 1])), "slot_mapping"),
+        (dict(k_scale=0.5), "k_scale"),
+        (dict(positions=torch.tensor([0, 1, 8])), "positions"),
+        (dict(slot_mapping=torch.tensor([0, 1, 32])), "slot_mapping"),
+    ]
+    for override, match in cases:
+        args = dict(positions=positions, q=q, k=k, v=v, key_cache=caches[0], value_cache=caches[1],
+                    slot_mapping=slots, cos_sin_cache=cos_sin)
+        args.update(override)
+        with pytest.raises(ValueError, match=match):
+            pk.rotary_embedding_and_cache(**args)
+
+
 def test_compute_cos_sin_cache():
     cache = pk.compute_cos_sin_cache(100, 16, 500000.0)
     assert cache.shape == (100, 16) and cache.dtype == torch.float32
