@@ -19,6 +19,7 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
+import pagedkernels as pk
 from engine.layers import pk_ops
 
 # The attention layers of the model whose forward is running (set by forward_context).
@@ -52,6 +53,40 @@ def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
 @unified_attention.register_fake
 def _(q, k, v, out, slot_mapping, block_tables, seq_lens, cu_seqlens_q, is_decode, layer_index) -> None:
     return None
+
+
+@torch.library.custom_op("engine::unified_attention_rope", mutates_args=("q", "k", "out"))
+def unified_attention_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                           slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, is_decode: bool, layer_index: int, positions: torch.Tensor,
+                           cos_sin_cache: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                           eps: float | None) -> None:
+    """:func:`unified_attention` with the rotary embedding (after q/k norms when their weights are given) and the K/V
+    cache write in one kernel (``pagedkernels.rotary_embedding_and_cache``): q and k are rotated in place."""
+    if _forward_layers is None:
+        raise RuntimeError("engine::unified_attention_rope ran outside engine.layers.attention.forward_context")
+    meta = AttentionMetadata(slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens,
+                             cu_seqlens_q=cu_seqlens_q, is_decode=is_decode)
+    rope = Rope(positions, cos_sin_cache, q_weight, k_weight, eps)
+    _forward_layers[layer_index].attend(q, k, v, meta, out=out, rope=rope)
+
+
+@unified_attention_rope.register_fake
+def _(q, k, v, out, slot_mapping, block_tables, seq_lens, cu_seqlens_q, is_decode, layer_index, positions,
+      cos_sin_cache, q_weight, k_weight, eps) -> None:
+    return None
+
+
+@dataclass(slots=True)
+class Rope:
+    """The rotary embedding an attention layer applies itself, fused with its K/V cache write
+    (``Attention.forward(..., rope=...)``): each token's position, the ``[max_position, rot_dim]`` cos/sin table
+    (neox halves), and Qwen3's per-head q/k norm weights and eps (None: no norms)."""
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    q_weight: torch.Tensor | None = None
+    k_weight: torch.Tensor | None = None
+    eps: float | None = None
 
 
 @dataclass(slots=True)
@@ -122,27 +157,41 @@ class Attention(nn.Module):
         # ModelRunner on CUDA so graph capture sees no allocation. None: the op allocates its own.
         self.decode_workspace: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, *,
+                rope: Rope | None = None) -> torch.Tensor:
         """q ``[num_tokens, num_heads, head_dim]``, k/v ``[num_tokens, num_kv_heads, head_dim]`` (strided
-        views are fine) -> ``[num_tokens, num_heads * head_dim]``."""
+        views are fine) -> ``[num_tokens, num_heads * head_dim]``. ``rope``: q and k are not rotated yet; the layer
+        rotates them in place as it writes the K/V cache (one kernel on CUDA)."""
         if torch.compiler.is_compiling():
             out = q.new_empty(q.shape[0], self.num_heads, self.head_dim)
-            torch.ops.engine.unified_attention(q, k, v, out, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                                               meta.cu_seqlens_q, meta.is_decode, self.layer_index)
+            if rope is None:
+                torch.ops.engine.unified_attention(q, k, v, out, meta.slot_mapping, meta.block_tables,
+                                                   meta.seq_lens, meta.cu_seqlens_q, meta.is_decode, self.layer_index)
+            else:
+                torch.ops.engine.unified_attention_rope(q, k, v, out, meta.slot_mapping, meta.block_tables,
+                                                        meta.seq_lens, meta.cu_seqlens_q, meta.is_decode,
+                                                        self.layer_index, rope.positions, rope.cos_sin_cache,
+                                                        rope.q_weight, rope.k_weight, rope.eps)
             return out.view(-1, self.num_heads * self.head_dim)
-        return self.attend(q, k, v, meta).view(-1, self.num_heads * self.head_dim)
+        return self.attend(q, k, v, meta, rope=rope).view(-1, self.num_heads * self.head_dim)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, *,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        """The layer's work, eagerly: k/v into the cache, attention -> ``[num_tokens, num_heads, head_dim]``
-        (into ``out`` when given)."""
+               out: torch.Tensor | None = None, rope: Rope | None = None) -> torch.Tensor:
+        """The layer's work, eagerly: k/v into the cache (q and k rotated first with ``rope``, in the same kernel),
+        attention -> ``[num_tokens, num_heads, head_dim]`` (into ``out`` when given)."""
         ops = pk_ops()
         if self.key_cache.dtype == torch.float8_e4m3fn:
             k_scale, v_scale = self.k_scale, self.v_scale
         else:
             k_scale = v_scale = 1.0
-        ops.reshape_and_cache(k, v, self.key_cache, self.value_cache, meta.slot_mapping, k_scale=k_scale,
-                              v_scale=v_scale)
+        if rope is None:
+            ops.reshape_and_cache(k, v, self.key_cache, self.value_cache, meta.slot_mapping, k_scale=k_scale,
+                                  v_scale=v_scale)
+        else:
+            pk.rotary_embedding_and_cache(rope.positions, q, k, v, self.key_cache, self.value_cache,
+                                          meta.slot_mapping, rope.cos_sin_cache, head_size=self.head_dim,
+                                          q_weight=rope.q_weight, k_weight=rope.k_weight, eps=rope.eps,
+                                          k_scale=k_scale, v_scale=v_scale)
         # `out` only when given: the custom ops (pk_ops under a fake mode) return a new tensor instead.
         into = {} if out is None else {"out": out}
         if meta.is_decode and self.use_decode_kernel:

@@ -13,7 +13,7 @@ from torch import nn
 from engine.config import ModelConfig, need, read_layer_types, read_rope
 from engine.layers import pk_ops
 from engine.layers.activation import SiluAndMul, gated_activation
-from engine.layers.attention import Attention, AttentionMetadata
+from engine.layers.attention import Attention, AttentionMetadata, Rope
 from engine.layers.embed_head import LMHead, VocabEmbedding
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import Linear, MergedLinear, QKVLinear
@@ -47,14 +47,21 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.o_proj(self.attend(positions, self.qkv_proj(hidden_states), meta))
 
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata, *,
+               rope_with_cache: bool = False) -> torch.Tensor:
         """The block between its two projections: ``qkv [num_tokens, q_size + 2 * kv_size]`` -> the attention's
-        output ``[num_tokens, q_size]`` (q/k norm and rotary, the KV cache write, paged attention)."""
+        output ``[num_tokens, q_size]`` (q/k norm and rotary, the KV cache write, paged attention).
+        ``rope_with_cache``: the norms and the rotation in the attention layer's cache write (one kernel on CUDA,
+        ``pagedkernels.rotary_embedding_and_cache``), as the few-row layers do."""
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if rope_with_cache and (not self.qk_norm or self.q_norm.eps == self.k_norm.eps):
+            norms = (dict(q_weight=self.q_norm.weight, k_weight=self.k_norm.weight, eps=self.q_norm.eps)
+                     if self.qk_norm else {})
+            return self.attn(q, k, v, meta, rope=Rope(positions, self.rotary_emb.cos_sin_cache, **norms))
         if self.qk_norm:
             q, k = self.rotary_emb.forward_qk_norm(positions, q, k, self.q_norm, self.k_norm)
         else:
@@ -116,16 +123,17 @@ class LlamaDecoderLayer(nn.Module):
                         meta: AttentionMetadata) -> tuple[torch.Tensor, None]:
         """The layer for a few rows (``meta.skinny``): four ``skinny_gemm`` calls, the norms in the products after them,
         the residual adds and SiLU-and-mul in the products before them (pagedkernels/skinny_gemm.py), so the layer is
-        norm+qkv, q/k norm+rotary, attention, o+add, norm+gate_up, SiLU-and-mul+down+add. The same rounding points as
-        :meth:`forward`. Returns the residual stream itself as the hidden states (and no residual): the next layer,
-        or the final norm, takes it as a stream with nothing left to add."""
+        norm+qkv, q/k norm+rotary+KV-cache write, attention, o+add, norm+gate_up, SiLU-and-mul+down+add. The same
+        rounding points as :meth:`forward`. Returns the residual stream itself as the hidden states (and no
+        residual): the next layer, or the final norm, takes it as a stream with nothing left to add."""
         ops = pk_ops()
         stream = hidden_states if residual is None else residual.add_(hidden_states)
         attn, mlp = self.self_attn, self._modules[self.mlp_name]
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         qkv = ops.skinny_gemm(stream, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=norm1.weight,
                               eps=norm1.eps)
-        ops.skinny_gemm(attn.attend(positions, qkv, meta), attn.o_proj.weight, attn.o_proj.bias, residual=stream)
+        ops.skinny_gemm(attn.attend(positions, qkv, meta, rope_with_cache=True), attn.o_proj.weight, attn.o_proj.bias,
+                        residual=stream)
         gate_up = ops.skinny_gemm(stream, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm_weight=norm2.weight,
                                   eps=norm2.eps)
         if isinstance(mlp.act_fn, SiluAndMul):   # SiLU-and-mul in the down product's prologue

@@ -143,3 +143,24 @@ def test_turned_on_and_off_on_a_built_runner(tiny_model_dir, skinny_calls, monke
     assert graphed.set_skinny_max_rows(0) == 0 and sorted(graphed.graphs) == [4, 8]
     with pytest.raises(ValueError, match="rows must be an int from 0 to 8"):
         graphed.set_skinny_max_rows(9)
+
+
+@pytest.mark.triton
+def test_the_triton_kernels_in_the_few_row_layers(tiny_model_dir, monkeypatch):
+    """Every op on its Triton kernel (interpreted on CPU, compiled on a GPU): skinny_gemm's norm, SiLU-and-mul and
+    residual variants and rotary_embedding_and_cache inside the few-row layers give the ordinary layers' logits."""
+    import pagedkernels as pk
+
+    for_device = DevicePolicy.for_device.__func__
+    monkeypatch.setattr(DevicePolicy, "for_device", classmethod(
+        lambda cls, device: dataclasses.replace(for_device(cls, device), prepack_linears=False)))
+    model_dir = tiny_model_dir("qwen3")
+    ordinary = make_runner(model_dir, enforce_eager=True)
+    monkeypatch.setenv("ENGINE_SKINNY_GEMM_MAX_ROWS", "8")
+    skinny = make_runner(model_dir, enforce_eager=True)
+    with pk.use_backend("triton"):
+        expected = _run(ordinary, _sequences(ordinary.config.vocab_size))
+        got = _run(skinny, _sequences(skinny.config.vocab_size))
+    for step, (a, b) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step}: {m}")
+    torch.testing.assert_close(skinny.kv_cache, ordinary.kv_cache, atol=1e-4, rtol=1e-4, equal_nan=True)
