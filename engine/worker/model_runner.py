@@ -399,12 +399,13 @@ class ModelRunner(DecodeGraphs):
         seq_lens = (positions[cu_seqlens_q[1:] - 1] + 1).astype(np.int32)
         slot_mapping = (block_tables[seq_index, positions // self.block_size].astype(np.int64) * self.block_size
                         + positions % self.block_size)
-        to_device = self._to_device
-        meta = AttentionMetadata(slot_mapping=to_device(slot_mapping), block_tables=to_device(block_tables),
-                                 seq_lens=to_device(seq_lens), cu_seqlens_q=to_device(cu_seqlens_q),
-                                 is_decode=len(positions) == num_seqs,
+        # One copy to the device for the six (on CUDA; views on CPU).
+        input_ids_t, positions_t, slot_mapping_t, block_tables_t, seq_lens_t, cu_seqlens_q_t = \
+            self.staging.to_device_many(input_ids, positions, slot_mapping, block_tables, seq_lens, cu_seqlens_q)
+        meta = AttentionMetadata(slot_mapping=slot_mapping_t, block_tables=block_tables_t, seq_lens=seq_lens_t,
+                                 cu_seqlens_q=cu_seqlens_q_t, is_decode=len(positions) == num_seqs,
                                  skinny=len(positions) <= self.skinny_max_rows)
-        return to_device(input_ids), to_device(positions), meta
+        return input_ids_t, positions_t, meta
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A host array as a tensor on the runner's device: a view on CPU; on CUDA an asynchronous copy out of
