@@ -1,5 +1,6 @@
 """The engine's own custom ops (``torch.ops.engine.*``): ``unified_attention`` (an attention layer as one
-opaque op, its KV cache found through the forward context) and the tensor-parallel collectives
+opaque op, its KV cache found through the forward context), ``unified_attention_rope`` (the same with the rotary
+embedding and q/k norms done in the cache write: the few-row layers') and the tensor-parallel collectives
 ``tp_all_reduce`` / ``tp_all_gather``.
 
 Each op passes torch.library.opcheck (schema and declared mutations, autograd registration, the fake
@@ -17,10 +18,11 @@ import torch
 from engine import distributed as engine_dist
 from engine.distributed import communication  # noqa: F401  (registers engine::tp_all_reduce / tp_all_gather)
 from engine.distributed.parallel_state import free_port
-from engine.layers.attention import Attention, AttentionMetadata, forward_context
+import pagedkernels as pk
+from engine.layers.attention import Attention, AttentionMetadata, Rope, forward_context
 from tests.pagedkernels.oracle import make_paged_kv
 
-ENGINE_OPS = ("unified_attention", "tp_all_reduce", "tp_all_gather")
+ENGINE_OPS = ("unified_attention", "unified_attention_rope", "tp_all_reduce", "tp_all_gather")
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 2, 64, 16
 SEQ_LENS = [5, 17, 33]
 
@@ -118,6 +120,98 @@ def test_unified_attention_compiled_fullgraph_inductor(batch):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     for eager, comp in zip(eager_layers, compiled_layers):
         torch.testing.assert_close(comp.key_cache, eager.key_cache, atol=0, rtol=0, equal_nan=True)
+        torch.testing.assert_close(comp.value_cache, eager.value_cache, atol=0, rtol=0, equal_nan=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# engine::unified_attention_rope
+# ---------------------------------------------------------------------------------------------
+
+def _rope(q_lens, norms: bool, seed=2) -> Rope:
+    gen = torch.Generator().manual_seed(seed)
+    positions = torch.tensor([p for n, q_len in zip(SEQ_LENS, q_lens) for p in range(n - q_len, n)])
+    weights = dict(q_weight=torch.rand(HEAD_DIM, generator=gen) + 0.5,
+                   k_weight=torch.rand(HEAD_DIM, generator=gen) + 0.5, eps=1e-6) if norms else {}
+    return Rope(positions, pk.compute_cos_sin_cache(64, HEAD_DIM, 10000.0), **weights)
+
+
+def _rope_args(rope: Rope) -> tuple:
+    return rope.positions, rope.cos_sin_cache, rope.q_weight, rope.k_weight, rope.eps
+
+
+@pytest.mark.parametrize("norms", [False, True])
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_unified_attention_rope_opcheck(batch, norms):
+    """The op rotates q and k in place (after the q/k norms), writes the cache and attends: what the layer's
+    rotary embedding (or q/k norm + rotary) followed by unified_attention does."""
+    layers, block_tables, seq_lens = _layers()
+    q, k, v, slots, cu_seqlens_q = _batch(BATCHES[batch], block_tables)
+    rope = _rope(BATCHES[batch], norms)
+    with forward_context(layers):
+        for index in range(len(layers)):
+            out = torch.zeros(q.shape)
+            q_i, k_i = q.clone(), k.clone()
+            args = (q_i, k_i, v, out, slots, block_tables, seq_lens, cu_seqlens_q, batch == "decode", index,
+                    *_rope_args(rope))
+            torch.library.opcheck(torch.ops.engine.unified_attention_rope, args)  # runs on copies of args
+            torch.ops.engine.unified_attention_rope(*args)
+            expected_layers, _, _ = _layers()
+            q_e, k_e = q.clone(), k.clone()
+            if norms:
+                pk.qk_norm_rotary_embedding(rope.positions, q_e, k_e, rope.q_weight, rope.k_weight, rope.eps,
+                                            rope.cos_sin_cache)
+            else:
+                pk.rotary_embedding(rope.positions, q_e, k_e, rope.cos_sin_cache)
+            expected = expected_layers[index].attend(q_e, k_e, v, AttentionMetadata(
+                slot_mapping=slots, block_tables=block_tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q,
+                is_decode=batch == "decode"))
+            torch.testing.assert_close(out, expected, atol=0, rtol=0)
+            torch.testing.assert_close(q_i, q_e, atol=0, rtol=0)
+            torch.testing.assert_close(k_i, k_e, atol=0, rtol=0)
+            torch.testing.assert_close(layers[index].key_cache, expected_layers[index].key_cache, equal_nan=True)
+
+
+def test_unified_attention_rope_outside_a_forward_context_is_an_error():
+    layers, block_tables, seq_lens = _layers()
+    q, k, v, slots, cu_seqlens_q = _batch([1, 1, 1], block_tables)
+    with pytest.raises(RuntimeError, match="forward_context"):
+        torch.ops.engine.unified_attention_rope(q, k, v, torch.empty(q.shape), slots, block_tables, seq_lens,
+                                                cu_seqlens_q, True, 0, *_rope_args(_rope([1, 1, 1], False)))
+
+
+def test_unified_attention_rope_compiled_fullgraph_inductor():
+    """Two layers given rotary work (with and without q/k norms), compiled (inductor, fullgraph, dynamic shapes): each
+    runs as one engine::unified_attention_rope node on views of one qkv buffer and gives the eager output, rotated
+    q/k and cache writes."""
+    torch._dynamo.reset()
+    q_lens = BATCHES["prefill"]
+
+    def forward(layers, qkv, slots, block_tables, seq_lens, cu_seqlens_q, plain, normed):
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=block_tables, seq_lens=seq_lens,
+                                 cu_seqlens_q=cu_seqlens_q, is_decode=False)
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split([NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM], dim=-1)
+        q, k = q.view(num_tokens, NUM_HEADS, HEAD_DIM), k.view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+        v = v.view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+        hidden = layers[0](q, k, v, meta, rope=plain)
+        return hidden + layers[1](q * 0.5, k.clone(), v, meta, rope=normed).relu()
+
+    eager_layers, block_tables, seq_lens = _layers()
+    compiled_layers, _, _ = _layers()
+    q, k, v, slots, cu_seqlens_q = _batch(q_lens, block_tables)
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    ropes = (_rope(q_lens, False), _rope(q_lens, True))
+    eager_qkv, compiled_qkv = qkv.clone(), qkv.clone()
+    with forward_context(eager_layers):
+        expected = forward(eager_layers, eager_qkv, slots, block_tables, seq_lens, cu_seqlens_q, *ropes)
+    compiled = torch.compile(forward, fullgraph=True, backend="inductor", dynamic=True)
+    with forward_context(compiled_layers):
+        got = compiled(compiled_layers, compiled_qkv, slots, block_tables, seq_lens, cu_seqlens_q, *ropes)
+    assert torch.isfinite(expected).all()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(compiled_qkv, eager_qkv, atol=1e-6, rtol=1e-6)   # q and k rotated in place
+    for eager, comp in zip(eager_layers, compiled_layers):
+        torch.testing.assert_close(comp.key_cache, eager.key_cache, atol=1e-6, rtol=0, equal_nan=True)
         torch.testing.assert_close(comp.value_cache, eager.value_cache, atol=0, rtol=0, equal_nan=True)
 
 
