@@ -11,14 +11,17 @@ engine core process behind MPAsyncLLMEngine."""
 import asyncio
 import dataclasses
 
-import msgpack
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.step_records import EngineCoreOutput, EngineCoreRequest
-from engine.core.output_processor import Detokenizer
-from engine.core.output_processor import OutputProcessor
-from tests.engine.models_util import random_token_ids
+# The core's deltas cross to the API server as msgpack: the serve extra's (the torch 2.11 tier's venv has none).
+msgpack = pytest.importorskip("msgpack", reason="the engine core's wire format is msgpack (the serve extra): "
+                                                "pip install -c .ci/constraints.txt -e \".[serve]\"")
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.step_records import EngineCoreOutput, EngineCoreRequest  # noqa: E402
+from engine.core.output_processor import Detokenizer  # noqa: E402
+from engine.core.output_processor import OutputProcessor  # noqa: E402
+from tests.engine.models_util import random_token_ids  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
