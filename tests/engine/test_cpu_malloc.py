@@ -238,6 +238,10 @@ def test_onednn_primitive_caches_are_bounded_unless_the_environment_says_otherwi
     tiny = run(ONEDNN_PRIMITIVE_CACHE_CAPACITY="4", LRU_CACHE_CAPACITY="4")
     assert tiny["settings"] == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "4", "LRU_CACHE_CAPACITY": "4"}   # left alone
     torch_default = run(ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024", LRU_CACHE_CAPACITY="1024")
-    # The caches are what grows (120 new shapes: 4, 64 and all of them kept), and their setting holds.
-    assert tiny["grew_mb"] < 8, tiny
-    assert tiny["grew_mb"] + 8 < default["grew_mb"] < torch_default["grew_mb"] - 8, (tiny, default, torch_default)
+    # The caches are what grows (120 new shapes: 4, 64 and all of them kept), and their setting holds. What a
+    # primitive costs depends on the torch build (torch 2.13's CPU wheel: 1.2 / 27.8 / 72.0 MB; the GPU image's torch
+    # 2.11: 0.12 / 2.4 / 4.5 MB), so the check is the shares: ~4/120 and ~64/120 of keeping them all.
+    everything = torch_default["grew_mb"]
+    assert everything > 1, torch_default
+    assert tiny["grew_mb"] < min(8, 0.15 * everything), (tiny, torch_default)
+    assert 0.2 * everything < default["grew_mb"] < 0.8 * everything, (tiny, default, torch_default)
