@@ -87,12 +87,14 @@ def test_unified_attention_opcheck(batch):
             torch.testing.assert_close(layers[index].key_cache, expected_layers[index].key_cache, equal_nan=True)
 
 
-def test_unified_attention_outside_a_forward_context_is_an_error():
+@pytest.mark.parametrize("op", ["unified_attention", "unified_attention_rope"])
+def test_unified_attention_outside_a_forward_context_is_an_error(op):
     layers, block_tables, seq_lens = _layers()
     q, k, v, slots, cu_seqlens_q = _batch([1, 1, 1], block_tables)
+    rope = _rope_args(_rope([1, 1, 1], False)) if op == "unified_attention_rope" else ()
     with pytest.raises(RuntimeError, match="forward_context"):
-        torch.ops.engine.unified_attention(q, k, v, torch.empty(q.shape), slots, block_tables, seq_lens,
-                                           cu_seqlens_q, True, 0)
+        getattr(torch.ops.engine, op)(q, k, v, torch.empty(q.shape), slots, block_tables, seq_lens, cu_seqlens_q,
+                                      True, 0, *rope)
 
 
 @pytest.mark.parametrize("batch", list(BATCHES))
@@ -169,14 +171,6 @@ def test_unified_attention_rope_opcheck(batch, norms):
             torch.testing.assert_close(q_i, q_e, atol=0, rtol=0)
             torch.testing.assert_close(k_i, k_e, atol=0, rtol=0)
             torch.testing.assert_close(layers[index].key_cache, expected_layers[index].key_cache, equal_nan=True)
-
-
-def test_unified_attention_rope_outside_a_forward_context_is_an_error():
-    layers, block_tables, seq_lens = _layers()
-    q, k, v, slots, cu_seqlens_q = _batch([1, 1, 1], block_tables)
-    with pytest.raises(RuntimeError, match="forward_context"):
-        torch.ops.engine.unified_attention_rope(q, k, v, torch.empty(q.shape), slots, block_tables, seq_lens,
-                                                cu_seqlens_q, True, 0, *_rope_args(_rope([1, 1, 1], False)))
 
 
 def test_unified_attention_rope_compiled_fullgraph_inductor():
