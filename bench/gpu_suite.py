@@ -31,6 +31,9 @@
    bf16), nano-vllm's protocol and batch-1 decode, its output tok/s beside phase 1's dense Qwen3-0.6B figure.
 12. lora (540 s): multi-LoRA serving (bench.lora_engine_gpu): the Qwen3-0.6B shape with four adapters of ranks 8 / 16
    mixed in one workload, against the base model alone and against transformers + PEFT serving the same mix.
+13. batch1 (540 s): the few-row decoder layers (pagedkernels.skinny_gemm, rotary_embedding_and_cache) in one call:
+   skinny_gemm's launch configurations against cuBLAS at batch-1 projections, then batch-1 decode at the Qwen3-0.6B
+   and Llama-3-8B shapes with cuBLAS and with the few-row layers on the same engine, kernels a step counted.
 
 ``--phase all`` (the default) runs them one after another. Each phase writes
 ``OUT/<date>-<device>-phase<N>-<name>.json`` and ``.md`` after every case (``.png`` at the end, when matplotlib
@@ -250,7 +253,8 @@ class PhaseRun:
         print(kernels.format_peaks(self.result["peaks"]), flush=True)
 
     def kernels(self, *, headline: bool, baselines: set[str] | None = None, compile: bool = True,
-                case_s: float = 60.0, quant: bool = False, tune: bool = False, moe: bool = False) -> None:
+                case_s: float = 60.0, quant: bool = False, tune: bool = False, moe: bool = False,
+                only: str | None = None) -> None:
         def progress(partial: dict) -> None:  # a run cut short keeps every case measured so far
             self.result.update(rows=partial["rows"], targets=partial["targets"],
                                kernel_cases_not_run=partial["not_run"])
@@ -258,7 +262,7 @@ class PhaseRun:
 
         peaks = kernels.Peaks(**self.result["peaks"])
         partial = kernels.run_suite(self.device, tiny=self.dry_run, compile=compile and not self.args.no_compile,
-                                    only=self.args.only, log=lambda line: print(line, flush=True),
+                                    only=only or self.args.only, log=lambda line: print(line, flush=True),
                                     on_progress=progress, headline=headline, baselines=baselines,
                                     budget=self.budget, case_s=case_s, peaks=peaks, quant=quant, tune=tune,
                                     moe=moe)
@@ -376,6 +380,18 @@ def _async(run: PhaseRun) -> None:
         and run.step("sync audit", run.sync_audit)
 
 
+def _batch1(run: PhaseRun) -> None:
+    # The few-row layers' whole question in one call: skinny_gemm's launch configurations against cuBLAS, then
+    # batch-1 decode with cuBLAS and with the few-row layers on one engine at each shape (the 0.6B one leaving the 8B
+    # one 45% of what is left).
+    run.step("limits", run.peaks) \
+        and run.step("skinny_gemm configurations", lambda: run.kernels(headline=False, tune=True, case_s=10.0,
+                                                                       only="skinny_gemm configs")) \
+        and run.step("batch-1 decode, Qwen3-0.6B shape", lambda: run.engine(
+            ["qwen3-0.6b"], ("batch1",), reserve_s=run.budget.remaining() * 0.45)) \
+        and run.step("batch-1 decode, Llama-3-8B shape", lambda: run.engine(["llama-3-8b"], ("batch1",)))
+
+
 def _lora(run: PhaseRun) -> None:
     run.step("multi-LoRA engine", run.lora_engine)
 
@@ -397,6 +413,7 @@ PHASES = [
     Phase(10, "async", 540.0, _async),
     Phase(11, "moe", 540.0, _moe),
     Phase(12, "lora", 540.0, _lora),
+    Phase(13, "batch1", 540.0, _batch1),
 ]
 
 

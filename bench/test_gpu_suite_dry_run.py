@@ -217,6 +217,14 @@ def _tune(result):
     assert [r["baseline"] is not None for r in skinny] == [True, False]
 
 
+def _batch1(result):
+    assert result["rows"] and all(r["op"] == "skinny_gemm configs" and r["check"] == "ok" for r in result["rows"])
+    assert [r["baseline"] is not None for r in result["rows"]] == [True, False]   # the heuristic's against cuBLAS
+    for name in ("qwen3-0.6b", "llama-3-8b"):
+        row = result["engine"]["models"][name]
+        assert set(row["batch1"]) >= {"decode_tokens_per_s", "frac_of_copy_bandwidth"} and "engine" not in row
+
+
 def _moe(result):
     assert {r["op"] for r in result["rows"]} == set(gpu_suite.kernels.MOE_OP_OF_CASE.values())
     assert all(r["check"] == "ok" and r["ratio"] is not None for r in result["rows"])
@@ -255,4 +263,4 @@ def _lora(result):
 CHECKS = {"headline": _headline, "kernels": _kernels, "quant": _quant, "tune": _tune, "engine": _engine_model("qwen3-0.6b", True),
           "llama": _engine_model("llama-3-8b", False), "kernel-tests": _tests("kernel tests"),
           "engine-tests": _tests("engine tests on CUDA"), "other-tests": _tests("other tests"), "async": _async,
-          "moe": _moe, "lora": _lora}
+          "moe": _moe, "lora": _lora, "batch1": _batch1}
