@@ -1,4 +1,5 @@
-"""GEMM of a few rows, for decode at small batch: ``x @ W^T`` with an RMSNorm prologue or a residual-add epilogue.
+"""GEMM of a few rows, for decode at small batch: ``x @ W^T`` with an RMSNorm or SiLU-and-mul prologue and a
+residual-add epilogue.
 
 At batch 1 a decode step's linears are matrix-vector products, bound by reading the weight once. cuBLAS serves them
 with tiles made for large M: on the H200 (2026-11-28, Qwen3-0.6B shape, bf16) the step's GEMMs read 1.1 TB/s, a
@@ -17,8 +18,10 @@ linear pair (vLLM's fused norm-quant and allreduce-add ideas, here for the plain
 - ``residual`` (epilogue): ``residual <- residual + (x @ W^T + bias)``, the product rounded to x's dtype first and
   the sum to the residual's, as an unfused linear followed by ``fused_add_rms_norm``'s add. Returns the residual.
 
-A decoder layer on this path (engine/models/llama.py) is: norm+qkv, q/k norm+rotary, attention, o+residual,
-norm+gate_up, SiLU-and-mul+down+residual, against nine kernels and a split-K reduction around cuBLAS.
+A decoder layer on this path (engine/models/llama.py) is 7 launches: norm+qkv, q/k norm+rotary+cache write
+(``rotary_embedding_and_cache``), attention (split and reduce), o+residual, norm+gate_up, SiLU-and-mul+down+residual;
+around cuBLAS it is 11, and 12 where cuBLAS splits K with a reduction kernel. One row sums its products elementwise
+over a program's ``[BLOCK_N, BLOCK_K]`` tile and reduces across K once at the end; several rows reduce per K block.
 
 Backends: Triton (CUDA; fp32 accumulation; M up to :data:`MAX_ROWS`, the rows unrolled), and a PyTorch twin (CPU and
 the ``torch`` backend) with the same rounding points. There is no native CPU kernel: the CPU's few-row products go
