@@ -39,6 +39,7 @@ import warnings
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -1149,35 +1150,35 @@ PREFILL_SWEEP = [(128, 32, 8, 2), (128, 32, 8, 3), (128, 32, 4, 3), (128, 64, 8,
 TINY_PREFILL_SWEEP = [(32, 32, 4, 1), (64, 16, 4, 1)]
 
 
-@contextlib.contextmanager
-def prefill_launch_config(config: tuple[int, int, int, int]):
-    """pagedkernels' prefill wrapper launching with ``config`` for the body (its heuristic set aside)."""
-    from pagedkernels import prefill_attention as prefill_module
+def _launched_under(case: Case, context: Callable[[], contextlib.AbstractContextManager]) -> Case:
+    """``case`` with its call and its check run inside ``context()`` (a launch configuration patched in)."""
+    launch, check = case.fn, case.check
 
-    real = prefill_module.launch_config
-    prefill_module.launch_config = lambda head_dim_pad, group_pad, dtype, device_kind, kv_fp8=False, head_dim=None: config
-    try:
-        yield
-    finally:
-        prefill_module.launch_config = real
+    def fn():
+        with context():
+            return launch()
+
+    def checked():
+        with context():
+            check()
+
+    case.fn, case.check = fn, checked
+    return case
+
+
+def prefill_launch_config(config: tuple[int, int, int, int]) -> contextlib.AbstractContextManager:
+    """pagedkernels' prefill wrapper launching with ``config`` inside (its heuristic set aside)."""
+    return mock.patch.object(importlib.import_module("pagedkernels.prefill_attention"), "launch_config",
+                             lambda *args, **kwargs: config)
 
 
 def prefill_tile_case(device, dtype, *, config: tuple[int, int, int, int], baseline: bool, **shape) -> Case:
     """The prefill case with its kernel launched at ``config``; the SDPA-flash baseline only where ``baseline``
     (once per sweep)."""
-    case = prefill_case(device, dtype, compile=False, **shape)
-    launch, check = case.fn, case.check
-
-    def fn():
-        with prefill_launch_config(config):
-            return launch()
-
-    def checked():
-        with prefill_launch_config(config):
-            check()
-
+    case = _launched_under(prefill_case(device, dtype, compile=False, **shape),
+                           lambda: prefill_launch_config(config))
     block_m, tile_n, warps, stages = config
-    case.op, case.fn, case.check = "paged_prefill_attention tiles", fn, checked
+    case.op = "paged_prefill_attention tiles"
     case.shape += f"; BLOCK_M {block_m} TILE_N {tile_n} warps {warps} stages {stages}"
     case.baselines = [b for b in case.baselines if baseline and b.name == "sdpa-flash"]
     return case
@@ -1217,16 +1218,10 @@ SKINNY_SWEEP = [(1, 512, 2), (1, 512, 4), (1, 1024, 4), (2, 512, 4), (4, 512, 4)
 SKINNY_SWEEP_SHAPES = [(1, 6144, 1024), (1, 1024, 3072), (1, 28672, 4096), (1, 4096, 14336)]
 
 
-@contextlib.contextmanager
-def skinny_launch_config(config: tuple[int, int, int]):
-    """skinny_gemm launching with ``config`` (BLOCK_N, BLOCK_K, num_warps) for the body (its heuristic set aside)."""
-    skinny_module = importlib.import_module("pagedkernels.skinny_gemm")
-    real = skinny_module.skinny_gemm_config
-    skinny_module.skinny_gemm_config = lambda M, N, K, num_multiprocessors: config
-    try:
-        yield
-    finally:
-        skinny_module.skinny_gemm_config = real
+def skinny_launch_config(config: tuple[int, int, int]) -> contextlib.AbstractContextManager:
+    """skinny_gemm launching with ``config`` (BLOCK_N, BLOCK_K, num_warps) inside (its heuristic set aside)."""
+    return mock.patch.object(importlib.import_module("pagedkernels.skinny_gemm"), "skinny_gemm_config",
+                             lambda M, N, K, num_multiprocessors: config)
 
 
 def skinny_config_case(device, dtype, *, config: tuple[int, int, int] | None, baseline: bool, M: int, N: int,
@@ -1234,17 +1229,7 @@ def skinny_config_case(device, dtype, *, config: tuple[int, int, int] | None, ba
     """The few-row GEMM at ``config`` (None: the heuristic's), cuBLAS beside it only where ``baseline``."""
     case = skinny_gemm_case(device, dtype, M=M, N=N, K=K)
     if config is not None:
-        launch, check = case.fn, case.check
-
-        def fn():
-            with skinny_launch_config(config):
-                return launch()
-
-        def checked():
-            with skinny_launch_config(config):
-                check()
-
-        case.fn, case.check = fn, checked
+        case = _launched_under(case, lambda: skinny_launch_config(config))
     case.op = "skinny_gemm configs"
     case.shape += "; heuristic" if config is None else "; BLOCK_N {} BLOCK_K {} warps {}".format(*config)
     if not baseline:
