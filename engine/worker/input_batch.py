@@ -340,37 +340,27 @@ class HostStaging:
 
     def to_device(self, array: np.ndarray) -> torch.Tensor:
         """`array` on the device: a view on CPU; on CUDA a non-blocking copy out of this step's pinned arena."""
-        array = np.ascontiguousarray(array)
-        tensor = torch.from_numpy(array)
-        if not self.pinned:
-            return tensor
-        nbytes = array.nbytes
-        arena = self._arena(self._offset + nbytes)
-        staged = arena[self._offset:self._offset + nbytes].view(tensor.dtype).view(tensor.shape)
-        staged.copy_(tensor)
-        self._offset += -(-nbytes // self.ALIGN) * self.ALIGN
-        return staged.to(self.device, non_blocking=True)
+        return self.to_device_many(array)[0]
 
     def to_device_many(self, *arrays: np.ndarray) -> tuple[torch.Tensor, ...]:
         """Several arrays on the device, as :meth:`to_device` each, in one copy: staged back to back in this step's
         arena, the range copied to the device at once, and each result a view of that device buffer (a decode step's
         six input arrays: one copy and one allocation instead of six)."""
-        arrays = [np.ascontiguousarray(array) for array in arrays]
+        tensors = [torch.from_numpy(np.ascontiguousarray(array)) for array in arrays]
         if not self.pinned:
-            return tuple(torch.from_numpy(array) for array in arrays)
+            return tuple(tensors)
         starts, end = [], self._offset
-        for array in arrays:
+        for tensor in tensors:
             starts.append(end)
-            end += -(-array.nbytes // self.ALIGN) * self.ALIGN
+            end += -(-tensor.nbytes // self.ALIGN) * self.ALIGN
         arena = self._arena(end)
-        for array, start in zip(arrays, starts):
-            tensor = torch.from_numpy(array)
-            arena[start:start + array.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        for tensor, start in zip(tensors, starts):
+            arena[start:start + tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
         base = self._offset
         on_device = arena[base:end].to(self.device, non_blocking=True)
         self._offset = end
-        return tuple(on_device[start - base:start - base + array.nbytes].view(_TORCH_DTYPES[array.dtype])
-                     .view(array.shape) for array, start in zip(arrays, starts))
+        return tuple(on_device[start - base:start - base + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+                     for tensor, start in zip(tensors, starts))
 
     def _arena(self, needed: int) -> torch.Tensor:
         index = self._current
@@ -382,11 +372,6 @@ class HostStaging:
             self._arenas[index] = arena = torch.empty(size, dtype=torch.uint8, pin_memory=True)
             self._sizes[index] = size
         return arena
-
-
-# numpy dtype -> torch dtype of the arrays a step stages (torch.from_numpy's own mapping, looked up once).
-_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32, np.dtype(np.float32): torch.float32,
-                 np.dtype(np.bool_): torch.bool, np.dtype(np.float64): torch.float64, np.dtype(np.uint8): torch.uint8}
 
 
 def _record_event():
