@@ -165,11 +165,7 @@ def reshape_and_cache(
         has_padding = _check_slots(slot_mapping, num_blocks, block_size)
 
     if use_triton(key_cache):
-        block_d = triton.next_power_of_2(head_dim)
-        # One program per token and chunk of heads: a chunk holds up to 4096 elements (8 KiB of
-        # fp16 per tensor), so small models copy a whole token per program and large ones spread
-        # heads over a few programs.
-        block_h = min(triton.next_power_of_2(num_kv_heads), max(1, 4096 // block_d))
+        block_h, block_d = cache_write_tile(num_kv_heads, head_dim)
         grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
         _reshape_and_cache_kernel[grid](
             key, value, key_cache.view(torch.uint8) if fp8 else key_cache,
@@ -370,3 +366,10 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
         dst[run_dst: run_dst + run_len].copy_(src[run_src: run_src + run_len], non_blocking=non_blocking)
         if s is not None:
             run_src, run_dst, run_len = s, d, 1
+
+
+def cache_write_tile(num_kv_heads: int, head_dim: int) -> tuple[int, int]:
+    """(heads, padded head_dim) of one tile of a token's K/V write: up to 4096 elements (8 KiB of fp16 per tensor),
+    so small models write a whole token per program and large ones spread its heads over a few."""
+    block_d = triton.next_power_of_2(head_dim)
+    return min(triton.next_power_of_2(num_kv_heads), max(1, 4096 // block_d)), block_d

@@ -10,7 +10,8 @@ from . import _native
 from ._backend import has_no_data, use_native, use_triton, value_checks_enabled
 from ._validate import FLOAT_DTYPES, check_tensor
 from ._fp8 import is_fp8
-from .cache_ops import _check_slots, _store_heads_to_cache, check_reshape_and_cache_args, reshape_and_cache
+from .cache_ops import (_check_slots, _store_heads_to_cache, cache_write_tile, check_reshape_and_cache_args,
+                        reshape_and_cache)
 from .rms_norm import rms_norm
 
 
@@ -387,9 +388,7 @@ def rotary_embedding(
         half = rot_dim // 2
         half_pad = triton.next_power_of_2(half)
         num_heads = max(q3.shape[1], 0 if k3 is None else k3.shape[1])
-        # Tiles of up to 2048 pairs (4096 elements) per head chunk: all heads of common models
-        # (32 x 64 pairs) in one step, bounded registers for wide ones.
-        block_h = min(triton.next_power_of_2(num_heads), max(1, 2048 // half_pad))
+        block_h = _rotary_block_h(num_heads, half_pad)
         k_arg = k3 if k3 is not None else q3
         _rotary_kernel[(num_tokens,)](
             positions.contiguous(), q3, k_arg, cos_sin_cache,
@@ -471,9 +470,7 @@ def qk_norm_rotary_embedding(
     rest = head_size - rot_dim
     rest_pad = triton.next_power_of_2(rest) if rest else 0
     num_heads = max(q3.shape[1], k3.shape[1])
-    # Heads of up to 4096 values a tile (each head's pairs and the rest of it, all live at once for the norm).
-    fit = max(1, 4096 // (2 * half_pad + rest_pad))
-    block_h = min(triton.next_power_of_2(num_heads), 1 << (fit.bit_length() - 1))   # a power of two
+    block_h = _norm_rotary_block_h(num_heads, half_pad, rest_pad)
     _qk_norm_rotary_kernel[(num_tokens,)](
         positions.contiguous(), q3, k3, q_weight, k_weight, cos_sin_cache,
         q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), cos_sin_cache.stride(0),
@@ -557,14 +554,9 @@ def rotary_embedding_and_cache(
     rest = head_size - rot_dim
     rest_pad = triton.next_power_of_2(rest) if rest and norm else 0
     num_heads = max(q3.shape[1], k3.shape[1])
-    if norm:   # as qk_norm_rotary_embedding's launch
-        fit = max(1, 4096 // (2 * half_pad + rest_pad))
-        block_h = min(triton.next_power_of_2(num_heads), 1 << (fit.bit_length() - 1))
-    else:      # as rotary_embedding's
-        block_h = min(triton.next_power_of_2(num_heads), max(1, 2048 // half_pad))
+    block_h = _norm_rotary_block_h(num_heads, half_pad, rest_pad) if norm else _rotary_block_h(num_heads, half_pad)
     num_kv_heads = k3.shape[1]
-    cache_block_d = triton.next_power_of_2(head_size)   # as reshape_and_cache's
-    cache_block_h = min(triton.next_power_of_2(num_kv_heads), max(1, 4096 // cache_block_d))
+    cache_block_h, cache_block_d = cache_write_tile(num_kv_heads, head_size)
     fp8 = is_fp8(key_cache)
     _rotary_cache_kernel[(num_tokens,)](
         positions.contiguous(), q3, k3, v3, q_weight if norm else cos_sin_cache, k_weight if norm else cos_sin_cache,
@@ -580,3 +572,16 @@ def rotary_embedding_and_cache(
         CACHE_BLOCK_H=cache_block_h, CACHE_BLOCK_D=cache_block_d,
         CACHE_HEAD_BLOCKS=triton.cdiv(num_kv_heads, cache_block_h),
     )
+
+
+def _rotary_block_h(num_heads: int, half_pad: int) -> int:
+    """Heads a rotary tile takes: up to 2048 pairs (4096 elements), so all heads of common models (32 x 64 pairs) go
+    in one step and wide ones keep their registers bounded."""
+    return min(triton.next_power_of_2(num_heads), max(1, 2048 // half_pad))
+
+
+def _norm_rotary_block_h(num_heads: int, half_pad: int, rest_pad: int) -> int:
+    """Heads a q/k-norm rotary tile takes, a power of two: up to 4096 values (each head's pairs and the rest of it,
+    all live at once for the norm)."""
+    fit = max(1, 4096 // (2 * half_pad + rest_pad))
+    return min(triton.next_power_of_2(num_heads), 1 << (fit.bit_length() - 1))
