@@ -150,14 +150,13 @@ class LlamaDecoderLayer(nn.Module):
         if type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
             return False
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        norms = (self.input_layernorm, self.post_attention_layernorm)
-        dtype = attn.qkv_proj.weight.dtype if isinstance(getattr(attn.qkv_proj, "weight", None), torch.Tensor) else None
-        return (dtype is not None
-                and all(type(layer.quant_method) is UnquantizedLinearMethod and layer.tp_size == 1
-                        and isinstance(getattr(layer, "weight", None), torch.Tensor) and layer.weight.dim() == 2
-                        and layer.weight.dtype == dtype and layer.weight.stride(-1) == 1
-                        and layer.packed_weight is None and layer.w16_weight is None for layer in linears)
-                and all(type(norm) is RMSNorm for norm in norms))
+        if not all(type(layer.quant_method) is UnquantizedLinearMethod and layer.tp_size == 1
+                   and layer.packed_weight is None and layer.w16_weight is None for layer in linears):
+            return False
+        weights = [getattr(layer, "weight", None) for layer in linears]   # None: freed for a packed copy
+        return (all(isinstance(w, torch.Tensor) and w.dim() == 2 and w.stride(-1) == 1 for w in weights)
+                and len({w.dtype for w in weights}) == 1
+                and type(self.input_layernorm) is RMSNorm and type(self.post_attention_layernorm) is RMSNorm)
 
 
 class LlamaModel(nn.Module):

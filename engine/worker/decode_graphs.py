@@ -174,13 +174,17 @@ class DecodeGraphs:
 
         if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= MAX_ROWS:
             raise ValueError(f"rows must be an int from 0 to {MAX_ROWS}, got {rows!r}")
-        prepare = getattr(self.model, "prepare_skinny", None)
         before = self.skinny_max_rows
-        self.skinny_max_rows = rows if rows and self.lora is None and prepare is not None and prepare() else 0
+        self.skinny_max_rows = self._skinny_rows(rows)
         for graphs in (self.graphs, getattr(self, "lora_graphs", {})):
             for size in [s for s in graphs if (s <= before) != (s <= self.skinny_max_rows)]:
                 del graphs[size]
         return self.skinny_max_rows
+
+    def _skinny_rows(self, rows: int) -> int:
+        """``rows`` if the model's layers can take the few-row path (they are marked so), else 0."""
+        prepare = getattr(self.model, "prepare_skinny", None)
+        return rows if rows and self.lora is None and prepare is not None and prepare() else 0
 
     def capture_all_graphs(self) -> None:
         """Capture the decode graph of every ladder size not captured yet, largest first. The static buffers hold

@@ -156,10 +156,7 @@ class ModelRunner(DecodeGraphs):
             self.lora = LoRAManager(self.model, engine_config.lora_config, dtype=self.dtype,
                                     max_num_tokens=max(self.max_num_batched_tokens, max_num_seqs))
         # Steps of up to this many tokens take the few-row path of the layers that have one (meta.skinny); 0: none.
-        self.skinny_max_rows = 0
-        prepare_skinny = getattr(self.model, "prepare_skinny", None)
-        if self.policy.skinny_gemm_max_rows and self.lora is None and prepare_skinny is not None and prepare_skinny():
-            self.skinny_max_rows = self.policy.skinny_gemm_max_rows
+        self.skinny_max_rows = self._skinny_rows(self.policy.skinny_gemm_max_rows)
         # The forward every path calls: the module itself, or its torch.compile wrapper (compiled lazily per
         # input signature: mixed and decode batches, dynamic in the token count).
         self.forward = self.model
