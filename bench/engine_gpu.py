@@ -407,12 +407,16 @@ def batch1_decode(llm, prompt_len: int, new_tokens: int, copy_gbps: float) -> di
     device = llm.llm_engine.device
     prompt = {"prompt_token_ids": list(range(100, 100 + prompt_len))}
 
+    token_ids: list[int] = []
+
     def run(n: int) -> float:
         synchronize(device)
         start = time.perf_counter()
-        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
         synchronize(device)
-        return time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        token_ids[:] = out[0].outputs[0].token_ids
+        return elapsed
 
     run(4)
     t_first = min(run(1) for _ in range(2))
@@ -423,7 +427,7 @@ def batch1_decode(llm, prompt_len: int, new_tokens: int, copy_gbps: float) -> di
                                                                                                 runner.dtype)
     result = {"prompt_len": prompt_len, "new_tokens": new_tokens, "t1_s": t_first, "tN_s": t_full,
               "decode_tokens_per_s": None, "bytes_per_token": bytes_per_token, "achieved_gbps": None,
-              "frac_of_copy_bandwidth": None}
+              "frac_of_copy_bandwidth": None, "token_ids": list(token_ids)}
     if t_full > t_first:  # else the timer's noise exceeds the decode time (tiny models): no number
         tokens_per_s = (new_tokens - 1) / (t_full - t_first)
         achieved = bytes_per_token * tokens_per_s / 1e9
@@ -431,6 +435,10 @@ def batch1_decode(llm, prompt_len: int, new_tokens: int, copy_gbps: float) -> di
                       frac_of_copy_bandwidth=achieved / copy_gbps)
     result.update(launches_per_decode_step(llm, prompt))
     return result
+
+
+def _same_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def launches_per_decode_step(llm, prompt: dict, steps: int = 8) -> dict:
@@ -585,12 +593,18 @@ def run(device: torch.device, *, tiny: bool, models: list[str], parts: tuple[str
                         skinny = row["batch1_skinny"] = batch1_decode(llm, 16 if tiny else 128, 8 if tiny else 256,
                                                                       copy_gbps)
                         runner.set_skinny_max_rows(0)
+                        # greedy tokens: how many of the cuBLAS run's leading ones the few-row run gave again (bf16
+                        # rounds the two products differently, so a near-tie may flip one and the rest follow it)
+                        skinny["same_leading_tokens"] = _same_prefix(skinny.pop("token_ids"),
+                                                                     row["batch1"]["token_ids"])
                         if skinny["decode_tokens_per_s"] and row["batch1"]["decode_tokens_per_s"]:
                             skinny["speedup"] = skinny["decode_tokens_per_s"] / row["batch1"]["decode_tokens_per_s"]
                         log(f"{name}: batch-1 decode with skinny_gemm {_fmt(skinny['decode_tokens_per_s'], '.1f')} "
                             f"tok/s, {_fmt(skinny['frac_of_copy_bandwidth'], '.2f')} of copy bandwidth, "
                             f"{_fmt(skinny.get('speedup'), '.2f')}x cuBLAS, "
-                            f"{_fmt(skinny.get('kernels_per_step'), '.0f')} kernels a step")
+                            f"{_fmt(skinny.get('kernels_per_step'), '.0f')} kernels a step, the first "
+                            f"{skinny['same_leading_tokens']} of {len(row['batch1']['token_ids'])} greedy tokens "
+                            f"the same")
                         progress()
                 if "decode_steps" in parts:
                     row["decode_steps"] = []
