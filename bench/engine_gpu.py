@@ -437,6 +437,25 @@ def batch1_decode(llm, prompt_len: int, new_tokens: int, copy_gbps: float) -> di
     return result
 
 
+def batch1_skinny(llm, cublas: dict, prompt_len: int, new_tokens: int, copy_gbps: float) -> dict | None:
+    """batch1_decode on ``llm`` with its few-row layers on for one row (None where the model cannot take them), then
+    off again; against ``cublas``, the same engine's batch1_decode without them. (A function of its own: a runner
+    held in the caller's frame would keep the engine's memory after it is shut down.)"""
+    runner = llm.llm_engine.model_runner
+    if runner.skinny_max_rows != 0 or not runner.set_skinny_max_rows(1):
+        return None
+    try:
+        skinny = batch1_decode(llm, prompt_len, new_tokens, copy_gbps)
+    finally:
+        runner.set_skinny_max_rows(0)
+    # greedy tokens: how many of the cuBLAS run's leading ones the few-row run gave again (bf16 rounds the two
+    # products differently, so a near-tie may flip one and the rest follow it)
+    skinny["same_leading_tokens"] = _same_prefix(skinny.pop("token_ids"), cublas["token_ids"])
+    if skinny["decode_tokens_per_s"] and cublas["decode_tokens_per_s"]:
+        skinny["speedup"] = skinny["decode_tokens_per_s"] / cublas["decode_tokens_per_s"]
+    return skinny
+
+
 def _same_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -588,17 +607,9 @@ def run(device: torch.device, *, tiny: bool, models: list[str], parts: tuple[str
                         progress()
                     # The same on this engine with the few-row layers (pagedkernels.skinny_gemm, the norms and
                     # residual adds fused in) in place of cuBLAS: the batch-1 graph captured again.
-                    runner = llm.llm_engine.model_runner
-                    if runner.skinny_max_rows == 0 and runner.set_skinny_max_rows(1):
-                        skinny = row["batch1_skinny"] = batch1_decode(llm, 16 if tiny else 128, 8 if tiny else 256,
-                                                                      copy_gbps)
-                        runner.set_skinny_max_rows(0)
-                        # greedy tokens: how many of the cuBLAS run's leading ones the few-row run gave again (bf16
-                        # rounds the two products differently, so a near-tie may flip one and the rest follow it)
-                        skinny["same_leading_tokens"] = _same_prefix(skinny.pop("token_ids"),
-                                                                     row["batch1"]["token_ids"])
-                        if skinny["decode_tokens_per_s"] and row["batch1"]["decode_tokens_per_s"]:
-                            skinny["speedup"] = skinny["decode_tokens_per_s"] / row["batch1"]["decode_tokens_per_s"]
+                    skinny = batch1_skinny(llm, row["batch1"], 16 if tiny else 128, 8 if tiny else 256, copy_gbps)
+                    if skinny is not None:
+                        row["batch1_skinny"] = skinny
                         log(f"{name}: batch-1 decode with skinny_gemm {_fmt(skinny['decode_tokens_per_s'], '.1f')} "
                             f"tok/s, {_fmt(skinny['frac_of_copy_bandwidth'], '.2f')} of copy bandwidth, "
                             f"{_fmt(skinny.get('speedup'), '.2f')}x cuBLAS, "

@@ -67,6 +67,42 @@ def cuda_timer(fn: Callable[[], object]) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
+def cuda_graph_timer(fn: Callable[[], object], calls: int = 20, replays: int = 15) -> float:
+    """Median ms of one call of ``fn`` as a CUDA graph replays it: ``calls`` calls captured in one graph, each after
+    a 256 MB write that flushes the L2, the replay time of a graph of the flushes alone taken off. What a decode
+    step's graph gives an op of a few microseconds: do_bench launches each call from Python, and a launch that
+    takes longer than the kernel runs (Triton's launcher, a patched launch configuration) is counted as its time."""
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiled and warmed up outside the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+    def replay_ms(body: Callable[[], None]) -> float:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                body()
+        graph.replay()
+        times = []
+        for _ in range(replays):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        del graph
+        return statistics.median(times)
+
+    with_op = replay_ms(lambda: (flush.zero_(), fn()))
+    flushes = replay_ms(flush.zero_)
+    return max(with_op - flushes, 0.0) / calls
+
+
 def wall_timer(fn: Callable[[], object], repeats: int = 3) -> float:
     """Trivial CPU timer for the dry run: one warm-up call, median of ``repeats`` wall-clock runs."""
     fn()
@@ -163,6 +199,7 @@ class Case:
     baselines: list[Baseline] = field(default_factory=list)
     check: Callable[[], None] | None = None  # raises AssertionError on a wrong result
     target: Target | None = None
+    graphed: bool = False  # on CUDA timed by cuda_graph_timer, baselines too (an op of a few us, as in a graph)
 
 
 @dataclass
@@ -205,7 +242,10 @@ def _first_line(e: BaseException) -> str:
 
 
 def run_case(case: Case, timer: Timer, peaks: Peaks) -> list[Row]:
-    """Check the op once, time it and each baseline; one row per baseline (at least one row)."""
+    """Check the op once, time it and each baseline; one row per baseline (at least one row). A ``graphed`` case
+    is timed with cuda_graph_timer where ``timer`` is the CUDA one."""
+    if case.graphed and timer is cuda_timer:
+        timer = cuda_graph_timer
     check = "not checked"
     if case.check is not None:
         try:
@@ -808,7 +848,7 @@ def skinny_gemm_case(device, dtype, *, M: int, N: int, K: int) -> Case:
     reference = functools.cache(lambda: x.float() @ weight.float().t())
     return Case("skinny_gemm", _gemm_shape(M, N, K), dtype, fn, bytes_moved, flops=2 * M * N * K, bound="copy",
                 baselines=[_dense_linear_baseline(x, weight)],
-                check=_gemm_check(fn, reference, dtype, device, "skinny_gemm"))
+                check=_gemm_check(fn, reference, dtype, device, "skinny_gemm"), graphed=True)
 
 
 def fp8_gemm_case(device, dtype, *, M: int, N: int, K: int) -> Case:
@@ -1202,20 +1242,27 @@ def tune_suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False) 
         configs = PREFILL_SWEEP
         decode_sweep = DECODE_SPLIT_SWEEP
         decode_heads = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
-    skinny_shapes, skinny_configs = ([(1, 64, 256)], [(2, 128, 4)]) if tiny else (SKINNY_SWEEP_SHAPES, SKINNY_SWEEP)
+    skinny_shapes, skinny_configs, skinny_rows = (([(64, 256)], [(2, 128, 4)], (2,)) if tiny
+                                                  else (SKINNY_SWEEP_SHAPES, SKINNY_SWEEP, SKINNY_SWEEP_ROWS))
     return [partial(prefill_tile_case, **d, config=c, baseline=i == 0, **shape) for i, c in enumerate(configs)] + [
         partial(decode_split_case, **d, num_seqs=n, seq_len=length, num_splits=splits, **decode_heads)
         for n, length, splits in decode_sweep] + [
-        partial(skinny_config_case, **d, M=M, N=N, K=K, config=c, baseline=c is None)
-        for M, N, K in skinny_shapes for c in [None, *skinny_configs]]
+        partial(skinny_config_case, **d, M=1, N=N, K=K, config=c, baseline=c is None)
+        for N, K in skinny_shapes for c in [None, *skinny_configs]] + [
+        partial(skinny_config_case, **d, M=M, N=N, K=K, config=None, baseline=True)
+        for M in skinny_rows for N, K in skinny_shapes]
 
 
 # skinny_gemm's (BLOCK_N, BLOCK_K, num_warps) tried by the "tune" phase at batch-1 projection shapes
 # (SKINNY_SWEEP_SHAPES), beside the wrapper's own heuristic (skinny_gemm_config).
-SKINNY_SWEEP = [(1, 512, 2), (1, 512, 4), (1, 1024, 4), (2, 512, 4), (4, 512, 4), (8, 512, 4), (16, 512, 8),
-                (4, 256, 4), (8, 256, 4), (16, 256, 4), (2, 1024, 4), (4, 1024, 8), (8, 1024, 8)]
-# (M, N, K): Qwen3-0.6B's gate_up and down, Llama-3-8B's gate_up and down
-SKINNY_SWEEP_SHAPES = [(1, 6144, 1024), (1, 1024, 3072), (1, 28672, 4096), (1, 4096, 14336)]
+SKINNY_SWEEP = [(1, 256, 2), (1, 512, 2), (1, 512, 4), (1, 1024, 4), (2, 256, 4), (2, 512, 4), (4, 512, 4),
+                (8, 512, 4), (16, 512, 8), (4, 256, 4), (8, 256, 4), (16, 256, 4), (2, 1024, 4), (4, 1024, 8),
+                (8, 1024, 8)]
+# (N, K) at one row: Qwen3-0.6B's qkv, o, gate_up and down, Llama-3-8B's qkv, o, gate_up and down
+SKINNY_SWEEP_SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072),
+                       (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+# then the heuristic's launch against cuBLAS at these row counts (the engine's few-row limit: up to how many)
+SKINNY_SWEEP_ROWS = (2, 4, 8)
 
 
 def skinny_launch_config(config: tuple[int, int, int]) -> contextlib.AbstractContextManager:

@@ -145,6 +145,9 @@ class ModelRunner(DecodeGraphs):
         self.memory = None
         if num_kv_blocks is None and (self.policy.profile_gpu_memory or memory is not None):
             self.memory = gpu_memory.device_memory(self.device) if memory is None else memory
+            # blocks torch's allocator holds with no tensor in them (an engine shut down earlier in this process)
+            # are the device's to give: back to the driver before the free memory is read
+            self.memory.empty_cache()
             self._memory_at_start = MemorySnapshot.take(self.memory)
             check_free_memory(self._memory_at_start, gpu_memory_utilization)
             self.memory.reset_peak_memory_stats()

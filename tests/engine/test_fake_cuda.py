@@ -227,6 +227,19 @@ def test_profile_step_through_the_cpu_double(tiny_model_dir, monkeypatch):
     assert runner.num_kv_blocks == min(useful, int(budget // runner._block_bytes()))
 
 
+def test_memory_cached_by_torch_counts_as_free_at_start(tiny_model_dir):
+    """An engine started in a process where an earlier one was shut down: the blocks torch's allocator still holds
+    (reserved, no tensor in them) go back to the device before the free memory is checked, so the second engine
+    may take what the first one had."""
+    memory = FakeCudaMemory(total=16 * GiB, free=12 * GiB, peak_bytes=GiB)
+    memory.reserved = 3 * GiB   # cached by torch after the earlier engine's tensors were freed
+    config = engine_config(tiny_model_dir("llama"), device="cpu", max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
+                           gpu_memory_utilization=0.9, enforce_eager=True)
+    runner = ModelRunner(config, memory=memory)   # 14.4 GiB asked: 12 GiB free before the cache is emptied
+    assert memory.calls.index("empty_cache") < memory.calls.index("mem_get_info")
+    assert runner.num_kv_blocks > 0
+
+
 def test_async_steps_queue_without_waiting_for_the_device(tiny_model_dir, monkeypatch):
     """Async scheduling on the CUDA paths: a step that samples (greedy, temperature with top-k/top-p/min-p,
     penalties, logit_bias, bad words, min_tokens, logprobs) and the decode step after it, fed the previous step's
