@@ -81,9 +81,12 @@ class DevicePolicy:
     # the eager limit, an estimate.
     cpu_bf16_w16_graph_max_rows: int | None = None
     # Steps of up to this many tokens run the decoder layers that can as few-row products with the norms and residual
-    # adds fused in (pagedkernels.skinny_gemm; engine/models/llama.py), on any device; 0: never. Off until the GPU suite
-    # has measured it against cuBLAS (bench.engine_gpu's batch-1 part runs both): ENGINE_SKINNY_GEMM_MAX_ROWS=1..8
-    # turns it on.
+    # adds fused in (pagedkernels.skinny_gemm; engine/models/llama.py); 0: never (ENGINE_SKINNY_GEMM_MAX_ROWS=0..8
+    # overrides it). On CUDA 1: batch-1 decode at the Qwen3-0.6B shape ran 1.51x faster than with cuBLAS on the same
+    # engine (H200, bf16: 1009 against 670 tok/s, 222 kernels a step against 423), and at Llama-3-8B's gate_up and
+    # down shapes the kernel alone ran 1.01x and 1.03x cuBLAS (bench/results/2026-11-29-nvidia-h200-phase13-*). The
+    # 8B engine and 2-8 rows are not measured yet. On CPU 0: the layers' weights are prepacked there, which the path does not read, and its PyTorch
+    # twin is no faster than the CPU's own GEMMs.
     skinny_gemm_max_rows: int = 0
 
     @classmethod
@@ -99,7 +102,7 @@ class DevicePolicy:
                    cpu_bf16_isa=isa,
                    cpu_bf16_w16_max_rows=None if on_gpu else _cpu_bf16_w16_max_rows(isa),
                    cpu_bf16_w16_graph_max_rows=None if on_gpu else _cpu_bf16_w16_max_rows(isa, graphs=True),
-                   skinny_gemm_max_rows=_skinny_gemm_max_rows())
+                   skinny_gemm_max_rows=_skinny_gemm_max_rows(1 if on_gpu else 0))
 
     def auto_dtype(self, checkpoint: torch.dtype, *, quantized: bool = False) -> tuple[torch.dtype, str]:
         """What ``dtype="auto"`` runs a checkpoint stored in ``checkpoint`` in, and why (a line for the log).
@@ -149,14 +152,14 @@ class DevicePolicy:
         return max(1, (os.cpu_count() or 1) // tensor_parallel_size)
 
 
-def _skinny_gemm_max_rows() -> int:
+def _skinny_gemm_max_rows(default: int) -> int:
     """DevicePolicy.skinny_gemm_max_rows: ENGINE_SKINNY_GEMM_MAX_ROWS, an int from 0 to skinny_gemm's MAX_ROWS
-    (default 0)."""
+    (unset: ``default``)."""
     from pagedkernels.skinny_gemm import MAX_ROWS
 
     env = os.environ.get("ENGINE_SKINNY_GEMM_MAX_ROWS", "").strip()
     if not env:
-        return 0
+        return default
     if not env.isdigit() or int(env) > MAX_ROWS:
         raise ValueError(f"ENGINE_SKINNY_GEMM_MAX_ROWS must be an int from 0 to {MAX_ROWS}, got {env!r}")
     return int(env)

@@ -174,9 +174,9 @@ class LlamaModel(nn.Module):
 
     def prepare_skinny(self) -> bool:
         """Marks each layer that :meth:`LlamaDecoderLayer.can_run_skinny`; whether any can (the runner then sets
-        ``meta.skinny`` for small batches)."""
+        ``meta.skinny`` for small batches). A subclass's layers of another kind (Gemma 2's) have no few-row path."""
         for layer in self.layers:
-            layer.skinny = layer.can_run_skinny()
+            layer.skinny = isinstance(layer, LlamaDecoderLayer) and layer.can_run_skinny()
         return any(layer.skinny for layer in self.layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

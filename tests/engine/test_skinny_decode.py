@@ -115,6 +115,7 @@ def test_the_path_stays_off_where_it_cannot_run(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(DevicePolicy, "for_device", classmethod(
         lambda cls, device: dataclasses.replace(for_device(cls, device), prepack_linears=False)))
     assert make_runner(tiny_model_dir("opt"), enforce_eager=True).skinny_max_rows == 0
+    assert make_runner(tiny_model_dir("gemma2"), enforce_eager=True).skinny_max_rows == 0   # LlamaModel, its own layers
     assert make_runner(tiny_model_dir("llama"), enforce_eager=True).skinny_max_rows == 8
     monkeypatch.setenv("ENGINE_SKINNY_GEMM_MAX_ROWS", "")
     assert make_runner(tiny_model_dir("llama"), enforce_eager=True).skinny_max_rows == 0
@@ -122,6 +123,18 @@ def test_the_path_stays_off_where_it_cannot_run(tiny_model_dir, monkeypatch):
         monkeypatch.setenv("ENGINE_SKINNY_GEMM_MAX_ROWS", bad)
         with pytest.raises(ValueError, match="ENGINE_SKINNY_GEMM_MAX_ROWS"):
             DevicePolicy.for_device("cpu")
+
+
+def test_the_default_is_one_row_on_cuda_and_off_on_cpu(monkeypatch):
+    """Measured on an H200 (batch-1 decode 1.51x cuBLAS at the Qwen3-0.6B shape), the few-row path is on by default
+    for steps of one token on CUDA; on CPU off (prepacked weights); the variable overrides either, 0 included."""
+    monkeypatch.delenv("ENGINE_SKINNY_GEMM_MAX_ROWS", raising=False)
+    assert DevicePolicy.for_device("cuda").skinny_gemm_max_rows == 1
+    assert DevicePolicy.for_device("cpu").skinny_gemm_max_rows == 0
+    monkeypatch.setenv("ENGINE_SKINNY_GEMM_MAX_ROWS", "0")
+    assert DevicePolicy.for_device("cuda").skinny_gemm_max_rows == 0
+    monkeypatch.setenv("ENGINE_SKINNY_GEMM_MAX_ROWS", "4")
+    assert DevicePolicy.for_device("cpu").skinny_gemm_max_rows == 4
 
 
 def test_turned_on_and_off_on_a_built_runner(tiny_model_dir, skinny_calls, monkeypatch):
