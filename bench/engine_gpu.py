@@ -437,23 +437,28 @@ def batch1_decode(llm, prompt_len: int, new_tokens: int, copy_gbps: float) -> di
     return result
 
 
-def batch1_skinny(llm, cublas: dict, prompt_len: int, new_tokens: int, copy_gbps: float) -> dict | None:
-    """batch1_decode on ``llm`` with its few-row layers on for one row (None where the model cannot take them), then
-    off again; against ``cublas``, the same engine's batch1_decode without them. (A function of its own: a runner
-    held in the caller's frame would keep the engine's memory after it is shut down.)"""
+def batch1_other_layers(llm, default: dict, prompt_len: int, new_tokens: int, copy_gbps: float
+                        ) -> tuple[str, dict] | None:
+    """batch1_decode on ``llm`` with the other decoder layers for one row than its own (``default``, its
+    batch1_decode): cuBLAS where the engine runs the few-row layers (pagedkernels.skinny_gemm, its CUDA default),
+    else the few-row layers; then back. Returns ("batch1_cublas" or "batch1_skinny", the result with the few-row
+    layers' speedup over cuBLAS), or None where the model cannot take the few-row path. (A function of its own: a
+    runner held in the caller's frame would keep the engine's memory after it is shut down.)"""
     runner = llm.llm_engine.model_runner
-    if runner.skinny_max_rows != 0 or not runner.set_skinny_max_rows(1):
+    own = runner.skinny_max_rows
+    if runner.set_skinny_max_rows(0 if own else 1) == own:
         return None
     try:
-        skinny = batch1_decode(llm, prompt_len, new_tokens, copy_gbps)
+        other = batch1_decode(llm, prompt_len, new_tokens, copy_gbps)
     finally:
-        runner.set_skinny_max_rows(0)
-    # greedy tokens: how many of the cuBLAS run's leading ones the few-row run gave again (bf16 rounds the two
+        runner.set_skinny_max_rows(own)
+    # greedy tokens: how many of the engine's own leading ones the other layers gave again (bf16 rounds the two
     # products differently, so a near-tie may flip one and the rest follow it)
-    skinny["same_leading_tokens"] = _same_prefix(skinny.pop("token_ids"), cublas["token_ids"])
+    other["same_leading_tokens"] = _same_prefix(other.pop("token_ids"), default["token_ids"])
+    skinny, cublas = (default, other) if own else (other, default)
     if skinny["decode_tokens_per_s"] and cublas["decode_tokens_per_s"]:
-        skinny["speedup"] = skinny["decode_tokens_per_s"] / cublas["decode_tokens_per_s"]
-    return skinny
+        other["skinny_speedup"] = skinny["decode_tokens_per_s"] / cublas["decode_tokens_per_s"]
+    return ("batch1_cublas" if own else "batch1_skinny"), other
 
 
 def _same_prefix(a: list[int], b: list[int]) -> int:
@@ -605,17 +610,22 @@ def run(device: torch.device, *, tiny: bool, models: list[str], parts: tuple[str
                         log(f"{name}: batch-1 profile: {row['batch1']['profile']['step_ms']:.2f} ms a step, GPU "
                             f"busy {_fmt(row['batch1']['profile']['gpu_busy_fraction'], '.2f')}")
                         progress()
-                    # The same on this engine with the few-row layers (pagedkernels.skinny_gemm, the norms and
-                    # residual adds fused in) in place of cuBLAS: the batch-1 graph captured again.
-                    skinny = batch1_skinny(llm, row["batch1"], 16 if tiny else 128, 8 if tiny else 256, copy_gbps)
-                    if skinny is not None:
-                        row["batch1_skinny"] = skinny
-                        log(f"{name}: batch-1 decode with skinny_gemm {_fmt(skinny['decode_tokens_per_s'], '.1f')} "
-                            f"tok/s, {_fmt(skinny['frac_of_copy_bandwidth'], '.2f')} of copy bandwidth, "
-                            f"{_fmt(skinny.get('speedup'), '.2f')}x cuBLAS, "
-                            f"{_fmt(skinny.get('kernels_per_step'), '.0f')} kernels a step, the first "
-                            f"{skinny['same_leading_tokens']} of {len(row['batch1']['token_ids'])} greedy tokens "
-                            f"the same")
+                    # The same on this engine with the other decoder layers for one row (cuBLAS, or the few-row
+                    # layers of pagedkernels.skinny_gemm with the norms and residual adds fused in): the batch-1
+                    # graph captured again.
+                    other = batch1_other_layers(llm, row["batch1"], 16 if tiny else 128, 8 if tiny else 256,
+                                                copy_gbps)
+                    if other is not None:
+                        key, result = other
+                        row[key] = result
+                        own = "few-row layers" if key == "batch1_cublas" else "cuBLAS"
+                        log(f"{name}: batch-1 decode with {'cuBLAS' if key == 'batch1_cublas' else 'skinny_gemm'} "
+                            f"{_fmt(result['decode_tokens_per_s'], '.1f')} tok/s, "
+                            f"{_fmt(result['frac_of_copy_bandwidth'], '.2f')} of copy bandwidth, "
+                            f"{_fmt(result.get('kernels_per_step'), '.0f')} kernels a step; the few-row layers "
+                            f"{_fmt(result.get('skinny_speedup'), '.2f')}x cuBLAS; the first "
+                            f"{result['same_leading_tokens']} of {len(row['batch1']['token_ids'])} greedy tokens "
+                            f"as with the engine's own ({own})")
                         progress()
                 if "decode_steps" in parts:
                     row["decode_steps"] = []

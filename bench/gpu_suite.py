@@ -11,7 +11,7 @@
    (shrink + expand on Llama-3-8B's q/k/v at 1, 64 and 1024 tokens over 4 adapters and the base) against the
    per-adapter loop included.
 3. engine (540 s): Qwen3-0.6B shape: engine throughput and transformers in the same run, batch-1 decode vs
-   the bandwidth floor (with cuBLAS, then with the few-row layers of pagedkernels.skinny_gemm on the same engine),
+   the bandwidth floor (with the few-row layers of pagedkernels.skinny_gemm, then with cuBLAS on the same engine),
    decode-step time at batch 64 / 256.
 4. llama (540 s): Llama-3-8B shape: engine throughput, batch-1 decode, decode-step time at batch 64 / 256.
 5. kernel-tests (540 s): tests/pagedkernels on CUDA, all of it.
@@ -32,8 +32,9 @@
 12. lora (540 s): multi-LoRA serving (bench.lora_engine_gpu): the Qwen3-0.6B shape with four adapters of ranks 8 / 16
    mixed in one workload, against the base model alone and against transformers + PEFT serving the same mix.
 13. batch1 (540 s): the few-row decoder layers (pagedkernels.skinny_gemm, rotary_embedding_and_cache) in one call:
-   skinny_gemm's launch configurations against cuBLAS at batch-1 projections, then batch-1 decode at the Qwen3-0.6B
-   and Llama-3-8B shapes with cuBLAS and with the few-row layers on the same engine, kernels a step counted.
+   skinny_gemm's launch configurations against cuBLAS at batch-1 projections and its heuristic at 2-8 rows (timed
+   in CUDA graphs), then batch-1 decode at the Qwen3-0.6B and Llama-3-8B shapes with the few-row layers (the CUDA
+   default) and with cuBLAS on the same engine, kernels a step counted.
 
 ``--phase all`` (the default) runs them one after another. Each phase writes
 ``OUT/<date>-<device>-phase<N>-<name>.json`` and ``.md`` after every case (``.png`` at the end, when matplotlib
@@ -382,7 +383,7 @@ def _async(run: PhaseRun) -> None:
 
 def _batch1(run: PhaseRun) -> None:
     # The few-row layers' whole question in one call: skinny_gemm's launch configurations against cuBLAS, then
-    # batch-1 decode with cuBLAS and with the few-row layers on one engine at each shape (the 0.6B one leaving the 8B
+    # batch-1 decode with the few-row layers and with cuBLAS on one engine at each shape (the 0.6B one leaving the 8B
     # one 45% of what is left).
     run.step("limits", run.peaks) \
         and run.step("skinny_gemm configurations", lambda: run.kernels(headline=False, tune=True, case_s=10.0,

@@ -213,13 +213,16 @@ def _tune(result):
     assert len(decode) == 3 and len(prefill) + len(decode) + len(skinny) == len(result["rows"])
     assert all(r["check"] == "ok" and r["ms"] for r in result["rows"])
     assert sum(r["baseline"] == "sdpa-flash" for r in result["rows"]) == 1
-    # the heuristic's launch against cuBLAS, then the swept configuration alone
-    assert [r["baseline"] is not None for r in skinny] == [True, False]
+    # the heuristic's launch against cuBLAS, then the swept configuration alone, then the heuristic's at 2 rows against
+    # cuBLAS
+    assert [r["baseline"] is not None for r in skinny] == [True, False, True]
+    assert [r["shape"].split()[0] for r in skinny] == ["M=1", "M=1", "M=2"]
 
 
 def _batch1(result):
     assert result["rows"] and all(r["op"] == "skinny_gemm configs" and r["check"] == "ok" for r in result["rows"])
-    assert [r["baseline"] is not None for r in result["rows"]] == [True, False]   # the heuristic's against cuBLAS
+    # the heuristic's against cuBLAS, a swept configuration, the heuristic's at 2 rows against cuBLAS
+    assert [r["baseline"] is not None for r in result["rows"]] == [True, False, True]
     for name in ("qwen3-0.6b", "llama-3-8b"):
         row = result["engine"]["models"][name]
         assert set(row["batch1"]) >= {"decode_tokens_per_s", "frac_of_copy_bandwidth"} and "engine" not in row
