@@ -461,6 +461,29 @@ def batch1_other_layers(llm, default: dict, prompt_len: int, new_tokens: int, co
     return ("batch1_cublas" if own else "batch1_skinny"), other
 
 
+def batch1_pdl(llm, default: dict, prompt_len: int, new_tokens: int, copy_gbps: float) -> dict | None:
+    """batch1_decode on ``llm`` with its decode-path kernels launched with programmatic dependent launch
+    (pagedkernels.set_programmatic_dependent_launch), the graphs captured again, then back; against ``default``,
+    its batch1_decode without. None where it does not apply (not CUDA, or before compute capability 9.0)."""
+    import pagedkernels
+
+    runner = llm.llm_engine.model_runner
+    device = llm.llm_engine.device
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return None
+    previous = pagedkernels.set_programmatic_dependent_launch(True)
+    runner.drop_graphs()
+    try:
+        result = batch1_decode(llm, prompt_len, new_tokens, copy_gbps)
+    finally:
+        pagedkernels.set_programmatic_dependent_launch(previous)
+        runner.drop_graphs()
+    result["same_leading_tokens"] = _same_prefix(result.pop("token_ids"), default["token_ids"])
+    if result["decode_tokens_per_s"] and default["decode_tokens_per_s"]:
+        result["speedup"] = result["decode_tokens_per_s"] / default["decode_tokens_per_s"]
+    return result
+
+
 def _same_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -626,6 +649,16 @@ def run(device: torch.device, *, tiny: bool, models: list[str], parts: tuple[str
                             f"{_fmt(result.get('skinny_speedup'), '.2f')}x cuBLAS; the first "
                             f"{result['same_leading_tokens']} of {len(row['batch1']['token_ids'])} greedy tokens "
                             f"as with the engine's own ({own})")
+                        progress()
+                    # And with programmatic dependent launch (Hopper): each decode-path kernel launched while the one
+                    # ahead of it finishes.
+                    pdl = batch1_pdl(llm, row["batch1"], 16 if tiny else 128, 8 if tiny else 256, copy_gbps)
+                    if pdl is not None:
+                        row["batch1_pdl"] = pdl
+                        log(f"{name}: batch-1 decode with programmatic dependent launch "
+                            f"{_fmt(pdl['decode_tokens_per_s'], '.1f')} tok/s, {_fmt(pdl.get('speedup'), '.2f')}x "
+                            f"without; the first {pdl['same_leading_tokens']} of {len(row['batch1']['token_ids'])} "
+                            f"greedy tokens the same")
                         progress()
                 if "decode_steps" in parts:
                     row["decode_steps"] = []

@@ -13,7 +13,8 @@ need not have (Hopper sm_90 and Ampere sm_80 by default), with the resources ptx
    the signature a real launch would compile (pointer dtypes, divisibility by 16, ints equal to 1,
    constexprs, num_warps / num_stages). Launches with the same specialization compile once; with
    ``--representatives`` (the CI test) only one per tile class (:func:`representatives`).
-3. Compile each distinct specialization for every target with ``triton.compile(ASTSource(...),
+3. Compile each distinct specialization for every target (one launched with programmatic dependent launch, whose
+   kernel waits with griddepcontrol, for sm_90 alone) with ``triton.compile(ASTSource(...),
    target=GPUTarget("cuda", cc, 32))`` and read ptxas' ``-v`` report (Triton prints it with
    ``TRITON_DUMP_PTXAS_LOG=1``): registers, spill stores / loads, stack frame; shared memory is
    Triton's allocation (``metadata.shared``) plus ptxas' static smem.
@@ -57,6 +58,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
+from unittest import mock
 
 import torch
 
@@ -524,10 +526,43 @@ def _skinny_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
                    f"{' residual' if residual else ''}{' bias' if bias else ''}"), call
 
 
+def _pdl_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
+    """The decode path's kernels launched with programmatic dependent launch (PAGEDKERNELS_PDL=1), in the 16-bit
+    dtypes at Qwen3-0.6B's and Llama-3-8B's batch-1 shapes: skinny_gemm (its first weight tile loaded before the
+    wait) with each prologue and the residual epilogue, rotary_embedding_and_cache with and without q/k norms, and
+    a decode that splits (split + reduce)."""
+    import pagedkernels as pk
+
+    from . import _backend
+
+    for dtype in (torch.bfloat16, torch.float16):
+        name = str(dtype).replace("torch.", "")
+
+        def call(gen, dtype=dtype):
+            with mock.patch.object(_backend, "_pdl", True):
+                for M, N, K, prologue in ((1, 4096, 1024, "norm"), (1, 1024, 3072, "silu"), (1, 28672, 4096, None)):
+                    x = _randn(M, 2 * K if prologue == "silu" else K, dtype=dtype, generator=gen)
+                    pk.skinny_gemm(x, torch.empty(N, K, dtype=dtype),
+                                   norm_weight=torch.ones(K, dtype=dtype) if prologue == "norm" else None,
+                                   eps=1e-6 if prologue == "norm" else None, gated="silu" if prologue == "silu" else None,
+                                   residual=torch.zeros(M, N, dtype=dtype) if prologue != "norm" else None)
+                k, v, table, lens = _paged_inputs(1, 40, 8, 128, 16, dtype, gen, table_width=64)
+                q = _randn(1, 16, 128, dtype=dtype, generator=gen)
+                pk.paged_decode_attention(q, k, v, table, lens)
+                cos_sin = pk.compute_cos_sin_cache(64, 128, 1e6)
+                for norm in (True, False):
+                    q, k_new, v_new = _randn(1, 32 * 128, dtype=dtype, generator=gen).split([2048, 1024, 1024], 1)
+                    weights = dict(q_weight=torch.ones(128, dtype=dtype), k_weight=torch.ones(128, dtype=dtype),
+                                   eps=1e-6) if norm else {}
+                    pk.rotary_embedding_and_cache(torch.tensor([39]), q, k_new, v_new, k, v, torch.tensor([39]),
+                                                  cos_sin, head_size=128, **weights)
+        yield f"programmatic dependent launch {name}", call
+
+
 def launch_matrix() -> list[tuple[str, Callable[[torch.Generator], None]]]:
     """(label, call) for every case: each call runs public ops on small CPU tensors."""
     return [*_attention_cases(), *_cache_op_cases(), *_elementwise_cases(), *_fp8_kv_cases(), *_quant_cases(),
-            *_moe_cases(), *_lora_cases(), *_skinny_cases()]
+            *_moe_cases(), *_lora_cases(), *_skinny_cases(), *_pdl_cases()]
 
 
 def record_matrix() -> list[Launch]:
@@ -772,6 +807,12 @@ def save_results_cache(results: dict[str, dict], path: Path = RESULTS_CACHE) -> 
     path.write_text(json.dumps(data, indent=0, sort_keys=True) + "\n")
 
 
+def variant_targets(variant: Variant, targets: tuple[int, ...]) -> tuple[int, ...]:
+    """The targets ``variant`` is built for: all, except that a launch with programmatic dependent launch
+    (``launch_pdl``; its kernel waits with griddepcontrol, an sm_90 instruction) is built for sm_90 and later only."""
+    return tuple(cc for cc in targets if cc >= 90) if variant.option_kwargs.get("launch_pdl") else targets
+
+
 def compile_all(variants: list[Variant], targets: tuple[int, ...], jobs: int,
                 cache: dict[str, dict] | None = None) -> dict[tuple[int, int], dict]:
     """{(variant index, capability): result}, over a pool of ``jobs`` forked processes (compiles
@@ -782,12 +823,13 @@ def compile_all(variants: list[Variant], targets: tuple[int, ...], jobs: int,
     results: dict[tuple[int, int], dict] = {}
     cache = cache or {}
     for i, variant in enumerate(variants):
-        for cc in targets:
+        for cc in variant_targets(variant, targets):
             hit = cache.get(result_key(variant, cc))
             if hit is not None:
                 results[(i, cc)] = {**hit, "cached": True}
     weight = {"_prefill_attention_kernel": 0, "_decode_split_kernel": 1}
-    work = sorted(((i, cc) for i in range(len(variants)) for cc in targets if (i, cc) not in results),
+    work = sorted(((i, cc) for i, variant in enumerate(variants) for cc in variant_targets(variant, targets)
+                   if (i, cc) not in results),
                   key=lambda job: weight.get(variants[job[0]].kernel.__name__, 2))
     if jobs <= 1 or len(work) <= 1:
         results.update({(i, cc): {**result, "cached": False} for i, cc, result in map(_compile_job, work)})
@@ -849,7 +891,7 @@ def run(targets: tuple[int, ...] = DEFAULT_TARGETS, jobs: int = 1, representativ
         save_results_cache({**load_results_cache(), **fresh} if kernels is not None else fresh)
     rows = []
     for i, variant in enumerate(variants):
-        for cc in targets:
+        for cc in variant_targets(variant, targets):
             rows.append({**variant.describe(), "target": cc, "triton": triton.__version__,
                          "hot": variant.kernel.__name__ in HOT_KERNELS, "cases": variant.cases,
                          "grids": sorted(set(variant.grids)), **results[(i, cc)]})

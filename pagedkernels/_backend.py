@@ -67,6 +67,46 @@ def launch_device_kind(device: torch.device) -> str:
     return "cuda" if device.type == "cuda" or _simulated_cuda_sms is not None else device.type
 
 
+# Programmatic dependent launch (PDL, Hopper and later): the decode path's kernels (skinny_gemm,
+# rotary_embedding_and_cache, paged_decode_attention's split and reduce) launch before the kernel ahead of them has
+# finished, start what does not depend on it (skinny_gemm's first weight tile), then wait for it in the kernel
+# (griddepcontrol.wait). Off unless PAGEDKERNELS_PDL=1 or set_programmatic_dependent_launch(True).
+_pdl = os.environ.get("PAGEDKERNELS_PDL", "").strip() == "1"
+
+
+def set_programmatic_dependent_launch(enabled: bool) -> bool:
+    """Turn programmatic dependent launch of the decode path's kernels on or off (it applies on devices of compute
+    capability 9.0 and later; elsewhere nothing changes). Returns the previous setting. A CUDA graph keeps the
+    launches it captured: capture again after changing it."""
+    global _pdl
+    if not isinstance(enabled, bool):
+        raise ValueError(f"enabled must be a bool, got {enabled!r}")
+    previous, _pdl = _pdl, enabled
+    return previous
+
+
+def programmatic_dependent_launch(device: torch.device) -> bool:
+    """Whether a decode-path kernel on ``device`` launches with PDL: the setting is on and the device is a CUDA one
+    of compute capability 9.0 or later (a simulated one counts as an H100)."""
+    if not _pdl:
+        return False
+    if _simulated_cuda_sms is not None:
+        return True
+    return device.type == "cuda" and _capability_major(device.index) >= 9
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """The launch arguments of a decode-path kernel (one with a ``USE_PDL`` constexpr): ``USE_PDL`` and Triton's
+    ``launch_pdl`` option, both on where :func:`programmatic_dependent_launch` says so."""
+    on = programmatic_dependent_launch(device)
+    return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_major(index: int | None) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
 def set_backend(name: str) -> None:
     """Select the implementation used by every op: ``"auto"``, ``"triton"``, ``"torch"`` or ``"native"``."""
     global _backend

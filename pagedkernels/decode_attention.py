@@ -24,6 +24,7 @@ from ._backend import (
     has_no_data,
     launch_device_kind,
     num_multiprocessors,
+    pdl_launch,
     use_native,
     use_triton,
     value_checks_enabled,
@@ -370,9 +371,13 @@ def _decode_split_kernel(
     USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (exact, not tf32); None (default) for 16-bit
     KV_FP8: tl.constexpr,  # the caches hold float8 e4m3 codes: converted to q's dtype after loading (exact)
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (_backend.programmatic_dependent_launch)
 ):
     # grid: (num_seqs, num_kv_heads, NUM_SPLITS); one program = all query heads of one KV head over
     # one contiguous range of tiles, so each K/V tile is loaded once per group.
+    if USE_PDL:   # q and the step's K/V are the kernel ahead's outputs
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     seq_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -470,8 +475,12 @@ def _decode_reduce_kernel(
     HEAD_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,  # next power of two >= NUM_SPLITS
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (_backend.programmatic_dependent_launch)
 ):
     # grid: (num_seqs, num_q_heads). out = sum_s exp(lse_s - lse) * O_s with lse = logsumexp_s lse_s.
+    if USE_PDL:   # the partial results are the split kernel's
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     seq_idx = tl.program_id(0)
     head = tl.program_id(1)
     row = seq_idx.to(tl.int64) * tl.num_programs(1) + head
@@ -522,6 +531,7 @@ def _decode_triton(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
     if kv_fp8:
         scale = scale * k_scale
         key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+    pdl = pdl_launch(q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, partial_out, partial_lse, q, key_cache, value_cache, block_tables, seq_lens,
         scale, float(softcap or 0.0), float(v_scale),
@@ -546,11 +556,12 @@ def _decode_triton(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
         # spilled (255 registers + 250 B at head 128 with window + softcap, ~2 KB at head 256, sm_90 and
         # sm_80); unpipelined, 48-64 registers and no spills.
         **({"num_stages": 1} if kv_fp8 and q.dtype == torch.float32 else {}),
+        **pdl,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
             out, partial_out, partial_lse, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_PAD=head_pad, NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4, **pdl,
         )
     return out

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from . import _native
-from ._backend import has_no_data, use_native, use_triton, value_checks_enabled
+from ._backend import has_no_data, pdl_launch, use_native, use_triton, value_checks_enabled
 from ._validate import FLOAT_DTYPES, check_tensor
 from ._fp8 import is_fp8
 from .cache_ops import (_check_slots, _store_heads_to_cache, cache_write_tile, check_reshape_and_cache_args,
@@ -268,10 +268,14 @@ def _rotary_cache_kernel(
     CACHE_BLOCK_H: tl.constexpr,
     CACHE_BLOCK_D: tl.constexpr,
     CACHE_HEAD_BLOCKS: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (_backend.programmatic_dependent_launch)
 ):
     """One program per token: _qk_norm_rotary_kernel's work (or _rotary_kernel's without NORM) on its q and k heads,
     then _reshape_and_cache_kernel's for its k (as just stored) and v: the rotary embedding and the KV-cache write
     of an attention layer in one launch."""
+    if USE_PDL:   # q, k and v are the kernel ahead's outputs
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     cos, sin = _token_cos_sin(positions_ptr, token, cos_sin_ptr, stride_cs_pos, half, HALF_PAD)
     k_row = k_ptr + token * stride_k_tok
@@ -570,7 +574,7 @@ def rotary_embedding_and_cache(
         IS_NEOX=bool(is_neox), NORM=norm, FP8=fp8, BLOCK_H=block_h, HALF_PAD=half_pad, REST_PAD=rest_pad,
         Q_HEAD_BLOCKS=triton.cdiv(q3.shape[1], block_h), K_HEAD_BLOCKS=triton.cdiv(num_kv_heads, block_h),
         CACHE_BLOCK_H=cache_block_h, CACHE_BLOCK_D=cache_block_d,
-        CACHE_HEAD_BLOCKS=triton.cdiv(num_kv_heads, cache_block_h),
+        CACHE_HEAD_BLOCKS=triton.cdiv(num_kv_heads, cache_block_h), **pdl_launch(q3.device),
     )
 
 

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import has_no_data, num_multiprocessors, use_triton
+from ._backend import has_no_data, num_multiprocessors, pdl_launch, use_triton
 from ._validate import FLOAT_DTYPES, check_tensor
 
 __all__ = ["skinny_gemm", "check_skinny_gemm_args", "skinny_gemm_config", "MAX_ROWS"]
@@ -64,12 +64,19 @@ def _skinny_gemm_kernel(
     BLOCK_M: tl.constexpr,  # M rounded up to a power of two (<= MAX_ROWS), the rows unrolled
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (_backend.programmatic_dependent_launch)
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+
+    if USE_PDL:   # the first weight tile in flight while the kernel ahead finishes (no kernel writes weights)
+        first_k = tl.arange(0, BLOCK_K)
+        w_first = tl.load(w_rows + first_k[None, :], mask=n_mask[:, None] & (first_k < K)[None, :], other=0.0)
+        tl.extra.cuda.gdc_wait()   # x, the norm's input and the residual are the kernel ahead's outputs
+        tl.extra.cuda.gdc_launch_dependents()
 
     if HAS_NORM:   # the rows' reciprocal RMS, every program its own (x is small and in L2)
         sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -86,7 +93,13 @@ def _skinny_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        if USE_PDL:
+            if k0 == 0:
+                w = w_first.to(tl.float32)
+            else:
+                w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        else:
+            w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
         if HAS_NORM:
             g = tl.load(norm_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         for m in tl.static_range(BLOCK_M):
@@ -225,7 +238,8 @@ def _skinny_triton(x, weight, bias, norm_weight, eps, residual, out, gated=None)
         float(eps) if eps is not None else 0.0,
         HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, GATED=gated is not None,
         HAS_RESIDUAL=residual is not None,
-        BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+        BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        **pdl_launch(x.device))
 
 
 def _skinny_torch(x, weight, bias, norm_weight, eps, residual, out, gated=None) -> None:

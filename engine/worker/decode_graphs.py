@@ -181,6 +181,13 @@ class DecodeGraphs:
                 del graphs[size]
         return self.skinny_max_rows
 
+    def drop_graphs(self) -> None:
+        """Drop every captured decode graph; the next step of each size captures its graph again. For a change to
+        how the kernels launch that a graph keeps from its capture (pagedkernels.set_programmatic_dependent_launch:
+        bench.engine_gpu's batch-1 part compares both on one engine)."""
+        for graphs in (self.graphs, getattr(self, "lora_graphs", {})):
+            graphs.clear()
+
     def _skinny_rows(self, rows: int) -> int:
         """``rows`` if the model's layers can take the few-row path (they are marked so), else 0."""
         prepare = getattr(self.model, "prepare_skinny", None)

@@ -222,6 +222,7 @@ def test_few_row_layers_match_the_cublas_layers(tiny_model_dir, arch, dtype, mon
             del llm
             _free_cuda()
 
+    monkeypatch.setenv("ENGINE_SKINNY_GEMM_MAX_ROWS", "0")   # cuBLAS (the default runs one-row steps few-row)
     off, reference = run()
     monkeypatch.setenv("ENGINE_SKINNY_GEMM_MAX_ROWS", "8")
     on, outputs = run()
@@ -238,3 +239,34 @@ def test_few_row_layers_match_the_cublas_layers(tiny_model_dir, arch, dtype, mon
                         len(got_c.token_ids))
             assert same >= 4
             assert max(abs(a - b) for a, b in zip(got_lp[:same], want_lp[:same])) < 0.1
+
+
+# -- programmatic dependent launch ---------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs compute capability 9.0 or later")
+def test_programmatic_dependent_launch_keeps_every_output(tiny_model_dir, monkeypatch):
+    """PAGEDKERNELS_PDL=1 (the decode path's kernels launched while the one ahead finishes, in the decode graphs):
+    a batch of one (the few-row layers) and of three give the same tokens and log-probabilities, to the bit, as
+    without it."""
+    import pagedkernels
+
+    model_dir = tiny_model_dir("qwen3")
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+
+    def run(pdl: bool):
+        previous = pagedkernels.set_programmatic_dependent_launch(pdl)
+        llm = LLM(model_dir, device=DEVICE, dtype="bfloat16", max_model_len=256, max_num_seqs=4)
+        try:
+            return [[(o.outputs[0].token_ids, o.outputs[0].logprobs)
+                     for o in llm.generate([{"prompt_token_ids": random_token_ids(n, seed=n)} for n in lens], params,
+                                           use_tqdm=False)]
+                    for lens in ((30,), (5, 17, 40))]
+        finally:
+            pagedkernels.set_programmatic_dependent_launch(previous)
+            llm.llm_engine.shutdown()
+            del llm
+            _free_cuda()
+
+    assert run(True) == run(False)

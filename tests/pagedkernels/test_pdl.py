@@ -1,0 +1,170 @@
+"""Programmatic dependent launch of the decode path's kernels (pagedkernels.set_programmatic_dependent_launch):
+the setting, the launch arguments it gives on each device, the AOT table's sm_90-only PDL variants, and on a Hopper
+GPU the kernels' results with PDL on equal to theirs with it off, eager and replayed from a CUDA graph."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import pagedkernels as pk
+from pagedkernels import _aot, _backend
+
+
+@pytest.fixture
+def pdl_on():
+    previous = pk.set_programmatic_dependent_launch(True)
+    yield
+    pk.set_programmatic_dependent_launch(previous)
+
+
+def test_the_setting_is_off_by_default_and_returns_the_previous_one():
+    code = ("import torch, pagedkernels as pk; from pagedkernels import _backend; "
+            "on = _backend.simulate_cuda_launches(); on.__enter__(); "
+            "print(pk.programmatic_dependent_launch(torch.device('cuda')))")
+    env = {k: v for k, v in os.environ.items() if k != "PAGEDKERNELS_PDL"}
+    for value, expected in ((None, "False"), ("1", "True"), ("0", "False")):
+        run_env = env if value is None else {**env, "PAGEDKERNELS_PDL": value}
+        out = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == expected, (value, out.stderr[-2000:])
+    previous = pk.set_programmatic_dependent_launch(True)
+    try:
+        assert pk.set_programmatic_dependent_launch(True) is True
+    finally:
+        pk.set_programmatic_dependent_launch(previous)
+    with pytest.raises(ValueError, match="enabled must be a bool"):
+        pk.set_programmatic_dependent_launch(1)
+
+
+def test_launch_arguments_follow_the_device(pdl_on):
+    """On: the CPU (the interpreter has no griddepcontrol) launches as before; a simulated H100 with launch_pdl and
+    the kernels' USE_PDL. Off: USE_PDL False everywhere, and no launch_pdl option."""
+    assert _backend.pdl_launch(torch.device("cpu")) == {"USE_PDL": False}
+    with _backend.simulate_cuda_launches():
+        assert _backend.pdl_launch(torch.device("cpu")) == {"USE_PDL": True, "launch_pdl": True}
+        pk.set_programmatic_dependent_launch(False)
+        assert _backend.pdl_launch(torch.device("cpu")) == {"USE_PDL": False}
+
+
+def test_the_aot_table_builds_the_pdl_variants_for_sm90_only():
+    with _aot.record_launches() as (launches, case):
+        for label, call in _aot._pdl_cases():
+            case[0] = label
+            call(torch.Generator().manual_seed(0))
+    assert {launch.kernel.__name__ for launch in launches} == {
+        "_skinny_gemm_kernel", "_rotary_cache_kernel", "_decode_split_kernel", "_decode_reduce_kernel"}
+    assert all(launch.kwargs.get("launch_pdl") is True and launch.kwargs["USE_PDL"] is True for launch in launches)
+    # a variant's compile options are its launch's (num_warps, launch_pdl, ...): griddepcontrol is sm_90's
+    assert _aot.variant_targets(SimpleNamespace(option_kwargs={"num_warps": 4, "launch_pdl": True}), (90, 80)) == (90,)
+    assert _aot.variant_targets(SimpleNamespace(option_kwargs={"num_warps": 4}), (90, 80)) == (90, 80)
+
+
+hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                            reason="programmatic dependent launch needs a GPU of compute capability 9.0 or later")
+
+
+def _decode_path_calls(dtype: torch.dtype):
+    """Each decode-path op on small CUDA inputs, as a function returning its outputs (fresh copies each call)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device="cuda").to(dtype)
+
+    calls = []
+    # (M, N, K, prologue, residual): K within one block, over several and not a multiple of the block
+    for M, N, K, prologue, residual in ((1, 4096, 1024, "norm", False), (1, 1024, 3072, "silu", True),
+                                        (3, 600, 1100, None, True), (1, 40, 100, None, False)):
+        x, w = randn(M, 2 * K if prologue == "silu" else K), randn(N, K) * K ** -0.5
+        norm = randn(K) if prologue == "norm" else None
+        res = randn(M, N) if residual else None
+
+        def skinny(x=x, w=w, norm=norm, res=res, prologue=prologue):
+            return pk.skinny_gemm(x, w, norm_weight=norm, eps=1e-6 if norm is not None else None,
+                                  gated="silu" if prologue == "silu" else None,
+                                  residual=res.clone() if res is not None else None)
+        calls.append(skinny)
+    blocks, block_size, kv_heads, head = 24, 16, 8, 128
+    key_cache, value_cache = randn(blocks, block_size, kv_heads, head), randn(blocks, block_size, kv_heads, head)
+    table = torch.arange(blocks, device="cuda", dtype=torch.int32).view(2, 12)
+    lens = torch.tensor([150, 37], device="cuda", dtype=torch.int32)
+    q = randn(2, 16, head)
+    for splits in (1, 4):
+        calls.append(lambda splits=splits: pk.paged_decode_attention(q, key_cache, value_cache, table, lens,
+                                                                      num_splits=splits))
+    cos_sin = pk.compute_cos_sin_cache(256, head, 1e6, device="cuda")
+    positions, slots = torch.tensor([149, 36], device="cuda"), torch.tensor([149, 12 * 16 + 36], device="cuda")
+    qkv = randn(2, 32 * head)
+    for norm in (True, False):
+        weights = dict(q_weight=randn(head), k_weight=randn(head), eps=1e-6) if norm else {}
+
+        def rotary_cache(weights=weights):
+            q_, k_, v_ = qkv.clone().split([16 * head, 8 * head, 8 * head], 1)
+            kc, vc = key_cache.clone(), value_cache.clone()
+            pk.rotary_embedding_and_cache(positions, q_, k_, v_, kc, vc, slots, cos_sin, head_size=head, **weights)
+            return q_, k_, kc, vc
+        calls.append(rotary_cache)
+    return calls
+
+
+@hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_results_with_pdl_equal_those_without(dtype):
+    """The same bits: PDL changes when a kernel starts, not what it computes."""
+    calls = _decode_path_calls(dtype)
+    expected = [call() for call in calls]
+    previous = pk.set_programmatic_dependent_launch(True)
+    try:
+        got = [call() for call in calls]
+    finally:
+        pk.set_programmatic_dependent_launch(previous)
+    torch.cuda.synchronize()
+    for i, (a, b) in enumerate(zip(got, expected)):
+        for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+            assert torch.equal(x, y), f"call {i}"
+
+
+@hopper
+def test_a_chain_replayed_from_a_cuda_graph_equals_eager(pdl_on):
+    """A decode layer's chain of PDL launches (norm+product, rotary+cache write, split and reduce, product+residual)
+    captured in a CUDA graph and replayed gives what the eager launches gave: each kernel waits for the one ahead
+    before reading what it wrote."""
+    dtype, head = torch.bfloat16, 128
+    g = torch.Generator(device="cuda").manual_seed(1)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device="cuda").to(dtype)
+
+    hidden, w_qkv, w_o, norm = randn(1, 1024), randn(32 * head, 1024) * 0.03, randn(1024, 16 * head) * 0.03, randn(1024)
+    key_cache, value_cache = randn(16, 16, 8, head), randn(16, 16, 8, head)
+    table = torch.arange(16, device="cuda", dtype=torch.int32).view(1, 16)
+    lens, positions, slots = (torch.tensor([200], device="cuda", dtype=torch.int32), torch.tensor([199], device="cuda"),
+                              torch.tensor([199], device="cuda"))
+    cos_sin = pk.compute_cos_sin_cache(256, head, 1e6, device="cuda")
+    residual = torch.empty_like(hidden)
+
+    def chain():
+        residual.copy_(hidden)
+        qkv = pk.skinny_gemm(residual, w_qkv, norm_weight=norm, eps=1e-6)
+        q, k, v = qkv.split([16 * head, 8 * head, 8 * head], 1)
+        pk.rotary_embedding_and_cache(positions, q, k, v, key_cache, value_cache, slots, cos_sin, head_size=head)
+        attn = pk.paged_decode_attention(q.view(1, 16, head), key_cache, value_cache, table, lens, num_splits=4)
+        return pk.skinny_gemm(attn.view(1, -1), w_o, residual=residual)
+
+    expected = chain().clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
