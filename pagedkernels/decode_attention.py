@@ -29,6 +29,7 @@ from ._backend import (
     use_triton,
     value_checks_enabled,
 )
+from ._pdl import pdl_wait
 from ._fp8 import _e4m3_to_float, is_fp8
 from ._validate import (
     FLOAT_DTYPES,
@@ -376,8 +377,7 @@ def _decode_split_kernel(
     # grid: (num_seqs, num_kv_heads, NUM_SPLITS); one program = all query heads of one KV head over
     # one contiguous range of tiles, so each K/V tile is loaded once per group.
     if USE_PDL:   # q and the step's K/V are the kernel ahead's outputs
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_wait()
     seq_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -479,8 +479,7 @@ def _decode_reduce_kernel(
 ):
     # grid: (num_seqs, num_q_heads). out = sum_s exp(lse_s - lse) * O_s with lse = logsumexp_s lse_s.
     if USE_PDL:   # the partial results are the split kernel's
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_wait()
     seq_idx = tl.program_id(0)
     head = tl.program_id(1)
     row = seq_idx.to(tl.int64) * tl.num_programs(1) + head

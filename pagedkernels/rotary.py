@@ -8,6 +8,7 @@ import triton.language as tl
 
 from . import _native
 from ._backend import has_no_data, pdl_launch, use_native, use_triton, value_checks_enabled
+from ._pdl import pdl_wait
 from ._validate import FLOAT_DTYPES, check_tensor
 from ._fp8 import is_fp8
 from .cache_ops import (_check_slots, _store_heads_to_cache, cache_write_tile, check_reshape_and_cache_args,
@@ -274,8 +275,7 @@ def _rotary_cache_kernel(
     then _reshape_and_cache_kernel's for its k (as just stored) and v: the rotary embedding and the KV-cache write
     of an attention layer in one launch."""
     if USE_PDL:   # q, k and v are the kernel ahead's outputs
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_wait()
     token = tl.program_id(0).to(tl.int64)
     cos, sin = _token_cos_sin(positions_ptr, token, cos_sin_ptr, stride_cs_pos, half, HALF_PAD)
     k_row = k_ptr + token * stride_k_tok

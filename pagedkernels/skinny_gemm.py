@@ -35,12 +35,38 @@ import triton
 import triton.language as tl
 
 from ._backend import has_no_data, num_multiprocessors, pdl_launch, use_triton
+from ._pdl import pdl_wait
 from ._validate import FLOAT_DTYPES, check_tensor
 
 __all__ = ["skinny_gemm", "check_skinny_gemm_args", "skinny_gemm_config", "MAX_ROWS"]
 
 # Rows the kernel unrolls: beyond a few, the weight tile is reused enough that a tiled GEMM (cuBLAS) wins.
 MAX_ROWS = 8
+
+
+@triton.jit
+def _skinny_tile(acc, wide, w, x_ptr, stride_xm, norm_ptr, rstd, offs_m, offs_k, M, K,
+                 HAS_NORM: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One ``[BLOCK_N, BLOCK_K]`` weight tile ``w`` (fp32) times the rows' K block ``offs_k``: ``wide`` gains the
+    elementwise products (one row), or ``acc`` each row's sums (several). Returns (acc, wide)."""
+    k_mask = offs_k < K
+    if HAS_NORM:
+        g = tl.load(norm_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    for m in tl.static_range(BLOCK_M):
+        row_mask = k_mask & (offs_k * 0 + m < M)
+        xm = tl.load(x_ptr + m * stride_xm + offs_k, mask=row_mask, other=0.0).to(tl.float32)
+        if GATED:   # as silu_and_mul: in fp32, rounded once to x's dtype
+            up = tl.load(x_ptr + m * stride_xm + K + offs_k, mask=row_mask, other=0.0).to(tl.float32)
+            xm = (xm / (1.0 + tl.exp(-xm)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+        if HAS_NORM:
+            rstd_m = tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
+            xm = (xm * rstd_m * g).to(x_ptr.dtype.element_ty).to(tl.float32)
+        if BLOCK_M == 1:
+            wide += w * xm[None, :]
+        else:
+            part = tl.sum(w * xm[None, :], axis=1)   # [BLOCK_N]
+            acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
+    return acc, wide
 
 
 @triton.jit
@@ -75,9 +101,9 @@ def _skinny_gemm_kernel(
     if USE_PDL:   # the first weight tile in flight while the kernel ahead finishes (no kernel writes weights)
         first_k = tl.arange(0, BLOCK_K)
         w_first = tl.load(w_rows + first_k[None, :], mask=n_mask[:, None] & (first_k < K)[None, :], other=0.0)
-        tl.extra.cuda.gdc_wait()   # x, the norm's input and the residual are the kernel ahead's outputs
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_wait()   # x, the norm's input and the residual are the kernel ahead's outputs
 
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_NORM:   # the rows' reciprocal RMS, every program its own (x is small and in L2)
         sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -88,34 +114,18 @@ def _skinny_gemm_kernel(
         rstd = 1.0 / tl.sqrt(sumsq / K + eps)
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if BLOCK_M == 1:   # one row: the products summed elementwise, across K once at the end (no reduction per block)
-        wide = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # one row: the products summed elementwise, across K once at the end (no reduction per block); several: unused
+    wide = tl.zeros([BLOCK_N if BLOCK_M == 1 else 1, BLOCK_K if BLOCK_M == 1 else 1], dtype=tl.float32)
+    first = 0
+    if USE_PDL:   # the prefetched tile, then the loop from the second
+        acc, wide = _skinny_tile(acc, wide, w_first.to(tl.float32), x_ptr, stride_xm, norm_ptr, rstd, offs_m,
+                                 first_k, M, K, HAS_NORM, GATED, BLOCK_M)
+        first = BLOCK_K
+    for k0 in range(first, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        if USE_PDL:
-            if k0 == 0:
-                w = w_first.to(tl.float32)
-            else:
-                w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        else:
-            w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        if HAS_NORM:
-            g = tl.load(norm_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        for m in tl.static_range(BLOCK_M):
-            row_mask = k_mask & (offs_k * 0 + m < M)
-            xm = tl.load(x_ptr + m * stride_xm + offs_k, mask=row_mask, other=0.0).to(tl.float32)
-            if GATED:   # as silu_and_mul: in fp32, rounded once to x's dtype
-                up = tl.load(x_ptr + m * stride_xm + K + offs_k, mask=row_mask, other=0.0).to(tl.float32)
-                xm = (xm / (1.0 + tl.exp(-xm)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
-            if HAS_NORM:
-                rstd_m = tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
-                xm = (xm * rstd_m * g).to(x_ptr.dtype.element_ty).to(tl.float32)
-            if BLOCK_M == 1:
-                wide += w * xm[None, :]
-            else:
-                part = tl.sum(w * xm[None, :], axis=1)   # [BLOCK_N]
-                acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)
+        acc, wide = _skinny_tile(acc, wide, w, x_ptr, stride_xm, norm_ptr, rstd, offs_m, offs_k, M, K, HAS_NORM,
+                                 GATED, BLOCK_M)
     if BLOCK_M == 1:
         acc = tl.sum(wide, axis=1)[None, :]
 

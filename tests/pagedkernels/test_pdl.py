@@ -11,6 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import triton
+import triton.language as tl  # noqa: F401  (the interpreter looks for it in a jit function's module)
 
 import pagedkernels as pk
 from pagedkernels import _aot, _backend
@@ -62,6 +64,59 @@ def test_the_aot_table_builds_the_pdl_variants_for_sm90_only():
     # a variant's compile options are its launch's (num_warps, launch_pdl, ...): griddepcontrol is sm_90's
     assert _aot.variant_targets(SimpleNamespace(option_kwargs={"num_warps": 4, "launch_pdl": True}), (90, 80)) == (90,)
     assert _aot.variant_targets(SimpleNamespace(option_kwargs={"num_warps": 4}), (90, 80)) == (90, 80)
+
+
+@triton.jit
+def _no_wait():
+    pass
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(not _backend.interpreter_active(), reason="stands griddepcontrol in for the Triton interpreter")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_pdl_code_paths_compute_what_the_plain_ones_do(dtype, monkeypatch):
+    """In the interpreter, with the wait stood in for (it has no griddepcontrol): the kernels' USE_PDL code, skinny_gemm
+    computing its first weight tile before the loop over the rest, gives the same bits as the plain launch, for K of
+    one tile, several and not a multiple of it, one row and several, every prologue and the residual epilogue."""
+    import importlib
+
+    modules = [importlib.import_module(f"pagedkernels.{name}") for name in ("skinny_gemm", "decode_attention", "rotary")]
+    g = torch.Generator().manual_seed(3)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    calls = []
+    for M, N, K, prologue, residual in ((1, 24, 100, "norm", False), (1, 10, 1100, "silu", True),
+                                        (3, 9, 600, None, True), (2, 17, 530, "norm", False), (1, 33, 1024, None, False)):
+        x, w = randn(M, 2 * K if prologue == "silu" else K), randn(N, K) * K ** -0.5
+        norm, res = randn(K) if prologue == "norm" else None, randn(M, N) if residual else None
+        calls.append(lambda x=x, w=w, norm=norm, res=res, prologue=prologue: pk.skinny_gemm(
+            x, w, norm_weight=norm, eps=1e-6 if norm is not None else None, gated="silu" if prologue == "silu" else None,
+            residual=res.clone() if res is not None else None))
+    key_cache, value_cache = randn(6, 16, 2, 64), randn(6, 16, 2, 64)
+    table, lens, q = torch.arange(6, dtype=torch.int32).view(2, 3), torch.tensor([40, 17], dtype=torch.int32), randn(2, 4, 64)
+    calls.append(lambda: pk.paged_decode_attention(q, key_cache, value_cache, table, lens, num_splits=2))
+    cos_sin = pk.compute_cos_sin_cache(64, 64, 1e4)
+    qkv, q_weight, k_weight = randn(2, 8 * 64), randn(64), randn(64)
+
+    def rotary_cache():
+        q_, k_, v_ = qkv.clone().split([256, 128, 128], 1)
+        kc, vc = key_cache.clone(), value_cache.clone()
+        pk.rotary_embedding_and_cache(torch.tensor([39, 16]), q_, k_, v_, kc, vc, torch.tensor([39, 3 * 16 + 16]),
+                                      cos_sin, head_size=64, q_weight=q_weight, k_weight=k_weight, eps=1e-6)
+        return q_, kc, vc
+    calls.append(rotary_cache)
+
+    with pk.use_backend("triton"):
+        expected = [call() for call in calls]
+        for module in modules:
+            monkeypatch.setattr(module, "pdl_wait", _no_wait)
+            monkeypatch.setattr(module, "pdl_launch", lambda device: {"USE_PDL": True})
+        got = [call() for call in calls]
+    for i, (a, b) in enumerate(zip(got, expected)):
+        for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+            assert torch.equal(x, y), f"call {i}"
 
 
 hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
