@@ -23,6 +23,9 @@ A decoder layer on this path (engine/models/llama.py) is 7 launches: norm+qkv, q
 around cuBLAS it is 11, and 12 where cuBLAS splits K with a reduction kernel. One row sums its products elementwise
 over a program's ``[BLOCK_N, BLOCK_K]`` tile and reduces across K once at the end; several rows reduce per K block.
 
+Launched with programmatic dependent launch (``pagedkernels.set_programmatic_dependent_launch``, Hopper and later), a
+program loads its first weight tile before it waits for the kernel ahead, whose outputs (x, the residual) it reads.
+
 Backends: Triton (CUDA; fp32 accumulation; M up to :data:`MAX_ROWS`, the rows unrolled), and a PyTorch twin (CPU and
 the ``torch`` backend) with the same rounding points. There is no native CPU kernel: the CPU's few-row products go
 through ``w16_gemm`` and oneDNN (engine/layers/quantization/unquantized.py).
