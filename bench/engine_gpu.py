@@ -74,7 +74,9 @@ _TINY_MOE = dict(moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2)
 SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "llama-3-8b": LLAMA3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B}
 TINY_SHAPES = {name: dict(shape, **_TINY, **(_TINY_MOE if "num_experts" in shape else {}))
                for name, shape in SHAPES.items()}
-PARTS = ("throughput", "transformers", "batch1", "decode_steps", "profile")
+# "profile": the step profile of the throughput workload, and of batch-1 decode when "batch1" runs too;
+# "batch1_profile": the batch-1 one alone (where a batch-1 step's time goes: the GPU's kernels or the host).
+PARTS = ("throughput", "transformers", "batch1", "decode_steps", "profile", "batch1_profile")
 
 
 @dataclass
@@ -627,7 +629,7 @@ def run(device: torch.device, *, tiny: bool, models: list[str], parts: tuple[str
                     log(f"{name}: batch-1 decode {_fmt(row['batch1']['decode_tokens_per_s'], '.1f')} tok/s, "
                         f"{_fmt(row['batch1']['frac_of_copy_bandwidth'], '.2f')} of copy bandwidth")
                     progress()
-                    if "profile" in parts:  # where a batch-1 step's time goes (greedy, one long request)
+                    if {"profile", "batch1_profile"} & set(parts):  # where a batch-1 step's time goes (greedy)
                         one = [(list(range(100, 116 if tiny else 228)), 64 if tiny else 400)]
                         row["batch1"]["profile"] = step_profile(llm, one, 0.0, (2, 4) if tiny else (20, 60))
                         log(f"{name}: batch-1 profile: {row['batch1']['profile']['step_ms']:.2f} ms a step, GPU "

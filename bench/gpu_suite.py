@@ -395,9 +395,9 @@ def _batch1(run: PhaseRun) -> None:
         and run.step("skinny_gemm configurations", lambda: run.kernels(headline=False, tune=True, case_s=10.0,
                                                                        only="skinny_gemm configs")) \
         and run.step("batch-1 decode, Qwen3-0.6B shape", lambda: run.engine(
-            ["qwen3-0.6b"], ("batch1",), reserve_s=run.budget.remaining() * 0.45)) \
+            ["qwen3-0.6b"], ("batch1", "batch1_profile"), reserve_s=run.budget.remaining() * 0.45)) \
         and run.step("batch-1 decode, Llama-3-8B shape", lambda: run.engine(
-            ["llama-3-8b"], ("batch1",), reserve_s=BATCH1_TESTS_RESERVE_S)) \
+            ["llama-3-8b"], ("batch1", "batch1_profile"), reserve_s=BATCH1_TESTS_RESERVE_S)) \
         and run.step("few-row and PDL tests", lambda: run.tests("few-row and PDL tests", BATCH1_TESTS))
 
 
