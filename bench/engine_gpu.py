@@ -486,6 +486,17 @@ def batch1_pdl(llm, default: dict, prompt_len: int, new_tokens: int, copy_gbps: 
     return result
 
 
+def _variant(row: dict, key: str, log, name: str, measure):
+    """``measure()``, or None with ``row[key]`` saying why where it raised: a variant of the engine's batch-1 decode
+    that fails (a launch mode this GPU or driver refuses) leaves the engine's own figures and the parts after it."""
+    try:
+        return measure()
+    except Exception as error:
+        row[key] = {"error": f"{type(error).__name__}: {error}"[:500]}
+        log(f"{name}: {key} failed: {row[key]['error']}")
+        return None
+
+
 def _same_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -608,73 +619,76 @@ def run(device: torch.device, *, tiny: bool, models: list[str], parts: tuple[str
                           max_model_len=workload.max_model_len, enforce_eager=enforce_eager,
                           max_num_seqs=256 if not tiny else 8, load_format="dummy", skip_tokenizer_init=True,
                           async_scheduling=async_scheduling)
-                row["engine_start_s"] = time.perf_counter() - start
-                row["async_scheduling"] = llm.llm_engine.config.scheduler_config.async_scheduling
-                log(f"{name}: engine built in {row['engine_start_s']:.0f} s (dummy weights)")
-                if "throughput" in parts:
-                    row["engine"] = engine_throughput(llm, requests, workload.temperature, budget)
-                    log(f"{name}: engine {row['engine']['output_tokens_per_s']:.0f} output tok/s"
-                        + ("" if row["engine"]["complete"] else " (cut at the budget)"))
-                    progress()
-                if "profile" in parts:
-                    row["profile"] = step_profile(llm, requests[:PROFILE_REQUESTS] if not tiny else requests,
-                                                  workload.temperature, PROFILE_STEPS if not tiny else (2, 4))
-                    busy = row["profile"]["gpu_busy_fraction"]
-                    log(f"{name}: profile: {row['profile']['step_ms']:.1f} ms a step, "
-                        f"{row['profile']['execute_model_ms']:.1f} ms in execute_model, GPU busy "
-                        f"{_fmt(busy, '.2f')}")
-                    progress()
-                if "batch1" in parts:
-                    row["batch1"] = batch1_decode(llm, 16 if tiny else 128, 8 if tiny else 256, copy_gbps)
-                    log(f"{name}: batch-1 decode {_fmt(row['batch1']['decode_tokens_per_s'], '.1f')} tok/s, "
-                        f"{_fmt(row['batch1']['frac_of_copy_bandwidth'], '.2f')} of copy bandwidth")
-                    progress()
-                    if {"profile", "batch1_profile"} & set(parts):  # where a batch-1 step's time goes (greedy)
-                        one = [(list(range(100, 116 if tiny else 228)), 64 if tiny else 400)]
-                        row["batch1"]["profile"] = step_profile(llm, one, 0.0, (2, 4) if tiny else (20, 60))
-                        log(f"{name}: batch-1 profile: {row['batch1']['profile']['step_ms']:.2f} ms a step, GPU "
-                            f"busy {_fmt(row['batch1']['profile']['gpu_busy_fraction'], '.2f')}")
+                try:
+                    row["engine_start_s"] = time.perf_counter() - start
+                    row["async_scheduling"] = llm.llm_engine.config.scheduler_config.async_scheduling
+                    log(f"{name}: engine built in {row['engine_start_s']:.0f} s (dummy weights)")
+                    if "throughput" in parts:
+                        row["engine"] = engine_throughput(llm, requests, workload.temperature, budget)
+                        log(f"{name}: engine {row['engine']['output_tokens_per_s']:.0f} output tok/s"
+                            + ("" if row["engine"]["complete"] else " (cut at the budget)"))
                         progress()
-                    # The same on this engine with the other decoder layers for one row (cuBLAS, or the few-row
-                    # layers of pagedkernels.skinny_gemm with the norms and residual adds fused in): the batch-1
-                    # graph captured again.
-                    other = batch1_other_layers(llm, row["batch1"], 16 if tiny else 128, 8 if tiny else 256,
-                                                copy_gbps)
-                    if other is not None:
-                        key, result = other
-                        row[key] = result
-                        own = "few-row layers" if key == "batch1_cublas" else "cuBLAS"
-                        log(f"{name}: batch-1 decode with {'cuBLAS' if key == 'batch1_cublas' else 'skinny_gemm'} "
-                            f"{_fmt(result['decode_tokens_per_s'], '.1f')} tok/s, "
-                            f"{_fmt(result['frac_of_copy_bandwidth'], '.2f')} of copy bandwidth, "
-                            f"{_fmt(result.get('kernels_per_step'), '.0f')} kernels a step; the few-row layers "
-                            f"{_fmt(result.get('skinny_speedup'), '.2f')}x cuBLAS; the first "
-                            f"{result['same_leading_tokens']} of {len(row['batch1']['token_ids'])} greedy tokens "
-                            f"as with the engine's own ({own})")
+                    if "profile" in parts:
+                        row["profile"] = step_profile(llm, requests[:PROFILE_REQUESTS] if not tiny else requests,
+                                                      workload.temperature, PROFILE_STEPS if not tiny else (2, 4))
+                        busy = row["profile"]["gpu_busy_fraction"]
+                        log(f"{name}: profile: {row['profile']['step_ms']:.1f} ms a step, "
+                            f"{row['profile']['execute_model_ms']:.1f} ms in execute_model, GPU busy "
+                            f"{_fmt(busy, '.2f')}")
                         progress()
-                    # And with programmatic dependent launch (Hopper): each decode-path kernel launched while the one
-                    # ahead of it finishes.
-                    pdl = batch1_pdl(llm, row["batch1"], 16 if tiny else 128, 8 if tiny else 256, copy_gbps)
-                    if pdl is not None:
-                        row["batch1_pdl"] = pdl
-                        log(f"{name}: batch-1 decode with programmatic dependent launch "
-                            f"{_fmt(pdl['decode_tokens_per_s'], '.1f')} tok/s, {_fmt(pdl.get('speedup'), '.2f')}x "
-                            f"without; the first {pdl['same_leading_tokens']} of {len(row['batch1']['token_ids'])} "
-                            f"greedy tokens the same")
+                    if "batch1" in parts:
+                        row["batch1"] = batch1_decode(llm, 16 if tiny else 128, 8 if tiny else 256, copy_gbps)
+                        log(f"{name}: batch-1 decode {_fmt(row['batch1']['decode_tokens_per_s'], '.1f')} tok/s, "
+                            f"{_fmt(row['batch1']['frac_of_copy_bandwidth'], '.2f')} of copy bandwidth")
                         progress()
-                if "decode_steps" in parts:
-                    row["decode_steps"] = []
-                    for b in ((2, 4) if tiny else (64, 256)):
-                        if not budget.allows(30):
-                            row["decode_steps"].append({"batch_size": b, "skipped": "budget"})
-                            continue
-                        row["decode_steps"].append(
-                            decode_step_time(llm, b, 32 if tiny else context, copy_gbps, 3 if tiny else 20))
-                        log(f"{name}: decode step {row['decode_steps'][-1]}")
-                        progress()
-                llm.llm_engine.shutdown()
-                del llm
-                free_device_memory(device)
+                        if {"profile", "batch1_profile"} & set(parts):  # where a batch-1 step's time goes (greedy)
+                            one = [(list(range(100, 116 if tiny else 228)), 64 if tiny else 400)]
+                            row["batch1"]["profile"] = step_profile(llm, one, 0.0, (2, 4) if tiny else (20, 60))
+                            log(f"{name}: batch-1 profile: {row['batch1']['profile']['step_ms']:.2f} ms a step, GPU "
+                                f"busy {_fmt(row['batch1']['profile']['gpu_busy_fraction'], '.2f')}")
+                            progress()
+                        # The same on this engine with the other decoder layers for one row (cuBLAS, or the few-row
+                        # layers of pagedkernels.skinny_gemm with the norms and residual adds fused in): the batch-1
+                        # graph captured again.
+                        other = _variant(row, "batch1_other_layers", log, name, lambda: batch1_other_layers(
+                            llm, row["batch1"], 16 if tiny else 128, 8 if tiny else 256, copy_gbps))
+                        if other is not None:
+                            key, result = other
+                            row[key] = result
+                            own = "few-row layers" if key == "batch1_cublas" else "cuBLAS"
+                            log(f"{name}: batch-1 decode with {'cuBLAS' if key == 'batch1_cublas' else 'skinny_gemm'} "
+                                f"{_fmt(result['decode_tokens_per_s'], '.1f')} tok/s, "
+                                f"{_fmt(result['frac_of_copy_bandwidth'], '.2f')} of copy bandwidth, "
+                                f"{_fmt(result.get('kernels_per_step'), '.0f')} kernels a step; the few-row layers "
+                                f"{_fmt(result.get('skinny_speedup'), '.2f')}x cuBLAS; the first "
+                                f"{result['same_leading_tokens']} of {len(row['batch1']['token_ids'])} greedy tokens "
+                                f"as with the engine's own ({own})")
+                            progress()
+                        # And with programmatic dependent launch (Hopper): each decode-path kernel launched while the one
+                        # ahead of it finishes.
+                        pdl = _variant(row, "batch1_pdl", log, name, lambda: batch1_pdl(
+                            llm, row["batch1"], 16 if tiny else 128, 8 if tiny else 256, copy_gbps))
+                        if pdl is not None:
+                            row["batch1_pdl"] = pdl
+                            log(f"{name}: batch-1 decode with programmatic dependent launch "
+                                f"{_fmt(pdl['decode_tokens_per_s'], '.1f')} tok/s, {_fmt(pdl.get('speedup'), '.2f')}x "
+                                f"without; the first {pdl['same_leading_tokens']} of {len(row['batch1']['token_ids'])} "
+                                f"greedy tokens the same")
+                            progress()
+                    if "decode_steps" in parts:
+                        row["decode_steps"] = []
+                        for b in ((2, 4) if tiny else (64, 256)):
+                            if not budget.allows(30):
+                                row["decode_steps"].append({"batch_size": b, "skipped": "budget"})
+                                continue
+                            row["decode_steps"].append(
+                                decode_step_time(llm, b, 32 if tiny else context, copy_gbps, 3 if tiny else 20))
+                            log(f"{name}: decode step {row['decode_steps'][-1]}")
+                            progress()
+                finally:   # an error in a part still frees the engine for the next model (the phase goes on)
+                    llm.llm_engine.shutdown()
+                    del llm
+                    free_device_memory(device)
                 if device.type == "cuda":  # what transformers (next) finds taken, should the engine not be freed
                     row["device_memory_after_engine_gib"] = torch.cuda.memory_allocated(device) / 2**30
             if "transformers" in parts:

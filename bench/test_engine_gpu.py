@@ -58,3 +58,33 @@ def test_lora_ratios_need_both_sides_whole():
     assert [(t["status"], t["note"]) for t in targets] == [("n/a", "engine-base: cut at the budget"),
                                                            ("n/a", "peft: peft is not installed here")]
     assert ratios({})[1][0]["note"] == "engine-lora: not run; engine-base: not run"
+
+
+def test_a_failing_batch1_variant_leaves_the_rest_and_a_failing_part_frees_the_engine(monkeypatch):
+    """A variant of batch-1 decode that raises (programmatic dependent launch refused, say) is recorded and the run
+    goes on to the next model; a part that raises still shuts the engine down before the error leaves run()."""
+    import torch
+
+    from bench import engine_gpu
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("launch refused")
+
+    monkeypatch.setattr(engine_gpu, "batch1_pdl", refused)
+    logged = []
+    results = engine_gpu.run(torch.device("cpu"), tiny=True, models=["qwen3-0.6b", "llama-3-8b"], parts=("batch1",),
+                             copy_gbps=10.0, log=logged.append)
+    for name in ("qwen3-0.6b", "llama-3-8b"):
+        row = results["models"][name]
+        assert row["batch1"]["decode_tokens_per_s"] and row["batch1_pdl"] == {"error": "RuntimeError: launch refused"}
+    assert sum("batch1_pdl failed: RuntimeError: launch refused" in line for line in logged) == 2
+
+    shutdowns = []
+    from engine.core.llm_engine import LLMEngine
+
+    monkeypatch.setattr(LLMEngine, "shutdown", lambda self, _real=LLMEngine.shutdown: (shutdowns.append(1), _real(self)))
+    monkeypatch.setattr(engine_gpu, "batch1_decode", refused)
+    with pytest.raises(RuntimeError, match="launch refused"):
+        engine_gpu.run(torch.device("cpu"), tiny=True, models=["qwen3-0.6b"], parts=("batch1",), copy_gbps=10.0,
+                       log=logged.append)
+    assert shutdowns == [1]
