@@ -664,8 +664,8 @@ def run(device: torch.device, *, tiny: bool, models: list[str], parts: tuple[str
                                 f"{result['same_leading_tokens']} of {len(row['batch1']['token_ids'])} greedy tokens "
                                 f"as with the engine's own ({own})")
                             progress()
-                        # And with programmatic dependent launch (Hopper): each decode-path kernel launched while the one
-                        # ahead of it finishes.
+                        # And with programmatic dependent launch (Hopper): each decode-path kernel launched while
+                        # the one ahead of it finishes.
                         pdl = _variant(row, "batch1_pdl", log, name, lambda: batch1_pdl(
                             llm, row["batch1"], 16 if tiny else 128, 8 if tiny else 256, copy_gbps))
                         if pdl is not None:

@@ -82,7 +82,8 @@ def test_a_failing_batch1_variant_leaves_the_rest_and_a_failing_part_frees_the_e
     shutdowns = []
     from engine.core.llm_engine import LLMEngine
 
-    monkeypatch.setattr(LLMEngine, "shutdown", lambda self, _real=LLMEngine.shutdown: (shutdowns.append(1), _real(self)))
+    real_shutdown = LLMEngine.shutdown
+    monkeypatch.setattr(LLMEngine, "shutdown", lambda self: (shutdowns.append(1), real_shutdown(self)))
     monkeypatch.setattr(engine_gpu, "batch1_decode", refused)
     with pytest.raises(RuntimeError, match="launch refused"):
         engine_gpu.run(torch.device("cpu"), tiny=True, models=["qwen3-0.6b"], parts=("batch1",), copy_gbps=10.0,

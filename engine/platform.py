@@ -83,10 +83,10 @@ class DevicePolicy:
     # Steps of up to this many tokens run the decoder layers that can as few-row products with the norms and residual
     # adds fused in (pagedkernels.skinny_gemm; engine/models/llama.py); 0: never (ENGINE_SKINNY_GEMM_MAX_ROWS=0..8
     # overrides it). On CUDA 1: batch-1 decode at the Qwen3-0.6B shape ran 1.51x faster than with cuBLAS on the same
-    # engine (H200, bf16: 1009 against 670 tok/s, 222 kernels a step against 423), and at Llama-3-8B's gate_up and
+    # engine (H200, bf16: 1009 against 670 tok/s, 222 kernels a step against 362), and at Llama-3-8B's gate_up and
     # down shapes the kernel alone ran 1.01x and 1.03x cuBLAS (bench/results/2026-11-29-nvidia-h200-phase13-*). The
-    # 8B engine and 2-8 rows are not measured yet. On CPU 0: the layers' weights are prepacked there, which the path does not read, and its PyTorch
-    # twin is no faster than the CPU's own GEMMs.
+    # 8B engine and 2-8 rows are not measured yet. On CPU 0: the layers' weights are prepacked there, which the path
+    # does not read, and its PyTorch twin is no faster than the CPU's own GEMMs.
     skinny_gemm_max_rows: int = 0
 
     @classmethod
