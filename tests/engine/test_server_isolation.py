@@ -418,8 +418,9 @@ def test_a_killed_core_is_reported_and_the_server_exits(llama_dir):
 
 def test_several_api_servers_share_one_core_and_stop_cleanly(llama_dir):
     # Two sequences at a time: the last two of the four long streams below get their first token only once the first
-    # two have ended, so at the SIGTERM they have ~1000 tokens left. With four at once, a client thread starved on a
-    # busy 2-core machine saw the last stream's first event after the server had sent all of them (CI, 2026-11-29).
+    # two have ended, so at the SIGTERM they have ~1000 tokens left. With four at once it failed beside another load
+    # on a 2-core machine (no stream left to end in-band; likely a starved client thread that saw the last stream's
+    # first event only after the server had sent all of it).
     server = ServeProcess(llama_dir, "--api-server-count", "2", "--max-model-len", "1024", "--shutdown-timeout", "0.2",
                           "--max-num-seqs", "2")
     try:
