@@ -450,13 +450,8 @@ def batch1_other_layers(llm, default: dict, prompt_len: int, new_tokens: int, co
     own = runner.skinny_max_rows
     if runner.set_skinny_max_rows(0 if own else 1) == own:
         return None
-    try:
-        other = batch1_decode(llm, prompt_len, new_tokens, copy_gbps)
-    finally:
-        runner.set_skinny_max_rows(own)
-    # greedy tokens: how many of the engine's own leading ones the other layers gave again (bf16 rounds the two
-    # products differently, so a near-tie may flip one and the rest follow it)
-    other["same_leading_tokens"] = _same_prefix(other.pop("token_ids"), default["token_ids"])
+    other = _batch1_changed(llm, default, prompt_len, new_tokens, copy_gbps,
+                            undo=lambda: runner.set_skinny_max_rows(own))
     skinny, cublas = (default, other) if own else (other, default)
     if skinny["decode_tokens_per_s"] and cublas["decode_tokens_per_s"]:
         other["skinny_speedup"] = skinny["decode_tokens_per_s"] / cublas["decode_tokens_per_s"]
@@ -466,23 +461,35 @@ def batch1_other_layers(llm, default: dict, prompt_len: int, new_tokens: int, co
 def batch1_pdl(llm, default: dict, prompt_len: int, new_tokens: int, copy_gbps: float) -> dict | None:
     """batch1_decode on ``llm`` with its decode-path kernels launched with programmatic dependent launch
     (pagedkernels.set_programmatic_dependent_launch), the graphs captured again, then back; against ``default``,
-    its batch1_decode without. None where it does not apply (not CUDA, or before compute capability 9.0)."""
+    its batch1_decode without. None where PDL does not apply (not CUDA, or before compute capability 9.0)."""
     import pagedkernels
 
     runner = llm.llm_engine.model_runner
-    device = llm.llm_engine.device
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
-        return None
     previous = pagedkernels.set_programmatic_dependent_launch(True)
+
+    def undo() -> None:
+        pagedkernels.set_programmatic_dependent_launch(previous)
+        runner.drop_graphs()
+
+    if not pagedkernels.programmatic_dependent_launch(llm.llm_engine.device):
+        pagedkernels.set_programmatic_dependent_launch(previous)
+        return None
     runner.drop_graphs()
+    result = _batch1_changed(llm, default, prompt_len, new_tokens, copy_gbps, undo=undo)
+    if result["decode_tokens_per_s"] and default["decode_tokens_per_s"]:
+        result["speedup"] = result["decode_tokens_per_s"] / default["decode_tokens_per_s"]
+    return result
+
+
+def _batch1_changed(llm, default: dict, prompt_len: int, new_tokens: int, copy_gbps: float, *, undo) -> dict:
+    """batch1_decode on ``llm`` as its caller changed it, then ``undo()`` whatever happens; with how many of
+    ``default``'s leading greedy tokens it gave again (bf16 rounds two paths' products differently, so a near-tie may
+    flip one and the rest follow it)."""
     try:
         result = batch1_decode(llm, prompt_len, new_tokens, copy_gbps)
     finally:
-        pagedkernels.set_programmatic_dependent_launch(previous)
-        runner.drop_graphs()
+        undo()
     result["same_leading_tokens"] = _same_prefix(result.pop("token_ids"), default["token_ids"])
-    if result["decode_tokens_per_s"] and default["decode_tokens_per_s"]:
-        result["speedup"] = result["decode_tokens_per_s"] / default["decode_tokens_per_s"]
     return result
 
 

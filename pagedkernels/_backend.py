@@ -92,7 +92,7 @@ def programmatic_dependent_launch(device: torch.device) -> bool:
         return False
     if _simulated_cuda_sms is not None:
         return True
-    return device.type == "cuda" and _capability_major(device.index) >= 9
+    return device.type == "cuda" and device_capability(device) >= (9, 0)
 
 
 def pdl_launch(device: torch.device) -> dict:
@@ -103,8 +103,9 @@ def pdl_launch(device: torch.device) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def _capability_major(index: int | None) -> int:
-    return torch.cuda.get_device_capability(index)[0]
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability (major, minor), looked up once per device."""
+    return torch.cuda.get_device_capability(device)
 
 
 def set_backend(name: str) -> None:

@@ -25,11 +25,10 @@ So the activation is quantized exactly where the hardware multiplies fp8; ``act_
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
-from ._backend import has_no_data, use_triton
+from ._backend import device_capability, has_no_data, use_triton
 from ._fp8 import FP8_DTYPE, FP8_MAX
 from ._validate import FLOAT_DTYPES, check_tensor
 
@@ -65,14 +64,9 @@ def check_fp8_gemm_args(x, weight, weight_scale, act_scale=None, out=None) -> tu
     return M, N, K, weight_scale.numel() == N and N > 1
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
 def fp8_tensor_cores(device: torch.device) -> bool:
     """Whether ``device`` multiplies fp8 in hardware (CUDA compute capability 8.9+)."""
-    return device.type == "cuda" and _capability(device) >= (8, 9)
+    return device.type == "cuda" and device_capability(device) >= (8, 9)
 
 
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *,

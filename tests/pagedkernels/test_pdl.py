@@ -66,111 +66,91 @@ def test_the_aot_table_builds_the_pdl_variants_for_sm90_only():
     assert _aot.variant_targets(SimpleNamespace(option_kwargs={"num_warps": 4}), (90, 80)) == (90, 80)
 
 
-@triton.jit
-def _no_wait():
-    pass
-
-
-@pytest.mark.triton
-@pytest.mark.skipif(not _backend.interpreter_active(), reason="stands griddepcontrol in for the Triton interpreter")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_the_pdl_code_paths_compute_what_the_plain_ones_do(dtype, monkeypatch):
-    """In the interpreter, with the wait stood in for (it has no griddepcontrol): the kernels' USE_PDL code, skinny_gemm
-    computing its first weight tile before the loop over the rest, gives the same bits as the plain launch, for K of
-    one tile, several and not a multiple of it, one row and several, every prologue and the residual epilogue."""
-    import importlib
-
-    modules = [importlib.import_module(f"pagedkernels.{name}") for name in ("skinny_gemm", "decode_attention", "rotary")]
+def _decode_path_calls(dtype: torch.dtype, device: str) -> list:
+    """Each decode-path op on small inputs (on CUDA also at Qwen3-0.6B's batch-1 projections), as functions returning
+    their outputs (fresh copies of what they write in place): skinny_gemm with K of one tile, several and not a
+    multiple of it, one row and several, every prologue and the residual epilogue; a decode that writes its output
+    directly and one that splits; the rotary embedding with the cache write, with and without q/k norms."""
     g = torch.Generator().manual_seed(3)
 
     def randn(*shape):
-        return torch.randn(*shape, generator=g).to(dtype)
+        return torch.randn(*shape, generator=g).to(dtype=dtype, device=device)
+
+    def ints(values):
+        return torch.tensor(values, device=device)
 
     calls = []
-    for M, N, K, prologue, residual in ((1, 24, 100, "norm", False), (1, 10, 1100, "silu", True),
-                                        (3, 9, 600, None, True), (2, 17, 530, "norm", False), (1, 33, 1024, None, False)):
+    shapes = [(1, 24, 100, "norm", False), (1, 10, 1100, "silu", True), (3, 9, 600, None, True),
+              (2, 17, 530, "norm", False), (1, 33, 1024, None, False)]
+    if device == "cuda":
+        shapes += [(1, 4096, 1024, "norm", False), (1, 1024, 3072, "silu", True)]
+    for M, N, K, prologue, residual in shapes:
         x, w = randn(M, 2 * K if prologue == "silu" else K), randn(N, K) * K ** -0.5
         norm, res = randn(K) if prologue == "norm" else None, randn(M, N) if residual else None
         calls.append(lambda x=x, w=w, norm=norm, res=res, prologue=prologue: pk.skinny_gemm(
             x, w, norm_weight=norm, eps=1e-6 if norm is not None else None, gated="silu" if prologue == "silu" else None,
             residual=res.clone() if res is not None else None))
     key_cache, value_cache = randn(6, 16, 2, 64), randn(6, 16, 2, 64)
-    table, lens, q = torch.arange(6, dtype=torch.int32).view(2, 3), torch.tensor([40, 17], dtype=torch.int32), randn(2, 4, 64)
-    calls.append(lambda: pk.paged_decode_attention(q, key_cache, value_cache, table, lens, num_splits=2))
-    cos_sin = pk.compute_cos_sin_cache(64, 64, 1e4)
+    table, lens, q = ints([[0, 1, 2], [3, 4, 5]]).int(), ints([40, 17]).int(), randn(2, 4, 64)
+    for splits in (1, 2):
+        calls.append(lambda splits=splits: pk.paged_decode_attention(q, key_cache, value_cache, table, lens,
+                                                                      num_splits=splits))
+    cos_sin = pk.compute_cos_sin_cache(64, 64, 1e4, device=device)
     qkv, q_weight, k_weight = randn(2, 8 * 64), randn(64), randn(64)
+    for norm in (True, False):
+        weights = dict(q_weight=q_weight, k_weight=k_weight, eps=1e-6) if norm else {}
 
-    def rotary_cache():
-        q_, k_, v_ = qkv.clone().split([256, 128, 128], 1)
-        kc, vc = key_cache.clone(), value_cache.clone()
-        pk.rotary_embedding_and_cache(torch.tensor([39, 16]), q_, k_, v_, kc, vc, torch.tensor([39, 3 * 16 + 16]),
-                                      cos_sin, head_size=64, q_weight=q_weight, k_weight=k_weight, eps=1e-6)
-        return q_, kc, vc
-    calls.append(rotary_cache)
+        def rotary_cache(weights=weights):
+            q_, k_, v_ = qkv.clone().split([256, 128, 128], 1)
+            kc, vc = key_cache.clone(), value_cache.clone()
+            pk.rotary_embedding_and_cache(ints([39, 16]), q_, k_, v_, kc, vc, ints([39, 3 * 16 + 16]), cos_sin,
+                                          head_size=64, **weights)
+            return q_, k_, kc, vc
+        calls.append(rotary_cache)
+    return calls
 
-    with pk.use_backend("triton"):
-        expected = [call() for call in calls]
-        for module in modules:
-            monkeypatch.setattr(module, "pdl_wait", _no_wait)
-            monkeypatch.setattr(module, "pdl_launch", lambda device: {"USE_PDL": True})
-        got = [call() for call in calls]
+
+def _assert_same_bits(got: list, expected: list) -> None:
     for i, (a, b) in enumerate(zip(got, expected)):
         for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
             assert torch.equal(x, y), f"call {i}"
+
+
+@triton.jit
+def _no_wait():
+    pass
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(not _backend.interpreter_active(),
+                    reason="runs the kernels in Triton's interpreter, which is off where a GPU is (there "
+                           "test_results_with_pdl_equal_those_without runs them compiled, with griddepcontrol)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_pdl_code_paths_compute_what_the_plain_ones_do(dtype, monkeypatch):
+    """In the interpreter, with the wait stood in for (it has no griddepcontrol): the kernels' USE_PDL code, skinny_gemm
+    computing its first weight tile before the loop over the rest, gives the same bits as the plain launch."""
+    import importlib
+
+    calls = _decode_path_calls(dtype, "cpu")
+    with pk.use_backend("triton"):
+        expected = [call() for call in calls]
+        for name in ("skinny_gemm", "decode_attention", "rotary"):
+            module = importlib.import_module(f"pagedkernels.{name}")
+            monkeypatch.setattr(module, "pdl_wait", _no_wait)
+            monkeypatch.setattr(module, "pdl_launch", lambda device: {"USE_PDL": True})
+        got = [call() for call in calls]
+    _assert_same_bits(got, expected)
 
 
 hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                             reason="programmatic dependent launch needs a GPU of compute capability 9.0 or later")
 
 
-def _decode_path_calls(dtype: torch.dtype):
-    """Each decode-path op on small CUDA inputs, as a function returning its outputs (fresh copies each call)."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=g, device="cuda").to(dtype)
-
-    calls = []
-    # (M, N, K, prologue, residual): K within one block, over several and not a multiple of the block
-    for M, N, K, prologue, residual in ((1, 4096, 1024, "norm", False), (1, 1024, 3072, "silu", True),
-                                        (3, 600, 1100, None, True), (1, 40, 100, None, False)):
-        x, w = randn(M, 2 * K if prologue == "silu" else K), randn(N, K) * K ** -0.5
-        norm = randn(K) if prologue == "norm" else None
-        res = randn(M, N) if residual else None
-
-        def skinny(x=x, w=w, norm=norm, res=res, prologue=prologue):
-            return pk.skinny_gemm(x, w, norm_weight=norm, eps=1e-6 if norm is not None else None,
-                                  gated="silu" if prologue == "silu" else None,
-                                  residual=res.clone() if res is not None else None)
-        calls.append(skinny)
-    blocks, block_size, kv_heads, head = 24, 16, 8, 128
-    key_cache, value_cache = randn(blocks, block_size, kv_heads, head), randn(blocks, block_size, kv_heads, head)
-    table = torch.arange(blocks, device="cuda", dtype=torch.int32).view(2, 12)
-    lens = torch.tensor([150, 37], device="cuda", dtype=torch.int32)
-    q = randn(2, 16, head)
-    for splits in (1, 4):
-        calls.append(lambda splits=splits: pk.paged_decode_attention(q, key_cache, value_cache, table, lens,
-                                                                      num_splits=splits))
-    cos_sin = pk.compute_cos_sin_cache(256, head, 1e6, device="cuda")
-    positions, slots = torch.tensor([149, 36], device="cuda"), torch.tensor([149, 12 * 16 + 36], device="cuda")
-    qkv = randn(2, 32 * head)
-    for norm in (True, False):
-        weights = dict(q_weight=randn(head), k_weight=randn(head), eps=1e-6) if norm else {}
-
-        def rotary_cache(weights=weights):
-            q_, k_, v_ = qkv.clone().split([16 * head, 8 * head, 8 * head], 1)
-            kc, vc = key_cache.clone(), value_cache.clone()
-            pk.rotary_embedding_and_cache(positions, q_, k_, v_, kc, vc, slots, cos_sin, head_size=head, **weights)
-            return q_, k_, kc, vc
-        calls.append(rotary_cache)
-    return calls
-
-
 @hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_results_with_pdl_equal_those_without(dtype):
     """The same bits: PDL changes when a kernel starts, not what it computes."""
-    calls = _decode_path_calls(dtype)
+    calls = _decode_path_calls(dtype, "cuda")
     expected = [call() for call in calls]
     previous = pk.set_programmatic_dependent_launch(True)
     try:
@@ -178,9 +158,7 @@ def test_results_with_pdl_equal_those_without(dtype):
     finally:
         pk.set_programmatic_dependent_launch(previous)
     torch.cuda.synchronize()
-    for i, (a, b) in enumerate(zip(got, expected)):
-        for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
-            assert torch.equal(x, y), f"call {i}"
+    _assert_same_bits(got, expected)
 
 
 @hopper
