@@ -481,6 +481,43 @@ def batch1_pdl(llm, default: dict, prompt_len: int, new_tokens: int, copy_gbps: 
     return result
 
 
+def batch1_fused_reduce(llm, default: dict, prompt_len: int, new_tokens: int, copy_gbps: float,
+                        *, pdl: bool = False) -> tuple[str, dict] | None:
+    """batch1_decode on ``llm`` with the decode op's splits merged the other way than its own (``default``, its
+    batch1_decode): in the split kernel (ModelRunner.set_decode_fused_reduce: split counters, one kernel a layer)
+    where the engine runs a reduce kernel after it (DevicePolicy.decode_fused_reduce off, the default), else with the
+    reduce kernel; then back. ``pdl``: with programmatic dependent launch as well (both changes together). Returns
+    ("batch1_fused_reduce" / "batch1_split_reduce", with "_pdl" after it for ``pdl``; the result with the fused
+    merge's speedup over the two kernels, or both changes' over the default for ``pdl``), or None where it does not
+    apply (not CUDA; ``pdl`` before compute capability 9.0)."""
+    import pagedkernels
+
+    runner = llm.llm_engine.model_runner
+    own = any(layer.decode_split_counters is not None for layer in getattr(runner, "attention_layers", []))
+    if runner.set_decode_fused_reduce(not own) == own:
+        return None
+    previous = pagedkernels.set_programmatic_dependent_launch(True) if pdl else None
+
+    def undo() -> None:
+        if pdl:
+            pagedkernels.set_programmatic_dependent_launch(previous)
+            runner.drop_graphs()
+        runner.set_decode_fused_reduce(own)
+
+    if pdl and not pagedkernels.programmatic_dependent_launch(llm.llm_engine.device):
+        undo()
+        return None
+    runner.drop_graphs()
+    other = _batch1_changed(llm, default, prompt_len, new_tokens, copy_gbps, undo=undo)
+    fused, split = (default, other) if own else (other, default)
+    if other["decode_tokens_per_s"] and default["decode_tokens_per_s"]:
+        if pdl:
+            other["speedup"] = other["decode_tokens_per_s"] / default["decode_tokens_per_s"]
+        else:
+            other["fused_reduce_speedup"] = fused["decode_tokens_per_s"] / split["decode_tokens_per_s"]
+    return ("batch1_split_reduce" if own else "batch1_fused_reduce") + ("_pdl" if pdl else ""), other
+
+
 def _batch1_changed(llm, default: dict, prompt_len: int, new_tokens: int, copy_gbps: float, *, undo) -> dict:
     """batch1_decode on ``llm`` as its caller changed it, then ``undo()`` whatever happens; with how many of
     ``default``'s leading greedy tokens it gave again (bf16 rounds two paths' products differently, so a near-tie may
@@ -682,6 +719,24 @@ def run(device: torch.device, *, tiny: bool, models: list[str], parts: tuple[str
                                 f"without; the first {pdl['same_leading_tokens']} of {len(row['batch1']['token_ids'])} "
                                 f"greedy tokens the same")
                             progress()
+                        # And with the decode op's splits merged in its split kernel (one kernel a layer, not
+                        # two), alone and with programmatic dependent launch.
+                        for with_pdl in (False, True):
+                            key = "batch1_fused_reduce" + ("_pdl" if with_pdl else "")
+                            fused = _variant(row, key, log, name, lambda with_pdl=with_pdl: batch1_fused_reduce(
+                                llm, row["batch1"], 16 if tiny else 128, 8 if tiny else 256, copy_gbps,
+                                pdl=with_pdl))
+                            if fused is not None:
+                                key, result = fused
+                                row[key] = result
+                                ratio = result.get("speedup" if with_pdl else "fused_reduce_speedup")
+                                log(f"{name}: batch-1 decode, {key[7:].replace('_', ' ')}: "
+                                    f"{_fmt(result['decode_tokens_per_s'], '.1f')} tok/s, "
+                                    f"{_fmt(result.get('kernels_per_step'), '.0f')} kernels a step; "
+                                    f"{_fmt(ratio, '.2f')}x {'the default' if with_pdl else 'split + reduce'}; the "
+                                    f"first {result['same_leading_tokens']} of {len(row['batch1']['token_ids'])} "
+                                    f"greedy tokens the same")
+                                progress()
                     if "decode_steps" in parts:
                         row["decode_steps"] = []
                         for b in ((2, 4) if tiny else (64, 256)):

@@ -89,3 +89,33 @@ def test_a_failing_batch1_variant_leaves_the_rest_and_a_failing_part_frees_the_e
         engine_gpu.run(torch.device("cpu"), tiny=True, models=["qwen3-0.6b"], parts=("batch1",), copy_gbps=10.0,
                        log=logged.append)
     assert shutdowns == [1]
+
+
+def test_the_fused_reduce_variant_changes_the_engine_and_puts_it_back(tmp_path):
+    """batch1_fused_reduce on an engine whose runner has split counters (on CPU given by hand: its decode ops take
+    and ignore them): the other merge measured, its ratio reported, the engine's own setting back after; with PDL
+    (which a CPU cannot launch) nothing measured and nothing changed; no counters at all (a CPU runner's own): None."""
+    import torch
+
+    from bench import engine_gpu
+    from engine import LLM
+    from tests.engine.models_util import build_tiny_model_dir
+
+    llm = LLM(build_tiny_model_dir("qwen3", str(tmp_path)), device="cpu", dtype="float32", max_model_len=128, max_num_seqs=2)
+    try:
+        runner = llm.llm_engine.model_runner
+        assert engine_gpu.batch1_fused_reduce(llm, {}, 8, 4, 10.0) is None
+        runner.decode_split_counters = torch.zeros(2 * runner.attention_layers[0].num_kv_heads, dtype=torch.int32)
+        default = engine_gpu.batch1_decode(llm, 8, 4, 10.0)
+        key, result = engine_gpu.batch1_fused_reduce(llm, default, 8, 4, 10.0)
+        assert key == "batch1_fused_reduce" and result["same_leading_tokens"] == 4
+        assert "fused_reduce_speedup" in result or result["decode_tokens_per_s"] is None
+        assert all(layer.decode_split_counters is None for layer in runner.attention_layers)
+        assert engine_gpu.batch1_fused_reduce(llm, default, 8, 4, 10.0, pdl=True) is None
+        assert all(layer.decode_split_counters is None for layer in runner.attention_layers)
+        runner.set_decode_fused_reduce(True)   # an engine that merges in the split kernel compares the reduce kernel
+        key, result = engine_gpu.batch1_fused_reduce(llm, default, 8, 4, 10.0)
+        assert key == "batch1_split_reduce"
+        assert all(layer.decode_split_counters is runner.decode_split_counters for layer in runner.attention_layers)
+    finally:
+        llm.llm_engine.shutdown()

@@ -88,6 +88,12 @@ class DevicePolicy:
     # 8B engine and 2-8 rows are not measured yet. On CPU 0: the layers' weights are prepacked there, which the path
     # does not read, and its PyTorch twin is no faster than the CPU's own GEMMs.
     skinny_gemm_max_rows: int = 0
+    # CUDA decode steps merge the split-K partial results in the split kernel itself (pagedkernels.paged_decode_attention
+    # with split_counters: the last split of each sequence and KV head merges them), one kernel a layer instead of two
+    # (ENGINE_DECODE_FUSED_REDUCE=1 turns it on, 0 off). Off until a GPU measures it: at batch 1 it takes 28 of the
+    # Qwen3-0.6B step's 222 kernels away, against a serial merge at each KV head's end (bench.engine_gpu's batch-1
+    # part compares both on one engine). CPU decode runs no split kernel.
+    decode_fused_reduce: bool = False
 
     @classmethod
     def for_device(cls, device: torch.device | str) -> "DevicePolicy":
@@ -102,7 +108,8 @@ class DevicePolicy:
                    cpu_bf16_isa=isa,
                    cpu_bf16_w16_max_rows=None if on_gpu else _cpu_bf16_w16_max_rows(isa),
                    cpu_bf16_w16_graph_max_rows=None if on_gpu else _cpu_bf16_w16_max_rows(isa, graphs=True),
-                   skinny_gemm_max_rows=_skinny_gemm_max_rows(1 if on_gpu else 0))
+                   skinny_gemm_max_rows=_skinny_gemm_max_rows(1 if on_gpu else 0),
+                   decode_fused_reduce=on_gpu and _env_flag("ENGINE_DECODE_FUSED_REDUCE", default=False))
 
     def auto_dtype(self, checkpoint: torch.dtype, *, quantized: bool = False) -> tuple[torch.dtype, str]:
         """What ``dtype="auto"`` runs a checkpoint stored in ``checkpoint`` in, and why (a line for the log).
@@ -150,6 +157,18 @@ class DevicePolicy:
         if self.device.type != "cpu":
             return None
         return max(1, (os.cpu_count() or 1) // tensor_parallel_size)
+
+
+def _env_flag(name: str, *, default: bool) -> bool:
+    """An on/off environment variable: 1/true/yes/on or 0/false/no/off (any case); unset or empty: ``default``."""
+    env = os.environ.get(name, "").strip().lower()
+    if not env:
+        return default
+    if env in ("1", "true", "yes", "on"):
+        return True
+    if env in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be 1 or 0 (true/false, yes/no, on/off), got {os.environ[name]!r}")
 
 
 def _skinny_gemm_max_rows(default: int) -> int:

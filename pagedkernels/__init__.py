@@ -11,7 +11,12 @@ else: that is also its custom op's fake implementation (``torch_ops``).
 from ._backend import get_backend, set_backend, use_backend  # noqa: F401  (must come first)
 from ._backend import programmatic_dependent_launch, set_programmatic_dependent_launch  # noqa: F401
 
-from .decode_attention import decode_workspace, decode_workspace_numel, paged_decode_attention  # noqa: F401
+from .decode_attention import (  # noqa: F401
+    decode_split_counters,
+    decode_workspace,
+    decode_workspace_numel,
+    paged_decode_attention,
+)
 from .prefill_attention import paged_prefill_attention  # noqa: F401
 from .cache_ops import copy_blocks, reshape_and_cache, swap_blocks  # noqa: F401
 from .activation import silu_and_mul  # noqa: F401

@@ -254,6 +254,35 @@ def _attention_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]
                 yield f"prefill {label}", prefill
 
 
+def _fused_reduce_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
+    """Decode with split counters (the splits merged in the split kernel, no reduce launch) for every dtype x head
+    size: one sequence over a 4096-token table (32 splits on an H100), the GQA group, window and softcap alternating
+    as in the plain cases; and float8 caches at head 128 with all three."""
+    import pagedkernels as pk
+
+    fp8 = torch.float8_e4m3fn
+    for dtype in DTYPES:
+        name = str(dtype).replace("torch.", "")
+        for i, head_dim in enumerate(HEAD_SIZES):
+            group, capped = (1, False) if i % 2 == 0 else (4 + 4 * (i // 2 % 2), True)
+            cases = [(head_dim, group, capped, None)] + ([(128, 8, True, fp8)] if i == 0 else [])
+            for head, grp, cap, cache_dtype in cases:
+                label = (f"{name} head={head} group={grp}{' float8 cache' if cache_dtype else ''}"
+                         f"{' window+softcap' if cap else ''}")
+
+                def decode(gen, dtype=dtype, head=head, grp=grp, cap=cap, cache_dtype=cache_dtype):
+                    k, v, table, lens = _paged_inputs(1, 40, 2, head, 16, torch.float32 if cache_dtype else dtype,
+                                                      gen, table_width=4096 // 16)
+                    scales = {}
+                    if cache_dtype is not None:
+                        k, v, scales = k.to(cache_dtype), v.to(cache_dtype), dict(k_scale=0.1, v_scale=0.2)
+                    q = _randn(1, 2 * grp, head, dtype=dtype, generator=gen)
+                    pk.paged_decode_attention(q, k, v, table, lens, sliding_window=1000 if cap else None,
+                                              softcap=30.0 if cap else None,
+                                              split_counters=torch.zeros(2, dtype=torch.int32), **scales)
+                yield f"decode fused reduce {label}", decode
+
+
 def _cache_op_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
     import pagedkernels as pk
 
@@ -530,7 +559,7 @@ def _pdl_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
     """The decode path's kernels launched with programmatic dependent launch (PAGEDKERNELS_PDL=1), in the 16-bit
     dtypes at Qwen3-0.6B's and Llama-3-8B's batch-1 shapes: skinny_gemm (its first weight tile loaded before the
     wait) with each prologue and the residual epilogue, rotary_embedding_and_cache with and without q/k norms, and
-    a decode that splits (split + reduce)."""
+    a decode that splits (split + reduce, and the split kernel merging them itself)."""
     import pagedkernels as pk
 
     from . import _backend
@@ -549,6 +578,7 @@ def _pdl_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
                 k, v, table, lens = _paged_inputs(1, 40, 8, 128, 16, dtype, gen, table_width=64)
                 q = _randn(1, 16, 128, dtype=dtype, generator=gen)
                 pk.paged_decode_attention(q, k, v, table, lens)
+                pk.paged_decode_attention(q, k, v, table, lens, split_counters=torch.zeros(8, dtype=torch.int32))
                 cos_sin = pk.compute_cos_sin_cache(64, 128, 1e6)
                 for norm in (True, False):
                     q, k_new, v_new = _randn(1, 32 * 128, dtype=dtype, generator=gen).split([2048, 1024, 1024], 1)
@@ -561,8 +591,8 @@ def _pdl_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
 
 def launch_matrix() -> list[tuple[str, Callable[[torch.Generator], None]]]:
     """(label, call) for every case: each call runs public ops on small CPU tensors."""
-    return [*_attention_cases(), *_cache_op_cases(), *_elementwise_cases(), *_fp8_kv_cases(), *_quant_cases(),
-            *_moe_cases(), *_lora_cases(), *_skinny_cases(), *_pdl_cases()]
+    return [*_attention_cases(), *_fused_reduce_cases(), *_cache_op_cases(), *_elementwise_cases(), *_fp8_kv_cases(),
+            *_quant_cases(), *_moe_cases(), *_lora_cases(), *_skinny_cases(), *_pdl_cases()]
 
 
 def record_matrix() -> list[Launch]:

@@ -42,12 +42,13 @@ from ._validate import (
     check_tensor,
 )
 
-__all__ = ["paged_decode_attention", "check_decode_args", "decode_num_splits", "decode_workspace",
-           "decode_workspace_numel"]
+__all__ = ["paged_decode_attention", "check_decode_args", "decode_num_splits", "decode_split_counters",
+           "decode_workspace", "decode_workspace_numel"]
 
 
 def check_decode_args(q, key_cache, value_cache, block_tables, seq_lens, scale=None, sliding_window=None,
-                      softcap=None, num_splits=None, out=None, workspace=None, k_scale=1.0, v_scale=1.0) -> int:
+                      softcap=None, num_splits=None, out=None, workspace=None, k_scale=1.0, v_scale=1.0,
+                      split_counters=None) -> int:
     """Every check of :func:`paged_decode_attention`'s arguments that reads no tensor value (types,
     ranks, dtypes, one device, shapes, strides, the options), shared with its fake implementation.
     Returns the GQA group size."""
@@ -81,6 +82,13 @@ def check_decode_args(q, key_cache, value_cache, block_tables, seq_lens, scale=N
             if workspace.numel() < needed:
                 raise ValueError(f"workspace holds {workspace.numel()} floats; num_splits={num_splits} needs "
                                  f"{needed} (decode_workspace_numel)")
+    if split_counters is not None:
+        check_tensor("split_counters", split_counters, ndim=1, dtypes=(torch.int32,), like=on_q)
+        if not split_counters.is_contiguous():
+            raise ValueError("split_counters must be contiguous")
+        if split_counters.numel() < num_seqs * num_kv_heads:
+            raise ValueError(f"split_counters holds {split_counters.numel()} counters; {num_seqs} sequences x "
+                             f"{num_kv_heads} KV heads need {num_seqs * num_kv_heads} (decode_split_counters)")
     return group
 
 
@@ -127,6 +135,7 @@ def paged_decode_attention(
     workspace: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged KV cache (flash-decoding split-K).
 
@@ -154,15 +163,22 @@ def paged_decode_attention(
             (the layers of a model) may share one workspace.
         k_scale, v_scale: a float8 cache's per-layer scales (its values times these are K and V);
             1.0 for other caches.
+        split_counters: optional int32 1-D contiguous buffer of at least ``num_seqs * num_kv_heads``
+            zeros on q's device (see :func:`decode_split_counters`). With it, a launch that splits
+            the context merges the splits in its one kernel: the last program of each (sequence, KV
+            head) to finish counts in, reads the others' partial results and writes the output, so
+            the reduce kernel is not launched; it leaves the counters at zero again. Launches that
+            may run at the same time (other streams) must not share one; calls one after another on
+            a stream may. Unused by the PyTorch and native backends and by unsplit launches.
 
     Returns:
         ``[num_seqs, num_q_heads, head_dim]`` in q's dtype (``out`` when given).
     """
     group = check_decode_args(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap,
-                              num_splits, out, workspace, k_scale, v_scale)
+                              num_splits, out, workspace, k_scale, v_scale, split_counters)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    if has_no_data(q, key_cache, value_cache, block_tables, seq_lens, out, workspace):
+    if has_no_data(q, key_cache, value_cache, block_tables, seq_lens, out, workspace, split_counters):
         return out  # meta or fake tensors: checked, nothing to compute (the fake implementation)
     head_dim = q.shape[-1]
     # The native kernel checks the metadata values itself, before it writes anything.
@@ -178,8 +194,12 @@ def paged_decode_attention(
             _check_values(key_cache, block_tables, seq_lens)
             raise RuntimeError("pagedkernels native decode attention rejected metadata the checks accept")
     elif use_triton(q):
+        used = q.shape[0] * key_cache.shape[2]
+        if split_counters is not None and value_checks_enabled(q) and bool(split_counters[:used].any()):
+            raise ValueError("split_counters must be all zeros before a launch (a launch leaves them so; another "
+                             "launch using them may be running on another stream)")
         _decode_triton(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap,
-                       num_splits, out, group, workspace, k_scale, v_scale)
+                       num_splits, out, group, workspace, k_scale, v_scale, split_counters)
     else:
         out.copy_(_decode_torch(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
                                 softcap, k_scale, v_scale))
@@ -310,6 +330,17 @@ def decode_workspace(max_num_seqs: int, num_q_heads: int, num_kv_heads: int, hea
     return torch.empty(numel, dtype=torch.float32, device=device)
 
 
+def decode_split_counters(max_num_seqs: int, num_kv_heads: int, *, device: torch.device | str) -> torch.Tensor:
+    """The ``split_counters`` of :func:`paged_decode_attention` for batches of up to ``max_num_seqs``
+    sequences: int32 zeros, one per (sequence, KV head). With them a decode that splits its context
+    runs one kernel instead of two (its last split merges the others). Allocate once (e.g. before
+    capturing CUDA graphs) and pass to every decode call of one stream: each launch leaves them zero."""
+    for name, value in (("max_num_seqs", max_num_seqs), ("num_kv_heads", num_kv_heads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return torch.zeros(max_num_seqs * num_kv_heads, dtype=torch.int32, device=device)
+
+
 def launch_config(dtype: torch.dtype, device_kind: str) -> int:
     """num_warps of the split kernel, from the dtype and the device kind (``"cuda"`` or ``"cpu"``,
     see ``_backend.launch_device_kind``) only, so the CUDA choice can be compiled ahead of time on
@@ -342,6 +373,7 @@ def _decode_split_kernel(
     out_ptr,  # [num_seqs, num_q_heads, head_dim]; written here only when NUM_SPLITS == 1
     partial_out_ptr,  # fp32 [num_seqs, num_q_heads, NUM_SPLITS, HEAD_PAD]
     partial_lse_ptr,  # fp32 [num_seqs, num_q_heads, NUM_SPLITS]
+    split_counters_ptr,  # int32 [num_seqs, num_kv_heads], zeros; used when FUSED_REDUCE
     q_ptr,  # [num_seqs, num_q_heads, head_dim]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]; uint8 e4m3 codes when KV_FP8
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]; uint8 e4m3 codes when KV_FP8
@@ -363,6 +395,7 @@ def _decode_split_kernel(
     stride_o_head: tl.int64,
     NUM_QUERIES_PER_KV: tl.constexpr,  # GQA group size
     BLOCK_H: tl.constexpr,  # group padded to a power of two >= 16 (tl.dot needs >= 16 rows)
+    GROUP_PAD: tl.constexpr,  # group padded to a power of two (the fused reduce's rows)
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,  # next power of two >= HEAD_DIM
     BLOCK_SIZE: tl.constexpr,  # page size (tokens per cache block)
@@ -373,6 +406,7 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (exact, not tf32); None (default) for 16-bit
     KV_FP8: tl.constexpr,  # the caches hold float8 e4m3 codes: converted to q's dtype after loading (exact)
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (_backend.programmatic_dependent_launch)
+    FUSED_REDUCE: tl.constexpr,  # NUM_SPLITS > 1: the last split of each (sequence, KV head) merges them all
 ):
     # grid: (num_seqs, num_kv_heads, NUM_SPLITS); one program = all query heads of one KV head over
     # one contiguous range of tiles, so each K/V tile is loaded once per group.
@@ -462,6 +496,50 @@ def _decode_split_kernel(
         tl.store(partial_out_ptr + row[:, None] * HEAD_PAD + dim_offs[None, :], O, mask=head_mask[:, None])
         lse = tl.where(has_keys, M + tl.log(L_safe), float("-inf"))
         tl.store(partial_lse_ptr + row, lse, mask=head_mask)
+        if FUSED_REDUCE:
+            # Every thread's stores issued, then one acq_rel count: the release publishes this program's
+            # partials; the program that counts last acquires everyone's, merges them (what the reduce kernel
+            # does, for this KV head's query heads) and sets the count back to zero for the next launch.
+            tl.debug_barrier()
+            counter = split_counters_ptr + seq_idx.to(tl.int64) * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+            if arrived == NUM_SPLITS - 1:
+                _merge_splits(out_ptr, partial_out_ptr, partial_lse_ptr, seq_idx, kv_head, tl.num_programs(1),
+                              stride_o_seq, stride_o_head, NUM_QUERIES_PER_KV, GROUP_PAD, HEAD_DIM, HEAD_PAD,
+                              NUM_SPLITS)
+                tl.atomic_xchg(counter, 0)
+
+
+@triton.jit
+def _merge_splits(out_ptr, partial_out_ptr, partial_lse_ptr, seq_idx, kv_head, num_kv_heads, stride_o_seq,
+                  stride_o_head, NUM_QUERIES_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  HEAD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """The fused reduce of the split kernel's last program for one KV head's query heads: out = sum_s exp(lse_s -
+    lse) * O_s, as the reduce kernel computes it. Its rows are the group padded to a power of two, not to the 16 of
+    the split loop's dots (no dot here). Loads bypass L1 (.cg): the other programs' partials are read from L2, where
+    their release put them."""
+    head_offs = tl.arange(0, GROUP_PAD)
+    head_mask = head_offs < NUM_QUERIES_PER_KV
+    q_heads = (kv_head * NUM_QUERIES_PER_KV + head_offs).to(tl.int64)
+    first_row = (seq_idx.to(tl.int64) * num_kv_heads * NUM_QUERIES_PER_KV + q_heads) * NUM_SPLITS  # [GROUP_PAD]
+    dim_offs = tl.arange(0, HEAD_PAD)
+    lse_max = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        lse_max = tl.maximum(lse_max, tl.load(partial_lse_ptr + first_row + s, mask=head_mask, other=float("-inf"),
+                                              cache_modifier=".cg"))
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # every split empty: seq_len == 0
+    total = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    merged = tl.zeros([GROUP_PAD, HEAD_PAD], dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        weight = tl.exp(tl.load(partial_lse_ptr + first_row + s, mask=head_mask, other=float("-inf"),
+                                cache_modifier=".cg") - lse_max)  # 0 for an empty split
+        total += weight
+        partial = tl.load(partial_out_ptr + (first_row + s)[:, None] * HEAD_PAD + dim_offs[None, :],
+                          mask=head_mask[:, None], other=0.0, cache_modifier=".cg")
+        merged += weight[:, None] * partial
+    merged = merged / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_ptr + seq_idx.to(tl.int64) * stride_o_seq + q_heads[:, None] * stride_o_head + dim_offs[None, :],
+             merged.to(out_ptr.dtype.element_ty), mask=head_mask[:, None] & (dim_offs < HEAD_DIM)[None, :])
 
 
 @triton.jit
@@ -502,7 +580,7 @@ def _decode_reduce_kernel(
 
 
 def _decode_triton(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap,
-                   num_splits, out, group, workspace, k_scale=1.0, v_scale=1.0):
+                   num_splits, out, group, workspace, k_scale=1.0, v_scale=1.0, split_counters=None):
     num_seqs, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     if q.stride(-1) != 1:
@@ -531,8 +609,11 @@ def _decode_triton(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
         scale = scale * k_scale
         key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     pdl = pdl_launch(q.device)
+    fused = split_counters is not None and num_splits > 1
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        out, partial_out, partial_lse, q, key_cache, value_cache, block_tables, seq_lens,
+        # Unfused, seq_lens stands in for the counters (an int32 pointer never read): one signature either way.
+        out, partial_out, partial_lse, split_counters if fused else seq_lens, q, key_cache, value_cache,
+        block_tables, seq_lens,
         scale, float(softcap or 0.0), float(v_scale),
         q.stride(0), q.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -540,6 +621,7 @@ def _decode_triton(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
         block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_QUERIES_PER_KV=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
+        GROUP_PAD=triton.next_power_of_2(group),
         HEAD_DIM=head_dim,
         HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size,
@@ -549,6 +631,7 @@ def _decode_triton(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
         USE_SOFTCAP=softcap is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,  # None: the default for 16-bit
         KV_FP8=kv_fp8,
+        FUSED_REDUCE=fused,
         num_warps=launch_config(q.dtype, launch_device_kind(q.device)),
         # fp32 queries over a float8 cache: software-pipelining the tile loop (Triton's default 3
         # stages) kept the loaded codes and their conversions live next to fp32's ieee dot operands and
@@ -557,7 +640,7 @@ def _decode_triton(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
         **({"num_stages": 1} if kv_fp8 and q.dtype == torch.float32 else {}),
         **pdl,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not fused:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
             out, partial_out, partial_lse, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_PAD=head_pad, NUM_SPLITS=num_splits,

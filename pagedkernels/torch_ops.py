@@ -14,7 +14,8 @@ same values as the public ops.
 
 Decode attention is two ops, ``paged_decode_attention`` (no workspace, mutates nothing) and
 ``paged_decode_attention_workspace`` (a caller's split-K workspace, required and declared mutated),
-and :func:`paged_decode_attention` here picks one by whether ``workspace`` is given. A single op
+and :func:`paged_decode_attention` here picks one by whether ``workspace`` is given (a third,
+``paged_decode_attention_fused_reduce``, takes ``split_counters`` beside the workspace). A single op
 with an optional mutated ``Tensor? workspace=None`` breaks when the argument is left out: torch
 2.11's ADInplaceOrView kernel indexes the mutated argument past the end of the call's arguments
 (IndexError, eager and compiled), and inductor on torch 2.13 fails lowering the op with no
@@ -57,7 +58,8 @@ __all__ = ["reshape_and_cache", "paged_decode_attention", "paged_prefill_attenti
            "lora_shrink", "lora_expand", "skinny_gemm", "OPS"]
 
 # Every op this module registers, by its name under torch.ops.pagedkernels.
-OPS = ("reshape_and_cache", "paged_decode_attention", "paged_decode_attention_workspace", "paged_prefill_attention",
+OPS = ("reshape_and_cache", "paged_decode_attention", "paged_decode_attention_workspace",
+       "paged_decode_attention_fused_reduce", "paged_prefill_attention",
        "rms_norm", "fused_add_rms_norm_", "rotary_embedding", "qk_norm_rotary_embedding", "silu_and_mul", "wq_gemm",
        "gguf_gemm", "gguf_dequantize", "fp8_gemm", "w16_gemm", "moe_topk", "moe_align_block_size", "fused_moe",
        "lora_shrink", "lora_expand_", "skinny_gemm", "skinny_gemm_residual_")
@@ -123,16 +125,45 @@ def _(q, key_cache, value_cache, block_tables, seq_lens, workspace, scale=None, 
                                    k_scale=k_scale, v_scale=v_scale)
 
 
+@torch.library.custom_op("pagedkernels::paged_decode_attention_fused_reduce",
+                         mutates_args=("workspace", "split_counters"))
+def _paged_decode_attention_fused_reduce_op(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                                            workspace: torch.Tensor, split_counters: torch.Tensor,
+                                            scale: float | None = None, sliding_window: int | None = None,
+                                            softcap: float | None = None, k_scale: float = 1.0,
+                                            v_scale: float = 1.0) -> torch.Tensor:
+    return _paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale=scale,
+                                   sliding_window=sliding_window, softcap=softcap, workspace=workspace,
+                                   k_scale=k_scale, v_scale=v_scale, split_counters=split_counters)
+
+
+@_paged_decode_attention_fused_reduce_op.register_fake
+def _(q, key_cache, value_cache, block_tables, seq_lens, workspace, split_counters, scale=None, sliding_window=None,
+      softcap=None, k_scale=1.0, v_scale=1.0):
+    return _paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale=scale,
+                                   sliding_window=sliding_window, softcap=softcap, workspace=workspace,
+                                   k_scale=k_scale, v_scale=v_scale, split_counters=split_counters)
+
+
 def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None,
                            sliding_window: int | None = None, softcap: float | None = None,
                            workspace: torch.Tensor | None = None, k_scale: float = 1.0,
-                           v_scale: float = 1.0) -> torch.Tensor:
+                           v_scale: float = 1.0, split_counters: torch.Tensor | None = None) -> torch.Tensor:
     """See :func:`pagedkernels.paged_decode_attention`; returns a new ``[num_seqs, num_q_heads, head_dim]``.
 
     Without ``workspace``: ``torch.ops.pagedkernels.paged_decode_attention`` (the launch allocates its
     own split-K scratch). With it: ``torch.ops.pagedkernels.paged_decode_attention_workspace``, which
-    overwrites it (declared mutated) and allocates nothing, as CUDA-graph capture wants."""
+    overwrites it (declared mutated) and allocates nothing, as CUDA-graph capture wants; with
+    ``split_counters`` too, ``torch.ops.pagedkernels.paged_decode_attention_fused_reduce`` (both declared
+    mutated; the counters end at zero again). ``split_counters`` without a workspace is a ValueError here."""
+    if split_counters is not None:
+        if workspace is None:
+            raise ValueError("split_counters needs a workspace under torch.compile (pagedkernels.decode_workspace)")
+        return _paged_decode_attention_fused_reduce_op(q, key_cache, value_cache, block_tables, seq_lens, workspace,
+                                                       split_counters, scale, sliding_window, softcap, k_scale,
+                                                       v_scale)
     if workspace is None:
         return _paged_decode_attention_op(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
                                           softcap, k_scale, v_scale)

@@ -156,6 +156,9 @@ class Attention(nn.Module):
         # Split-K scratch for the decode op (pagedkernels.decode_workspace), shared by the layers; set by the
         # ModelRunner on CUDA so graph capture sees no allocation. None: the op allocates its own.
         self.decode_workspace: torch.Tensor | None = None
+        # Its split counters (pagedkernels.decode_split_counters) where the split kernel merges the splits itself
+        # (DevicePolicy.decode_fused_reduce); None: a reduce kernel merges them.
+        self.decode_split_counters: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, *,
                 rope: Rope | None = None) -> torch.Tensor:
@@ -198,7 +201,8 @@ class Attention(nn.Module):
             return ops.paged_decode_attention(q, self.key_cache, self.value_cache, meta.block_tables, meta.seq_lens,
                                               scale=self.scale, sliding_window=self.sliding_window,
                                               softcap=self.softcap, workspace=self.decode_workspace,
-                                              k_scale=k_scale, v_scale=v_scale, **into)
+                                              k_scale=k_scale, v_scale=v_scale,
+                                              split_counters=self.decode_split_counters, **into)
         return ops.paged_prefill_attention(q, self.key_cache, self.value_cache, meta.block_tables,
                                            meta.cu_seqlens_q, meta.seq_lens, scale=self.scale,
                                            sliding_window=self.sliding_window, softcap=self.softcap,

@@ -181,6 +181,21 @@ class DecodeGraphs:
                 del graphs[size]
         return self.skinny_max_rows
 
+    def set_decode_fused_reduce(self, on: bool) -> bool:
+        """Merge the decode op's split-K partials in its split kernel (``on``: every attention layer takes the
+        runner's split counters) or in a reduce kernel after it, on a built runner; the decode graphs are dropped
+        when it changes, to be captured again by the next step that needs them. Returns the setting in force (False
+        where the runner has no counters: not CUDA). What bench.engine_gpu's batch-1 part compares on one engine; an
+        engine's own setting is DevicePolicy.decode_fused_reduce."""
+        counters = getattr(self, "decode_split_counters", None)
+        on = bool(on) and counters is not None
+        layers = getattr(self, "attention_layers", [])
+        if any((layer.decode_split_counters is not None) != on for layer in layers):
+            for layer in layers:
+                layer.decode_split_counters = counters if on else None
+            self.drop_graphs()
+        return on
+
     def drop_graphs(self) -> None:
         """Drop every captured decode graph; the next step of each size captures its graph again. For a change to
         how the kernels launch that a graph keeps from its capture (pagedkernels.set_programmatic_dependent_launch:

@@ -381,8 +381,13 @@ class ModelRunner(DecodeGraphs):
             self.decode_workspace = pk.decode_workspace(
                 self.max_num_seqs, first.num_heads, first.num_kv_heads, first.head_dim, device=self.device,
                 max_context=self.config.max_model_len)
+            # The decode op's split counters (pagedkernels.decode_split_counters), shared the same way; the layers
+            # take them where the splits are merged in the split kernel (DevicePolicy.decode_fused_reduce).
+            self.decode_split_counters = pk.decode_split_counters(
+                self.max_num_seqs, max(layer.num_kv_heads for layer in layers), device=self.device)
             for layer in layers:
                 layer.decode_workspace = self.decode_workspace
+                layer.decode_split_counters = self.decode_split_counters if self.policy.decode_fused_reduce else None
 
     # -- per step ---------------------------------------------------------------------------------
 

@@ -270,3 +270,45 @@ def test_programmatic_dependent_launch_keeps_every_output(tiny_model_dir, monkey
             _free_cuda()
 
     assert run(True) == run(False)
+
+
+# -- the decode op's reduce fused into its split kernel ---------------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_reduce_keeps_every_output(tiny_model_dir, monkeypatch, dtype):
+    """ENGINE_DECODE_FUSED_REDUCE=1 (the split kernel's last split merges the partial results, no reduce kernel) on
+    prompts long enough for several non-empty splits, batches of one (the few-row layers) and of three: the tokens of
+    the two-kernel merge and log-probabilities within the merge's rounding (float32: the same greedy tokens; bf16: the
+    same leading tokens up to a near-tie)."""
+    model_dir = tiny_model_dir("qwen3")
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+
+    def run(fused: bool):
+        monkeypatch.setenv("ENGINE_DECODE_FUSED_REDUCE", "1" if fused else "0")
+        llm = LLM(model_dir, device=DEVICE, dtype=dtype, max_model_len=1024, max_num_seqs=4)
+        try:
+            runner = llm.llm_engine.model_runner
+            assert all((layer.decode_split_counters is not None) == fused for layer in runner.attention_layers)
+            outputs = [[o.outputs[0] for o in llm.generate([{"prompt_token_ids": random_token_ids(n, seed=n)}
+                                                            for n in lens], params, use_tqdm=False)]
+                       for lens in ((300,), (150, 420, 700))]
+            assert not runner.decode_split_counters.any()
+            return outputs
+        finally:
+            llm.llm_engine.shutdown()
+            del llm
+            _free_cuda()
+
+    fused, unfused = run(True), run(False)
+    for batch_fused, batch_unfused in zip(fused, unfused):
+        for a, b in zip(batch_fused, batch_unfused):
+            if dtype == "float32":
+                assert a.token_ids == b.token_ids
+            else:   # bf16 rounds the two merges' sums apart: a near-tie may flip one token and the rest follow it
+                assert a.token_ids[:8] == b.token_ids[:8]
+            same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
+            for lp_a, lp_b in zip(a.logprobs[:same], b.logprobs[:same]):
+                for token in lp_a.keys() & lp_b.keys():
+                    assert abs(lp_a[token].logprob - lp_b[token].logprob) < (1e-4 if dtype == "float32" else 0.05)

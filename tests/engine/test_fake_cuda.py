@@ -119,6 +119,64 @@ def test_the_few_row_layers_run_the_cuda_paths(tiny_model_dir, arch, monkeypatch
         assert logits.shape == (4, runner.config.vocab_size) and logits.device.type == "cuda"
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_fused_decode_reduce_runs_the_cuda_paths(tiny_model_dir, arch, monkeypatch):
+    """ENGINE_DECODE_FUSED_REDUCE=1 on CUDA: every attention layer holds the runner's split counters (int32 zeros on
+    the device, a row per sequence and KV head), the decode graphs capture the decode op with them (the few-row graph
+    of one token too), with no host sync; set_decode_fused_reduce(False) on the built runner takes them back and drops
+    the graphs, and the next decode step captures again without them."""
+    model_dir = tiny_model_dir(arch)
+    monkeypatch.setenv("ENGINE_DECODE_FUSED_REDUCE", "1")
+    from pagedkernels import torch_ops
+    fused, plain = [], []
+    for name, calls in (("_paged_decode_attention_fused_reduce_op", fused),
+                        ("_paged_decode_attention_workspace_op", plain)):
+        real = getattr(torch_ops, name)
+        monkeypatch.setattr(torch_ops, name, lambda *args, real=real, calls=calls: (calls.append(args[0].shape[0]),
+                                                                                     real(*args))[1])
+    decodes = [(Entry(random_token_ids(n + 1, seed=n), n, [n // BLOCK_SIZE]), 1) for n in (3, 9, 14)]
+    with fake_cuda(FakeCudaMemory(total=80 * GiB, free=79 * GiB, peak_bytes=GiB // 4, non_torch_bytes=GiB // 4)):
+        runner = _runner(model_dir, num_kv_blocks=64)
+        counters = runner.decode_split_counters
+        assert counters.device.type == "cuda" and counters.dtype == torch.int32
+        assert counters.numel() == MAX_NUM_SEQS * runner.attention_layers[0].num_kv_heads
+        assert all(layer.decode_split_counters is counters for layer in runner.attention_layers)
+        layers = len(runner.attention_layers)
+        # every ladder size captured (warm-up and recording) on the fused op, none on the other
+        assert sorted(set(fused)) == graph_batch_sizes(MAX_NUM_SEQS) and plain == []
+        assert all(fused.count(n) == 2 * layers for n in graph_batch_sizes(MAX_NUM_SEQS))
+        assert runner.compute_logits_for(decodes).shape == (3, runner.config.vocab_size)
+        assert runner.set_decode_fused_reduce(True) and len(runner.graphs) == len(graph_batch_sizes(MAX_NUM_SEQS))
+        fused.clear()
+        assert runner.set_decode_fused_reduce(False) is False
+        assert runner.graphs == {} and all(layer.decode_split_counters is None for layer in runner.attention_layers)
+        assert runner.compute_logits_for(decodes).shape == (3, runner.config.vocab_size)
+        assert fused == [] and plain.count(4) == 2 * layers   # the graph of 4, captured again on first use
+        assert runner.set_decode_fused_reduce(True) and runner.graphs == {}
+
+
+def test_the_fused_decode_reduce_setting(tiny_model_dir, monkeypatch):
+    """Off by default (unmeasured on a GPU); ENGINE_DECODE_FUSED_REDUCE turns it on for CUDA only (a CPU decode runs
+    no split kernel, and its runner has no counters to take); a bad value names the variable."""
+    from engine.platform import DevicePolicy
+    monkeypatch.delenv("ENGINE_DECODE_FUSED_REDUCE", raising=False)
+    assert not DevicePolicy.for_device("cuda").decode_fused_reduce
+    for on in ("1", "true", "ON", "yes"):
+        monkeypatch.setenv("ENGINE_DECODE_FUSED_REDUCE", on)
+        assert DevicePolicy.for_device("cuda").decode_fused_reduce
+        assert not DevicePolicy.for_device("cpu").decode_fused_reduce
+    monkeypatch.setenv("ENGINE_DECODE_FUSED_REDUCE", "0")
+    assert not DevicePolicy.for_device("cuda").decode_fused_reduce
+    monkeypatch.setenv("ENGINE_DECODE_FUSED_REDUCE", "2")
+    with pytest.raises(ValueError, match="ENGINE_DECODE_FUSED_REDUCE"):
+        DevicePolicy.for_device("cuda")
+    monkeypatch.setenv("ENGINE_DECODE_FUSED_REDUCE", "1")
+    from tests.engine.test_cuda_graph_runner import make_runner
+    runner = make_runner(tiny_model_dir("llama"), enforce_eager=True)
+    assert runner.set_decode_fused_reduce(True) is False
+    assert all(layer.decode_split_counters is None for layer in runner.attention_layers)
+
+
 def test_kv_sizing_refuses_more_than_is_free(tiny_model_dir):
     model_dir = tiny_model_dir("llama")   # made before fake mode (the directory is written for real)
     with fake_cuda(FakeCudaMemory(total=80 * GiB, free=40 * GiB)):

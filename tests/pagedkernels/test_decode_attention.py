@@ -363,6 +363,72 @@ def test_num_splits_heuristic():
 
 
 # ---------------------------------------------------------------------------------------------
+# the reduce fused into the split kernel (split_counters)
+# ---------------------------------------------------------------------------------------------
+
+# 70 tokens are 3 tiles of 32: 7 and 16 splits leave splits with no tile (and rows of seq_len 0 have none).
+@pytest.mark.triton
+@pytest.mark.parametrize("num_splits", [2, 3, 7, 16])
+@pytest.mark.parametrize("sliding_window,softcap", [(None, None), (40, 10.0)])
+def test_split_counters_fuse_the_reduce(num_splits, sliding_window, softcap, device, launches):
+    """With split_counters the split kernel's last program per (sequence, KV head) merges the splits: no reduce
+    launch, the oracle's result (and the two-kernel one's, up to the order of the sums), the counters zero again,
+    and those past num_seqs * num_kv_heads untouched. A group of 3 (heads padded to 16 rows) and head 80 (padded
+    to 128 columns): the merge masks both."""
+    q, kv = _case([1, 40, 70, 0, 33], num_kv_heads=2, group=3, head_dim=80, device=device, seed=num_splits)
+    counters = torch.zeros(10 + 3, dtype=torch.int32, device=device)
+    counters[10:] = 7
+    options = dict(num_splits=num_splits, sliding_window=sliding_window, softcap=softcap)
+    unfused = _run_and_check("triton", q, kv, **options)
+    fused = _run_and_check("triton", q, kv, split_counters=counters, **options)
+    split, reduce = launches
+    assert split.grids == [(5, 2, num_splits)] * 2 and reduce.grids == [(5, 6)]
+    torch.testing.assert_close(fused, unfused, atol=1e-6, rtol=1e-5)
+    assert torch.all(fused[3] == 0)
+    assert counters[:10].tolist() == [0] * 10 and counters[10:].tolist() == [7] * 3
+    # again with the same counters (a graph replays so), and with a workspace of the caller's
+    workspace = torch.full((decode_workspace_numel(5, 6, 80, num_splits),), float("nan"), device=device)
+    again = _run_and_check("triton", q, kv, split_counters=counters, workspace=workspace, **options)
+    torch.testing.assert_close(again, fused, atol=0, rtol=0)
+    assert counters[:10].tolist() == [0] * 10 and len(reduce.grids) == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_split_counters_without_splits_or_on_other_backends(backend, device, launches):
+    """One split writes the output directly and the PyTorch and native backends split nothing: the counters are
+    accepted, never touched, and the result is the one without them."""
+    q, kv = _case([5, 40], device=device, seed=21)
+    counters = torch.zeros(4, dtype=torch.int32, device=device)
+    for num_splits in (1, None) if backend == "triton" else (3,):
+        plain = _run_and_check(backend, q, kv, num_splits=num_splits)
+        given = _run_and_check(backend, q, kv, num_splits=num_splits, split_counters=counters)
+        torch.testing.assert_close(given, plain, atol=0, rtol=0)
+        assert counters.tolist() == [0] * 4
+    if backend == "triton" and device == "cpu":
+        assert launches[1].grids == []   # the interpreter's device has few SMs: the heuristic splits nothing here
+
+
+def test_decode_split_counters():
+    counters = pk.decode_split_counters(4, 8, device="cpu")
+    assert counters.dtype == torch.int32 and counters.shape == (32,) and not counters.any()
+    for kwargs, match in ((dict(max_num_seqs=0, num_kv_heads=8), "max_num_seqs"),
+                          (dict(max_num_seqs=4, num_kv_heads=True), "num_kv_heads")):
+        with pytest.raises(ValueError, match=match):
+            pk.decode_split_counters(**kwargs, device="cpu")
+
+
+@pytest.mark.triton
+def test_split_counters_left_nonzero_are_refused(device, monkeypatch):
+    """Counters another launch still holds (or garbage) would merge too early or never: with value checks on
+    (always on CPU, PAGEDKERNELS_DEBUG=1 on CUDA) the launch refuses them."""
+    monkeypatch.setenv("PAGEDKERNELS_DEBUG", "1")
+    q, kv = _case([5, 40], device=device)
+    counters = torch.tensor([0, 0, 1, 0], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="split_counters must be all zeros"):
+        _run("triton", q, kv, num_splits=2, split_counters=counters)
+
+
+# ---------------------------------------------------------------------------------------------
 # argument validation
 # ---------------------------------------------------------------------------------------------
 
@@ -427,6 +493,12 @@ BAD_ARGUMENTS = [
     ("workspace", dict(workspace=[0.0] * 8192)),
     # 3 splits of 2 sequences x 4 heads x (64 + 1) floats need 1560
     ("workspace", dict(workspace=torch.empty(1559), num_splits=3)),
+    ("split_counters", dict(split_counters=torch.zeros(4))),
+    ("split_counters", dict(split_counters=torch.zeros(4, dtype=torch.int64))),
+    ("split_counters", dict(split_counters=torch.zeros(2, 2, dtype=torch.int32))),
+    ("split_counters", dict(split_counters=torch.zeros(8, dtype=torch.int32)[::2])),
+    ("split_counters", dict(split_counters=torch.zeros(4, dtype=torch.int32, device="meta"))),
+    ("split_counters", dict(split_counters=torch.zeros(3, dtype=torch.int32))),  # 2 sequences x 2 KV heads
 ]
 
 
@@ -477,15 +549,18 @@ def test_bad_values_raise(backend, match, overrides, device, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graph_capture_and_replay(monkeypatch):
+@pytest.mark.parametrize("fused", [False, True], ids=["split+reduce", "split_counters"])
+def test_cuda_graph_capture_and_replay(fused, monkeypatch):
     """No host sync and a shape-only grid: the launch captures, and replays follow new seq_lens. With
-    ``out`` and the split-K workspace from the caller, the captured launch allocates nothing."""
+    ``out`` and the split-K workspace from the caller, the captured launch allocates nothing. With
+    ``split_counters`` each replay leaves them zero for the next."""
     monkeypatch.delenv("PAGEDKERNELS_DEBUG", raising=False)
     q, kv = _case([5, 40, 70], num_kv_heads=2, group=4, dtype=torch.float16, device="cuda")
     out = torch.empty_like(q)
     workspace = pk.decode_workspace(3, 8, 2, 64, device="cuda")
+    counters = pk.decode_split_counters(3, 2, device="cuda") if fused else None
     call = lambda: pk.paged_decode_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
-                                             num_splits=3, out=out, workspace=workspace)
+                                             num_splits=3, out=out, workspace=workspace, split_counters=counters)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -504,14 +579,37 @@ def test_cuda_graph_capture_and_replay(monkeypatch):
         call()
     assert torch.cuda.memory_allocated() == allocated
     del first
-    for lens in ([5, 40, 70], [1, 17, 64]):
+    for lens in ([5, 40, 70], [1, 17, 64], [0, 70, 3], [5, 40, 70]):
         kv.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         expected = torch.stack([attention_oracle(q[s:s + 1], kv.keys[s][:n], kv.values[s][:n])[0]
-                                for s, n in enumerate(lens)])
+                                if n else torch.zeros(q.shape[1:], dtype=torch.float64) for s, n in enumerate(lens)])
         assert_attention_close(out, expected)
+        if fused:
+            assert not counters.any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_split_counters_under_contention_on_cuda(dtype, monkeypatch):
+    """Many programs racing for each counter on a real GPU: 48 sequences x 8 KV heads, each split 32 ways
+    (12288 programs at once, head 128, group 4), launched 20 times back to back on one set of counters. Every
+    launch equals the two-kernel one up to the order of the sums, and the counters end at zero."""
+    monkeypatch.delenv("PAGEDKERNELS_DEBUG", raising=False)
+    lens = [1 + (37 * i) % 1500 for i in range(48)]
+    q, kv = _case(lens, num_kv_heads=8, group=4, head_dim=128, dtype=dtype, device="cuda", seed=3)
+    counters = pk.decode_split_counters(48, 8, device="cuda")
+    args = (q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens)
+    unfused = pk.paged_decode_attention(*args, num_splits=32)
+    assert_attention_close(unfused, _expected(q, kv))
+    for _ in range(20):
+        fused = pk.paged_decode_attention(*args, num_splits=32, split_counters=counters)
+        torch.testing.assert_close(fused.float(), unfused.float(), atol=2e-3 if dtype != torch.float32 else 1e-5,
+                                   rtol=1e-2 if dtype != torch.float32 else 1e-5)
+    torch.cuda.synchronize()
+    assert not counters.any()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -53,6 +53,7 @@ def _inputs(seed=0):
         cu_seqlens_q=torch.arange(num_seqs + 1, dtype=torch.int32),
         # Sized for the split-K default of 3 sequences on any device (an H100's 132 SMs at most).
         workspace=pk.decode_workspace(num_seqs, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, device="cpu"),
+        split_counters=pk.decode_split_counters(num_seqs, NUM_KV_HEADS, device="cpu"),
         # float8 caches (written in the step, then read)
         key_cache8=(kv.key_cache / K_SCALE).clamp(-448, 448).to(FP8),
         value_cache8=(kv.value_cache / V_SCALE).clamp(-448, 448).to(FP8),
@@ -91,6 +92,9 @@ def _step(ops, inp, key_cache, value_cache):
     # The same with the caller's split-K workspace (the other decode op under torch_ops), and a softcap.
     decode_ws = ops.paged_decode_attention(q, key_cache, value_cache, kv.block_tables, kv.seq_lens, scale=0.1,
                                            softcap=30.0, workspace=inp["workspace"])
+    # and with the split counters too (the third decode op: the splits merged in the split kernel)
+    decode_fused = ops.paged_decode_attention(q, key_cache, value_cache, kv.block_tables, kv.seq_lens, scale=0.2,
+                                              workspace=inp["workspace"], split_counters=inp["split_counters"])
     prefill = ops.paged_prefill_attention(q, key_cache, value_cache, kv.block_tables, inp["cu_seqlens_q"],
                                           kv.seq_lens, scale=0.1, sliding_window=20)
     # the same attention over a float8 cache with its scales
@@ -100,7 +104,8 @@ def _step(ops, inp, key_cache, value_cache):
                                          k_scale=K_SCALE, v_scale=V_SCALE)
     prefill8 = ops.paged_prefill_attention(q, inp["key_cache8"], inp["value_cache8"], kv.block_tables,
                                            inp["cu_seqlens_q"], kv.seq_lens, k_scale=K_SCALE, v_scale=V_SCALE)
-    hidden = ops.rms_norm(decode.flatten(1) + decode_ws.flatten(1) + decode8.flatten(1), inp["norm_weight"], 1e-6)
+    hidden = ops.rms_norm(decode.flatten(1) + decode_ws.flatten(1) + decode8.flatten(1) + decode_fused.flatten(1),
+                          inp["norm_weight"], 1e-6)
     residual = prefill.flatten(1) + prefill8.flatten(1)
     hidden, residual = ops.fused_add_rms_norm(hidden, residual, inp["norm_weight"], 1e-6)
     act = ops.silu_and_mul(hidden)  # [num_seqs, 128]
@@ -180,6 +185,8 @@ def _opcheck_cases():
         "reshape_and_cache": (k, k.clone(), key_cache.clone(), value_cache.clone(), inp["slots"]),
         "paged_decode_attention": (*decode, 0.1, None, 30.0),
         "paged_decode_attention_workspace": (*decode8, inp["workspace"].zero_(), None, 9, None, K_SCALE, V_SCALE),
+        "paged_decode_attention_fused_reduce": (*decode, inp["workspace"].clone(), torch.zeros(6, dtype=torch.int32),
+                                                0.3, None, 20.0),
         "paged_prefill_attention": (q, key_cache8, value_cache8, kv.block_tables, inp["cu_seqlens_q"], kv.seq_lens,
                                     None, 7, None, K_SCALE, V_SCALE),
         "wq_gemm": (torch.randn(num_tokens, 128, generator=gen), wq.qweight, wq.scales, wq.zeros, 4, 64,
@@ -243,12 +250,14 @@ def test_opcheck_float_caches(name):
 
 def test_decode_ops_omitting_and_giving_the_workspace():
     """torch_ops.paged_decode_attention with the workspace left out, None, or given, positionally or
-    by keyword, eagerly: each gives the public op's result (torch 2.11 failed the first two)."""
+    by keyword, with the split counters beside it, eagerly: each gives the public op's result (torch 2.11 failed
+    the first two). The counters without a workspace are refused."""
     inp = _inputs(seed=3)
     kv = inp["kv"]
     q = torch.randn(3, NUM_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(3))
     args = (q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens)
     expected = pk.paged_decode_attention(*args, scale=0.2, sliding_window=9)
+    counters = pk.decode_split_counters(3, NUM_KV_HEADS, device="cpu")
     calls = [
         lambda: torch_ops.paged_decode_attention(*args, scale=0.2, sliding_window=9),
         lambda: torch_ops.paged_decode_attention(*args, 0.2, 9, None, None),
@@ -256,9 +265,14 @@ def test_decode_ops_omitting_and_giving_the_workspace():
         lambda: torch_ops.paged_decode_attention(*args, 0.2, 9, None, inp["workspace"]),
         lambda: torch.ops.pagedkernels.paged_decode_attention(*args, 0.2, 9),
         lambda: torch.ops.pagedkernels.paged_decode_attention_workspace(*args, inp["workspace"], 0.2, 9),
+        lambda: torch_ops.paged_decode_attention(*args, 0.2, 9, workspace=inp["workspace"], split_counters=counters),
+        lambda: torch.ops.pagedkernels.paged_decode_attention_fused_reduce(*args, inp["workspace"], counters, 0.2, 9),
     ]
     for call in calls:
         torch.testing.assert_close(call(), expected, atol=0, rtol=0)
+    assert not counters.any()
+    with pytest.raises(ValueError, match="split_counters needs a workspace"):
+        torch_ops.paged_decode_attention(*args, split_counters=counters)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,6 +299,12 @@ SPECS = {
                                           ("workspace", ((4096,), torch.float32)), ("scale", None),
                                           ("sliding_window", None), ("softcap", 5.0), ("k_scale", K_SCALE),
                                           ("v_scale", V_SCALE)], _Q),
+    "paged_decode_attention_fused_reduce": ([("q", _Q), ("key_cache", _CACHE), ("value_cache", _CACHE),
+                                             ("block_tables", _TABLES), ("seq_lens", _LENS),
+                                             ("workspace", ((4096,), torch.float32)),
+                                             ("split_counters", ((8,), torch.int32)), ("scale", 0.2),
+                                             ("sliding_window", 9), ("softcap", None), ("k_scale", 1.0),
+                                             ("v_scale", 1.0)], _Q),
     "paged_prefill_attention": ([("q", _Q), ("key_cache", _CACHE8), ("value_cache", _CACHE8),
                                  ("block_tables", _TABLES), ("cu_seqlens_q", ((4,), torch.int32)), ("seq_lens", _LENS),
                                  ("scale", None), ("sliding_window", 7), ("softcap", None), ("k_scale", K_SCALE),
@@ -404,6 +424,9 @@ def _public_call(op, args):
     options = ("scale", "sliding_window", "softcap", "k_scale", "v_scale")
     if op == "paged_decode_attention_workspace":
         return pk.paged_decode_attention(*args[:5], workspace=kw["workspace"], **{k: kw[k] for k in options})
+    if op == "paged_decode_attention_fused_reduce":
+        return pk.paged_decode_attention(*args[:5], workspace=kw["workspace"], split_counters=kw["split_counters"],
+                                         **{k: kw[k] for k in options})
     if op in ("paged_decode_attention", "paged_prefill_attention"):
         return getattr(pk, op)(*args[:-5], **{k: kw[k] for k in options})
     if op == "reshape_and_cache":
