@@ -34,8 +34,9 @@
 13. batch1 (540 s): the few-row decoder layers (pagedkernels.skinny_gemm, rotary_embedding_and_cache) in one call:
    skinny_gemm's launch configurations against cuBLAS at batch-1 projections and its heuristic at 2-8 rows (timed
    in CUDA graphs), then batch-1 decode at the Qwen3-0.6B and Llama-3-8B shapes with the few-row layers (the CUDA
-   default), with cuBLAS and with programmatic dependent launch on the same engine, kernels a step counted; then
-   the few-row and PDL tests on CUDA.
+   default), with cuBLAS, with programmatic dependent launch, and with the decode op's splits merged in its split
+   kernel (alone and with PDL) on the same engine, kernels a step counted; then the few-row, PDL and fused-reduce
+   tests on CUDA.
 
 ``--phase all`` (the default) runs them one after another. Each phase writes
 ``OUT/<date>-<device>-phase<N>-<name>.json`` and ``.md`` after every case (``.png`` at the end, when matplotlib
@@ -89,8 +90,9 @@ _LOCAL_PACKAGES = {"tests", "engine", "pagedkernels", "bench"}
 # reserve; transformers (after them) runs only with this much left.
 # The batch1 phase's closing tests: the few-row layers against cuBLAS's and programmatic dependent launch's bits on
 # CUDA (the engine and the kernels), in what the 8B engine leaves of the budget, at least this.
-BATCH1_TESTS = ["tests/pagedkernels/test_pdl.py", "tests/engine/test_cuda_features.py", "-k",
-                "pdl or programmatic or few_row"]
+BATCH1_TESTS = ["tests/pagedkernels/test_pdl.py", "tests/pagedkernels/test_decode_attention.py",
+                "tests/engine/test_cuda_features.py", "-k",
+                "pdl or programmatic or few_row or split_counters or fused_decode or cuda_graph_capture"]
 BATCH1_TESTS_RESERVE_S = 75.0
 HEADLINE_TESTS_CAP_S = 150.0
 HEADLINE_TESTS_RESERVE_S = 100.0
@@ -398,7 +400,8 @@ def _batch1(run: PhaseRun) -> None:
             ["qwen3-0.6b"], ("batch1", "batch1_profile"), reserve_s=run.budget.remaining() * 0.45)) \
         and run.step("batch-1 decode, Llama-3-8B shape", lambda: run.engine(
             ["llama-3-8b"], ("batch1", "batch1_profile"), reserve_s=BATCH1_TESTS_RESERVE_S)) \
-        and run.step("few-row and PDL tests", lambda: run.tests("few-row and PDL tests", BATCH1_TESTS))
+        and run.step("few-row, PDL and fused-reduce tests",
+                     lambda: run.tests("few-row, PDL and fused-reduce tests", BATCH1_TESTS))
 
 
 def _lora(run: PhaseRun) -> None:
