@@ -442,11 +442,24 @@ class ModelRunner(DecodeGraphs):
         return active
 
     def _logits(self, forward: ForwardResult, index: np.ndarray | slice) -> torch.Tensor:
-        """Logits [len(index), vocab] float32 of the step's tokens `index` (positions in the flattened batch)."""
-        where = index if isinstance(index, slice) else self._to_device(np.asarray(index, dtype=np.int64))
+        """Logits [len(index), vocab] float32 of the step's tokens `index` (positions in the flattened batch). Every
+        row in order (a decode step's) is a view, no gather: the step graph's output rows are valid until its next
+        replay, past this step's sampling."""
+        rows = forward.logits if forward.logits is not None else forward.hidden_states
+        where = self._rows_index(index, rows.shape[0])
         if forward.logits is not None:
             return forward.logits[where]
         return self.model.compute_logits(forward.hidden_states[where])
+
+    def _rows_index(self, index: np.ndarray | slice, num_rows: int) -> torch.Tensor | slice:
+        """`index` (positions among `num_rows` rows) as a tensor indexer: a slice as it is, every row in order as the
+        slice of all of them (no copy to the device, no gather kernel), else the positions on the device."""
+        if isinstance(index, slice):
+            return index
+        index = np.asarray(index, dtype=np.int64)
+        if len(index) == num_rows and (num_rows == 0 or (index[0] == 0 and (np.diff(index) == 1).all())):
+            return slice(None)
+        return self._to_device(index)
 
     # -- the step on the persistent batch ---------------------------------------------------------------------
 
@@ -555,7 +568,7 @@ class ModelRunner(DecodeGraphs):
             logits = torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device)
         greedy_ids = None
         if forward.greedy_ids is not None and len(logits_index):
-            greedy_ids = forward.greedy_ids[self._to_device(np.asarray(logits_index, dtype=np.int64))]
+            greedy_ids = forward.greedy_ids[self._rows_index(logits_index, forward.greedy_ids.shape[0])]
         sampled = self._sample(scheduler_output, logits, first_logit, num_drafts, output, greedy_ids)
         for seq_id in lora_failed:   # sampled from rows computed without their adapter: dropped
             for results in (output.sampled_token_ids, output.logprobs, output.beam_candidates,
@@ -619,6 +632,14 @@ class ModelRunner(DecodeGraphs):
                 counts[row_of[cached.seq_id]] = cached.token_start + len(cached.new_token_ids)
         return counts
 
+    def _zero_temperatures(self, n: int) -> torch.Tensor:
+        """float32 zeros [n] on the device, kept between steps: an all-greedy step's temperatures without a copy to
+        the device (the sampler reads them, never writes them)."""
+        zeros = getattr(self, "_zeros_f32", None)
+        if zeros is None or zeros.numel() < n:
+            zeros = self._zeros_f32 = torch.zeros(max(n, self.max_num_seqs), dtype=torch.float32, device=self.device)
+        return zeros[:n]
+
     def _feed_in_flight(self, pending: SampledIds, in_flight: dict[int, int], model_rows: np.ndarray,
                         starts: np.ndarray, cu: np.ndarray, input_ids: torch.Tensor) -> None:
         """Write the ids in flight into the forward's input ids, on the device (no value read): row r's token at
@@ -630,7 +651,7 @@ class ModelRunner(DecodeGraphs):
             i = in_step[row]
             token_index.append(int(cu[i] + position - starts[i]))
             seq_ids.append(batch.seq_ids[row])
-        pending.scatter_into(input_ids, token_index, seq_ids, self._to_device)
+        pending.scatter_into(input_ids, token_index, seq_ids, self.staging.to_device_many)
 
     def _resolve_pending(self) -> None:
         """The previous step's sampled ids on the host (waiting for their copy, normally long landed): appended to
@@ -790,7 +811,9 @@ class ModelRunner(DecodeGraphs):
         batch = self.input_batch
         index = np.asarray(rows, dtype=np.int64)
         temperature = batch.temperature[index]
-        meta = SamplingMetadata(temperature=self._to_device(temperature), greedy=(temperature == 0.0).tolist())
+        greedy = temperature == 0.0
+        meta = SamplingMetadata(temperature=self._zero_temperatures(len(rows)) if greedy.all()
+                                else self._to_device(temperature), greedy=greedy.tolist())
         top_k, top_p, min_p = batch.top_k[index], batch.top_p[index], batch.min_p[index]
         if top_k.any():
             meta.top_k = top_k.tolist()

@@ -800,7 +800,8 @@ class SampledIds:
         self.position = {seq_id: j for j, seq_id in enumerate(seq_ids)}
         # seq_id -> its token count on the host when it sampled (where its id goes; rank 0, which samples).
         self.host_lengths = dict(zip(seq_ids, host_lengths or ()))
-        self.ids = torch.zeros(len(seq_ids), dtype=torch.int64, device=device)
+        self._device = device
+        self._ids: torch.Tensor | None = None   # see `ids`
         self.parts: list[tuple[int, SampledTensors]] = []   # (first position, what one sampling call drew)
         self.failed: set[int] = set()
         self.values: list[int] | None = None
@@ -808,15 +809,29 @@ class SampledIds:
         self._host = None
         self._event = None
 
+    @property
+    def ids(self) -> torch.Tensor:
+        """int64 [len(seq_ids)] on the device: the ids drawn so far, 0 where none was (a failed row; all of them on a
+        tensor-parallel rank that receives them by broadcast)."""
+        if self._ids is None:
+            self._ids = torch.zeros(len(self.seq_ids), dtype=torch.int64, device=self._device)
+        return self._ids
+
     def add(self, start: int, drawn: SampledTensors) -> None:
-        """What one sampling call drew for positions start.. (the whole batch, or one row after a failure)."""
-        self.ids[start:start + drawn.sampled_token_ids.shape[0]] = drawn.sampled_token_ids
+        """What one sampling call drew for positions start.. (the whole batch, or one row after a failure). A draw of
+        every row is copied as it is (no zeros first); its tensor may be a graph's output, overwritten by the next
+        replay."""
+        count = drawn.sampled_token_ids.shape[0]
+        if self._ids is None and start == 0 and count == len(self.seq_ids):
+            self._ids = drawn.sampled_token_ids.to(dtype=torch.int64, copy=True)
+        else:
+            self.ids[start:start + count] = drawn.sampled_token_ids
         self.parts.append((start, drawn))
 
     def start_copy(self) -> None:
         """Queue the copy of the ids (and logprobs) to pinned host memory behind the sampler (CUDA); on CPU the
         values are where they are."""
-        if self.ids.device.type != "cuda":
+        if torch.device(self._device).type != "cuda":
             return
         tensors = [self.ids] + [drawn.packed_logprobs for _, drawn in self.parts if drawn.packed_logprobs is not None]
         self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
@@ -857,12 +872,19 @@ class SampledIds:
                 output.logprobs[seq_id] = logprobs
 
     def scatter_into(self, input_ids: torch.Tensor, token_index: list[int], seq_ids: list[int],
-                     to_device) -> None:
-        """input_ids[token_index[i]] = the id sampled for seq_ids[i], on the device (no value read)."""
+                     to_device_many) -> None:
+        """input_ids[token_index[i]] = the id sampled for seq_ids[i], on the device (no value read). `to_device_many`:
+        host arrays -> device tensors in one copy (HostStaging.to_device_many). Every id, in order, onto every input
+        (a decode step of the same sequences): one device copy, nothing from the host."""
         if not token_index:
             return
-        src = to_device(np.asarray([self.position[s] for s in seq_ids], dtype=np.int64))
-        dst = to_device(np.asarray(token_index, dtype=np.int64))
+        src = np.asarray([self.position[s] for s in seq_ids], dtype=np.int64)
+        dst = np.asarray(token_index, dtype=np.int64)
+        n = len(src)
+        if n == len(self.seq_ids) == input_ids.shape[0] and (src == dst).all() and (src == np.arange(n)).all():
+            input_ids.copy_(self.ids)
+            return
+        src, dst = to_device_many(src, dst)
         input_ids.index_copy_(0, dst, self.ids.index_select(0, src))
 
 

@@ -340,6 +340,49 @@ def test_async_steps_queue_without_waiting_for_the_device(tiny_model_dir, monkey
         assert all(len(runner.input_batch.states[i].token_ids) == len(p) + 1 for i, p in enumerate(prompts))
 
 
+@pytest.mark.parametrize("num_seqs", [1, 3])
+def test_a_greedy_decode_step_copies_to_the_device_once(tiny_model_dir, monkeypatch, num_seqs):
+    """Async scheduling, greedy requests in steady decoding (every row's input the id it sampled last step, the step
+    graph's own argmax the draw): one host -> device copy a step, the step's inputs. The ids in flight go onto the
+    inputs in one device copy, the logits and greedy ids are the graph's rows as they are, and the temperatures a
+    kept tensor of zeros. A step that adds a sequence beside them gathers and scatters as before."""
+    from engine.worker.input_batch import HostStaging
+    from engine.worker.sampler import SampledIds
+
+    model_dir = tiny_model_dir("llama")
+    monkeypatch.setattr(SampledIds, "resolve", lambda self: setattr(self, "values", [5] * len(self.seq_ids)))
+    copies = []
+    real = HostStaging.to_device_many
+    monkeypatch.setattr(HostStaging, "to_device_many",
+                        lambda self, *arrays: (copies.append([a.shape for a in arrays]), real(self, *arrays))[1])
+    prompts = [random_token_ids(9 + i, seed=40 + i) for i in range(num_seqs + 1)]
+    greedy = SamplingParams(temperature=0)
+
+    def new(i):
+        return NewSequenceData(seq_id=i, token_ids=prompts[i], num_prompt_tokens=len(prompts[i]),
+                               num_computed_tokens=0, block_ids=[i], params=greedy, seed=None, stop_token_ids=[2],
+                               bad_words_token_ids=[])
+
+    with fake_cuda():
+        runner = _runner(model_dir, num_kv_blocks=64, async_scheduling=True)
+        runner.execute_model(SchedulerOutput(new_seqs=[new(i) for i in range(num_seqs)], cached_seqs=[],
+                                             num_scheduled_tokens={i: len(prompts[i]) for i in range(num_seqs)}))
+        for step in range(3):
+            copies.clear()
+            decode = [CachedSequenceData(i, [], 1, [], len(prompts[i]) + step, token_start=len(prompts[i]) + step)
+                      for i in range(num_seqs)]
+            runner.execute_model(SchedulerOutput(new_seqs=[], cached_seqs=decode,
+                                                 num_scheduled_tokens={i: 1 for i in range(num_seqs)}))
+            assert len(copies) == 1 and len(copies[0]) == 6, copies   # build_inputs' six arrays, nothing else
+        copies.clear()
+        decode = [CachedSequenceData(i, [], 1, [], len(prompts[i]) + 3, token_start=len(prompts[i]) + 3)
+                  for i in range(num_seqs)]
+        runner.execute_model(SchedulerOutput(new_seqs=[new(num_seqs)], cached_seqs=decode,
+                                             num_scheduled_tokens={**{i: 1 for i in range(num_seqs)},
+                                                                   num_seqs: len(prompts[num_seqs])}))
+        assert [len(c) for c in copies][:2] == [6, 2]   # the inputs, then the in-flight ids' positions
+
+
 def test_a_speculative_step_reads_the_device_once(tiny_model_dir, monkeypatch):
     """An n-gram speculative step on the CUDA paths (greedy and sampled rows verifying drafts, seeded and not)
     queues its verification and rejection sampling without a host sync or pageable copy; its one read is the
