@@ -3,8 +3,9 @@ graphs of the native kernels on CPUs), as the runner's `DecodeGraphs` half (engi
 other: what a step shares on every device).
 
 Pure-decode batches on CUDA replay CUDA graphs: a batch is padded up the ``graph_batch_sizes`` ladder (1, 2, 4, 8,
-then steps of 16 up to ``max_num_seqs``), copied into static input buffers, and the graph captured for that size
-replays on them. Padded rows write no K/V (slot -1) and attend to nothing (seq_len 0); their outputs are dropped. On
+then steps of 16 up to ``max_num_seqs``), its inputs copied from pinned host memory straight into the static inputs of
+the graph captured for that size (one region per size: one copy a step, padding included), and the graph replays on
+them. Padded rows write no K/V (slot -1) and attend to nothing (seq_len 0); their outputs are dropped. On
 one rank (not in CPU graphs) a graph runs the whole step to the sampler: the forward, the LM head over its rows and
 their greedy argmax (``ModelRunner.step_graphs``). On CPU the steps replay CPU graphs of the native kernels
 (``pagedkernels.cpu_graph``) on a ladder of their own (``cpu_graph_batch_sizes``), each captured by the first step
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -87,6 +88,38 @@ class EagerGraphRunner:
         return self.output.copy_(output)
 
 
+class StaticInputs(NamedTuple):
+    """A decode graph's inputs: ``[b]`` each, ``block_tables [b, max_blocks_per_seq]``."""
+    input_ids: torch.Tensor      # int64
+    positions: torch.Tensor      # int64
+    slot_mapping: torch.Tensor   # int64
+    seq_lens: torch.Tensor       # int32
+    block_tables: torch.Tensor   # int32
+
+
+# StaticInputs' dtypes, in their order in a region
+_STATIC_DTYPES = (torch.int64, torch.int64, torch.int64, torch.int32, torch.int32)
+
+
+def static_region_layout(batch_size: int, max_blocks_per_seq: int) -> tuple[list[int], int]:
+    """Byte offsets of StaticInputs' fields in one device buffer for a graph of ``batch_size`` rows (each field
+    64-byte aligned), and the buffer's size."""
+    offsets, at = [], 0
+    for k, dtype in enumerate(_STATIC_DTYPES):
+        offsets.append(at)
+        at += -(-dtype.itemsize * batch_size * (max_blocks_per_seq if k == 4 else 1) // 64) * 64
+    return offsets, at
+
+
+def _region_views(region: torch.Tensor, batch_size: int, max_blocks_per_seq: int) -> StaticInputs:
+    offsets, _ = static_region_layout(batch_size, max_blocks_per_seq)
+    views = []
+    for k, (dtype, offset) in enumerate(zip(_STATIC_DTYPES, offsets)):
+        shape = (batch_size, max_blocks_per_seq) if k == 4 else (batch_size,)
+        views.append(region[offset:offset + dtype.itemsize * int(np.prod(shape))].view(dtype).view(shape))
+    return StaticInputs(*views)
+
+
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """Padded decode batch sizes graphs are captured for: 1, 2, 4, 8, then multiples of 16 up to
     ``max_num_seqs``."""
@@ -106,18 +139,67 @@ class DecodeGraphs:
     """The decode-graph half of :class:`engine.worker.model_runner.ModelRunner` (a mixin: its state is the runner's
     graph_runner_class, graph_batch_sizes, graphs / lora_graphs, static buffers, step_graphs and _forward)."""
 
-    def _allocate_static_buffers(self) -> None:
-        """Inputs of the captured decode graphs, sized for the largest padded batch; a graph for
-        batch size b reads the first b rows."""
+    def _allocate_static_buffers(self, per_size_regions: bool | None = None) -> None:
+        """Inputs of the captured decode graphs (static_inputs). On CPU one set sized for the largest padded batch:
+        a graph for batch size b reads its first b rows, and a step copies its inputs there (memcpy). On CUDA each
+        graph size has its own region, one device buffer laid out as static_region_layout, which the step's inputs
+        fill in a single host -> device copy (build_inputs: no device-to-device copies, no padding fills).
+        ``per_size_regions``: the CUDA layout on any device (tests; default: on CUDA only)."""
         size = self.graph_batch_sizes[-1]
         device = self.device
-        self.static_input_ids = torch.zeros(size, dtype=torch.int64, device=device)
-        self.static_positions = torch.zeros(size, dtype=torch.int64, device=device)
-        self.static_slot_mapping = torch.full((size,), -1, dtype=torch.int64, device=device)
-        self.static_seq_lens = torch.zeros(size, dtype=torch.int32, device=device)
-        self.static_block_tables = torch.zeros(size, self.max_blocks_per_seq, dtype=torch.int32, device=device)
+        self._static_inputs: dict[int, StaticInputs] = {}
+        self._static_regions: dict[int, torch.Tensor] = {}
+        self._shared_static: StaticInputs | None = None
+        if not (device.type == "cuda" if per_size_regions is None else per_size_regions):
+            self._shared_static = StaticInputs(
+                torch.zeros(size, dtype=torch.int64, device=device), torch.zeros(size, dtype=torch.int64, device=device),
+                torch.full((size,), -1, dtype=torch.int64, device=device),
+                torch.zeros(size, dtype=torch.int32, device=device),
+                torch.zeros(size, self.max_blocks_per_seq, dtype=torch.int32, device=device))
         self.static_cu_seqlens_q = torch.arange(size + 1, dtype=torch.int32, device=device)
         self.graph_pool = self.graph_runner_class.new_pool(device)
+
+    def static_inputs(self, batch_size: int) -> StaticInputs:
+        """The inputs the decode graph of ``batch_size`` rows reads (padding rows: id 0 at position 0, slot -1,
+        seq_len 0), allocated on first use (never inside a capture: the capture asks for them first)."""
+        static = self._static_inputs.get(batch_size)
+        if static is None:
+            if self._shared_static is not None:
+                static = StaticInputs(*(t[:batch_size] for t in self._shared_static))
+            else:
+                _, nbytes = static_region_layout(batch_size, self.max_blocks_per_seq)
+                region = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+                self._static_regions[batch_size] = region
+                static = _region_views(region, batch_size, self.max_blocks_per_seq)
+                static.slot_mapping.fill_(-1)
+            self._static_inputs[batch_size] = static
+        return static
+
+    def decode_graph_size(self, num_tokens: int, num_seqs: int) -> int | None:
+        """The padded batch size whose decode graph a step of ``num_seqs`` sequences and ``num_tokens`` tokens
+        replays, or None (not a pure decode, eager, or above the ladder)."""
+        if num_tokens != num_seqs or num_seqs == 0 or self.enforce_eager or num_seqs > self.graph_batch_sizes[-1]:
+            return None
+        return next(size for size in self.graph_batch_sizes if size >= num_seqs)
+
+    def stage_decode_inputs(self, batch_size: int, input_ids: np.ndarray, positions: np.ndarray,
+                            slot_mapping: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray
+                            ) -> StaticInputs:
+        """A pure-decode step's inputs straight into the CUDA region of its graph (``batch_size`` rows), padding rows
+        included, in one host -> device copy out of the pinned staging; returns the region's inputs."""
+        static = self.static_inputs(batch_size)
+        n = len(input_ids)
+        pad = batch_size - n
+        offsets, _ = static_region_layout(batch_size, self.max_blocks_per_seq)
+        m = self.max_blocks_per_seq
+        ids, pos, slots, lens, tables = _STATIC_DTYPES
+        self.staging.to_device_region(self._static_regions[batch_size], [
+            (offsets[0], ids, (batch_size,), np.pad(input_ids, (0, pad))),
+            (offsets[1], pos, (batch_size,), np.pad(positions, (0, pad))),
+            (offsets[2], slots, (batch_size,), np.pad(slot_mapping, (0, pad), constant_values=-1)),
+            (offsets[3], lens, (batch_size,), np.pad(seq_lens, (0, pad))),
+            (offsets[4], tables, (batch_size, m), block_tables)])
+        return static
 
     def run_decode_graph(self, input_ids: torch.Tensor, positions: torch.Tensor,
                          meta: AttentionMetadata, lora_slots: np.ndarray | None = None) -> torch.Tensor:
@@ -129,16 +211,10 @@ class DecodeGraphs:
         (-1 or None: none): a step with adapters replays the LoRA variant of the graph (``lora_graphs``)."""
         num_seqs = input_ids.shape[0]
         batch_size = next(size for size in self.graph_batch_sizes if size >= num_seqs)
-        self.static_input_ids[:num_seqs].copy_(input_ids)
-        self.static_input_ids[num_seqs:batch_size].zero_()
-        self.static_positions[:num_seqs].copy_(positions)
-        self.static_positions[num_seqs:batch_size].zero_()
-        self.static_slot_mapping[:num_seqs].copy_(meta.slot_mapping)
-        self.static_slot_mapping[num_seqs:batch_size].fill_(-1)
-        self.static_seq_lens[:num_seqs].copy_(meta.seq_lens)
-        self.static_seq_lens[num_seqs:batch_size].zero_()
-        # Columns past a sequence's last block keep stale ids: never read (its seq_len bounds them).
-        self.static_block_tables[:num_seqs, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        static = self.static_inputs(batch_size)
+        staged, self._staged_decode_inputs = getattr(self, "_staged_decode_inputs", None), None
+        if staged is not input_ids:   # not staged in the graph's inputs by build_inputs (the CPU's steps)
+            self._copy_into_static(static, input_ids, positions, meta)
         lora_active = self._prepare_lora(lora_slots, batch_size)
         graphs = self.lora_graphs if lora_active else self.graphs
         runner = graphs.get(batch_size)
@@ -196,6 +272,22 @@ class DecodeGraphs:
             self.drop_graphs()
         return on
 
+    @staticmethod
+    def _copy_into_static(static: StaticInputs, input_ids: torch.Tensor, positions: torch.Tensor,
+                          meta: AttentionMetadata) -> None:
+        """A step's inputs into a graph's (its first rows), the rest padding."""
+        num_seqs = input_ids.shape[0]
+        static.input_ids[:num_seqs].copy_(input_ids)
+        static.input_ids[num_seqs:].zero_()
+        static.positions[:num_seqs].copy_(positions)
+        static.positions[num_seqs:].zero_()
+        static.slot_mapping[:num_seqs].copy_(meta.slot_mapping)
+        static.slot_mapping[num_seqs:].fill_(-1)
+        static.seq_lens[:num_seqs].copy_(meta.seq_lens)
+        static.seq_lens[num_seqs:].zero_()
+        # Columns past a sequence's last block keep stale ids: never read (its seq_len bounds them).
+        static.block_tables[:num_seqs, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+
     def drop_graphs(self) -> None:
         """Drop every captured decode graph; the next step of each size captures its graph again. For a change to
         how the kernels launch that a graph keeps from its capture (pagedkernels.set_programmatic_dependent_launch:
@@ -229,12 +321,11 @@ class DecodeGraphs:
         """The graph runner of `batch_size` (its LoRA variant with `lora_active`: the LoRA batch is prepared so),
         captured on the static buffers, and the output of its capture's forward on them when that is this step's
         result (a CPU graph's), else None."""
-        meta = AttentionMetadata(slot_mapping=self.static_slot_mapping[:batch_size],
-                                 block_tables=self.static_block_tables[:batch_size],
-                                 seq_lens=self.static_seq_lens[:batch_size],
-                                 cu_seqlens_q=self.static_cu_seqlens_q[:batch_size + 1], is_decode=True,
-                                 skinny=batch_size <= self.skinny_max_rows)
-        input_ids, positions = self.static_input_ids[:batch_size], self.static_positions[:batch_size]
+        static = self.static_inputs(batch_size)
+        meta = AttentionMetadata(slot_mapping=static.slot_mapping, block_tables=static.block_tables,
+                                 seq_lens=static.seq_lens, cu_seqlens_q=self.static_cu_seqlens_q[:batch_size + 1],
+                                 is_decode=True, skinny=batch_size <= self.skinny_max_rows)
+        input_ids, positions = static.input_ids, static.positions
         runner = self.graph_runner_class(self.graph_pool)
         forward = lambda: self._forward(input_ids, positions, meta)  # noqa: E731
         if self.step_graphs:

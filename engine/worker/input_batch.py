@@ -362,6 +362,23 @@ class HostStaging:
         return tuple(on_device[start - base:start - base + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
                      for tensor, start in zip(tensors, starts))
 
+    def to_device_region(self, region: torch.Tensor,
+                         parts: list[tuple[int, torch.dtype, tuple[int, ...], np.ndarray]]) -> None:
+        """Fill the device buffer ``region`` (uint8, CUDA) in one copy: each (byte offset, dtype, shape, array) of
+        ``parts`` is a field of that dtype and shape at that offset, whose leading ``array.shape`` block takes
+        ``array`` (a table's first rows and columns; converted to the dtype). The region's bytes are laid out in this
+        step's arena, then copied at once; bytes no array covers carry whatever the arena held (the caller's layout
+        never reads them)."""
+        base = self._offset
+        end = base + -(-region.numel() // self.ALIGN) * self.ALIGN
+        arena = self._arena(end)
+        for offset, dtype, shape, array in parts:
+            count = int(np.prod(shape)) * dtype.itemsize
+            field = arena[base + offset:base + offset + count].view(dtype).view(shape)
+            field[tuple(slice(0, n) for n in array.shape)].copy_(torch.from_numpy(np.ascontiguousarray(array)))
+        region.copy_(arena[base:base + region.numel()], non_blocking=True)
+        self._offset = end
+
     def _arena(self, needed: int) -> torch.Tensor:
         index = self._current
         arena = self._arenas[index]

@@ -392,11 +392,14 @@ class ModelRunner(DecodeGraphs):
     # -- per step ---------------------------------------------------------------------------------
 
     def build_inputs(self, input_ids: np.ndarray, positions: np.ndarray, query_lens: np.ndarray,
-                     block_tables: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+                     block_tables: np.ndarray, *, graph: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The forward's inputs on the device from the host arrays of a batch of sequences: input_ids and
         positions int64 [num_tokens] (sequence after sequence), query_lens int64 [num_seqs] (their new tokens),
         block_tables int32 [num_seqs, width] (width: the columns the batch touches). Slots come from the tables;
-        seq_lens = the last position + 1 of each sequence."""
+        seq_lens = the last position + 1 of each sequence. ``graph``: the inputs go to ``_forward_hidden``, so a
+        pure-decode step on CUDA lands them in its decode graph's own inputs (views of them are returned, valid
+        until the next such step)."""
         num_seqs = len(query_lens)
         cu_seqlens_q = np.zeros(num_seqs + 1, dtype=np.int32)
         np.cumsum(query_lens, out=cu_seqlens_q[1:])
@@ -404,6 +407,18 @@ class ModelRunner(DecodeGraphs):
         seq_lens = (positions[cu_seqlens_q[1:] - 1] + 1).astype(np.int32)
         slot_mapping = (block_tables[seq_index, positions // self.block_size].astype(np.int64) * self.block_size
                         + positions % self.block_size)
+        graph_size = (self.decode_graph_size(len(positions), num_seqs)
+                      if graph and self.staging.pinned and block_tables.shape[1] <= self.max_blocks_per_seq else None)
+        if graph_size is not None:   # on CUDA a graph's step: one copy into the graph's own inputs, padding and all
+            static = self.stage_decode_inputs(graph_size, input_ids, positions, slot_mapping, seq_lens, block_tables)
+            meta = AttentionMetadata(slot_mapping=static.slot_mapping[:num_seqs],
+                                     block_tables=static.block_tables[:num_seqs, :block_tables.shape[1]],
+                                     seq_lens=static.seq_lens[:num_seqs],
+                                     cu_seqlens_q=self.static_cu_seqlens_q[:num_seqs + 1], is_decode=True,
+                                     skinny=num_seqs <= self.skinny_max_rows)
+            input_ids_t = static.input_ids[:num_seqs]
+            self._staged_decode_inputs = input_ids_t   # run_decode_graph finds them in place
+            return input_ids_t, static.positions[:num_seqs], meta
         # One copy to the device for the six (on CUDA; views on CPU).
         input_ids_t, positions_t, slot_mapping_t, block_tables_t, seq_lens_t, cu_seqlens_q_t = \
             self.staging.to_device_many(input_ids, positions, slot_mapping, block_tables, seq_lens, cu_seqlens_q)
@@ -514,7 +529,7 @@ class ModelRunner(DecodeGraphs):
         input_ids = batch.token_ids[model_rows[seq_index], positions].astype(np.int64)
         width = max(1, -(-int((starts + query_lens).max()) // self.block_size))
         input_ids_t, positions_t, meta = self.build_inputs(input_ids, positions, query_lens,
-                                                           batch.block_table[model_rows, :width])
+                                                           batch.block_table[model_rows, :width], graph=True)
         if in_flight:   # those rows' input at that position is the id in flight: from the device
             self._feed_in_flight(pending, in_flight, model_rows, starts, cu, input_ids_t)
         lora_failed: dict[int, str] = {}   # seq_id -> why its adapter is missing (its request fails)
@@ -987,7 +1002,7 @@ class ModelRunner(DecodeGraphs):
         query_lens_np = np.asarray(query_lens, dtype=np.int64)
         input_ids_t, positions_t, meta = self.build_inputs(np.asarray(input_ids, dtype=np.int64),
                                                            np.asarray(positions, dtype=np.int64), query_lens_np,
-                                                           block_tables)
+                                                           block_tables, graph=True)
         forward = self._forward_hidden(input_ids_t, positions_t, meta, len(scheduled))
         logits = self._logits(forward, np.cumsum(query_lens_np) - 1)
         if not all_logits_for:

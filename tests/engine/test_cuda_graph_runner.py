@@ -34,14 +34,13 @@ class RecordingGraphRunner(EagerGraphRunner):
         self.batch_size = graph_rows(self.output)
 
     def replay(self):
-        runner = self.model_runner
-        b = self.batch_size
+        static = self.model_runner.static_inputs(self.batch_size)
         RecordingGraphRunner.replays.append({
-            "batch_size": b, "graph": self,
-            "input_ids_ptr": runner.static_input_ids.data_ptr(),
-            "slot_mapping": runner.static_slot_mapping[:b].clone(),
-            "seq_lens": runner.static_seq_lens[:b].clone(),
-            "positions": runner.static_positions[:b].clone(),
+            "batch_size": self.batch_size, "graph": self,
+            "input_ids_ptr": static.input_ids.data_ptr(),
+            "slot_mapping": static.slot_mapping.clone(),
+            "seq_lens": static.seq_lens.clone(),
+            "positions": static.positions.clone(),
         })
         return super().replay()
 
@@ -105,8 +104,8 @@ def test_padded_replay_equals_eager(tiny_model_dir, arch, compiled, monkeypatch)
     assert graphed.compiled == compiled and not eager.compiled
     monkeypatch.setattr(RecordingGraphRunner, "replays", [])
     monkeypatch.setattr(RecordingGraphRunner, "model_runner", graphed, raising=False)
-    assert eager.enforce_eager and not hasattr(eager, "static_input_ids")
-    static_ptr = graphed.static_input_ids.data_ptr()
+    assert eager.enforce_eager and not hasattr(eager, "_static_inputs")
+    static_ptr = graphed.static_inputs(1).input_ids.data_ptr()   # on CPU one set of buffers serves every size
 
     expected = _run(eager, _sequences(eager.config.vocab_size))
     got = _run(graphed, _sequences(graphed.config.vocab_size))
@@ -307,3 +306,43 @@ def test_decode_graph_runs_the_whole_step_to_the_sampler(tiny_model_dir, monkeyp
             assert calls[True] == [3] and calls[False] == [3] * 5
         else:
             assert calls[True] == calls[False] == [3] * 5
+
+
+def test_inputs_staged_in_each_graphs_region_equal_eager(tiny_model_dir, monkeypatch):
+    """The CUDA layout on the CPU: each graph size its own input region, which a pure-decode step fills in one copy
+    from the (here unpinned) staging, padding rows included (id 0 at position 0, slot -1, seq_len 0), with no copies
+    into the graph's inputs at replay. The steps' results are the eager runner's, and what each replay read is the
+    step's inputs and its padding."""
+    import numpy as np
+
+    from engine.worker.input_batch import HostStaging
+
+    model_dir = tiny_model_dir("qwen3")
+    eager = make_runner(model_dir, enforce_eager=True, compile_model=False)
+    graphed = make_runner(model_dir, enforce_eager=False, graph_runner_class=RecordingGraphRunner,
+                          compile_model=False)
+    graphed._allocate_static_buffers(per_size_regions=True)
+    graphed.staging.pinned = True
+    monkeypatch.setattr(HostStaging, "_arena", lambda self, needed: torch.empty(max(needed, 1 << 16),
+                                                                                  dtype=torch.uint8))
+    regions = []
+    real = HostStaging.to_device_region
+    monkeypatch.setattr(HostStaging, "to_device_region",
+                        lambda self, region, parts: (regions.append(region.numel()), real(self, region, parts))[1])
+    monkeypatch.setattr(RecordingGraphRunner, "replays", [])
+    monkeypatch.setattr(RecordingGraphRunner, "model_runner", graphed, raising=False)
+    copied = []
+    monkeypatch.setattr(type(graphed), "_copy_into_static", staticmethod(lambda *args: copied.append(args)))
+    expected = _run(eager, _sequences(eager.config.vocab_size))
+    got = _run(graphed, _sequences(graphed.config.vocab_size))
+    for step, (a, b) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step}: {m}")
+    torch.testing.assert_close(graphed.kv_cache, eager.kv_cache, atol=1e-4, rtol=1e-4, equal_nan=True)
+    replays = RecordingGraphRunner.replays
+    assert [r["batch_size"] for r in replays] == [4, 1, 8, 4] and len(regions) == 4 and copied == []
+    assert len({r["input_ids_ptr"] for r in replays}) == 3   # a region per size
+    for record, num_real in zip(replays, [3, 1, 5, 3]):
+        assert (record["slot_mapping"][num_real:] == -1).all() and (record["slot_mapping"][:num_real] >= 0).all()
+        assert (record["seq_lens"][num_real:] == 0).all() and (record["seq_lens"][:num_real] > 0).all()
+        assert (record["positions"][num_real:] == 0).all()
+    assert np.array_equal(regions, [graphed._static_regions[b].numel() for b in (4, 1, 8, 4)])

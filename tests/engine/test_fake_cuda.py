@@ -343,18 +343,21 @@ def test_async_steps_queue_without_waiting_for_the_device(tiny_model_dir, monkey
 @pytest.mark.parametrize("num_seqs", [1, 3])
 def test_a_greedy_decode_step_copies_to_the_device_once(tiny_model_dir, monkeypatch, num_seqs):
     """Async scheduling, greedy requests in steady decoding (every row's input the id it sampled last step, the step
-    graph's own argmax the draw): one host -> device copy a step, the step's inputs. The ids in flight go onto the
-    inputs in one device copy, the logits and greedy ids are the graph's rows as they are, and the temperatures a
-    kept tensor of zeros. A step that adds a sequence beside them gathers and scatters as before."""
+    graph's own argmax the draw): one host -> device copy a step, the step's inputs, straight into its graph's inputs
+    (padding rows included). The ids in flight go onto the inputs in one device copy, the logits and greedy ids are
+    the graph's rows as they are, and the temperatures a kept tensor of zeros. A step that adds a sequence beside
+    them gathers and scatters as before."""
     from engine.worker.input_batch import HostStaging
     from engine.worker.sampler import SampledIds
 
     model_dir = tiny_model_dir("llama")
     monkeypatch.setattr(SampledIds, "resolve", lambda self: setattr(self, "values", [5] * len(self.seq_ids)))
     copies = []
-    real = HostStaging.to_device_many
+    real, real_region = HostStaging.to_device_many, HostStaging.to_device_region
     monkeypatch.setattr(HostStaging, "to_device_many",
                         lambda self, *arrays: (copies.append([a.shape for a in arrays]), real(self, *arrays))[1])
+    monkeypatch.setattr(HostStaging, "to_device_region", lambda self, region, parts: (
+        copies.append(("graph inputs", len(parts))), real_region(self, region, parts))[1])
     prompts = [random_token_ids(9 + i, seed=40 + i) for i in range(num_seqs + 1)]
     greedy = SamplingParams(temperature=0)
 
@@ -373,14 +376,15 @@ def test_a_greedy_decode_step_copies_to_the_device_once(tiny_model_dir, monkeypa
                       for i in range(num_seqs)]
             runner.execute_model(SchedulerOutput(new_seqs=[], cached_seqs=decode,
                                                  num_scheduled_tokens={i: 1 for i in range(num_seqs)}))
-            assert len(copies) == 1 and len(copies[0]) == 6, copies   # build_inputs' six arrays, nothing else
+            # build_inputs' five arrays straight into the graph's inputs, nothing else
+            assert copies == [("graph inputs", 5)], copies
         copies.clear()
         decode = [CachedSequenceData(i, [], 1, [], len(prompts[i]) + 3, token_start=len(prompts[i]) + 3)
                   for i in range(num_seqs)]
         runner.execute_model(SchedulerOutput(new_seqs=[new(num_seqs)], cached_seqs=decode,
                                              num_scheduled_tokens={**{i: 1 for i in range(num_seqs)},
                                                                    num_seqs: len(prompts[num_seqs])}))
-        assert [len(c) for c in copies][:2] == [6, 2]   # the inputs, then the in-flight ids' positions
+        assert [len(c) for c in copies][:2] == [6, 2]   # a mixed step's inputs, then the in-flight ids' positions
 
 
 def test_a_speculative_step_reads_the_device_once(tiny_model_dir, monkeypatch):
