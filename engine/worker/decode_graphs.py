@@ -272,6 +272,25 @@ class DecodeGraphs:
             self.drop_graphs()
         return on
 
+    def _greedy_tail(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step graph's tail: the LM head over its rows, then their greedy ids (_logits_and_greedy). Compiled where
+        the forward is, so the product's cast to float32, the NaN / inf clean-up and the argmax are one kernel after
+        the product instead of three; a compiler failure falls back to the eager tail, as the forward does."""
+        eager = lambda h: _logits_and_greedy(self.model.compute_logits(h))  # noqa: E731
+        if not self.compiled or getattr(self, "_tail_compile_failed", False):
+            return eager(hidden_states)
+        if getattr(self, "_compiled_tail", None) is None:
+            self._compiled_tail = torch.compile(eager, dynamic=True, fullgraph=True)
+        try:
+            return self._compiled_tail(hidden_states)
+        except Exception as exc:  # noqa: BLE001 - a compiler failure must not take the engine down
+            if not type(exc).__module__.startswith(("torch._dynamo", "torch._inductor")):
+                raise
+            logger.warning("torch.compile of the LM head and greedy ids failed; running them eagerly (%s: %s)",
+                           type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            self._tail_compile_failed = True
+            return eager(hidden_states)
+
     @staticmethod
     def _copy_into_static(static: StaticInputs, input_ids: torch.Tensor, positions: torch.Tensor,
                           meta: AttentionMetadata) -> None:
@@ -329,8 +348,7 @@ class DecodeGraphs:
         runner = self.graph_runner_class(self.graph_pool)
         forward = lambda: self._forward(input_ids, positions, meta)  # noqa: E731
         if self.step_graphs:
-            forward = lambda: _logits_and_greedy(self.model.compute_logits(  # noqa: E731
-                self._forward(input_ids, positions, meta)))
+            forward = lambda: self._greedy_tail(self._forward(input_ids, positions, meta))  # noqa: E731
         if isinstance(runner, CPUGraph):
             # The first CPU graph warms up and checks its replay against the recorded run; the others record
             # the same forward at another size, and their recording run serves the step that needed them.

@@ -119,6 +119,9 @@ def test_padded_replay_equals_eager(tiny_model_dir, arch, compiled, monkeypatch)
     # Decode steps of 3, 1, 5, 3 sequences replay graphs of 4, 1, 8, 4; the step of 10 ran eagerly.
     assert [r["batch_size"] for r in replays] == [4, 1, 8, 4]
     assert graphed.compiled == compiled, "compilation fell back to eager"
+    # compiled, the graphs' tail too (the LM head's float cast, NaN clean-up and argmax fused after the product)
+    assert (getattr(graphed, "_compiled_tail", None) is not None) == compiled
+    assert not getattr(graphed, "_tail_compile_failed", False)
     assert sorted(graphed.graphs) == [1, 4, 8]
     assert replays[0]["graph"] is replays[3]["graph"], "the size-4 graph must be captured once and reused"
     assert all(r["input_ids_ptr"] == static_ptr for r in replays), "static buffers must never be reallocated"
@@ -346,3 +349,24 @@ def test_inputs_staged_in_each_graphs_region_equal_eager(tiny_model_dir, monkeyp
         assert (record["seq_lens"][num_real:] == 0).all() and (record["seq_lens"][:num_real] > 0).all()
         assert (record["positions"][num_real:] == 0).all()
     assert np.array_equal(regions, [graphed._static_regions[b].numel() for b in (4, 1, 8, 4)])
+
+
+def test_a_failing_compile_of_the_graph_tail_falls_back_to_eager(tiny_model_dir):
+    """A compiler failure in the step graph's tail (LM head and greedy ids) is logged and the tail runs eagerly from
+    then on, as for the forward; an error of the model's own still raises."""
+    runner = make_runner(tiny_model_dir("llama"), enforce_eager=True, compile_model=False)
+    runner.compiled = True   # as if the forward compiled: the tail compiles too
+    hidden = torch.randn(3, runner.config.hidden_size)
+    expected = runner.model.compute_logits(hidden)
+
+    def unsupported(h):
+        raise torch._dynamo.exc.Unsupported("no")
+
+    runner._compiled_tail = unsupported
+    logits, ids = runner._greedy_tail(hidden)
+    torch.testing.assert_close(logits, expected)
+    assert torch.equal(ids, expected.argmax(dim=-1)) and runner._tail_compile_failed
+    runner._tail_compile_failed = False
+    runner._compiled_tail = lambda h: (_ for _ in ()).throw(ValueError("the model's own"))
+    with pytest.raises(ValueError, match="the model's own"):
+        runner._greedy_tail(hidden)
