@@ -101,7 +101,8 @@ def test_the_fused_reduce_variant_changes_the_engine_and_puts_it_back(tmp_path):
     from engine import LLM
     from tests.engine.models_util import build_tiny_model_dir
 
-    llm = LLM(build_tiny_model_dir("qwen3", str(tmp_path)), device="cpu", dtype="float32", max_model_len=128, max_num_seqs=2)
+    llm = LLM(build_tiny_model_dir("qwen3", str(tmp_path)), device="cpu", dtype="float32", max_model_len=128,
+              max_num_seqs=2)
     try:
         runner = llm.llm_engine.model_runner
         assert engine_gpu.batch1_fused_reduce(llm, {}, 8, 4, 10.0) is None

@@ -88,8 +88,8 @@ class DevicePolicy:
     # 8B engine and 2-8 rows are not measured yet. On CPU 0: the layers' weights are prepacked there, which the path
     # does not read, and its PyTorch twin is no faster than the CPU's own GEMMs.
     skinny_gemm_max_rows: int = 0
-    # CUDA decode steps merge the split-K partial results in the split kernel itself (pagedkernels.paged_decode_attention
-    # with split_counters: the last split of each sequence and KV head merges them), one kernel a layer instead of two
+    # CUDA decode steps merge the split-K partial results in the split kernel itself (paged_decode_attention with
+    # split_counters: the last split of each sequence and KV head merges them), one kernel a layer instead of two
     # (ENGINE_DECODE_FUSED_REDUCE=1 turns it on, 0 off). Off until a GPU measures it: at batch 1 it takes 28 of the
     # Qwen3-0.6B step's 222 kernels away, against a serial merge at each KV head's end (bench.engine_gpu's batch-1
     # part compares both on one engine). CPU decode runs no split kernel.

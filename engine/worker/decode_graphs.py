@@ -152,7 +152,8 @@ class DecodeGraphs:
         self._shared_static: StaticInputs | None = None
         if not (device.type == "cuda" if per_size_regions is None else per_size_regions):
             self._shared_static = StaticInputs(
-                torch.zeros(size, dtype=torch.int64, device=device), torch.zeros(size, dtype=torch.int64, device=device),
+                torch.zeros(size, dtype=torch.int64, device=device),
+                torch.zeros(size, dtype=torch.int64, device=device),
                 torch.full((size,), -1, dtype=torch.int64, device=device),
                 torch.zeros(size, dtype=torch.int32, device=device),
                 torch.zeros(size, self.max_blocks_per_seq, dtype=torch.int32, device=device))
