@@ -107,17 +107,7 @@ def test_padded_replay_equals_eager(tiny_model_dir, arch, compiled, monkeypatch)
     assert eager.enforce_eager and not hasattr(eager, "_static_inputs")
     static_ptr = graphed.static_inputs(1).input_ids.data_ptr()   # on CPU one set of buffers serves every size
 
-    expected = _run(eager, _sequences(eager.config.vocab_size))
-    got = _run(graphed, _sequences(graphed.config.vocab_size))
-    for step, (a, b) in enumerate(zip(got, expected)):
-        # Padding changes the matmul shapes, hence summation order: float32 rounding differs slightly.
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step}: {m}")
-    # Padded rows wrote nothing: the caches agree slot for slot, NaN poison included.
-    torch.testing.assert_close(graphed.kv_cache, eager.kv_cache, atol=1e-4, rtol=1e-4, equal_nan=True)
-
-    replays = RecordingGraphRunner.replays
-    # Decode steps of 3, 1, 5, 3 sequences replay graphs of 4, 1, 8, 4; the step of 10 ran eagerly.
-    assert [r["batch_size"] for r in replays] == [4, 1, 8, 4]
+    replays = _replays_equal_eager(graphed, eager)
     assert graphed.compiled == compiled, "compilation fell back to eager"
     # compiled, the graphs' tail too (the LM head's float cast, NaN clean-up and argmax fused after the product)
     assert (getattr(graphed, "_compiled_tail", None) is not None) == compiled
@@ -125,10 +115,26 @@ def test_padded_replay_equals_eager(tiny_model_dir, arch, compiled, monkeypatch)
     assert sorted(graphed.graphs) == [1, 4, 8]
     assert replays[0]["graph"] is replays[3]["graph"], "the size-4 graph must be captured once and reused"
     assert all(r["input_ids_ptr"] == static_ptr for r in replays), "static buffers must never be reallocated"
+
+
+def _replays_equal_eager(graphed, eager) -> list[dict]:
+    """_sequences through both runners: every step's logits and the KV caches alike (padded rows wrote nothing), the
+    decode steps of 3, 1, 5, 3 sequences replayed on graphs of 4, 1, 8, 4 (the step of 10 ran eagerly), and what each
+    replay read past its real rows padding (slot -1, seq_len 0, position 0). Returns the replays' records."""
+    expected = _run(eager, _sequences(eager.config.vocab_size))
+    got = _run(graphed, _sequences(graphed.config.vocab_size))
+    for step, (a, b) in enumerate(zip(got, expected)):
+        # Padding changes the matmul shapes, hence summation order: float32 rounding differs slightly.
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step}: {m}")
+    # Padded rows wrote nothing: the caches agree slot for slot, NaN poison included.
+    torch.testing.assert_close(graphed.kv_cache, eager.kv_cache, atol=1e-4, rtol=1e-4, equal_nan=True)
+    replays = RecordingGraphRunner.replays
+    assert [r["batch_size"] for r in replays] == [4, 1, 8, 4]
     for record, num_real in zip(replays, [3, 1, 5, 3]):
         assert (record["slot_mapping"][num_real:] == -1).all() and (record["slot_mapping"][:num_real] >= 0).all()
         assert (record["seq_lens"][num_real:] == 0).all() and (record["seq_lens"][:num_real] > 0).all()
         assert (record["positions"][num_real:] == 0).all()
+    return replays
 
 
 def test_graphs_captured_at_startup_for_the_whole_ladder(tiny_model_dir, monkeypatch):
@@ -336,18 +342,9 @@ def test_inputs_staged_in_each_graphs_region_equal_eager(tiny_model_dir, monkeyp
     monkeypatch.setattr(RecordingGraphRunner, "model_runner", graphed, raising=False)
     copied = []
     monkeypatch.setattr(type(graphed), "_copy_into_static", staticmethod(lambda *args: copied.append(args)))
-    expected = _run(eager, _sequences(eager.config.vocab_size))
-    got = _run(graphed, _sequences(graphed.config.vocab_size))
-    for step, (a, b) in enumerate(zip(got, expected)):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step}: {m}")
-    torch.testing.assert_close(graphed.kv_cache, eager.kv_cache, atol=1e-4, rtol=1e-4, equal_nan=True)
-    replays = RecordingGraphRunner.replays
-    assert [r["batch_size"] for r in replays] == [4, 1, 8, 4] and len(regions) == 4 and copied == []
+    replays = _replays_equal_eager(graphed, eager)
+    assert len(regions) == 4 and copied == []
     assert len({r["input_ids_ptr"] for r in replays}) == 3   # a region per size
-    for record, num_real in zip(replays, [3, 1, 5, 3]):
-        assert (record["slot_mapping"][num_real:] == -1).all() and (record["slot_mapping"][:num_real] >= 0).all()
-        assert (record["seq_lens"][num_real:] == 0).all() and (record["seq_lens"][:num_real] > 0).all()
-        assert (record["positions"][num_real:] == 0).all()
     assert np.array_equal(regions, [graphed._static_regions[b].numel() for b in (4, 1, 8, 4)])
 
 
