@@ -21,7 +21,8 @@
 8. quant (300 s): the W4A16 and FP8 GEMMs against the 16-bit GEMM at decode and prefill shapes, fp8-KV decode
    against 16-bit-KV decode, the few-row GEMM (pagedkernels.skinny_gemm) against cuBLAS at batch-1 projections.
 9. tune (360 s): the prefill kernel's launch configurations on the target shape against SDPA-flash (which tiles
-   launch_config should pick on this GPU), the decode kernel's split counts, and the few-row GEMM's launch
+   launch_config should pick on this GPU), the decode kernel's split counts and its tile / stages / warps at the
+   headline shape (DECODE_LAUNCH_SWEEP: the H200's 0.879 of copy bandwidth there), and the few-row GEMM's launch
    configurations at batch-1 projections against cuBLAS (what skinny_gemm_config should pick).
 10. async (540 s): the Qwen3-0.6B-shape throughput and step profile with async scheduling (and batch-1 decode) and
    without it, side by side; then host syncs per step kind under torch.cuda.set_sync_debug_mode (bench/sync_audit.py).

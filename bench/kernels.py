@@ -1228,7 +1228,8 @@ def tune_suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False) 
     """The prefill kernel's launch configurations on the target shape (8 x 2048 new tokens, 32q/8kv heads, d128),
     against SDPA-flash measured once: which tiles the heuristic should pick on this GPU. Then the decode kernel's
     split count on its target shape and smaller batches (DECODE_SPLIT_SWEEP): whether decode_num_splits follows this
-    GPU (the H200 reached 0.879 of its copy bandwidth at the heuristic's one split where the H100 reached 0.976).
+    GPU (the H200 reached 0.879 of its copy bandwidth at the heuristic's one split where the H100 reached 0.976), and
+    its tile, pipelining and warps on the target shape (DECODE_LAUNCH_SWEEP).
     Last the few-row GEMM's launch configurations at batch-1 projections (SKINNY_SWEEP), against cuBLAS once per
     shape: which ones skinny_gemm_config should pick."""
     d = dict(device=device, dtype=dtype)
@@ -1237,16 +1238,20 @@ def tune_suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False) 
         configs = TINY_PREFILL_SWEEP
         decode_sweep = [(2, 64, splits) for splits in (None, 1, 2)]
         decode_heads = dict(num_q_heads=4, num_kv_heads=2, head_dim=64)
+        decode_launch_shape, decode_launch_sweep = dict(num_seqs=2, seq_len=64), [(None, None, None), (64, 2, 4)]
     else:
         shape = dict(num_seqs=8, new_tokens=2048, num_q_heads=32, num_kv_heads=8, head_dim=128)
         configs = PREFILL_SWEEP
         decode_sweep = DECODE_SPLIT_SWEEP
         decode_heads = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
+        decode_launch_shape, decode_launch_sweep = dict(num_seqs=64, seq_len=4096), DECODE_LAUNCH_SWEEP
     skinny_shapes, skinny_configs, skinny_rows = (([(64, 256)], [(2, 128, 4)], (2,)) if tiny
                                                   else (SKINNY_SWEEP_SHAPES, SKINNY_SWEEP, SKINNY_SWEEP_ROWS))
     return [partial(prefill_tile_case, **d, config=c, baseline=i == 0, **shape) for i, c in enumerate(configs)] + [
         partial(decode_split_case, **d, num_seqs=n, seq_len=length, num_splits=splits, **decode_heads)
         for n, length, splits in decode_sweep] + [
+        partial(decode_launch_case, **d, config=c, **decode_launch_shape, **decode_heads)
+        for c in decode_launch_sweep] + [
         partial(skinny_config_case, **d, M=1, N=N, K=K, config=c, baseline=c is None)
         for N, K in skinny_shapes for c in [None, *skinny_configs]] + [
         partial(skinny_config_case, **d, M=M, N=N, K=K, config=None, baseline=True)
@@ -1288,6 +1293,39 @@ def skinny_config_case(device, dtype, *, config: tuple[int, int, int] | None, ba
 # is the wrapper's own heuristic (decode_num_splits), measured beside the forced counts.
 DECODE_SPLIT_SWEEP = [(64, 4096, s) for s in (None, 1, 2, 3, 4)] + [(16, 4096, s) for s in (None, 2, 4, 8)] + \
                      [(4, 4096, s) for s in (None, 8, 16, 32)]
+
+
+# (TILE_N, num_stages, num_warps) of the decode split kernel tried by the "tune" phase at the headline shape (64 x 4096
+# tokens, one split): whether a longer tile, deeper pipelining or more warps keep more bytes in flight on a GPU whose
+# memory is faster than the H100's for the same SM count (the H200 read 0.879 of its copy bandwidth there with the
+# wrapper's launch, 32 / Triton's default 3 / 4; the H100 0.976). None: the wrapper's own choice.
+DECODE_LAUNCH_SWEEP = [(None, None, None), (32, 2, 4), (32, 4, 4), (32, 3, 8), (64, 2, 4), (64, 3, 4), (64, 3, 8)]
+
+
+def decode_launch_config(tile_n: int | None, num_stages: int | None, num_warps: int | None
+                         ) -> contextlib.AbstractContextManager:
+    """The decode split kernel launching with TILE_N ``tile_n``, ``num_stages`` stages and ``num_warps`` warps inside
+    (None: the wrapper's own for that one)."""
+    module = importlib.import_module("pagedkernels.decode_attention")
+    stack = contextlib.ExitStack()
+    if tile_n is not None:
+        stack.enter_context(mock.patch.object(module, "TILE_N", tile_n))
+    if num_stages is not None:
+        stack.enter_context(mock.patch.object(module, "SPLIT_NUM_STAGES", num_stages))
+    if num_warps is not None:
+        stack.enter_context(mock.patch.object(module, "launch_config", lambda dtype, device_kind: num_warps))
+    return stack
+
+
+def decode_launch_case(device, dtype, *, config: tuple[int | None, int | None, int | None], **shape) -> Case:
+    """The decode case (the heuristic's splits) launched at ``config`` (TILE_N, num_stages, num_warps), without
+    baselines."""
+    case = _launched_under(decode_case(device, dtype, compile=False, **shape), lambda: decode_launch_config(*config))
+    case.op = "paged_decode_attention launch"
+    case.shape += ("; wrapper's launch" if config == (None, None, None)
+                   else "; TILE_N {} stages {} warps {}".format(*("default" if v is None else v for v in config)))
+    case.baselines = []
+    return case
 
 
 def decode_split_case(device, dtype, *, num_splits: int | None, **shape) -> Case:
@@ -1333,6 +1371,7 @@ def run_suite(device: torch.device | str, *, tiny: bool = False, compile: bool =
     if tune:
         builds, op_of = tune_suite(device, dtype, tiny=tiny), {prefill_tile_case: "paged_prefill_attention tiles",
                                                               decode_split_case: "paged_decode_attention splits",
+                                                              decode_launch_case: "paged_decode_attention launch",
                                                               skinny_config_case: "skinny_gemm configs"}
     elif quant:
         builds, op_of = quant_suite(device, dtype, tiny=tiny), QUANT_OP_OF_CASE

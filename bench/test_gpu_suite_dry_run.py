@@ -210,7 +210,10 @@ def _tune(result):
     decode = [r for r in result["rows"] if r["op"] == "paged_decode_attention splits"]
     assert len(prefill) == len(gpu_suite.kernels.TINY_PREFILL_SWEEP)   # one row each, SDPA on the first
     skinny = [r for r in result["rows"] if r["op"] == "skinny_gemm configs"]
-    assert len(decode) == 3 and len(prefill) + len(decode) + len(skinny) == len(result["rows"])
+    launch = [r for r in result["rows"] if r["op"] == "paged_decode_attention launch"]
+    assert len(decode) == 3 and len(prefill) + len(decode) + len(launch) + len(skinny) == len(result["rows"])
+    # the wrapper's launch, then a 64-token tile with 2 stages (TILE_N, the stages and the warps patched in)
+    assert [r["shape"].split("; ")[-1] for r in launch] == ["wrapper's launch", "TILE_N 64 stages 2 warps 4"]
     assert all(r["check"] == "ok" and r["ms"] for r in result["rows"])
     assert sum(r["baseline"] == "sdpa-flash" for r in result["rows"]) == 1
     # the heuristic's launch against cuBLAS, then the swept configuration alone, then the heuristic's at 2 rows against

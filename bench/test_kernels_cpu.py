@@ -54,3 +54,30 @@ def test_kernel(benchmark, name):
         benchmark.extra_info["GB/s"] = round(case.bytes_moved / seconds / 1e9, 3)
         if case.flops:
             benchmark.extra_info["TFLOP/s"] = round(case.flops / seconds / 1e12, 4)
+
+
+def test_the_tune_phases_decode_launch_reaches_the_kernel(monkeypatch):
+    """DECODE_LAUNCH_SWEEP's configurations are what the decode split kernel launches with (TILE_N, num_stages,
+    num_warps), and only inside the context: after it, the wrapper's own launch again."""
+    from pagedkernels import decode_attention
+
+    launched = []
+    kernel = decode_attention._decode_split_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append({k: kwargs.get(k) for k in ("TILE_N", "num_stages", "num_warps")})
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(decode_attention, "_decode_split_kernel", Recorder())
+    case = K.decode_launch_case(CPU, torch.float32, config=(64, 2, 8), num_seqs=2, seq_len=64, num_q_heads=4,
+                                num_kv_heads=2, head_dim=64)
+    with pk.use_backend("triton"):
+        case.check()
+        K.decode_case(CPU, torch.float32, compile=False, num_seqs=2, seq_len=64, num_q_heads=4, num_kv_heads=2,
+                      head_dim=64).check()
+    assert launched == [{"TILE_N": 64, "num_stages": 2, "num_warps": 8},
+                        {"TILE_N": decode_attention.TILE_N, "num_stages": None, "num_warps": 4}]
+    assert case.shape.endswith("TILE_N 64 stages 2 warps 8") and case.op == "paged_decode_attention launch"

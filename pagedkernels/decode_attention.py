@@ -273,6 +273,9 @@ MIN_TILES_PER_SPLIT = 4
 # More splits than this only grow the scratch and the reduce; 32 already fills an H100 with one
 # sequence x 8 KV heads.
 MAX_SPLITS = 32
+# Software-pipelining stages of the split kernel's tile loop; None: Triton's default (3). A knob for
+# bench.kernels' tune phase (DECODE_LAUNCH_SWEEP), which tries others on the GPU at hand.
+SPLIT_NUM_STAGES: int | None = None
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_multiprocessors: int, *,
@@ -637,7 +640,8 @@ def _decode_triton(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
         # stages) kept the loaded codes and their conversions live next to fp32's ieee dot operands and
         # spilled (255 registers + 250 B at head 128 with window + softcap, ~2 KB at head 256, sm_90 and
         # sm_80); unpipelined, 48-64 registers and no spills.
-        **({"num_stages": 1} if kv_fp8 and q.dtype == torch.float32 else {}),
+        **({"num_stages": 1} if kv_fp8 and q.dtype == torch.float32
+           else {"num_stages": SPLIT_NUM_STAGES} if SPLIT_NUM_STAGES is not None else {}),
         **pdl,
     )
     if num_splits > 1 and not fused:
