@@ -358,12 +358,13 @@ def test_metrics_have_inter_token_latency_and_queue_time(served):
 
 
 # -- item 1: the processes ----------------------------------------------------------------------------------------
-def long_streams(server, count: int, max_tokens: int = 1000):
+def long_streams(server, count: int, max_tokens: int = 1000, started: int | None = None):
     """Start `count` streams, each on a connection of its own (so that --api-server-count spreads them); returns
-    (futures of each stream's events, or the exception that cut it; the pool). Returns once every stream has
-    its first event."""
+    (futures of each stream's (events, end time), the exception that cut it, or {"status", "error"} for a request
+    answered with an HTTP error before any event; the pool). Returns once every stream has its first event
+    (`started`: once that many have)."""
     pool = ThreadPoolExecutor(count)
-    started = [threading.Event() for _ in range(count)]
+    first_events = [threading.Event() for _ in range(count)]
 
     def stream(i: int):
         events = []
@@ -371,18 +372,30 @@ def long_streams(server, count: int, max_tokens: int = 1000):
             with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
                     "model": MODEL, "prompt": "hello", "max_tokens": max_tokens, "stream": True,
                     "ignore_eos": True}) as response:
+                if response.status_code != 200:   # refused before its first event: an HTTP error of its own
+                    first_events[i].set()
+                    return {"status": response.status_code, "error": json.loads(response.read())["error"]}
                 for line in response.iter_lines():
                     if line.startswith("data: "):
                         events.append(line[6:])
-                        started[i].set()
+                        first_events[i].set()
         except httpx.HTTPError as e:   # the connection was cut
-            started[i].set()
+            first_events[i].set()
             return e
         return events, time.monotonic()
     futures = [pool.submit(stream, i) for i in range(count)]
-    for event in started:
-        assert event.wait(120), "a stream did not start"
+    deadline = time.monotonic() + 120
+    while sum(event.is_set() for event in first_events) < (count if started is None else started):
+        assert time.monotonic() < deadline, "a stream did not start"
+        time.sleep(0.005)
     return futures, pool
+
+
+def core_requests(server) -> int:
+    """Requests the engine core holds (running and waiting), from /metrics (any API server asks the core)."""
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return int(sum(float(v) for v in re.findall(
+        r'^vllm:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$', text, flags=re.M)))
 
 
 def ended_in_band(result) -> dict | None:
@@ -417,12 +430,12 @@ def test_a_killed_core_is_reported_and_the_server_exits(llama_dir):
 
 
 def test_several_api_servers_share_one_core_and_stop_cleanly(llama_dir):
-    # Two sequences at a time: the last two of the four long streams below get their first token only once the first
-    # two have ended, so at the SIGTERM they have ~1000 tokens left. With four at once it failed beside another load
-    # on a 2-core machine (no stream left to end in-band; likely a starved client thread that saw the last stream's
-    # first event only after the server had sent all of it).
+    # One sequence at a time, so at the SIGTERM three of the four long streams below are queued behind the first and
+    # cannot have ended: the tiny model writes a stream's 1000 tokens in about a second on a 2-core machine, and when
+    # the test waited for every stream's first token before the SIGTERM (two or four at a time), the streams had at
+    # times all run to their end by then (fresh-clone CI runs, beside another load and once on a quiet machine).
     server = ServeProcess(llama_dir, "--api-server-count", "2", "--max-model-len", "1024", "--shutdown-timeout", "0.2",
-                          "--max-num-seqs", "2")
+                          "--max-num-seqs", "1")
     try:
         assert "2 API server processes" in "".join(server.lines)
         texts = {server.client.completions.create(model=MODEL, prompt="hello", max_tokens=6, temperature=0.0)
@@ -438,8 +451,14 @@ def test_several_api_servers_share_one_core_and_stop_cleanly(llama_dir):
             assert response.status_code == 200, response.text
         pids = server.tree()
         assert len(pids) >= 4   # the supervisor, the core, two API servers (and their template sandboxes)
-        # SIGTERM with streams in flight: each API server drains for --shutdown-timeout, then ends them in-band.
-        futures, pool = long_streams(server, 4)
+        # SIGTERM with streams in flight: each API server drains for --shutdown-timeout, then ends them in-band. The
+        # first stream has begun, and every request has reached the core (held there, or already ended): none was
+        # left in a connection the SIGTERM could cut before its request reached the core.
+        futures, pool = long_streams(server, 4, started=1)
+        deadline = time.monotonic() + 60
+        while core_requests(server) + sum(future.done() for future in futures) < 4:
+            assert time.monotonic() < deadline, "the core never held the four streams' requests"
+            time.sleep(0.005)
     finally:
         pids = server.tree()
         stopped = time.monotonic()
@@ -447,19 +466,24 @@ def test_several_api_servers_share_one_core_and_stop_cleanly(llama_dir):
     assert time.monotonic() - stopped <= 0.2 + 5
     with pool:
         results = [future.result(timeout=30) for future in futures]
-    # The first two streams may have run to their 1000 tokens (all the tiny model's context allows) before the
-    # SIGTERM; the last two were still running, and every stream still running at the SIGTERM ends in-band.
-    in_band = 0
+    # The first stream may have run to its 1000 tokens (all the tiny model's context allows) before the SIGTERM; the
+    # others were queued behind it. A stream in flight at the SIGTERM ends in-band; one whose request had not begun
+    # streaming yet is answered 503 with the same reason (no event had been sent: the status is still free).
+    told = 0
     for result in results:
         assert not isinstance(result, Exception), f"a stream's connection was cut: {result!r}"
+        if isinstance(result, dict):
+            assert result["status"] == 503 and result["error"]["code"] == "server_shutting_down", result
+            told += 1
+            continue
         events, _ = result
         last = json.loads(events[-2])
         if "error" in last:
             assert ended_in_band(result)["code"] == "server_shutting_down"
-            in_band += 1
+            told += 1
         else:
             assert events[-1] == "[DONE]" and last["choices"][0]["finish_reason"] == "length", events[-3:]
-    assert in_band >= 1
+    assert told >= 3
     assert not _wait_gone(pids)
 
 
