@@ -281,7 +281,7 @@ def test_fused_decode_reduce_keeps_every_output(tiny_model_dir, monkeypatch, dty
     """ENGINE_DECODE_FUSED_REDUCE=1 (the split kernel's last split merges the partial results, no reduce kernel) on
     prompts long enough for several non-empty splits, batches of one (the few-row layers) and of three: the tokens of
     the two-kernel merge and log-probabilities within the merge's rounding (float32: the same greedy tokens; bf16: the
-    same leading tokens up to a near-tie)."""
+    same tokens until a near-tie of the top two, which the rounding may flip, and the rest follow it)."""
     model_dir = tiny_model_dir("qwen3")
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
 
@@ -302,13 +302,15 @@ def test_fused_decode_reduce_keeps_every_output(tiny_model_dir, monkeypatch, dty
             _free_cuda()
 
     fused, unfused = run(True), run(False)
+    tolerance = 1e-4 if dtype == "float32" else 0.05
     for batch_fused, batch_unfused in zip(fused, unfused):
         for a, b in zip(batch_fused, batch_unfused):
             if dtype == "float32":
                 assert a.token_ids == b.token_ids
-            else:   # bf16 rounds the two merges' sums apart: a near-tie may flip one token and the rest follow it
-                assert a.token_ids[:8] == b.token_ids[:8]
             same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
-            for lp_a, lp_b in zip(a.logprobs[:same], b.logprobs[:same]):
+            for lp_a, lp_b in zip(a.logprobs[:same + 1], b.logprobs[:same + 1]):
                 for token in lp_a.keys() & lp_b.keys():
-                    assert abs(lp_a[token].logprob - lp_b[token].logprob) < (1e-4 if dtype == "float32" else 0.05)
+                    assert abs(lp_a[token].logprob - lp_b[token].logprob) < tolerance
+            if same < len(a.token_ids):   # bf16 rounds the two merges' sums apart: only a near-tie may flip a token
+                top2 = sorted((lp.logprob for lp in b.logprobs[same].values()), reverse=True)[:2]
+                assert top2[0] - top2[1] < 2 * tolerance, (same, top2)
