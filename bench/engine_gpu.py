@@ -462,23 +462,31 @@ def batch1_pdl(llm, default: dict, prompt_len: int, new_tokens: int, copy_gbps: 
     """batch1_decode on ``llm`` with its decode-path kernels launched with programmatic dependent launch
     (pagedkernels.set_programmatic_dependent_launch), the graphs captured again, then back; against ``default``,
     its batch1_decode without. None where PDL does not apply (not CUDA, or before compute capability 9.0)."""
-    import pagedkernels
-
-    runner = llm.llm_engine.model_runner
-    previous = pagedkernels.set_programmatic_dependent_launch(True)
-
-    def undo() -> None:
-        pagedkernels.set_programmatic_dependent_launch(previous)
-        runner.drop_graphs()
-
-    if not pagedkernels.programmatic_dependent_launch(llm.llm_engine.device):
-        pagedkernels.set_programmatic_dependent_launch(previous)
+    undo = _pdl_on(llm)
+    if undo is None:
         return None
-    runner.drop_graphs()
     result = _batch1_changed(llm, default, prompt_len, new_tokens, copy_gbps, undo=undo)
     if result["decode_tokens_per_s"] and default["decode_tokens_per_s"]:
         result["speedup"] = result["decode_tokens_per_s"] / default["decode_tokens_per_s"]
     return result
+
+
+def _pdl_on(llm):
+    """Programmatic dependent launch on for ``llm``'s kernels, its decode graphs dropped to be captured so; returns
+    what undoes both, or None (nothing changed) where PDL does not apply."""
+    import pagedkernels
+
+    runner = llm.llm_engine.model_runner
+    previous = pagedkernels.set_programmatic_dependent_launch(True)
+    if not pagedkernels.programmatic_dependent_launch(llm.llm_engine.device):
+        pagedkernels.set_programmatic_dependent_launch(previous)
+        return None
+    runner.drop_graphs()
+
+    def undo() -> None:
+        pagedkernels.set_programmatic_dependent_launch(previous)
+        runner.drop_graphs()
+    return undo
 
 
 def batch1_fused_reduce(llm, default: dict, prompt_len: int, new_tokens: int, copy_gbps: float,
@@ -490,24 +498,19 @@ def batch1_fused_reduce(llm, default: dict, prompt_len: int, new_tokens: int, co
     ("batch1_fused_reduce" / "batch1_split_reduce", with "_pdl" after it for ``pdl``; the result with the fused
     merge's speedup over the two kernels, or both changes' over the default for ``pdl``), or None where it does not
     apply (not CUDA; ``pdl`` before compute capability 9.0)."""
-    import pagedkernels
-
     runner = llm.llm_engine.model_runner
     own = any(layer.decode_split_counters is not None for layer in getattr(runner, "attention_layers", []))
-    if runner.set_decode_fused_reduce(not own) == own:
+    if runner.set_decode_fused_reduce(not own) == own:   # changed: the decode graphs are dropped
         return None
-    previous = pagedkernels.set_programmatic_dependent_launch(True) if pdl else None
+    undo_pdl = _pdl_on(llm) if pdl else (lambda: None)
+    if undo_pdl is None:
+        runner.set_decode_fused_reduce(own)
+        return None
 
     def undo() -> None:
-        if pdl:
-            pagedkernels.set_programmatic_dependent_launch(previous)
-            runner.drop_graphs()
+        undo_pdl()
         runner.set_decode_fused_reduce(own)
 
-    if pdl and not pagedkernels.programmatic_dependent_launch(llm.llm_engine.device):
-        undo()
-        return None
-    runner.drop_graphs()
     other = _batch1_changed(llm, default, prompt_len, new_tokens, copy_gbps, undo=undo)
     fused, split = (default, other) if own else (other, default)
     if other["decode_tokens_per_s"] and default["decode_tokens_per_s"]:

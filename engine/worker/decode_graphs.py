@@ -150,6 +150,7 @@ class DecodeGraphs:
         self._static_inputs: dict[int, StaticInputs] = {}
         self._static_regions: dict[int, torch.Tensor] = {}
         self._shared_static: StaticInputs | None = None
+        self._staged_decode_inputs: torch.Tensor | None = None   # build_inputs' staging, for run_decode_graph
         if not (device.type == "cuda" if per_size_regions is None else per_size_regions):
             self._shared_static = StaticInputs(
                 torch.zeros(size, dtype=torch.int64, device=device),
@@ -213,7 +214,7 @@ class DecodeGraphs:
         num_seqs = input_ids.shape[0]
         batch_size = next(size for size in self.graph_batch_sizes if size >= num_seqs)
         static = self.static_inputs(batch_size)
-        staged, self._staged_decode_inputs = getattr(self, "_staged_decode_inputs", None), None
+        staged, self._staged_decode_inputs = self._staged_decode_inputs, None
         if staged is not input_ids:   # not staged in the graph's inputs by build_inputs (the CPU's steps)
             self._copy_into_static(static, input_ids, positions, meta)
         lora_active = self._prepare_lora(lora_slots, batch_size)
@@ -285,7 +286,9 @@ class DecodeGraphs:
         try:
             return self._compiled_tail(hidden_states)
         except Exception as exc:  # noqa: BLE001 - a compiler failure must not take the engine down
-            if not type(exc).__module__.startswith(("torch._dynamo", "torch._inductor")):
+            from engine.worker.model_runner import _is_compile_error   # the forward's test (a module above this one)
+
+            if not _is_compile_error(exc):
                 raise
             logger.warning("torch.compile of the LM head and greedy ids failed; running them eagerly (%s: %s)",
                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")

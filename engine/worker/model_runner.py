@@ -438,7 +438,7 @@ class ModelRunner(DecodeGraphs):
                         num_seqs: int, lora_slots: np.ndarray | None = None) -> ForwardResult:
         """The forward (see ForwardResult): a pure-decode batch within the ladder replays its graph. lora_slots:
         int32 [num_tokens], each token's LoRA slot (-1: none), or None: no adapter in the step."""
-        if meta.is_decode and not self.enforce_eager and num_seqs <= self.graph_batch_sizes[-1]:
+        if meta.is_decode and self.decode_graph_size(input_ids.shape[0], num_seqs) is not None:
             output = self.run_decode_graph(input_ids, positions, meta, lora_slots)
             if isinstance(output, tuple):
                 return ForwardResult(logits=output[0], greedy_ids=output[1])
