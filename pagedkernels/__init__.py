@@ -16,6 +16,7 @@ from .decode_attention import (  # noqa: F401
     decode_workspace,
     decode_workspace_numel,
     paged_decode_attention,
+    rotary_cache_decode_attention,
 )
 from .prefill_attention import paged_prefill_attention  # noqa: F401
 from .cache_ops import copy_blocks, reshape_and_cache, swap_blocks  # noqa: F401

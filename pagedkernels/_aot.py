@@ -283,6 +283,48 @@ def _fused_reduce_cases() -> Iterator[tuple[str, Callable[[torch.Generator], Non
                 yield f"decode fused reduce {label}", decode
 
 
+def _rope_decode_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
+    """rotary_cache_decode_attention (the rotary embedding and the KV-cache write inside the decode split kernel) for
+    every dtype x head size: the q/k norms, GPT-J pairs with a partial rotary, the split counters and the GQA group
+    alternating with the head size, one sequence over a 4096-token table (32 splits on an H100) or a batch that
+    fills the GPU unsplit; and float8 caches at head 128 with the norms."""
+    import pagedkernels as pk
+
+    fp8 = torch.float8_e4m3fn
+    for dtype in DTYPES:
+        name = str(dtype).replace("torch.", "")
+        for i, head_dim in enumerate(HEAD_SIZES):
+            norm, is_neox, counters, split = i % 2 == 0, i % 4 != 3, i % 4 < 2, i % 3 != 2
+            group = (1, 3, 4, 8)[i % 4]
+            rot_dim = head_dim if is_neox else 32
+            cases = [(head_dim, group, rot_dim, norm, is_neox, None)]
+            if i == 0:
+                cases.append((128, 8, 128, True, True, fp8))
+            for head, grp, rot, nrm, neox, cache_dtype in cases:
+                label = (f"{name} head={head} group={grp} rot={rot} {'neox' if neox else 'gptj'}{' qk_norm' if nrm else ''}"
+                         f"{' float8 cache' if cache_dtype else ''}{' counters' if counters else ''}"
+                         f"{' split' if split else ' unsplit'}")
+
+                def rope_decode(gen, dtype=dtype, head=head, grp=grp, rot=rot, nrm=nrm, neox=neox,
+                                cache_dtype=cache_dtype, counters=counters, split=split):
+                    num_seqs, width = (1, 4096 // 16) if split else (80, 8)
+                    k, v, table, lens = _paged_inputs(num_seqs, 40, 2, head, 16, torch.float32 if cache_dtype else dtype,
+                                                      gen, table_width=width)
+                    scales = {}
+                    if cache_dtype is not None:
+                        k, v, scales = k.to(cache_dtype), v.to(cache_dtype), dict(k_scale=0.1, v_scale=0.2)
+                    qkv = _randn(num_seqs, (2 * grp + 4) * head, dtype=dtype, generator=gen)
+                    q, k_new, v_new = qkv.split([2 * grp * head, 2 * head, 2 * head], 1)
+                    weights = dict(q_weight=_randn(head, dtype=dtype, generator=gen),
+                                   k_weight=_randn(head, dtype=dtype, generator=gen), eps=1e-6) if nrm else {}
+                    slots = table[:, 39 // 16].long() * 16 + 39 % 16
+                    pk.rotary_cache_decode_attention(
+                        torch.full((num_seqs,), 39), q.view(num_seqs, 2 * grp, head), k_new, v_new, k, v, slots,
+                        pk.compute_cos_sin_cache(64, rot, 10000.0), table, lens, is_neox=neox, **weights, **scales,
+                        split_counters=torch.zeros(2 * num_seqs, dtype=torch.int32) if counters else None)
+                yield f"rotary_cache_decode {label}", rope_decode
+
+
 def _cache_op_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
     import pagedkernels as pk
 
@@ -586,12 +628,16 @@ def _pdl_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
                                    eps=1e-6) if norm else {}
                     pk.rotary_embedding_and_cache(torch.tensor([39]), q, k_new, v_new, k, v, torch.tensor([39]),
                                                   cos_sin, head_size=128, **weights)
+                    pk.rotary_cache_decode_attention(torch.tensor([39]), q.view(1, 16, 128), k_new, v_new, k, v,
+                                                     torch.tensor([39]), cos_sin, table, lens, **weights,
+                                                     split_counters=torch.zeros(8, dtype=torch.int32))
         yield f"programmatic dependent launch {name}", call
 
 
 def launch_matrix() -> list[tuple[str, Callable[[torch.Generator], None]]]:
     """(label, call) for every case: each call runs public ops on small CPU tensors."""
-    return [*_attention_cases(), *_fused_reduce_cases(), *_cache_op_cases(), *_elementwise_cases(), *_fp8_kv_cases(),
+    return [*_attention_cases(), *_fused_reduce_cases(), *_rope_decode_cases(), *_cache_op_cases(),
+            *_elementwise_cases(), *_fp8_kv_cases(),
             *_quant_cases(), *_moe_cases(), *_lora_cases(), *_skinny_cases(), *_pdl_cases()]
 
 

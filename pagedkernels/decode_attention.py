@@ -15,6 +15,8 @@ A sequence with seq_len == 0 sees no keys: its output is all zeros.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -30,7 +32,9 @@ from ._backend import (
     value_checks_enabled,
 )
 from ._pdl import pdl_wait
-from ._fp8 import _e4m3_to_float, is_fp8
+from ._fp8 import _e4m3_to_float, _float_to_e4m3, is_fp8
+from .cache_ops import _check_slots
+from .rotary import _check_positions, check_rotary_and_cache_args, rotary_embedding_and_cache
 from ._validate import (
     FLOAT_DTYPES,
     check_attention_options,
@@ -42,7 +46,7 @@ from ._validate import (
     check_tensor,
 )
 
-__all__ = ["paged_decode_attention", "check_decode_args", "decode_num_splits", "decode_split_counters",
+__all__ = ["paged_decode_attention", "rotary_cache_decode_attention", "check_decode_args", "decode_num_splits", "decode_split_counters",
            "decode_workspace", "decode_workspace_numel"]
 
 
@@ -194,16 +198,126 @@ def paged_decode_attention(
             _check_values(key_cache, block_tables, seq_lens)
             raise RuntimeError("pagedkernels native decode attention rejected metadata the checks accept")
     elif use_triton(q):
-        used = q.shape[0] * key_cache.shape[2]
-        if split_counters is not None and value_checks_enabled(q) and bool(split_counters[:used].any()):
-            raise ValueError("split_counters must be all zeros before a launch (a launch leaves them so; another "
-                             "launch using them may be running on another stream)")
+        if value_checks_enabled(q):
+            _check_counters_zero(split_counters, q.shape[0] * key_cache.shape[2])
         _decode_triton(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap,
                        num_splits, out, group, workspace, k_scale, v_scale, split_counters)
     else:
         out.copy_(_decode_torch(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
                                 softcap, k_scale, v_scale))
     return out
+
+
+def rotary_cache_decode_attention(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    is_neox: bool = True,
+    head_size: int | None = None,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float | None = None,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    split_counters: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A decode step's attention layer from its un-rotated q, k and v: what
+    :func:`~pagedkernels.rotary_embedding_and_cache` then :func:`paged_decode_attention` compute, in one Triton
+    kernel on CUDA (a small model's batch-1 step is bound by its launches). Each sequence's new token sits at
+    position ``seq_len - 1``; its key is rotated (after Qwen3's per-head norms with ``q_weight`` / ``k_weight`` /
+    ``eps``) and written with its value into its ``slot_mapping`` slot, and every query head is rotated, inside the
+    split kernel: the program holding the last tile of a (sequence, KV head) writes the slot and takes the new key
+    and value from its registers, the others never read that position.
+
+    Unlike the two ops, **q and k are not modified** (the programs of a KV head all read the group's queries). The
+    other backends (PyTorch, native CPU) run the two ops on copies of q and k.
+
+    positions, q, k, v, key_cache, value_cache, slot_mapping, cos_sin_cache, is_neox, head_size, q_weight, k_weight,
+    eps, k_scale, v_scale: as :func:`~pagedkernels.rotary_embedding_and_cache`, with one token per sequence (q
+    ``[num_seqs, num_q_heads, head_dim]`` or its 2-D view, whose head size defaults to the cache's; strided views of
+    a fused qkv are fine). block_tables,
+    seq_lens, scale, sliding_window, softcap, num_splits, out, workspace, split_counters: as
+    :func:`paged_decode_attention`. ``slot_mapping[s]`` must be the cache slot of sequence s's position
+    ``seq_len - 1`` under its block table (checked when value checks are on), or negative: nothing cached, and the
+    attention reads that position from the cache as it is, as the two ops would. A sequence with ``seq_len == 0``
+    (padding) writes nothing and gets zeros.
+
+    Returns:
+        ``[num_seqs, num_q_heads, head_dim]`` in q's dtype (``out`` when given).
+    """
+    if head_size is None and isinstance(q, torch.Tensor) and q.dim() == 2 and isinstance(key_cache, torch.Tensor):
+        head_size = key_cache.shape[-1]   # a 2-D q: heads of the cache's width
+    q3, k3, v3 = check_rotary_and_cache_args(positions, q, k, v, key_cache, value_cache, slot_mapping,
+                                             cos_sin_cache, head_size, q_weight, k_weight, eps, k_scale, v_scale)
+    if key_cache.shape[-1] != q3.shape[-1]:
+        raise ValueError(f"key_cache: head_dim {key_cache.shape[-1]} differs from q's head_dim {q3.shape[-1]}")
+    group = check_decode_args(q3, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap,
+                              num_splits, out, workspace, k_scale, v_scale, split_counters)
+    if out is None:
+        out = torch.empty(q3.shape, dtype=q3.dtype, device=q3.device)
+    if has_no_data(positions, q3, k3, v3, key_cache, value_cache, slot_mapping, cos_sin_cache, block_tables, seq_lens,
+                   q_weight, k_weight, out, workspace, split_counters) or q3.shape[0] == 0:
+        return out
+    if value_checks_enabled(q3):   # the one check the two ops do not make
+        _check_new_token_slots(slot_mapping, block_tables, seq_lens, key_cache.shape[1])
+    if not use_triton(q3):
+        q3, k3 = q3.clone(), k3.clone()
+        rotary_embedding_and_cache(positions, q3, k3, v3, key_cache, value_cache, slot_mapping, cos_sin_cache,
+                                   is_neox=is_neox, head_size=q3.shape[-1], q_weight=q_weight, k_weight=k_weight, eps=eps, k_scale=k_scale,
+                                   v_scale=v_scale)
+        return paged_decode_attention(q3, key_cache, value_cache, block_tables, seq_lens, scale=scale,
+                                      sliding_window=sliding_window, softcap=softcap, num_splits=num_splits, out=out,
+                                      workspace=workspace, k_scale=k_scale, v_scale=v_scale,
+                                      split_counters=split_counters)
+    if value_checks_enabled(q3):
+        _check_values(key_cache, block_tables, seq_lens)
+        _check_positions(positions, cos_sin_cache.shape[0])
+        _check_slots(slot_mapping, key_cache.shape[0], key_cache.shape[1])
+        _check_counters_zero(split_counters, q3.shape[0] * key_cache.shape[2])
+    head_dim = q3.shape[-1]
+    scale = float(head_dim ** -0.5 if scale is None else scale)
+    _decode_triton(q3, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap, num_splits,
+                   out, group, workspace, k_scale, v_scale, split_counters,
+                   _NewTokens(positions.contiguous(), k3, v3, slot_mapping.contiguous(), cos_sin_cache, q_weight,
+                              k_weight, eps, is_neox))
+    return out
+
+
+def _check_counters_zero(split_counters, used: int) -> None:
+    """The split counters a launch uses are zero (a host sync)."""
+    if split_counters is not None and bool(split_counters[:used].any()):
+        raise ValueError("split_counters must be all zeros before a launch (a launch leaves them so; another "
+                         "launch using them may be running on another stream)")
+
+
+def _check_new_token_slots(slot_mapping, block_tables, seq_lens, block_size) -> None:
+    """Each cached new token's slot is its sequence's position seq_len - 1 under its block table (a host sync)."""
+    lens = seq_lens.long()
+    rows = ((lens > 0) & (slot_mapping >= 0)).nonzero().flatten()
+    if rows.numel() == 0:
+        return
+    last = lens[rows] - 1
+    expected = block_tables[rows, last // block_size].long() * block_size + last % block_size
+    bad = expected != slot_mapping[rows]
+    if bool(bad.any()):
+        seq = int(rows[bad.nonzero()[0, 0]])
+        raise ValueError(f"slot_mapping[{seq}] = {int(slot_mapping[seq])} is not the slot of the sequence's position "
+                         f"seq_len - 1 = {int(lens[seq]) - 1} under its block table "
+                         f"({int(expected[bad.nonzero()[0, 0]])})")
 
 
 def _decode_torch(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap, k_scale=1.0,
@@ -396,6 +510,23 @@ def _decode_split_kernel(
     stride_bt_seq: tl.int64,
     stride_o_seq: tl.int64,
     stride_o_head: tl.int64,
+    # ROPE only (else placeholders never read): the step's new token of each sequence, un-rotated
+    positions_ptr,  # int64 [num_seqs]: its position (the cos/sin row)
+    k_ptr,  # [num_seqs, num_kv_heads, head_dim]: its key before the rotation (and the norm)
+    v_ptr,  # [num_seqs, num_kv_heads, head_dim]: its value
+    q_norm_ptr,  # [head_dim]: Qwen3's per-head q norm weight (ROPE_NORM)
+    k_norm_ptr,  # [head_dim]: its k norm weight (ROPE_NORM)
+    cos_sin_ptr,  # [max_position, rot_dim]: cos then sin
+    slot_mapping_ptr,  # int64 [num_seqs]: its cache slot (negative: not cached)
+    stride_k_seq: tl.int64,
+    stride_k_nhead: tl.int64,
+    stride_v_seq: tl.int64,
+    stride_v_nhead: tl.int64,
+    stride_cs_pos: tl.int64,
+    rot_half,  # rot_dim // 2
+    norm_eps,
+    k_store_scale,  # a float8 cache's k_scale (the code is e4m3(k / k_scale))
+    v_store_scale,
     NUM_QUERIES_PER_KV: tl.constexpr,  # GQA group size
     BLOCK_H: tl.constexpr,  # group padded to a power of two >= 16 (tl.dot needs >= 16 rows)
     GROUP_PAD: tl.constexpr,  # group padded to a power of two (the fused reduce's rows)
@@ -410,6 +541,9 @@ def _decode_split_kernel(
     KV_FP8: tl.constexpr,  # the caches hold float8 e4m3 codes: converted to q's dtype after loading (exact)
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (_backend.programmatic_dependent_launch)
     FUSED_REDUCE: tl.constexpr,  # NUM_SPLITS > 1: the last split of each (sequence, KV head) merges them all
+    ROPE: tl.constexpr = False,  # q and the new token's k un-rotated: rotated here, the new k/v cached here
+    ROPE_NORM: tl.constexpr = False,  # Qwen3's per-head q/k RMSNorms before the rotation
+    IS_NEOX: tl.constexpr = True,  # rotated pairs (d, d + rot_dim/2); else GPT-J's (2d, 2d + 1)
 ):
     # grid: (num_seqs, num_kv_heads, NUM_SPLITS); one program = all query heads of one KV head over
     # one contiguous range of tiles, so each K/V tile is loaded once per group.
@@ -441,8 +575,14 @@ def _decode_split_kernel(
     qh_mask = head_mask[:, None] & dim_mask[None, :]  # [BLOCK_H, HEAD_PAD]
 
     # Q : (BLOCK_H, HEAD_PAD)
-    Q = tl.load(q_ptr + seq_idx.to(tl.int64) * stride_q_seq + q_heads[:, None] * stride_q_head + dim_offs[None, :],
-                mask=qh_mask, other=0.0)
+    q_rows = q_ptr + seq_idx.to(tl.int64) * stride_q_seq + q_heads[:, None] * stride_q_head
+    if ROPE:   # q normed and rotated in registers by every program (as rotary_embedding_and_cache does it): q and k
+        # are only read (the programs of a KV head all read its group's queries)
+        cs_row = cos_sin_ptr + tl.load(positions_ptr + seq_idx, mask=seq_len > 0, other=0) * stride_cs_pos
+        Q = _norm_rope_rows(q_rows, head_mask, q_norm_ptr, norm_eps, cs_row, rot_half, HEAD_DIM, HEAD_PAD, IS_NEOX,
+                            ROPE_NORM).to(q_ptr.dtype.element_ty)
+    else:
+        Q = tl.load(q_rows + dim_offs[None, :], mask=qh_mask, other=0.0)
 
     M = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)  # running max
     L = tl.zeros([BLOCK_H], dtype=tl.float32)  # running sum of exp
@@ -451,6 +591,31 @@ def _decode_split_kernel(
     block_table_row = block_tables_ptr + seq_idx.to(tl.int64) * stride_bt_seq
     k_head_ptr = key_cache_ptr + kv_head.to(tl.int64) * stride_k_head
     v_head_ptr = value_cache_ptr + kv_head.to(tl.int64) * stride_v_head
+    if ROPE:
+        last_tile = end_tile - 1   # the new token's (position seq_len - 1), in one program's range
+        new_slot = tl.load(slot_mapping_ptr + seq_idx)
+        if (seq_len > 0) & (new_slot >= 0) & (tile_lo <= last_tile) & (last_tile < tile_hi):
+            # The new key and value of this KV head, normed, rotated and rounded as rotary_embedding_and_cache writes
+            # them (a float8 cache: their codes), written to their slot by the program whose tiles hold it (no other
+            # program reads that position), before its loop reads them back with the rest of the tile: nothing of
+            # them stays live through the loop.
+            one_row = tl.arange(0, 1)
+            k_row = (k_ptr + seq_idx.to(tl.int64) * stride_k_seq + kv_head.to(tl.int64) * stride_k_nhead
+                     + one_row[:, None] * 0)
+            k_new = _norm_rope_rows(k_row, one_row == 0, k_norm_ptr, norm_eps, cs_row, rot_half, HEAD_DIM, HEAD_PAD,
+                                    IS_NEOX, ROPE_NORM).to(k_ptr.dtype.element_ty)  # (1, HEAD_PAD)
+            v_new = tl.load(v_ptr + seq_idx.to(tl.int64) * stride_v_seq + kv_head.to(tl.int64) * stride_v_nhead
+                            + one_row[:, None] * 0 + dim_offs[None, :], mask=dim_mask[None, :], other=0.0)
+            if KV_FP8:
+                k_new = _float_to_e4m3(k_new.to(tl.float32) / k_store_scale)
+                v_new = _float_to_e4m3(v_new.to(tl.float32) / v_store_scale)
+            slot_block = new_slot // BLOCK_SIZE
+            slot_offset = new_slot % BLOCK_SIZE
+            tl.store(k_head_ptr + slot_block * stride_k_blk + slot_offset * stride_k_slot + dim_offs[None, :], k_new,
+                     mask=dim_mask[None, :])
+            tl.store(v_head_ptr + slot_block * stride_v_blk + slot_offset * stride_v_slot + dim_offs[None, :], v_new,
+                     mask=dim_mask[None, :])
+        tl.debug_barrier()   # every thread's stores visible to the program's loads below (as _rotary_cache_kernel)
     tile_offs = tl.arange(0, TILE_N)  # [TILE_N]
     for tile in range(tile_lo, tile_hi):
         pos = tile * TILE_N + tile_offs  # [TILE_N] key positions
@@ -511,6 +676,42 @@ def _decode_split_kernel(
                               stride_o_seq, stride_o_head, NUM_QUERIES_PER_KV, GROUP_PAD, HEAD_DIM, HEAD_PAD,
                               NUM_SPLITS)
                 tl.atomic_xchg(counter, 0)
+
+
+@triton.jit
+def _norm_rope_rows(rows_ptr, row_mask, w_ptr, eps, cs_row_ptr, half, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+                    IS_NEOX: tl.constexpr, NORM: tl.constexpr):
+    """Rows of heads (``rows_ptr``: [R, 1] pointers to each head's first value) normed (NORM: RMSNorm over the
+    head, the product with ``w`` rounded to the rows' dtype) and rotated by the cos/sin row at ``cs_row_ptr``:
+    rotary.py's _norm_rotate_heads / _rotate_heads arithmetic, each value beside its pair's (loaded a second time)
+    instead of the two halves apart. fp32 [R, HEAD_PAD], zero past HEAD_DIM and in masked rows; dimensions past
+    2 * half pass through (normed)."""
+    d = tl.arange(0, HEAD_PAD)
+    dim_mask = d < HEAD_DIM
+    rotated = d < 2 * half
+    if IS_NEOX:
+        first = d < half
+        freq = tl.where(first, d, d - half)
+        partner = tl.where(first, d + half, d - half)
+    else:
+        first = (d % 2) == 0
+        freq = d // 2
+        partner = d ^ 1
+    partner = tl.where(rotated, partner, d)
+    mask = row_mask[:, None] & dim_mask[None, :]
+    x = tl.load(rows_ptr + d[None, :], mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    xp = tl.load(rows_ptr + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / HEAD_DIM + eps)
+        w = tl.load(w_ptr + d, mask=dim_mask, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + partner, mask=dim_mask, other=0.0).to(tl.float32)
+        xf = (xf * rstd[:, None] * w[None, :]).to(x.dtype).to(tl.float32)
+        xp = (xp * rstd[:, None] * wp[None, :]).to(x.dtype).to(tl.float32)
+    cos = tl.load(cs_row_ptr + freq, mask=rotated, other=1.0).to(tl.float32)
+    sin = tl.load(cs_row_ptr + half + freq, mask=rotated, other=0.0).to(tl.float32)
+    out = tl.where(first, xf * cos[None, :] - xp * sin[None, :], xf * cos[None, :] + xp * sin[None, :])
+    return tl.where(rotated[None, :], out, xf)
 
 
 @triton.jit
@@ -582,8 +783,22 @@ def _decode_reduce_kernel(
              O.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
 
+class _NewTokens(NamedTuple):
+    """What the split kernel's ROPE variant takes besides the decode's arguments (rotary_cache_decode_attention)."""
+    positions: torch.Tensor
+    k: torch.Tensor   # [num_seqs, num_kv_heads, head_dim], un-rotated
+    v: torch.Tensor
+    slot_mapping: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    q_weight: torch.Tensor | None
+    k_weight: torch.Tensor | None
+    eps: float | None
+    is_neox: bool
+
+
 def _decode_triton(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap,
-                   num_splits, out, group, workspace, k_scale=1.0, v_scale=1.0, split_counters=None):
+                   num_splits, out, group, workspace, k_scale=1.0, v_scale=1.0, split_counters=None,
+                   new_tokens: _NewTokens | None = None):
     num_seqs, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     if q.stride(-1) != 1:
@@ -613,6 +828,15 @@ def _decode_triton(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
         key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     pdl = pdl_launch(q.device)
     fused = split_counters is not None and num_splits > 1
+    nt = new_tokens
+    if nt is None:   # placeholders of the ROPE arguments (never read): one signature either way
+        rope_args = (seq_lens, q, q, q, q, q, seq_lens, 0, 0, 0, 0, 0, 0, 0.0, 1.0, 1.0)
+    else:
+        norm = nt.q_weight is not None
+        rope_args = (nt.positions, nt.k, nt.v, nt.q_weight if norm else q, nt.k_weight if norm else q,
+                     nt.cos_sin_cache, nt.slot_mapping, nt.k.stride(0), nt.k.stride(1), nt.v.stride(0),
+                     nt.v.stride(1), nt.cos_sin_cache.stride(0), nt.cos_sin_cache.shape[1] // 2,
+                     float(nt.eps) if norm else 0.0, float(k_scale), float(v_scale))
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         # Unfused, seq_lens stands in for the counters (an int32 pointer never read): one signature either way.
         out, partial_out, partial_lse, split_counters if fused else seq_lens, q, key_cache, value_cache,
@@ -622,19 +846,26 @@ def _decode_triton(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
+        *rope_args,
         NUM_QUERIES_PER_KV=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         GROUP_PAD=triton.next_power_of_2(group),
         HEAD_DIM=head_dim,
         HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size,
-        TILE_N=TILE_N,
+        # fp32 queries over a float8 cache with the new token's rotation: Triton 3.6's sm_90/sm_80 builds of the
+        # 32-token tile spilled 200-230 B at 255 registers (head 128, q/k norms, fused merge); 16-token tiles keep the
+        # K/V codes and scores of a tile in half the registers. (The split count's sizing keeps TILE_N.)
+        TILE_N=16 if nt is not None and kv_fp8 and q.dtype == torch.float32 else TILE_N,
         NUM_SPLITS=num_splits,
         SLIDING_WINDOW=sliding_window or 0,
         USE_SOFTCAP=softcap is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,  # None: the default for 16-bit
         KV_FP8=kv_fp8,
         FUSED_REDUCE=fused,
+        ROPE=nt is not None,
+        ROPE_NORM=nt is not None and nt.q_weight is not None,
+        IS_NEOX=True if nt is None else bool(nt.is_neox),
         num_warps=launch_config(q.dtype, launch_device_kind(q.device)),
         # fp32 queries over a float8 cache: software-pipelining the tile loop (Triton's default 3
         # stages) kept the loaded codes and their conversions live next to fp32's ieee dot operands and

@@ -548,19 +548,9 @@ def test_bad_values_raise(backend, match, overrides, device, monkeypatch):
 # CUDA only
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fused", [False, True], ids=["split+reduce", "split_counters"])
-def test_cuda_graph_capture_and_replay(fused, monkeypatch):
-    """No host sync and a shape-only grid: the launch captures, and replays follow new seq_lens. With
-    ``out`` and the split-K workspace from the caller, the captured launch allocates nothing. With
-    ``split_counters`` each replay leaves them zero for the next."""
-    monkeypatch.delenv("PAGEDKERNELS_DEBUG", raising=False)
-    q, kv = _case([5, 40, 70], num_kv_heads=2, group=4, dtype=torch.float16, device="cuda")
-    out = torch.empty_like(q)
-    workspace = pk.decode_workspace(3, 8, 2, 64, device="cuda")
-    counters = pk.decode_split_counters(3, 2, device="cuda") if fused else None
-    call = lambda: pk.paged_decode_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
-                                             num_splits=3, out=out, workspace=workspace, split_counters=counters)
+def capture_allocating_nothing(call, out):
+    """``call`` run once (compiled) outside a capture, then captured in a CUDA graph; asserts the capture allocated
+    nothing and returns the graph."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -579,6 +569,23 @@ def test_cuda_graph_capture_and_replay(fused, monkeypatch):
         call()
     assert torch.cuda.memory_allocated() == allocated
     del first
+    return graph
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fused", [False, True], ids=["split+reduce", "split_counters"])
+def test_cuda_graph_capture_and_replay(fused, monkeypatch):
+    """No host sync and a shape-only grid: the launch captures, and replays follow new seq_lens. With
+    ``out`` and the split-K workspace from the caller, the captured launch allocates nothing. With
+    ``split_counters`` each replay leaves them zero for the next."""
+    monkeypatch.delenv("PAGEDKERNELS_DEBUG", raising=False)
+    q, kv = _case([5, 40, 70], num_kv_heads=2, group=4, dtype=torch.float16, device="cuda")
+    out = torch.empty_like(q)
+    workspace = pk.decode_workspace(3, 8, 2, 64, device="cuda")
+    counters = pk.decode_split_counters(3, 2, device="cuda") if fused else None
+    call = lambda: pk.paged_decode_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
+                                             num_splits=3, out=out, workspace=workspace, split_counters=counters)
+    graph = capture_allocating_nothing(call, out)
     for lens in ([5, 40, 70], [1, 17, 64], [0, 70, 3], [5, 40, 70]):
         kv.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         out.fill_(float("nan"))

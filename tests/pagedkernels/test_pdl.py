@@ -70,7 +70,8 @@ def _decode_path_calls(dtype: torch.dtype, device: str) -> list:
     """Each decode-path op on small inputs (on CUDA also at Qwen3-0.6B's batch-1 projections), as functions returning
     their outputs (fresh copies of what they write in place): skinny_gemm with K of one tile, several and not a
     multiple of it, one row and several, every prologue and the residual epilogue; a decode that writes its output
-    directly and one that splits; the rotary embedding with the cache write, with and without q/k norms."""
+    directly and one that splits; the rotary embedding with the cache write, with and without q/k norms, alone and
+    in the decode split kernel."""
     g = torch.Generator().manual_seed(3)
 
     def randn(*shape):
@@ -107,6 +108,15 @@ def _decode_path_calls(dtype: torch.dtype, device: str) -> list:
                                           head_size=64, **weights)
             return q_, k_, kc, vc
         calls.append(rotary_cache)
+
+        def rotary_cache_decode(weights=weights):   # the same in the decode split kernel, then attention
+            q_, k_, v_ = qkv.split([256, 128, 128], 1)
+            kc, vc = key_cache.clone(), value_cache.clone()
+            out = pk.rotary_cache_decode_attention(ints([39, 16]), q_.view(2, 4, 64), k_, v_, kc, vc,
+                                                   ints([39, 3 * 16 + 16]), cos_sin, table, lens, num_splits=2,
+                                                   **weights)
+            return out, kc, vc
+        calls.append(rotary_cache_decode)
     return calls
 
 
