@@ -521,6 +521,52 @@ def batch1_fused_reduce(llm, default: dict, prompt_len: int, new_tokens: int, co
     return ("batch1_split_reduce" if own else "batch1_fused_reduce") + ("_pdl" if pdl else ""), other
 
 
+def batch1_fused_rope(llm, default: dict, prompt_len: int, new_tokens: int, copy_gbps: float,
+                      *, everything: bool = False) -> tuple[str, dict] | None:
+    """batch1_decode on ``llm`` with the few-row layers' rotary embedding and KV-cache write the other way than its
+    own (``default``, its batch1_decode): in the decode split kernel (ModelRunner.set_decode_fused_rope,
+    pagedkernels.rotary_cache_decode_attention: one kernel a layer for the three) where the engine runs
+    rotary_embedding_and_cache before the decode op (DevicePolicy.decode_fused_rope off, the default), else in their
+    own kernel; then back. ``everything``: the rotation, the split merge (set_decode_fused_reduce) and programmatic
+    dependent launch all on, the fewest launches a step. Returns ("batch1_fused_rope" / "batch1_unfused_rope", the
+    result with the fused rotation's speedup; or "batch1_all_fused", the result with its speedup over the default),
+    or None where nothing changes (no layer runs the decode kernel; ``everything`` already the default)."""
+    runner = llm.llm_engine.model_runner
+    layers = getattr(runner, "attention_layers", [])
+    own_rope = any(layer.decode_fused_rope for layer in layers)
+    own_reduce = any(layer.decode_split_counters is not None for layer in layers)
+    rope = True if everything else not own_rope
+    if runner.set_decode_fused_rope(rope) != rope:
+        return None
+    undos = [lambda: runner.set_decode_fused_rope(own_rope)]
+    changed = rope != own_rope
+    if everything:
+        changed |= runner.set_decode_fused_reduce(True) != own_reduce
+        undos.append(lambda: runner.set_decode_fused_reduce(own_reduce))
+        undo_pdl = _pdl_on(llm)
+        if undo_pdl is not None:
+            changed = True
+            undos.append(undo_pdl)
+
+    def undo() -> None:
+        for step in reversed(undos):
+            step()
+
+    if not changed:
+        undo()
+        return None
+    other = _batch1_changed(llm, default, prompt_len, new_tokens, copy_gbps, undo=undo)
+    if other["decode_tokens_per_s"] and default["decode_tokens_per_s"]:
+        if everything:
+            other["speedup"] = other["decode_tokens_per_s"] / default["decode_tokens_per_s"]
+        else:
+            fused, two = (default, other) if own_rope else (other, default)
+            other["fused_rope_speedup"] = fused["decode_tokens_per_s"] / two["decode_tokens_per_s"]
+    if everything:
+        return "batch1_all_fused", other
+    return ("batch1_unfused_rope" if own_rope else "batch1_fused_rope"), other
+
+
 def _batch1_changed(llm, default: dict, prompt_len: int, new_tokens: int, copy_gbps: float, *, undo) -> dict:
     """batch1_decode on ``llm`` as its caller changed it, then ``undo()`` whatever happens; with how many of
     ``default``'s leading greedy tokens it gave again (bf16 rounds two paths' products differently, so a near-tie may
@@ -542,6 +588,16 @@ def _variant(row: dict, key: str, log, name: str, measure):
         row[key] = {"error": f"{type(error).__name__}: {error}"[:500]}
         log(f"{name}: {key} failed: {row[key]['error']}")
         return None
+
+
+def _log_variant(log, name: str, row: dict, key: str, result: dict, ratio_key: str, against: str) -> None:
+    """A batch-1 variant's result into ``row[key]`` and its line: tok/s, kernels a step, its ratio (``ratio_key``)
+    over what it is ``against``, and how many greedy tokens agree with the engine's own."""
+    row[key] = result
+    log(f"{name}: batch-1 decode, {key[7:].replace('_', ' ')}: {_fmt(result['decode_tokens_per_s'], '.1f')} tok/s, "
+        f"{_fmt(result.get('kernels_per_step'), '.0f')} kernels a step; {_fmt(result.get(ratio_key), '.2f')}x "
+        f"{against}; the first {result['same_leading_tokens']} of {len(row['batch1']['token_ids'])} greedy tokens the "
+        f"same")
 
 
 def _same_prefix(a: list[int], b: list[int]) -> int:
@@ -723,22 +779,22 @@ def run(device: torch.device, *, tiny: bool, models: list[str], parts: tuple[str
                                 f"greedy tokens the same")
                             progress()
                         # And with the decode op's splits merged in its split kernel (one kernel a layer, not
-                        # two), alone and with programmatic dependent launch.
-                        for with_pdl in (False, True):
-                            key = "batch1_fused_reduce" + ("_pdl" if with_pdl else "")
-                            fused = _variant(row, key, log, name, lambda with_pdl=with_pdl: batch1_fused_reduce(
-                                llm, row["batch1"], 16 if tiny else 128, 8 if tiny else 256, copy_gbps,
-                                pdl=with_pdl))
+                        # two), alone and with programmatic dependent launch; with the few-row layers' rotation and
+                        # cache write in that kernel too (one kernel a layer for the three), alone, then with the
+                        # fused merge and PDL as well.
+                        args = (llm, row["batch1"], 16 if tiny else 128, 8 if tiny else 256, copy_gbps)
+                        for key, measure, ratio_key, against in (
+                                ("batch1_fused_reduce", lambda: batch1_fused_reduce(*args), "fused_reduce_speedup",
+                                 "split + reduce"),
+                                ("batch1_fused_reduce_pdl", lambda: batch1_fused_reduce(*args, pdl=True), "speedup",
+                                 "the default"),
+                                ("batch1_fused_rope", lambda: batch1_fused_rope(*args), "fused_rope_speedup",
+                                 "two kernels"),
+                                ("batch1_all_fused", lambda: batch1_fused_rope(*args, everything=True), "speedup",
+                                 "the default")):
+                            fused = _variant(row, key, log, name, measure)
                             if fused is not None:
-                                key, result = fused
-                                row[key] = result
-                                ratio = result.get("speedup" if with_pdl else "fused_reduce_speedup")
-                                log(f"{name}: batch-1 decode, {key[7:].replace('_', ' ')}: "
-                                    f"{_fmt(result['decode_tokens_per_s'], '.1f')} tok/s, "
-                                    f"{_fmt(result.get('kernels_per_step'), '.0f')} kernels a step; "
-                                    f"{_fmt(ratio, '.2f')}x {'the default' if with_pdl else 'split + reduce'}; the "
-                                    f"first {result['same_leading_tokens']} of {len(row['batch1']['token_ids'])} "
-                                    f"greedy tokens the same")
+                                _log_variant(log, name, row, *fused, ratio_key, against)
                                 progress()
                     if "decode_steps" in parts:
                         row["decode_steps"] = []

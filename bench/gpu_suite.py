@@ -92,9 +92,10 @@ _LOCAL_PACKAGES = {"tests", "engine", "pagedkernels", "bench"}
 # The batch1 phase's closing tests: the few-row layers against cuBLAS's and programmatic dependent launch's bits on
 # CUDA (the engine and the kernels), in what the 8B engine leaves of the budget, at least this.
 BATCH1_TESTS = ["tests/pagedkernels/test_pdl.py", "tests/pagedkernels/test_decode_attention.py",
-                "tests/engine/test_cuda_features.py", "-k",
-                "pdl or programmatic or few_row or split_counters or fused_decode or cuda_graph_capture"]
-BATCH1_TESTS_RESERVE_S = 75.0
+                "tests/pagedkernels/test_rotary_cache_decode.py", "tests/engine/test_cuda_features.py", "-k",
+                "pdl or programmatic or few_row or split_counters or fused_decode or cuda_graph_capture "
+                "or rotary_and_cache_then_decode or float8_cache or one_launch"]
+BATCH1_TESTS_RESERVE_S = 90.0
 HEADLINE_TESTS_CAP_S = 150.0
 HEADLINE_TESTS_RESERVE_S = 100.0
 HEADLINE_TRANSFORMERS_S = 150.0
@@ -401,8 +402,8 @@ def _batch1(run: PhaseRun) -> None:
             ["qwen3-0.6b"], ("batch1", "batch1_profile"), reserve_s=run.budget.remaining() * 0.45)) \
         and run.step("batch-1 decode, Llama-3-8B shape", lambda: run.engine(
             ["llama-3-8b"], ("batch1", "batch1_profile"), reserve_s=BATCH1_TESTS_RESERVE_S)) \
-        and run.step("few-row, PDL and fused-reduce tests",
-                     lambda: run.tests("few-row, PDL and fused-reduce tests", BATCH1_TESTS))
+        and run.step("few-row, PDL and fused decode tests",
+                     lambda: run.tests("few-row, PDL and fused decode tests", BATCH1_TESTS))
 
 
 def _lora(run: PhaseRun) -> None:

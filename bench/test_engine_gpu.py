@@ -91,6 +91,45 @@ def test_a_failing_batch1_variant_leaves_the_rest_and_a_failing_part_frees_the_e
     assert shutdowns == [1]
 
 
+def test_the_fused_rope_variants_change_the_engine_and_put_it_back(tmp_path):
+    """batch1_fused_rope on a CPU engine whose decode graphs run the decode op (its layers take the setting; a CPU
+    step has no few-row layers to use it): the other way measured and its ratio reported, the engine's own setting
+    back after, from either side; ``everything`` with the fused merge too (a CPU cannot launch with PDL), back
+    after; an eager engine (no decode kernel): None."""
+    import torch
+
+    from bench import engine_gpu
+    from engine import LLM
+    from tests.engine.models_util import build_tiny_model_dir
+
+    model_dir = build_tiny_model_dir("qwen3", str(tmp_path))
+    eager = LLM(model_dir, device="cpu", dtype="float32", max_model_len=128, max_num_seqs=2, enforce_eager=True)
+    try:
+        assert engine_gpu.batch1_fused_rope(eager, {}, 8, 4, 10.0) is None
+        assert engine_gpu.batch1_fused_rope(eager, {}, 8, 4, 10.0, everything=True) is None
+    finally:
+        eager.llm_engine.shutdown()
+    llm = LLM(model_dir, device="cpu", dtype="float32", max_model_len=128, max_num_seqs=2)
+    try:
+        runner = llm.llm_engine.model_runner
+        layers = runner.attention_layers
+        assert all(layer.use_decode_kernel and not layer.decode_fused_rope for layer in layers)
+        default = engine_gpu.batch1_decode(llm, 8, 4, 10.0)
+        key, result = engine_gpu.batch1_fused_rope(llm, default, 8, 4, 10.0)
+        assert key == "batch1_fused_rope" and result["same_leading_tokens"] == 4
+        assert "fused_rope_speedup" in result or result["decode_tokens_per_s"] is None
+        assert not any(layer.decode_fused_rope for layer in layers)
+        runner.decode_split_counters = torch.zeros(2 * layers[0].num_kv_heads, dtype=torch.int32)
+        key, result = engine_gpu.batch1_fused_rope(llm, default, 8, 4, 10.0, everything=True)
+        assert key == "batch1_all_fused" and result["same_leading_tokens"] == 4
+        assert not any(layer.decode_fused_rope or layer.decode_split_counters is not None for layer in layers)
+        runner.set_decode_fused_rope(True)   # an engine that fuses them compares the two kernels
+        key, result = engine_gpu.batch1_fused_rope(llm, default, 8, 4, 10.0)
+        assert key == "batch1_unfused_rope" and all(layer.decode_fused_rope for layer in layers)
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_the_fused_reduce_variant_changes_the_engine_and_puts_it_back(tmp_path):
     """batch1_fused_reduce on an engine whose runner has split counters (on CPU given by hand: its decode ops take
     and ignore them): the other merge measured, its ratio reported, the engine's own setting back after; with PDL

@@ -94,6 +94,13 @@ class DevicePolicy:
     # Qwen3-0.6B step's 222 kernels away, against a serial merge at each KV head's end (bench.engine_gpu's batch-1
     # part compares both on one engine). CPU decode runs no split kernel.
     decode_fused_reduce: bool = False
+    # CUDA decode steps of the few-row layers (those that rotate q/k in their cache write) rotate q and k, write the
+    # new K/V and attend in the decode split kernel (pagedkernels.rotary_cache_decode_attention), one kernel a layer
+    # where rotary_embedding_and_cache then paged_decode_attention are two (ENGINE_DECODE_FUSED_ROPE=1 turns it on,
+    # 0 off). Off until a GPU measures it: at batch 1 it takes another 28 of the Qwen3-0.6B step's kernels away,
+    # against every split program rotating its group's queries itself (bench.engine_gpu's batch-1 part compares both
+    # on one engine).
+    decode_fused_rope: bool = False
 
     @classmethod
     def for_device(cls, device: torch.device | str) -> "DevicePolicy":
@@ -109,7 +116,8 @@ class DevicePolicy:
                    cpu_bf16_w16_max_rows=None if on_gpu else _cpu_bf16_w16_max_rows(isa),
                    cpu_bf16_w16_graph_max_rows=None if on_gpu else _cpu_bf16_w16_max_rows(isa, graphs=True),
                    skinny_gemm_max_rows=_skinny_gemm_max_rows(1 if on_gpu else 0),
-                   decode_fused_reduce=on_gpu and _env_flag("ENGINE_DECODE_FUSED_REDUCE", default=False))
+                   decode_fused_reduce=on_gpu and _env_flag("ENGINE_DECODE_FUSED_REDUCE", default=False),
+                   decode_fused_rope=on_gpu and _env_flag("ENGINE_DECODE_FUSED_ROPE", default=False))
 
     def auto_dtype(self, checkpoint: torch.dtype, *, quantized: bool = False) -> tuple[torch.dtype, str]:
         """What ``dtype="auto"`` runs a checkpoint stored in ``checkpoint`` in, and why (a line for the log).

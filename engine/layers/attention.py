@@ -159,6 +159,9 @@ class Attention(nn.Module):
         # Its split counters (pagedkernels.decode_split_counters) where the split kernel merges the splits itself
         # (DevicePolicy.decode_fused_reduce); None: a reduce kernel merges them.
         self.decode_split_counters: torch.Tensor | None = None
+        # A decode step given ``rope`` rotates q/k, writes the new K/V and attends in the decode split kernel
+        # (pagedkernels.rotary_cache_decode_attention; DevicePolicy.decode_fused_rope, set by the ModelRunner).
+        self.decode_fused_rope = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, *,
                 rope: Rope | None = None) -> torch.Tensor:
@@ -187,6 +190,16 @@ class Attention(nn.Module):
             k_scale, v_scale = self.k_scale, self.v_scale
         else:
             k_scale = v_scale = 1.0
+        # `out` only when given: the custom ops (pk_ops under a fake mode) return a new tensor instead.
+        into = {} if out is None else {"out": out}
+        decode = meta.is_decode and self.use_decode_kernel
+        if rope is not None and decode and self.decode_fused_rope:   # q and k read, not rotated in place
+            return pk.rotary_cache_decode_attention(
+                rope.positions, q, k, v, self.key_cache, self.value_cache, meta.slot_mapping, rope.cos_sin_cache,
+                meta.block_tables, meta.seq_lens, q_weight=rope.q_weight, k_weight=rope.k_weight, eps=rope.eps,
+                scale=self.scale, sliding_window=self.sliding_window, softcap=self.softcap,
+                workspace=self.decode_workspace, k_scale=k_scale, v_scale=v_scale,
+                split_counters=self.decode_split_counters, **into)
         if rope is None:
             ops.reshape_and_cache(k, v, self.key_cache, self.value_cache, meta.slot_mapping, k_scale=k_scale,
                                   v_scale=v_scale)
@@ -195,9 +208,7 @@ class Attention(nn.Module):
                                           meta.slot_mapping, rope.cos_sin_cache, head_size=self.head_dim,
                                           q_weight=rope.q_weight, k_weight=rope.k_weight, eps=rope.eps,
                                           k_scale=k_scale, v_scale=v_scale)
-        # `out` only when given: the custom ops (pk_ops under a fake mode) return a new tensor instead.
-        into = {} if out is None else {"out": out}
-        if meta.is_decode and self.use_decode_kernel:
+        if decode:
             return ops.paged_decode_attention(q, self.key_cache, self.value_cache, meta.block_tables, meta.seq_lens,
                                               scale=self.scale, sliding_window=self.sliding_window,
                                               softcap=self.softcap, workspace=self.decode_workspace,

@@ -274,6 +274,20 @@ class DecodeGraphs:
             self.drop_graphs()
         return on
 
+    def set_decode_fused_rope(self, on: bool) -> bool:
+        """Rotate q/k, write the new K/V and attend in the decode split kernel (``on``) or in two kernels
+        (rotary_embedding_and_cache, paged_decode_attention) on a built runner's decode steps that rotate in the cache
+        write (the few-row layers'); the decode graphs are dropped when it changes. Returns the setting in force (False
+        where no layer runs the decode kernel: an eager CPU runner). What bench.engine_gpu's batch-1 part compares on one engine; an
+        engine's own setting is DevicePolicy.decode_fused_rope."""
+        layers = [layer for layer in getattr(self, "attention_layers", []) if layer.use_decode_kernel]
+        on = bool(on) and bool(layers)
+        if any(layer.decode_fused_rope != on for layer in layers):
+            for layer in layers:
+                layer.decode_fused_rope = on
+            self.drop_graphs()
+        return on
+
     def _greedy_tail(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A step graph's tail: the LM head over its rows, then their greedy ids (_logits_and_greedy). Compiled where
         the forward is, so the product's cast to float32, the NaN / inf clean-up and the argmax are one kernel after

@@ -388,6 +388,7 @@ class ModelRunner(DecodeGraphs):
             for layer in layers:
                 layer.decode_workspace = self.decode_workspace
                 layer.decode_split_counters = self.decode_split_counters if self.policy.decode_fused_reduce else None
+                layer.decode_fused_rope = self.policy.decode_fused_rope
 
     # -- per step ---------------------------------------------------------------------------------
 

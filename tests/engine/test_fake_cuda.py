@@ -177,6 +177,61 @@ def test_the_fused_decode_reduce_setting(tiny_model_dir, monkeypatch):
     assert all(layer.decode_split_counters is None for layer in runner.attention_layers)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_fused_decode_rope_runs_the_cuda_paths(tiny_model_dir, arch, monkeypatch):
+    """ENGINE_DECODE_FUSED_ROPE=1 on CUDA with the few-row layers up to 2 rows: their decode graphs (1 and 2 rows)
+    capture pagedkernels.rotary_cache_decode_attention (its fake path checks every argument's device, dtype and
+    shape), with the norms' weights for Qwen3, and no rotary_embedding_and_cache; the larger graphs rotate as
+    before. set_decode_fused_rope(False) drops the graphs and the next captures run the two ops."""
+    model_dir = tiny_model_dir(arch)
+    monkeypatch.setenv("ENGINE_DECODE_FUSED_ROPE", "1")
+    monkeypatch.setenv("ENGINE_SKINNY_GEMM_MAX_ROWS", "2")
+    import pagedkernels
+    fused, two_ops = [], []
+    real_fused, real_two = pagedkernels.rotary_cache_decode_attention, pagedkernels.rotary_embedding_and_cache
+
+    def fused_op(*args, **kwargs):
+        fused.append((args[1].shape[0], kwargs["q_weight"] is not None))
+        return real_fused(*args, **kwargs)
+
+    monkeypatch.setattr(pagedkernels, "rotary_cache_decode_attention", fused_op)
+    monkeypatch.setattr(pagedkernels, "rotary_embedding_and_cache",
+                        lambda *args, **kwargs: (two_ops.append(args[1].shape[0]), real_two(*args, **kwargs))[1])
+    decodes = [(Entry(random_token_ids(n + 1, seed=n), n, [n // BLOCK_SIZE]), 1) for n in (3, 9)]
+    with fake_cuda(FakeCudaMemory(total=80 * GiB, free=79 * GiB, peak_bytes=GiB // 4, non_torch_bytes=GiB // 4)):
+        runner = _runner(model_dir, num_kv_blocks=64)
+        layers = len(runner.attention_layers)
+        assert all(layer.decode_fused_rope for layer in runner.attention_layers)
+        # the captures of 1 and 2 rows (warm-up and recording), one call a layer
+        assert sorted({n for n, _ in fused}) == [1, 2] and two_ops == []
+        assert all([n for n, _ in fused].count(rows) == 2 * layers for rows in (1, 2))
+        assert all(norms == (arch == "qwen3") for _, norms in fused)
+        assert runner.compute_logits_for(decodes).shape == (2, runner.config.vocab_size)
+        fused.clear()
+        assert runner.set_decode_fused_rope(False) is False and runner.graphs == {}
+        assert runner.compute_logits_for(decodes).shape == (2, runner.config.vocab_size)
+        assert fused == [] and two_ops.count(2) == 2 * layers   # the graph of 2, captured again without it
+        assert runner.set_decode_fused_rope(True) and runner.graphs == {}
+
+
+def test_the_fused_decode_rope_setting(tiny_model_dir, monkeypatch):
+    """Off by default (unmeasured on a GPU); ENGINE_DECODE_FUSED_ROPE turns it on for CUDA only; a bad value names
+    the variable; a CPU runner (no decode kernel in its steps) keeps it off."""
+    from engine.platform import DevicePolicy
+    monkeypatch.delenv("ENGINE_DECODE_FUSED_ROPE", raising=False)
+    assert not DevicePolicy.for_device("cuda").decode_fused_rope
+    monkeypatch.setenv("ENGINE_DECODE_FUSED_ROPE", "1")
+    assert DevicePolicy.for_device("cuda").decode_fused_rope and not DevicePolicy.for_device("cpu").decode_fused_rope
+    monkeypatch.setenv("ENGINE_DECODE_FUSED_ROPE", "maybe")
+    with pytest.raises(ValueError, match="ENGINE_DECODE_FUSED_ROPE"):
+        DevicePolicy.for_device("cuda")
+    monkeypatch.setenv("ENGINE_DECODE_FUSED_ROPE", "1")
+    from tests.engine.test_cuda_graph_runner import make_runner
+    runner = make_runner(tiny_model_dir("llama"), enforce_eager=True)
+    assert runner.set_decode_fused_rope(True) is False
+    assert not any(layer.decode_fused_rope for layer in runner.attention_layers)
+
+
 def test_kv_sizing_refuses_more_than_is_free(tiny_model_dir):
     model_dir = tiny_model_dir("llama")   # made before fake mode (the directory is written for real)
     with fake_cuda(FakeCudaMemory(total=80 * GiB, free=40 * GiB)):

@@ -177,3 +177,44 @@ def test_the_triton_kernels_in_the_few_row_layers(tiny_model_dir, monkeypatch):
     for step, (a, b) in enumerate(zip(got, expected)):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step}: {m}")
     torch.testing.assert_close(skinny.kv_cache, ordinary.kv_cache, atol=1e-4, rtol=1e-4, equal_nan=True)
+
+
+# qwen3: q/k norms; phi3: partial rotary, no norms (interpreted Triton: two models, ~25 s each).
+@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
+def test_the_rotary_and_cache_write_in_the_decode_kernel(tiny_model_dir, arch, monkeypatch):
+    """DevicePolicy.decode_fused_rope (ENGINE_DECODE_FUSED_ROPE on CUDA): the few-row layers' decode steps rotate q/k,
+    write the new K/V and attend in the decode split kernel (pagedkernels.rotary_cache_decode_attention, Triton,
+    interpreted on CPU), as the engine's Attention layer calls it; logits and KV cache as the same layers' two kernels
+    (rotary_embedding_and_cache, then the decode op), and every decode step of the few-row layers took it (the
+    ordinary layers' steps rotate before the attention layer, as ever)."""
+    import pagedkernels as pk
+    from pagedkernels import decode_attention
+
+    for_device = DevicePolicy.for_device.__func__
+    monkeypatch.setattr(DevicePolicy, "for_device", classmethod(
+        lambda cls, device: dataclasses.replace(for_device(cls, device), prepack_linears=False)))
+    monkeypatch.setenv("ENGINE_SKINNY_GEMM_MAX_ROWS", "8")
+    model_dir = tiny_model_dir(arch)
+    runners = []
+    for fused in (False, True):
+        runner = make_runner(model_dir, enforce_eager=True)
+        for layer in runner.attention_layers:   # the decode op in eager steps, as on CUDA
+            layer.use_decode_kernel = True
+        assert runner.set_decode_fused_rope(fused) is fused
+        runners.append(runner)
+    calls = []
+    real = decode_attention._decode_triton
+    monkeypatch.setattr(decode_attention, "_decode_triton",
+                        lambda *args, **kwargs: (calls.append(args[-1] is not None), real(*args, **kwargs))[1])
+    with pk.use_backend("triton"):
+        expected = _run(runners[0], _sequences(runners[0].config.vocab_size))
+        assert calls and not any(calls)
+        calls.clear()
+        got = _run(runners[1], _sequences(runners[1].config.vocab_size))
+    # a call a layer in each decode step: those of 3, 1 and 5 sequences fused, 10 (past the few-row limit of 8) not, 3
+    layers = runners[1].config.num_hidden_layers
+    assert calls == [True] * 3 * layers + [False] * layers + [True] * layers
+    for step, (a, b) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m: f"step {step}: {m}")
+    # the keys as one float32 rounding apart at most (Qwen3's norm sums its squares in another order)
+    torch.testing.assert_close(runners[1].kv_cache, runners[0].kv_cache, atol=1e-5, rtol=1e-5, equal_nan=True)
