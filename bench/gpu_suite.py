@@ -35,9 +35,14 @@
 13. batch1 (540 s): the few-row decoder layers (pagedkernels.skinny_gemm, rotary_embedding_and_cache) in one call:
    skinny_gemm's launch configurations against cuBLAS at batch-1 projections and its heuristic at 2-8 rows (timed
    in CUDA graphs), then batch-1 decode at the Qwen3-0.6B and Llama-3-8B shapes with the few-row layers (the CUDA
-   default), with cuBLAS, with programmatic dependent launch, and with the decode op's splits merged in its split
-   kernel (alone and with PDL) on the same engine, kernels a step counted; then the few-row, PDL and fused-reduce
-   tests on CUDA.
+   default), with cuBLAS, with programmatic dependent launch, with the decode op's splits merged in its split
+   kernel (alone and with PDL), and with the rotary embedding and cache write in that kernel too (alone, and with
+   the merge and PDL) on the same engine, kernels a step counted; then the few-row, PDL and fused decode tests on
+   CUDA.
+14. spec (300 s): n-gram speculative decoding against plain decoding, single stream, on SmolLM2-135M in bf16 (real
+   weights: bring its GGUF with the two calls scripts/gpu_carry_model.sh prints), grounded and free workloads
+   (bench.spec_decode_cpu's): speedup, acceptance, identical greedy outputs; then the speculative decoding tests on
+   CUDA.
 
 ``--phase all`` (the default) runs them one after another. Each phase writes
 ``OUT/<date>-<device>-phase<N>-<name>.json`` and ``.md`` after every case (``.png`` at the end, when matplotlib
@@ -96,6 +101,7 @@ BATCH1_TESTS = ["tests/pagedkernels/test_pdl.py", "tests/pagedkernels/test_decod
                 "pdl or programmatic or few_row or split_counters or fused_decode or cuda_graph_capture "
                 "or rotary_and_cache_then_decode or float8_cache or one_launch"]
 BATCH1_TESTS_RESERVE_S = 90.0
+SPEC_TESTS = ["tests/engine/test_cuda_features.py", "-k", "speculative or self_draft"]
 HEADLINE_TESTS_CAP_S = 150.0
 HEADLINE_TESTS_RESERVE_S = 100.0
 HEADLINE_TRANSFORMERS_S = 150.0
@@ -325,6 +331,35 @@ class PhaseRun:
                             log=lambda line: print(line, flush=True), on_progress=progress,
                             results=self.result.get("lora_engine"))
 
+    def spec_decode(self) -> None:
+        """n-gram speculative decoding against plain decoding, single stream, on the default model (SmolLM2-135M:
+        real weights, which a grounded workload needs; converted from its GGUF, which scripts/gpu_carry_model.sh
+        brings to the GPU machine in two calls) in bf16 on CUDA: bench.spec_decode_cpu's workloads."""
+        from bench import spec_decode_cpu
+        from engine import default_model
+
+        if not default_model.is_converted() and not os.path.isfile(default_model.gguf_path()):
+            raise FileNotFoundError(
+                f"the default model is not on this machine ({default_model.gguf_path()}): bring its GGUF "
+                f"(scripts/gpu_carry_model.sh prints the two calls that do)")
+        model = default_model.default_model_path()   # converts the GGUF once (transformers, gguf)
+        report = spec_decode_cpu.measure(model, device=str(self.device),
+                                         dtype="float32" if self.dry_run else "bfloat16",
+                                         max_tokens=16 if self.dry_run else 160, repeats=1 if self.dry_run else 2,
+                                         verify_graphs=True, log=lambda line: print(line, flush=True))
+        self.result["spec_decode"] = report
+        grounded = report["workloads"]["grounded"]
+        best = max(grounded["speedup"], grounded.get("graphs_speedup") or 0.0)
+        self.result["spec_decode_targets"] = [
+            {"target": ">= 2x single stream, grounded workload (n-gram speculative decoding)",
+             "value": best, "threshold": 2.0, "status": "pass" if best >= 2.0 else "fail",
+             "note": "verification in graphs" if best != grounded["speedup"] else "verification eager"},
+            {"target": "greedy outputs identical with and without speculative decoding",
+             "value": float(all(w["identical_outputs"] for w in report["workloads"].values())), "threshold": 1.0,
+             "status": "pass" if all(w["identical_outputs"] for w in report["workloads"].values()) else "fail",
+             "note": ("bf16: verification's batched forward may round a near-tie apart (same_leading_tokens)"
+                      if report["dtype"] == "bfloat16" else "")}]
+
     def sync_audit(self) -> None:
         from bench import sync_audit
 
@@ -406,6 +441,13 @@ def _batch1(run: PhaseRun) -> None:
                      lambda: run.tests("few-row, PDL and fused decode tests", BATCH1_TESTS))
 
 
+def _spec(run: PhaseRun) -> None:
+    # The measurement first (its model may be missing: then the tests still run), then the speculative decoding
+    # tests on CUDA.
+    run.step("n-gram speculative decoding, single stream", run.spec_decode) \
+        and run.step("speculative decoding tests", lambda: run.tests("speculative decoding tests", SPEC_TESTS))
+
+
 def _lora(run: PhaseRun) -> None:
     run.step("multi-LoRA engine", run.lora_engine)
 
@@ -428,6 +470,7 @@ PHASES = [
     Phase(11, "moe", 540.0, _moe),
     Phase(12, "lora", 540.0, _lora),
     Phase(13, "batch1", 540.0, _batch1),
+    Phase(14, "spec", 300.0, _spec),
 ]
 
 
@@ -463,7 +506,8 @@ def run_phase(phase: Phase, args: argparse.Namespace, device: torch.device, out_
         print(kernels.format_table(run.result["rows"]))
     if run.result["targets"]:
         print(kernels.format_targets(run.result["targets"]))
-    for t in run.result.get("engine_targets", []) + run.result.get("lora_engine_targets", []):
+    for t in (run.result.get("engine_targets", []) + run.result.get("lora_engine_targets", [])
+              + run.result.get("spec_decode_targets", [])):
         print(f"  [{t['status'].upper():4}] {t['target']}: {kernels._fmt(t['value'], '.3f')} {t['note']}".rstrip())
     paths = run.save(png=True)
     print(f"phase {phase.number} done in {run.budget.elapsed():.0f} s; wrote " + ", ".join(str(p) for p in paths),
@@ -473,7 +517,7 @@ def run_phase(phase: Phase, args: argparse.Namespace, device: torch.device, out_
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--phase", default="all", help="all (default), a number 1-12 or a name (see the module doc)")
+    parser.add_argument("--phase", default="all", help="all (default), a number 1-14 or a name (see the module doc)")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="output directory (default: bench/results)")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (= --dry-run)")
     parser.add_argument("--dry-run", action="store_true",

@@ -153,6 +153,24 @@ def markdown(result: dict) -> str:
         lines += ["## Without async scheduling", ""] + engine_markdown(result["engine_sync"])[1:]
     if result.get("lora_engine"):
         lines += lora_engine_markdown(result["lora_engine"])
+    if (result.get("spec_decode") or {}).get("workloads"):
+        spec = result["spec_decode"]
+        lines += [f"## Speculative decoding, single stream ({spec['model']}, {spec['dtype']}, "
+                  f"{json.dumps(spec['speculative_config'])}, greedy, {spec['max_tokens']} tokens a request, "
+                  f"{spec['repeats']} rounds)", "",
+                  _md_table(["workload", "plain tok/s", "n-gram tok/s", "speedup", "n-gram, verification in graphs",
+                             "acceptance", "mean accepted length", "ms a step (plain / n-gram)", "identical outputs",
+                             "same leading tokens / lengths"],
+                            [[name, num(w["plain_tokens_per_s"], ".1f"), num(w["ngram_tokens_per_s"], ".1f"),
+                              num(w["speedup"], ".2f"),
+                              (f"{num(w['ngram_graphs_tokens_per_s'], '.1f')} tok/s, {num(w['graphs_speedup'], '.2f')}x"
+                               if "graphs_speedup" in w else "-"),
+                              num(w["acceptance_rate"], ".2f"),
+                              num(w["mean_accepted_length"], ".2f"),
+                              f"{num(w.get('plain_step_ms'), '.2f')} / {num(w.get('ngram_step_ms'), '.2f')}",
+                              str(w["identical_outputs"]),
+                              f"{w['same_leading_tokens']} / {w['output_lengths']}"]
+                             for name, w in spec["workloads"].items()]), ""]
     if (result.get("sync_audit") or {}).get("kinds"):
         lines += ["## Host syncs per step (torch.cuda sync debug mode)", "",
                   _md_table(["kind", "async scheduling", "steps", "syncs/step", "deliberate reads/step",

@@ -53,6 +53,83 @@ def run(llm, prompts: list[str], max_tokens: int) -> tuple[list[list[int]], floa
     return outputs, seconds
 
 
+def measure(model: str, *, device: str = "cpu", dtype: str = "float32", num_speculative_tokens: int = 5,
+            max_tokens: int = 160, repeats: int = 2, verify_graphs: bool = False, log=print) -> dict:
+    """The engines (plain, n-gram; with ``verify_graphs`` also n-gram with its verification steps in graphs, where
+    the runner has graphs that are not CPU graphs: ModelRunner.set_spec_decode_graphs) on ``model`` taking turns over
+    both workloads, single stream, after one untimed request each (compilation, graph captures); returns the report
+    (per workload: tok/s of each, speedup, acceptance, mean accepted length, identical outputs). On CUDA the engines
+    run as the engine does by default there (compiled, CUDA graphs for plain decode steps)."""
+    from bench.engine_gpu import _same_prefix
+    from engine import LLM
+
+    spec = {"method": "ngram", "num_speculative_tokens": num_speculative_tokens, "prompt_lookup_max": 4,
+            "prompt_lookup_min": 2}
+    # One request at a time: a short graph ladder (8 sequences) keeps the engines' start-up short on a GPU.
+    options = dict(dtype=dtype, device=device, max_model_len=1024, max_num_seqs=8)
+    engines = {"plain": LLM(model, **options), "ngram": LLM(model, **options, speculative_config=spec)}
+    if verify_graphs:
+        graphed = LLM(model, **options, speculative_config=spec)
+        if graphed.llm_engine.model_runner.set_spec_decode_graphs(True):
+            engines["ngram_graphs"] = graphed
+        else:
+            graphed.llm_engine.shutdown()
+    report = {"model": model, "device": device, "dtype": dtype, "torch": torch.__version__,
+              "threads": torch.get_num_threads(), "load_average_before": os.getloadavg(), "speculative_config": spec,
+              "max_tokens": max_tokens, "repeats": repeats, "engines": list(engines), "workloads": {}}
+    try:
+        for llm in engines.values():   # warm-up, untimed: a request of each workload
+            run(llm, [GROUNDED[0], FREE[0]], max_tokens)
+        for name, prompts in (("grounded", GROUNDED), ("free", FREE)):
+            before = {engine_name: _spec_counts(llm) for engine_name, llm in engines.items()}
+            seconds = dict.fromkeys(engines, 0.0)
+            outputs = {}
+            for _ in range(repeats):
+                for engine_name, llm in engines.items():
+                    outputs[engine_name], took = run(llm, prompts, max_tokens)
+                    seconds[engine_name] += took
+            num_tokens = sum(len(o) for o in outputs["plain"]) * repeats
+            drafts, draft_tokens, accepted = (now - then for now, then in zip(_spec_counts(engines["ngram"]),
+                                                                               before["ngram"]))
+            row = {"prompts": len(prompts), "output_tokens": num_tokens,
+                   "plain_tokens_per_s": num_tokens / seconds["plain"],
+                   "ngram_tokens_per_s": num_tokens / seconds["ngram"],
+                   "speedup": seconds["plain"] / seconds["ngram"],
+                   "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+                   "mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,
+                   "identical_outputs": all(outputs[e] == outputs["plain"] for e in engines),
+                   # where the outputs part (bf16: verification's batched forward may round a near-tie apart)
+                   "same_leading_tokens": [_same_prefix(a, b) for a, b in zip(outputs["plain"], outputs["ngram"])],
+                   "output_lengths": [len(o) for o in outputs["plain"]]}
+            if "ngram_graphs" in engines:
+                row["ngram_graphs_tokens_per_s"] = num_tokens / seconds["ngram_graphs"]
+                row["graphs_speedup"] = seconds["plain"] / seconds["ngram_graphs"]
+                row["graphs_same_leading_tokens"] = [_same_prefix(a, b) for a, b in
+                                                     zip(outputs["plain"], outputs["ngram_graphs"])]
+            # A step's time on each side, prefill included (about: tokens per step are 1 plain, the mean accepted
+            # length with drafts): what a verification step costs against a decode step.
+            row["plain_step_ms"] = 1000.0 / row["plain_tokens_per_s"]
+            row["ngram_step_ms"] = (1000.0 * row["mean_accepted_length"] / row["ngram_tokens_per_s"]
+                                    if row["mean_accepted_length"] else None)
+            report["workloads"][name] = row
+            log(f"{name:8s}: plain {row['plain_tokens_per_s']:6.1f} tok/s, n-gram {row['ngram_tokens_per_s']:6.1f} "
+                f"tok/s, speedup {row['speedup']:.2f}x"
+                + (f", with verification graphs {row['ngram_graphs_tokens_per_s']:6.1f} tok/s "
+                   f"({row['graphs_speedup']:.2f}x)" if "graphs_speedup" in row else "")
+                + f", acceptance {row['acceptance_rate']:.2f}, mean accepted length "
+                f"{row['mean_accepted_length']:.2f}, identical {row['identical_outputs']}")
+    finally:
+        for llm in engines.values():
+            llm.llm_engine.shutdown()
+    report["load_average_after"] = os.getloadavg()
+    return report
+
+
+def _spec_counts(llm) -> tuple[int, int, int]:
+    stats = llm.llm_engine.spec_decode_stats
+    return stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="HF model directory (default: the default model, SmolLM2-135M-Instruct)")
@@ -61,42 +138,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=2, help="rounds, the engines taking turns in each")
     parser.add_argument("--out", default=None, help="write <date>-spec-decode-cpu-<cpu>.json here")
     args = parser.parse_args(argv)
-    from engine import LLM
     from engine.default_model import default_model_path
 
-    model = args.model or default_model_path()
-    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens, "prompt_lookup_max": 4,
-            "prompt_lookup_min": 2}
-    engines = {"plain": LLM(model, dtype="float32", device="cpu", max_model_len=1024),
-               "ngram": LLM(model, dtype="float32", device="cpu", max_model_len=1024, speculative_config=spec)}
-    report = {"model": model, "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "load_average_before": os.getloadavg(), "speculative_config": spec, "max_tokens": args.max_tokens,
-              "workloads": {}}
-    for name, prompts in (("grounded", GROUNDED), ("free", FREE)):
-        stats = engines["ngram"].llm_engine.spec_decode_stats
-        drafts_before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
-        seconds = {"plain": 0.0, "ngram": 0.0}
-        outputs = {}
-        for _ in range(args.repeats):
-            for engine_name, llm in engines.items():
-                outputs[engine_name], took = run(llm, prompts, args.max_tokens)
-                seconds[engine_name] += took
-        num_tokens = sum(len(o) for o in outputs["plain"]) * args.repeats
-        drafts = stats.num_drafts - drafts_before[0]
-        draft_tokens = stats.num_draft_tokens - drafts_before[1]
-        accepted = stats.num_accepted_tokens - drafts_before[2]
-        row = {"prompts": len(prompts), "output_tokens": num_tokens,
-               "plain_tokens_per_s": num_tokens / seconds["plain"],
-               "ngram_tokens_per_s": num_tokens / seconds["ngram"],
-               "speedup": seconds["plain"] / seconds["ngram"],
-               "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
-               "mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,
-               "identical_outputs": outputs["plain"] == outputs["ngram"]}
-        report["workloads"][name] = row
-        print(f"{name:8s}: plain {row['plain_tokens_per_s']:6.1f} tok/s, n-gram {row['ngram_tokens_per_s']:6.1f} "
-              f"tok/s, speedup {row['speedup']:.2f}x, acceptance {row['acceptance_rate']:.2f}, mean accepted "
-              f"length {row['mean_accepted_length']:.2f}, identical {row['identical_outputs']}", flush=True)
-    report["load_average_after"] = os.getloadavg()
+    report = measure(args.model or default_model_path(), num_speculative_tokens=args.num_speculative_tokens,
+                     max_tokens=args.max_tokens, repeats=args.repeats, log=lambda line: print(line, flush=True))
     if args.out:
         from bench.report import write_cpu_report
         print(f"wrote {write_cpu_report(args.out, 'spec-decode-cpu', report)}")

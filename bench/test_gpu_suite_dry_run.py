@@ -230,6 +230,9 @@ def _batch1(result):
         row = result["engine"]["models"][name]
         assert set(row["batch1"]) >= {"decode_tokens_per_s", "frac_of_copy_bandwidth", "profile"}
         assert "engine" not in row
+        # the fused decode variants on the same engine (a CPU engine's decode graphs take the settings too)
+        assert {"batch1_fused_rope", "batch1_all_fused"} <= set(row), sorted(row)
+        assert all("error" not in row[key] for key in ("batch1_fused_rope", "batch1_all_fused"))
 
 
 def _moe(result):
@@ -267,7 +270,17 @@ def _lora(result):
     assert all(t["value"] > 0 and t["status"] in ("pass", "fail") for t in result["lora_engine_targets"])
 
 
+def _spec(result):
+    spec = result["spec_decode"]
+    assert spec["device"] == "cpu" and spec["dtype"] == "float32"
+    for name in ("grounded", "free"):
+        row = spec["workloads"][name]
+        assert row["output_tokens"] > 0 and row["speedup"] > 0 and row["identical_outputs"], row
+    assert [t["status"] in ("pass", "fail") for t in result["spec_decode_targets"]] == [True, True]
+    assert [t["label"] for t in result["tests"]] == ["speculative decoding tests"]
+
+
 CHECKS = {"headline": _headline, "kernels": _kernels, "quant": _quant, "tune": _tune, "engine": _engine_model("qwen3-0.6b", True),
           "llama": _engine_model("llama-3-8b", False), "kernel-tests": _tests("kernel tests"),
           "engine-tests": _tests("engine tests on CUDA"), "other-tests": _tests("other tests"), "async": _async,
-          "moe": _moe, "lora": _lora, "batch1": _batch1}
+          "moe": _moe, "lora": _lora, "batch1": _batch1, "spec": _spec}

@@ -101,6 +101,12 @@ class DevicePolicy:
     # against every split program rotating its group's queries itself (bench.engine_gpu's batch-1 part compares both
     # on one engine).
     decode_fused_rope: bool = False
+    # Speculative decoding's verification steps whose sequences all verify the same number of tokens (1 + k drafts:
+    # single stream always) replay CUDA graphs captured per (padded batch size, tokens a sequence), as decode steps
+    # do, instead of launching the compiled forward's kernels one by one (ENGINE_SPEC_DECODE_GRAPHS=1 turns it on, 0
+    # off). Off until a GPU measures it: a verification step of a small model is bound by its launches, so without
+    # graphs it costs several decode steps (phase 14 measures n-gram decoding both ways).
+    spec_decode_graphs: bool = False
 
     @classmethod
     def for_device(cls, device: torch.device | str) -> "DevicePolicy":
@@ -117,7 +123,8 @@ class DevicePolicy:
                    cpu_bf16_w16_graph_max_rows=None if on_gpu else _cpu_bf16_w16_max_rows(isa, graphs=True),
                    skinny_gemm_max_rows=_skinny_gemm_max_rows(1 if on_gpu else 0),
                    decode_fused_reduce=on_gpu and _env_flag("ENGINE_DECODE_FUSED_REDUCE", default=False),
-                   decode_fused_rope=on_gpu and _env_flag("ENGINE_DECODE_FUSED_ROPE", default=False))
+                   decode_fused_rope=on_gpu and _env_flag("ENGINE_DECODE_FUSED_ROPE", default=False),
+                   spec_decode_graphs=on_gpu and _env_flag("ENGINE_SPEC_DECODE_GRAPHS", default=False))
 
     def auto_dtype(self, checkpoint: torch.dtype, *, quantized: bool = False) -> tuple[torch.dtype, str]:
         """What ``dtype="auto"`` runs a checkpoint stored in ``checkpoint`` in, and why (a line for the log).

@@ -159,6 +159,7 @@ class DecodeGraphs:
                 torch.zeros(size, dtype=torch.int32, device=device),
                 torch.zeros(size, self.max_blocks_per_seq, dtype=torch.int32, device=device))
         self.static_cu_seqlens_q = torch.arange(size + 1, dtype=torch.int32, device=device)
+        self._verify_static: dict[tuple[int, int], tuple[StaticInputs, torch.Tensor, torch.Tensor]] = {}
         self.graph_pool = self.graph_runner_class.new_pool(device)
 
     def static_inputs(self, batch_size: int) -> StaticInputs:
@@ -242,6 +243,80 @@ class DecodeGraphs:
             return _rows(runner.replay(num_seqs), num_seqs)
         return _rows(runner.replay(), num_seqs)
 
+    def verify_graph_shape(self, num_tokens: int, num_seqs: int, query_lens: np.ndarray | None
+                           ) -> tuple[int, int] | None:
+        """(padded batch size, tokens a sequence) of the verification graph a step replays: speculative decoding's
+        graphs on (``spec_graphs``), every sequence computing the same 2 to 1 + k tokens (``query_lens``), within the
+        ladder; else None (the compiled forward runs eagerly)."""
+        if (not self.spec_graphs or self.enforce_eager or query_lens is None or num_seqs == 0
+                or num_seqs > self.graph_batch_sizes[-1]):
+            return None
+        q = int(query_lens[0])
+        if not 2 <= q <= 1 + self.num_spec_tokens or num_tokens != num_seqs * q or not (query_lens == q).all():
+            return None
+        return next(size for size in self.graph_batch_sizes if size >= num_seqs), q
+
+    def _verify_inputs(self, batch_size: int, q: int) -> tuple[StaticInputs, torch.Tensor, torch.Tensor]:
+        """A verification graph's inputs (``batch_size * q`` tokens; tables and lengths ``batch_size`` rows), its
+        cu_seqlens and its padding rows' positions, allocated on first use. Padding sequences: ids 0 at positions
+        0..q-1, slots -1 (nothing written), seq_len q (the prefill op's smallest valid length) over whatever blocks
+        their table rows name (their outputs are dropped)."""
+        key = (batch_size, q)
+        cached = self._verify_static.get(key)
+        if cached is None:
+            tokens, device = batch_size * q, self.device
+            static = StaticInputs(torch.zeros(tokens, dtype=torch.int64, device=device),
+                                  torch.arange(q, device=device).repeat(batch_size),
+                                  torch.full((tokens,), -1, dtype=torch.int64, device=device),
+                                  torch.full((batch_size,), q, dtype=torch.int32, device=device),
+                                  torch.zeros(batch_size, self.max_blocks_per_seq, dtype=torch.int32, device=device))
+            cu_seqlens = torch.arange(0, tokens + 1, q, dtype=torch.int32, device=device)
+            cached = self._verify_static[key] = (static, cu_seqlens, static.positions.clone())
+        return cached
+
+    def run_verify_graph(self, shape: tuple[int, int], input_ids: torch.Tensor, positions: torch.Tensor,
+                         meta: AttentionMetadata) -> torch.Tensor:
+        """A verification batch of n sequences of q tokens each through the graph of (b, q), b the smallest ladder
+        size >= n: the inputs copied into its static buffers' first n sequences, the rest padding. Returns the final
+        hidden states ``[n * q, hidden_size]``, a view of the graph's output valid until its next replay."""
+        batch_size, q = shape
+        num_seqs = meta.seq_lens.shape[0]
+        tokens = num_seqs * q
+        static, cu_seqlens, pad_positions = self._verify_inputs(batch_size, q)
+        static.input_ids[:tokens].copy_(input_ids)
+        static.positions[:tokens].copy_(positions)
+        static.slot_mapping[:tokens].copy_(meta.slot_mapping)
+        static.seq_lens[:num_seqs].copy_(meta.seq_lens)
+        if num_seqs < batch_size:   # the padding a larger batch of this graph may have left real rows in
+            static.input_ids[tokens:].zero_()
+            static.positions[tokens:].copy_(pad_positions[tokens:])
+            static.slot_mapping[tokens:].fill_(-1)
+            static.seq_lens[num_seqs:].fill_(q)
+        # Columns past a sequence's last block keep stale ids: never read (its seq_len bounds them); padding rows
+        # read the (valid) ids a step before left, or zeros.
+        static.block_tables[:num_seqs, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        runner = self.verify_graphs.get(shape)
+        if runner is None:
+            graph_meta = AttentionMetadata(slot_mapping=static.slot_mapping, block_tables=static.block_tables,
+                                           seq_lens=static.seq_lens, cu_seqlens_q=cu_seqlens, is_decode=False,
+                                           skinny=batch_size * q <= self.skinny_max_rows)
+            runner = self.graph_runner_class(self.graph_pool)
+            with torch.inference_mode():
+                runner.capture(lambda: self._forward(static.input_ids, static.positions, graph_meta))
+            self.verify_graphs[shape] = runner
+        return runner.replay()[:tokens]
+
+    def set_spec_decode_graphs(self, on: bool) -> bool:
+        """Replay verification steps in graphs (``on``) or run them eagerly, on a built runner with speculative
+        decoding and graphs that are not CPU graphs; the verification graphs are dropped when it turns off. Returns
+        the setting in force. What bench.spec_decode_cpu compares on the GPU; an engine's own setting is
+        DevicePolicy.spec_decode_graphs."""
+        self.spec_graphs = (bool(on) and self.num_spec_tokens > 0 and not self.enforce_eager
+                            and self.graph_runner_class is not CPUGraph)
+        if not self.spec_graphs:
+            self.verify_graphs.clear()
+        return self.spec_graphs
+
     def set_skinny_max_rows(self, rows: int) -> int:
         """Turn the decoder layers' few-row path (``meta.skinny``, pagedkernels.skinny_gemm) on for steps of up to
         ``rows`` tokens, or off with 0, on a built runner: the model's layers are checked as at start-up, and the
@@ -257,6 +332,7 @@ class DecodeGraphs:
         for graphs in (self.graphs, getattr(self, "lora_graphs", {})):
             for size in [s for s in graphs if (s <= before) != (s <= self.skinny_max_rows)]:
                 del graphs[size]
+        self.verify_graphs.clear()
         return self.skinny_max_rows
 
     def set_decode_fused_reduce(self, on: bool) -> bool:
@@ -329,7 +405,7 @@ class DecodeGraphs:
         """Drop every captured decode graph; the next step of each size captures its graph again. For a change to
         how the kernels launch that a graph keeps from its capture (pagedkernels.set_programmatic_dependent_launch:
         bench.engine_gpu's batch-1 part compares both on one engine)."""
-        for graphs in (self.graphs, getattr(self, "lora_graphs", {})):
+        for graphs in (self.graphs, getattr(self, "lora_graphs", {}), getattr(self, "verify_graphs", {})):
             graphs.clear()
 
     def _skinny_rows(self, rows: int) -> int:

@@ -197,6 +197,11 @@ class ModelRunner(DecodeGraphs):
                                   else graph_batch_sizes(max_num_seqs))
         self.graphs: dict[int, object] = {}  # padded batch size -> captured graph runner
         self.lora_graphs: dict[int, object] = {}  # the same, for steps whose tokens run LoRA adapters
+        # Speculative verification steps of q tokens a sequence: (padded batch size, q) -> captured graph runner
+        # (DevicePolicy.spec_decode_graphs; not CPU graphs, which record the native kernels of one-token steps).
+        self.verify_graphs: dict[tuple[int, int], object] = {}
+        self.spec_graphs = (self.policy.spec_decode_graphs and self.num_spec_tokens > 0
+                            and graph_runner_class not in (None, CPUGraph))
         if not self.enforce_eager:
             self._allocate_static_buffers()
             # On CUDA every graph of the ladder is captured now (largest first, so the smaller ones reuse its
@@ -436,14 +441,19 @@ class ModelRunner(DecodeGraphs):
         return self.staging.to_device(array)
 
     def _forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                        num_seqs: int, lora_slots: np.ndarray | None = None) -> ForwardResult:
-        """The forward (see ForwardResult): a pure-decode batch within the ladder replays its graph. lora_slots:
-        int32 [num_tokens], each token's LoRA slot (-1: none), or None: no adapter in the step."""
+                        num_seqs: int, lora_slots: np.ndarray | None = None,
+                        query_lens: np.ndarray | None = None) -> ForwardResult:
+        """The forward (see ForwardResult): a pure-decode batch within the ladder replays its graph, and so does a
+        batch of speculative verification (``query_lens``, its sequences' tokens, all the same: verify_graph_shape).
+        lora_slots: int32 [num_tokens], each token's LoRA slot (-1: none), or None: no adapter in the step."""
         if meta.is_decode and self.decode_graph_size(input_ids.shape[0], num_seqs) is not None:
             output = self.run_decode_graph(input_ids, positions, meta, lora_slots)
             if isinstance(output, tuple):
                 return ForwardResult(logits=output[0], greedy_ids=output[1])
             return ForwardResult(hidden_states=output)
+        shape = self.verify_graph_shape(input_ids.shape[0], num_seqs, query_lens) if lora_slots is None else None
+        if shape is not None:
+            return ForwardResult(hidden_states=self.run_verify_graph(shape, input_ids, positions, meta))
         self._prepare_lora(lora_slots, input_ids.shape[0])
         return ForwardResult(hidden_states=self._forward(input_ids, positions, meta))
 
@@ -537,7 +547,7 @@ class ModelRunner(DecodeGraphs):
         lora_slots = None
         if self.lora is not None and scheduler_output.lora_requests:
             lora_slots = self._lora_token_slots(scheduler_output, model_rows, query_lens, lora_failed)
-        forward = self._forward_hidden(input_ids_t, positions_t, meta, num_seqs, lora_slots)
+        forward = self._forward_hidden(input_ids_t, positions_t, meta, num_seqs, lora_slots, query_lens)
         if self.drafter is not None:
             self.drafter.run_target_step(input_ids_t, positions_t, meta)
         # The forward is queued: now the previous step's ids may come to the host (penalties, bad words, min_tokens
@@ -1004,7 +1014,7 @@ class ModelRunner(DecodeGraphs):
         input_ids_t, positions_t, meta = self.build_inputs(np.asarray(input_ids, dtype=np.int64),
                                                            np.asarray(positions, dtype=np.int64), query_lens_np,
                                                            block_tables, graph=True)
-        forward = self._forward_hidden(input_ids_t, positions_t, meta, len(scheduled))
+        forward = self._forward_hidden(input_ids_t, positions_t, meta, len(scheduled), query_lens=query_lens_np)
         logits = self._logits(forward, np.cumsum(query_lens_np) - 1)
         if not all_logits_for:
             return logits

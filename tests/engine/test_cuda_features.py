@@ -61,6 +61,33 @@ def test_speculative_decoding_keeps_the_greedy_output(llama_dir, tiny_model_dir)
         _free_cuda()
 
 
+def test_speculative_verification_graphs_keep_the_greedy_output(llama_dir, monkeypatch):
+    """ENGINE_SPEC_DECODE_GRAPHS=1: single-stream n-gram decoding (each verification step one sequence's 1 + drafts
+    tokens) replays the CUDA graphs of (1, q), captured on first use, and gives the plain engine's greedy tokens, with
+    the drafts and acceptances of the same engine without them; every block free after each run."""
+    plain = [spec.completion_tokens(spec.generate_checked(llama_dir, prompts=[p], device=DEVICE, dtype="float32")[0])
+             for p in spec.spec_prompts()]
+    _free_cuda()
+    runs = {}
+    for graphs in ("0", "1"):
+        monkeypatch.setenv("ENGINE_SPEC_DECODE_GRAPHS", graphs)
+        llm = LLM(llama_dir, device=DEVICE, dtype="float32", max_model_len=160, num_kv_blocks=64,
+                  speculative_config=spec.NGRAM)
+        try:
+            runner = llm.llm_engine.model_runner
+            assert runner.spec_graphs == (graphs == "1")
+            tokens = [spec.completion_tokens(llm.generate([p], spec.GREEDY, use_tqdm=False))
+                      for p in spec.spec_prompts()]
+            runs[graphs] = (tokens, llm.llm_engine.get_metrics().spec_decode, sorted(runner.verify_graphs))
+        finally:
+            llm.llm_engine.shutdown()
+            del llm
+            _free_cuda()
+    assert runs["0"][0] == runs["1"][0] == plain
+    assert runs["0"][1] == runs["1"][1] and runs["1"][1].num_drafts > 0
+    assert runs["0"][2] == [] and runs["1"][2] and all(b == 1 for b, _ in runs["1"][2])
+
+
 def test_self_draft_is_accepted_when_sampling(llama_dir):
     """The model as its own draft, sampled (top-p, seeded): q = p up to the GPU's summation order, so (nearly)
     every draft is accepted, and every request gets its max_tokens."""

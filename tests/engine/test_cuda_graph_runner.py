@@ -367,3 +367,68 @@ def test_a_failing_compile_of_the_graph_tail_falls_back_to_eager(tiny_model_dir)
     runner._compiled_tail = lambda h: (_ for _ in ()).throw(ValueError("the model's own"))
     with pytest.raises(ValueError, match="the model's own"):
         runner._greedy_tail(hidden)
+
+
+# -- speculative verification steps in graphs -------------------------------------------------------------------------
+
+# After the prefill of ten sequences, verification-shaped steps: (sequences, tokens each). 3 x 3 pads to the graph of
+# (4, 3); 1 x 2 is (1, 2); 5 x 5 pads to (8, 5); 10 x 3 is above the ladder (eager); 3 x 3 replays (4, 3); a step of
+# 2 and 3 tokens is not uniform (eager); 2 x 6 exceeds 1 + k = 5 (eager); 2 x 1 is a decode step (its own graph).
+VERIFY_STEPS = [([0, 1, 2], 3), ([3], 2), ([4, 5, 6, 7, 8], 5), (list(range(10)), 3), ([2, 0, 9], 3),
+                ([1, 3], [2, 3]), ([5, 6], 6), ([7, 8], 1)]
+
+
+def _spec_runner(model_dir, *, enforce_eager: bool):
+    config = engine_config(model_dir, device="cpu", max_model_len=256, block_size=BLOCK_SIZE,
+                           num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=10, max_num_batched_tokens=512,
+                           enforce_eager=enforce_eager,
+                           speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    runner = ModelRunner(config, graph_runner_class=None if enforce_eager else RecordingGraphRunner)
+    runner.kv_cache.fill_(float("nan"))   # a padding row writing K/V, or any stray read, shows
+    return runner
+
+
+def _run_verify_steps(runner, seqs):
+    """Every token's logits of each step (the verification's rows)."""
+    steps = [[(i, n) for i, n in enumerate(PROMPT_LENS)]]
+    for rows, q in VERIFY_STEPS:
+        steps.append([(i, q[k] if isinstance(q, list) else q) for k, i in enumerate(rows)])
+    per_step = []
+    for step in steps:
+        scheduled = [(seqs[i], n) for i, n in step]
+        _, every = runner.compute_logits_for(scheduled, all_logits_for=range(len(scheduled)))
+        per_step.append([logits.clone() for logits in every])
+        for seq, n in scheduled:
+            seq.num_computed_tokens += n
+    return per_step
+
+
+def test_verification_steps_replay_graphs(tiny_model_dir, monkeypatch):
+    """With speculative decoding's graphs on, steps whose sequences all compute the same 2 to 1 + k tokens replay a
+    graph of (padded batch size, tokens a sequence), captured once each; every token's logits and the KV cache are
+    the eager runner's (padding sequences write nothing); other shapes run eagerly."""
+    model_dir = tiny_model_dir("qwen3")
+    eager = _spec_runner(model_dir, enforce_eager=True)
+    graphed = _spec_runner(model_dir, enforce_eager=False)
+    assert graphed.spec_graphs is False   # DevicePolicy.spec_decode_graphs: off on CPU
+    assert graphed.set_spec_decode_graphs(True) and not eager.set_spec_decode_graphs(True)
+    monkeypatch.setattr(RecordingGraphRunner, "replays", [])
+    monkeypatch.setattr(RecordingGraphRunner, "model_runner", graphed, raising=False)
+    lens = [p + sum(q if isinstance(q, int) else q[rows.index(i)] for rows, q in VERIFY_STEPS if i in rows)
+            for i, p in enumerate(PROMPT_LENS)]
+
+    def sequences():
+        seqs = [Seq(random_token_ids(n, vocab_size=eager.config.vocab_size, seed=40 + i)) for i, n in enumerate(lens)]
+        scatter_blocks(seqs, NUM_KV_BLOCKS, seed=4)
+        return seqs
+
+    expected = _run_verify_steps(eager, sequences())
+    got = _run_verify_steps(graphed, sequences())
+    assert sorted(graphed.verify_graphs) == [(1, 2), (4, 3), (8, 5)]
+    for step, (a, b) in enumerate(zip(got, expected)):
+        for seq, (x, y) in enumerate(zip(a, b)):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5, msg=lambda m: f"step {step} seq {seq}: {m}")
+    torch.testing.assert_close(graphed.kv_cache, eager.kv_cache, atol=1e-5, rtol=1e-5, equal_nan=True)
+    # the graphs' rows (tokens) at each replay: (4, 3), (1, 2), (8, 5), (4, 3) again, then the decode graph of 2
+    assert [r["batch_size"] for r in RecordingGraphRunner.replays] == [12, 2, 40, 12, 2]
+    assert graphed.set_spec_decode_graphs(False) is False and graphed.verify_graphs == {}

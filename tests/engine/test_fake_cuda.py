@@ -31,13 +31,13 @@ MAX_MODEL_LEN = 128
 
 
 def _runner(model_dir: str, *, num_kv_blocks=None, gpu_memory_utilization=0.9, async_scheduling=None,
-            **kwargs) -> ModelRunner:
+            speculative_config=None, **kwargs) -> ModelRunner:
     """A runner as the engine builds one on CUDA (graphs captured at start-up; eager, as inductor cannot compile
     for a fake device), on the fake cuda device."""
     config = engine_config(model_dir, device="cuda", max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
                            num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
                            max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-                           async_scheduling=async_scheduling)
+                           async_scheduling=async_scheduling, speculative_config=speculative_config)
     kwargs = {"capture_graphs_at_startup": True, **kwargs}
     return ModelRunner(config, graph_runner_class=FakeGraphRunner, compile_model=False, **kwargs)
 
@@ -230,6 +230,35 @@ def test_the_fused_decode_rope_setting(tiny_model_dir, monkeypatch):
     runner = make_runner(tiny_model_dir("llama"), enforce_eager=True)
     assert runner.set_decode_fused_rope(True) is False
     assert not any(layer.decode_fused_rope for layer in runner.attention_layers)
+
+
+def test_verification_graphs_run_the_cuda_paths(tiny_model_dir, monkeypatch):
+    """ENGINE_SPEC_DECODE_GRAPHS=1 with n-gram speculation on CUDA: a verification-shaped step (every sequence 1 + 3
+    tokens) captures the graph of (padded batch size, 4) on the fake device with no host sync, its static inputs on
+    the device, and replays it; a step of other lengths runs eagerly; off by default."""
+    model_dir = tiny_model_dir("qwen3")
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    monkeypatch.delenv("ENGINE_SPEC_DECODE_GRAPHS", raising=False)
+    with fake_cuda(FakeCudaMemory(total=80 * GiB, free=79 * GiB, peak_bytes=GiB // 4, non_torch_bytes=GiB // 4)):
+        assert _runner(model_dir, num_kv_blocks=64, speculative_config=spec).spec_graphs is False
+    monkeypatch.setenv("ENGINE_SPEC_DECODE_GRAPHS", "1")
+    FakeGraphRunner.captured_batch_sizes = []
+    verify = [(Entry(random_token_ids(n + 4, seed=n), n, [0 if n < BLOCK_SIZE else 2, 3]), 4) for n in (5, 9, 12)]
+    with fake_cuda(FakeCudaMemory(total=80 * GiB, free=79 * GiB, peak_bytes=GiB // 4, non_torch_bytes=GiB // 4)):
+        runner = _runner(model_dir, num_kv_blocks=64, speculative_config=spec)
+        assert runner.spec_graphs
+        decode_graphs = len(FakeGraphRunner.captured_batch_sizes)
+        logits = runner.compute_logits_for(verify)
+        assert logits.shape == (3, runner.config.vocab_size) and logits.device.type == "cuda"
+        assert list(runner.verify_graphs) == [(4, 4)]
+        assert FakeGraphRunner.captured_batch_sizes[decode_graphs:] == [16]   # 4 sequences x 4 tokens
+        static, cu_seqlens, _ = runner._verify_static[(4, 4)]
+        assert static.input_ids.device.type == "cuda" and static.input_ids.shape == (16,)
+        assert cu_seqlens.device.type == "cuda" and cu_seqlens.shape == (5,)
+        assert runner.compute_logits_for(verify[:2]).shape == (2, runner.config.vocab_size)   # the (2, 4) graph
+        mixed = [(verify[0][0], 4), (verify[1][0], 3)]
+        assert runner.compute_logits_for(mixed).shape == (2, runner.config.vocab_size)
+        assert sorted(runner.verify_graphs) == [(2, 4), (4, 4)]
 
 
 def test_kv_sizing_refuses_more_than_is_free(tiny_model_dir):

@@ -179,14 +179,13 @@ def test_the_triton_kernels_in_the_few_row_layers(tiny_model_dir, monkeypatch):
     torch.testing.assert_close(skinny.kv_cache, ordinary.kv_cache, atol=1e-4, rtol=1e-4, equal_nan=True)
 
 
-# qwen3: q/k norms; phi3: partial rotary, no norms (interpreted Triton: two models, ~25 s each).
-@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
-def test_the_rotary_and_cache_write_in_the_decode_kernel(tiny_model_dir, arch, monkeypatch):
+def test_the_rotary_and_cache_write_in_the_decode_kernel(tiny_model_dir, monkeypatch):
     """DevicePolicy.decode_fused_rope (ENGINE_DECODE_FUSED_ROPE on CUDA): the few-row layers' decode steps rotate q/k,
     write the new K/V and attend in the decode split kernel (pagedkernels.rotary_cache_decode_attention, Triton,
-    interpreted on CPU), as the engine's Attention layer calls it; logits and KV cache as the same layers' two kernels
-    (rotary_embedding_and_cache, then the decode op), and every decode step of the few-row layers took it (the
-    ordinary layers' steps rotate before the attention layer, as ever)."""
+    interpreted on CPU: ~25 s), as the engine's Attention layer calls it, on Qwen3 (q/k norms; the kernel's other
+    variants, partial and GPT-J rotary among them, are tests/pagedkernels/test_rotary_cache_decode.py's); logits and
+    KV cache as the same layers' two kernels (rotary_embedding_and_cache, then the decode op), and every decode step
+    of the few-row layers took it (the ordinary layers' steps rotate before the attention layer, as ever)."""
     import pagedkernels as pk
     from pagedkernels import decode_attention
 
@@ -194,7 +193,7 @@ def test_the_rotary_and_cache_write_in_the_decode_kernel(tiny_model_dir, arch, m
     monkeypatch.setattr(DevicePolicy, "for_device", classmethod(
         lambda cls, device: dataclasses.replace(for_device(cls, device), prepack_linears=False)))
     monkeypatch.setenv("ENGINE_SKINNY_GEMM_MAX_ROWS", "8")
-    model_dir = tiny_model_dir(arch)
+    model_dir = tiny_model_dir("qwen3")
     runners = []
     for fused in (False, True):
         runner = make_runner(model_dir, enforce_eager=True)

@@ -307,3 +307,52 @@ def test_server_with_speculation_serves_the_same_tokens_and_exports_vllm_metrics
     assert drafts and float(drafts[0].split()[-1]) > 0
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}' in text
     engine.engine.shutdown()
+
+
+@pytest.mark.parametrize("mistake", [None, 2])
+def test_verification_graphs_keep_the_greedy_output(llama_dir, monkeypatch, mistake):
+    """Speculative verification in graphs (ModelRunner.set_spec_decode_graphs; the CPU double of CUDA graphs stands
+    in for them, with the decode graphs): single-stream generation with oracle proposals (the plain run's own
+    continuation, one token wrong at `mistake`), whose verification steps each hold one sequence's 1 + drafts tokens,
+    replays the graphs of (1, q), accepts what the eager steps accept and gives the tokens of plain decoding."""
+    import engine.worker.model_runner as model_runner_module
+    from engine.worker.model_runner import EagerGraphRunner, graph_batch_sizes
+
+    prompts = _prompts()
+    expected = [_tokens(_generate(llama_dir, prompts=[prompt])[0]) for prompt in prompts]
+    full = {tuple(p["prompt_token_ids"]): p["prompt_token_ids"] + out[0][0] for p, out in zip(prompts, expected)}
+
+    def oracle(tokens, *, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max):
+        tokens = tokens.tolist()
+        sequence = next(s for prompt, s in full.items() if tokens[:len(prompt)] == list(prompt))
+        drafts = sequence[len(tokens):len(tokens) + num_speculative_tokens]
+        if mistake is not None and mistake < len(drafts):
+            drafts[mistake] = (drafts[mistake] + 1) % 512
+        return drafts
+
+    monkeypatch.setattr(model_runner_module, "propose_ngram", oracle)
+
+    def single_stream(graphs: bool):
+        llm = LLM(llama_dir, max_model_len=160, num_kv_blocks=64, speculative_config=NGRAM, enforce_eager=True)
+        try:
+            runner = llm.llm_engine.model_runner
+            if graphs:
+                runner.graph_runner_class, runner.enforce_eager = EagerGraphRunner, False
+                runner.graph_batch_sizes = graph_batch_sizes(runner.max_num_seqs)
+                runner._allocate_static_buffers()
+                for layer in runner.attention_layers:   # graph replays take the decode op (valid padding rows)
+                    layer.use_decode_kernel = True
+                assert runner.set_spec_decode_graphs(True)
+            tokens = [_tokens(llm.generate([prompt], GREEDY, use_tqdm=False)) for prompt in prompts]
+            stats = llm.llm_engine.get_metrics().spec_decode
+            replays = sum(graph.num_replays for graph in runner.verify_graphs.values())
+            return tokens, stats, sorted(runner.verify_graphs), replays
+        finally:
+            llm.llm_engine.shutdown()
+
+    eager_tokens, eager_stats, none, _ = single_stream(graphs=False)
+    tokens, stats, shapes, replays = single_stream(graphs=True)
+    assert tokens == eager_tokens == expected and none == []
+    assert shapes and all(batch_size == 1 for batch_size, _ in shapes) and replays > len(shapes)
+    assert stats == eager_stats and stats.num_accepted_tokens > 0
+    assert (stats.acceptance_rate == 1.0) == (mistake is None)
