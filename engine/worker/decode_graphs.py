@@ -258,9 +258,9 @@ class DecodeGraphs:
 
     def _verify_inputs(self, batch_size: int, q: int) -> tuple[StaticInputs, torch.Tensor, torch.Tensor]:
         """A verification graph's inputs (``batch_size * q`` tokens; tables and lengths ``batch_size`` rows), its
-        cu_seqlens and its padding rows' positions, allocated on first use. Padding sequences: ids 0 at positions
-        0..q-1, slots -1 (nothing written), seq_len q (the prefill op's smallest valid length) over whatever blocks
-        their table rows name (their outputs are dropped)."""
+        cu_seqlens and its padding rows' positions, allocated on first use. Padding sequences (run_verify_graph):
+        ids 0 at positions 0..q-1, slots -1 (nothing written), seq_len q (the prefill op's smallest valid length)
+        over the first sequence's blocks; their outputs are dropped."""
         key = (batch_size, q)
         cached = self._verify_static.get(key)
         if cached is None:
@@ -287,14 +287,17 @@ class DecodeGraphs:
         static.positions[:tokens].copy_(positions)
         static.slot_mapping[:tokens].copy_(meta.slot_mapping)
         static.seq_lens[:num_seqs].copy_(meta.seq_lens)
-        if num_seqs < batch_size:   # the padding a larger batch of this graph may have left real rows in
+        width = meta.block_tables.shape[1]
+        # Columns past a sequence's last block keep stale ids: never read (its seq_len bounds them).
+        static.block_tables[:num_seqs, :width].copy_(meta.block_tables)
+        if num_seqs < batch_size:   # padding, over what a larger batch of this graph may have left
             static.input_ids[tokens:].zero_()
             static.positions[tokens:].copy_(pad_positions[tokens:])
             static.slot_mapping[tokens:].fill_(-1)
             static.seq_lens[num_seqs:].fill_(q)
-        # Columns past a sequence's last block keep stale ids: never read (its seq_len bounds them); padding rows
-        # read the (valid) ids a step before left, or zeros.
-        static.block_tables[:num_seqs, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+            # The padding sequences attend over the first sequence's first q positions: written, finite values (an
+            # uninitialized block could hold NaN, which a per-tensor activation scale would spread to real rows).
+            static.block_tables[num_seqs:, :width].copy_(meta.block_tables[:1].expand(batch_size - num_seqs, -1))
         runner = self.verify_graphs.get(shape)
         if runner is None:
             graph_meta = AttentionMetadata(slot_mapping=static.slot_mapping, block_tables=static.block_tables,

@@ -431,4 +431,7 @@ def test_verification_steps_replay_graphs(tiny_model_dir, monkeypatch):
     torch.testing.assert_close(graphed.kv_cache, eager.kv_cache, atol=1e-5, rtol=1e-5, equal_nan=True)
     # the graphs' rows (tokens) at each replay: (4, 3), (1, 2), (8, 5), (4, 3) again, then the decode graph of 2
     assert [r["batch_size"] for r in RecordingGraphRunner.replays] == [12, 2, 40, 12, 2]
+    # the padding sequences read written positions (the first sequence's), not the NaN-filled unused blocks: their
+    # rows are finite too (a per-tensor activation scale would spread a NaN to the real rows)
+    assert all(torch.isfinite(graph.output).all() for graph in graphed.verify_graphs.values())
     assert graphed.set_spec_decode_graphs(False) is False and graphed.verify_graphs == {}
