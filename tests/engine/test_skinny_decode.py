@@ -182,7 +182,7 @@ def test_the_triton_kernels_in_the_few_row_layers(tiny_model_dir, monkeypatch):
 def test_the_rotary_and_cache_write_in_the_decode_kernel(tiny_model_dir, monkeypatch):
     """DevicePolicy.decode_fused_rope (ENGINE_DECODE_FUSED_ROPE on CUDA): the few-row layers' decode steps rotate q/k,
     write the new K/V and attend in the decode split kernel (pagedkernels.rotary_cache_decode_attention, Triton,
-    interpreted on CPU: ~25 s), as the engine's Attention layer calls it, on Qwen3 (q/k norms; the kernel's other
+    interpreted on CPU), as the engine's Attention layer calls it, on Qwen3 (q/k norms; the kernel's other
     variants, partial and GPT-J rotary among them, are tests/pagedkernels/test_rotary_cache_decode.py's); logits and
     KV cache as the same layers' two kernels (rotary_embedding_and_cache, then the decode op), and every decode step
     of the few-row layers took it (the ordinary layers' steps rotate before the attention layer, as ever)."""
@@ -205,6 +205,9 @@ def test_the_rotary_and_cache_write_in_the_decode_kernel(tiny_model_dir, monkeyp
     real = decode_attention._decode_triton
     monkeypatch.setattr(decode_attention, "_decode_triton",
                         lambda *args, **kwargs: (calls.append(args[-1] is not None), real(*args, **kwargs))[1])
+    # The products on their PyTorch twin (their kernel is test_the_triton_kernels_in_the_few_row_layers'): the
+    # interpreter's time goes to the attention
+    monkeypatch.setattr(skinny_module, "_skinny_triton", skinny_module._skinny_torch)
     with pk.use_backend("triton"):
         expected = _run(runners[0], _sequences(runners[0].config.vocab_size))
         assert calls and not any(calls)
