@@ -301,15 +301,16 @@ def _rope_decode_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None
             if i == 0:
                 cases.append((128, 8, 128, True, True, fp8))
             for head, grp, rot, nrm, neox, cache_dtype in cases:
-                label = (f"{name} head={head} group={grp} rot={rot} {'neox' if neox else 'gptj'}{' qk_norm' if nrm else ''}"
+                label = (f"{name} head={head} group={grp} rot={rot} {'neox' if neox else 'gptj'}"
+                         f"{' qk_norm' if nrm else ''}"
                          f"{' float8 cache' if cache_dtype else ''}{' counters' if counters else ''}"
                          f"{' split' if split else ' unsplit'}")
 
                 def rope_decode(gen, dtype=dtype, head=head, grp=grp, rot=rot, nrm=nrm, neox=neox,
                                 cache_dtype=cache_dtype, counters=counters, split=split):
                     num_seqs, width = (1, 4096 // 16) if split else (80, 8)
-                    k, v, table, lens = _paged_inputs(num_seqs, 40, 2, head, 16, torch.float32 if cache_dtype else dtype,
-                                                      gen, table_width=width)
+                    k, v, table, lens = _paged_inputs(num_seqs, 40, 2, head, 16,
+                                                      torch.float32 if cache_dtype else dtype, gen, table_width=width)
                     scales = {}
                     if cache_dtype is not None:
                         k, v, scales = k.to(cache_dtype), v.to(cache_dtype), dict(k_scale=0.1, v_scale=0.2)

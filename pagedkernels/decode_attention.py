@@ -46,8 +46,8 @@ from ._validate import (
     check_tensor,
 )
 
-__all__ = ["paged_decode_attention", "rotary_cache_decode_attention", "check_decode_args", "decode_num_splits", "decode_split_counters",
-           "decode_workspace", "decode_workspace_numel"]
+__all__ = ["paged_decode_attention", "rotary_cache_decode_attention", "check_decode_args", "decode_num_splits",
+           "decode_split_counters", "decode_workspace", "decode_workspace_numel"]
 
 
 def check_decode_args(q, key_cache, value_cache, block_tables, seq_lens, scale=None, sliding_window=None,
@@ -240,8 +240,8 @@ def rotary_cache_decode_attention(
     kernel on CUDA (a small model's batch-1 step is bound by its launches). Each sequence's new token sits at
     position ``seq_len - 1``; its key is rotated (after Qwen3's per-head norms with ``q_weight`` / ``k_weight`` /
     ``eps``) and written with its value into its ``slot_mapping`` slot, and every query head is rotated, inside the
-    split kernel: the program holding the last tile of a (sequence, KV head) writes the slot and takes the new key
-    and value from its registers, the others never read that position.
+    split kernel: the program holding the last tile of a (sequence, KV head) writes the slot before its loop reads
+    its tiles back (no other program reads that position).
 
     Unlike the two ops, **q and k are not modified** (the programs of a KV head all read the group's queries). The
     other backends (PyTorch, native CPU) run the two ops on copies of q and k.
@@ -249,8 +249,8 @@ def rotary_cache_decode_attention(
     positions, q, k, v, key_cache, value_cache, slot_mapping, cos_sin_cache, is_neox, head_size, q_weight, k_weight,
     eps, k_scale, v_scale: as :func:`~pagedkernels.rotary_embedding_and_cache`, with one token per sequence (q
     ``[num_seqs, num_q_heads, head_dim]`` or its 2-D view, whose head size defaults to the cache's; strided views of
-    a fused qkv are fine). block_tables,
-    seq_lens, scale, sliding_window, softcap, num_splits, out, workspace, split_counters: as
+    a fused qkv are fine). block_tables, seq_lens, scale, sliding_window, softcap, num_splits, out, workspace,
+    split_counters: as
     :func:`paged_decode_attention`. ``slot_mapping[s]`` must be the cache slot of sequence s's position
     ``seq_len - 1`` under its block table (checked when value checks are on), or negative: nothing cached, and the
     attention reads that position from the cache as it is, as the two ops would. A sequence with ``seq_len == 0``
@@ -263,8 +263,6 @@ def rotary_cache_decode_attention(
         head_size = key_cache.shape[-1]   # a 2-D q: heads of the cache's width
     q3, k3, v3 = check_rotary_and_cache_args(positions, q, k, v, key_cache, value_cache, slot_mapping,
                                              cos_sin_cache, head_size, q_weight, k_weight, eps, k_scale, v_scale)
-    if key_cache.shape[-1] != q3.shape[-1]:
-        raise ValueError(f"key_cache: head_dim {key_cache.shape[-1]} differs from q's head_dim {q3.shape[-1]}")
     group = check_decode_args(q3, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, softcap,
                               num_splits, out, workspace, k_scale, v_scale, split_counters)
     if out is None:
@@ -277,8 +275,8 @@ def rotary_cache_decode_attention(
     if not use_triton(q3):
         q3, k3 = q3.clone(), k3.clone()
         rotary_embedding_and_cache(positions, q3, k3, v3, key_cache, value_cache, slot_mapping, cos_sin_cache,
-                                   is_neox=is_neox, head_size=q3.shape[-1], q_weight=q_weight, k_weight=k_weight, eps=eps, k_scale=k_scale,
-                                   v_scale=v_scale)
+                                   is_neox=is_neox, head_size=q3.shape[-1], q_weight=q_weight, k_weight=k_weight,
+                                   eps=eps, k_scale=k_scale, v_scale=v_scale)
         return paged_decode_attention(q3, key_cache, value_cache, block_tables, seq_lens, scale=scale,
                                       sliding_window=sliding_window, softcap=softcap, num_splits=num_splits, out=out,
                                       workspace=workspace, k_scale=k_scale, v_scale=v_scale,
@@ -525,8 +523,7 @@ def _decode_split_kernel(
     stride_cs_pos: tl.int64,
     rot_half,  # rot_dim // 2
     norm_eps,
-    k_store_scale,  # a float8 cache's k_scale (the code is e4m3(k / k_scale))
-    v_store_scale,
+    k_store_scale,  # a float8 cache's k_scale (the code is e4m3(k / k_scale); v's is v_scale)
     NUM_QUERIES_PER_KV: tl.constexpr,  # GQA group size
     BLOCK_H: tl.constexpr,  # group padded to a power of two >= 16 (tl.dot needs >= 16 rows)
     GROUP_PAD: tl.constexpr,  # group padded to a power of two (the fused reduce's rows)
@@ -608,7 +605,7 @@ def _decode_split_kernel(
                             + one_row[:, None] * 0 + dim_offs[None, :], mask=dim_mask[None, :], other=0.0)
             if KV_FP8:
                 k_new = _float_to_e4m3(k_new.to(tl.float32) / k_store_scale)
-                v_new = _float_to_e4m3(v_new.to(tl.float32) / v_store_scale)
+                v_new = _float_to_e4m3(v_new.to(tl.float32) / v_scale)
             slot_block = new_slot // BLOCK_SIZE
             slot_offset = new_slot % BLOCK_SIZE
             tl.store(k_head_ptr + slot_block * stride_k_blk + slot_offset * stride_k_slot + dim_offs[None, :], k_new,
@@ -830,13 +827,13 @@ def _decode_triton(q, key_cache, value_cache, block_tables, seq_lens, scale, sli
     fused = split_counters is not None and num_splits > 1
     nt = new_tokens
     if nt is None:   # placeholders of the ROPE arguments (never read): one signature either way
-        rope_args = (seq_lens, q, q, q, q, q, seq_lens, 0, 0, 0, 0, 0, 0, 0.0, 1.0, 1.0)
+        rope_args = (seq_lens, q, q, q, q, q, seq_lens, 0, 0, 0, 0, 0, 0, 0.0, 1.0)
     else:
         norm = nt.q_weight is not None
         rope_args = (nt.positions, nt.k, nt.v, nt.q_weight if norm else q, nt.k_weight if norm else q,
                      nt.cos_sin_cache, nt.slot_mapping, nt.k.stride(0), nt.k.stride(1), nt.v.stride(0),
                      nt.v.stride(1), nt.cos_sin_cache.stride(0), nt.cos_sin_cache.shape[1] // 2,
-                     float(nt.eps) if norm else 0.0, float(k_scale), float(v_scale))
+                     float(nt.eps) if norm else 0.0, float(k_scale))
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         # Unfused, seq_lens stands in for the counters (an int32 pointer never read): one signature either way.
         out, partial_out, partial_lse, split_counters if fused else seq_lens, q, key_cache, value_cache,

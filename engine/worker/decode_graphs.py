@@ -357,8 +357,8 @@ class DecodeGraphs:
         """Rotate q/k, write the new K/V and attend in the decode split kernel (``on``) or in two kernels
         (rotary_embedding_and_cache, paged_decode_attention) on a built runner's decode steps that rotate in the cache
         write (the few-row layers'); the decode graphs are dropped when it changes. Returns the setting in force (False
-        where no layer runs the decode kernel: an eager CPU runner). What bench.engine_gpu's batch-1 part compares on one engine; an
-        engine's own setting is DevicePolicy.decode_fused_rope."""
+        where no layer runs the decode kernel: an eager CPU runner). What bench.engine_gpu's batch-1 part compares on
+        one engine; an engine's own setting is DevicePolicy.decode_fused_rope."""
         layers = [layer for layer in getattr(self, "attention_layers", []) if layer.use_decode_kernel]
         on = bool(on) and bool(layers)
         if any(layer.decode_fused_rope != on for layer in layers):
