@@ -104,8 +104,9 @@ class DevicePolicy:
     # Speculative decoding's verification steps whose sequences all verify the same number of tokens (1 + k drafts:
     # single stream always) replay CUDA graphs captured per (padded batch size, tokens a sequence), as decode steps
     # do, instead of launching the compiled forward's kernels one by one (ENGINE_SPEC_DECODE_GRAPHS=1 turns it on, 0
-    # off). Off until a GPU measures it: a verification step of a small model is bound by its launches, so without
-    # graphs it costs several decode steps (phase 14 measures n-gram decoding both ways).
+    # off), and so do a draft model's proposal steps (one graph per padded batch size: its forward, LM head and
+    # argmax). Off until a GPU measures it: a verification step of a small model is bound by its launches, so without
+    # graphs it costs several decode steps (phase 14 measures n-gram and draft-model decoding both ways).
     spec_decode_graphs: bool = False
 
     @classmethod

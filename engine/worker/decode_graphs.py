@@ -310,14 +310,16 @@ class DecodeGraphs:
         return runner.replay()[:tokens]
 
     def set_spec_decode_graphs(self, on: bool) -> bool:
-        """Replay verification steps in graphs (``on``) or run them eagerly, on a built runner with speculative
-        decoding and graphs that are not CPU graphs; the verification graphs are dropped when it turns off. Returns
-        the setting in force. What bench.spec_decode_cpu compares on the GPU; an engine's own setting is
+        """Replay verification steps in graphs (``on``), and a draft model's proposal steps, or run them eagerly, on a
+        built runner with speculative decoding and graphs that are not CPU graphs; the graphs are dropped when it turns
+        off. Returns the setting in force. What bench.spec_decode_cpu compares on the GPU; an engine's own setting is
         DevicePolicy.spec_decode_graphs."""
         self.spec_graphs = (bool(on) and self.num_spec_tokens > 0 and not self.enforce_eager
                             and self.graph_runner_class is not CPUGraph)
         if not self.spec_graphs:
             self.verify_graphs.clear()
+        if getattr(self, "drafter", None) is not None:   # a draft model's proposal steps follow (draft_model.py)
+            self.drafter.set_graphs(self.spec_graphs)
         return self.spec_graphs
 
     def set_skinny_max_rows(self, rows: int) -> int:
@@ -410,6 +412,8 @@ class DecodeGraphs:
         bench.engine_gpu's batch-1 part compares both on one engine)."""
         for graphs in (self.graphs, getattr(self, "lora_graphs", {}), getattr(self, "verify_graphs", {})):
             graphs.clear()
+        if getattr(self, "drafter", None) is not None:
+            self.drafter.graphs.clear()
 
     def _skinny_rows(self, rows: int) -> int:
         """``rows`` if the model's layers can take the few-row path (they are marked so), else 0."""

@@ -17,6 +17,15 @@ by its scratch blocks. The next step's verification rewrites those positions in 
 Drafts are drawn from the draft's distribution processed like the target's (temperature, top-k/top-p, min-p,
 logit bias, allowed tokens), greedy rows take the argmax; a seeded request draws from its own generator. The
 distributions q are kept per sequence for the rejection sampler (engine/worker/rejection_sampler.py).
+
+Everything a proposal's k steps take but their input ids (positions, slots, lengths, tables) is known on the host
+before the first: it goes to the device in one copy, each step's ids are the last step's draws, on the device, and
+the k drafts come back to the host in one read at the end (not one a step). With the runner's speculative graphs
+(``ModelRunner.spec_graphs``: DevicePolicy.spec_decode_graphs, ``set_spec_decode_graphs``) each step replays the
+draft's graph of its padded batch size (the runner's ladder), captured on first use: the draft's forward, its LM
+head and the greedy argmax, over static inputs whose padding rows write nothing (slot -1) and read nothing
+(seq_len 0); an all-greedy batch with nothing acting on its logits takes the graph's argmax as its draws, any other
+is sampled after the replay from the graph's logits.
 """
 from __future__ import annotations
 
@@ -26,8 +35,9 @@ import torch
 import pagedkernels as pk
 from engine.config import SpeculativeConfig
 from engine.distributed.parallel_state import planned_layout
-from engine.layers.attention import Attention
-from engine.worker.sampler import process_logits, random_probs
+from engine.layers.attention import Attention, AttentionMetadata
+from engine.worker.decode_graphs import StaticInputs, _logits_and_greedy
+from engine.worker.sampler import plain_greedy
 
 
 class DraftModel:
@@ -46,6 +56,11 @@ class DraftModel:
         # Scratch blocks per proposing sequence: the copied block holding L - 1, and those k more positions reach.
         self.scratch_per_seq = 1 + -(-self.k // block_size)
         self.draft_probs: dict[int, torch.Tensor] = {}   # seq_id -> float32 [k_i, vocab] q of its pending drafts
+        # Proposal steps in graphs (set_graphs): padded batch size -> captured graph runner, and its static inputs.
+        self.graphs: dict[int, object] = {}
+        self._graph_inputs: dict[int, tuple[StaticInputs, torch.Tensor]] = {}
+        # A graph's table columns: a sequence at max_model_len with its drafts (the target's), and the scratch.
+        self.graph_width = runner.max_blocks_per_seq + self.scratch_per_seq
 
     def block_bytes(self) -> int:
         c = self.config
@@ -61,11 +76,29 @@ class DraftModel:
                                     dtype=runner.kv_cache_dtype, device=runner.device)
         runner.commit_kv_cache(self.kv_cache, "draft model's KV cache")
         self.key_caches, self.value_caches = list(self.kv_cache[0]), list(self.kv_cache[1])
-        decode_kernel = runner.policy.decode_kernel_in_eager()
+        workspace = None
+        if runner.device.type == "cuda" and self.layers:
+            # The decode op's split-K scratch, shared by the layers as the model's is: no launch allocates (a graph
+            # capture included). Sized for the widest table a proposal step gives it.
+            first = self.layers[0]
+            workspace = pk.decode_workspace(runner.max_num_seqs, first.num_heads, first.num_kv_heads, first.head_dim,
+                                            device=runner.device, max_context=self.graph_width * runner.block_size)
         for i, layer in enumerate(self.layers):
             layer.layer_index = i
-            layer.use_decode_kernel = decode_kernel
+            layer.decode_workspace = workspace
             layer.key_cache, layer.value_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        self.set_graphs(False)   # until the runner decides (ModelRunner.spec_graphs)
+
+    def set_graphs(self, on: bool) -> None:
+        """Proposal steps in graphs (``on``: the runner's ``spec_graphs``) or eager; the graphs are dropped when
+        off. A graph's padding rows are valid decode rows, not prefill ones: the layers take the decode op with
+        graphs (as the model's do wherever its decode graphs run), else where the device policy has it in eager."""
+        self.graphs_on = bool(on)
+        if not self.graphs_on:
+            self.graphs.clear()
+        decode_kernel = self.graphs_on or self.runner.policy.decode_kernel_in_eager()
+        for layer in self.layers:
+            layer.use_decode_kernel = decode_kernel
 
     def forget(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
@@ -93,7 +126,7 @@ class DraftModel:
             return {}
         runner = self.runner
         batch = runner.input_batch
-        block_size, device = runner.block_size, runner.device
+        block_size, device, k = runner.block_size, runner.device, self.k
         num_seqs = len(eligible)
         rows = [batch.row_of[seq_id] for seq_id, _ in eligible]
         lengths = np.array([batch.num_tokens[row] + len(emitted) for row, (_, emitted) in zip(rows, eligible)])
@@ -109,31 +142,98 @@ class DraftModel:
             tables[j, first:first + self.scratch_per_seq] = np.arange(scratch, scratch + self.scratch_per_seq)
             if first < len(blocks):   # the tokens of the block holding L - 1, before it
                 copies.append((blocks[first], scratch))
-        if copies:
-            pk.copy_blocks(self.key_caches, self.value_caches, torch.tensor(copies, dtype=torch.int64, device=device))
         meta = runner.sampling_metadata(rows)
         random_rows = [j for j, greedy in enumerate(meta.greedy) if not greedy]
-        tokens = np.array([emitted[-1] for _, emitted in eligible], dtype=np.int64)
-        drafts = np.zeros((num_seqs, self.k), dtype=np.int64)
-        probs = torch.zeros(num_seqs, self.k, self.config.vocab_size, device=device) if random_rows else None
-        ones = np.ones(num_seqs, dtype=np.int64)
-        for i in range(self.k):
-            positions = lengths - 1 + i
-            input_ids, positions_t, attention = runner.build_inputs(tokens, positions, ones, tables)
-            logits = self.model.compute_logits(self.model(input_ids, positions_t, attention)).float()
-            logits, row_max, argmax, _ = process_logits(logits, meta)
-            if random_rows:
-                index = torch.tensor(random_rows, device=device)
-                q = random_probs(logits[index], row_max[index], meta, random_rows)
-                probs[index, i] = q
-                uniform = runner.sampler.uniform(len(random_rows), device, meta, random_rows)
-                from engine.worker.sampler import sample_inverse_cdf
-                argmax[index] = sample_inverse_cdf(q.clone(), uniform)
-            tokens = argmax.cpu().numpy()
-            drafts[:, i] = tokens
+        # Every step's inputs but its ids, [k, num_seqs] each (step i feeds position L - 1 + i), the first step's ids,
+        # the block copies and the random rows: one copy to the device.
+        positions = lengths[None, :] - 1 + np.arange(k)[:, None]
+        slots = (tables[np.arange(num_seqs)[None, :], positions // block_size].astype(np.int64) * block_size
+                 + positions % block_size)
+        ids, positions_t, slots_t, seq_lens_t, tables_t, cu_seqlens_t, copies_t, random_index = \
+            runner.staging.to_device_many(
+                np.array([emitted[-1] for _, emitted in eligible], dtype=np.int64), positions, slots,
+                (positions + 1).astype(np.int32), tables, np.arange(num_seqs + 1, dtype=np.int32),
+                np.array(copies, dtype=np.int64).reshape(-1, 2), np.array(random_rows, dtype=np.int64))
+        if copies:
+            pk.copy_blocks(self.key_caches, self.value_caches, copies_t)
+        graph_size = self._graph_size(num_seqs, width)
+        greedy_draws = plain_greedy(meta)   # the graph's argmax is the draw
+        drafts = torch.empty(num_seqs, k, dtype=torch.int64, device=device)
+        probs = torch.zeros(num_seqs, k, self.config.vocab_size, device=device) if random_rows else None
+        for i in range(k):
+            if graph_size is not None:
+                logits, greedy = self._replay(graph_size, ids, positions_t[i], slots_t[i], seq_lens_t[i], tables_t,
+                                              first_step=i == 0)
+            else:
+                attention = AttentionMetadata(slot_mapping=slots_t[i], block_tables=tables_t, seq_lens=seq_lens_t[i],
+                                              cu_seqlens_q=cu_seqlens_t, is_decode=True)
+                logits, greedy = self.model.compute_logits(self.model(ids, positions_t[i], attention)).float(), None
+            if greedy is not None and greedy_draws:
+                ids = greedy
+            else:
+                ids, q = runner.sampler.draw_with_probs(logits, meta, random_rows, random_index)
+                if q is not None:
+                    probs[random_index, i] = q
+            drafts[:, i] = ids
+        drafts_host = self._read(drafts)
         result = {}
         for j, (seq_id, _) in enumerate(eligible):
-            result[seq_id] = drafts[j].tolist()
+            result[seq_id] = drafts_host[j].tolist()
             if probs is not None:
                 self.draft_probs[seq_id] = probs[j]
         return result
+
+    @staticmethod
+    def _read(drafts: torch.Tensor) -> np.ndarray:
+        """The proposal's one read from the device: its drafts [num_seqs, k]."""
+        return drafts.cpu().numpy()
+
+    def _graph_size(self, num_seqs: int, width: int) -> int | None:
+        """The padded batch size whose graph a proposal step of ``num_seqs`` sequences replays, or None (graphs off,
+        or the batch above the runner's ladder)."""
+        sizes = self.runner.graph_batch_sizes
+        if not self.graphs_on or num_seqs > sizes[-1] or width > self.graph_width:
+            return None
+        return next(size for size in sizes if size >= num_seqs)
+
+    def _replay(self, size: int, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                seq_lens: torch.Tensor, tables: torch.Tensor, *, first_step: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One proposal step of n sequences through the graph of ``size`` >= n rows, captured on first use: the
+        step's inputs into the graph's first n rows (the tables and the padding rows on a proposal's first step:
+        they hold for its k), then the replay. Returns (logits float32 [n, vocab], greedy ids [n]), views of the
+        graph's outputs valid until its next replay."""
+        runner = self.runner
+        n = ids.shape[0]
+        cached = self._graph_inputs.get(size)
+        if cached is None:
+            cached = self._graph_inputs[size] = (
+                StaticInputs(torch.zeros(size, dtype=torch.int64, device=runner.device),
+                             torch.zeros(size, dtype=torch.int64, device=runner.device),
+                             torch.full((size,), -1, dtype=torch.int64, device=runner.device),
+                             torch.zeros(size, dtype=torch.int32, device=runner.device),
+                             torch.zeros(size, self.graph_width, dtype=torch.int32, device=runner.device)),
+                torch.arange(size + 1, dtype=torch.int32, device=runner.device))
+        static, cu_seqlens = cached
+        static.input_ids[:n].copy_(ids)
+        static.positions[:n].copy_(positions)
+        static.slot_mapping[:n].copy_(slots)
+        static.seq_lens[:n].copy_(seq_lens)
+        if first_step:
+            # Columns past a sequence's last block keep stale ids: never read (its seq_len bounds them).
+            static.block_tables[:n, :tables.shape[1]].copy_(tables)
+            if n < size:   # padding, over what a larger proposal may have left: no K/V written, no key read
+                static.input_ids[n:].zero_()
+                static.positions[n:].zero_()
+                static.slot_mapping[n:].fill_(-1)
+                static.seq_lens[n:].zero_()
+        graph = self.graphs.get(size)
+        if graph is None:
+            meta = AttentionMetadata(slot_mapping=static.slot_mapping, block_tables=static.block_tables,
+                                     seq_lens=static.seq_lens, cu_seqlens_q=cu_seqlens, is_decode=True)
+            model = self.model
+            graph = runner.graph_runner_class(runner.graph_pool)
+            graph.capture(lambda: _logits_and_greedy(
+                model.compute_logits(model(static.input_ids, static.positions, meta)).float()))
+            self.graphs[size] = graph
+        logits, greedy = graph.replay()
+        return logits[:n], greedy[:n]

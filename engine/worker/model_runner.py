@@ -59,7 +59,7 @@ from engine.worker.ngram_proposer import propose_ngram
 from engine.worker.rejection_sampler import rejection_sample
 from engine.worker.sampler import (AsyncModelRunnerOutput, Penalties, SampledIds, SampledTensors, Sampler,
                                    SamplingMetadata, _gather_logprobs,
-                                   banned_token_ids, process_logits, random_probs, sampler_dummy_run)
+                                   banned_token_ids, plain_greedy, process_logits, random_probs, sampler_dummy_run)
 from engine.platform import DevicePolicy
 from engine.models import get_model_class
 
@@ -202,6 +202,8 @@ class ModelRunner(DecodeGraphs):
         self.verify_graphs: dict[tuple[int, int], object] = {}
         self.spec_graphs = (self.policy.spec_decode_graphs and self.num_spec_tokens > 0
                             and graph_runner_class not in (None, CPUGraph))
+        if self.drafter is not None:
+            self.drafter.set_graphs(self.spec_graphs)
         if not self.enforce_eager:
             self._allocate_static_buffers()
             # On CUDA every graph of the ladder is captured now (largest first, so the smaller ones reuse its
@@ -813,7 +815,7 @@ class ModelRunner(DecodeGraphs):
         meta = self.sampling_metadata(rows, grammar)
         identity = len(indices) == logits.shape[0] and indices == list(range(len(indices)))
         index = None if identity else self._to_device(np.asarray(indices, dtype=np.int64))
-        if greedy_ids is not None and _plain_greedy(meta):   # the decode graph's own argmax is the draw
+        if greedy_ids is not None and plain_greedy(meta):   # the decode graph's own argmax is the draw
             sampled.add(plain.index(part[0]), SampledTensors(greedy_ids if identity else greedy_ids[index]))
             return
         sampled.add(plain.index(part[0]), self.sampler.sample(logits if identity else logits[index], meta))
@@ -1044,14 +1046,6 @@ class ModelRunner(DecodeGraphs):
         pk.copy_blocks(self.key_caches, self.value_caches, block_mapping)
         if self.drafter is not None:   # the draft model's cache mirrors the blocks of the model's
             pk.copy_blocks(self.drafter.key_caches, self.drafter.value_caches, block_mapping)
-
-
-def _plain_greedy(meta: SamplingMetadata) -> bool:
-    """Every row greedy and nothing acting on its logits before the argmax (no bias, masks, penalties, grammar),
-    nor logprobs asked: the draw is the argmax of the raw logits."""
-    return (all(meta.greedy) and meta.logit_bias is None and meta.allowed_token_ids is None
-            and meta.banned_token_ids is None and meta.penalties is None and meta.grammar_bitmask is None
-            and meta.num_logprobs is None)
 
 
 def _is_compile_error(exc: BaseException) -> bool:

@@ -343,6 +343,31 @@ class Sampler:
         point = torch.zeros_like(probs).scatter_(1, fallback.unsqueeze(1), 1.0)
         return torch.where(dead.unsqueeze(1), point, probs)
 
+    def draw_with_probs(self, logits: torch.Tensor, meta: SamplingMetadata, random_rows: list[int],
+                        random_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A draft model's draw (engine/worker/draft_model.py) from logits [num_rows, vocab] float32 (modified in
+        place): (ids [num_rows], the probabilities q [len(random_rows), vocab] the random rows were drawn from, or
+        None without random rows). Greedy rows take their argmax, random rows an inverse-CDF draw from q (after
+        temperature, min-p, top-k / top-p), a row with nothing left its fallback (a random one's q: a point mass on
+        it). ``random_index``: ``random_rows`` on the logits' device. Sync-free or with host checks, as the sampler
+        draws."""
+        if self.sync_free:
+            argmax, _, scaled, dead, fallback = self._process_on_device(logits, meta)
+            ids = torch.where(dead, fallback, argmax)
+            if not random_rows:
+                return ids, None
+            q = torch.softmax(scaled[random_index], dim=-1)
+            point = torch.zeros_like(q).scatter_(1, fallback[random_index].unsqueeze(1), 1.0)
+            q = torch.where(dead[random_index].unsqueeze(1), point, q)
+        else:
+            logits, row_max, ids, _ = process_logits(logits, meta)
+            if not random_rows:
+                return ids, None
+            q = random_probs(logits[random_index], row_max[random_index], meta, random_rows)
+        ids[random_index] = sample_inverse_cdf(q.clone(), self.uniform(len(random_rows), logits.device, meta,
+                                                                      random_rows))
+        return ids, q
+
     def _sample_random(self, logits: torch.Tensor, row_max: torch.Tensor, meta: SamplingMetadata,
                        rows: list[int]) -> torch.Tensor:
         """logits [len(rows), vocab_size] of non-greedy rows `rows` (modified in place; each has a finite maximum
@@ -358,6 +383,14 @@ class Sampler:
                 if generator is not None:
                     uniform[i:i + 1].uniform_(generator=generator)
         return uniform
+
+
+def plain_greedy(meta: SamplingMetadata) -> bool:
+    """Every row greedy and nothing acting on its logits before the argmax (no bias, masks, penalties, grammar),
+    nor logprobs asked: the draw is the argmax of the raw logits."""
+    return (all(meta.greedy) and meta.logit_bias is None and meta.allowed_token_ids is None
+            and meta.banned_token_ids is None and meta.penalties is None and meta.grammar_bitmask is None
+            and meta.num_logprobs is None)
 
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata):

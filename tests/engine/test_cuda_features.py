@@ -88,6 +88,33 @@ def test_speculative_verification_graphs_keep_the_greedy_output(llama_dir, monke
     assert runs["0"][2] == [] and runs["1"][2] and all(b == 1 for b, _ in runs["1"][2])
 
 
+def test_speculative_draft_model_graphs_keep_the_greedy_output(llama_dir, monkeypatch):
+    """ENGINE_SPEC_DECODE_GRAPHS=1 with the model as its own draft: the proposal steps replay the draft's CUDA graphs
+    (the four prompts at once: the graph of 4, then smaller ones as requests finish), the verification steps theirs,
+    and the greedy tokens are the engine's without graphs and the plain engine's; (nearly) every draft accepted."""
+    draft = {"model": llama_dir, "num_speculative_tokens": spec.K}
+    runs = {}
+    for graphs in ("0", "1"):
+        monkeypatch.setenv("ENGINE_SPEC_DECODE_GRAPHS", graphs)
+        llm = LLM(llama_dir, device=DEVICE, dtype="float32", max_model_len=160, num_kv_blocks=64,
+                  speculative_config=draft)
+        try:
+            drafter = llm.llm_engine.model_runner.drafter
+            assert drafter.graphs_on == (graphs == "1")
+            tokens = spec.completion_tokens(llm.generate(spec.spec_prompts(), spec.GREEDY, use_tqdm=False))
+            runs[graphs] = (tokens, llm.llm_engine.get_metrics().spec_decode, sorted(drafter.graphs))
+        finally:
+            llm.llm_engine.shutdown()
+            del llm
+            _free_cuda()
+    plain, _ = spec.generate_checked(llama_dir, device=DEVICE, dtype="float32")
+    assert runs["0"][0] == runs["1"][0] == spec.completion_tokens(plain)
+    # (a padded batch's products may round apart from an unpadded one's on the GPU: near-ties may draft apart)
+    assert all(stats.num_draft_tokens > 0 and stats.acceptance_rate > 0.95 for _, stats, _ in runs.values())
+    assert runs["0"][2] == [] and 4 in runs["1"][2]
+    _free_cuda()
+
+
 def test_self_draft_is_accepted_when_sampling(llama_dir):
     """The model as its own draft, sampled (top-p, seeded): q = p up to the GPU's summation order, so (nearly)
     every draft is accepted, and every request gets its max_tokens."""

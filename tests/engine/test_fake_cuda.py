@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 try:
@@ -517,3 +518,59 @@ def test_a_speculative_step_reads_the_device_once(tiny_model_dir, monkeypatch):
         assert not output.failed, output.failed   # (a sync raised inside sampling fails the rows instead)
         assert reads == [(3, 4)]
         assert output.sampled_token_ids == {0: [5], 1: [5], 2: [5]} and output.num_accepted_tokens == {0: 0, 1: 0, 2: 0}
+
+
+@pytest.mark.parametrize("graphs", ["0", "1"])
+def test_draft_model_proposals_run_the_cuda_paths(tiny_model_dir, monkeypatch, graphs):
+    """A draft model's proposal on the CUDA paths, three sequences (greedy, sampled with top-k/top-p, seeded): its
+    block copies, k steps and draws queue without a host sync or pageable copy, each step's ids taken from the last
+    step's draws on the device; its one read is the drafts at the end (DraftModel._read, stood in for: a fake device
+    holds no values). With ENGINE_SPEC_DECODE_GRAPHS=1 the steps replay the draft's graph of 4 rows, captured on the
+    first step with its static inputs on the device; without, they run eagerly."""
+    from engine.worker.draft_model import DraftModel
+    from engine.worker.sampler import SampledIds
+    from tests.engine.fake_cuda import no_host_sync
+
+    model_dir, draft_dir = tiny_model_dir("llama"), tiny_model_dir("qwen3")
+    monkeypatch.setenv("ENGINE_SPEC_DECODE_GRAPHS", graphs)
+    reads = []
+
+    def read_without_values(drafts):
+        reads.append((tuple(drafts.shape), drafts.device.type))
+        return np.full(tuple(drafts.shape), 7)
+
+    monkeypatch.setattr(DraftModel, "_read", staticmethod(read_without_values))
+    kinds = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=20, top_p=0.9),
+             SamplingParams(temperature=0.7, seed=3)]
+    prompts = [random_token_ids(14 + i, seed=60 + i) for i in range(len(kinds))]
+    FakeGraphRunner.captured_batch_sizes = []
+    with fake_cuda():
+        runner = _runner(model_dir, num_kv_blocks=64, speculative_config={"model": draft_dir,
+                                                                           "num_speculative_tokens": 3})
+        drafter = runner.drafter
+        assert runner.spec_graphs == drafter.graphs_on == (graphs == "1")
+        assert all(layer.use_decode_kernel and layer.decode_workspace.device.type == "cuda"
+                   for layer in drafter.layers)
+        monkeypatch.setattr(runner, "_propose", lambda output, scheduler_output: None)   # proposed by hand below
+        monkeypatch.setattr(SampledIds, "resolve", lambda self: setattr(self, "values", [0] * len(self.seq_ids)))
+        new = [NewSequenceData(seq_id=i, token_ids=prompt, num_prompt_tokens=len(prompt), num_computed_tokens=0,
+                               block_ids=[2 * i, 2 * i + 1], params=params, seed=params.seed, stop_token_ids=[2],
+                               bad_words_token_ids=[])
+               for i, (prompt, params) in enumerate(zip(prompts, kinds))]
+        runner.execute_model(SchedulerOutput(new_seqs=new, cached_seqs=[],
+                                             num_scheduled_tokens={i: len(p) for i, p in enumerate(prompts)}))
+        decode_graphs = len(FakeGraphRunner.captured_batch_sizes)
+        with no_host_sync():   # the capture on the first step included
+            drafts = drafter.propose([(i, [5]) for i in range(len(prompts))])
+        assert reads == [((3, 3), "cuda")] and drafts == {i: [7, 7, 7] for i in range(3)}
+        # q for the rejection sampler (the greedy row's: zeros, unused), on the device
+        assert set(drafter.draft_probs) == {0, 1, 2}
+        assert all(q.device.type == "cuda" and q.shape == (3, drafter.config.vocab_size)
+                   for q in drafter.draft_probs.values())
+        if graphs == "1":
+            assert list(drafter.graphs) == [4] and FakeGraphRunner.captured_batch_sizes[decode_graphs:] == [4]
+            static, cu_seqlens = drafter._graph_inputs[4]
+            assert static.block_tables.shape == (4, drafter.graph_width) and cu_seqlens.device.type == "cuda"
+            assert all(t.device.type == "cuda" for t in static)
+        else:
+            assert drafter.graphs == {} and FakeGraphRunner.captured_batch_sizes[decode_graphs:] == []

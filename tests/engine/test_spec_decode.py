@@ -356,3 +356,87 @@ def test_verification_graphs_keep_the_greedy_output(llama_dir, monkeypatch, mist
     assert shapes and all(batch_size == 1 for batch_size, _ in shapes) and replays > len(shapes)
     assert stats == eager_stats and stats.num_accepted_tokens > 0
     assert (stats.acceptance_rate == 1.0) == (mistake is None)
+
+
+def _graphed(llm):
+    """``llm``'s runner with the CPU double of CUDA graphs and speculative graphs on (verification and proposal
+    steps; the model's decode steps too), as ENGINE_SPEC_DECODE_GRAPHS=1 has them on CUDA."""
+    from engine.worker.model_runner import EagerGraphRunner, graph_batch_sizes
+
+    runner = llm.llm_engine.model_runner
+    runner.graph_runner_class, runner.enforce_eager = EagerGraphRunner, False
+    runner.graph_batch_sizes = graph_batch_sizes(runner.max_num_seqs)
+    runner._allocate_static_buffers()
+    for layer in runner.attention_layers:   # graph replays take the decode op (valid padding rows)
+        layer.use_decode_kernel = True
+    assert runner.set_spec_decode_graphs(True)
+    return runner
+
+
+@pytest.mark.usefixtures("both_sampler_paths")
+@pytest.mark.parametrize("sampled, draft", [(False, "self"), (False, "other"), (True, "self")])
+def test_draft_model_proposals_replay_graphs(llama_dir, draft_dir, sampled, draft):
+    """A draft model's proposal steps in graphs (the CPU double): the four prompts in one batch propose through the
+    graphs of their padded batch sizes (4, then smaller as requests finish), each captured once and replayed k times
+    a proposal, and the output, drafts and acceptances are the eager engine's: greedy, the plain engine's tokens,
+    every draft accepted with the model as its own draft (another model: another attention shape, q/k norms);
+    sampled (top-p, seeded, greedy and random rows mixed: the draws made after the replay), with the model as its
+    own draft, every draft accepted and the same tokens as the eager proposals drew."""
+    if sampled:
+        params = [SamplingParams(temperature=0.8, top_p=0.9, seed=3 + i, max_tokens=21, ignore_eos=True)
+                  for i in range(3)] + [GREEDY]
+    else:
+        params = GREEDY
+    spec = {"model": llama_dir if draft == "self" else draft_dir, "num_speculative_tokens": K}
+
+    def run(graphs: bool):
+        llm = LLM(llama_dir, max_model_len=160, num_kv_blocks=64, speculative_config=spec, enforce_eager=True)
+        try:
+            drafter = llm.llm_engine.model_runner.drafter
+            assert drafter.graphs_on is False and not drafter.graphs
+            if graphs:
+                _graphed(llm)
+                assert drafter.graphs_on and all(layer.use_decode_kernel for layer in drafter.layers)
+            outputs = _tokens(llm.generate(_prompts(), params, use_tqdm=False))
+            bm = llm.llm_engine.block_manager
+            assert bm.num_free_blocks == bm.num_blocks
+            replays = {size: graph.num_replays for size, graph in drafter.graphs.items()}
+            return outputs, llm.llm_engine.get_metrics().spec_decode, replays
+        finally:
+            llm.llm_engine.shutdown()
+
+    eager, eager_stats, none = run(graphs=False)
+    graphed, stats, replays = run(graphs=True)
+    assert none == {} and 4 in replays and set(replays) <= {1, 2, 4}
+    assert all(count >= K and count % K == 0 for count in replays.values())   # k replays a proposal
+    assert graphed == eager and stats.num_draft_tokens > 0
+    assert stats == eager_stats   # the same drafts proposed, the same accepted
+    if draft == "self":
+        assert stats.acceptance_rate == 1.0
+    if sampled:
+        assert all(len(completion) == 21 for request in graphed[:3] for completion in request)
+    else:
+        assert graphed == _tokens(_generate(llama_dir)[0])
+
+
+def test_turning_speculative_graphs_off_drops_the_draft_graphs(llama_dir):
+    """set_spec_decode_graphs(False) (and drop_graphs) drop a draft model's graphs; off, its layers take the op the
+    device policy gives them in eager (CPU: the prefill op)."""
+    llm = LLM(llama_dir, max_model_len=160, num_kv_blocks=64, speculative_config={"model": llama_dir,
+              "num_speculative_tokens": K}, enforce_eager=True)
+    try:
+        runner = _graphed(llm)
+        drafter = runner.drafter
+        llm.generate(_prompts()[:1], GREEDY, use_tqdm=False)
+        assert list(drafter.graphs) == [1]
+        runner.drop_graphs()
+        assert drafter.graphs == {} and drafter.graphs_on
+        llm.generate(_prompts()[:1], GREEDY, use_tqdm=False)
+        assert list(drafter.graphs) == [1]
+        assert runner.set_spec_decode_graphs(False) is False
+        assert drafter.graphs == {} and not drafter.graphs_on
+        assert not any(layer.use_decode_kernel for layer in drafter.layers)
+        llm.generate(_prompts()[:1], GREEDY, use_tqdm=False)
+        assert drafter.graphs == {}
+    finally:
+        llm.llm_engine.shutdown()
