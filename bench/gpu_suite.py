@@ -41,8 +41,8 @@
    CUDA.
 14. spec (300 s): n-gram speculative decoding against plain decoding, single stream, on SmolLM2-135M in bf16 (real
    weights: bring its GGUF with the two calls scripts/gpu_carry_model.sh prints), grounded and free workloads
-   (bench.spec_decode_cpu's): speedup, acceptance, identical greedy outputs; then the speculative decoding tests on
-   CUDA.
+   (bench.spec_decode_cpu's): speedup, acceptance, identical greedy outputs; the model as its own draft (k = 3),
+   proposal and verification steps eager and in graphs; then the speculative decoding tests on CUDA.
 
 ``--phase all`` (the default) runs them one after another. Each phase writes
 ``OUT/<date>-<device>-phase<N>-<name>.json`` and ``.md`` after every case (``.png`` at the end, when matplotlib
@@ -348,6 +348,22 @@ class PhaseRun:
                                          max_tokens=16 if self.dry_run else 160, repeats=1 if self.dry_run else 2,
                                          verify_graphs=True, log=lambda line: print(line, flush=True))
         self.result["spec_decode"] = report
+        self._spec_targets(report)
+
+    def spec_decode_draft(self) -> None:
+        """Draft-model speculative decoding on the same model, its own draft (every draft accepted: what matters here
+        is what a proposal's k steps cost), proposal and verification steps eager and in graphs: bench.spec_decode_cpu
+        with a draft model."""
+        from bench import spec_decode_cpu
+        from engine import default_model
+
+        model = default_model.default_model_path()
+        self.result["spec_decode_draft"] = spec_decode_cpu.measure(
+            model, device=str(self.device), dtype="float32" if self.dry_run else "bfloat16",
+            max_tokens=16 if self.dry_run else 160, repeats=1, verify_graphs=True, draft_model=model,
+            num_speculative_tokens=3, log=lambda line: print(line, flush=True))
+
+    def _spec_targets(self, report: dict) -> None:
         grounded = report["workloads"]["grounded"]
         best = max(grounded["speedup"], grounded.get("graphs_speedup") or 0.0)
         self.result["spec_decode_targets"] = [
@@ -445,6 +461,7 @@ def _spec(run: PhaseRun) -> None:
     # The measurement first (its model may be missing: then the tests still run), then the speculative decoding
     # tests on CUDA.
     run.step("n-gram speculative decoding, single stream", run.spec_decode) \
+        and run.step("draft-model speculative decoding, proposals eager and in graphs", run.spec_decode_draft) \
         and run.step("speculative decoding tests", lambda: run.tests("speculative decoding tests", SPEC_TESTS))
 
 

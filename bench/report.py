@@ -153,24 +153,9 @@ def markdown(result: dict) -> str:
         lines += ["## Without async scheduling", ""] + engine_markdown(result["engine_sync"])[1:]
     if result.get("lora_engine"):
         lines += lora_engine_markdown(result["lora_engine"])
-    if (result.get("spec_decode") or {}).get("workloads"):
-        spec = result["spec_decode"]
-        lines += [f"## Speculative decoding, single stream ({spec['model']}, {spec['dtype']}, "
-                  f"{json.dumps(spec['speculative_config'])}, greedy, {spec['max_tokens']} tokens a request, "
-                  f"{spec['repeats']} rounds)", "",
-                  _md_table(["workload", "plain tok/s", "n-gram tok/s", "speedup", "n-gram, verification in graphs",
-                             "acceptance", "mean accepted length", "ms a step (plain / n-gram)", "identical outputs",
-                             "same leading tokens / lengths"],
-                            [[name, num(w["plain_tokens_per_s"], ".1f"), num(w["ngram_tokens_per_s"], ".1f"),
-                              num(w["speedup"], ".2f"),
-                              (f"{num(w['ngram_graphs_tokens_per_s'], '.1f')} tok/s, {num(w['graphs_speedup'], '.2f')}x"
-                               if "graphs_speedup" in w else "-"),
-                              num(w["acceptance_rate"], ".2f"),
-                              num(w["mean_accepted_length"], ".2f"),
-                              f"{num(w.get('plain_step_ms'), '.2f')} / {num(w.get('ngram_step_ms'), '.2f')}",
-                              str(w["identical_outputs"]),
-                              f"{w['same_leading_tokens']} / {w['output_lengths']}"]
-                             for name, w in spec["workloads"].items()]), ""]
+    for key in ("spec_decode", "spec_decode_draft"):
+        if (result.get(key) or {}).get("workloads"):
+            lines += spec_decode_markdown(result[key])
     if (result.get("sync_audit") or {}).get("kinds"):
         lines += ["## Host syncs per step (torch.cuda sync debug mode)", "",
                   _md_table(["kind", "async scheduling", "steps", "syncs/step", "deliberate reads/step",
@@ -187,6 +172,28 @@ def markdown(result: dict) -> str:
     if result.get("errors"):
         lines += ["## Errors", "", "```", json.dumps(result["errors"], indent=1), "```", ""]
     return "\n".join(lines)
+
+
+def spec_decode_markdown(spec: dict) -> list[str]:
+    """bench.spec_decode_cpu's report as a section: n-gram or draft-model proposals (``proposer``) against plain."""
+    kind = spec.get("proposer", "ngram")
+    label = "n-gram" if kind == "ngram" else "draft model"
+    return [f"## Speculative decoding, single stream, {label} ({spec['model']}, {spec['dtype']}, "
+            f"{json.dumps(spec['speculative_config'])}, greedy, {spec['max_tokens']} tokens a request, "
+            f"{spec['repeats']} rounds)", "",
+            _md_table(["workload", "plain tok/s", f"{label} tok/s", "speedup", f"{label}, in graphs",
+                       "acceptance", "mean accepted length", f"ms a step (plain / {label})", "identical outputs",
+                       "same leading tokens / lengths"],
+                      [[name, num(w["plain_tokens_per_s"], ".1f"), num(w[f"{kind}_tokens_per_s"], ".1f"),
+                        num(w["speedup"], ".2f"),
+                        (f"{num(w[f'{kind}_graphs_tokens_per_s'], '.1f')} tok/s, {num(w['graphs_speedup'], '.2f')}x"
+                         if "graphs_speedup" in w else "-"),
+                        num(w["acceptance_rate"], ".2f"),
+                        num(w["mean_accepted_length"], ".2f"),
+                        f"{num(w.get('plain_step_ms'), '.2f')} / {num(w.get(f'{kind}_step_ms'), '.2f')}",
+                        str(w["identical_outputs"]),
+                        f"{w['same_leading_tokens']} / {w['output_lengths']}"]
+                       for name, w in spec["workloads"].items()]), ""]
 
 
 def num(value, spec: str = ".0f") -> str:

@@ -8,6 +8,9 @@ engines taking turns per prompt in the same run. Two workloads of chat prompts:
   it back with small edits): n-gram lookups find the continuation in the prompt;
 - free: open generation (a story, an explanation), where the prompt rarely predicts the output.
 
+``--draft-model DIR`` proposes with a draft model instead (``{"model": DIR, "num_speculative_tokens": k}``; the model
+itself as its own draft has every draft accepted, and measures what the proposal steps cost).
+
 Reported per workload: output tokens/s of each engine (total output tokens over total wall time, prefill
 included), the speedup, the acceptance rate and mean accepted length, and whether every greedy output is
 identical (it must be: verification keeps the target's tokens).
@@ -54,29 +57,37 @@ def run(llm, prompts: list[str], max_tokens: int) -> tuple[list[list[int]], floa
 
 
 def measure(model: str, *, device: str = "cpu", dtype: str = "float32", num_speculative_tokens: int = 5,
-            max_tokens: int = 160, repeats: int = 2, verify_graphs: bool = False, log=print) -> dict:
-    """The engines (plain, n-gram; with ``verify_graphs`` also n-gram with its verification steps in graphs, where
-    the runner has graphs that are not CPU graphs: ModelRunner.set_spec_decode_graphs) on ``model`` taking turns over
-    both workloads, single stream, after one untimed request each (compilation, graph captures); returns the report
-    (per workload: tok/s of each, speedup, acceptance, mean accepted length, identical outputs). On CUDA the engines
-    run as the engine does by default there (compiled, CUDA graphs for plain decode steps)."""
+            max_tokens: int = 160, repeats: int = 2, verify_graphs: bool = False, draft_model: str | None = None,
+            log=print) -> dict:
+    """The engines (plain, n-gram, or with ``draft_model`` a draft model's proposals; with ``verify_graphs`` also the
+    speculative engine with its verification (and proposal) steps in graphs, where the runner has graphs that are
+    not CPU graphs: ModelRunner.set_spec_decode_graphs) on ``model`` taking turns over both workloads, single stream,
+    after one untimed request each (compilation, graph captures); returns the report (per workload: tok/s of each,
+    speedup, acceptance, mean accepted length, identical outputs). On CUDA the engines run as the engine does by
+    default there (compiled, CUDA graphs for plain decode steps). The speculative engine's keys are named by its
+    proposer (``report["proposer"]``: "ngram" or "draft")."""
     from bench.engine_gpu import _same_prefix
     from engine import LLM
 
-    spec = {"method": "ngram", "num_speculative_tokens": num_speculative_tokens, "prompt_lookup_max": 4,
-            "prompt_lookup_min": 2}
+    kind = "draft" if draft_model else "ngram"
+    if draft_model:
+        spec = {"model": draft_model, "num_speculative_tokens": num_speculative_tokens}
+    else:
+        spec = {"method": "ngram", "num_speculative_tokens": num_speculative_tokens, "prompt_lookup_max": 4,
+                "prompt_lookup_min": 2}
     # One request at a time: a short graph ladder (8 sequences) keeps the engines' start-up short on a GPU.
     options = dict(dtype=dtype, device=device, max_model_len=1024, max_num_seqs=8)
-    engines = {"plain": LLM(model, **options), "ngram": LLM(model, **options, speculative_config=spec)}
+    engines = {"plain": LLM(model, **options), kind: LLM(model, **options, speculative_config=spec)}
     if verify_graphs:
         graphed = LLM(model, **options, speculative_config=spec)
         if graphed.llm_engine.model_runner.set_spec_decode_graphs(True):
-            engines["ngram_graphs"] = graphed
+            engines[f"{kind}_graphs"] = graphed
         else:
             graphed.llm_engine.shutdown()
     report = {"model": model, "device": device, "dtype": dtype, "torch": torch.__version__,
               "threads": torch.get_num_threads(), "load_average_before": os.getloadavg(), "speculative_config": spec,
-              "max_tokens": max_tokens, "repeats": repeats, "engines": list(engines), "workloads": {}}
+              "proposer": kind, "max_tokens": max_tokens, "repeats": repeats, "engines": list(engines),
+              "workloads": {}}
     try:
         for llm in engines.values():   # warm-up, untimed: a request of each workload
             run(llm, [GROUNDED[0], FREE[0]], max_tokens)
@@ -89,32 +100,33 @@ def measure(model: str, *, device: str = "cpu", dtype: str = "float32", num_spec
                     outputs[engine_name], took = run(llm, prompts, max_tokens)
                     seconds[engine_name] += took
             num_tokens = sum(len(o) for o in outputs["plain"]) * repeats
-            drafts, draft_tokens, accepted = (now - then for now, then in zip(_spec_counts(engines["ngram"]),
-                                                                               before["ngram"]))
+            drafts, draft_tokens, accepted = (now - then for now, then in zip(_spec_counts(engines[kind]),
+                                                                               before[kind]))
             row = {"prompts": len(prompts), "output_tokens": num_tokens,
                    "plain_tokens_per_s": num_tokens / seconds["plain"],
-                   "ngram_tokens_per_s": num_tokens / seconds["ngram"],
-                   "speedup": seconds["plain"] / seconds["ngram"],
+                   f"{kind}_tokens_per_s": num_tokens / seconds[kind],
+                   "speedup": seconds["plain"] / seconds[kind],
                    "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
                    "mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,
                    "identical_outputs": all(outputs[e] == outputs["plain"] for e in engines),
                    # where the outputs part (bf16: verification's batched forward may round a near-tie apart)
-                   "same_leading_tokens": [_same_prefix(a, b) for a, b in zip(outputs["plain"], outputs["ngram"])],
+                   "same_leading_tokens": [_same_prefix(a, b) for a, b in zip(outputs["plain"], outputs[kind])],
                    "output_lengths": [len(o) for o in outputs["plain"]]}
-            if "ngram_graphs" in engines:
-                row["ngram_graphs_tokens_per_s"] = num_tokens / seconds["ngram_graphs"]
-                row["graphs_speedup"] = seconds["plain"] / seconds["ngram_graphs"]
+            if f"{kind}_graphs" in engines:
+                row[f"{kind}_graphs_tokens_per_s"] = num_tokens / seconds[f"{kind}_graphs"]
+                row["graphs_speedup"] = seconds["plain"] / seconds[f"{kind}_graphs"]
                 row["graphs_same_leading_tokens"] = [_same_prefix(a, b) for a, b in
-                                                     zip(outputs["plain"], outputs["ngram_graphs"])]
+                                                     zip(outputs["plain"], outputs[f"{kind}_graphs"])]
             # A step's time on each side, prefill included (about: tokens per step are 1 plain, the mean accepted
             # length with drafts): what a verification step costs against a decode step.
             row["plain_step_ms"] = 1000.0 / row["plain_tokens_per_s"]
-            row["ngram_step_ms"] = (1000.0 * row["mean_accepted_length"] / row["ngram_tokens_per_s"]
-                                    if row["mean_accepted_length"] else None)
+            row[f"{kind}_step_ms"] = (1000.0 * row["mean_accepted_length"] / row[f"{kind}_tokens_per_s"]
+                                      if row["mean_accepted_length"] else None)
             report["workloads"][name] = row
-            log(f"{name:8s}: plain {row['plain_tokens_per_s']:6.1f} tok/s, n-gram {row['ngram_tokens_per_s']:6.1f} "
+            label = "n-gram" if kind == "ngram" else "draft model"
+            log(f"{name:8s}: plain {row['plain_tokens_per_s']:6.1f} tok/s, {label} {row[f'{kind}_tokens_per_s']:6.1f} "
                 f"tok/s, speedup {row['speedup']:.2f}x"
-                + (f", with verification graphs {row['ngram_graphs_tokens_per_s']:6.1f} tok/s "
+                + (f", in graphs {row[f'{kind}_graphs_tokens_per_s']:6.1f} tok/s "
                    f"({row['graphs_speedup']:.2f}x)" if "graphs_speedup" in row else "")
                 + f", acceptance {row['acceptance_rate']:.2f}, mean accepted length "
                 f"{row['mean_accepted_length']:.2f}, identical {row['identical_outputs']}")
@@ -134,6 +146,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="HF model directory (default: the default model, SmolLM2-135M-Instruct)")
     parser.add_argument("--num-speculative-tokens", type=int, default=5)
+    parser.add_argument("--draft-model", help="propose with this draft model (a HF directory; the model itself works: "
+                                              "every draft accepted) instead of n-gram lookups")
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--repeats", type=int, default=2, help="rounds, the engines taking turns in each")
     parser.add_argument("--out", default=None, help="write <date>-spec-decode-cpu-<cpu>.json here")
@@ -141,7 +155,8 @@ def main(argv: list[str] | None = None) -> dict:
     from engine.default_model import default_model_path
 
     report = measure(args.model or default_model_path(), num_speculative_tokens=args.num_speculative_tokens,
-                     max_tokens=args.max_tokens, repeats=args.repeats, log=lambda line: print(line, flush=True))
+                     max_tokens=args.max_tokens, repeats=args.repeats, draft_model=args.draft_model,
+                     log=lambda line: print(line, flush=True))
     if args.out:
         from bench.report import write_cpu_report
         print(f"wrote {write_cpu_report(args.out, 'spec-decode-cpu', report)}")

@@ -277,6 +277,10 @@ def _spec(result):
         row = spec["workloads"][name]
         assert row["output_tokens"] > 0 and row["speedup"] > 0 and row["identical_outputs"], row
     assert [t["status"] in ("pass", "fail") for t in result["spec_decode_targets"]] == [True, True]
+    draft = result["spec_decode_draft"]   # the model as its own draft: every draft accepted
+    assert draft["proposer"] == "draft" and draft["engines"] == ["plain", "draft"]   # no CUDA graphs on the CPU
+    for row in draft["workloads"].values():
+        assert row["draft_tokens_per_s"] > 0 and row["identical_outputs"] and row["acceptance_rate"] == 1.0, row
     assert [t["label"] for t in result["tests"]] == ["speculative decoding tests"]
 
 
