@@ -370,10 +370,10 @@ class DecodeGraphs:
         return on
 
     def _greedy_tail(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A step graph's tail: the LM head over its rows, then their greedy ids (_logits_and_greedy). Compiled where
+        """A step graph's tail: the LM head over its rows, then their greedy ids (logits_and_greedy). Compiled where
         the forward is, so the product's cast to float32, the NaN / inf clean-up and the argmax are one kernel after
         the product instead of three; a compiler failure falls back to the eager tail, as the forward does."""
-        eager = lambda h: _logits_and_greedy(self.model.compute_logits(h))  # noqa: E731
+        eager = lambda h: logits_and_greedy(self.model.compute_logits(h))  # noqa: E731
         if not self.compiled or getattr(self, "_tail_compile_failed", False):
             return eager(hidden_states)
         if getattr(self, "_compiled_tail", None) is None:
@@ -467,6 +467,6 @@ def _rows(output, num_rows: int):
     return output[:num_rows]
 
 
-def _logits_and_greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def logits_and_greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits, their greedy ids), NaN counted as -inf and +inf as the largest float, as the sampler counts them."""
     return logits, logits.nan_to_num(nan=float("-inf"), posinf=torch.finfo(logits.dtype).max).argmax(dim=-1)

@@ -36,7 +36,7 @@ import pagedkernels as pk
 from engine.config import SpeculativeConfig
 from engine.distributed.parallel_state import planned_layout
 from engine.layers.attention import Attention, AttentionMetadata
-from engine.worker.decode_graphs import StaticInputs, _logits_and_greedy
+from engine.worker.decode_graphs import StaticInputs, logits_and_greedy
 from engine.worker.sampler import plain_greedy
 
 
@@ -232,7 +232,7 @@ class DraftModel:
                                      seq_lens=static.seq_lens, cu_seqlens_q=cu_seqlens, is_decode=True)
             model = self.model
             graph = runner.graph_runner_class(runner.graph_pool)
-            graph.capture(lambda: _logits_and_greedy(
+            graph.capture(lambda: logits_and_greedy(
                 model.compute_logits(model(static.input_ids, static.positions, meta)).float()))
             self.graphs[size] = graph
         logits, greedy = graph.replay()

@@ -316,7 +316,6 @@ def test_verification_graphs_keep_the_greedy_output(llama_dir, monkeypatch, mist
     continuation, one token wrong at `mistake`), whose verification steps each hold one sequence's 1 + drafts tokens,
     replays the graphs of (1, q), accepts what the eager steps accept and gives the tokens of plain decoding."""
     import engine.worker.model_runner as model_runner_module
-    from engine.worker.model_runner import EagerGraphRunner, graph_batch_sizes
 
     prompts = _prompts()
     expected = [_tokens(_generate(llama_dir, prompts=[prompt])[0]) for prompt in prompts]
@@ -335,14 +334,7 @@ def test_verification_graphs_keep_the_greedy_output(llama_dir, monkeypatch, mist
     def single_stream(graphs: bool):
         llm = LLM(llama_dir, max_model_len=160, num_kv_blocks=64, speculative_config=NGRAM, enforce_eager=True)
         try:
-            runner = llm.llm_engine.model_runner
-            if graphs:
-                runner.graph_runner_class, runner.enforce_eager = EagerGraphRunner, False
-                runner.graph_batch_sizes = graph_batch_sizes(runner.max_num_seqs)
-                runner._allocate_static_buffers()
-                for layer in runner.attention_layers:   # graph replays take the decode op (valid padding rows)
-                    layer.use_decode_kernel = True
-                assert runner.set_spec_decode_graphs(True)
+            runner = _graphed(llm) if graphs else llm.llm_engine.model_runner
             tokens = [_tokens(llm.generate([prompt], GREEDY, use_tqdm=False)) for prompt in prompts]
             stats = llm.llm_engine.get_metrics().spec_decode
             replays = sum(graph.num_replays for graph in runner.verify_graphs.values())
