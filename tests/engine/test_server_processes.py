@@ -204,6 +204,10 @@ def test_sigterm_drains_then_ends_every_stream_in_band(served):
                 httpx.get(served.url + "/health", timeout=1)
             except httpx.ConnectError:
                 break
+            except (httpx.ReadError, httpx.RemoteProtocolError):
+                # A connection the kernel queued just before the listener closed is reset, unserved (seen in CI on
+                # a busy machine): not accepted either.
+                break
             assert time.monotonic() < deadline, "still accepting connections during the grace period"
             time.sleep(0.05)
         assert served.process.wait(SHUTDOWN_TIMEOUT_S + 5) == 0
