@@ -41,8 +41,8 @@
    CUDA.
 14. spec (300 s): n-gram speculative decoding against plain decoding, single stream, on SmolLM2-135M in bf16 (real
    weights: bring its GGUF with the two calls scripts/gpu_carry_model.sh prints), grounded and free workloads
-   (bench.spec_decode_cpu's): speedup, acceptance, identical greedy outputs; the model as its own draft (k = 3),
-   proposal and verification steps eager and in graphs; then the speculative decoding tests on CUDA.
+   (bench.spec_decode_cpu's): speedup, acceptance, identical greedy outputs; then the speculative decoding tests on
+   CUDA; then the model as its own draft (k = 3), proposal and verification steps eager and in graphs.
 
 ``--phase all`` (the default) runs them one after another. Each phase writes
 ``OUT/<date>-<device>-phase<N>-<name>.json`` and ``.md`` after every case (``.png`` at the end, when matplotlib
@@ -458,11 +458,11 @@ def _batch1(run: PhaseRun) -> None:
 
 
 def _spec(run: PhaseRun) -> None:
-    # The measurement first (its model may be missing: then the tests still run), then the speculative decoding
-    # tests on CUDA.
+    # The n-gram measurement first (its model may be missing: then the tests still run), then the speculative
+    # decoding tests on CUDA, then the draft-model measurement (the budget may cut it, not the tests).
     run.step("n-gram speculative decoding, single stream", run.spec_decode) \
-        and run.step("draft-model speculative decoding, proposals eager and in graphs", run.spec_decode_draft) \
-        and run.step("speculative decoding tests", lambda: run.tests("speculative decoding tests", SPEC_TESTS))
+        and run.step("speculative decoding tests", lambda: run.tests("speculative decoding tests", SPEC_TESTS)) \
+        and run.step("draft-model speculative decoding, proposals eager and in graphs", run.spec_decode_draft)
 
 
 def _lora(run: PhaseRun) -> None:
