@@ -360,10 +360,15 @@ class Sampler:
             point = torch.zeros_like(q).scatter_(1, fallback[random_index].unsqueeze(1), 1.0)
             q = torch.where(dead[random_index].unsqueeze(1), point, q)
         else:
-            logits, row_max, ids, _ = process_logits(logits, meta)
+            logits, row_max, ids, context = process_logits(logits, meta)
             if not random_rows:
                 return ids, None
             q = random_probs(logits[random_index], row_max[random_index], meta, random_rows)
+            dead = set(context["dead_rows"])
+            for j, row in enumerate(random_rows):
+                if row in dead:   # its fallback (in ids already), as the sync-free path has it
+                    q[j] = 0.0
+                    q[j, ids[row]] = 1.0
         ids[random_index] = sample_inverse_cdf(q.clone(), self.uniform(len(random_rows), logits.device, meta,
                                                                       random_rows))
         return ids, q

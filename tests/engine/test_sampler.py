@@ -208,3 +208,39 @@ def test_logprobs_are_raw_log_softmax_and_include_sampled_token():
     assert out.topk_token_ids[0] == ref[0].topk(3).indices.tolist()
     torch.testing.assert_close(torch.tensor(out.topk_logprobs[0]), ref[0].topk(3).values)
     assert out.topk_token_ids[1] is None and out.topk_token_ids[2] == []
+
+
+def test_a_draft_draw_with_its_probabilities():
+    """Sampler.draw_with_probs (a draft model's draw: engine/worker/draft_model.py), on both sampler paths: a greedy
+    row takes its argmax; a random row (top-p) is drawn from the q it returns, which is its temperature-scaled,
+    top-p-filtered softmax; a row with nothing left (every logit -inf), greedy or random, takes its fallback (token
+    0), and a random one's q is a point mass there."""
+    from engine.worker.sampler import SamplingMetadata
+
+    vocab = 32
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(5)) * 3
+    logits[2] = float("-inf")
+    logits[3] = float("-inf")
+    meta = SamplingMetadata(temperature=torch.tensor([0.0, 0.8, 0.7, 0.0]), greedy=[True, False, False, True],
+                            top_p=[1.0, 0.9, 1.0, 1.0])
+    random_rows = [1, 2]
+    draws, probs = [], []
+    for _ in range(200):
+        ids, q = Sampler(seed=len(draws)).draw_with_probs(
+            logits.clone(), meta, random_rows, torch.tensor(random_rows))
+        draws.append(ids)
+        probs.append(q)
+    ids = torch.stack(draws)
+    assert (ids[:, 0] == logits[0].argmax()).all() and (ids[:, 2] == 0).all() and (ids[:, 3] == 0).all()
+    q = probs[0]
+    assert all(torch.equal(p, q) for p in probs)   # q does not depend on the draw
+    expected = torch.softmax(logits[1] / 0.8, dim=-1)
+    order = expected.argsort(descending=True)
+    keep = order[:int((expected[order].cumsum(0) < 0.9).sum()) + 1]   # the smallest set reaching 0.9
+    top_p = torch.zeros(vocab)
+    top_p[keep] = expected[keep] / expected[keep].sum()
+    torch.testing.assert_close(q[0], top_p)
+    assert torch.equal(q[1], torch.nn.functional.one_hot(torch.tensor(0), vocab).float())
+    # the random row's draws come from q: only its kept tokens, the likeliest most often
+    assert set(ids[:, 1].tolist()) <= set(keep.tolist()) and len(set(ids[:, 1].tolist())) > 1
+    assert torch.bincount(ids[:, 1], minlength=vocab).argmax() == order[0]
