@@ -1042,7 +1042,8 @@ class ModelRunner(DecodeGraphs):
         """Copy whole KV blocks ``src -> dst`` in every layer (copy-on-write)."""
         if not mapping:
             return
-        block_mapping = torch.tensor(mapping, dtype=torch.int64, device=self.device)
+        # Through the pinned staging: a copy from pageable memory would wait for the device's queued work.
+        block_mapping = self._to_device(np.asarray(mapping, dtype=np.int64).reshape(-1, 2))
         pk.copy_blocks(self.key_caches, self.value_caches, block_mapping)
         if self.drafter is not None:   # the draft model's cache mirrors the blocks of the model's
             pk.copy_blocks(self.drafter.key_caches, self.drafter.value_caches, block_mapping)

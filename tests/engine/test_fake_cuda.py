@@ -574,3 +574,19 @@ def test_draft_model_proposals_run_the_cuda_paths(tiny_model_dir, monkeypatch, g
             assert all(t.device.type == "cuda" for t in static)
         else:
             assert drafter.graphs == {} and FakeGraphRunner.captured_batch_sizes[decode_graphs:] == []
+
+
+@pytest.mark.parametrize("draft", [False, True])
+def test_copy_on_write_queues_without_a_host_sync(tiny_model_dir, draft):
+    """A step's copy-on-write block copies (ModelRunner.copy_blocks: forks, n > 1, beams), a draft model's cache
+    copied alongside, go to the device through the pinned staging: no pageable copy (which waits for the device's
+    queued work), no read."""
+    from tests.engine.fake_cuda import no_host_sync
+
+    model_dir, draft_dir = tiny_model_dir("llama"), tiny_model_dir("qwen3")   # written before fake mode
+    spec = {"model": draft_dir, "num_speculative_tokens": 2} if draft else None
+    with fake_cuda():
+        runner = _runner(model_dir, num_kv_blocks=64, speculative_config=spec)
+        assert (runner.drafter is not None) == draft
+        with no_host_sync():
+            runner.copy_blocks([(1, 5), (2, 6), (3, 7)])
