@@ -527,8 +527,8 @@ def batch1_fused_rope(llm, default: dict, prompt_len: int, new_tokens: int, copy
     own (``default``, its batch1_decode): in the decode split kernel (ModelRunner.set_decode_fused_rope,
     pagedkernels.rotary_cache_decode_attention: one kernel a layer for the three) where the engine runs
     rotary_embedding_and_cache before the decode op (DevicePolicy.decode_fused_rope off, the default), else in their
-    own kernel; then back. ``everything``: the rotation, the split merge (set_decode_fused_reduce) and programmatic
-    dependent launch all on, the fewest launches a step. Returns ("batch1_fused_rope" / "batch1_unfused_rope", the
+    own kernel; then back. ``everything``: the rotation, the split merge (set_decode_fused_reduce), the final norm in
+    the LM head's product (set_skinny_lm_head) and programmatic dependent launch all on, the fewest launches a step. Returns ("batch1_fused_rope" / "batch1_unfused_rope", the
     result with the fused rotation's speedup; or "batch1_all_fused", the result with its speedup over the default),
     or None where nothing changes (no layer runs the decode kernel; ``everything`` already the default)."""
     runner = llm.llm_engine.model_runner
@@ -543,6 +543,9 @@ def batch1_fused_rope(llm, default: dict, prompt_len: int, new_tokens: int, copy
     if everything:
         changed |= runner.set_decode_fused_reduce(True) != own_reduce
         undos.append(lambda: runner.set_decode_fused_reduce(own_reduce))
+        own_head = runner.skinny_head
+        changed |= runner.set_skinny_lm_head(True) != own_head
+        undos.append(lambda: runner.set_skinny_lm_head(own_head))
         undo_pdl = _pdl_on(llm)
         if undo_pdl is not None:
             changed = True
@@ -565,6 +568,25 @@ def batch1_fused_rope(llm, default: dict, prompt_len: int, new_tokens: int, copy
     if everything:
         return "batch1_all_fused", other
     return ("batch1_unfused_rope" if own_rope else "batch1_fused_rope"), other
+
+
+def batch1_skinny_head(llm, default: dict, prompt_len: int, new_tokens: int, copy_gbps: float
+                       ) -> tuple[str, dict] | None:
+    """batch1_decode on ``llm`` with the step graph's final norm and LM head the other way than its own (``default``):
+    one few-row product with the norm in its prologue (ModelRunner.set_skinny_lm_head) where the engine runs the norm
+    kernel and cuBLAS's product (DevicePolicy.skinny_lm_head off, the default), else apart; then back. Returns
+    ("batch1_skinny_head" / "batch1_cublas_head", the result with the folded head's speedup), or None where the
+    runner cannot fold (no few-row step graphs)."""
+    runner = llm.llm_engine.model_runner
+    own = runner.skinny_head
+    if runner.set_skinny_lm_head(not own) == own:
+        return None
+    other = _batch1_changed(llm, default, prompt_len, new_tokens, copy_gbps,
+                            undo=lambda: runner.set_skinny_lm_head(own))
+    if other["decode_tokens_per_s"] and default["decode_tokens_per_s"]:
+        folded, apart = (default, other) if own else (other, default)
+        other["skinny_head_speedup"] = folded["decode_tokens_per_s"] / apart["decode_tokens_per_s"]
+    return ("batch1_cublas_head" if own else "batch1_skinny_head"), other
 
 
 def _batch1_changed(llm, default: dict, prompt_len: int, new_tokens: int, copy_gbps: float, *, undo) -> dict:
@@ -790,6 +812,8 @@ def run(device: torch.device, *, tiny: bool, models: list[str], parts: tuple[str
                                  "the default"),
                                 ("batch1_fused_rope", lambda: batch1_fused_rope(*args), "fused_rope_speedup",
                                  "two kernels"),
+                                ("batch1_skinny_head", lambda: batch1_skinny_head(*args), "skinny_head_speedup",
+                                 "the norm and cuBLAS's LM head"),
                                 ("batch1_all_fused", lambda: batch1_fused_rope(*args, everything=True), "speedup",
                                  "the default")):
                             fused = _variant(row, key, log, name, measure)

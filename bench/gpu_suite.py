@@ -36,9 +36,10 @@
    skinny_gemm's launch configurations against cuBLAS at batch-1 projections and its heuristic at 2-8 rows (timed
    in CUDA graphs), then batch-1 decode at the Qwen3-0.6B and Llama-3-8B shapes with the few-row layers (the CUDA
    default), with cuBLAS, with programmatic dependent launch, with the decode op's splits merged in its split
-   kernel (alone and with PDL), and with the rotary embedding and cache write in that kernel too (alone, and with
-   the merge and PDL) on the same engine, kernels a step counted; then the few-row, PDL and fused decode tests on
-   CUDA.
+   kernel (alone and with PDL), with the rotary embedding and cache write in that kernel too, and with the final
+   norm inside the LM head's few-row product (each alone, then all of them with PDL) on the same engine, kernels a
+   step counted (the sweep times skinny_gemm against cuBLAS at the two LM heads too); then the few-row, PDL and
+   fused decode tests on CUDA.
 14. spec (300 s): n-gram speculative decoding against plain decoding, single stream, on SmolLM2-135M in bf16 (real
    weights: bring its GGUF with the two calls scripts/gpu_carry_model.sh prints), grounded and free workloads
    (bench.spec_decode_cpu's): speedup, acceptance, identical greedy outputs; then the speculative decoding tests on

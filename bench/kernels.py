@@ -1231,7 +1231,8 @@ def tune_suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False) 
     GPU (the H200 reached 0.879 of its copy bandwidth at the heuristic's one split where the H100 reached 0.976), and
     its tile, pipelining and warps on the target shape (DECODE_LAUNCH_SWEEP).
     Last the few-row GEMM's launch configurations at batch-1 projections (SKINNY_SWEEP), against cuBLAS once per
-    shape: which ones skinny_gemm_config should pick."""
+    shape: which ones skinny_gemm_config should pick; and its heuristic against cuBLAS at the LM heads
+    (SKINNY_HEAD_SHAPES)."""
     d = dict(device=device, dtype=dtype)
     if tiny:
         shape = dict(num_seqs=2, new_tokens=32, num_q_heads=4, num_kv_heads=2, head_dim=64)
@@ -1255,7 +1256,9 @@ def tune_suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False) 
         partial(skinny_config_case, **d, M=1, N=N, K=K, config=c, baseline=c is None)
         for N, K in skinny_shapes for c in [None, *skinny_configs]] + [
         partial(skinny_config_case, **d, M=M, N=N, K=K, config=None, baseline=True)
-        for M in skinny_rows for N, K in skinny_shapes]
+        for M in skinny_rows for N, K in skinny_shapes] + [
+        partial(skinny_config_case, **d, M=1, N=N, K=K, config=None, baseline=True)
+        for N, K in ([] if tiny else SKINNY_HEAD_SHAPES)]
 
 
 # skinny_gemm's (BLOCK_N, BLOCK_K, num_warps) tried by the "tune" phase at batch-1 projection shapes
@@ -1268,6 +1271,10 @@ SKINNY_SWEEP_SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072),
                        (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 # then the heuristic's launch against cuBLAS at these row counts (the engine's few-row limit: up to how many)
 SKINNY_SWEEP_ROWS = (2, 4, 8)
+# and at one row, the LM heads of the two shapes (vocabulary x hidden), the heuristic against cuBLAS: the largest
+# product of a 0.6B step (a quarter of its bytes) and what the engine runs on cuBLAS now; whether routing it
+# through skinny_gemm (with the final norm folded into it, one kernel fewer) could pay
+SKINNY_HEAD_SHAPES = [(151936, 1024), (128256, 4096)]
 
 
 def skinny_launch_config(config: tuple[int, int, int]) -> contextlib.AbstractContextManager:

@@ -159,3 +159,43 @@ def test_the_fused_reduce_variant_changes_the_engine_and_puts_it_back(tmp_path):
         assert all(layer.decode_split_counters is runner.decode_split_counters for layer in runner.attention_layers)
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_the_skinny_head_variant_changes_the_engine_and_puts_it_back(tmp_path, monkeypatch):
+    """batch1_skinny_head: on a CPU engine (no few-row step graphs: nothing to fold) None, the engine unchanged; on an
+    engine whose runner can fold (its setting stood in for, with batch1_decode's figures: the fold itself is
+    tests/engine/test_skinny_decode.py's), the other way measured, the folded head's ratio reported whichever side the
+    engine starts on, and its own setting back after."""
+    from types import SimpleNamespace
+
+    from bench import engine_gpu
+    from engine import LLM
+    from tests.engine.models_util import build_tiny_model_dir
+
+    model_dir = build_tiny_model_dir("qwen3", str(tmp_path))
+    llm = LLM(model_dir, device="cpu", dtype="float32", max_model_len=128, max_num_seqs=2)
+    try:
+        assert engine_gpu.batch1_skinny_head(llm, {}, 8, 4, 10.0) is None
+        assert llm.llm_engine.model_runner.skinny_head is False
+    finally:
+        llm.llm_engine.shutdown()
+
+    class Runner:
+        skinny_head = False
+
+        def set_skinny_lm_head(self, on):
+            self.skinny_head = bool(on)
+            return self.skinny_head
+
+    runner = Runner()
+    fake = SimpleNamespace(llm_engine=SimpleNamespace(model_runner=runner))
+    monkeypatch.setattr(engine_gpu, "batch1_decode", lambda llm, *args: {
+        "decode_tokens_per_s": 120.0 if runner.skinny_head else 100.0, "token_ids": [1, 2, 3]})
+    default = {"decode_tokens_per_s": 100.0, "token_ids": [1, 2, 4]}
+    key, result = engine_gpu.batch1_skinny_head(fake, default, 8, 4, 10.0)
+    assert key == "batch1_skinny_head" and result["skinny_head_speedup"] == 1.2 and not runner.skinny_head
+    assert result["same_leading_tokens"] == 2
+    runner.skinny_head = True   # an engine that folds it compares cuBLAS's head
+    key, result = engine_gpu.batch1_skinny_head(fake, {"decode_tokens_per_s": 120.0, "token_ids": [1, 2, 3]},
+                                                8, 4, 10.0)
+    assert key == "batch1_cublas_head" and result["skinny_head_speedup"] == 1.2 and runner.skinny_head

@@ -108,6 +108,12 @@ class DevicePolicy:
     # argmax). Off until a GPU measures it: a verification step of a small model is bound by its launches, so without
     # graphs it costs several decode steps (phase 14 measures n-gram and draft-model decoding both ways).
     spec_decode_graphs: bool = False
+    # A CUDA step graph of the few-row layers ends in one few-row product for the LM head with the final RMSNorm in
+    # its prologue (LlamaForCausalLM.skinny_logits: pagedkernels.skinny_gemm), where the model's last norm and the LM
+    # head's cuBLAS product are two kernels (ENGINE_SKINNY_LM_HEAD=1 turns it on, 0 off). Off until a GPU measures
+    # it: the LM head is a quarter of a Qwen3-0.6B step's bytes, so what decides is skinny_gemm against cuBLAS at
+    # [1, 1024] x [151936, 1024]^T (phase 13 times both, and the engine both ways).
+    skinny_lm_head: bool = False
 
     @classmethod
     def for_device(cls, device: torch.device | str) -> "DevicePolicy":
@@ -125,7 +131,8 @@ class DevicePolicy:
                    skinny_gemm_max_rows=_skinny_gemm_max_rows(1 if on_gpu else 0),
                    decode_fused_reduce=on_gpu and _env_flag("ENGINE_DECODE_FUSED_REDUCE", default=False),
                    decode_fused_rope=on_gpu and _env_flag("ENGINE_DECODE_FUSED_ROPE", default=False),
-                   spec_decode_graphs=on_gpu and _env_flag("ENGINE_SPEC_DECODE_GRAPHS", default=False))
+                   spec_decode_graphs=on_gpu and _env_flag("ENGINE_SPEC_DECODE_GRAPHS", default=False),
+                   skinny_lm_head=on_gpu and _env_flag("ENGINE_SKINNY_LM_HEAD", default=False))
 
     def auto_dtype(self, checkpoint: torch.dtype, *, quantized: bool = False) -> tuple[torch.dtype, str]:
         """What ``dtype="auto"`` runs a checkpoint stored in ``checkpoint`` in, and why (a line for the log).

@@ -575,14 +575,17 @@ def _lora_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
 def _skinny_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
     """skinny_gemm for every dtype at Qwen3-0.6B's and Llama-3-8B's decode projections: 1 to 8 rows (the rows
     unrolled), 1 to 16 output rows a program (1: the 0.6B down projection, 16 with 8 warps: the 8B gate/up), K of
-    one block and of 28, with the RMSNorm or SiLU-and-mul prologue, the residual epilogue and a bias, and plain."""
+    one block and of 28, with the RMSNorm or SiLU-and-mul prologue, the residual epilogue and a bias, and plain; and
+    the two LM heads at one row with the final norm in the prologue."""
     import pagedkernels as pk
 
     # (rows, N, K, prologue, residual, bias)
     shapes = ((1, 4096, 1024, "norm", False, False), (1, 1024, 3072, "silu", True, False),
               (8, 6144, 1024, "norm", False, True), (4, 4096, 14336, "silu", True, False),
               (2, 28672, 4096, "norm", False, False), (3, 1024, 2048, None, True, True),
-              (1, 2048, 1024, None, False, False))
+              (1, 2048, 1024, None, False, False),
+              # the LM heads with the final norm folded in (the engine's skinny_lm_head), Qwen3-0.6B's and Llama-3-8B's
+              (1, 151936, 1024, "norm", False, False), (1, 128256, 4096, "norm", False, False))
     for dtype in DTYPES:
         name = str(dtype).replace("torch.", "")
         for M, N, K, prologue, residual, bias in shapes:

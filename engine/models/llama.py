@@ -179,10 +179,15 @@ class LlamaModel(nn.Module):
             layer.skinny = isinstance(layer, LlamaDecoderLayer) and layer.can_run_skinny()
         return any(layer.skinny for layer in self.layers)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, *,
+                final_norm: bool = True) -> torch.Tensor:
+        """The final hidden states; without ``final_norm`` the residual stream before the last norm (for a caller
+        that folds the norm into its LM head product: LlamaForCausalLM.skinny_logits)."""
         hidden_states, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual, meta)
+        if not final_norm:
+            return hidden_states if residual is None else hidden_states + residual
         if residual is None:   # the few-row layers hand on the stream itself
             return self.norm(hidden_states)
         hidden_states, _ = self.norm(hidden_states, residual)
@@ -255,8 +260,12 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions int64 ``[num_tokens]`` -> final hidden states ``[num_tokens, hidden_size]``."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, *,
+                final_norm: bool = True) -> torch.Tensor:
+        """input_ids, positions int64 ``[num_tokens]`` -> final hidden states ``[num_tokens, hidden_size]`` (without
+        ``final_norm``: the stream before the final norm, for :meth:`skinny_logits`)."""
+        if not final_norm:
+            return self.model(input_ids, positions, meta, final_norm=False)
         return self.model(input_ids, positions, meta)
 
     def prepare_skinny(self) -> bool:
@@ -266,3 +275,20 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[num_seqs, hidden_size]`` -> float32 ``[num_seqs, vocab_size]``."""
         return self.lm_head(hidden_states)
+
+    def can_fold_final_norm(self) -> bool:
+        """Whether :meth:`skinny_logits` computes :meth:`compute_logits` of the final norm: an RMSNorm before an LM head
+        that is one plain product (no softcap, not split over ranks, its weight in the model's dtype and layout)."""
+        head, norm = self.lm_head, self.model.norm
+        weight = head.weight
+        return (type(norm) is RMSNorm and head.softcap is None and head.tp_size == 1 and head.packed_weight is None
+                and weight.dim() == 2 and weight.stride(-1) == 1 and weight.dtype == norm.weight.dtype
+                and type(self.model).forward is LlamaModel.forward)
+
+    def skinny_logits(self, stream: torch.Tensor) -> torch.Tensor:
+        """``[rows, hidden_size]`` residual stream before the final norm (``forward(..., final_norm=False)``, 1 to
+        skinny_gemm's MAX_ROWS rows) -> float32 ``[rows, vocab_size]``: the final RMSNorm and the LM head in one
+        few-row product (pagedkernels.skinny_gemm's norm prologue; the same rounding points as the two kernels).
+        Only where :meth:`can_fold_final_norm`."""
+        norm = self.model.norm
+        return pk_ops().skinny_gemm(stream, self.lm_head.weight, None, norm_weight=norm.weight, eps=norm.eps).float()

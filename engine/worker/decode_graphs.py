@@ -332,10 +332,12 @@ class DecodeGraphs:
 
         if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= MAX_ROWS:
             raise ValueError(f"rows must be an int from 0 to {MAX_ROWS}, got {rows!r}")
-        before = self.skinny_max_rows
+        before, head_before = self.skinny_max_rows, self.skinny_head
         self.skinny_max_rows = self._skinny_rows(rows)
+        self.skinny_head = self._skinny_head(self._skinny_head_wanted)   # the folded LM head needs few-row graphs
         for graphs in (self.graphs, getattr(self, "lora_graphs", {})):
-            for size in [s for s in graphs if (s <= before) != (s <= self.skinny_max_rows)]:
+            for size in [s for s in graphs if (s <= before) != (s <= self.skinny_max_rows)
+                         or (self.skinny_head != head_before and s <= max(before, self.skinny_max_rows))]:
                 del graphs[size]
         self.verify_graphs.clear()
         return self.skinny_max_rows
@@ -369,17 +371,22 @@ class DecodeGraphs:
             self.drop_graphs()
         return on
 
-    def _greedy_tail(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A step graph's tail: the LM head over its rows, then their greedy ids (logits_and_greedy). Compiled where
-        the forward is, so the product's cast to float32, the NaN / inf clean-up and the argmax are one kernel after
-        the product instead of three; a compiler failure falls back to the eager tail, as the forward does."""
-        eager = lambda h: logits_and_greedy(self.model.compute_logits(h))  # noqa: E731
+    def _greedy_tail(self, hidden_states: torch.Tensor, *, fold_norm: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step graph's tail: the LM head over its rows, then their greedy ids (logits_and_greedy); with
+        ``fold_norm``, ``hidden_states`` is the stream before the final norm and the head's few-row product norms it
+        (the model's skinny_logits). Compiled where the forward is, so the product's cast to float32, the NaN / inf
+        clean-up and the argmax are one kernel after the product instead of three; a compiler failure falls back to
+        the eager tail, as the forward does."""
+        head = self.model.skinny_logits if fold_norm else self.model.compute_logits
+        eager = lambda h: logits_and_greedy(head(h))  # noqa: E731
         if not self.compiled or getattr(self, "_tail_compile_failed", False):
             return eager(hidden_states)
-        if getattr(self, "_compiled_tail", None) is None:
-            self._compiled_tail = torch.compile(eager, dynamic=True, fullgraph=True)
+        name = "_compiled_folded_tail" if fold_norm else "_compiled_tail"
+        if getattr(self, name, None) is None:
+            setattr(self, name, torch.compile(eager, dynamic=True, fullgraph=True))
         try:
-            return self._compiled_tail(hidden_states)
+            return getattr(self, name)(hidden_states)
         except Exception as exc:  # noqa: BLE001 - a compiler failure must not take the engine down
             from engine.worker.model_runner import _is_compile_error   # the forward's test (a module above this one)
 
@@ -415,6 +422,25 @@ class DecodeGraphs:
         if getattr(self, "drafter", None) is not None:
             self.drafter.graphs.clear()
 
+    def set_skinny_lm_head(self, on: bool) -> bool:
+        """Fold the final norm into the LM head's few-row product in the step graphs of the few-row layers (``on``)
+        or run the norm and the head's product apart, on a built runner; the graphs of those sizes are dropped when it
+        changes. Returns the setting in force (False where the runner has no step graphs of few-row layers or the model
+        cannot fold: can_fold_final_norm). What bench.engine_gpu's batch-1 part compares on one engine; an engine's
+        own setting is DevicePolicy.skinny_lm_head."""
+        self._skinny_head_wanted = bool(on)
+        before, self.skinny_head = self.skinny_head, self._skinny_head(on)
+        if self.skinny_head != before:
+            for graphs in (self.graphs, getattr(self, "lora_graphs", {})):
+                for size in [s for s in graphs if s <= self.skinny_max_rows]:
+                    del graphs[size]
+        return self.skinny_head
+
+    def _skinny_head(self, on: bool) -> bool:
+        """``on`` if step graphs run the few-row layers and the model can fold its final norm into its LM head."""
+        fold = getattr(self.model, "can_fold_final_norm", None)
+        return bool(on) and self.step_graphs and self.skinny_max_rows > 0 and fold is not None and fold()
+
     def _skinny_rows(self, rows: int) -> int:
         """``rows`` if the model's layers can take the few-row path (they are marked so), else 0."""
         prepare = getattr(self.model, "prepare_skinny", None)
@@ -448,7 +474,10 @@ class DecodeGraphs:
         input_ids, positions = static.input_ids, static.positions
         runner = self.graph_runner_class(self.graph_pool)
         forward = lambda: self._forward(input_ids, positions, meta)  # noqa: E731
-        if self.step_graphs:
+        if self.step_graphs and meta.skinny and self.skinny_head:   # the final norm inside the LM head's product
+            forward = lambda: self._greedy_tail(  # noqa: E731
+                self._forward(input_ids, positions, meta, final_norm=False), fold_norm=True)
+        elif self.step_graphs:
             forward = lambda: self._greedy_tail(self._forward(input_ids, positions, meta))  # noqa: E731
         if isinstance(runner, CPUGraph):
             # The first CPU graph warms up and checks its replay against the recorded run; the others record

@@ -160,6 +160,10 @@ class ModelRunner(DecodeGraphs):
                                     max_num_tokens=max(self.max_num_batched_tokens, max_num_seqs))
         # Steps of up to this many tokens take the few-row path of the layers that have one (meta.skinny); 0: none.
         self.skinny_max_rows = self._skinny_rows(self.policy.skinny_gemm_max_rows)
+        # Whether a step graph of the few-row layers folds the final norm into its LM head's few-row product
+        # (DevicePolicy.skinny_lm_head; set_skinny_lm_head).
+        self._skinny_head_wanted = self.policy.skinny_lm_head
+        self.skinny_head = self._skinny_head(self._skinny_head_wanted)
         # The forward every path calls: the module itself, or its torch.compile wrapper (compiled lazily per
         # input signature: mixed and decode batches, dynamic in the token count).
         self.forward = self.model
@@ -1024,19 +1028,23 @@ class ModelRunner(DecodeGraphs):
         extra = [self._logits(forward, slice(int(starts[i]), int(starts[i + 1]))) for i in all_logits_for]
         return logits, extra
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, *,
+                 final_norm: bool = True) -> torch.Tensor:
+        """The model's forward (compiled where it is); without ``final_norm`` the stream before the final norm (a
+        step graph whose LM head folds it in: skinny_head)."""
+        kwargs = {} if final_norm else {"final_norm": False}
         if self.forward is self.model:
-            return self.model(input_ids, positions, meta)
+            return self.model(input_ids, positions, meta, **kwargs)
         try:
             with forward_context(self.attention_layers):
-                return self.forward(input_ids, positions, meta)
+                return self.forward(input_ids, positions, meta, **kwargs)
         except Exception as exc:  # noqa: BLE001 - a compiler failure must not take the engine down
             if not _is_compile_error(exc):
                 raise
             logger.warning("torch.compile of the model failed; running eagerly from now on (%s: %s)",
                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             self.forward, self.compiled = self.model, False
-            return self.model(input_ids, positions, meta)
+            return self.model(input_ids, positions, meta, **kwargs)
 
     def copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks ``src -> dst`` in every layer (copy-on-write)."""

@@ -329,29 +329,39 @@ def test_programmatic_dependent_launch_keeps_every_output(tiny_model_dir, monkey
 # -- the decode op's reduce fused into its split kernel ---------------------------------------------------------------
 
 
+# each feature's settings: the decode op's merge in its split kernel, the rotary embedding and cache write in it too,
+# the final norm inside the LM head's few-row product
+FUSED_FEATURES = {"reduce": ("ENGINE_DECODE_FUSED_REDUCE",), "rope": ("ENGINE_DECODE_FUSED_ROPE",),
+                  "both": ("ENGINE_DECODE_FUSED_REDUCE", "ENGINE_DECODE_FUSED_ROPE"), "head": ("ENGINE_SKINNY_LM_HEAD",),
+                  "all": ("ENGINE_DECODE_FUSED_REDUCE", "ENGINE_DECODE_FUSED_ROPE", "ENGINE_SKINNY_LM_HEAD")}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("feature", ["reduce", "rope", "both"])
+@pytest.mark.parametrize("feature", list(FUSED_FEATURES))
 def test_fused_decode_reduce_keeps_every_output(tiny_model_dir, monkeypatch, dtype, feature):
     """ENGINE_DECODE_FUSED_REDUCE=1 (the split kernel's last split merges the partial results, no reduce kernel),
     ENGINE_DECODE_FUSED_ROPE=1 (the few-row layers' rotary embedding and KV-cache write in the split kernel,
-    pagedkernels.rotary_cache_decode_attention; the few-row layers up to 4 rows here), or both, on prompts long enough
-    for several non-empty splits, batches of one and of three: the tokens of the two-kernel path and log-probabilities
+    pagedkernels.rotary_cache_decode_attention; the few-row layers up to 4 rows here), both, ENGINE_SKINNY_LM_HEAD=1
+    (the step graphs' final norm inside the LM head's few-row product), or all three, on prompts long enough for
+    several non-empty splits, batches of one and of three: the tokens of the unfused path and log-probabilities
     within the rounding (float32: the same greedy tokens; bf16: the same tokens until a near-tie of the top two, which
     the rounding may flip, and the rest follow it)."""
     model_dir = tiny_model_dir("qwen3")
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
     monkeypatch.setenv("ENGINE_SKINNY_GEMM_MAX_ROWS", "4")
+    on = FUSED_FEATURES[feature]
 
     def run(fused: bool):
-        monkeypatch.setenv("ENGINE_DECODE_FUSED_REDUCE", "1" if fused and feature != "rope" else "0")
-        monkeypatch.setenv("ENGINE_DECODE_FUSED_ROPE", "1" if fused and feature != "reduce" else "0")
+        for name in ("ENGINE_DECODE_FUSED_REDUCE", "ENGINE_DECODE_FUSED_ROPE", "ENGINE_SKINNY_LM_HEAD"):
+            monkeypatch.setenv(name, "1" if fused and name in on else "0")
         llm = LLM(model_dir, device=DEVICE, dtype=dtype, max_model_len=1024, max_num_seqs=4)
         try:
             runner = llm.llm_engine.model_runner
-            assert all((layer.decode_split_counters is not None) == (fused and feature != "rope")
-                       and layer.decode_fused_rope == (fused and feature != "reduce")
+            assert all((layer.decode_split_counters is not None) == (fused and "ENGINE_DECODE_FUSED_REDUCE" in on)
+                       and layer.decode_fused_rope == (fused and "ENGINE_DECODE_FUSED_ROPE" in on)
                        for layer in runner.attention_layers)
+            assert runner.skinny_head == (fused and "ENGINE_SKINNY_LM_HEAD" in on)
             outputs = [[o.outputs[0] for o in llm.generate([{"prompt_token_ids": random_token_ids(n, seed=n)}
                                                             for n in lens], params, use_tqdm=False)]
                        for lens in ((300,), (150, 420, 700))]

@@ -590,3 +590,31 @@ def test_copy_on_write_queues_without_a_host_sync(tiny_model_dir, draft):
         assert (runner.drafter is not None) == draft
         with no_host_sync():
             runner.copy_blocks([(1, 5), (2, 6), (3, 7)])
+
+
+def test_the_folded_lm_head_runs_the_cuda_paths(tiny_model_dir, monkeypatch):
+    """ENGINE_SKINNY_LM_HEAD=1 with the few-row layers on CUDA: the step graphs of up to their rows end in the LM
+    head's few-row product with the final norm in its prologue (pagedkernels.skinny_gemm's fake implementation checks
+    every argument's device, dtype and shape), captured with no host sync; the larger graphs keep the norm and the
+    head apart; a decode batch replays."""
+    from pagedkernels import torch_ops
+
+    model_dir = tiny_model_dir("qwen3")
+    monkeypatch.setenv("ENGINE_SKINNY_GEMM_MAX_ROWS", "4")
+    monkeypatch.setenv("ENGINE_SKINNY_LM_HEAD", "1")
+    heads = []
+    real = torch_ops._skinny_gemm_op
+    monkeypatch.setattr(torch_ops, "_skinny_gemm_op", lambda x, weight, *args: (
+        heads.append(x.shape[0]) if weight is head else None, real(x, weight, *args))[1])
+    FakeGraphRunner.captured_batch_sizes = []
+    decodes = [(Entry(random_token_ids(n + 1, seed=n), n, [n // BLOCK_SIZE]), 1) for n in (3, 9, 14)]
+    with fake_cuda(FakeCudaMemory(total=80 * GiB, free=79 * GiB, peak_bytes=GiB // 4, non_torch_bytes=GiB // 4)):
+        runner = _runner(model_dir, num_kv_blocks=64, capture_graphs_at_startup=False)
+        assert runner.skinny_max_rows == 4 and runner.skinny_head
+        head = runner.model.lm_head.weight
+        runner.capture_all_graphs()
+        assert sorted(FakeGraphRunner.captured_batch_sizes) == graph_batch_sizes(MAX_NUM_SEQS)
+        # the graphs of 4, 2 and 1 rows: the warm-up and the recorded pass each
+        assert sorted(heads) == [1, 1, 2, 2, 4, 4]
+        logits = runner.compute_logits_for(decodes)
+        assert logits.shape == (3, runner.config.vocab_size) and logits.device.type == "cuda"

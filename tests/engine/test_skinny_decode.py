@@ -220,3 +220,56 @@ def test_the_rotary_and_cache_write_in_the_decode_kernel(tiny_model_dir, monkeyp
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m: f"step {step}: {m}")
     # the keys as one float32 rounding apart at most (Qwen3's norm sums its squares in another order)
     torch.testing.assert_close(runners[1].kv_cache, runners[0].kv_cache, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("arch, compiled", [("qwen3", False), ("llama", True)])
+def test_the_step_graphs_fold_the_final_norm_into_the_lm_head(tiny_model_dir, skinny_calls, monkeypatch, arch,
+                                                              compiled):
+    """set_skinny_lm_head (DevicePolicy.skinny_lm_head, ENGINE_SKINNY_LM_HEAD on CUDA): the step graphs of the few-row
+    layers (the CUDA-graph double; the compiled forward and tail too) end in one few-row product for the LM head with
+    the final RMSNorm in its prologue (LlamaForCausalLM.skinny_logits), tied (qwen3) or untied (llama); the graph
+    above the limit and the eager steps keep the norm and the LM head apart. Logits as the eager runner's."""
+    model_dir = tiny_model_dir(arch)
+    eager = make_runner(model_dir, enforce_eager=True, compile_model=False)
+    assert eager.set_skinny_lm_head(True) is False   # no step graphs
+    monkeypatch.setenv("ENGINE_SKINNY_GEMM_MAX_ROWS", "4")
+    graphed = make_runner(model_dir, enforce_eager=False, graph_runner_class=RecordingGraphRunner,
+                          compile_model=compiled)
+    monkeypatch.setattr(RecordingGraphRunner, "replays", [])
+    monkeypatch.setattr(RecordingGraphRunner, "model_runner", graphed, raising=False)
+    assert graphed.skinny_head is False   # DevicePolicy.skinny_lm_head: off by default (and on CPU)
+    assert graphed.set_skinny_lm_head(True) and graphed.model.can_fold_final_norm()
+    heads = []   # the rows of every product on the LM head's weight (with the final norm's weight in its prologue)
+    head_weight, norm_weight = graphed.model.lm_head.weight, graphed.model.model.norm.weight
+    spy = skinny_module._skinny_torch
+    monkeypatch.setattr(skinny_module, "_skinny_torch", lambda x, weight, bias, norm, *args, **kwargs: (
+        heads.append((x.shape[0], norm is not None and norm.data_ptr() == norm_weight.data_ptr()))
+        if weight.data_ptr() == head_weight.data_ptr() else None, spy(x, weight, bias, norm, *args, **kwargs))[1])
+    expected = _run(eager, _sequences(eager.config.vocab_size))
+    got = _run(graphed, _sequences(graphed.config.vocab_size))
+    for step, (a, b) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step}: {m}")
+    assert [r["batch_size"] for r in RecordingGraphRunner.replays] == [4, 1, 8, 4]
+    # the graphs of 4 and 1 rows (captures and replays), not 8's nor the eager steps'
+    assert heads and set(heads) == {(4, True), (1, True)}
+    if compiled:
+        assert graphed.compiled and graphed._compiled_folded_tail is not None
+    assert graphed.set_skinny_lm_head(False) is False and sorted(graphed.graphs) == [8]
+
+
+def test_the_lm_head_fold_stays_off_where_it_cannot_run(tiny_model_dir, skinny_calls, monkeypatch):
+    """Without few-row graphs (the limit 0, eager) or where the model cannot fold (Gemma 2's softcapped LM head, OPT's
+    LayerNorm) set_skinny_lm_head leaves it off; a limit raised later turns a wanted fold on. The setting's parsing."""
+    monkeypatch.setenv("ENGINE_SKINNY_GEMM_MAX_ROWS", "0")
+    runner = make_runner(tiny_model_dir("llama"), enforce_eager=False, graph_runner_class=RecordingGraphRunner)
+    assert runner.set_skinny_lm_head(True) is False and runner._skinny_head_wanted
+    assert runner.set_skinny_max_rows(2) == 2 and runner.skinny_head   # wanted, and now possible
+    assert runner.set_skinny_max_rows(0) == 0 and not runner.skinny_head
+    assert make_runner(tiny_model_dir("gemma2"), enforce_eager=True).model.can_fold_final_norm() is False
+    assert not hasattr(make_runner(tiny_model_dir("opt"), enforce_eager=True).model, "can_fold_final_norm")
+    monkeypatch.delenv("ENGINE_SKINNY_LM_HEAD", raising=False)
+    assert DevicePolicy.for_device("cuda").skinny_lm_head is False
+    assert DevicePolicy.for_device("cpu").skinny_lm_head is False
+    monkeypatch.setenv("ENGINE_SKINNY_LM_HEAD", "1")
+    assert DevicePolicy.for_device("cuda").skinny_lm_head is True
+    assert DevicePolicy.for_device("cpu").skinny_lm_head is False
