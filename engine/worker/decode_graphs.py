@@ -378,8 +378,13 @@ class DecodeGraphs:
         (the model's skinny_logits). Compiled where the forward is, so the product's cast to float32, the NaN / inf
         clean-up and the argmax are one kernel after the product instead of three; a compiler failure falls back to
         the eager tail, as the forward does."""
-        head = self.model.skinny_logits if fold_norm else self.model.compute_logits
-        eager = lambda h: logits_and_greedy(head(h))  # noqa: E731
+        # Two functions of their own, not one closing over the head: torch.compile caches by code object, and under
+        # torch 2.11 (the GPU image's) the unfolded tail compiled after the folded one gave the folded one's logits
+        # (its guards did not tell the two closed-over methods apart; torch 2.13's do).
+        if fold_norm:
+            eager = lambda h: logits_and_greedy(self.model.skinny_logits(h))  # noqa: E731
+        else:
+            eager = lambda h: logits_and_greedy(self.model.compute_logits(h))  # noqa: E731
         if not self.compiled or getattr(self, "_tail_compile_failed", False):
             return eager(hidden_states)
         name = "_compiled_folded_tail" if fold_norm else "_compiled_tail"
