@@ -159,10 +159,10 @@ def markdown(result: dict) -> str:
     if (result.get("sync_audit") or {}).get("kinds"):
         lines += ["## Host syncs per step (torch.cuda sync debug mode)", "",
                   _md_table(["kind", "async scheduling", "steps", "syncs/step", "deliberate reads/step",
-                             "speculative reads/step", "origins"],
+                             "speculative reads/step", "draft reads/step", "origins"],
                             [[k["kind"], str(k.get("async_scheduling", "-")), str(k.get("steps", "-")),
                               num(k.get("syncs_per_step"), ".2f"), num(k.get("deliberate_reads_per_step"), ".2f"),
-                              num(k.get("speculative_reads_per_step"), ".2f"),
+                              num(k.get("speculative_reads_per_step"), ".2f"), num(k.get("draft_reads_per_step"), ".2f"),
                               k.get("not_run") or k.get("error") or json.dumps(k.get("origins"))]
                              for k in result["sync_audit"]["kinds"]]), ""]
     for key, title in (("not_run", "Not run (budget)"), ("kernel_cases_not_run", "Kernel cases not run (budget)"),

@@ -12,6 +12,8 @@ mode off and is counted apart. Kinds:
 - ``decode_sampled``: temperature with top-k, top-p, min-p and repetition/presence penalties, some rows seeded;
 - ``speculative``: n-gram speculative decoding (which runs without async scheduling: its rejection sampling reads
   the accepted counts on the host, ModelRunner._read_speculative, counted apart as ``speculative_reads_per_step``);
+- ``speculative_draft``: a draft model's speculative decoding (the model as its own draft, k = 3): the same read, and
+  the proposal's one read of its drafts (DraftModel._read), counted apart as ``draft_reads_per_step``;
 - ``guided``: a regex grammar (xgrammar; not on the GPU image, reported as not run there).
 
 On CPU (``--dry-run``, CI) the same code runs with tiny shapes and no counting (there is no device to wait for).
@@ -28,7 +30,7 @@ import warnings
 
 import torch
 
-KINDS = ("decode_greedy", "decode_sampled", "speculative", "guided")
+KINDS = ("decode_greedy", "decode_sampled", "speculative", "speculative_draft", "guided")
 WARMUP_STEPS = 4
 MEASURED_STEPS = 6
 
@@ -57,8 +59,8 @@ def audit_kind(kind: str, model_dir: str, device: torch.device, *, num_requests:
             import xgrammar  # noqa: F401
         except ImportError:
             return {"kind": kind, "not_run": "xgrammar is not installed"}
-    speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3} \
-        if kind == "speculative" else None
+    speculative = {"speculative": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+                   "speculative_draft": {"model": model_dir, "num_speculative_tokens": 3}}.get(kind)
     llm = LLM(model_dir, load_format="dummy", skip_tokenizer_init=kind != "guided", device=str(device),
               max_model_len=512, max_num_seqs=max(num_requests, 8), gpu_memory_utilization=0.5,
               speculative_config=speculative, enforce_eager=device.type != "cuda")
@@ -103,6 +105,16 @@ def audit_kind(kind: str, model_dir: str, device: torch.device, *, num_requests:
             return unwatched(read_speculative.__func__, result)
 
         ModelRunner._read_speculative = staticmethod(read_speculative_counted)
+        # A draft model's proposal reads its drafts once (DraftModel._read): counted apart too.
+        from engine.worker.draft_model import DraftModel
+        read_drafts = DraftModel.__dict__["_read"]
+        draft_reads = [0]
+
+        def read_drafts_counted(drafts):
+            draft_reads[0] += 1
+            return unwatched(read_drafts.__func__, drafts)
+
+        DraftModel._read = staticmethod(read_drafts_counted)
         per_step, origins = [], collections.Counter()
         try:
             for _ in range(MEASURED_STEPS):
@@ -124,11 +136,13 @@ def audit_kind(kind: str, model_dir: str, device: torch.device, *, num_requests:
         finally:
             sampler_module.SampledIds.resolve = resolve
             ModelRunner._read_speculative = read_speculative
+            DraftModel._read = read_drafts
         steps = max(len(per_step), 1)
         return {"kind": kind, "steps": len(per_step), "async_scheduling": engine.config.scheduler_config.async_scheduling,
                 "syncs_per_step": sum(per_step) / steps if counting else None, "syncs_each_step": per_step if counting
                 else None, "deliberate_reads_per_step": deliberate[0] / steps,
-                "speculative_reads_per_step": speculative_reads[0] / steps, "origins": dict(origins.most_common(8))}
+                "speculative_reads_per_step": speculative_reads[0] / steps, "draft_reads_per_step": draft_reads[0] / steps,
+                "origins": dict(origins.most_common(8))}
     finally:
         engine.shutdown()
         del llm, engine
@@ -156,6 +170,7 @@ def run(device: torch.device, *, tiny: bool, model: str = "qwen3-0.6b", kinds=KI
                                          f"{row['syncs_per_step']} syncs/step, "
                                          f"{row['deliberate_reads_per_step']:.2f} deliberate reads/step, "
                                          f"{row['speculative_reads_per_step']:.2f} speculative reads/step, "
+                                         f"{row['draft_reads_per_step']:.2f} draft reads/step, "
                                          f"origins {row['origins']}"))
             if on_progress is not None:
                 on_progress()

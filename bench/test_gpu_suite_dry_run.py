@@ -246,9 +246,9 @@ def _moe(result):
 
 def _async(result):
     audit = {row["kind"]: row for row in result["sync_audit"]["kinds"]}
-    assert set(audit) == {"decode_greedy", "decode_sampled", "speculative", "guided"}
+    assert set(audit) == {"decode_greedy", "decode_sampled", "speculative", "speculative_draft", "guided"}
     assert audit["guided"].get("not_run") == "xgrammar is not installed"   # absent on the image
-    for kind in ("decode_greedy", "decode_sampled", "speculative"):
+    for kind in ("decode_greedy", "decode_sampled", "speculative", "speculative_draft"):
         row = audit[kind]
         assert "error" not in row, row
         assert row["steps"] > 0 and row["syncs_per_step"] is None   # counted on CUDA only
@@ -257,6 +257,10 @@ def _async(result):
     # The speculative step's one read is counted apart (it verified drafts in some of its steps).
     assert audit["speculative"]["speculative_reads_per_step"] > 0
     assert all(audit[kind]["speculative_reads_per_step"] == 0 for kind in ("decode_greedy", "decode_sampled"))
+    # A draft model's step: the verification's read, and one read of the drafts a proposal (not one a draft)
+    draft = audit["speculative_draft"]
+    assert draft["speculative_reads_per_step"] > 0 and 0 < draft["draft_reads_per_step"] <= 1
+    assert all(audit[kind]["draft_reads_per_step"] == 0 for kind in ("decode_greedy", "speculative"))
     without, with_async = (result[key]["models"]["qwen3-0.6b"] for key in ("engine_sync", "engine"))
     assert without["async_scheduling"] is False and with_async["async_scheduling"] is True
     assert without["engine"]["complete"] and with_async["engine"]["complete"]
