@@ -273,3 +273,6 @@ def test_the_lm_head_fold_stays_off_where_it_cannot_run(tiny_model_dir, skinny_c
     monkeypatch.setenv("ENGINE_SKINNY_LM_HEAD", "1")
     assert DevicePolicy.for_device("cuda").skinny_lm_head is True
     assert DevicePolicy.for_device("cpu").skinny_lm_head is False
+    monkeypatch.setenv("ENGINE_SKINNY_LM_HEAD", "maybe")
+    with pytest.raises(ValueError, match="ENGINE_SKINNY_LM_HEAD"):
+        DevicePolicy.for_device("cuda")
