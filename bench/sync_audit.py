@@ -94,27 +94,26 @@ def audit_kind(kind: str, model_dir: str, device: torch.device, *, num_requests:
             return unwatched(resolve, self)
 
         sampler_module.SampledIds.resolve = resolve_counted
-        # A speculative step's read of its tokens and accepted counts (ModelRunner._read_speculative: the next
-        # schedule needs them, so these steps run without async scheduling): counted apart too, and reported.
-        from engine.worker.model_runner import ModelRunner
-        read_speculative = ModelRunner.__dict__["_read_speculative"]
-        speculative_reads = [0]
-
-        def read_speculative_counted(result):
-            speculative_reads[0] += 1
-            return unwatched(read_speculative.__func__, result)
-
-        ModelRunner._read_speculative = staticmethod(read_speculative_counted)
-        # A draft model's proposal reads its drafts once (DraftModel._read): counted apart too.
+        restores = [lambda: setattr(sampler_module.SampledIds, "resolve", resolve)]
         from engine.worker.draft_model import DraftModel
-        read_drafts = DraftModel.__dict__["_read"]
-        draft_reads = [0]
+        from engine.worker.model_runner import ModelRunner
 
-        def read_drafts_counted(drafts):
-            draft_reads[0] += 1
-            return unwatched(read_drafts.__func__, drafts)
+        def count_apart(cls, name: str, counter: list[int]) -> None:   # a deliberate static read, counted apart
+            original = cls.__dict__[name]
+            restores.append(lambda: setattr(cls, name, original))
 
-        DraftModel._read = staticmethod(read_drafts_counted)
+            def counted(*args):
+                counter[0] += 1
+                return unwatched(original.__func__, *args)
+
+            setattr(cls, name, staticmethod(counted))
+
+        # A speculative step's read of its tokens and accepted counts (ModelRunner._read_speculative: the next
+        # schedule needs them, so these steps run without async scheduling), and a draft model's proposal's one read
+        # of its drafts (DraftModel._read): counted apart too, and reported.
+        speculative_reads, draft_reads = [0], [0]
+        count_apart(ModelRunner, "_read_speculative", speculative_reads)
+        count_apart(DraftModel, "_read", draft_reads)
         per_step, origins = [], collections.Counter()
         try:
             for _ in range(MEASURED_STEPS):
@@ -134,9 +133,8 @@ def audit_kind(kind: str, model_dir: str, device: torch.device, *, num_requests:
                 for w in syncs:
                     origins[f"{os.path.basename(w.filename)}:{w.lineno}"] += 1
         finally:
-            sampler_module.SampledIds.resolve = resolve
-            ModelRunner._read_speculative = read_speculative
-            DraftModel._read = read_drafts
+            for restore in restores:
+                restore()
         steps = max(len(per_step), 1)
         return {"kind": kind, "steps": len(per_step), "async_scheduling": engine.config.scheduler_config.async_scheduling,
                 "syncs_per_step": sum(per_step) / steps if counting else None, "syncs_each_step": per_step if counting

@@ -97,6 +97,16 @@ class StaticInputs(NamedTuple):
     block_tables: torch.Tensor   # int32
 
 
+def padding_static_inputs(batch_size: int, max_blocks_per_seq: int, device: torch.device) -> StaticInputs:
+    """A graph's inputs for ``batch_size`` rows, every row padding: id 0 at position 0, slot -1 (no K/V written),
+    seq_len 0 (no key read), a table of ``max_blocks_per_seq`` zero columns."""
+    return StaticInputs(torch.zeros(batch_size, dtype=torch.int64, device=device),
+                        torch.zeros(batch_size, dtype=torch.int64, device=device),
+                        torch.full((batch_size,), -1, dtype=torch.int64, device=device),
+                        torch.zeros(batch_size, dtype=torch.int32, device=device),
+                        torch.zeros(batch_size, max_blocks_per_seq, dtype=torch.int32, device=device))
+
+
 # StaticInputs' dtypes, in their order in a region
 _STATIC_DTYPES = (torch.int64, torch.int64, torch.int64, torch.int32, torch.int32)
 
@@ -152,12 +162,7 @@ class DecodeGraphs:
         self._shared_static: StaticInputs | None = None
         self._staged_decode_inputs: torch.Tensor | None = None   # build_inputs' staging, for run_decode_graph
         if not (device.type == "cuda" if per_size_regions is None else per_size_regions):
-            self._shared_static = StaticInputs(
-                torch.zeros(size, dtype=torch.int64, device=device),
-                torch.zeros(size, dtype=torch.int64, device=device),
-                torch.full((size,), -1, dtype=torch.int64, device=device),
-                torch.zeros(size, dtype=torch.int32, device=device),
-                torch.zeros(size, self.max_blocks_per_seq, dtype=torch.int32, device=device))
+            self._shared_static = padding_static_inputs(size, self.max_blocks_per_seq, device)
         self.static_cu_seqlens_q = torch.arange(size + 1, dtype=torch.int32, device=device)
         self._verify_static: dict[tuple[int, int], tuple[StaticInputs, torch.Tensor, torch.Tensor]] = {}
         self.graph_pool = self.graph_runner_class.new_pool(device)

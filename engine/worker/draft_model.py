@@ -36,7 +36,7 @@ import pagedkernels as pk
 from engine.config import SpeculativeConfig
 from engine.distributed.parallel_state import planned_layout
 from engine.layers.attention import Attention, AttentionMetadata
-from engine.worker.decode_graphs import StaticInputs, logits_and_greedy
+from engine.worker.decode_graphs import StaticInputs, logits_and_greedy, padding_static_inputs
 from engine.worker.sampler import plain_greedy
 
 
@@ -156,7 +156,7 @@ class DraftModel:
                 np.array(copies, dtype=np.int64).reshape(-1, 2), np.array(random_rows, dtype=np.int64))
         if copies:
             pk.copy_blocks(self.key_caches, self.value_caches, copies_t)
-        graph_size = self._graph_size(num_seqs, width)
+        graph_size = self._graph_size(num_seqs)
         greedy_draws = plain_greedy(meta)   # the graph's argmax is the draw
         drafts = torch.empty(num_seqs, k, dtype=torch.int64, device=device)
         probs = torch.zeros(num_seqs, k, self.config.vocab_size, device=device) if random_rows else None
@@ -188,44 +188,36 @@ class DraftModel:
         """The proposal's one read from the device: its drafts [num_seqs, k]."""
         return drafts.cpu().numpy()
 
-    def _graph_size(self, num_seqs: int, width: int) -> int | None:
+    def _graph_size(self, num_seqs: int) -> int | None:
         """The padded batch size whose graph a proposal step of ``num_seqs`` sequences replays, or None (graphs off,
-        or the batch above the runner's ladder)."""
+        or the batch above the runner's ladder). (A proposal's table is never wider than ``graph_width``: its
+        sequences are at most max_model_len + k tokens long.)"""
         sizes = self.runner.graph_batch_sizes
-        if not self.graphs_on or num_seqs > sizes[-1] or width > self.graph_width:
+        if not self.graphs_on or num_seqs > sizes[-1]:
             return None
         return next(size for size in sizes if size >= num_seqs)
 
     def _replay(self, size: int, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 seq_lens: torch.Tensor, tables: torch.Tensor, *, first_step: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """One proposal step of n sequences through the graph of ``size`` >= n rows, captured on first use: the
-        step's inputs into the graph's first n rows (the tables and the padding rows on a proposal's first step:
-        they hold for its k), then the replay. Returns (logits float32 [n, vocab], greedy ids [n]), views of the
+        step's inputs into the graph's first n rows (the tables and the padding rows on a proposal's first step only:
+        they hold for its k steps), then the replay. Returns (logits float32 [n, vocab], greedy ids [n]), views of the
         graph's outputs valid until its next replay."""
         runner = self.runner
         n = ids.shape[0]
         cached = self._graph_inputs.get(size)
         if cached is None:
-            cached = self._graph_inputs[size] = (
-                StaticInputs(torch.zeros(size, dtype=torch.int64, device=runner.device),
-                             torch.zeros(size, dtype=torch.int64, device=runner.device),
-                             torch.full((size,), -1, dtype=torch.int64, device=runner.device),
-                             torch.zeros(size, dtype=torch.int32, device=runner.device),
-                             torch.zeros(size, self.graph_width, dtype=torch.int32, device=runner.device)),
-                torch.arange(size + 1, dtype=torch.int32, device=runner.device))
+            cached = self._graph_inputs[size] = (padding_static_inputs(size, self.graph_width, runner.device),
+                                                 torch.arange(size + 1, dtype=torch.int32, device=runner.device))
         static, cu_seqlens = cached
-        static.input_ids[:n].copy_(ids)
-        static.positions[:n].copy_(positions)
-        static.slot_mapping[:n].copy_(slots)
-        static.seq_lens[:n].copy_(seq_lens)
-        if first_step:
-            # Columns past a sequence's last block keep stale ids: never read (its seq_len bounds them).
-            static.block_tables[:n, :tables.shape[1]].copy_(tables)
-            if n < size:   # padding, over what a larger proposal may have left: no K/V written, no key read
-                static.input_ids[n:].zero_()
-                static.positions[n:].zero_()
-                static.slot_mapping[n:].fill_(-1)
-                static.seq_lens[n:].zero_()
+        if first_step:   # the tables too, and the padding over what a larger proposal may have left
+            runner._copy_into_static(static, ids, positions, AttentionMetadata(
+                slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens, is_decode=True))
+        else:
+            static.input_ids[:n].copy_(ids)
+            static.positions[:n].copy_(positions)
+            static.slot_mapping[:n].copy_(slots)
+            static.seq_lens[:n].copy_(seq_lens)
         graph = self.graphs.get(size)
         if graph is None:
             meta = AttentionMetadata(slot_mapping=static.slot_mapping, block_tables=static.block_tables,

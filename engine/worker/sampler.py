@@ -365,7 +365,7 @@ class Sampler:
                 return ids, None
             q = random_probs(logits[random_index], row_max[random_index], meta, random_rows)
             dead = set(context["dead_rows"])
-            for j, row in enumerate(random_rows):
+            for j, row in enumerate(random_rows if dead else ()):
                 if row in dead:   # its fallback (in ids already), as the sync-free path has it
                     q[j] = 0.0
                     q[j, ids[row]] = 1.0
