@@ -34,6 +34,7 @@ from .moe_topk import moe_topk  # noqa: F401
 from .moe_align import moe_align_block_size  # noqa: F401
 from .fused_moe import fused_moe, pack_moe_weight  # noqa: F401
 from .lora import lora_expand, lora_mapping, lora_shrink  # noqa: F401  (multi-LoRA: Punica-style grouped GEMMs)
+from .sampling import sample_from_logits  # noqa: F401  (next-token draws: argmax or inverse CDF, one kernel)
 from .cpu_graph import CPUGraph, CPUGraphPool, GraphCaptureError  # noqa: F401  (native kernel calls, replayed from C)
 from . import quant_formats  # noqa: F401  (canonical int4/int8 layout; GPTQ/AWQ/GGUF conversions)
 from . import torch_ops  # noqa: F401  (torch.ops.pagedkernels.*, for torch.compile)

@@ -63,13 +63,13 @@ from unittest import mock
 import torch
 
 KERNEL_MODULES = ("decode_attention", "prefill_attention", "cache_ops", "rms_norm", "rotary", "activation", "wq_gemm",
-                  "gguf_quant", "moe_topk", "moe_align", "fused_moe", "lora", "skinny_gemm")
+                  "gguf_quant", "moe_topk", "moe_align", "fused_moe", "lora", "skinny_gemm", "sampling")
 RESULTS_CACHE = Path(__file__).with_name("aot_results.json")
 # Kernels on the per-token path of every model step: a register spill there is a failure.
 HOT_KERNELS = frozenset({"_decode_split_kernel", "_decode_reduce_kernel", "_prefill_attention_kernel",
                          "_reshape_and_cache_kernel", "_rms_norm_kernel", "_wq_gemm_kernel", "_fused_moe_kernel",
                          "_moe_sum_kernel", "_moe_topk_kernel", "_moe_align_kernel", "_lora_shrink_kernel",
-                         "_lora_expand_kernel", "_skinny_gemm_kernel", "_rotary_cache_kernel"})
+                         "_lora_expand_kernel", "_skinny_gemm_kernel", "_rotary_cache_kernel", "_sample_kernel"})
 # Shared memory one block may use (opt-in maximum), bytes: sm_90 (H100) 227 KiB, sm_80 (A100) 163 KiB.
 SHARED_MEMORY_LIMITS = {90: 227 * 1024, 80: 163 * 1024}
 DEFAULT_TARGETS = (90, 80)
@@ -423,6 +423,18 @@ def _elementwise_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None
         yield f"silu_and_mul {name}", silu
 
 
+def _sampling_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
+    """The sampler's draw: float32 logits (what the engine's LM head gives the sampler), 16-bit ones too; a
+    vocabulary of Qwen3's size (many blocks, a ragged last one)."""
+    import pagedkernels as pk
+
+    for dtype in DTYPES:
+        def draw(gen, dtype=dtype):
+            logits = _randn(3, 151936, dtype=dtype, generator=gen)
+            pk.sample_from_logits(logits, torch.tensor([0.0, 0.6, 1.0]), torch.rand(3, generator=gen))
+        yield f"sample_from_logits {str(dtype).replace('torch.', '')} vocab=151936", draw
+
+
 def _fp8_kv_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
     """float8 caches: the write for every activation dtype, decode (split and not) and prefill for every
     dtype at the padded head widths 64 / 128 / 256 (one with GQA, window and softcap), copy_blocks."""
@@ -641,7 +653,7 @@ def _pdl_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
 def launch_matrix() -> list[tuple[str, Callable[[torch.Generator], None]]]:
     """(label, call) for every case: each call runs public ops on small CPU tensors."""
     return [*_attention_cases(), *_fused_reduce_cases(), *_rope_decode_cases(), *_cache_op_cases(),
-            *_elementwise_cases(), *_fp8_kv_cases(),
+            *_elementwise_cases(), *_sampling_cases(), *_fp8_kv_cases(),
             *_quant_cases(), *_moe_cases(), *_lora_cases(), *_skinny_cases(), *_pdl_cases()]
 
 
