@@ -114,6 +114,12 @@ class DevicePolicy:
     # it: the LM head is a quarter of a Qwen3-0.6B step's bytes, so what decides is skinny_gemm against cuBLAS at
     # [1, 1024] x [151936, 1024]^T (phase 13 times both, and the engine both ways).
     skinny_lm_head: bool = False
+    # The sync-free sampler draws the rows without min-p / top-k / top-p in one kernel (pagedkernels.
+    # sample_from_logits: the argmax or the inverse-CDF draw, reading the logits at most three times and writing
+    # nothing) instead of a dozen tensor ops over [rows, vocab] float32 (ENGINE_FUSED_SAMPLER=1 turns it on, 0
+    # off). Off until a GPU measures it: at 256 rows of Qwen3's 151,936-token vocabulary those ops were about 1 ms
+    # of the H200's 8.3 ms decode step (bench/results/2026-11-28-nvidia-h200-phase10-async.md).
+    fused_sampler: bool = False
 
     @classmethod
     def for_device(cls, device: torch.device | str) -> "DevicePolicy":
@@ -132,7 +138,8 @@ class DevicePolicy:
                    decode_fused_reduce=on_gpu and _env_flag("ENGINE_DECODE_FUSED_REDUCE", default=False),
                    decode_fused_rope=on_gpu and _env_flag("ENGINE_DECODE_FUSED_ROPE", default=False),
                    spec_decode_graphs=on_gpu and _env_flag("ENGINE_SPEC_DECODE_GRAPHS", default=False),
-                   skinny_lm_head=on_gpu and _env_flag("ENGINE_SKINNY_LM_HEAD", default=False))
+                   skinny_lm_head=on_gpu and _env_flag("ENGINE_SKINNY_LM_HEAD", default=False),
+                   fused_sampler=on_gpu and _env_flag("ENGINE_FUSED_SAMPLER", default=False))
 
     def auto_dtype(self, checkpoint: torch.dtype, *, quantized: bool = False) -> tuple[torch.dtype, str]:
         """What ``dtype="auto"`` runs a checkpoint stored in ``checkpoint`` in, and why (a line for the log).

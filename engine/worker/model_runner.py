@@ -187,7 +187,7 @@ class ModelRunner(DecodeGraphs):
         self.input_batch = InputBatch(max_num_seqs=max_num_seqs, max_model_len=model_config.max_model_len,
                                       max_num_spec_tokens=self.num_spec_tokens, block_size=block_size,
                                       vocab_size=model_config.vocab_size, device=self.device)
-        self.sampler = Sampler(seed=engine_config.seed, device=self.device)
+        self.sampler = Sampler(seed=engine_config.seed, device=self.device, fused_draw=self.policy.fused_sampler)
         # Async scheduling (engine/core/engine_core.py): the last step's plain-sampled ids while they are not on the
         # host yet; the next step's forward takes them from the device.
         self.async_scheduling = scheduler_config.async_scheduling

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from engine.step_records import ModelRunnerOutput, SampleLogprobs
+from pagedkernels import sample_from_logits as pk_sample_from_logits
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 # Repetition penalties are clamped to this range so that 1 / penalty stays finite in float32.
@@ -239,9 +240,14 @@ class Sampler:
     ahead of the device; on CPU the host checks skip work instead (a pass over the vocabulary costs more there
     than a branch)."""
 
-    def __init__(self, *, seed: int = 0, device: torch.device | str = "cpu", sync_free: bool | None = None):
+    def __init__(self, *, seed: int = 0, device: torch.device | str = "cpu", sync_free: bool | None = None,
+                 fused_draw: bool = False):
         self.seed, self.device = seed, device
         self.sync_free = torch.device(device).type == "cuda" if sync_free is None else sync_free
+        # The sync-free draw of the rows without min-p / top-k / top-p in one kernel (pagedkernels.
+        # sample_from_logits: the argmax, or the inverse-CDF draw at the row's temperature) instead of a dozen
+        # passes of tensor ops over the logits (DevicePolicy.fused_sampler).
+        self.fused_draw = fused_draw
         self._generator: torch.Generator | None = None
 
     @property
@@ -293,14 +299,43 @@ class Sampler:
 
     def _sample_on_device(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """The sync-free draw (see the class docstring): the same stages in the same order, every row's greedy and
-        random pick computed and the right one taken per row, a dead row's fallback chosen by masks."""
+        random pick computed and the right one taken per row, a dead row's fallback chosen by masks. With
+        fused_draw, a row without min-p / top-k / top-p takes its token from pagedkernels.sample_from_logits
+        whatever else is in the batch (a seeded row then draws the same token in any batch); the rows that filter
+        take theirs from the filtered logits, here."""
+        num_rows, vocab_size = logits.shape
+        filtering = meta.min_p is not None or meta.top_k is not None or meta.top_p is not None
+        if self.fused_draw and not filtering:
+            unmasked, mask_rows, grammar_rows, grammar_bitmask = apply_stages(logits, meta)
+            uniform = self._all_rows_uniform(logits, meta)
+            sampled, row_max = pk_sample_from_logits(logits, meta.temperature,
+                                                     uniform if uniform is not None else self._zeros(num_rows))
+            fallback = _fallback_on_device(num_rows, mask_rows, unmasked, grammar_rows, grammar_bitmask, vocab_size,
+                                           logits.device)
+            return torch.where(row_max == float("-inf"), fallback, sampled)
         argmax, greedy, scaled, dead, fallback = self._process_on_device(logits, meta)
         sampled = argmax
         if scaled is not None:
-            uniform = self.uniform(logits.shape[0], logits.device, meta, list(range(logits.shape[0])))
-            drawn = _sample_from_logits(scaled, uniform).clamp_(max=logits.shape[1] - 1)
+            uniform = self._all_rows_uniform(logits, meta)
+            drawn = _sample_from_logits(scaled, uniform).clamp_(max=vocab_size - 1)
+            if self.fused_draw:   # the rows that do not filter draw as in a batch without filters (the kernel)
+                fused, _ = pk_sample_from_logits(logits, meta.temperature, uniform)
+                drawn = torch.where(_filtering_rows(meta, logits.device), drawn, fused)
             sampled = torch.where(greedy, sampled, drawn)
         return torch.where(dead, fallback, sampled)
+
+    def _all_rows_uniform(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor | None:
+        """Every row's uniform number (None when every row is greedy: nothing is drawn)."""
+        if all(meta.greedy):
+            return None
+        return self.uniform(logits.shape[0], logits.device, meta, list(range(logits.shape[0])))
+
+    def _zeros(self, n: int) -> torch.Tensor:
+        """float32 zeros [n] on the device, kept: an all-greedy fused draw's uniforms (not read)."""
+        zeros = getattr(self, "_zeros_f32", None)
+        if zeros is None or zeros.numel() < n:
+            zeros = self._zeros_f32 = torch.zeros(max(n, 256), dtype=torch.float32, device=self.device)
+        return zeros[:n]
 
     def _process_on_device(self, logits: torch.Tensor, meta: SamplingMetadata):
         """The stages before a sync-free draw, in place on logits [num_rows, vocab] float32 (bias, masks,
@@ -464,6 +499,17 @@ def _as_tensor(values: list, device, fill_zero_with: int | None = None) -> torch
 
 def _flags(values: list[bool], device) -> torch.Tensor:
     return _as_tensor([int(v) for v in values], device).bool()
+
+
+def _filtering_rows(meta: SamplingMetadata, device) -> torch.Tensor:
+    """bool [num_rows] on the device: the rows that use min-p, top-k or top-p (no value read)."""
+    num_rows = len(meta.greedy)
+    top_k = meta.top_k or [0] * num_rows
+    top_p = meta.top_p or [1.0] * num_rows
+    flags = _flags([k > 0 or p < 1.0 for k, p in zip(top_k, top_p)], device)
+    if meta.min_p is not None:
+        flags = flags | (meta.min_p > 0)
+    return flags
 
 
 def _fallback_on_device(num_rows: int, mask_rows: list[int], unmasked: torch.Tensor | None, grammar_rows: list[int],

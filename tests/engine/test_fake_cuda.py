@@ -31,6 +31,15 @@ MAX_MODEL_LEN = 128
 
 
 
+@pytest.fixture(autouse=True)
+def _batched_sampling_calls_succeed(caplog):
+    """A batched sampling call that raises is retried row by row (ModelRunner._isolated) and the step goes on: here
+    that would hide a fault of the CUDA path (or of this tier's double) behind the fallback, so it fails the test."""
+    yield
+    retried = [r.getMessage() for r in caplog.records if "a batched sampling call failed" in r.getMessage()]
+    assert not retried, retried
+
+
 def _runner(model_dir: str, *, num_kv_blocks=None, gpu_memory_utilization=0.9, async_scheduling=None,
             speculative_config=None, **kwargs) -> ModelRunner:
     """A runner as the engine builds one on CUDA (graphs captured at start-up; eager, as inductor cannot compile
@@ -423,6 +432,59 @@ def test_async_steps_queue_without_waiting_for_the_device(tiny_model_dir, monkey
         assert resolved == [[0, 1, 2, 3]]   # the first step's ids, read during the second
         # ... and appended to the worker's own batch, so the second step's penalties and bad words saw them.
         assert all(len(runner.input_batch.states[i].token_ids) == len(p) + 1 for i, p in enumerate(prompts))
+
+
+@pytest.mark.parametrize("filters", [False, True])
+def test_the_fused_draw_runs_the_cuda_paths(tiny_model_dir, monkeypatch, filters):
+    """ENGINE_FUSED_SAMPLER=1 on CUDA: a sampling step's draw goes through pagedkernels.sample_from_logits (its fake
+    implementation checks every argument's device, dtype and shape) with no host sync, in a batch without min-p /
+    top-k / top-p (the kernel alone: greedy, seeded, penalties, logit_bias and bad words beside it) and in one with
+    a filtering row (the tensor ops for that row, the kernel for the others)."""
+    from engine.worker import sampler as sampler_module
+    from engine.worker.sampler import SampledIds
+    from tests.engine.fake_cuda import no_host_sync
+
+    model_dir = tiny_model_dir("llama")
+    monkeypatch.setenv("ENGINE_FUSED_SAMPLER", "1")
+    monkeypatch.setattr(SampledIds, "resolve", lambda self: setattr(self, "values", [0] * len(self.seq_ids)))
+    draws = []
+    real = sampler_module.pk_sample_from_logits
+    monkeypatch.setattr(sampler_module, "pk_sample_from_logits", lambda logits, temperature, uniform: (
+        draws.append((logits.device.type, logits.shape, temperature.device.type, uniform.device.type)),
+        real(logits, temperature, uniform))[1])
+    kinds = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=3),
+             SamplingParams(temperature=0.7, repetition_penalty=1.2, logit_bias={3: 2.0}, bad_words=["x"])]
+    if filters:
+        kinds.append(SamplingParams(temperature=0.9, top_k=20, top_p=0.9, min_p=0.05))
+    prompts = [random_token_ids(9 + i, seed=40 + i) for i in range(len(kinds))]
+    with fake_cuda():
+        runner = _runner(model_dir, num_kv_blocks=64, async_scheduling=True)
+        assert runner.sampler.fused_draw
+        new = [NewSequenceData(seq_id=i, token_ids=prompt, num_prompt_tokens=len(prompt), num_computed_tokens=0,
+                               block_ids=[i], params=params, seed=params.seed, stop_token_ids=[2],
+                               bad_words_token_ids=[[7]] if params.bad_words else [])
+               for i, (prompt, params) in enumerate(zip(prompts, kinds))]
+        with no_host_sync():
+            runner.execute_model(SchedulerOutput(
+                new_seqs=new, cached_seqs=[], num_scheduled_tokens={i: len(p) for i, p in enumerate(prompts)}))
+        decode = [CachedSequenceData(i, [], 1, [], len(p), token_start=len(p)) for i, p in enumerate(prompts)]
+        with no_host_sync():
+            runner.execute_model(SchedulerOutput(new_seqs=[], cached_seqs=decode,
+                                                 num_scheduled_tokens={i: 1 for i in range(len(kinds))}))
+    assert draws == [("cuda", (len(kinds), runner.config.vocab_size), "cuda", "cuda")] * 2
+
+
+def test_the_fused_sampler_setting(monkeypatch):
+    """DevicePolicy.fused_sampler: off by default (until a GPU measures it), ENGINE_FUSED_SAMPLER=1 turns it on for
+    CUDA only; a bad value is an error naming the variable."""
+    from engine.platform import DevicePolicy
+
+    assert not DevicePolicy.for_device("cuda").fused_sampler
+    monkeypatch.setenv("ENGINE_FUSED_SAMPLER", "1")
+    assert DevicePolicy.for_device("cuda").fused_sampler and not DevicePolicy.for_device("cpu").fused_sampler
+    monkeypatch.setenv("ENGINE_FUSED_SAMPLER", "sometimes")
+    with pytest.raises(ValueError, match="ENGINE_FUSED_SAMPLER"):
+        DevicePolicy.for_device("cuda")
 
 
 @pytest.mark.parametrize("num_seqs", [1, 3])

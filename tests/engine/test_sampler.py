@@ -152,6 +152,23 @@ def test_seeded_top_k_draw_independent_of_the_batchs_path():
     assert not any(differ), differ
 
 
+def test_seeded_unfiltered_draw_independent_of_a_filtering_neighbour():
+    """A seeded row without min-p / top-k / top-p draws the same tokens alone and beside rows that filter (on the
+    fused path: the kernel's draw either way, the tensor ops only for the filtering rows), for many seeds."""
+    vocab = 300
+    logits = random_logits(1, seed=21, vocab=vocab)
+    others = random_logits(2, seed=22, vocab=vocab)
+    filtering = [SamplingParams(temperature=0.9, top_p=0.8), SamplingParams(temperature=1.1, min_p=0.1, top_k=40)]
+    alone, beside = [], []
+    for seed in range(24):
+        params = SamplingParams(temperature=0.8, seed=seed)
+        alone.append(Sampler(seed=0)(logits.clone(), [seq_with(params)]).sampled_token_ids[0])
+        out = Sampler(seed=0)(torch.cat([others, logits]), [seq_with(p) for p in filtering] + [seq_with(params)])
+        beside.append(out.sampled_token_ids[2])
+    assert alone == beside
+    assert len(set(alone)) > 3
+
+
 def reference_penalties(logits, prompt, output, rep, pres, freq):
     out = logits.clone()
     for t in range(logits.shape[0]):
