@@ -162,7 +162,7 @@ class _NoHostSync(TorchFunctionMode):
             raise HostSyncError(f"host sync: torch.{name}(data, device=cuda) copies from pageable memory")
         tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if tensor is not None and tensor.device.type == "cpu" and name == "to" and not _is_pinned(tensor):
-            target = torch._C._nn._parse_to(*args[1:], **kwargs)[0]
+            target = _to_target(args, kwargs)
             if target is not None and target.type == "cuda":
                 raise HostSyncError("host sync: Tensor.to(cuda) of a pageable (not pinned) cpu tensor")
         if name == "copy_" and tensor is not None and tensor.device.type == "cuda" and len(args) > 1 \
@@ -175,7 +175,7 @@ class _NoHostSync(TorchFunctionMode):
             if name == "cpu":
                 target = torch.device("cpu")
             elif name == "to":
-                target = torch._C._nn._parse_to(*args[1:], **kwargs)[0]
+                target = _to_target(args, kwargs)
             if target is not None and target.type == "cpu":
                 raise HostSyncError(f"host sync inside CUDA-graph capture: Tensor.{name}() copies to the cpu")
         if name == "copy_" and tensor is not None and tensor.device.type == "cpu" and len(args) > 1 \
@@ -185,6 +185,13 @@ class _NoHostSync(TorchFunctionMode):
             if not (non_blocking and _is_pinned(tensor)):
                 raise HostSyncError("host sync: copy_ from a cuda tensor into a cpu one (blocking, or pageable)")
         return func(*args, **kwargs)
+
+
+def _to_target(args: tuple, kwargs: dict):
+    """The device a Tensor.to(*args[1:], **kwargs) call moves to (None: the same), without its copy /
+    memory_format arguments, which torch's parser of .to's device and dtype does not take."""
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("copy", "memory_format")}
+    return torch._C._nn._parse_to(*args[1:], **kwargs)[0]
 
 
 @contextlib.contextmanager
