@@ -589,6 +589,24 @@ def batch1_skinny_head(llm, default: dict, prompt_len: int, new_tokens: int, cop
     return ("batch1_cublas_head" if own else "batch1_skinny_head"), other
 
 
+def throughput_sampler(llm, requests, temperature: float, budget: Budget, default: dict) -> tuple[str, dict]:
+    """engine_throughput on ``llm`` with the sampler's draw the other way than its own (``default``): the rows
+    without min-p / top-k / top-p in one kernel (pagedkernels.sample_from_logits; DevicePolicy.fused_sampler,
+    ENGINE_FUSED_SAMPLER) or in the tensor ops, then back. Returns ("engine_fused_sampler" /
+    "engine_unfused_sampler", the result with the fused draw's speedup)."""
+    sampler = llm.llm_engine.model_runner.sampler
+    own = sampler.fused_draw
+    sampler.fused_draw = not own
+    try:
+        other = engine_throughput(llm, requests, temperature, budget)
+    finally:
+        sampler.fused_draw = own
+    if other["complete"] and default["complete"]:
+        fused, unfused = (default, other) if own else (other, default)
+        other["fused_sampler_speedup"] = fused["output_tokens_per_s"] / unfused["output_tokens_per_s"]
+    return ("engine_unfused_sampler" if own else "engine_fused_sampler"), other
+
+
 def _batch1_changed(llm, default: dict, prompt_len: int, new_tokens: int, copy_gbps: float, *, undo) -> dict:
     """batch1_decode on ``llm`` as its caller changed it, then ``undo()`` whatever happens; with how many of
     ``default``'s leading greedy tokens it gave again (bf16 rounds two paths' products differently, so a near-tie may
@@ -753,6 +771,16 @@ def run(device: torch.device, *, tiny: bool, models: list[str], parts: tuple[str
                         log(f"{name}: engine {row['engine']['output_tokens_per_s']:.0f} output tok/s"
                             + ("" if row["engine"]["complete"] else " (cut at the budget)"))
                         progress()
+                        if not budget.expired(margin=60.0):
+                            variant = _variant(row, "engine_sampler_variant", log, name, lambda: throughput_sampler(
+                                llm, requests, workload.temperature, budget, row["engine"]))
+                            if variant is not None:
+                                key, other = variant
+                                row[key] = other
+                                log(f"{name}: engine, {key[7:].replace('_', ' ')}: {other['output_tokens_per_s']:.0f} "
+                                    f"output tok/s, {_fmt(other.get('fused_sampler_speedup'), '.3f')}x with the "
+                                    f"fused draw")
+                                progress()
                     if "profile" in parts:
                         row["profile"] = step_profile(llm, requests[:PROFILE_REQUESTS] if not tiny else requests,
                                                       workload.temperature, PROFILE_STEPS if not tiny else (2, 4))

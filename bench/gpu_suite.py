@@ -24,8 +24,11 @@
    launch_config should pick on this GPU), the decode kernel's split counts and its tile / stages / warps at the
    headline shape (DECODE_LAUNCH_SWEEP: the H200's 0.879 of copy bandwidth there), and the few-row GEMM's launch
    configurations at batch-1 projections against cuBLAS (what skinny_gemm_config should pick).
-10. async (540 s): the Qwen3-0.6B-shape throughput and step profile with async scheduling (and batch-1 decode) and
-   without it, side by side; then host syncs per step kind under torch.cuda.set_sync_debug_mode (bench/sync_audit.py).
+10. async (540 s): the sampler's draw kernel (pagedkernels.sample_from_logits) against the same draw in tensor ops
+   at 256 and 8 rows of Qwen3's vocabulary; the Qwen3-0.6B-shape throughput and step profile with async scheduling
+   (and batch-1 decode) and without it, side by side, each throughput once more with the sampler's draw the other
+   way (ENGINE_FUSED_SAMPLER); then host syncs per step kind under torch.cuda.set_sync_debug_mode
+   (bench/sync_audit.py).
 11. moe (540 s): the mixture-of-experts layer (pagedkernels.fused_moe) at Qwen3-30B-A3B's shape, 1 / 16 / 64 tokens
    against copy bandwidth (the routed experts' weights) and 4096 against the bf16 matmul rate, Mixtral-8x7B's at 1
    and 4096, each against the per-expert loop; then the engine on a Qwen3-30B-A3B-shaped dummy model (61 GB of
@@ -432,8 +435,11 @@ def _llama(run: PhaseRun) -> None:
 def _async(run: PhaseRun) -> None:
     # The engine's default (async scheduling on CUDA) first, with batch-1 decode on the same engine: the key numbers
     # of a short lease; then the same workload without async scheduling; the sync audit (one engine per step kind,
-    # saved after each) last, since it is the longest and its kinds are independent of each other.
+    # saved after each) last, since it is the longest and its kinds are independent of each other. The sampler's
+    # draw kernel before them (seconds): the engine's throughput runs once more with the draw the other way.
     run.step("limits", run.peaks) \
+        and run.step("the sampler's draw kernel", lambda: run.kernels(headline=False, case_s=20.0,
+                                                                      only="sample_from_logits")) \
         and run.step("engine with async scheduling", lambda: run.engine(
             ["qwen3-0.6b"], ("throughput", "profile", "batch1"), async_scheduling=True,
             reserve_s=run.budget.remaining() * 0.6)) \

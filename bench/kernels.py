@@ -780,6 +780,42 @@ def silu_and_mul_case(device, dtype, *, num_tokens: int, intermediate: int, comp
                 check=lambda: assert_close(fn(), _silu_and_mul_reference(x.float()), dtype))
 
 
+def _draw_reference(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The draw in tensor ops (pagedkernels.sampling's PyTorch twin, the engine sampler's own ops): the ids."""
+    from pagedkernels.sampling import _sample_torch
+    num_rows = logits.shape[0]
+    ids = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    return _sample_torch(logits, temperature, uniform, ids, torch.empty(num_rows, device=logits.device))[0]
+
+
+def sample_from_logits_case(device, dtype, *, num_rows: int, vocab: int, temperature: float = 0.6,
+                            compile: bool = True) -> Case:
+    """The sampler's draw over float32 logits (what the LM head gives the sampler, whatever the model's dtype):
+    every row at ``temperature`` (0: greedy). Its floor is one read of the logits; a sampling row reads them
+    up to three times (the maximum, the total, the search). Against the same draw in tensor ops, eager and
+    compiled. Checked: each id is one the tensor ops draw, or a neighbour where the uniform lies within float32
+    rounding of their boundary."""
+    gen = _generator(device)
+    logits = _randn(num_rows, vocab, dtype=torch.float32, device=device, gen=gen) * 3.0
+    temperatures = torch.full((num_rows,), temperature, device=device)
+    uniform = torch.rand(num_rows, generator=gen, device=device)
+
+    def fn():
+        return pk.sample_from_logits(logits, temperatures, uniform)
+
+    def check():
+        ids, expected = fn()[0].cpu(), _draw_reference(logits, temperatures, uniform).cpu()
+        differ = (ids != expected).nonzero().flatten().tolist()
+        if differ:   # within rounding of a boundary: the two ids are neighbours among the live tokens
+            assert len(differ) <= max(1, num_rows // 100), f"ids: {len(differ)} of {num_rows} rows differ"
+            assert all(abs(int(ids[r]) - int(expected[r])) <= 1 for r in differ), "ids: rows differ by > 1 token"
+
+    shape = f"{num_rows} x {vocab}" + (" greedy" if temperature == 0 else f" T={temperature}")
+    return Case("sample_from_logits", shape, torch.float32, fn, logits.numel() * 4,
+                baselines=_eager_and_compiled(_draw_reference, (logits, temperatures, uniform), compile),
+                check=check)
+
+
 def _gemm_check(out_fn: Callable[[], torch.Tensor], reference: Callable[[], torch.Tensor], dtype: torch.dtype,
                 device: torch.device, what: str) -> Callable[[], None]:
     """On a GPU the kernel against its exact product (tolerance of x's dtype); on the CPU dry run the native
@@ -1064,7 +1100,8 @@ def lora_case(device, dtype, *, num_tokens: int, in_features: int, slice_sizes: 
 OP_OF_CASE = {decode_case: "paged_decode_attention", prefill_case: "paged_prefill_attention",
               reshape_and_cache_case: "reshape_and_cache", copy_blocks_case: "copy_blocks",
               swap_blocks_case: "swap_blocks", rms_norm_case: "rms_norm", fused_add_rms_norm_case: "fused_add_rms_norm",
-              rotary_case: "rotary_embedding", silu_and_mul_case: "silu_and_mul", lora_case: "lora shrink+expand"}
+              rotary_case: "rotary_embedding", silu_and_mul_case: "silu_and_mul", lora_case: "lora shrink+expand",
+              sample_from_logits_case: "sample_from_logits"}
 # The quantized ops (the GPU suite's phase "quant"), kept out of the main matrix.
 QUANT_OP_OF_CASE = {wq_gemm_case: "wq_gemm", fp8_gemm_case: "fp8_gemm",
                     fp8_kv_decode_case: "paged_decode_attention fp8-KV", skinny_gemm_case: "skinny_gemm"}
@@ -1098,6 +1135,7 @@ def suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False,
             partial(fused_add_rms_norm_case, **d, **c, num_tokens=16, hidden=256, target=ADD_RMS_TARGET),
             partial(rotary_case, **d, **c, num_tokens=16, num_q_heads=4, num_kv_heads=2, head_dim=64, max_position=64),
             partial(silu_and_mul_case, **d, **c, num_tokens=16, intermediate=128),
+            partial(sample_from_logits_case, **d, **c, num_rows=4, vocab=5000),
             partial(lora_case, **d, num_tokens=1, in_features=256, slice_sizes=(128, 64, 64)),
             partial(lora_case, **d, num_tokens=64, in_features=256, slice_sizes=(128, 64, 64)),
         ]
@@ -1128,6 +1166,10 @@ def suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False,
         partial(fused_add_rms_norm_case, **d, **c, num_tokens=64, hidden=4096),
         partial(rotary_case, **d, **c, num_tokens=8192, num_q_heads=32, num_kv_heads=8, head_dim=128),
         partial(silu_and_mul_case, **d, **c, num_tokens=8192, intermediate=14336),
+        # the sampler's draw: a decode batch of 256 over Qwen3's vocabulary, sampled and greedy; a few rows
+        partial(sample_from_logits_case, **d, **c, num_rows=256, vocab=151936),
+        partial(sample_from_logits_case, **d, **c, num_rows=256, vocab=151936, temperature=0.0),
+        partial(sample_from_logits_case, **d, **c, num_rows=8, vocab=151936),
         # multi-LoRA on Llama-3-8B's q/k/v (rank 16, 4 adapters + base mixed): decode, a decode batch, a prefill chunk
         *(partial(lora_case, **d, num_tokens=n, in_features=4096, slice_sizes=(4096, 1024, 1024))
           for n in (1, 64, 1024)),

@@ -219,6 +219,13 @@ def engine_markdown(engine: dict) -> list[str]:
                                for s in row.get("decode_steps", [])) or "-"])
     lines += [_md_table(["model", "engine out tok/s", "transformers out tok/s", "ratio", "batch-1 tok/s",
                          "batch-1 frac of copy BW", "decode step"], rows), ""]
+    # The same requests with the sampler's draw the other way (bench.engine_gpu.throughput_sampler).
+    sampler_rows = [[name, key[7:].replace("_", " "), num(v.get("output_tokens_per_s"))
+                     + ("" if v.get("complete", True) else " (cut)"), num(v.get("fused_sampler_speedup"), ".3f")]
+                    for name, row in engine.get("models", {}).items()
+                    for key in ("engine_fused_sampler", "engine_unfused_sampler") if (v := row.get(key))]
+    if sampler_rows:
+        lines += [_md_table(["model", "variant", "engine out tok/s", "fused draw / tensor ops"], sampler_rows), ""]
     for name, row in engine.get("models", {}).items():
         for label, prof in ((name, row.get("profile")), (f"{name}, batch 1", (row.get("batch1") or {}).get("profile"))):
             if prof:

@@ -265,6 +265,14 @@ def _async(result):
     assert without["async_scheduling"] is False and with_async["async_scheduling"] is True
     assert without["engine"]["complete"] and with_async["engine"]["complete"]
     assert without["engine"]["output_tokens"] == with_async["engine"]["output_tokens"] > 0
+    # The sampler's draw kernel against the tensor ops, then each throughput with the draw the other way (the
+    # engine's default: the tensor ops), on the same requests.
+    assert {r["op"] for r in result["rows"]} == {"sample_from_logits"}
+    assert all(r["check"] == "ok" and r["ratio"] is not None for r in result["rows"])
+    for row in (without, with_async):
+        fused = row["engine_fused_sampler"]
+        assert fused["complete"] and fused["output_tokens"] == row["engine"]["output_tokens"], fused
+        assert fused["fused_sampler_speedup"] > 0
 
 
 def _lora(result):
