@@ -141,9 +141,13 @@ class BlockManager:
         and changes nothing, when the free pool cannot cover all of it."""
         if cached_block_ids:
             assert not seq.block_table and seq.num_computed_tokens == 0, "cache hits are for sequences without blocks"
-        elif (seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size
-              and not self._needs_copy(seq)):
-            return True   # the slots are held already, none shared (most decode steps): nothing to take or copy
+        elif seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size:
+            # The slots are held already (most decode steps): nothing to take, nor to copy unless the block written
+            # first is shared (_needs_copy, inlined: this runs for every running sequence every step).
+            table = seq.block_table
+            first = seq.num_computed_tokens // self.block_size
+            if first >= len(table) or self.blocks[table[first]].ref_count <= 1:
+                return True
         if self.num_new_blocks_needed(seq, num_new_tokens, cached_block_ids) > len(self.free_block_ids):
             return False
         # Hits leave the free pool before any fresh block is popped, so popping can never evict one of them.

@@ -446,7 +446,8 @@ class EngineCore:
             runner_output = flight.result
             if not isinstance(runner_output, ModelRunnerOutput):
                 runner_output = runner_output.get_output()   # the sampled ids, read one step late
-            by_id = {seq.seq_id: seq for seq, _ in step.scheduled}
+            by_id = {seq.seq_id: seq for seq, _ in step.scheduled} \
+                if runner_output.prompt_logprobs or runner_output.failed else {}
             for seq_id, prompt_logprobs in runner_output.prompt_logprobs.items():
                 self._append_prompt_logprobs(by_id[seq_id], prompt_logprobs)
             # Only now is the KV of the scheduled tokens known written: a failure before this line registers none
@@ -612,8 +613,9 @@ class EngineCore:
         now = time.time()
         groups: dict[str, SequenceGroup] = {}
         positions: dict[str, int] = {}   # request -> most tokens appended to one of its sequences
+        finished = SequenceStatus.FINISHED
         for seq in sampling:
-            if seq.is_finished:   # failed this step (_fail_seqs), or with its request
+            if seq.status is finished:   # failed this step (_fail_seqs), or with its request
                 continue
             try:
                 self._update_seq(seq, runner_output, groups, positions, now)
@@ -663,6 +665,36 @@ class EngineCore:
         if num_drafts:
             self.spec_decode_stats.record(num_drafts, len(tokens) - 1)
         guided = seq.guided
+        if guided is None and logprobs is None and len(tokens) == 1:   # most steps: one token, nothing else to do
+            token_id = tokens[0]
+            seq.output_token_ids.append(token_id)
+            seq.token_ids.append(token_id)
+            self._check_stop(seq, token_id)
+            appended = 1
+        else:
+            appended = self._append_tokens(seq, tokens, guided, logprobs)
+        if appended:
+            self.num_generation_tokens += appended
+            metrics = seq.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            if positions.get(seq.request_id, 0) < appended:
+                positions[seq.request_id] = appended
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq)
+            return
+        if num_drafts:
+            # The accepted drafts are tokens now: their blocks can be registered; rejected ones' blocks go.
+            self.block_manager.cache_full_blocks(seq)
+            self.block_manager.trim(seq)
+        drafts = runner_output.spec_token_ids.get(seq_id) if runner_output.spec_token_ids else None
+        if drafts or num_drafts:
+            seq.spec_token_ids = self._next_drafts(seq, drafts)
+
+    def _append_tokens(self, seq: Sequence, tokens: list[int], guided, logprobs) -> int:
+        """_update_seq's tokens one by one, each checked by the grammar, with its logprobs, until one stops the
+        sequence. Returns how many were appended."""
         if guided is not None and guided.error is not None:
             raise RuntimeError(f"guided decoding: {guided.error}")
         appended = 0
@@ -678,7 +710,6 @@ class EngineCore:
                 break
             seq.append_token(token_id)
             appended += 1
-            self.num_generation_tokens += 1
             if logprobs is not None:
                 self._append_logprobs(seq, token_id, logprobs, j)
             self._check_stop(seq, token_id)
@@ -686,21 +717,7 @@ class EngineCore:
                 seq.finish_reason = "stop"   # the grammar is complete: nothing more may follow
             if seq.finish_reason is not None:
                 break
-        if appended:
-            if seq.metrics.first_token_time is None:
-                seq.metrics.first_token_time = now
-            seq.metrics.last_token_time = now
-            positions[seq.request_id] = max(positions.get(seq.request_id, 0), appended)
-        if seq.finish_reason is not None:
-            self.scheduler.finish(seq)
-            return
-        if num_drafts:
-            # The accepted drafts are tokens now: their blocks can be registered; rejected ones' blocks go.
-            self.block_manager.cache_full_blocks(seq)
-            self.block_manager.trim(seq)
-        drafts = runner_output.spec_token_ids.get(seq_id) if runner_output.spec_token_ids else None
-        if drafts or num_drafts:
-            seq.spec_token_ids = self._next_drafts(seq, drafts)
+        return appended
 
     def _next_drafts(self, seq: Sequence, drafts: list[int] | None) -> list[int]:
         """The drafts `seq` verifies next step: what the worker proposed, cut so that every token they could

@@ -138,12 +138,17 @@ class Scheduler:
         # Running sequences, those decoding (one token to compute, and drafts) before those computing a prompt or
         # recomputing after a preemption, each group in arrival order: each what it has to compute (drafts only
         # whole), within the budget.
-        decoding = [len(seq.token_ids) + seq.num_output_placeholders - seq.num_computed_tokens <= 1
-                    for seq in self.running]
-        for seq in [s for s, d in zip(self.running, decoding) if d] + [s for s, d in zip(self.running, decoding) if not d]:
+        decoding, computing = [], []
+        for seq in self.running:
+            if len(seq.token_ids) + seq.num_output_placeholders - seq.num_computed_tokens <= 1:
+                decoding.append(seq)
+            else:
+                computing.append(seq)
+        running, allocate_slots, moves = SequenceStatus.RUNNING, self.block_manager.allocate_slots, self._moves
+        for seq in decoding + computing:
             if self._budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:   # preempted earlier in this loop
+            if seq.status is not running:   # preempted earlier in this loop
                 continue
             if seq.seq_id in waiting_turn:   # its request has its share of this step
                 continue
@@ -154,16 +159,17 @@ class Scheduler:
                 continue   # it needs its token in flight before its next step
             if seq.lora_request is not None and not self._lora_fits(seq, self._step_loras):
                 continue   # its adapter would be one more than the step's slots
-            if seq.spec_token_ids and num_new_tokens + len(seq.spec_token_ids) <= self._budget:
-                num_new_tokens += len(seq.spec_token_ids)
+            spec = seq.spec_token_ids
+            if spec and num_new_tokens + len(spec) <= self._budget:
+                num_new_tokens += len(spec)
             else:
-                seq.spec_token_ids = []
+                if spec:
+                    seq.spec_token_ids = []
                 num_new_tokens = min(num_new_tokens, self._budget)
-            while (seq.status is SequenceStatus.RUNNING
-                   and not self.block_manager.allocate_slots(seq, num_new_tokens, moves=self._moves)):
+            while seq.status is running and not allocate_slots(seq, num_new_tokens, moves=moves):
                 self._preempt(self._pick_victim(scheduled), scheduled)
                 preempted = True
-            if seq.status is SequenceStatus.RUNNING:
+            if seq.status is running:
                 self._schedule_seq(seq, num_new_tokens, scheduled)
 
         # Swapped-out requests come back first (they arrived before anything still waiting), as wholes.
@@ -433,6 +439,7 @@ class Scheduler:
         self.commit(step)
         computed, spec = step.computed, step.output.spec_token_ids
         finished = SequenceStatus.FINISHED
+        cache_full_blocks = self.block_manager.cache_full_blocks
         for seq, _ in step.scheduled:
             epoch, num_computed = computed[seq.seq_id]
             if seq.status is finished or seq.kv_epoch != epoch or seq.seq_id in failed:
@@ -443,7 +450,7 @@ class Scheduler:
                     num_rejected = num_drafts - num_accepted_tokens.get(seq.seq_id, 0)
                     seq.num_computed_tokens -= num_rejected
                     num_computed -= num_rejected
-            self.block_manager.cache_full_blocks(seq, num_computed)
+            cache_full_blocks(seq, num_computed)
         placeholders = step.num_placeholders
         for seq in step.samples:
             seq.num_output_placeholders -= placeholders[seq.seq_id]

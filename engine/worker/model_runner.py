@@ -523,12 +523,11 @@ class ModelRunner(DecodeGraphs):
         # Each row's tokens: a row scheduled past the tokens the core has computes the one in flight (sampled
         # last step, its id still on the device); the host may or may not have it yet.
         num_tokens_all = batch.num_tokens[:num_rows].copy()
-        in_flight: dict[int, int] = {}   # row -> position of its token in flight
+        in_flight = None   # (rows, the position of each one's token in flight)
         if pending is not None:
-            for row, known in self._core_token_counts(scheduler_output).items():
-                if batch.num_computed_tokens[row] + query_lens_all[row] > known and batch.seq_ids[row] in pending.position:
-                    in_flight[row] = known
-                    num_tokens_all[row] = max(num_tokens_all[row], known + 1)
+            in_flight = self._rows_in_flight(pending, scheduler_output, query_lens_all)
+            rows, known = in_flight
+            num_tokens_all[rows] = np.maximum(num_tokens_all[rows], known + 1)
         num_drafts = np.zeros(num_rows, dtype=np.int64)
         for seq_id, drafts in scheduler_output.spec_token_ids.items():
             row = batch.row_of[seq_id]
@@ -547,8 +546,8 @@ class ModelRunner(DecodeGraphs):
         width = max(1, -(-int((starts + query_lens).max()) // self.block_size))
         input_ids_t, positions_t, meta = self.build_inputs(input_ids, positions, query_lens,
                                                            batch.block_table[model_rows, :width], graph=True)
-        if in_flight:   # those rows' input at that position is the id in flight: from the device
-            self._feed_in_flight(pending, in_flight, model_rows, starts, cu, input_ids_t)
+        if in_flight is not None and len(in_flight[0]):   # their input at that position: the id in flight
+            self._feed_in_flight(pending, *in_flight, model_rows, starts, cu, input_ids_t)
         lora_failed: dict[int, str] = {}   # seq_id -> why its adapter is missing (its request fails)
         lora_slots = None
         if self.lora is not None and scheduler_output.lora_requests:
@@ -654,15 +653,28 @@ class ModelRunner(DecodeGraphs):
         """The ids of the adapters in the host cache, least recently used first."""
         return [] if self.lora is None else [r.lora_int_id for r in self.lora.list_adapters()]
 
-    def _core_token_counts(self, scheduler_output: SchedulerOutput) -> dict[int, int]:
-        """row -> how many tokens the core has of the sequence in that row (this step's diff tells: all of a new
-        sequence's, a known one's up to the end of the tokens it sent)."""
-        row_of = self.input_batch.row_of
-        counts = {row_of[new.seq_id]: len(new.token_ids) for new in scheduler_output.new_seqs if new.seq_id in row_of}
+    def _rows_in_flight(self, pending: SampledIds, scheduler_output: SchedulerOutput,
+                        query_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, known) int64: the rows whose scheduled tokens reach past the `known` tokens the core has of their
+        sequence (this step's diff tells: all of a new sequence's, a known one's up to the end of the tokens it sent)
+        and whose token at position `known` is in flight (sampled last step, in `pending`)."""
+        batch = self.input_batch
+        row_of, position = batch.row_of, pending.position
+        rows, known = [], []
+        for new in scheduler_output.new_seqs:
+            row = row_of.get(new.seq_id)
+            if row is not None and new.seq_id in position:
+                rows.append(row)
+                known.append(len(new.token_ids))
         for cached in scheduler_output.cached_seqs:
-            if cached.token_start is not None and cached.seq_id in row_of:
-                counts[row_of[cached.seq_id]] = cached.token_start + len(cached.new_token_ids)
-        return counts
+            if cached.token_start is not None and cached.seq_id in position:
+                row = row_of.get(cached.seq_id)
+                if row is not None:
+                    rows.append(row)
+                    known.append(cached.token_start + len(cached.new_token_ids))
+        rows, known = np.array(rows, dtype=np.int64), np.array(known, dtype=np.int64)
+        ahead = batch.num_computed_tokens[rows] + query_lens[rows] > known
+        return rows[ahead], known[ahead]
 
     def _zero_temperatures(self, n: int) -> torch.Tensor:
         """float32 zeros [n] on the device, kept between steps: an all-greedy step's temperatures without a copy to
@@ -672,18 +684,15 @@ class ModelRunner(DecodeGraphs):
             zeros = self._zeros_f32 = torch.zeros(max(n, self.max_num_seqs), dtype=torch.float32, device=self.device)
         return zeros[:n]
 
-    def _feed_in_flight(self, pending: SampledIds, in_flight: dict[int, int], model_rows: np.ndarray,
+    def _feed_in_flight(self, pending: SampledIds, rows: np.ndarray, positions: np.ndarray, model_rows: np.ndarray,
                         starts: np.ndarray, cu: np.ndarray, input_ids: torch.Tensor) -> None:
-        """Write the ids in flight into the forward's input ids, on the device (no value read): row r's token at
-        position in_flight[r] is the one it sampled last step."""
-        batch = self.input_batch
-        in_step = {int(row): i for i, row in enumerate(model_rows)}
-        token_index, seq_ids = [], []
-        for row, position in in_flight.items():
-            i = in_step[row]
-            token_index.append(int(cu[i] + position - starts[i]))
-            seq_ids.append(batch.seq_ids[row])
-        pending.scatter_into(input_ids, token_index, seq_ids, self.staging.to_device_many)
+        """Write the ids in flight into the forward's input ids, on the device (no value read): row rows[j]'s token at
+        position positions[j] is the one it sampled last step (every such row is in the step: model_rows, sorted)."""
+        i = np.searchsorted(model_rows, rows)
+        token_index = cu[i] + positions - starts[i]
+        seq_ids = self.input_batch.seq_ids
+        pending.scatter_into(input_ids, token_index, [seq_ids[row] for row in rows.tolist()],
+                             self.staging.to_device_many)
 
     def _resolve_pending(self) -> None:
         """The previous step's sampled ids on the host (waiting for their copy, normally long landed): appended to
@@ -692,11 +701,11 @@ class ModelRunner(DecodeGraphs):
         if pending is None or not self._is_driver():
             return
         pending.resolve()
-        kept = [j for j, seq_id in enumerate(pending.seq_ids) if seq_id not in pending.failed] if pending.failed \
-            else range(len(pending.seq_ids))
-        seq_ids = [pending.seq_ids[j] for j in kept]
-        self.input_batch.append_sampled_ids(seq_ids, [pending.values[j] for j in kept],
-                                            [pending.host_lengths[seq_id] for seq_id in seq_ids])
+        seq_ids, values, lengths = pending.seq_ids, pending.values, pending.host_length_list
+        if pending.failed:
+            kept = [j for j, seq_id in enumerate(seq_ids) if seq_id not in pending.failed]
+            seq_ids, values, lengths = ([items[j] for j in kept] for items in (seq_ids, values, lengths))
+        self.input_batch.append_sampled_ids(seq_ids, values, lengths)
 
     def _is_driver(self) -> bool:
         from engine.distributed.parallel_state import get_tp_rank

@@ -882,8 +882,8 @@ class SampledIds:
     def __init__(self, seq_ids: list[int], device: torch.device, host_lengths: list[int] | None = None):
         self.seq_ids = seq_ids
         self.position = {seq_id: j for j, seq_id in enumerate(seq_ids)}
-        # seq_id -> its token count on the host when it sampled (where its id goes; rank 0, which samples).
-        self.host_lengths = dict(zip(seq_ids, host_lengths or ()))
+        # Each row's token count on the host when it sampled (where its id goes; rank 0, which samples).
+        self.host_length_list = host_lengths or []
         self._device = device
         self._ids: torch.Tensor | None = None   # see `ids`
         self.parts: list[tuple[int, SampledTensors]] = []   # (first position, what one sampling call drew)
@@ -955,12 +955,12 @@ class SampledIds:
             if seq_id not in self.failed:
                 output.logprobs[seq_id] = logprobs
 
-    def scatter_into(self, input_ids: torch.Tensor, token_index: list[int], seq_ids: list[int],
-                     to_device_many) -> None:
-        """input_ids[token_index[i]] = the id sampled for seq_ids[i], on the device (no value read). `to_device_many`:
-        host arrays -> device tensors in one copy (HostStaging.to_device_many). Every id, in order, onto every input
-        (a decode step of the same sequences): one device copy, nothing from the host."""
-        if not token_index:
+    def scatter_into(self, input_ids: torch.Tensor, token_index, seq_ids: list[int], to_device_many) -> None:
+        """input_ids[token_index[i]] = the id sampled for seq_ids[i], on the device (no value read); token_index: ints
+        (a list or an int64 array). `to_device_many`: host arrays -> device tensors in one copy
+        (HostStaging.to_device_many). Every id, in order, onto every input (a decode step of the same sequences): one
+        device copy, nothing from the host."""
+        if len(token_index) == 0:
             return
         src = np.asarray([self.position[s] for s in seq_ids], dtype=np.int64)
         dst = np.asarray(token_index, dtype=np.int64)
