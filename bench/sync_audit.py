@@ -10,6 +10,8 @@ mode off and is counted apart. Kinds:
 
 - ``decode_greedy``: greedy rows (the nano-vllm workload's);
 - ``decode_sampled``: temperature with top-k, top-p, min-p and repetition/presence penalties, some rows seeded;
+- ``decode_sampled_fused``: the sampler's fused draw on (DevicePolicy.fused_sampler: pagedkernels.sample_from_logits),
+  half the rows at temperature alone (with penalties, some seeded: the kernel's), half with top-k / top-p / min-p;
 - ``speculative``: n-gram speculative decoding (which runs without async scheduling: its rejection sampling reads
   the accepted counts on the host, ModelRunner._read_speculative, counted apart as ``speculative_reads_per_step``);
 - ``speculative_draft``: a draft model's speculative decoding (the model as its own draft, k = 3): the same read, and
@@ -30,7 +32,7 @@ import warnings
 
 import torch
 
-KINDS = ("decode_greedy", "decode_sampled", "speculative", "speculative_draft", "guided")
+KINDS = ("decode_greedy", "decode_sampled", "decode_sampled_fused", "speculative", "speculative_draft", "guided")
 WARMUP_STEPS = 4
 MEASURED_STEPS = 6
 
@@ -43,6 +45,11 @@ def _params(kind: str, index: int):
         return SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.02, repetition_penalty=1.1,
                               presence_penalty=0.2, seed=index if index % 2 else None, max_tokens=64,
                               ignore_eos=True)
+    if kind == "decode_sampled_fused":
+        if index % 2:
+            return SamplingParams(temperature=0.8, repetition_penalty=1.1, presence_penalty=0.2,
+                                  seed=index if index % 4 == 1 else None, max_tokens=64, ignore_eos=True)
+        return SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.02, max_tokens=64, ignore_eos=True)
     if kind == "guided":
         return SamplingParams(temperature=0, max_tokens=64,
                               guided_decoding=GuidedDecodingParams(regex=r"[a-z ]{20,60}"))
@@ -65,6 +72,8 @@ def audit_kind(kind: str, model_dir: str, device: torch.device, *, num_requests:
               max_model_len=512, max_num_seqs=max(num_requests, 8), gpu_memory_utilization=0.5,
               speculative_config=speculative, enforce_eager=device.type != "cuda")
     engine = llm.llm_engine
+    if kind == "decode_sampled_fused":
+        engine.model_runner.sampler.fused_draw = True
     try:
         vocab = engine.model_config.vocab_size
         for i in range(num_requests):

@@ -246,9 +246,10 @@ def _moe(result):
 
 def _async(result):
     audit = {row["kind"]: row for row in result["sync_audit"]["kinds"]}
-    assert set(audit) == {"decode_greedy", "decode_sampled", "speculative", "speculative_draft", "guided"}
+    assert set(audit) == {"decode_greedy", "decode_sampled", "decode_sampled_fused", "speculative",
+                          "speculative_draft", "guided"}
     assert audit["guided"].get("not_run") == "xgrammar is not installed"   # absent on the image
-    for kind in ("decode_greedy", "decode_sampled", "speculative", "speculative_draft"):
+    for kind in ("decode_greedy", "decode_sampled", "decode_sampled_fused", "speculative", "speculative_draft"):
         row = audit[kind]
         assert "error" not in row, row
         assert row["steps"] > 0 and row["syncs_per_step"] is None   # counted on CUDA only
@@ -256,7 +257,8 @@ def _async(result):
         assert row["async_scheduling"] is False   # the engine's default on CPU
     # The speculative step's one read is counted apart (it verified drafts in some of its steps).
     assert audit["speculative"]["speculative_reads_per_step"] > 0
-    assert all(audit[kind]["speculative_reads_per_step"] == 0 for kind in ("decode_greedy", "decode_sampled"))
+    assert all(audit[kind]["speculative_reads_per_step"] == 0
+               for kind in ("decode_greedy", "decode_sampled", "decode_sampled_fused"))
     # A draft model's step: the verification's read, and one read of the drafts a proposal (not one a draft)
     draft = audit["speculative_draft"]
     assert draft["speculative_reads_per_step"] > 0 and 0 < draft["draft_reads_per_step"] <= 1
