@@ -701,7 +701,7 @@ class ModelRunner(DecodeGraphs):
         if pending is None or not self._is_driver():
             return
         pending.resolve()
-        seq_ids, values, lengths = pending.seq_ids, pending.values, pending.host_length_list
+        seq_ids, values, lengths = pending.seq_ids, pending.values, pending.host_lengths
         if pending.failed:
             kept = [j for j, seq_id in enumerate(seq_ids) if seq_id not in pending.failed]
             seq_ids, values, lengths = ([items[j] for j in kept] for items in (seq_ids, values, lengths))

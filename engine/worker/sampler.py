@@ -308,8 +308,9 @@ class Sampler:
         if self.fused_draw and not filtering:
             unmasked, mask_rows, grammar_rows, grammar_bitmask = apply_stages(logits, meta)
             uniform = self._all_rows_uniform(logits, meta)
+            # Every row greedy: no uniform is read (the temperatures stand in, a float32 [num_rows] at hand).
             sampled, row_max = pk_sample_from_logits(logits, meta.temperature,
-                                                     uniform if uniform is not None else self._zeros(num_rows))
+                                                     uniform if uniform is not None else meta.temperature)
             fallback = _fallback_on_device(num_rows, mask_rows, unmasked, grammar_rows, grammar_bitmask, vocab_size,
                                            logits.device)
             return torch.where(row_max == float("-inf"), fallback, sampled)
@@ -329,13 +330,6 @@ class Sampler:
         if all(meta.greedy):
             return None
         return self.uniform(logits.shape[0], logits.device, meta, list(range(logits.shape[0])))
-
-    def _zeros(self, n: int) -> torch.Tensor:
-        """float32 zeros [n] on the device, kept: an all-greedy fused draw's uniforms (not read)."""
-        zeros = getattr(self, "_zeros_f32", None)
-        if zeros is None or zeros.numel() < n:
-            zeros = self._zeros_f32 = torch.zeros(max(n, 256), dtype=torch.float32, device=self.device)
-        return zeros[:n]
 
     def _process_on_device(self, logits: torch.Tensor, meta: SamplingMetadata):
         """The stages before a sync-free draw, in place on logits [num_rows, vocab] float32 (bias, masks,
@@ -883,7 +877,7 @@ class SampledIds:
         self.seq_ids = seq_ids
         self.position = {seq_id: j for j, seq_id in enumerate(seq_ids)}
         # Each row's token count on the host when it sampled (where its id goes; rank 0, which samples).
-        self.host_length_list = host_lengths or []
+        self.host_lengths = host_lengths or []
         self._device = device
         self._ids: torch.Tensor | None = None   # see `ids`
         self.parts: list[tuple[int, SampledTensors]] = []   # (first position, what one sampling call drew)
