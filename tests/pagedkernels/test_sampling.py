@@ -63,7 +63,11 @@ def test_draws_follow_the_inverse_cdf(backend, device, dtype, vocab):
     temperature = torch.tensor([0.7, 1.0, 2.5, 1.0, 0.05, 1e-20, float("inf"), 1.3, 0.9, 1.0, 3.0, 0.4])
     uniform = torch.rand(num_rows, generator=g)
     uniform[0], uniform[9] = 0.0, 1.0 - 2**-24   # the first live token; the last one
-    logits, temperature, uniform = logits.to(device), temperature.to(device), uniform.to(device)
+    # Rows with a stride wider than the vocabulary (a slice of a bigger buffer) whose padding is +inf: never read.
+    buffer = torch.full((num_rows, vocab + 9), float("inf"), dtype=dtype)
+    buffer[:, :vocab] = logits
+    logits = buffer.to(device)[:, :vocab]
+    temperature, uniform = temperature.to(device), uniform.to(device)
     before = logits.clone()
     with pk.use_backend(backend):
         ids, row_max = pk.sample_from_logits(logits, temperature, uniform)
