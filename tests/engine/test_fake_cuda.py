@@ -31,6 +31,25 @@ MAX_MODEL_LEN = 128
 
 
 
+def _assert_cuda_only_switch(monkeypatch, variable: str, field: str) -> None:
+    """A DevicePolicy switch of a CUDA path not yet measured on a GPU: off by default; on for CUDA alone with
+    1/true/ON/yes, off with 0; any other value a ValueError naming the variable. Leaves the variable at 1."""
+    from engine.platform import DevicePolicy
+
+    monkeypatch.delenv(variable, raising=False)
+    assert not getattr(DevicePolicy.for_device("cuda"), field)
+    for on in ("1", "true", "ON", "yes"):
+        monkeypatch.setenv(variable, on)
+        assert getattr(DevicePolicy.for_device("cuda"), field)
+        assert not getattr(DevicePolicy.for_device("cpu"), field)
+    monkeypatch.setenv(variable, "0")
+    assert not getattr(DevicePolicy.for_device("cuda"), field)
+    monkeypatch.setenv(variable, "maybe")
+    with pytest.raises(ValueError, match=variable):
+        DevicePolicy.for_device("cuda")
+    monkeypatch.setenv(variable, "1")
+
+
 @pytest.fixture(autouse=True)
 def _batched_sampling_calls_succeed(caplog):
     """A batched sampling call that raises is retried row by row (ModelRunner._isolated) and the step goes on: here
@@ -168,19 +187,7 @@ def test_the_fused_decode_reduce_runs_the_cuda_paths(tiny_model_dir, arch, monke
 def test_the_fused_decode_reduce_setting(tiny_model_dir, monkeypatch):
     """Off by default (unmeasured on a GPU); ENGINE_DECODE_FUSED_REDUCE turns it on for CUDA only (a CPU decode runs
     no split kernel, and its runner has no counters to take); a bad value names the variable."""
-    from engine.platform import DevicePolicy
-    monkeypatch.delenv("ENGINE_DECODE_FUSED_REDUCE", raising=False)
-    assert not DevicePolicy.for_device("cuda").decode_fused_reduce
-    for on in ("1", "true", "ON", "yes"):
-        monkeypatch.setenv("ENGINE_DECODE_FUSED_REDUCE", on)
-        assert DevicePolicy.for_device("cuda").decode_fused_reduce
-        assert not DevicePolicy.for_device("cpu").decode_fused_reduce
-    monkeypatch.setenv("ENGINE_DECODE_FUSED_REDUCE", "0")
-    assert not DevicePolicy.for_device("cuda").decode_fused_reduce
-    monkeypatch.setenv("ENGINE_DECODE_FUSED_REDUCE", "2")
-    with pytest.raises(ValueError, match="ENGINE_DECODE_FUSED_REDUCE"):
-        DevicePolicy.for_device("cuda")
-    monkeypatch.setenv("ENGINE_DECODE_FUSED_REDUCE", "1")
+    _assert_cuda_only_switch(monkeypatch, "ENGINE_DECODE_FUSED_REDUCE", "decode_fused_reduce")
     from tests.engine.test_cuda_graph_runner import make_runner
     runner = make_runner(tiny_model_dir("llama"), enforce_eager=True)
     assert runner.set_decode_fused_reduce(True) is False
@@ -227,15 +234,7 @@ def test_the_fused_decode_rope_runs_the_cuda_paths(tiny_model_dir, arch, monkeyp
 def test_the_fused_decode_rope_setting(tiny_model_dir, monkeypatch):
     """Off by default (unmeasured on a GPU); ENGINE_DECODE_FUSED_ROPE turns it on for CUDA only; a bad value names
     the variable; a CPU runner (no decode kernel in its steps) keeps it off."""
-    from engine.platform import DevicePolicy
-    monkeypatch.delenv("ENGINE_DECODE_FUSED_ROPE", raising=False)
-    assert not DevicePolicy.for_device("cuda").decode_fused_rope
-    monkeypatch.setenv("ENGINE_DECODE_FUSED_ROPE", "1")
-    assert DevicePolicy.for_device("cuda").decode_fused_rope and not DevicePolicy.for_device("cpu").decode_fused_rope
-    monkeypatch.setenv("ENGINE_DECODE_FUSED_ROPE", "maybe")
-    with pytest.raises(ValueError, match="ENGINE_DECODE_FUSED_ROPE"):
-        DevicePolicy.for_device("cuda")
-    monkeypatch.setenv("ENGINE_DECODE_FUSED_ROPE", "1")
+    _assert_cuda_only_switch(monkeypatch, "ENGINE_DECODE_FUSED_ROPE", "decode_fused_rope")
     from tests.engine.test_cuda_graph_runner import make_runner
     runner = make_runner(tiny_model_dir("llama"), enforce_eager=True)
     assert runner.set_decode_fused_rope(True) is False
@@ -475,16 +474,9 @@ def test_the_fused_draw_runs_the_cuda_paths(tiny_model_dir, monkeypatch, filters
 
 
 def test_the_fused_sampler_setting(monkeypatch):
-    """DevicePolicy.fused_sampler: off by default (until a GPU measures it), ENGINE_FUSED_SAMPLER=1 turns it on for
-    CUDA only; a bad value is an error naming the variable."""
-    from engine.platform import DevicePolicy
-
-    assert not DevicePolicy.for_device("cuda").fused_sampler
-    monkeypatch.setenv("ENGINE_FUSED_SAMPLER", "1")
-    assert DevicePolicy.for_device("cuda").fused_sampler and not DevicePolicy.for_device("cpu").fused_sampler
-    monkeypatch.setenv("ENGINE_FUSED_SAMPLER", "sometimes")
-    with pytest.raises(ValueError, match="ENGINE_FUSED_SAMPLER"):
-        DevicePolicy.for_device("cuda")
+    """DevicePolicy.fused_sampler: off by default (until a GPU measures it), ENGINE_FUSED_SAMPLER turns it on for
+    CUDA only (the CPU's sampler checks values on the host instead); a bad value names the variable."""
+    _assert_cuda_only_switch(monkeypatch, "ENGINE_FUSED_SAMPLER", "fused_sampler")
 
 
 @pytest.mark.parametrize("num_seqs", [1, 3])
