@@ -48,6 +48,11 @@
    (bench.spec_decode_cpu's): speedup, acceptance, identical greedy outputs; then the speculative decoding tests on
    CUDA; then the model as its own draft (k = 3), proposal and verification steps eager and in graphs.
 
+15. decide (540 s): what decides the CUDA defaults still off, in one call for a short lease: the sampler's draw
+   kernel; the Qwen3-0.6B-shape throughput with the sampler's draw both ways and its step profile (GPU busy); batch-1
+   decode at the Qwen3-0.6B and Llama-3-8B shapes with every fused variant (the fused merge, the fused rope, the
+   folded LM head, PDL, all of them) against the default and cuBLAS, kernels a step counted.
+
 ``--phase all`` (the default) runs them one after another. Each phase writes
 ``OUT/<date>-<device>-phase<N>-<name>.json`` and ``.md`` after every case (``.png`` at the end, when matplotlib
 is there) and ``...-<tests>.log`` per pytest run, so a phase cut short keeps what it measured. A phase checks
@@ -476,6 +481,21 @@ def _lora(run: PhaseRun) -> None:
     run.step("multi-LoRA engine", run.lora_engine)
 
 
+def _decide(run: PhaseRun) -> None:
+    # The measurements that decide the CUDA defaults still off (each a setting built and tested on CPU, waiting for a
+    # GPU), in one call: the sampler's draw kernel, the Qwen3-0.6B shape's throughput with the draw both ways and its
+    # step profile (GPU busy), then batch-1 decode with every fused variant at the Qwen3-0.6B and Llama-3-8B shapes
+    # (the 8B one left 45% of what remains). No sweep and no tests: phases 13 and 10 have them.
+    run.step("limits", run.peaks) \
+        and run.step("the sampler's draw kernel", lambda: run.kernels(headline=False, case_s=15.0,
+                                                                      only="sample_from_logits")) \
+        and run.step("throughput and step profile, Qwen3-0.6B shape", lambda: run.engine(
+            ["qwen3-0.6b"], ("throughput", "profile"), reserve_s=run.budget.remaining() * 0.6)) \
+        and run.step("batch-1 decode, Qwen3-0.6B shape", lambda: run.engine(
+            ["qwen3-0.6b"], ("batch1", "batch1_profile"), reserve_s=run.budget.remaining() * 0.45)) \
+        and run.step("batch-1 decode, Llama-3-8B shape", lambda: run.engine(["llama-3-8b"], ("batch1",)))
+
+
 def _test_phase(label: str, args: list[str]) -> Callable[[PhaseRun], None]:
     return lambda run: run.step(label, lambda: run.tests(label, args))
 
@@ -495,6 +515,7 @@ PHASES = [
     Phase(12, "lora", 540.0, _lora),
     Phase(13, "batch1", 540.0, _batch1),
     Phase(14, "spec", 300.0, _spec),
+    Phase(15, "decide", 540.0, _decide),
 ]
 
 

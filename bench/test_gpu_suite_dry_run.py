@@ -298,7 +298,17 @@ def _spec(result):
     assert [t["label"] for t in result["tests"]] == ["speculative decoding tests"]
 
 
+def _decide(result):
+    assert {r["op"] for r in result["rows"]} == {"sample_from_logits"}
+    assert all(r["check"] == "ok" for r in result["rows"])
+    qwen = result["engine"]["models"]["qwen3-0.6b"]
+    assert qwen["engine"]["complete"] and qwen["engine_fused_sampler"]["complete"] and "profile" in qwen
+    assert {"batch1_fused_rope", "batch1_all_fused"} <= set(qwen), sorted(qwen)
+    llama = result["engine"]["models"]["llama-3-8b"]
+    assert "decode_tokens_per_s" in llama["batch1"] and "engine" not in llama
+
+
 CHECKS = {"headline": _headline, "kernels": _kernels, "quant": _quant, "tune": _tune, "engine": _engine_model("qwen3-0.6b", True),
           "llama": _engine_model("llama-3-8b", False), "kernel-tests": _tests("kernel tests"),
           "engine-tests": _tests("engine tests on CUDA"), "other-tests": _tests("other tests"), "async": _async,
-          "moe": _moe, "lora": _lora, "batch1": _batch1, "spec": _spec}
+          "moe": _moe, "lora": _lora, "batch1": _batch1, "spec": _spec, "decide": _decide}
