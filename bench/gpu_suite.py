@@ -25,7 +25,7 @@
    headline shape (DECODE_LAUNCH_SWEEP: the H200's 0.879 of copy bandwidth there), and the few-row GEMM's launch
    configurations at batch-1 projections against cuBLAS (what skinny_gemm_config should pick).
 10. async (540 s): the sampler's draw kernel (pagedkernels.sample_from_logits) against the same draw in tensor ops
-   at 256 and 8 rows of Qwen3's vocabulary; the Qwen3-0.6B-shape throughput and step profile with async scheduling
+   at 256 and 8 rows of Qwen3's vocabulary, and its top-k/top-p draw among candidates against the full sort; the Qwen3-0.6B-shape throughput and step profile with async scheduling
    (and batch-1 decode) and without it, side by side, each throughput once more with the sampler's draw the other
    way (ENGINE_FUSED_SAMPLER); then host syncs per step kind under torch.cuda.set_sync_debug_mode
    (bench/sync_audit.py).
@@ -444,7 +444,7 @@ def _async(run: PhaseRun) -> None:
     # draw kernel before them (seconds): the engine's throughput runs once more with the draw the other way.
     run.step("limits", run.peaks) \
         and run.step("the sampler's draw kernel", lambda: run.kernels(headline=False, case_s=20.0,
-                                                                      only="sample_from_logits")) \
+                                                                      only="sample_from_logits,sampler top-k")) \
         and run.step("engine with async scheduling", lambda: run.engine(
             ["qwen3-0.6b"], ("throughput", "profile", "batch1"), async_scheduling=True,
             reserve_s=run.budget.remaining() * 0.6)) \
@@ -488,7 +488,7 @@ def _decide(run: PhaseRun) -> None:
     # (the 8B one left 45% of what remains). No sweep and no tests: phases 13 and 10 have them.
     run.step("limits", run.peaks) \
         and run.step("the sampler's draw kernel", lambda: run.kernels(headline=False, case_s=15.0,
-                                                                      only="sample_from_logits")) \
+                                                                      only="sample_from_logits,sampler top-k")) \
         and run.step("throughput and step profile, Qwen3-0.6B shape", lambda: run.engine(
             ["qwen3-0.6b"], ("throughput", "profile"), reserve_s=run.budget.remaining() * 0.6)) \
         and run.step("batch-1 decode, Qwen3-0.6B shape", lambda: run.engine(

@@ -816,6 +816,43 @@ def sample_from_logits_case(device, dtype, *, num_rows: int, vocab: int, tempera
                 check=check)
 
 
+def sampler_top_k_top_p_case(device, dtype, *, num_rows: int, vocab: int, top_k: int = 20, top_p: float = 0.95,
+                             temperature: float = 0.6) -> Case:
+    """The engine sampler's sync-free draw (engine/worker/sampler.py, CUDA's path) of rows that all have top-k and
+    top-p, as Qwen3's generation config asks (temperature 0.6, top-k 20, top-p 0.95): among each row's candidates
+    (one top-k selection) against the full sort of the batch that such rows took before. float32 logits, read at
+    least once. Checked: both draw the same tokens (but where a uniform lies within rounding of a boundary)."""
+    from unittest import mock
+
+    from engine.worker import sampler as sampler_module
+    from engine.worker.sampler import Sampler, SamplingMetadata
+
+    gen = _generator(device)
+    logits = _randn(num_rows, vocab, dtype=torch.float32, device=device, gen=gen) * 3.0
+    meta = SamplingMetadata(temperature=torch.full((num_rows,), temperature, device=device), greedy=[False] * num_rows,
+                            top_k=[top_k] * num_rows, top_p=[top_p] * num_rows)
+    sampler = Sampler(seed=0, device=device, sync_free=True)
+    work = torch.empty_like(logits)
+
+    def draw():
+        sampler.generator.manual_seed(0)   # the same uniforms every call: both paths draw from the same numbers
+        return sampler.sample(work.copy_(logits), meta).sampled_token_ids
+
+    def full_sort():
+        return mock.patch.object(sampler_module, "_candidate_top_k", lambda meta, vocab_size: None)
+
+    def check():
+        ids = draw().cpu()
+        with full_sort():
+            expected = draw().cpu()
+        differ = (ids != expected).nonzero().flatten().tolist()
+        assert len(differ) <= max(1, num_rows // 100), f"ids: {len(differ)} of {num_rows} rows differ from the sort's"
+
+    return Case("sampler top-k/top-p draw", f"{num_rows} x {vocab} T={temperature} k={top_k} p={top_p}", torch.float32,
+                draw, logits.numel() * 4, baselines=[Baseline("full sort", lambda: (draw, ""), context=full_sort)],
+                check=check)
+
+
 def _gemm_check(out_fn: Callable[[], torch.Tensor], reference: Callable[[], torch.Tensor], dtype: torch.dtype,
                 device: torch.device, what: str) -> Callable[[], None]:
     """On a GPU the kernel against its exact product (tolerance of x's dtype); on the CPU dry run the native
@@ -1101,7 +1138,7 @@ OP_OF_CASE = {decode_case: "paged_decode_attention", prefill_case: "paged_prefil
               reshape_and_cache_case: "reshape_and_cache", copy_blocks_case: "copy_blocks",
               swap_blocks_case: "swap_blocks", rms_norm_case: "rms_norm", fused_add_rms_norm_case: "fused_add_rms_norm",
               rotary_case: "rotary_embedding", silu_and_mul_case: "silu_and_mul", lora_case: "lora shrink+expand",
-              sample_from_logits_case: "sample_from_logits"}
+              sample_from_logits_case: "sample_from_logits", sampler_top_k_top_p_case: "sampler top-k/top-p draw"}
 # The quantized ops (the GPU suite's phase "quant"), kept out of the main matrix.
 QUANT_OP_OF_CASE = {wq_gemm_case: "wq_gemm", fp8_gemm_case: "fp8_gemm",
                     fp8_kv_decode_case: "paged_decode_attention fp8-KV", skinny_gemm_case: "skinny_gemm"}
@@ -1136,6 +1173,7 @@ def suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False,
             partial(rotary_case, **d, **c, num_tokens=16, num_q_heads=4, num_kv_heads=2, head_dim=64, max_position=64),
             partial(silu_and_mul_case, **d, **c, num_tokens=16, intermediate=128),
             partial(sample_from_logits_case, **d, **c, num_rows=4, vocab=5000),
+            partial(sampler_top_k_top_p_case, **d, num_rows=4, vocab=5000),
             partial(lora_case, **d, num_tokens=1, in_features=256, slice_sizes=(128, 64, 64)),
             partial(lora_case, **d, num_tokens=64, in_features=256, slice_sizes=(128, 64, 64)),
         ]
@@ -1170,6 +1208,8 @@ def suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False,
         partial(sample_from_logits_case, **d, **c, num_rows=256, vocab=151936),
         partial(sample_from_logits_case, **d, **c, num_rows=256, vocab=151936, temperature=0.0),
         partial(sample_from_logits_case, **d, **c, num_rows=8, vocab=151936),
+        partial(sampler_top_k_top_p_case, **d, num_rows=256, vocab=151936),
+        partial(sampler_top_k_top_p_case, **d, num_rows=8, vocab=151936),
         # multi-LoRA on Llama-3-8B's q/k/v (rank 16, 4 adapters + base mixed): decode, a decode batch, a prefill chunk
         *(partial(lora_case, **d, num_tokens=n, in_features=4096, slice_sizes=(4096, 1024, 1024))
           for n in (1, 64, 1024)),
@@ -1400,7 +1440,8 @@ def run_suite(device: torch.device | str, *, tiny: bool = False, compile: bool =
     "not_run"} (plain dicts), also handed to ``on_progress`` after each case (so a caller can save partial
     results). On CUDA: bf16 and do_bench; on CPU: fp32 and the wall-clock timer (``timer`` overrides).
 
-    headline: only the cases that carry one of the issue's targets. baselines: keep only the baselines of these
+    only: the cases whose op names hold one of these comma-separated strings. headline: only the cases that carry
+    one of the issue's targets. baselines: keep only the baselines of these
     names. budget (a bench.budget.Budget): no case is started with less than ``case_s`` seconds left; the ones
     left out are listed in "not_run". quant: the quantized ops' cases (:func:`quant_suite`) instead of the main
     matrix; tune: the prefill launch-configuration sweep (:func:`tune_suite`); moe: the MoE layers
@@ -1429,7 +1470,8 @@ def run_suite(device: torch.device | str, *, tiny: bool = False, compile: bool =
     else:
         builds, op_of = suite(device, dtype, tiny=tiny, compile=compile), OP_OF_CASE
     for build in builds:
-        if (only and only not in op_of[build.func]) or (headline and build.keywords.get("target") is None):
+        if (only and not any(part in op_of[build.func] for part in only.split(","))) \
+                or (headline and build.keywords.get("target") is None):
             continue
         if budget is not None and not budget.allows(case_s):
             not_run.append(f"{op_of[build.func]} {_case_keywords(build)}")

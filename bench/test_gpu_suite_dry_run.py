@@ -269,7 +269,7 @@ def _async(result):
     assert without["engine"]["output_tokens"] == with_async["engine"]["output_tokens"] > 0
     # The sampler's draw kernel against the tensor ops, then each throughput with the draw the other way (the
     # engine's default: the tensor ops), on the same requests.
-    assert {r["op"] for r in result["rows"]} == {"sample_from_logits"}
+    assert {r["op"] for r in result["rows"]} == {"sample_from_logits", "sampler top-k/top-p draw"}
     assert all(r["check"] == "ok" and r["ratio"] is not None for r in result["rows"])
     for row in (without, with_async):
         fused = row["engine_fused_sampler"]
@@ -299,7 +299,7 @@ def _spec(result):
 
 
 def _decide(result):
-    assert {r["op"] for r in result["rows"]} == {"sample_from_logits"}
+    assert {r["op"] for r in result["rows"]} == {"sample_from_logits", "sampler top-k/top-p draw"}
     assert all(r["check"] == "ok" for r in result["rows"])
     qwen = result["engine"]["models"]["qwen3-0.6b"]
     assert qwen["engine"]["complete"] and qwen["engine_fused_sampler"]["complete"] and "profile" in qwen

@@ -45,7 +45,7 @@ def test_dry_run_writes_complete_report(tmp_path, fast_timer, capsys):
     ops = {r["op"] for r in rows}
     assert ops == {"reshape_and_cache", "paged_decode_attention", "paged_prefill_attention", "copy_blocks",
                    "swap_blocks", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
-                   "lora shrink+expand", "sample_from_logits"}
+                   "lora shrink+expand", "sample_from_logits", "sampler top-k/top-p draw"}
     for row in rows:
         assert row["check"] == "ok", row
         assert row["ms"] > 0 and row["gbps"] > 0 and row["frac_of_peak"] > 0, row

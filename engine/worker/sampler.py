@@ -314,11 +314,16 @@ class Sampler:
             fallback = _fallback_on_device(num_rows, mask_rows, unmasked, grammar_rows, grammar_bitmask, vocab_size,
                                            logits.device)
             return torch.where(row_max == float("-inf"), fallback, sampled)
-        argmax, greedy, scaled, dead, fallback = self._process_on_device(logits, meta)
+        top_k = _candidate_top_k(meta, vocab_size)
+        argmax, greedy, scaled, dead, fallback = self._process_on_device(logits, meta, top_k_top_p=top_k is None)
         sampled = argmax
         if scaled is not None:
             uniform = self._all_rows_uniform(logits, meta)
-            drawn = _sample_from_logits(scaled, uniform).clamp_(max=vocab_size - 1)
+            if top_k is None:
+                drawn = _sample_from_logits(scaled, uniform).clamp_(max=vocab_size - 1)
+            else:   # every row has top-k: drawn among its candidates, no sort of the batch
+                values, ids, _ = top_k_top_p_candidates(scaled, top_k, meta.top_p or [1.0] * num_rows)
+                drawn = _draw_among_candidates(values, ids, uniform)
             if self.fused_draw:   # the rows that do not filter draw as in a batch without filters (the kernel)
                 fused, _ = pk_sample_from_logits(logits, meta.temperature, uniform)
                 drawn = torch.where(_filtering_rows(meta, logits.device), drawn, fused)
@@ -331,11 +336,12 @@ class Sampler:
             return None
         return self.uniform(logits.shape[0], logits.device, meta, list(range(logits.shape[0])))
 
-    def _process_on_device(self, logits: torch.Tensor, meta: SamplingMetadata):
+    def _process_on_device(self, logits: torch.Tensor, meta: SamplingMetadata, top_k_top_p: bool = True):
         """The stages before a sync-free draw, in place on logits [num_rows, vocab] float32 (bias, masks,
         penalties, NaN/inf handled), without reading a value: returns (argmax [num_rows], greedy flags or None,
-        the scaled logits of every row (temperature, min-p, top-k / top-p; None when every row is greedy), dead
-        [num_rows]: rows with nothing left, fallback [num_rows]: their token)."""
+        the scaled logits of every row (temperature, min-p, and top-k / top-p unless `top_k_top_p` is False: the
+        caller filters; None when every row is greedy), dead [num_rows]: rows with nothing left, fallback
+        [num_rows]: their token)."""
         num_rows, vocab_size = logits.shape
         unmasked, mask_rows, grammar_rows, grammar_bitmask = apply_stages(logits, meta)
         _sanitize(logits)
@@ -350,7 +356,7 @@ class Sampler:
             scaled.nan_to_num_(nan=float("-inf"))
             if meta.min_p is not None:
                 apply_min_p(scaled, meta.min_p)
-            if meta.top_k is not None or meta.top_p is not None:
+            if top_k_top_p and (meta.top_k is not None or meta.top_p is not None):
                 top_k = meta.top_k if meta.top_k is not None else [0] * num_rows
                 top_p = meta.top_p if meta.top_p is not None else [1.0] * num_rows
                 scaled = _top_k_top_p_sorted(scaled, _as_tensor(top_k, logits.device, vocab_size),
@@ -495,6 +501,18 @@ def _flags(values: list[bool], device) -> torch.Tensor:
     return _as_tensor([int(v) for v in values], device).bool()
 
 
+def _candidate_top_k(meta: SamplingMetadata, vocab_size: int) -> list[int] | None:
+    """The per-row top-k of a sync-free draw among candidates (top_k_top_p_candidates), or None for the full sort:
+    every random row must have top-k (a greedy row takes its argmax whatever it is drawn from: 1 candidate), and
+    fewer candidates than half the vocabulary."""
+    if meta.top_k is None:
+        return None
+    top_k = [k if k > 0 else (1 if greedy else 0) for k, greedy in zip(meta.top_k, meta.greedy)]
+    if not all(k > 0 for k in top_k) or max(top_k) * 2 >= vocab_size:
+        return None
+    return top_k
+
+
 def _filtering_rows(meta: SamplingMetadata, device) -> torch.Tensor:
     """bool [num_rows] on the device: the rows that use min-p, top-k or top-p (no value read)."""
     num_rows = len(meta.greedy)
@@ -566,13 +584,19 @@ def sample_random(logits: torch.Tensor, row_max: torch.Tensor, meta: SamplingMet
         if all(k > 0 or p < 1.0 for k, p in zip(top_k, top_p)):
             candidates = top_k_top_p_candidates(logits, top_k, top_p)
             if candidates is not None and (candidates[2] is None or not bool(candidates[2].any())):
-                values, ids, _ = candidates
-                # In token-id order, as in the full row: the same uniform picks the same token either way.
-                ids, order = ids.sort(dim=-1)
-                chosen = _sample_from_logits(values.gather(1, order), uniform)
-                return ids.gather(1, chosen.unsqueeze(1)).squeeze(1)
+                return _draw_among_candidates(candidates[0], candidates[1], uniform)
         logits = apply_top_k_top_p(logits, top_k, top_p)
     return _sample_from_logits(logits, uniform)
+
+
+def _draw_among_candidates(values: torch.Tensor, ids: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The inverse-CDF draw of each row among its candidates (top_k_top_p_candidates: values [num_seqs, C], -inf
+    where not kept, token ids [num_seqs, C]), taken in token-id order as in the full row, so that the same uniform
+    picks the same token either way. A row with nothing kept (a dead one, replaced by its fallback) gets one of
+    its candidates."""
+    ids, order = ids.sort(dim=-1)
+    chosen = _sample_from_logits(values.gather(1, order), uniform).clamp_(max=ids.shape[1] - 1)
+    return ids.gather(1, chosen.unsqueeze(1)).squeeze(1)
 
 
 def _sample_from_logits(logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -756,23 +780,25 @@ def top_k_top_p_candidates(logits: torch.Tensor, top_k: list[int], top_p: list[f
     C most likely tokens: (values [num_seqs, C], descending, -inf where not kept; their token ids [num_seqs, C];
     overflow: bool [num_seqs], rows with top-p and no top-k whose nucleus may reach past the C candidates, or
     None). C is the largest top_k, or _TOP_P_CANDIDATES where a row has top-p alone. None when C is half the
-    vocabulary or more, or on CUDA (where the full sort is cheap and the overflow check would be a host sync):
-    `_top_k_top_p_sorted` then. vLLM semantics: a token survives top-p when the probability mass of the tokens
-    ranked above it is below top_p."""
+    vocabulary or more, or on CUDA where a row has top-p alone (its overflow check would be a host sync):
+    `_top_k_top_p_sorted` then. Where every row has top-k no row can overflow, and the candidates are one top-k
+    selection where the full sort orders the whole batch (256 rows of Qwen3's 151,936 tokens: 39M keys a step).
+    vLLM semantics: a token survives top-p when the probability mass of the tokens ranked above it is below top_p."""
     num_seqs, vocab_size = logits.shape
     device = logits.device
     num_candidates = max((k if k > 0 else (_TOP_P_CANDIDATES if p < 1.0 else 1)) for k, p in zip(top_k, top_p))
-    if num_candidates * 2 >= vocab_size or logits.is_cuda:
+    if num_candidates * 2 >= vocab_size or (logits.is_cuda and not all(k > 0 for k in top_k)):
         return None
-    no_top_k = torch.tensor([t == 0 for t in top_k], device=device).unsqueeze(1)
-    k = torch.tensor([t if t > 0 else vocab_size for t in top_k], device=device)
+    # The rows' parameters from pinned memory on CUDA (_as_tensor): a pageable copy would make the host wait.
+    no_top_k = _flags([t == 0 for t in top_k], device).unsqueeze(1)
+    k = _as_tensor([t if t > 0 else vocab_size for t in top_k], device)
     values, ids = logits.topk(num_candidates, dim=-1)                                 # [num_seqs, C], descending
     kth = values.gather(1, (k.clamp(max=num_candidates) - 1).unsqueeze(1))            # [num_seqs, 1]
     kth = kth.masked_fill(no_top_k, float("-inf"))
     values = values.masked_fill(values < kth, float("-inf"))
     overflow = None
     if any(p < 1.0 for p in top_p):
-        p = torch.tensor(top_p, dtype=torch.float32, device=device)
+        p = _as_tensor([float(q) for q in top_p], device)
         # Normalizer of the top-k survivors: all among the candidates when top-k is on, the whole row otherwise.
         log_norm = torch.logsumexp(values, dim=-1, keepdim=True)
         if any(t == 0 and q < 1.0 for t, q in zip(top_k, top_p)):

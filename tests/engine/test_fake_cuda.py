@@ -433,32 +433,16 @@ def test_async_steps_queue_without_waiting_for_the_device(tiny_model_dir, monkey
         assert all(len(runner.input_batch.states[i].token_ids) == len(p) + 1 for i, p in enumerate(prompts))
 
 
-@pytest.mark.parametrize("filters", [False, True])
-def test_the_fused_draw_runs_the_cuda_paths(tiny_model_dir, monkeypatch, filters):
-    """ENGINE_FUSED_SAMPLER=1 on CUDA: a sampling step's draw goes through pagedkernels.sample_from_logits (its fake
-    implementation checks every argument's device, dtype and shape) with no host sync, in a batch without min-p /
-    top-k / top-p (the kernel alone: greedy, seeded, penalties, logit_bias and bad words beside it) and in one with
-    a filtering row (the tensor ops for that row, the kernel for the others)."""
-    from engine.worker import sampler as sampler_module
+def _sample_two_steps(model_dir: str, kinds: list[SamplingParams], monkeypatch) -> ModelRunner:
+    """A prompt step and a decode step (async scheduling) of one request per kind of sampling on the fake CUDA
+    device, each queued with no host sync (the one-step-late read of the ids stood in for)."""
     from engine.worker.sampler import SampledIds
     from tests.engine.fake_cuda import no_host_sync
 
-    model_dir = tiny_model_dir("llama")
-    monkeypatch.setenv("ENGINE_FUSED_SAMPLER", "1")
     monkeypatch.setattr(SampledIds, "resolve", lambda self: setattr(self, "values", [0] * len(self.seq_ids)))
-    draws = []
-    real = sampler_module.pk_sample_from_logits
-    monkeypatch.setattr(sampler_module, "pk_sample_from_logits", lambda logits, temperature, uniform: (
-        draws.append((logits.device.type, logits.shape, temperature.device.type, uniform.device.type)),
-        real(logits, temperature, uniform))[1])
-    kinds = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=3),
-             SamplingParams(temperature=0.7, repetition_penalty=1.2, logit_bias={3: 2.0}, bad_words=["x"])]
-    if filters:
-        kinds.append(SamplingParams(temperature=0.9, top_k=20, top_p=0.9, min_p=0.05))
     prompts = [random_token_ids(9 + i, seed=40 + i) for i in range(len(kinds))]
     with fake_cuda():
         runner = _runner(model_dir, num_kv_blocks=64, async_scheduling=True)
-        assert runner.sampler.fused_draw
         new = [NewSequenceData(seq_id=i, token_ids=prompt, num_prompt_tokens=len(prompt), num_computed_tokens=0,
                                block_ids=[i], params=params, seed=params.seed, stop_token_ids=[2],
                                bad_words_token_ids=[[7]] if params.bad_words else [])
@@ -470,7 +454,46 @@ def test_the_fused_draw_runs_the_cuda_paths(tiny_model_dir, monkeypatch, filters
         with no_host_sync():
             runner.execute_model(SchedulerOutput(new_seqs=[], cached_seqs=decode,
                                                  num_scheduled_tokens={i: 1 for i in range(len(kinds))}))
+    return runner
+
+
+@pytest.mark.parametrize("filters", [False, True])
+def test_the_fused_draw_runs_the_cuda_paths(tiny_model_dir, monkeypatch, filters):
+    """ENGINE_FUSED_SAMPLER=1 on CUDA: a sampling step's draw goes through pagedkernels.sample_from_logits (its fake
+    implementation checks every argument's device, dtype and shape) with no host sync, in a batch without min-p /
+    top-k / top-p (the kernel alone: greedy, seeded, penalties, logit_bias and bad words beside it) and in one with
+    a filtering row (the tensor ops for that row, the kernel for the others)."""
+    from engine.worker import sampler as sampler_module
+
+    monkeypatch.setenv("ENGINE_FUSED_SAMPLER", "1")
+    draws = []
+    real = sampler_module.pk_sample_from_logits
+    monkeypatch.setattr(sampler_module, "pk_sample_from_logits", lambda logits, temperature, uniform: (
+        draws.append((logits.device.type, logits.shape, temperature.device.type, uniform.device.type)),
+        real(logits, temperature, uniform))[1])
+    kinds = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=3),
+             SamplingParams(temperature=0.7, repetition_penalty=1.2, logit_bias={3: 2.0}, bad_words=["x"])]
+    if filters:
+        kinds.append(SamplingParams(temperature=0.9, top_k=20, top_p=0.9, min_p=0.05))
+    runner = _sample_two_steps(tiny_model_dir("llama"), kinds, monkeypatch)
+    assert runner.sampler.fused_draw
     assert draws == [("cuda", (len(kinds), runner.config.vocab_size), "cuda", "cuda")] * 2
+
+
+def test_a_top_k_batch_draws_among_candidates_on_the_cuda_paths(tiny_model_dir, monkeypatch):
+    """Every sampling row with top-k (a greedy one beside them): the sync-free draw takes each row's candidates
+    (one top-k selection, then top-p and min-p among them) instead of sorting the batch, with no host sync."""
+    from engine.worker import sampler as sampler_module
+
+    calls = {"candidates": 0, "sorted": 0}
+    for name, key in (("top_k_top_p_candidates", "candidates"), ("_top_k_top_p_sorted", "sorted")):
+        real = getattr(sampler_module, name)
+        monkeypatch.setattr(sampler_module, name, lambda *args, real=real, key=key: (
+            calls.__setitem__(key, calls[key] + 1), real(*args))[1])
+    kinds = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=3),
+             SamplingParams(temperature=0.7, top_k=50, min_p=0.05, repetition_penalty=1.2)]
+    _sample_two_steps(tiny_model_dir("llama"), kinds, monkeypatch)
+    assert calls == {"candidates": 2, "sorted": 0}
 
 
 def test_the_fused_sampler_setting(monkeypatch):
