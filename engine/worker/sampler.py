@@ -82,6 +82,7 @@ class SamplingMetadata:
     top_k: list[int] | None = None                  # per row, 0 = off
     top_p: list[float] | None = None                # per row, 1.0 = off
     min_p: torch.Tensor | None = None               # float32 [num_rows]
+    min_p_values: list[float] | None = None         # min_p's values on the host (None: no host copy)
     generators: dict[int, torch.Generator] | None = None   # row -> its own generator (seeded sequences)
     penalties: "Penalties | None" = None
     logit_bias: dict[int, dict[int, float]] | None = None          # row -> {token: bias}
@@ -104,7 +105,8 @@ class SamplingMetadata:
         if any(p.top_p < 1.0 for p in params):
             meta.top_p = [p.top_p for p in params]
         if any(p.min_p > 0.0 for p in params):
-            meta.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+            meta.min_p_values = [p.min_p for p in params]
+            meta.min_p = torch.tensor(meta.min_p_values, dtype=torch.float32, device=device)
         meta.generators = {i: seq.generator for i, seq in enumerate(seqs) if seq.generator is not None} or None
         penalized = [i for i, p in enumerate(params)
                      if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty]
@@ -314,7 +316,7 @@ class Sampler:
             fallback = _fallback_on_device(num_rows, mask_rows, unmasked, grammar_rows, grammar_bitmask, vocab_size,
                                            logits.device)
             return torch.where(row_max == float("-inf"), fallback, sampled)
-        top_k = _candidate_top_k(meta, vocab_size)
+        top_k = _candidate_top_k(meta, vocab_size, self.fused_draw)
         argmax, greedy, scaled, dead, fallback = self._process_on_device(logits, meta, top_k_top_p=top_k is None)
         sampled = argmax
         if scaled is not None:
@@ -501,27 +503,42 @@ def _flags(values: list[bool], device) -> torch.Tensor:
     return _as_tensor([int(v) for v in values], device).bool()
 
 
-def _candidate_top_k(meta: SamplingMetadata, vocab_size: int) -> list[int] | None:
+def _candidate_top_k(meta: SamplingMetadata, vocab_size: int, fused_draw: bool = False) -> list[int] | None:
     """The per-row top-k of a sync-free draw among candidates (top_k_top_p_candidates), or None for the full sort:
-    every random row must have top-k (a greedy row takes its argmax whatever it is drawn from: 1 candidate), and
-    fewer candidates than half the vocabulary."""
+    every random row must have top-k, but a row whose draw is not taken from it (greedy: its argmax; with
+    fused_draw, a row without min-p / top-k / top-p: the kernel's) needs 1 candidate; and fewer candidates than half
+    the vocabulary."""
     if meta.top_k is None:
         return None
-    top_k = [k if k > 0 else (1 if greedy else 0) for k, greedy in zip(meta.top_k, meta.greedy)]
+    filtering = _filtering_list(meta) if fused_draw else None
+    plain = [False] * len(meta.greedy) if filtering is None else [not f for f in filtering]
+    top_k = [k if k > 0 else (1 if greedy or unfiltered else 0)
+             for k, greedy, unfiltered in zip(meta.top_k, meta.greedy, plain)]
     if not all(k > 0 for k in top_k) or max(top_k) * 2 >= vocab_size:
         return None
     return top_k
 
 
+def _filtering_list(meta: SamplingMetadata) -> list[bool] | None:
+    """Per row, whether it uses min-p, top-k or top-p, known on the host (None: min-p is on without a host copy)."""
+    num_rows = len(meta.greedy)
+    if meta.min_p is not None and meta.min_p_values is None:
+        return None
+    top_k = meta.top_k or [0] * num_rows
+    top_p = meta.top_p or [1.0] * num_rows
+    min_p = meta.min_p_values or [0.0] * num_rows
+    return [k > 0 or p < 1.0 or m > 0.0 for k, p, m in zip(top_k, top_p, min_p)]
+
+
 def _filtering_rows(meta: SamplingMetadata, device) -> torch.Tensor:
     """bool [num_rows] on the device: the rows that use min-p, top-k or top-p (no value read)."""
+    filtering = _filtering_list(meta)
+    if filtering is not None:
+        return _flags(filtering, device)
     num_rows = len(meta.greedy)
     top_k = meta.top_k or [0] * num_rows
     top_p = meta.top_p or [1.0] * num_rows
-    flags = _flags([k > 0 or p < 1.0 for k, p in zip(top_k, top_p)], device)
-    if meta.min_p is not None:
-        flags = flags | (meta.min_p > 0)
-    return flags
+    return _flags([k > 0 or p < 1.0 for k, p in zip(top_k, top_p)], device) | (meta.min_p > 0)
 
 
 def _fallback_on_device(num_rows: int, mask_rows: list[int], unmasked: torch.Tensor | None, grammar_rows: list[int],

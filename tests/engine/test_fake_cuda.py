@@ -462,10 +462,12 @@ def test_the_fused_draw_runs_the_cuda_paths(tiny_model_dir, monkeypatch, filters
     """ENGINE_FUSED_SAMPLER=1 on CUDA: a sampling step's draw goes through pagedkernels.sample_from_logits (its fake
     implementation checks every argument's device, dtype and shape) with no host sync, in a batch without min-p /
     top-k / top-p (the kernel alone: greedy, seeded, penalties, logit_bias and bad words beside it) and in one with
-    a filtering row (the tensor ops for that row, the kernel for the others)."""
+    a filtering row (the tensor ops for that row, among its top-k candidates: the rows the kernel draws need none,
+    so nothing sorts the batch; the kernel for the others)."""
     from engine.worker import sampler as sampler_module
 
     monkeypatch.setenv("ENGINE_FUSED_SAMPLER", "1")
+    monkeypatch.setattr(sampler_module, "_top_k_top_p_sorted", lambda *args: pytest.fail("the batch was sorted"))
     draws = []
     real = sampler_module.pk_sample_from_logits
     monkeypatch.setattr(sampler_module, "pk_sample_from_logits", lambda logits, temperature, uniform: (
