@@ -154,9 +154,12 @@ def _reached_engine(served) -> int:
 
 
 def test_sigterm_drains_then_ends_every_stream_in_band(served):
-    """Last: the server ends here. Long streams (1000 tokens) cannot finish within the 0.3 s grace period; the openai
-    client's stream and the non-streamed request start last, so they are in flight at the SIGTERM. A raw stream begun
-    earlier may have run to its end by then (finish_reason "length"); every other one ends in-band."""
+    """Last: the server ends here. Long streams (1000 tokens) cannot finish within the 0.3 s grace period; the
+    non-streamed request and then the openai client's stream start last, so they are in flight at the SIGTERM (sent
+    as soon as the openai stream's first chunk is in: 1000 tokens take over a second here, and waiting for the
+    non-streamed request to reach the engine after the openai stream began let that stream run to its end on a busy
+    machine, in CI). A raw stream begun earlier may have run to its end by then (finish_reason "length"); every other
+    one ends in-band."""
     pids = served.tree()
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 1000, "ignore_eos": True}
     started = [threading.Event() for _ in range(6)]
@@ -186,16 +189,16 @@ def test_sigterm_drains_then_ends_every_stream_in_band(served):
         streams = [pool.submit(stream, i) for i in range(len(started) - 1)]
         for event in started[:-1]:
             assert event.wait(60), "a stream did not start"
-        by_openai = pool.submit(openai_stream)
         whole = pool.submit(httpx.post, served.url + "/v1/completions", json=body, timeout=60)
-        assert started[-1].wait(60), "the openai client's stream did not start"
-        # The non-streamed request shows no event: wait until the engine holds it too (on a busy machine its
-        # thread could still be connecting when the listener closes, and get a refused connection, not a 503).
+        # The non-streamed request shows no event: wait until the engine holds it (on a busy machine its thread
+        # could still be connecting when the listener closes, and get a refused connection, not a 503).
         # Counted with the finished requests: a raw stream may end on its own meanwhile.
         deadline = time.monotonic() + 60
-        while _reached_engine(served) - before < len(started) + 1:
+        while _reached_engine(served) - before < len(started):   # the raw streams and this one
             assert time.monotonic() < deadline, "the non-streamed request never reached the engine"
             time.sleep(0.05)
+        by_openai = pool.submit(openai_stream)
+        assert started[-1].wait(60), "the openai client's stream did not start"
         signalled = time.monotonic()
         served.process.send_signal(signal.SIGTERM)
         deadline = signalled + LISTENER_CLOSE_S
