@@ -519,15 +519,16 @@ def _candidate_top_k(meta: SamplingMetadata, vocab_size: int, fused_draw: bool =
     return top_k
 
 
-def _filtering_list(meta: SamplingMetadata) -> list[bool] | None:
-    """Per row, whether it uses min-p, top-k or top-p, known on the host (None: min-p is on without a host copy)."""
+def _filtering_list(meta: SamplingMetadata, *, min_p: bool = True) -> list[bool] | None:
+    """Per row, whether it uses top-k, top-p or (unless `min_p` is False) min-p, known on the host (None: min-p is
+    on without a host copy, as a SamplingMetadata built by hand may have it)."""
     num_rows = len(meta.greedy)
-    if meta.min_p is not None and meta.min_p_values is None:
+    if min_p and meta.min_p is not None and meta.min_p_values is None:
         return None
     top_k = meta.top_k or [0] * num_rows
     top_p = meta.top_p or [1.0] * num_rows
-    min_p = meta.min_p_values or [0.0] * num_rows
-    return [k > 0 or p < 1.0 or m > 0.0 for k, p, m in zip(top_k, top_p, min_p)]
+    min_ps = (meta.min_p_values if min_p else None) or [0.0] * num_rows
+    return [k > 0 or p < 1.0 or m > 0.0 for k, p, m in zip(top_k, top_p, min_ps)]
 
 
 def _filtering_rows(meta: SamplingMetadata, device) -> torch.Tensor:
@@ -535,10 +536,7 @@ def _filtering_rows(meta: SamplingMetadata, device) -> torch.Tensor:
     filtering = _filtering_list(meta)
     if filtering is not None:
         return _flags(filtering, device)
-    num_rows = len(meta.greedy)
-    top_k = meta.top_k or [0] * num_rows
-    top_p = meta.top_p or [1.0] * num_rows
-    return _flags([k > 0 or p < 1.0 for k, p in zip(top_k, top_p)], device) | (meta.min_p > 0)
+    return _flags(_filtering_list(meta, min_p=False), device) | (meta.min_p > 0)
 
 
 def _fallback_on_device(num_rows: int, mask_rows: list[int], unmasked: torch.Tensor | None, grammar_rows: list[int],

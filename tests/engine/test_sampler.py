@@ -261,3 +261,15 @@ def test_a_draft_draw_with_its_probabilities():
     # the random row's draws come from q: only its kept tokens, the likeliest most often
     assert set(ids[:, 1].tolist()) <= set(keep.tolist()) and len(set(ids[:, 1].tolist())) > 1
     assert torch.bincount(ids[:, 1], minlength=vocab).argmax() == order[0]
+
+
+def test_filtering_rows_with_min_p_on_the_device_only():
+    """The rows that filter (min-p, top-k, top-p): from the host's copy of min-p when the metadata has one (the
+    runner's and from_sequences'), else from min-p on the device; the same flags either way."""
+    from engine.worker.sampler import SamplingMetadata, _filtering_rows
+
+    meta = SamplingMetadata(temperature=torch.ones(4), greedy=[False] * 4, top_k=[0, 5, 0, 0],
+                            top_p=[1.0, 1.0, 0.9, 1.0], min_p=torch.tensor([0.1, 0.0, 0.0, 0.0]))
+    device_only = _filtering_rows(meta, "cpu").tolist()
+    meta.min_p_values = [0.1, 0.0, 0.0, 0.0]
+    assert device_only == _filtering_rows(meta, "cpu").tolist() == [True, True, True, False]
