@@ -15,6 +15,21 @@ decides the draw. A token of weight 0 (a logit of -inf, or NaN) is never drawn. 
 argmax (the first index on ties). NaN logits count as -inf and +inf as the largest float32, as the sampler
 cleans them. The PyTorch twin computes the same with tensor ops; the two agree on every draw except where the
 uniform falls within rounding of a boundary between two tokens (their exponentials and sums round differently).
+
+**Top-k and top-p without a sort.** With per-row ``top_k`` / ``top_p``, the draw is among the tokens they keep,
+with vLLM's semantics: top-k keeps every token with fewer than ``k`` tokens above it (ties at the k-th value all
+stay), then top-p keeps, of those, every token whose weight above it is below ``p`` times the top-k survivors'
+weight (the maximum always stays). Each keeps an upper set of the row's values, so each is a threshold, and the
+kernel searches for it instead of sorting the row. A search pass counts the tokens and sums the weight above eight
+pivots at once, and records the smallest and largest value between each two; the interval that holds the threshold
+then shrinks to the values inside it, until it holds a single value. The first pass places its pivots 32 to 1
+temperatures below the row's maximum, where LLM distributions put the thresholds; later ones split the interval's
+float32 keys (the values' bits, ordered as integers) evenly. On SmolLM2's logits a row took 1.63 search passes on
+average for top-p 0.9 at temperature 0.6 (Llama 3's generation config) and 3.87 for top-k 20 and top-p 0.95 (Qwen3's)
+(``python -m bench.sampling_passes``), where a sort of 256 rows of a 151,936-token vocabulary orders 39M keys. The draw then is the same inverse-CDF draw,
+in token-id order, over the tokens at or above the threshold, as the engine's draw among a top-k selection
+(engine/worker/sampler.py) takes its tokens in that order too. Where a float32 sum decides a token's side of the
+top-p bound within rounding, the kernel and a sort may keep it differently.
 """
 
 from __future__ import annotations
@@ -29,6 +44,8 @@ from ._validate import FLOAT_DTYPES, check_tensor
 FLOAT32_MAX = torch.finfo(torch.float32).max
 _BLOCK = 4096   # logits a program reads per iteration: 16 KiB of float32 in flight per row
 _NUM_WARPS = 8
+_SEARCH_BLOCK = 1024   # logits per iteration of a threshold search pass
+_PIVOTS = 8   # thresholds a search pass tests at once: the interval shrinks ninefold a pass
 
 
 @triton.jit
@@ -39,15 +56,155 @@ def _clean(x):
 
 
 @triton.jit
+def _key(x):
+    """float32 -> int32 key in the values' order, one key per value (-0.0 and +0.0 both 0): a negative float's
+    magnitude bits flipped, plus one."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, (bits ^ 0x7FFFFFFF) + 1, bits)
+
+
+@triton.jit
+def _unkey(key):
+    """The inverse of _key: int32 key -> float32."""
+    bits = tl.where(key < 0, (key - 1) ^ 0x7FFFFFFF, key)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _weight(x, best, temperature):
+    """The draw's weight of each cleaned logit: exp((x - max) / T), 0 for -inf."""
+    return tl.where(x > float("-inf"), tl.exp((x - best) / temperature), 0.0)
+
+
+@triton.jit
+def _above(base, vocab, best, temperature, lower, upper, PIVOTS: tl.constexpr, SEARCH_BLOCK: tl.constexpr):
+    """One pass over the row for PIVOTS ascending intervals (lower, upper] (float32 [PIVOTS] each, every interval's
+    lower bound the previous one's upper): per interval, how many tokens lie strictly above its upper bound and
+    their total weight, and the smallest and largest value inside it (+inf / -inf: none). The pivots are taken
+    one at a time over each block (a [block, pivots] tensor would spill registers)."""
+    offs = tl.arange(0, SEARCH_BLOCK)
+    j = tl.arange(0, PIVOTS)
+    count = tl.zeros([PIVOTS], dtype=tl.int32)
+    mass = tl.zeros([PIVOTS], dtype=tl.float32)
+    smallest = tl.full([PIVOTS], float("inf"), tl.float32)
+    largest = tl.full([PIVOTS], float("-inf"), tl.float32)
+    first_lower = tl.sum(tl.where(j == 0, lower, 0.0), axis=0)
+    for start in range(0, vocab, SEARCH_BLOCK):
+        idx = start + offs
+        x = _clean(tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32))
+        w = _weight(x, best, temperature)
+        below = x > first_lower   # above the interval's lower bound
+        for p in tl.static_range(PIVOTS):
+            bound = tl.sum(tl.where(j == p, upper, 0.0), axis=0)
+            above = x > bound
+            inside = below & (x <= bound)
+            here = j == p
+            count = tl.where(here, count + tl.sum(above.to(tl.int32), axis=0), count)
+            mass = tl.where(here, mass + tl.sum(tl.where(above, w, 0.0), axis=0), mass)
+            smallest = tl.where(here, tl.minimum(smallest, tl.min(tl.where(inside, x, float("inf")), axis=0)),
+                                smallest)
+            largest = tl.where(here, tl.maximum(largest, tl.max(tl.where(inside, x, float("-inf")), axis=0)),
+                               largest)
+            below = above
+    return count, mass, smallest, largest
+
+
+@triton.jit
+def _narrow(lo, hi, count_lo, mass_lo, count, mass, smallest, largest, holds, PIVOTS: tl.constexpr):
+    """The search's interval (lo, hi] of int64 keys (its condition false at lo, true at hi; count_lo / mass_lo: the
+    tokens and weight above lo) narrowed to the tokens of the first of _above's intervals where the condition
+    (`holds` at each upper bound: false then true) becomes true: from the smallest of them (less one key: nothing
+    lies between, so the condition is as false there as at the interval's lower bound) to the largest."""
+    j = tl.arange(0, PIVOTS)
+    first = tl.minimum(tl.sum((holds == 0).to(tl.int32), axis=0), PIVOTS - 1)
+    key_lo = _key(tl.sum(tl.where(j == first, smallest, 0.0), axis=0)).to(tl.int64) - 1
+    key_hi = _key(tl.sum(tl.where(j == first, largest, 0.0), axis=0)).to(tl.int64)
+    take_lo = key_lo > lo
+    count_lo = tl.where(take_lo & (first > 0), tl.sum(tl.where(j == first - 1, count, 0), axis=0), count_lo)
+    mass_lo = tl.where(take_lo & (first > 0), tl.sum(tl.where(j == first - 1, mass, 0.0), axis=0), mass_lo)
+    lo = tl.where(take_lo, key_lo, lo)
+    hi = tl.minimum(key_hi, hi)
+    return lo, hi, count_lo, mass_lo
+
+
+@triton.jit
+def _bisect(base, vocab, best, temperature, lo, hi, count_lo, mass_lo, limit, BY_MASS: tl.constexpr,
+            PIVOTS: tl.constexpr, SEARCH_BLOCK: tl.constexpr):
+    """Passes over PIVOTS intervals evenly splitting the keys of (lo, hi], each narrowed to its tokens, until one
+    value is left in it: every token from it up meets the condition (fewer than `limit` tokens above it, or with
+    BY_MASS less weight than `limit`) and none below it does. A pass shrinks the interval at least ninefold and
+    never keeps an empty one; 64 passes would cover the keys twice over."""
+    j = tl.arange(0, PIVOTS).to(tl.int64)
+    passes = 0
+    while (hi - lo > 1) & (passes < 64):
+        width = hi - lo
+        upper = _unkey((lo + (width * (j + 1)) // PIVOTS).to(tl.int32))
+        lower = _unkey((lo + (width * j) // PIVOTS).to(tl.int32))
+        count, mass, smallest, largest = _above(base, vocab, best, temperature, lower, upper, PIVOTS, SEARCH_BLOCK)
+        if BY_MASS:
+            holds = mass < limit
+        else:
+            holds = count < limit
+        lo, hi, count_lo, mass_lo = _narrow(lo, hi, count_lo, mass_lo, count, mass, smallest, largest, holds, PIVOTS)
+        passes += 1
+    return lo, count_lo, mass_lo, passes
+
+
+@triton.jit
+def _coverage_bound(j, best, temperature, PIVOTS: tl.constexpr):
+    """The first pass's interval bounds: -inf, then 32, 16, ..., 1 temperatures below the row's maximum, then it."""
+    below = best - temperature * tl.exp2((PIVOTS - 2 - j).to(tl.float32))
+    return tl.where(j <= 0, float("-inf"), tl.where(j >= PIVOTS - 1, best, below))
+
+
+@triton.jit
+def _threshold(base, vocab, best, temperature, top_k, top_p, PIVOTS: tl.constexpr, SEARCH_BLOCK: tl.constexpr):
+    """The smallest value a row keeps (-inf: every live token) under top_k (<= 0 or >= the live tokens: off) then
+    top_p (>= 1: off), and the passes over the row the search took."""
+    j = tl.arange(0, PIVOTS)
+    count, mass, smallest, largest = _above(base, vocab, best, temperature,
+                                            _coverage_bound(j - 1, best, temperature, PIVOTS),
+                                            _coverage_bound(j, best, temperature, PIVOTS), PIVOTS, SEARCH_BLOCK)
+    live = tl.sum(tl.where(j == 0, count, 0), axis=0)        # above -inf
+    count_lo = live
+    mass_lo = tl.sum(tl.where(j == 0, mass, 0.0), axis=0)
+    lo = _key(tl.full((), float("-inf"), tl.float32)).to(tl.int64)
+    top = _key(best).to(tl.int64)
+    passes = 1
+    if (top_k > 0) & (top_k < live):
+        lo, hi, count_lo, mass_lo = _narrow(lo, top, count_lo, mass_lo, count, mass, smallest, largest,
+                                            count < top_k, PIVOTS)
+        lo, count_lo, mass_lo, k_passes = _bisect(base, vocab, best, temperature, lo, hi, count_lo, mass_lo, top_k,
+                                                  False, PIVOTS, SEARCH_BLOCK)
+        passes += k_passes
+    if top_p < 1.0:
+        # Of the top-k survivors' weight; above 0, so that the maximum stays even for a top_p of 0 or less.
+        target = tl.maximum(top_p * mass_lo, 1e-30)
+        lo, hi, count_lo, mass_lo = _narrow(lo, top, count_lo, mass_lo, count, mass, smallest, largest,
+                                            mass < target, PIVOTS)
+        lo, count_lo, mass_lo, p_passes = _bisect(base, vocab, best, temperature, lo, hi, count_lo, mass_lo, target,
+                                                  True, PIVOTS, SEARCH_BLOCK)
+        passes += p_passes
+    return _unkey((lo + 1).to(tl.int32)), passes
+
+
+@triton.jit
 def _sample_kernel(
     logits_ptr,  # [num_rows, vocab], fp32/fp16/bf16
     temperature_ptr,  # float32 [num_rows]; 0 = greedy
     uniform_ptr,  # float32 [num_rows] in [0, 1)
+    top_k_ptr,  # int32/int64 [num_rows], <= 0 or >= vocab: off (read when FILTER)
+    top_p_ptr,  # float32 [num_rows], >= 1: off (read when FILTER)
     ids_ptr,  # int64 [num_rows]
     row_max_ptr,  # float32 [num_rows]
+    passes_ptr,  # int32 [num_rows]: the threshold search's passes over the row (written when COUNT_PASSES)
     vocab,
     stride_row: tl.int64,
     BLOCK: tl.constexpr,
+    FILTER: tl.constexpr,  # top_k / top_p given
+    PIVOTS: tl.constexpr,
+    SEARCH_BLOCK: tl.constexpr,
+    COUNT_PASSES: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_row
@@ -68,13 +225,23 @@ def _sample_kernel(
 
     temperature = tl.minimum(tl.load(temperature_ptr + row), 3.4028234663852886e38)
     if (temperature > 0) & (best > float("-inf")):
+        # The kept tokens: from `floor` up (every live one, or top-k's / top-p's smallest).
+        floor = tl.full((), float("-inf"), tl.float32)
+        if FILTER:
+            top_k = tl.minimum(tl.load(top_k_ptr + row), vocab).to(tl.int32)
+            top_p = tl.load(top_p_ptr + row)
+            passes = 0
+            if (top_k > 0) | (top_p < 1.0):
+                floor, passes = _threshold(base, vocab, best, temperature, top_k, top_p, PIVOTS, SEARCH_BLOCK)
+            if COUNT_PASSES:
+                tl.store(passes_ptr + row, passes)
         # Pass 2: the total weight, block by block. Pass 3 adds the same block sums in the same order, so the
         # block whose carry passes the target is found exactly where pass 2's sum put it.
         total = tl.full((), 0.0, tl.float32)
         for start in range(0, vocab, BLOCK):
             idx = start + offs
             x = _clean(tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32))
-            w = tl.where(x > float("-inf"), tl.exp((x - best) / temperature), 0.0)
+            w = tl.where(x >= floor, _weight(x, best, temperature), 0.0)
             total += tl.sum(w, axis=0)
         # Strictly below the total (its float32 predecessor; total >= 1, the maximum's own weight).
         target = tl.minimum(tl.load(uniform_ptr + row) * total,
@@ -87,7 +254,7 @@ def _sample_kernel(
         while pos < vocab:
             idx = pos + offs
             x = _clean(tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32))
-            w = tl.where(x > float("-inf"), tl.exp((x - best) / temperature), 0.0)
+            w = tl.where(x >= floor, _weight(x, best, temperature), 0.0)
             block_sum = tl.sum(w, axis=0)
             live_here = tl.max(tl.where(w > 0, idx, -1), axis=0)
             last_live = tl.where(live_here >= 0, live_here, last_live)
@@ -107,7 +274,7 @@ def _sample_kernel(
     tl.store(row_max_ptr + row, best)
 
 
-def check_sample_from_logits_args(logits, temperature, uniform) -> None:
+def check_sample_from_logits_args(logits, temperature, uniform, top_k=None, top_p=None) -> None:
     """Every check of :func:`sample_from_logits`'s arguments that reads no tensor value."""
     check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
     num_rows, vocab = logits.shape
@@ -120,40 +287,93 @@ def check_sample_from_logits_args(logits, temperature, uniform) -> None:
         raise ValueError("logits must be contiguous in its last dimension")
     check_tensor("temperature", temperature, dtypes=(torch.float32,), like=("logits", logits), shape=(num_rows,))
     check_tensor("uniform", uniform, dtypes=(torch.float32,), like=("logits", logits), shape=(num_rows,))
+    if top_k is not None:
+        check_tensor("top_k", top_k, dtypes=(torch.int32, torch.int64), like=("logits", logits), shape=(num_rows,))
+    if top_p is not None:
+        check_tensor("top_p", top_p, dtypes=(torch.float32,), like=("logits", logits), shape=(num_rows,))
 
 
-def sample_from_logits(logits: torch.Tensor, temperature: torch.Tensor,
-                       uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_from_logits(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor,
+                       top_k: torch.Tensor | None = None,
+                       top_p: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``logits`` (see the module docstring).
 
     logits: ``[num_rows, vocab]`` fp32/fp16/bf16 (last dim contiguous; not modified). temperature: float32
     ``[num_rows]``, 0 for a greedy row (the argmax), above float32's range taken as its largest value.
-    uniform: float32 ``[num_rows]`` in [0, 1), one number per row (a greedy row's is not read). Returns
-    ``(ids, row_max)``: int64 ``[num_rows]`` token ids, and float32 ``[num_rows]`` each row's maximum after the
-    clean-up, -inf for a row with nothing to draw (every logit -inf or NaN: its id is then 0, and the caller
-    decides what such a row takes). No value is read back to the host: CUDA-graph capturable.
+    uniform: float32 ``[num_rows]`` in [0, 1), one number per row (a greedy row's is not read). top_k: optional
+    int32/int64 ``[num_rows]``, the row's top-k (0, or the vocabulary or more: off); top_p: optional float32
+    ``[num_rows]`` in (0, 1], the row's top-p (1: off); a greedy row's are not read. Returns ``(ids, row_max)``:
+    int64 ``[num_rows]`` token ids, and float32 ``[num_rows]`` each row's maximum after the clean-up, -inf for a
+    row with nothing to draw (every logit -inf or NaN: its id is then 0, and the caller decides what such a row
+    takes). No value is read back to the host: CUDA-graph capturable.
     """
-    check_sample_from_logits_args(logits, temperature, uniform)
+    check_sample_from_logits_args(logits, temperature, uniform, top_k, top_p)
     num_rows, vocab = logits.shape
     ids = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     row_max = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
-    if has_no_data(logits, temperature, uniform) or num_rows == 0:
+    if has_no_data(logits, temperature, uniform, top_k, top_p) or num_rows == 0:
         return ids, row_max
+    filtered = top_k is not None or top_p is not None
+    if filtered:
+        top_k = top_k if top_k is not None else torch.zeros(num_rows, dtype=torch.int32, device=logits.device)
+        top_p = top_p if top_p is not None else torch.ones(num_rows, dtype=torch.float32, device=logits.device)
     if use_triton(logits):
-        _sample_kernel[(num_rows,)](logits, temperature, uniform, ids, row_max, vocab, logits.stride(0),
-                                    BLOCK=_BLOCK, num_warps=_NUM_WARPS)
+        _sample_kernel[(num_rows,)](logits, temperature, uniform, top_k if filtered else ids,
+                                    top_p if filtered else row_max, ids, row_max, ids, vocab, logits.stride(0),
+                                    BLOCK=_BLOCK, FILTER=filtered, PIVOTS=_PIVOTS, SEARCH_BLOCK=_SEARCH_BLOCK,
+                                    COUNT_PASSES=False, num_warps=_NUM_WARPS)
         return ids, row_max
-    return _sample_torch(logits, temperature, uniform, ids, row_max)
+    return _sample_torch(logits, temperature, uniform, ids, row_max, top_k, top_p)
 
 
-def _sample_torch(logits, temperature, uniform, ids, row_max):
+
+def threshold_search_passes(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                            top_p: torch.Tensor) -> torch.Tensor:
+    """How many passes over each row the Triton kernel's top-k / top-p threshold search takes (int32
+    ``[num_rows]``; 0 for a row without either, greedy, or with nothing to draw): what it costs beyond the unfiltered
+    draw's three passes. For benchmarks and tests (the interpreter counts the same passes on CPU tensors)."""
+    check_sample_from_logits_args(logits, temperature, temperature, top_k, top_p)
+    num_rows, vocab = logits.shape
+    ids = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    row_max = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
+    passes = torch.zeros(num_rows, dtype=torch.int32, device=logits.device)
+    _sample_kernel[(num_rows,)](logits, temperature, torch.zeros_like(temperature), top_k, top_p, ids, row_max, passes,
+                                vocab, logits.stride(0), BLOCK=_BLOCK, FILTER=True, PIVOTS=_PIVOTS,
+                                SEARCH_BLOCK=_SEARCH_BLOCK, COUNT_PASSES=True, num_warps=_NUM_WARPS)
+    return passes
+
+def _kept_floor(x: torch.Tensor, weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The twin of the kernel's threshold search, by a sort: per row of cleaned logits x [num_rows, vocab] and
+    their draw weights, the smallest value top-k then top-p keep ([num_rows, 1]; -inf: every live token)."""
+    num_rows, vocab = x.shape
+    values, order = x.sort(dim=-1, descending=True)
+    sorted_weights = weights.gather(1, order)
+    live = (values > float("-inf")).sum(dim=-1, keepdim=True)
+    # Per position: the tokens strictly above its value (the index of its value's first occurrence, descending).
+    ascending = values.flip(-1).contiguous()
+    above = vocab - torch.searchsorted(ascending, values, right=True)
+    k = top_k.to(torch.int64).unsqueeze(1)
+    k_on = (k > 0) & (k < live)
+    kept = (values > float("-inf")) & (~k_on | (above < k))
+    mass_above = (sorted_weights.cumsum(dim=-1) - sorted_weights).gather(1, above)
+    survivors = torch.where(kept, sorted_weights, 0.0).sum(dim=-1, keepdim=True)
+    p = top_p.unsqueeze(1)
+    kept &= (p >= 1.0) | (mass_above < p * survivors)
+    count = kept.sum(dim=-1, keepdim=True).clamp(min=1)
+    floor = values.gather(1, count - 1)
+    return torch.where((k_on | (p < 1.0)) & (live > 0), floor, float("-inf"))
+
+
+def _sample_torch(logits, temperature, uniform, ids, row_max, top_k=None, top_p=None):
     """The PyTorch twin: the same draw with tensor ops (the engine sampler's way: engine/worker/sampler.py)."""
     x = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=FLOAT32_MAX, neginf=float("-inf"))
     torch.amax(x, dim=-1, out=row_max)
     torch.argmax(x, dim=-1, out=ids)
     sample = (temperature > 0) & (row_max > float("-inf"))
     scale = torch.where(temperature > 0, temperature.clamp(max=FLOAT32_MAX), 1.0).unsqueeze(1)
-    weights = x.sub_(row_max.unsqueeze(1)).div_(scale).nan_to_num_(nan=float("-inf")).exp_()
+    weights = (x - row_max.unsqueeze(1)).div_(scale).nan_to_num_(nan=float("-inf")).exp_()
+    if top_k is not None:
+        weights = weights.masked_fill_(x < _kept_floor(x, weights, top_k, top_p), 0.0)
     cdf = weights.cumsum_(dim=-1)
     total = cdf[:, -1:]
     target = torch.minimum(uniform.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))

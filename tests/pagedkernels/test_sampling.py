@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import pagedkernels as pk
+from pagedkernels._backend import interpreter_active
 
 sampling = importlib.import_module("pagedkernels.sampling")
 
@@ -124,6 +125,172 @@ def test_draw_frequencies_are_the_probabilities(backend, device):
     assert counts[[3, 17, 49]].sum() == 0
 
 
+
+def oracle_kept(logits, temperature, top_k, top_p, tol=1e-5):
+    """float64 (kept [rows, vocab] bool, weights, unsure [rows] bool) of vLLM's top-k then top-p: top-k keeps the
+    tokens with fewer than k tokens above them, top-p of those the ones whose weight above them is below p times
+    the top-k survivors' weight. `unsure`: rows where a token's weight above it is within `tol` (relative) of that
+    bound, where float32's sums may decide either way."""
+    x = torch.nan_to_num(logits.double().cpu(), nan=float("-inf"), posinf=FLOAT32_MAX, neginf=float("-inf"))
+    t = temperature.double().cpu().clamp(max=FLOAT32_MAX).unsqueeze(1)
+    weights = ((x - x.amax(dim=-1, keepdim=True)) / t).exp().nan_to_num(nan=0.0)
+    live = x > float("-inf")
+    values, order = x.sort(dim=-1, descending=True)
+    # Tokens above each one: the position of its value's first occurrence in descending order.
+    above_count = torch.empty_like(order).scatter_(
+        1, order, x.size(1) - torch.searchsorted(values.flip(-1).contiguous(), values, right=True))
+    k = top_k.cpu().unsqueeze(1)
+    kept = live & ((k <= 0) | (k >= live.sum(dim=-1, keepdim=True)) | (above_count < k))
+    kept_weights = torch.where(kept, weights, 0.0)
+    sorted_weights = kept_weights.gather(1, order)
+    exclusive = sorted_weights.cumsum(dim=-1) - sorted_weights       # kept weight before each, descending
+    above_mass = exclusive.gather(1, above_count)                     # before its value's first occurrence
+    bound = top_p.double().cpu().unsqueeze(1) * kept_weights.sum(dim=-1, keepdim=True)
+    filtered = top_p.cpu().unsqueeze(1) < 1.0
+    unsure = (filtered & kept & ((above_mass - bound).abs() <= tol * bound)).any(dim=-1)
+    kept &= ~filtered | (above_mass < bound) | (above_count == 0)   # the maximum always stays
+    return kept, torch.where(kept, weights, 0.0), unsure
+
+
+def filter_rows(vocab: int, dtype, generator) -> tuple[torch.Tensor, ...]:
+    """Rows that exercise top-k and top-p: both, either, neither, k = 1, k past the live tokens, ties at the k-th
+    value, a tiny and a huge temperature, masked and NaN tokens, a dead row, a greedy row with filters."""
+    rows = 14
+    logits = (torch.randn(rows, vocab, generator=generator) * 3.0).to(dtype)
+    logits[:, ::7] = float("-inf")
+    logits[1, 5::11] = float("nan")
+    logits[5, [4, 40, vocab - 3]] = 30.0           # three tied at the top: top-k 2 keeps all three
+    logits[6] = float("-inf")
+    logits[6, [2, vocab // 2, vocab - 1]] = torch.tensor([1.0, 2.0, 3.0], dtype=dtype)   # 3 live; top-k 10: off
+    logits[12] = float("-inf")                     # nothing to draw
+    temperature = torch.tensor([0.7, 1.0, 2.5, 0.6, 0.05, 1.0, 1.0, 3.0, 0.4, 1e-20, float("inf"), 1.0, 1.0, 0.0])
+    top_k = torch.tensor([0, 20, 1, 50, 5, 2, 10, 3000, 0, 7, 0, vocab, 4, 3])
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.95, 1.0, 1.0, 0.8, 0.99, 0.3, 0.5, 0.5, 0.9, 1e-6, 0.5])
+    return logits, temperature, top_k, top_p
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_top_k_top_p_draw_among_the_kept_tokens(backend, device, dtype, vocab):
+    skip_bf16_interpreter(backend, dtype, device)
+    g = torch.Generator().manual_seed(vocab + 1)
+    logits, temperature, top_k, top_p = filter_rows(vocab, dtype, g)
+    uniform = torch.rand(logits.shape[0], generator=g)
+    uniform[0], uniform[3] = 0.0, 1.0 - 2**-24
+    args = [t.to(device) for t in (logits, temperature, uniform, top_k, top_p)]
+    with pk.use_backend(backend):
+        ids, row_max = pk.sample_from_logits(*args)
+    checks = [(top_k, top_p, ids)]
+    if vocab < BLOCK:   # (the interpreter's time) int32 top-k, and one of the two filters alone: the other is off
+        with pk.use_backend(backend):
+            ids32, _ = pk.sample_from_logits(*args[:3], args[3].int(), args[4])
+            only_k, _ = pk.sample_from_logits(*args[:3], top_k=args[3])
+            only_p, _ = pk.sample_from_logits(*args[:3], top_p=args[4])
+        assert torch.equal(ids.cpu(), ids32.cpu())
+        checks += [(top_k, torch.ones_like(top_p), only_k), (torch.zeros_like(top_k), top_p, only_p)]
+    for k, p, drawn in checks:
+        kept, weights, unsure = oracle_kept(logits, temperature, k, p)
+        cdf = weights.cumsum(dim=-1)
+        cdf = cdf / cdf[:, -1:].clamp(min=1e-300)
+        for row, token in enumerate(drawn.cpu().tolist()):
+            if temperature[row] == 0 or row == 12 or unsure[row]:
+                continue
+            assert kept[row, token], (row, token, int(kept[row].sum()))
+            below = float(cdf[row, token - 1]) if token > 0 else 0.0
+            assert below - 1e-5 <= float(uniform[row]) <= float(cdf[row, token]) + 1e-5, (row, token)
+    assert ids[13].item() == int(torch.nan_to_num(logits[13].float(), nan=float("-inf")).argmax())   # greedy
+    assert ids[2].item() == int(torch.nan_to_num(logits[2].float(), nan=float("-inf")).argmax())      # top-k 1
+    assert ids[12].item() == 0 and row_max[12].item() == float("-inf")
+    assert int(oracle_kept(logits, temperature, top_k, top_p)[0][5].sum()) == 3   # the tie at the k-th value
+    # The kernel and the twin agree but within rounding of a boundary.
+    with pk.use_backend("torch"):
+        twin, _ = pk.sample_from_logits(*args)
+    kept, weights, unsure = oracle_kept(logits, temperature, top_k, top_p)
+    cdf = weights.cumsum(dim=-1) / weights.sum(dim=-1, keepdim=True).clamp(min=1e-300)
+    near = ((cdf - uniform.double().unsqueeze(1)).abs() < 1e-5).any(dim=-1)
+    assert bool(((ids.cpu() == twin.cpu()) | near | unsure).all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_top_k_top_p_frequencies(backend, device):
+    """A stratified sweep of the uniform: each kept token in proportion to its renormalized probability (within one
+    draw), the others never; ties at the k-th value stay together."""
+    # The interpreter runs a program per draw: fewer draws there (the twin's thousand check the same bound).
+    vocab, num_draws = 300, (64 if backend == "triton" and device == "cpu" else 1000)
+    g = torch.Generator().manual_seed(1)
+    row = torch.randn(vocab, generator=g) * 2.0
+    order = row.argsort(descending=True)
+    row[order[5]] = row[order[4]]   # the 5th and 6th tie
+    logits = row.expand(num_draws, vocab).contiguous()
+    temperature = torch.full((num_draws,), 0.8)
+    uniform = (torch.arange(num_draws, dtype=torch.float64) + 0.5).div(num_draws).float()
+    for k, p in ((5, 1.0), (0, 0.7), (12, 0.8)):
+        top_k = torch.full((num_draws,), k)
+        top_p = torch.full((num_draws,), p)
+        with pk.use_backend(backend):
+            ids, _ = pk.sample_from_logits(*(t.to(device) for t in (logits, temperature, uniform, top_k, top_p)))
+        kept, weights, _ = oracle_kept(logits[:1], temperature[:1], top_k[:1], top_p[:1])
+        probs = weights[0] / weights[0].sum()
+        counts = torch.bincount(ids.cpu(), minlength=vocab).double()
+        assert (counts - probs * num_draws).abs().max() <= 1.0 + 1e-9, (k, p)
+        assert counts[~kept[0]].sum() == 0
+        if k == 5:
+            assert int(kept[0].sum()) == 6   # the tie at the 5th value kept
+
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_top_k_top_p_edge_rows(backend, device):
+    """Rows whose values make the threshold search's keys awkward: signed zeros (one value), the float32 extremes,
+    +inf among finite values, denormals, a top-p of 0 (the maximum alone), a top-k equal to the live tokens."""
+    vocab = 40
+    logits = torch.randn(8, vocab, generator=torch.Generator().manual_seed(3))
+    logits[0] = 0.0
+    logits[0, ::2] = -0.0                                          # one value, both signs: all tied
+    logits[1, :20] = FLOAT32_MAX
+    logits[1, 20:] = -FLOAT32_MAX
+    logits[2, [3, 9]] = float("inf")                               # +inf ties at the largest float32
+    logits[3] = torch.arange(vocab) * 1e-45                        # denormals (and 0)
+    logits[4, 7] = 50.0
+    logits[5] = float("-inf")
+    logits[5, [1, 2, 30]] = torch.tensor([0.5, -0.5, 1.0])         # 3 live; top-k 3 keeps all
+    logits[6] = torch.linspace(-1e30, 1e30, vocab)
+    temperature = torch.tensor([1.0, 1.0, 0.5, 1.0, 1.0, 1.0, 1e29, 1.0])
+    top_k = torch.tensor([3, 5, 1, 4, 0, 3, 10, 0])
+    top_p = torch.tensor([0.5, 0.7, 1.0, 0.9, 0.0, 1.0, 0.6, 1e-8])
+    uniform = torch.linspace(0.05, 0.95, 8)
+    with pk.use_backend(backend):
+        ids, _ = pk.sample_from_logits(*(t.to(device) for t in (logits, temperature, uniform, top_k, top_p)))
+    kept, _, _ = oracle_kept(logits, temperature, top_k, top_p)
+    assert int(kept[0].sum()) == vocab and int(kept[1].sum()) == 20
+    for row, token in enumerate(ids.cpu().tolist()):
+        assert kept[row, token], (row, token)
+    assert ids[2].item() == 3                                      # top-k 1 among tied +inf: the first
+    assert ids[4].item() == 7 and ids[7].item() == int(logits[7].argmax())   # top-p 0 and 1e-8: the maximum
+
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and not interpreter_active(),
+                    reason="counts the Triton kernel's passes: needs a GPU or the Triton interpreter")
+def test_the_threshold_search_takes_few_passes(device):
+    """The search's cost: passes over the row beyond the unfiltered draw's three. On rows of spread logits, a few
+    for Qwen3's top-k 20 / top-p 0.95 and Llama 3's top-p 0.9 (a search run to the keys' full resolution takes
+    about ten); none for a row without either filter, a greedy row or a dead one."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(8, 2 * BLOCK + 37, generator=g) * 3.0).to(device)
+    temperature = torch.full((8,), 0.6, device=device)
+    for k, p, most in ((20, 0.95, 6.0), (0, 0.9, 4.0)):
+        passes = sampling.threshold_search_passes(logits, temperature, torch.full((8,), k, device=device),
+                                                  torch.full((8,), p, device=device)).cpu()
+        assert passes.min() >= 1 and passes.float().mean() <= most and passes.max() <= 8, (k, p, passes.tolist())
+    temperature[1] = 0.0
+    logits[2] = float("-inf")
+    passes = sampling.threshold_search_passes(logits, temperature, torch.tensor([0, 20, 20] + [0] * 5, device=device),
+                                              torch.ones(8, device=device)).cpu()
+    assert passes.tolist() == [0] * 8
+
+
 def test_arguments_are_checked():
     logits = torch.zeros(2, 8)
     t, u = torch.ones(2), torch.zeros(2)
@@ -141,11 +308,21 @@ def test_arguments_are_checked():
         pk.sample_from_logits(logits, torch.ones(2, dtype=torch.float64), u)
     with pytest.raises(ValueError, match="uniform"):
         pk.sample_from_logits(logits, t, torch.zeros(2, 1))
+    with pytest.raises(ValueError, match="top_k"):
+        pk.sample_from_logits(logits, t, u, top_k=torch.ones(2))
+    with pytest.raises(ValueError, match="top_k"):
+        pk.sample_from_logits(logits, t, u, top_k=torch.ones(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="top_p"):
+        pk.sample_from_logits(logits, t, u, top_p=torch.ones(2, dtype=torch.float64))
 
 
 def test_meta_tensors_are_checked_and_shaped():
     ids, row_max = pk.sample_from_logits(torch.empty(5, 100, device="meta"), torch.empty(5, device="meta"),
                                          torch.empty(5, device="meta"))
     assert ids.shape == (5,) and ids.dtype == torch.int64 and row_max.shape == (5,)
+    ids, _ = pk.sample_from_logits(torch.empty(5, 100, device="meta"), torch.empty(5, device="meta"),
+                                   torch.empty(5, device="meta"), torch.empty(5, dtype=torch.int64, device="meta"),
+                                   torch.empty(5, device="meta"))
+    assert ids.shape == (5,)
     ids, _ = pk.sample_from_logits(torch.zeros(0, 10), torch.zeros(0), torch.zeros(0))
     assert ids.shape == (0,)
