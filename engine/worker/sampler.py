@@ -246,8 +246,8 @@ class Sampler:
                  fused_draw: bool = False):
         self.seed, self.device = seed, device
         self.sync_free = torch.device(device).type == "cuda" if sync_free is None else sync_free
-        # The sync-free draw of the rows without min-p / top-k / top-p in one kernel (pagedkernels.
-        # sample_from_logits: the argmax, or the inverse-CDF draw at the row's temperature) instead of a dozen
+        # The sync-free draw of the rows without min-p in one kernel (pagedkernels.sample_from_logits: the argmax,
+        # or the inverse-CDF draw at the row's temperature, among the tokens top-k / top-p keep) instead of a dozen
         # passes of tensor ops over the logits (DevicePolicy.fused_sampler).
         self.fused_draw = fused_draw
         self._generator: torch.Generator | None = None
@@ -302,17 +302,21 @@ class Sampler:
     def _sample_on_device(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """The sync-free draw (see the class docstring): the same stages in the same order, every row's greedy and
         random pick computed and the right one taken per row, a dead row's fallback chosen by masks. With
-        fused_draw, a row without min-p / top-k / top-p takes its token from pagedkernels.sample_from_logits
-        whatever else is in the batch (a seeded row then draws the same token in any batch); the rows that filter
-        take theirs from the filtered logits, here."""
+        fused_draw, in a batch without min-p every row takes its token from pagedkernels.sample_from_logits (top-k
+        and top-p by its threshold search: no sort of the batch); in a batch with min-p the rows that filter take
+        theirs from the filtered logits, here, and every other row the kernel's, so that a seeded row without filters
+        draws the same token in any batch."""
         num_rows, vocab_size = logits.shape
-        filtering = meta.min_p is not None or meta.top_k is not None or meta.top_p is not None
-        if self.fused_draw and not filtering:
+        if self.fused_draw and meta.min_p is None:
             unmasked, mask_rows, grammar_rows, grammar_bitmask = apply_stages(logits, meta)
             uniform = self._all_rows_uniform(logits, meta)
+            # Top-k / top-p by the kernel's threshold search, their values from pinned memory (no sort, no sync).
+            top_k = _as_tensor(meta.top_k, logits.device) if meta.top_k is not None else None
+            top_p = _as_tensor([float(p) for p in meta.top_p], logits.device) if meta.top_p is not None else None
             # Every row greedy: no uniform is read (the temperatures stand in, a float32 [num_rows] at hand).
             sampled, row_max = pk_sample_from_logits(logits, meta.temperature,
-                                                     uniform if uniform is not None else meta.temperature)
+                                                     uniform if uniform is not None else meta.temperature,
+                                                     top_k, top_p)
             fallback = _fallback_on_device(num_rows, mask_rows, unmasked, grammar_rows, grammar_bitmask, vocab_size,
                                            logits.device)
             return torch.where(row_max == float("-inf"), fallback, sampled)

@@ -457,29 +457,39 @@ def _sample_two_steps(model_dir: str, kinds: list[SamplingParams], monkeypatch) 
     return runner
 
 
-@pytest.mark.parametrize("filters", [False, True])
+@pytest.mark.parametrize("filters", ["none", "top_k_top_p", "min_p"])
 def test_the_fused_draw_runs_the_cuda_paths(tiny_model_dir, monkeypatch, filters):
     """ENGINE_FUSED_SAMPLER=1 on CUDA: a sampling step's draw goes through pagedkernels.sample_from_logits (its fake
-    implementation checks every argument's device, dtype and shape) with no host sync, in a batch without min-p /
-    top-k / top-p (the kernel alone: greedy, seeded, penalties, logit_bias and bad words beside it) and in one with
-    a filtering row (the tensor ops for that row, among its top-k candidates: the rows the kernel draws need none,
-    so nothing sorts the batch; the kernel for the others)."""
+    implementation checks every argument's device, dtype and shape) with no host sync and nothing sorting the batch:
+    in a batch without min-p / top-k / top-p (the kernel alone: greedy, seeded, penalties, logit_bias and bad words
+    beside it), in one with top-k / top-p rows (the kernel's threshold search for them, their values on the device:
+    no candidates either), and in one with a min-p row (the tensor ops for that row, among its top-k candidates;
+    the kernel for the others)."""
     from engine.worker import sampler as sampler_module
 
     monkeypatch.setenv("ENGINE_FUSED_SAMPLER", "1")
     monkeypatch.setattr(sampler_module, "_top_k_top_p_sorted", lambda *args: pytest.fail("the batch was sorted"))
+    candidates = []
+    real_candidates = sampler_module.top_k_top_p_candidates
+    monkeypatch.setattr(sampler_module, "top_k_top_p_candidates",
+                        lambda *args: (candidates.append(1), real_candidates(*args))[1])
     draws = []
     real = sampler_module.pk_sample_from_logits
-    monkeypatch.setattr(sampler_module, "pk_sample_from_logits", lambda logits, temperature, uniform: (
-        draws.append((logits.device.type, logits.shape, temperature.device.type, uniform.device.type)),
-        real(logits, temperature, uniform))[1])
+    monkeypatch.setattr(sampler_module, "pk_sample_from_logits", lambda logits, *args: (
+        draws.append((logits.device.type, logits.shape, *(None if a is None else a.device.type for a in args))),
+        real(logits, *args))[1])
     kinds = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=3),
              SamplingParams(temperature=0.7, repetition_penalty=1.2, logit_bias={3: 2.0}, bad_words=["x"])]
-    if filters:
+    if filters == "top_k_top_p":
+        kinds += [SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=5), SamplingParams(top_p=0.8)]
+    if filters == "min_p":
         kinds.append(SamplingParams(temperature=0.9, top_k=20, top_p=0.9, min_p=0.05))
     runner = _sample_two_steps(tiny_model_dir("llama"), kinds, monkeypatch)
     assert runner.sampler.fused_draw
-    assert draws == [("cuda", (len(kinds), runner.config.vocab_size), "cuda", "cuda")] * 2
+    shape = (len(kinds), runner.config.vocab_size)
+    filter_args = {"none": (None, None), "top_k_top_p": ("cuda", "cuda"), "min_p": ()}[filters]
+    assert draws == [("cuda", shape, "cuda", "cuda", *filter_args)] * 2
+    assert len(candidates) == (2 if filters == "min_p" else 0)
 
 
 def test_a_top_k_batch_draws_among_candidates_on_the_cuda_paths(tiny_model_dir, monkeypatch):
