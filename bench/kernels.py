@@ -817,11 +817,14 @@ def sample_from_logits_case(device, dtype, *, num_rows: int, vocab: int, tempera
 
 
 def sampler_top_k_top_p_case(device, dtype, *, num_rows: int, vocab: int, top_k: int = 20, top_p: float = 0.95,
-                             temperature: float = 0.6) -> Case:
+                             temperature: float = 0.6, fused: bool = False) -> Case:
     """The engine sampler's sync-free draw (engine/worker/sampler.py, CUDA's path) of rows that all have top-k and
-    top-p, as Qwen3's generation config asks (temperature 0.6, top-k 20, top-p 0.95): among each row's candidates
-    (one top-k selection) against the full sort of the batch that such rows took before. float32 logits, read at
-    least once. Checked: both draw the same tokens (but where a uniform lies within rounding of a boundary)."""
+    / or top-p, as generation configs ask (Qwen3: temperature 0.6, top-k 20, top-p 0.95; Llama 3: top-p 0.9 alone).
+    Without `fused`: among each row's candidates (one top-k selection) against the full sort of the batch that such
+    rows took before. With `fused` (ENGINE_FUSED_SAMPLER=1): pagedkernels.sample_from_logits' threshold search
+    against the full sort and, where every row has top-k, the candidates. float32 logits, read at least once.
+    Checked: each way draws the same tokens as the full sort (but where a uniform lies within rounding of a
+    boundary)."""
     from unittest import mock
 
     from engine.worker import sampler as sampler_module
@@ -830,27 +833,41 @@ def sampler_top_k_top_p_case(device, dtype, *, num_rows: int, vocab: int, top_k:
     gen = _generator(device)
     logits = _randn(num_rows, vocab, dtype=torch.float32, device=device, gen=gen) * 3.0
     meta = SamplingMetadata(temperature=torch.full((num_rows,), temperature, device=device), greedy=[False] * num_rows,
-                            top_k=[top_k] * num_rows, top_p=[top_p] * num_rows)
-    sampler = Sampler(seed=0, device=device, sync_free=True)
+                            top_k=[top_k] * num_rows if top_k > 0 else None,
+                            top_p=[top_p] * num_rows if top_p < 1.0 else None)
+    samplers = {way: Sampler(seed=0, device=device, sync_free=True, fused_draw=way) for way in (False, True)}
     work = torch.empty_like(logits)
 
-    def draw():
-        sampler.generator.manual_seed(0)   # the same uniforms every call: both paths draw from the same numbers
-        return sampler.sample(work.copy_(logits), meta).sampled_token_ids
+    def draw_with(fused_draw: bool):
+        def draw():
+            sampler = samplers[fused_draw]
+            sampler.generator.manual_seed(0)   # the same uniforms every call: every way draws from the same numbers
+            return sampler.sample(work.copy_(logits), meta).sampled_token_ids
+        return draw
 
     def full_sort():
         return mock.patch.object(sampler_module, "_candidate_top_k", lambda *args: None)
 
     def check():
-        ids = draw().cpu()
+        ids = draw_with(fused)().cpu()
         with full_sort():
-            expected = draw().cpu()
+            expected = draw_with(False)().cpu()
         differ = (ids != expected).nonzero().flatten().tolist()
         assert len(differ) <= max(1, num_rows // 100), f"ids: {len(differ)} of {num_rows} rows differ from the sort's"
 
-    return Case("sampler top-k/top-p draw", f"{num_rows} x {vocab} T={temperature} k={top_k} p={top_p}", torch.float32,
-                draw, logits.numel() * 4, baselines=[Baseline("full sort", lambda: (draw, ""), context=full_sort)],
-                check=check)
+    baselines = [Baseline("full sort", lambda: (draw_with(False), ""), context=full_sort)]
+    if fused and top_k > 0:
+        baselines.append(Baseline("candidates", lambda: (draw_with(False), "")))
+    shape = (f"{num_rows} x {vocab} T={temperature}" + (f" k={top_k}" if top_k > 0 else "")
+             + (f" p={top_p}" if top_p < 1.0 else "") + (" kernel" if fused else ""))
+    if fused and torch.device(device).type == "cuda":   # what the threshold search costs on these logits
+        from pagedkernels.sampling import threshold_search_passes
+        passes = threshold_search_passes(logits, meta.temperature,
+                                         torch.full((num_rows,), top_k, device=device),
+                                         torch.full((num_rows,), top_p, device=device)).float()
+        shape += f" ({passes.mean().item():.1f} search passes, max {int(passes.max().item())})"
+    return Case("sampler top-k/top-p draw", shape, torch.float32, draw_with(fused), logits.numel() * 4,
+                baselines=baselines, check=check)
 
 
 def _gemm_check(out_fn: Callable[[], torch.Tensor], reference: Callable[[], torch.Tensor], dtype: torch.dtype,
@@ -1174,6 +1191,8 @@ def suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False,
             partial(silu_and_mul_case, **d, **c, num_tokens=16, intermediate=128),
             partial(sample_from_logits_case, **d, **c, num_rows=4, vocab=5000),
             partial(sampler_top_k_top_p_case, **d, num_rows=4, vocab=5000),
+            partial(sampler_top_k_top_p_case, **d, num_rows=4, vocab=5000, fused=True),
+            partial(sampler_top_k_top_p_case, **d, num_rows=4, vocab=5000, top_k=0, top_p=0.9, fused=True),
             partial(lora_case, **d, num_tokens=1, in_features=256, slice_sizes=(128, 64, 64)),
             partial(lora_case, **d, num_tokens=64, in_features=256, slice_sizes=(128, 64, 64)),
         ]
@@ -1210,6 +1229,11 @@ def suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False,
         partial(sample_from_logits_case, **d, **c, num_rows=8, vocab=151936),
         partial(sampler_top_k_top_p_case, **d, num_rows=256, vocab=151936),
         partial(sampler_top_k_top_p_case, **d, num_rows=8, vocab=151936),
+        # ... and by the kernel's threshold search (Qwen3's top-k and top-p; Llama 3's top-p alone, which sorts)
+        partial(sampler_top_k_top_p_case, **d, num_rows=256, vocab=151936, fused=True),
+        partial(sampler_top_k_top_p_case, **d, num_rows=8, vocab=151936, fused=True),
+        partial(sampler_top_k_top_p_case, **d, num_rows=256, vocab=128256, top_k=0, top_p=0.9, fused=True),
+        partial(sampler_top_k_top_p_case, **d, num_rows=8, vocab=128256, top_k=0, top_p=0.9, fused=True),
         # multi-LoRA on Llama-3-8B's q/k/v (rank 16, 4 adapters + base mixed): decode, a decode batch, a prefill chunk
         *(partial(lora_case, **d, num_tokens=n, in_features=4096, slice_sizes=(4096, 1024, 1024))
           for n in (1, 64, 1024)),
