@@ -434,11 +434,12 @@ def _sampling_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]
             pk.sample_from_logits(logits, torch.tensor([0.0, 0.6, 1.0]), torch.rand(3, generator=gen))
         yield f"sample_from_logits {str(dtype).replace('torch.', '')} vocab=151936", draw
 
-        def filtered(gen, dtype=dtype):   # top-k / top-p: the threshold search's passes compiled in
+        def filtered(gen, dtype=dtype):   # min-p / top-k / top-p: the threshold search's passes compiled in
             logits = _randn(3, 151936, dtype=dtype, generator=gen)
             pk.sample_from_logits(logits, torch.tensor([0.0, 0.6, 1.0]), torch.rand(3, generator=gen),
-                                  torch.tensor([0, 20, 50]), torch.tensor([0.9, 0.95, 1.0]))
-        yield f"sample_from_logits top-k/top-p {str(dtype).replace('torch.', '')} vocab=151936", filtered
+                                  torch.tensor([0, 20, 50]), torch.tensor([0.9, 0.95, 1.0]),
+                                  torch.tensor([0.0, 0.05, 0.1]))
+        yield f"sample_from_logits min-p/top-k/top-p {str(dtype).replace('torch.', '')} vocab=151936", filtered
 
 
 def _fp8_kv_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:

@@ -16,10 +16,11 @@ argmax (the first index on ties). NaN logits count as -inf and +inf as the large
 cleans them. The PyTorch twin computes the same with tensor ops; the two agree on every draw except where the
 uniform falls within rounding of a boundary between two tokens (their exponentials and sums round differently).
 
-**Top-k and top-p without a sort.** With per-row ``top_k`` / ``top_p``, the draw is among the tokens they keep,
-with vLLM's semantics: top-k keeps every token with fewer than ``k`` tokens above it (ties at the k-th value all
-stay), then top-p keeps, of those, every token whose weight above it is below ``p`` times the top-k survivors'
-weight (the maximum always stays). Each keeps an upper set of the row's values, so each is a threshold, and the
+**Min-p, top-k and top-p without a sort.** With per-row ``min_p`` / ``top_k`` / ``top_p``, the draw is among the
+tokens they keep, with vLLM's semantics and order: min-p drops every token whose weight is below ``min_p`` times the
+maximum's (a mask, in every pass), top-k keeps every token with fewer than ``k`` tokens above it (ties at the k-th
+value all stay), then top-p keeps, of those, every token whose weight above it is below ``p`` times the top-k
+survivors' weight (the maximum always stays). Each keeps an upper set of the row's values, so each is a threshold, and the
 kernel searches for it instead of sorting the row. A search pass counts the tokens and sums the weight above eight
 pivots at once, and records the smallest and largest value between each two; the interval that holds the threshold
 then shrinks to the values inside it, until it holds a single value. The first pass places its pivots 32 to 1
@@ -77,11 +78,11 @@ def _weight(x, best, temperature):
 
 
 @triton.jit
-def _above(base, vocab, best, temperature, lower, upper, PIVOTS: tl.constexpr, SEARCH_BLOCK: tl.constexpr):
+def _above(base, vocab, best, temperature, min_p, lower, upper, PIVOTS: tl.constexpr, SEARCH_BLOCK: tl.constexpr):
     """One pass over the row for PIVOTS ascending intervals (lower, upper] (float32 [PIVOTS] each, every interval's
     lower bound the previous one's upper): per interval, how many tokens lie strictly above its upper bound and
-    their total weight, and the smallest and largest value inside it (+inf / -inf: none). The pivots are taken
-    one at a time over each block (a [block, pivots] tensor would spill registers)."""
+    their total weight, and the smallest and largest value inside it (+inf / -inf: none). Tokens min-p drops count
+    as -inf. The pivots are taken one at a time over each block (a [block, pivots] tensor would spill registers)."""
     offs = tl.arange(0, SEARCH_BLOCK)
     j = tl.arange(0, PIVOTS)
     count = tl.zeros([PIVOTS], dtype=tl.int32)
@@ -93,6 +94,8 @@ def _above(base, vocab, best, temperature, lower, upper, PIVOTS: tl.constexpr, S
         idx = start + offs
         x = _clean(tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32))
         w = _weight(x, best, temperature)
+        x = tl.where(w >= min_p, x, float("-inf"))
+        w = tl.where(w >= min_p, w, 0.0)
         below = x > first_lower   # above the interval's lower bound
         for p in tl.static_range(PIVOTS):
             bound = tl.sum(tl.where(j == p, upper, 0.0), axis=0)
@@ -128,7 +131,7 @@ def _narrow(lo, hi, count_lo, mass_lo, count, mass, smallest, largest, holds, PI
 
 
 @triton.jit
-def _bisect(base, vocab, best, temperature, lo, hi, count_lo, mass_lo, limit, BY_MASS: tl.constexpr,
+def _bisect(base, vocab, best, temperature, min_p, lo, hi, count_lo, mass_lo, limit, BY_MASS: tl.constexpr,
             PIVOTS: tl.constexpr, SEARCH_BLOCK: tl.constexpr):
     """Passes over PIVOTS intervals evenly splitting the keys of (lo, hi], each narrowed to its tokens, until one
     value is left in it: every token from it up meets the condition (fewer than `limit` tokens above it, or with
@@ -140,7 +143,8 @@ def _bisect(base, vocab, best, temperature, lo, hi, count_lo, mass_lo, limit, BY
         width = hi - lo
         upper = _unkey((lo + (width * (j + 1)) // PIVOTS).to(tl.int32))
         lower = _unkey((lo + (width * j) // PIVOTS).to(tl.int32))
-        count, mass, smallest, largest = _above(base, vocab, best, temperature, lower, upper, PIVOTS, SEARCH_BLOCK)
+        count, mass, smallest, largest = _above(base, vocab, best, temperature, min_p, lower, upper, PIVOTS,
+                                                SEARCH_BLOCK)
         if BY_MASS:
             holds = mass < limit
         else:
@@ -158,11 +162,12 @@ def _coverage_bound(j, best, temperature, PIVOTS: tl.constexpr):
 
 
 @triton.jit
-def _threshold(base, vocab, best, temperature, top_k, top_p, PIVOTS: tl.constexpr, SEARCH_BLOCK: tl.constexpr):
-    """The smallest value a row keeps (-inf: every live token) under top_k (<= 0 or >= the live tokens: off) then
-    top_p (>= 1: off), and the passes over the row the search took."""
+def _threshold(base, vocab, best, temperature, min_p, top_k, top_p, PIVOTS: tl.constexpr,
+               SEARCH_BLOCK: tl.constexpr):
+    """The smallest value a row keeps (-inf: every live token) under top_k (<= 0 or >= the tokens min-p leaves: off)
+    then top_p (>= 1: off), and the passes over the row the search took."""
     j = tl.arange(0, PIVOTS)
-    count, mass, smallest, largest = _above(base, vocab, best, temperature,
+    count, mass, smallest, largest = _above(base, vocab, best, temperature, min_p,
                                             _coverage_bound(j - 1, best, temperature, PIVOTS),
                                             _coverage_bound(j, best, temperature, PIVOTS), PIVOTS, SEARCH_BLOCK)
     live = tl.sum(tl.where(j == 0, count, 0), axis=0)        # above -inf
@@ -174,16 +179,16 @@ def _threshold(base, vocab, best, temperature, top_k, top_p, PIVOTS: tl.constexp
     if (top_k > 0) & (top_k < live):
         lo, hi, count_lo, mass_lo = _narrow(lo, top, count_lo, mass_lo, count, mass, smallest, largest,
                                             count < top_k, PIVOTS)
-        lo, count_lo, mass_lo, k_passes = _bisect(base, vocab, best, temperature, lo, hi, count_lo, mass_lo, top_k,
-                                                  False, PIVOTS, SEARCH_BLOCK)
+        lo, count_lo, mass_lo, k_passes = _bisect(base, vocab, best, temperature, min_p, lo, hi, count_lo, mass_lo,
+                                                  top_k, False, PIVOTS, SEARCH_BLOCK)
         passes += k_passes
     if top_p < 1.0:
         # Of the top-k survivors' weight; above 0, so that the maximum stays even for a top_p of 0 or less.
         target = tl.maximum(top_p * mass_lo, 1e-30)
         lo, hi, count_lo, mass_lo = _narrow(lo, top, count_lo, mass_lo, count, mass, smallest, largest,
                                             mass < target, PIVOTS)
-        lo, count_lo, mass_lo, p_passes = _bisect(base, vocab, best, temperature, lo, hi, count_lo, mass_lo, target,
-                                                  True, PIVOTS, SEARCH_BLOCK)
+        lo, count_lo, mass_lo, p_passes = _bisect(base, vocab, best, temperature, min_p, lo, hi, count_lo, mass_lo,
+                                                  target, True, PIVOTS, SEARCH_BLOCK)
         passes += p_passes
     return _unkey((lo + 1).to(tl.int32)), passes
 
@@ -195,6 +200,7 @@ def _sample_kernel(
     uniform_ptr,  # float32 [num_rows] in [0, 1)
     top_k_ptr,  # int32/int64 [num_rows], <= 0 or >= vocab: off (read when FILTER)
     top_p_ptr,  # float32 [num_rows], >= 1: off (read when FILTER)
+    min_p_ptr,  # float32 [num_rows], 0: off (read when FILTER)
     ids_ptr,  # int64 [num_rows]
     row_max_ptr,  # float32 [num_rows]
     passes_ptr,  # int32 [num_rows]: the threshold search's passes over the row (written when COUNT_PASSES)
@@ -227,12 +233,15 @@ def _sample_kernel(
     if (temperature > 0) & (best > float("-inf")):
         # The kept tokens: from `floor` up (every live one, or top-k's / top-p's smallest).
         floor = tl.full((), float("-inf"), tl.float32)
+        min_p = tl.full((), 0.0, tl.float32)   # a token's weight relative to the maximum's must reach it
         if FILTER:
             top_k = tl.minimum(tl.load(top_k_ptr + row), vocab).to(tl.int32)
             top_p = tl.load(top_p_ptr + row)
+            min_p = tl.load(min_p_ptr + row)
             passes = 0
             if (top_k > 0) | (top_p < 1.0):
-                floor, passes = _threshold(base, vocab, best, temperature, top_k, top_p, PIVOTS, SEARCH_BLOCK)
+                floor, passes = _threshold(base, vocab, best, temperature, min_p, top_k, top_p, PIVOTS,
+                                           SEARCH_BLOCK)
             if COUNT_PASSES:
                 tl.store(passes_ptr + row, passes)
         # Pass 2: the total weight, block by block. Pass 3 adds the same block sums in the same order, so the
@@ -241,7 +250,8 @@ def _sample_kernel(
         for start in range(0, vocab, BLOCK):
             idx = start + offs
             x = _clean(tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32))
-            w = tl.where(x >= floor, _weight(x, best, temperature), 0.0)
+            w = _weight(x, best, temperature)
+            w = tl.where((x >= floor) & (w >= min_p), w, 0.0)
             total += tl.sum(w, axis=0)
         # Strictly below the total (its float32 predecessor; total >= 1, the maximum's own weight).
         target = tl.minimum(tl.load(uniform_ptr + row) * total,
@@ -254,7 +264,8 @@ def _sample_kernel(
         while pos < vocab:
             idx = pos + offs
             x = _clean(tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32))
-            w = tl.where(x >= floor, _weight(x, best, temperature), 0.0)
+            w = _weight(x, best, temperature)
+            w = tl.where((x >= floor) & (w >= min_p), w, 0.0)
             block_sum = tl.sum(w, axis=0)
             live_here = tl.max(tl.where(w > 0, idx, -1), axis=0)
             last_live = tl.where(live_here >= 0, live_here, last_live)
@@ -274,7 +285,7 @@ def _sample_kernel(
     tl.store(row_max_ptr + row, best)
 
 
-def check_sample_from_logits_args(logits, temperature, uniform, top_k=None, top_p=None) -> None:
+def check_sample_from_logits_args(logits, temperature, uniform, top_k=None, top_p=None, min_p=None) -> None:
     """Every check of :func:`sample_from_logits`'s arguments that reads no tensor value."""
     check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
     num_rows, vocab = logits.shape
@@ -291,53 +302,66 @@ def check_sample_from_logits_args(logits, temperature, uniform, top_k=None, top_
         check_tensor("top_k", top_k, dtypes=(torch.int32, torch.int64), like=("logits", logits), shape=(num_rows,))
     if top_p is not None:
         check_tensor("top_p", top_p, dtypes=(torch.float32,), like=("logits", logits), shape=(num_rows,))
+    if min_p is not None:
+        check_tensor("min_p", min_p, dtypes=(torch.float32,), like=("logits", logits), shape=(num_rows,))
 
 
 def sample_from_logits(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor,
-                       top_k: torch.Tensor | None = None,
-                       top_p: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
+                       min_p: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``logits`` (see the module docstring).
 
     logits: ``[num_rows, vocab]`` fp32/fp16/bf16 (last dim contiguous; not modified). temperature: float32
     ``[num_rows]``, 0 for a greedy row (the argmax), above float32's range taken as its largest value.
     uniform: float32 ``[num_rows]`` in [0, 1), one number per row (a greedy row's is not read). top_k: optional
     int32/int64 ``[num_rows]``, the row's top-k (0, or the vocabulary or more: off); top_p: optional float32
-    ``[num_rows]`` in (0, 1], the row's top-p (1: off); a greedy row's are not read. Returns ``(ids, row_max)``:
+    ``[num_rows]`` in (0, 1], the row's top-p (1: off); min_p: optional float32 ``[num_rows]`` in [0, 1], the
+    row's min-p (0: off), applied first: a token whose probability is below min-p times the most likely one's is
+    dropped; a greedy row's are not read. Returns ``(ids, row_max)``:
     int64 ``[num_rows]`` token ids, and float32 ``[num_rows]`` each row's maximum after the clean-up, -inf for a
     row with nothing to draw (every logit -inf or NaN: its id is then 0, and the caller decides what such a row
     takes). No value is read back to the host: CUDA-graph capturable.
     """
-    check_sample_from_logits_args(logits, temperature, uniform, top_k, top_p)
+    check_sample_from_logits_args(logits, temperature, uniform, top_k, top_p, min_p)
     num_rows, vocab = logits.shape
     ids = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     row_max = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
-    if has_no_data(logits, temperature, uniform, top_k, top_p) or num_rows == 0:
+    if has_no_data(logits, temperature, uniform, top_k, top_p, min_p) or num_rows == 0:
         return ids, row_max
-    filtered = top_k is not None or top_p is not None
+    filtered = top_k is not None or top_p is not None or min_p is not None
     if filtered:
-        top_k = top_k if top_k is not None else torch.zeros(num_rows, dtype=torch.int32, device=logits.device)
-        top_p = top_p if top_p is not None else torch.ones(num_rows, dtype=torch.float32, device=logits.device)
+        top_k, top_p, min_p = _filters(num_rows, logits.device, top_k, top_p, min_p)
     if use_triton(logits):
         _sample_kernel[(num_rows,)](logits, temperature, uniform, top_k if filtered else ids,
-                                    top_p if filtered else row_max, ids, row_max, ids, vocab, logits.stride(0),
+                                    top_p if filtered else row_max, min_p if filtered else row_max, ids, row_max, ids,
+                                    vocab, logits.stride(0),
                                     BLOCK=_BLOCK, FILTER=filtered, PIVOTS=_PIVOTS, SEARCH_BLOCK=_SEARCH_BLOCK,
                                     COUNT_PASSES=False, num_warps=_NUM_WARPS)
         return ids, row_max
-    return _sample_torch(logits, temperature, uniform, ids, row_max, top_k, top_p)
+    return _sample_torch(logits, temperature, uniform, ids, row_max, top_k, top_p, min_p)
+
+
+def _filters(num_rows: int, device, top_k, top_p, min_p):
+    """The three filters' tensors, each given or off (top-k 0, top-p 1, min-p 0)."""
+    return (top_k if top_k is not None else torch.zeros(num_rows, dtype=torch.int32, device=device),
+            top_p if top_p is not None else torch.ones(num_rows, dtype=torch.float32, device=device),
+            min_p if min_p is not None else torch.zeros(num_rows, dtype=torch.float32, device=device))
 
 
 
 def threshold_search_passes(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                            top_p: torch.Tensor) -> torch.Tensor:
+                            top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
     """How many passes over each row the Triton kernel's top-k / top-p threshold search takes (int32
     ``[num_rows]``; 0 for a row without either, greedy, or with nothing to draw): what it costs beyond the unfiltered
     draw's three passes. For benchmarks and tests (the interpreter counts the same passes on CPU tensors)."""
-    check_sample_from_logits_args(logits, temperature, temperature, top_k, top_p)
+    check_sample_from_logits_args(logits, temperature, temperature, top_k, top_p, min_p)
     num_rows, vocab = logits.shape
+    top_k, top_p, min_p = _filters(num_rows, logits.device, top_k, top_p, min_p)
     ids = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     row_max = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
     passes = torch.zeros(num_rows, dtype=torch.int32, device=logits.device)
-    _sample_kernel[(num_rows,)](logits, temperature, torch.zeros_like(temperature), top_k, top_p, ids, row_max, passes,
+    _sample_kernel[(num_rows,)](logits, temperature, torch.zeros_like(temperature), top_k, top_p, min_p, ids, row_max,
+                                passes,
                                 vocab, logits.stride(0), BLOCK=_BLOCK, FILTER=True, PIVOTS=_PIVOTS,
                                 SEARCH_BLOCK=_SEARCH_BLOCK, COUNT_PASSES=True, num_warps=_NUM_WARPS)
     return passes
@@ -364,7 +388,7 @@ def _kept_floor(x: torch.Tensor, weights: torch.Tensor, top_k: torch.Tensor, top
     return torch.where((k_on | (p < 1.0)) & (live > 0), floor, float("-inf"))
 
 
-def _sample_torch(logits, temperature, uniform, ids, row_max, top_k=None, top_p=None):
+def _sample_torch(logits, temperature, uniform, ids, row_max, top_k=None, top_p=None, min_p=None):
     """The PyTorch twin: the same draw with tensor ops (the engine sampler's way: engine/worker/sampler.py)."""
     x = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=FLOAT32_MAX, neginf=float("-inf"))
     torch.amax(x, dim=-1, out=row_max)
@@ -372,6 +396,10 @@ def _sample_torch(logits, temperature, uniform, ids, row_max, top_k=None, top_p=
     sample = (temperature > 0) & (row_max > float("-inf"))
     scale = torch.where(temperature > 0, temperature.clamp(max=FLOAT32_MAX), 1.0).unsqueeze(1)
     weights = (x - row_max.unsqueeze(1)).div_(scale).nan_to_num_(nan=float("-inf")).exp_()
+    if min_p is not None:   # dropped tokens count as -inf for top-k / top-p
+        dropped = weights < min_p.unsqueeze(1)
+        weights.masked_fill_(dropped, 0.0)
+        x.masked_fill_(dropped, float("-inf"))
     if top_k is not None:
         weights = weights.masked_fill_(x < _kept_floor(x, weights, top_k, top_p), 0.0)
     cdf = weights.cumsum_(dim=-1)

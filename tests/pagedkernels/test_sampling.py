@@ -126,14 +126,21 @@ def test_draw_frequencies_are_the_probabilities(backend, device):
 
 
 
-def oracle_kept(logits, temperature, top_k, top_p, tol=1e-5):
-    """float64 (kept [rows, vocab] bool, weights, unsure [rows] bool) of vLLM's top-k then top-p: top-k keeps the
-    tokens with fewer than k tokens above them, top-p of those the ones whose weight above them is below p times
-    the top-k survivors' weight. `unsure`: rows where a token's weight above it is within `tol` (relative) of that
-    bound, where float32's sums may decide either way."""
+def oracle_kept(logits, temperature, top_k, top_p, tol=1e-5, min_p=None):
+    """float64 (kept [rows, vocab] bool, weights, unsure [rows] bool) of vLLM's min-p, then top-k, then top-p: min-p
+    drops the tokens whose weight is below min_p times the maximum's, top-k keeps the tokens with fewer than k tokens
+    above them, top-p of those the ones whose weight above them is below p times the top-k survivors' weight.
+    `unsure`: rows where a token's weight, or the weight above it, is within `tol` (relative) of its bound, where
+    float32's sums may decide either way."""
     x = torch.nan_to_num(logits.double().cpu(), nan=float("-inf"), posinf=FLOAT32_MAX, neginf=float("-inf"))
     t = temperature.double().cpu().clamp(max=FLOAT32_MAX).unsqueeze(1)
     weights = ((x - x.amax(dim=-1, keepdim=True)) / t).exp().nan_to_num(nan=0.0)
+    near_min_p = torch.zeros(x.shape[0], dtype=torch.bool)
+    if min_p is not None:
+        m = min_p.double().cpu().unsqueeze(1)
+        near_min_p = ((m > 0) & ((weights - m).abs() <= tol * m)).any(dim=-1)
+        x = x.masked_fill(weights < m, float("-inf"))
+        weights = weights.masked_fill(weights < m, 0.0)
     live = x > float("-inf")
     values, order = x.sort(dim=-1, descending=True)
     # Tokens above each one: the position of its value's first occurrence in descending order.
@@ -147,7 +154,7 @@ def oracle_kept(logits, temperature, top_k, top_p, tol=1e-5):
     above_mass = exclusive.gather(1, above_count)                     # before its value's first occurrence
     bound = top_p.double().cpu().unsqueeze(1) * kept_weights.sum(dim=-1, keepdim=True)
     filtered = top_p.cpu().unsqueeze(1) < 1.0
-    unsure = (filtered & kept & ((above_mass - bound).abs() <= tol * bound)).any(dim=-1)
+    unsure = (filtered & kept & ((above_mass - bound).abs() <= tol * bound)).any(dim=-1) | near_min_p
     kept &= ~filtered | (above_mass < bound) | (above_count == 0)   # the maximum always stays
     return kept, torch.where(kept, weights, 0.0), unsure
 
@@ -178,19 +185,24 @@ def test_top_k_top_p_draw_among_the_kept_tokens(backend, device, dtype, vocab):
     logits, temperature, top_k, top_p = filter_rows(vocab, dtype, g)
     uniform = torch.rand(logits.shape[0], generator=g)
     uniform[0], uniform[3] = 0.0, 1.0 - 2**-24
-    args = [t.to(device) for t in (logits, temperature, uniform, top_k, top_p)]
+    # min-p on a few rows: alone, and before top-k / top-p
+    min_p = torch.zeros(logits.shape[0])
+    min_p[[0, 3, 8, 11]] = torch.tensor([0.05, 0.2, 0.01, 0.5])
+    args = [t.to(device) for t in (logits, temperature, uniform, top_k, top_p, min_p)]
     with pk.use_backend(backend):
         ids, row_max = pk.sample_from_logits(*args)
-    checks = [(top_k, top_p, ids)]
+    checks = [(top_k, top_p, ids, min_p)]
     if vocab < BLOCK:   # (the interpreter's time) int32 top-k, and one of the two filters alone: the other is off
         with pk.use_backend(backend):
-            ids32, _ = pk.sample_from_logits(*args[:3], args[3].int(), args[4])
+            ids32, _ = pk.sample_from_logits(*args[:3], args[3].int(), args[4], args[5])
             only_k, _ = pk.sample_from_logits(*args[:3], top_k=args[3])
             only_p, _ = pk.sample_from_logits(*args[:3], top_p=args[4])
+            only_min_p, _ = pk.sample_from_logits(*args[:3], min_p=args[5])
         assert torch.equal(ids.cpu(), ids32.cpu())
-        checks += [(top_k, torch.ones_like(top_p), only_k), (torch.zeros_like(top_k), top_p, only_p)]
-    for k, p, drawn in checks:
-        kept, weights, unsure = oracle_kept(logits, temperature, k, p)
+        checks += [(top_k, torch.ones_like(top_p), only_k, None), (torch.zeros_like(top_k), top_p, only_p, None),
+                   (torch.zeros_like(top_k), torch.ones_like(top_p), only_min_p, min_p)]
+    for k, p, drawn, m in checks:
+        kept, weights, unsure = oracle_kept(logits, temperature, k, p, min_p=m)
         cdf = weights.cumsum(dim=-1)
         cdf = cdf / cdf[:, -1:].clamp(min=1e-300)
         for row, token in enumerate(drawn.cpu().tolist()):
@@ -206,7 +218,7 @@ def test_top_k_top_p_draw_among_the_kept_tokens(backend, device, dtype, vocab):
     # The kernel and the twin agree but within rounding of a boundary.
     with pk.use_backend("torch"):
         twin, _ = pk.sample_from_logits(*args)
-    kept, weights, unsure = oracle_kept(logits, temperature, top_k, top_p)
+    kept, weights, unsure = oracle_kept(logits, temperature, top_k, top_p, min_p=min_p)
     cdf = weights.cumsum(dim=-1) / weights.sum(dim=-1, keepdim=True).clamp(min=1e-300)
     near = ((cdf - uniform.double().unsqueeze(1)).abs() < 1e-5).any(dim=-1)
     assert bool(((ids.cpu() == twin.cpu()) | near | unsure).all())
@@ -225,12 +237,14 @@ def test_top_k_top_p_frequencies(backend, device):
     logits = row.expand(num_draws, vocab).contiguous()
     temperature = torch.full((num_draws,), 0.8)
     uniform = (torch.arange(num_draws, dtype=torch.float64) + 0.5).div(num_draws).float()
-    for k, p in ((5, 1.0), (0, 0.7), (12, 0.8)):
+    for k, p, m in ((5, 1.0, 0.0), (0, 0.7, 0.0), (12, 0.8, 0.1)):
         top_k = torch.full((num_draws,), k)
         top_p = torch.full((num_draws,), p)
+        min_p = torch.full((num_draws,), m)
         with pk.use_backend(backend):
-            ids, _ = pk.sample_from_logits(*(t.to(device) for t in (logits, temperature, uniform, top_k, top_p)))
-        kept, weights, _ = oracle_kept(logits[:1], temperature[:1], top_k[:1], top_p[:1])
+            ids, _ = pk.sample_from_logits(*(t.to(device) for t in (logits, temperature, uniform, top_k, top_p,
+                                                                    min_p)))
+        kept, weights, _ = oracle_kept(logits[:1], temperature[:1], top_k[:1], top_p[:1], min_p=min_p[:1])
         probs = weights[0] / weights[0].sum()
         counts = torch.bincount(ids.cpu(), minlength=vocab).double()
         assert (counts - probs * num_draws).abs().max() <= 1.0 + 1e-9, (k, p)
@@ -284,6 +298,10 @@ def test_the_threshold_search_takes_few_passes(device):
         passes = sampling.threshold_search_passes(logits, temperature, torch.full((8,), k, device=device),
                                                   torch.full((8,), p, device=device)).cpu()
         assert passes.min() >= 1 and passes.float().mean() <= most and passes.max() <= 8, (k, p, passes.tolist())
+    # Fewer tokens left by min-p than top-k asks for: top-k is off, the first pass alone.
+    passes = sampling.threshold_search_passes(logits, temperature, torch.full((8,), 20, device=device),
+                                              torch.ones(8, device=device), torch.full((8,), 0.5, device=device))
+    assert passes.cpu().tolist() == [1] * 8
     temperature[1] = 0.0
     logits[2] = float("-inf")
     passes = sampling.threshold_search_passes(logits, temperature, torch.tensor([0, 20, 20] + [0] * 5, device=device),
@@ -314,6 +332,8 @@ def test_arguments_are_checked():
         pk.sample_from_logits(logits, t, u, top_k=torch.ones(3, dtype=torch.int64))
     with pytest.raises(ValueError, match="top_p"):
         pk.sample_from_logits(logits, t, u, top_p=torch.ones(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="min_p"):
+        pk.sample_from_logits(logits, t, u, min_p=torch.ones(2, 1))
 
 
 def test_meta_tensors_are_checked_and_shaped():
