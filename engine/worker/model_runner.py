@@ -861,7 +861,7 @@ class ModelRunner(DecodeGraphs):
         if (top_p < 1.0).any():
             meta.top_p = top_p.tolist()
         if (min_p > 0.0).any():
-            meta.min_p, meta.min_p_values = self._to_device(min_p), min_p.tolist()
+            meta.min_p = self._to_device(min_p)
         special = np.flatnonzero(batch.special[index])
         if len(special) == 0:
             return self._with_grammar(meta, grammar)

@@ -82,7 +82,6 @@ class SamplingMetadata:
     top_k: list[int] | None = None                  # per row, 0 = off
     top_p: list[float] | None = None                # per row, 1.0 = off
     min_p: torch.Tensor | None = None               # float32 [num_rows]
-    min_p_values: list[float] | None = None         # min_p's values on the host (None: no host copy)
     generators: dict[int, torch.Generator] | None = None   # row -> its own generator (seeded sequences)
     penalties: "Penalties | None" = None
     logit_bias: dict[int, dict[int, float]] | None = None          # row -> {token: bias}
@@ -105,8 +104,7 @@ class SamplingMetadata:
         if any(p.top_p < 1.0 for p in params):
             meta.top_p = [p.top_p for p in params]
         if any(p.min_p > 0.0 for p in params):
-            meta.min_p_values = [p.min_p for p in params]
-            meta.min_p = torch.tensor(meta.min_p_values, dtype=torch.float32, device=device)
+            meta.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
         meta.generators = {i: seq.generator for i, seq in enumerate(seqs) if seq.generator is not None} or None
         penalized = [i for i, p in enumerate(params)
                      if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty]
@@ -246,9 +244,9 @@ class Sampler:
                  fused_draw: bool = False):
         self.seed, self.device = seed, device
         self.sync_free = torch.device(device).type == "cuda" if sync_free is None else sync_free
-        # The sync-free draw of the rows without min-p in one kernel (pagedkernels.sample_from_logits: the argmax,
-        # or the inverse-CDF draw at the row's temperature, among the tokens top-k / top-p keep) instead of a dozen
-        # passes of tensor ops over the logits (DevicePolicy.fused_sampler).
+        # The sync-free draw in one kernel (pagedkernels.sample_from_logits: the argmax, or the inverse-CDF draw at
+        # the row's temperature, among the tokens min-p / top-k / top-p keep) instead of a dozen passes of tensor
+        # ops over the logits and a sort (DevicePolicy.fused_sampler).
         self.fused_draw = fused_draw
         self._generator: torch.Generator | None = None
 
@@ -302,25 +300,23 @@ class Sampler:
     def _sample_on_device(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """The sync-free draw (see the class docstring): the same stages in the same order, every row's greedy and
         random pick computed and the right one taken per row, a dead row's fallback chosen by masks. With
-        fused_draw, in a batch without min-p every row takes its token from pagedkernels.sample_from_logits (top-k
-        and top-p by its threshold search: no sort of the batch); in a batch with min-p the rows that filter take
-        theirs from the filtered logits, here, and every other row the kernel's, so that a seeded row without filters
-        draws the same token in any batch."""
+        fused_draw, every row takes its token from pagedkernels.sample_from_logits after the stages (min-p, top-k
+        and top-p in the kernel: top-k / top-p by its threshold search, no sort of the batch)."""
         num_rows, vocab_size = logits.shape
-        if self.fused_draw and meta.min_p is None:
+        if self.fused_draw:
             unmasked, mask_rows, grammar_rows, grammar_bitmask = apply_stages(logits, meta)
             uniform = self._all_rows_uniform(logits, meta)
-            # Top-k / top-p by the kernel's threshold search, their values from pinned memory (no sort, no sync).
+            # The filters' values from pinned memory (min-p's are on the device already): no sort, no sync.
             top_k = _as_tensor(meta.top_k, logits.device) if meta.top_k is not None else None
             top_p = _as_tensor([float(p) for p in meta.top_p], logits.device) if meta.top_p is not None else None
             # Every row greedy: no uniform is read (the temperatures stand in, a float32 [num_rows] at hand).
             sampled, row_max = pk_sample_from_logits(logits, meta.temperature,
                                                      uniform if uniform is not None else meta.temperature,
-                                                     top_k, top_p)
+                                                     top_k, top_p, meta.min_p)
             fallback = _fallback_on_device(num_rows, mask_rows, unmasked, grammar_rows, grammar_bitmask, vocab_size,
                                            logits.device)
             return torch.where(row_max == float("-inf"), fallback, sampled)
-        top_k = _candidate_top_k(meta, vocab_size, self.fused_draw)
+        top_k = _candidate_top_k(meta, vocab_size)
         argmax, greedy, scaled, dead, fallback = self._process_on_device(logits, meta, top_k_top_p=top_k is None)
         sampled = argmax
         if scaled is not None:
@@ -330,9 +326,6 @@ class Sampler:
             else:   # every row has top-k: drawn among its candidates, no sort of the batch
                 values, ids, _ = top_k_top_p_candidates(scaled, top_k, meta.top_p or [1.0] * num_rows)
                 drawn = _draw_among_candidates(values, ids, uniform)
-            if self.fused_draw:   # the rows that do not filter draw as in a batch without filters (the kernel)
-                fused, _ = pk_sample_from_logits(logits, meta.temperature, uniform)
-                drawn = torch.where(_filtering_rows(meta, logits.device), drawn, fused)
             sampled = torch.where(greedy, sampled, drawn)
         return torch.where(dead, fallback, sampled)
 
@@ -507,40 +500,16 @@ def _flags(values: list[bool], device) -> torch.Tensor:
     return _as_tensor([int(v) for v in values], device).bool()
 
 
-def _candidate_top_k(meta: SamplingMetadata, vocab_size: int, fused_draw: bool = False) -> list[int] | None:
+def _candidate_top_k(meta: SamplingMetadata, vocab_size: int) -> list[int] | None:
     """The per-row top-k of a sync-free draw among candidates (top_k_top_p_candidates), or None for the full sort:
-    every random row must have top-k, but a row whose draw is not taken from it (greedy: its argmax; with
-    fused_draw, a row without min-p / top-k / top-p: the kernel's) needs 1 candidate; and fewer candidates than half
-    the vocabulary."""
+    every random row must have top-k (a greedy row, whose pick is its argmax, needs 1 candidate), and fewer
+    candidates than half the vocabulary."""
     if meta.top_k is None:
         return None
-    filtering = _filtering_list(meta) if fused_draw else None
-    plain = [False] * len(meta.greedy) if filtering is None else [not f for f in filtering]
-    top_k = [k if k > 0 else (1 if greedy or unfiltered else 0)
-             for k, greedy, unfiltered in zip(meta.top_k, meta.greedy, plain)]
+    top_k = [k if k > 0 else (1 if greedy else 0) for k, greedy in zip(meta.top_k, meta.greedy)]
     if not all(k > 0 for k in top_k) or max(top_k) * 2 >= vocab_size:
         return None
     return top_k
-
-
-def _filtering_list(meta: SamplingMetadata, *, min_p: bool = True) -> list[bool] | None:
-    """Per row, whether it uses top-k, top-p or (unless `min_p` is False) min-p, known on the host (None: min-p is
-    on without a host copy, as a SamplingMetadata built by hand may have it)."""
-    num_rows = len(meta.greedy)
-    if min_p and meta.min_p is not None and meta.min_p_values is None:
-        return None
-    top_k = meta.top_k or [0] * num_rows
-    top_p = meta.top_p or [1.0] * num_rows
-    min_ps = (meta.min_p_values if min_p else None) or [0.0] * num_rows
-    return [k > 0 or p < 1.0 or m > 0.0 for k, p, m in zip(top_k, top_p, min_ps)]
-
-
-def _filtering_rows(meta: SamplingMetadata, device) -> torch.Tensor:
-    """bool [num_rows] on the device: the rows that use min-p, top-k or top-p (no value read)."""
-    filtering = _filtering_list(meta)
-    if filtering is not None:
-        return _flags(filtering, device)
-    return _flags(_filtering_list(meta, min_p=False), device) | (meta.min_p > 0)
 
 
 def _fallback_on_device(num_rows: int, mask_rows: list[int], unmasked: torch.Tensor | None, grammar_rows: list[int],

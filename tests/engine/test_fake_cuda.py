@@ -460,11 +460,10 @@ def _sample_two_steps(model_dir: str, kinds: list[SamplingParams], monkeypatch) 
 @pytest.mark.parametrize("filters", ["none", "top_k_top_p", "min_p"])
 def test_the_fused_draw_runs_the_cuda_paths(tiny_model_dir, monkeypatch, filters):
     """ENGINE_FUSED_SAMPLER=1 on CUDA: a sampling step's draw goes through pagedkernels.sample_from_logits (its fake
-    implementation checks every argument's device, dtype and shape) with no host sync and nothing sorting the batch:
-    in a batch without min-p / top-k / top-p (the kernel alone: greedy, seeded, penalties, logit_bias and bad words
-    beside it), in one with top-k / top-p rows (the kernel's threshold search for them, their values on the device:
-    no candidates either), and in one with a min-p row (the tensor ops for that row, among its top-k candidates;
-    the kernel for the others)."""
+    implementation checks every argument's device, dtype and shape) with no host sync, and nothing sorts the batch
+    or selects candidates: in a batch without min-p / top-k / top-p (the kernel alone: greedy, seeded, penalties,
+    logit_bias and bad words beside it), in one with top-k / top-p rows and in one with min-p too (the kernel's
+    filters, their values on the device)."""
     from engine.worker import sampler as sampler_module
 
     monkeypatch.setenv("ENGINE_FUSED_SAMPLER", "1")
@@ -487,9 +486,10 @@ def test_the_fused_draw_runs_the_cuda_paths(tiny_model_dir, monkeypatch, filters
     runner = _sample_two_steps(tiny_model_dir("llama"), kinds, monkeypatch)
     assert runner.sampler.fused_draw
     shape = (len(kinds), runner.config.vocab_size)
-    filter_args = {"none": (None, None), "top_k_top_p": ("cuda", "cuda"), "min_p": ()}[filters]
+    filter_args = {"none": (None, None, None), "top_k_top_p": ("cuda", "cuda", None),
+                   "min_p": ("cuda", "cuda", "cuda")}[filters]
     assert draws == [("cuda", shape, "cuda", "cuda", *filter_args)] * 2
-    assert len(candidates) == (2 if filters == "min_p" else 0)
+    assert not candidates
 
 
 def test_a_top_k_batch_draws_among_candidates_on_the_cuda_paths(tiny_model_dir, monkeypatch):

@@ -154,7 +154,7 @@ def test_seeded_top_k_draw_independent_of_the_batchs_path():
 
 def test_seeded_unfiltered_draw_independent_of_a_filtering_neighbour():
     """A seeded row without min-p / top-k / top-p draws the same tokens alone and beside rows that filter (on the
-    fused path: the kernel's draw either way, the tensor ops only for the filtering rows), for many seeds."""
+    fused path: the kernel draws every row, its filters per row), for many seeds."""
     vocab = 300
     logits = random_logits(1, seed=21, vocab=vocab)
     others = random_logits(2, seed=22, vocab=vocab)
@@ -261,15 +261,3 @@ def test_a_draft_draw_with_its_probabilities():
     # the random row's draws come from q: only its kept tokens, the likeliest most often
     assert set(ids[:, 1].tolist()) <= set(keep.tolist()) and len(set(ids[:, 1].tolist())) > 1
     assert torch.bincount(ids[:, 1], minlength=vocab).argmax() == order[0]
-
-
-def test_filtering_rows_with_min_p_on_the_device_only():
-    """The rows that filter (min-p, top-k, top-p): from the host's copy of min-p when the metadata has one (the
-    runner's and from_sequences'), else from min-p on the device; the same flags either way."""
-    from engine.worker.sampler import SamplingMetadata, _filtering_rows
-
-    meta = SamplingMetadata(temperature=torch.ones(4), greedy=[False] * 4, top_k=[0, 5, 0, 0],
-                            top_p=[1.0, 1.0, 0.9, 1.0], min_p=torch.tensor([0.1, 0.0, 0.0, 0.0]))
-    device_only = _filtering_rows(meta, "cpu").tolist()
-    meta.min_p_values = [0.1, 0.0, 0.0, 0.0]
-    assert device_only == _filtering_rows(meta, "cpu").tolist() == [True, True, True, False]
