@@ -46,7 +46,7 @@ FLOAT32_MAX = torch.finfo(torch.float32).max
 _BLOCK = 4096   # logits a program reads per iteration: 16 KiB of float32 in flight per row
 _NUM_WARPS = 8
 _SEARCH_BLOCK = 1024   # logits per iteration of a threshold search pass
-_PIVOTS = 8   # thresholds a search pass tests at once: the interval shrinks ninefold a pass
+_PIVOTS = 8   # intervals a search pass splits the current one into: it shrinks at least eightfold a pass
 
 
 @triton.jit
@@ -135,8 +135,8 @@ def _bisect(base, vocab, best, temperature, min_p, lo, hi, count_lo, mass_lo, li
             PIVOTS: tl.constexpr, SEARCH_BLOCK: tl.constexpr):
     """Passes over PIVOTS intervals evenly splitting the keys of (lo, hi], each narrowed to its tokens, until one
     value is left in it: every token from it up meets the condition (fewer than `limit` tokens above it, or with
-    BY_MASS less weight than `limit`) and none below it does. A pass shrinks the interval at least ninefold and
-    never keeps an empty one; 64 passes would cover the keys twice over."""
+    BY_MASS less weight than `limit`) and none below it does. A pass shrinks the interval's keys at least eightfold
+    and never keeps an empty interval, so 11 passes cover the 2^32 keys; the cap of 64 only guards the loop."""
     j = tl.arange(0, PIVOTS).to(tl.int64)
     passes = 0
     while (hi - lo > 1) & (passes < 64):
