@@ -134,7 +134,7 @@ def test_seeded_request_independent_of_batch():
     assert [sampler(logits.clone(), [other_seed]).sampled_token_ids[0] for _ in range(6)] != alone
 
 
-def test_seeded_top_k_draw_independent_of_the_batchs_path():
+def test_seeded_top_k_draw_independent_of_the_batchs_path(sampler_path):
     """A top-k row alone (every row filters: the draw among its candidates) and beside an unfiltered row (the
     draw over the full row) draws the same token from the same uniform, for many seeds (the candidates must be
     ordered as the vocabulary for that: a descending-order draw disagreed in about half the steps)."""
@@ -142,7 +142,8 @@ def test_seeded_top_k_draw_independent_of_the_batchs_path():
     logits = random_logits(1, seed=11, vocab=vocab)
     other = random_logits(1, seed=12, vocab=vocab)
     differ = []
-    for seed in range(40):
+    # (the fused path's kernel draws both ways, interpreted: fewer seeds)
+    for seed in range(40 if sampler_path != "fused" else 8):
         params = SamplingParams(temperature=0.8, top_k=50, seed=seed)
         alone = Sampler(seed=0)(logits.clone(), [seq_with(params)]).sampled_token_ids[0]
         mixed = Sampler(seed=0)(torch.cat([other, logits]), [seq_with(SamplingParams(temperature=1.0)),
