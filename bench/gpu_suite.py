@@ -25,9 +25,10 @@
    headline shape (DECODE_LAUNCH_SWEEP: the H200's 0.879 of copy bandwidth there), and the few-row GEMM's launch
    configurations at batch-1 projections against cuBLAS (what skinny_gemm_config should pick).
 10. async (540 s): the sampler's draw kernel (pagedkernels.sample_from_logits) against the same draw in tensor ops
-   at 256 and 8 rows of Qwen3's vocabulary, and its top-k/top-p draw among candidates against the full sort; the Qwen3-0.6B-shape throughput and step profile with async scheduling
-   (and batch-1 decode) and without it, side by side, each throughput once more with the sampler's draw the other
-   way (ENGINE_FUSED_SAMPLER); then host syncs per step kind under torch.cuda.set_sync_debug_mode
+   at 256 and 8 rows of Qwen3's vocabulary; the sampler's top-k/top-p draw among candidates, and the kernel's own
+   (its threshold search), against the full sort; the Qwen3-0.6B-shape throughput and step profile with async
+   scheduling (and batch-1 decode) and without it, side by side, each throughput once more with the sampler's draw
+   the other way (ENGINE_FUSED_SAMPLER); then host syncs per step kind under torch.cuda.set_sync_debug_mode
    (bench/sync_audit.py).
 11. moe (540 s): the mixture-of-experts layer (pagedkernels.fused_moe) at Qwen3-30B-A3B's shape, 1 / 16 / 64 tokens
    against copy bandwidth (the routed experts' weights) and 4096 against the bf16 matmul rate, Mixtral-8x7B's at 1

@@ -20,17 +20,18 @@ uniform falls within rounding of a boundary between two tokens (their exponentia
 tokens they keep, with vLLM's semantics and order: min-p drops every token whose weight is below ``min_p`` times the
 maximum's (a mask, in every pass), top-k keeps every token with fewer than ``k`` tokens above it (ties at the k-th
 value all stay), then top-p keeps, of those, every token whose weight above it is below ``p`` times the top-k
-survivors' weight (the maximum always stays). Each keeps an upper set of the row's values, so each is a threshold, and the
-kernel searches for it instead of sorting the row. A search pass counts the tokens and sums the weight above eight
-pivots at once, and records the smallest and largest value between each two; the interval that holds the threshold
-then shrinks to the values inside it, until it holds a single value. The first pass places its pivots 32 to 1
-temperatures below the row's maximum, where LLM distributions put the thresholds; later ones split the interval's
-float32 keys (the values' bits, ordered as integers) evenly. On SmolLM2's logits a row took 1.63 search passes on
-average for top-p 0.9 at temperature 0.6 (Llama 3's generation config) and 3.87 for top-k 20 and top-p 0.95 (Qwen3's)
-(``python -m bench.sampling_passes``), where a sort of 256 rows of a 151,936-token vocabulary orders 39M keys. The draw then is the same inverse-CDF draw,
-in token-id order, over the tokens at or above the threshold, as the engine's draw among a top-k selection
-(engine/worker/sampler.py) takes its tokens in that order too. Where a float32 sum decides a token's side of the
-top-p bound within rounding, the kernel and a sort may keep it differently.
+survivors' weight (the maximum always stays). Each keeps an upper set of the row's values, so each is a threshold,
+and the kernel searches for it instead of sorting the row. A search pass counts the tokens and sums the weight above
+eight pivots at once, and records the smallest and largest value between each two; the interval that holds the
+threshold then shrinks to the values inside it, until it holds a single value. The first pass places its pivots 32
+to 1 temperatures below the row's maximum, where LLM distributions put the thresholds; later ones split the
+interval's float32 keys (the values' bits, ordered as integers) evenly. On SmolLM2's logits a row took 1.63 search
+passes on average for top-p 0.9 at temperature 0.6 (Llama 3's generation config) and 3.87 for top-k 20 and top-p
+0.95 (Qwen3's) (``python -m bench.sampling_passes``), where a sort of 256 rows of a 151,936-token vocabulary orders
+39M keys. The draw then is the same inverse-CDF draw, in token-id order, over the tokens at or above the threshold,
+as the engine's draw among a top-k selection (engine/worker/sampler.py) takes its tokens in that order too. Where a
+float32 sum decides a token's side of the top-p bound within rounding, the kernel and a sort may keep it
+differently.
 """
 
 from __future__ import annotations
@@ -323,22 +324,18 @@ def sample_from_logits(logits: torch.Tensor, temperature: torch.Tensor, uniform:
     takes). No value is read back to the host: CUDA-graph capturable.
     """
     check_sample_from_logits_args(logits, temperature, uniform, top_k, top_p, min_p)
-    num_rows, vocab = logits.shape
+    num_rows = logits.shape[0]
     ids = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     row_max = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
     if has_no_data(logits, temperature, uniform, top_k, top_p, min_p) or num_rows == 0:
         return ids, row_max
-    filtered = top_k is not None or top_p is not None or min_p is not None
-    if filtered:
-        top_k, top_p, min_p = _filters(num_rows, logits.device, top_k, top_p, min_p)
+    filters = None
+    if top_k is not None or top_p is not None or min_p is not None:
+        filters = _filters(num_rows, logits.device, top_k, top_p, min_p)
     if use_triton(logits):
-        _sample_kernel[(num_rows,)](logits, temperature, uniform, top_k if filtered else ids,
-                                    top_p if filtered else row_max, min_p if filtered else row_max, ids, row_max, ids,
-                                    vocab, logits.stride(0),
-                                    BLOCK=_BLOCK, FILTER=filtered, PIVOTS=_PIVOTS, SEARCH_BLOCK=_SEARCH_BLOCK,
-                                    COUNT_PASSES=False, num_warps=_NUM_WARPS)
+        _launch(logits, temperature, uniform, filters, ids, row_max)
         return ids, row_max
-    return _sample_torch(logits, temperature, uniform, ids, row_max, top_k, top_p, min_p)
+    return _sample_torch(logits, temperature, uniform, ids, row_max, *(filters or ()))
 
 
 def _filters(num_rows: int, device, top_k, top_p, min_p):
@@ -348,23 +345,31 @@ def _filters(num_rows: int, device, top_k, top_p, min_p):
             min_p if min_p is not None else torch.zeros(num_rows, dtype=torch.float32, device=device))
 
 
+def _launch(logits, temperature, uniform, filters, ids, row_max, passes=None) -> None:
+    """The Triton kernel over every row: `filters` (top_k, top_p, min_p) or None for the unfiltered variant;
+    `passes` (int32 [num_rows]) to count the threshold search's passes."""
+    num_rows, vocab = logits.shape
+    top_k, top_p, min_p = filters if filters is not None else (ids, row_max, row_max)   # not read without FILTER
+    _sample_kernel[(num_rows,)](logits, temperature, uniform, top_k, top_p, min_p, ids, row_max,
+                                passes if passes is not None else ids, vocab, logits.stride(0), BLOCK=_BLOCK,
+                                FILTER=filters is not None, PIVOTS=_PIVOTS, SEARCH_BLOCK=_SEARCH_BLOCK,
+                                COUNT_PASSES=passes is not None, num_warps=_NUM_WARPS)
+
 
 def threshold_search_passes(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                             top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
     """How many passes over each row the Triton kernel's top-k / top-p threshold search takes (int32
     ``[num_rows]``; 0 for a row without either, greedy, or with nothing to draw): what it costs beyond the unfiltered
     draw's three passes. For benchmarks and tests (the interpreter counts the same passes on CPU tensors)."""
-    check_sample_from_logits_args(logits, temperature, temperature, top_k, top_p, min_p)
-    num_rows, vocab = logits.shape
-    top_k, top_p, min_p = _filters(num_rows, logits.device, top_k, top_p, min_p)
+    uniform = torch.zeros_like(temperature)   # the draws are not kept
+    check_sample_from_logits_args(logits, temperature, uniform, top_k, top_p, min_p)
+    num_rows = logits.shape[0]
     ids = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     row_max = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
     passes = torch.zeros(num_rows, dtype=torch.int32, device=logits.device)
-    _sample_kernel[(num_rows,)](logits, temperature, torch.zeros_like(temperature), top_k, top_p, min_p, ids, row_max,
-                                passes,
-                                vocab, logits.stride(0), BLOCK=_BLOCK, FILTER=True, PIVOTS=_PIVOTS,
-                                SEARCH_BLOCK=_SEARCH_BLOCK, COUNT_PASSES=True, num_warps=_NUM_WARPS)
+    _launch(logits, temperature, uniform, _filters(num_rows, logits.device, top_k, top_p, min_p), ids, row_max, passes)
     return passes
+
 
 def _kept_floor(x: torch.Tensor, weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """The twin of the kernel's threshold search, by a sort: per row of cleaned logits x [num_rows, vocab] and
