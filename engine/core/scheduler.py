@@ -146,8 +146,8 @@ class Scheduler:
                 computing.append(seq)
         running, allocate_slots, moves = SequenceStatus.RUNNING, self.block_manager.allocate_slots, self._moves
         for seq in decoding + computing:
-            if self._budget == 0:
-                break
+            if self._budget == 0 or len(scheduled) == self.max_num_seqs:
+                break   # (rows: admission keeps the running within them, but a step past them fails every request)
             if seq.status is not running:   # preempted earlier in this loop
                 continue
             if seq.seq_id in waiting_turn:   # its request has its share of this step
@@ -173,16 +173,18 @@ class Scheduler:
                 self._schedule_seq(seq, num_new_tokens, scheduled)
 
         # Swapped-out requests come back first (they arrived before anything still waiting), as wholes.
+        slots = self._running_slots() if self.swapped or self.waiting else 0
         while self.swapped and not preempted and self._budget > 0:
             group = self.swapped[0]
             members = [s for s in group.seqs if s.status is SequenceStatus.SWAPPED]
-            if self._running_slots() + self._share(len(members)) > self.max_num_seqs:
+            if slots + self._share(len(members)) > self.max_num_seqs:
                 break
             if not self.block_manager.can_swap_in(members, num_headroom_blocks=len(members)):
                 break
             if not self._lora_fits(members[0], self._step_loras):
                 break
             self.swapped.popleft()
+            slots += self._share(len(members))
             self.block_manager.swap_in(members, self._moves)
             for seq in members:
                 seq.status = SequenceStatus.RUNNING
@@ -198,8 +200,7 @@ class Scheduler:
         loras_in_use = self._loras_in_use() if self.max_loras is not None and self.waiting else set()
         skipped: list[Sequence] = []
         while (self.waiting and not preempted and not self.swapped and self._budget > 0
-               and self._running_slots() + self._share(self._num_seqs_after_fork(self.waiting[0]))
-               <= self.max_num_seqs):
+               and slots + self._share(self._num_seqs_after_fork(self.waiting[0])) <= self.max_num_seqs):
             seq = self.waiting[0]
             if seq.num_output_placeholders:   # preempted with a token in flight: it resumes once the token is here
                 break
@@ -211,6 +212,7 @@ class Scheduler:
             if not self.block_manager.allocate_slots(seq, num_new_tokens, cached_block_ids, moves=self._moves):
                 break   # nothing was taken; wait for blocks to free up
             self.waiting.popleft()
+            slots += self._share(self._num_seqs_after_fork(seq))
             seq.spec_token_ids = []
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = time.time()
@@ -282,13 +284,17 @@ class Scheduler:
         return num_seqs if limit is None else min(num_seqs, limit)
 
     def _running_slots(self) -> int:
-        """Rows the running requests may take in one step (each at most its share): what admission counts."""
-        if self.max_num_seqs_per_request is None:
-            return len(self.running)
-        per_request: dict[str, int] = {}
+        """Rows the running requests may take in one step (each at most its share): what admission counts. A request
+        still at its prompt counts the sequences it forks into when the prompt completes (_num_seqs_after_fork):
+        counted as one, an n = 2 request admitted beside another took three rows of two at its fork."""
+        per_request: dict[str, list] = {}   # request id -> [its running sequences, one of them]
         for seq in self.running:
-            per_request[seq.request_id] = per_request.get(seq.request_id, 0) + 1
-        return sum(self._share(count) for count in per_request.values())
+            entry = per_request.get(seq.request_id)
+            if entry is None:
+                per_request[seq.request_id] = [1, seq]
+            else:
+                entry[0] += 1
+        return sum(self._share(max(count, self._num_seqs_after_fork(seq))) for count, seq in per_request.values())
 
     def _over_fair_share(self) -> set[int]:
         """The running sequences that sit this step out: while other requests run or wait, each request beyond

@@ -116,3 +116,23 @@ def test_n_above_max_num_seqs_is_rejected(llama_dir):
     with pytest.raises(ValueError, match="max_num_seqs"):
         engine.add_request("r", {"prompt_token_ids": PROMPT_32}, SamplingParams(n=3))
     assert not engine.requests
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_n_request_holds_its_rows_from_admission(llama_dir, async_scheduling):
+    """An n > 1 request forks only when its prompt completes, but takes its n rows when it is admitted: a request
+    behind it waits for a row. (With max_num_seqs=2, an n=2 request and a one-sequence request were admitted in one
+    step as two sequences; the fork made three in the next step, and that step failed both requests.)"""
+    llm = LLM(llama_dir, max_model_len=256, num_kv_blocks=64, max_num_seqs=2, async_scheduling=async_scheduling)
+    prompts = [{"prompt_token_ids": random_token_ids(50, seed=1)}, {"prompt_token_ids": random_token_ids(3, seed=2)}]
+    params = [SamplingParams(n=2, seed=1, max_tokens=5, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)]
+    try:
+        together = llm.generate(prompts, params, use_tqdm=False)
+        alone = [llm.generate([prompt], [p], use_tqdm=False)[0] for prompt, p in zip(prompts, params)]
+    finally:
+        llm.llm_engine.shutdown()
+    assert [[c.finish_reason for c in o.outputs] for o in together] == [["length", "length"], ["length"]]
+    assert [[c.token_ids for c in o.outputs] for o in together] == [[c.token_ids for c in o.outputs] for o in alone]
+    bm = llm.llm_engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
