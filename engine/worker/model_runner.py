@@ -576,10 +576,12 @@ class ModelRunner(DecodeGraphs):
                        and starts[i] < batch.num_prompt_tokens[row] - 1]
         first_logit = dict(zip(sample_rows.tolist(), np.cumsum(num_logits) - num_logits))
         if not self._is_driver():
-            if len(logits_index):   # every rank takes part in the vocab-parallel gather
-                self._logits(forward, logits_index)
+            # Every rank takes part in the vocab-parallel gathers, in rank 0's order: the prompt rows, then the
+            # sampling rows (gathers of different sizes crossed in gloo abort the process).
             for i, _ in prompt_rows:
                 self._logits(forward, slice(int(cu[i]), int(cu[i + 1])))
+            if len(logits_index):
+                self._logits(forward, logits_index)
             if self.async_scheduling:   # rank 0 broadcasts these rows' ids with the next step
                 plain, _, _ = self._split_sampling(scheduler_output, first_logit, num_drafts)
                 self._pending = SampledIds([batch.seq_ids[row] for row, _ in plain], self.device) if plain else None

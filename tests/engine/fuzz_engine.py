@@ -4,7 +4,7 @@ trial of each mode so that this stays runnable:
 
     python -m tests.engine.fuzz_engine async --trials 80 --seed 100
     python -m tests.engine.fuzz_engine configs --trials 100 --seed 1000 --arch qwen3_moe
-    python -m tests.engine.fuzz_engine abort --trials 60 --seed 20000
+    python -m tests.engine.fuzz_engine abort --trials 60 --seed 20000 --tp 2
 
 Modes:
 - ``async``: the same engine settings with async scheduling off and on: outputs equal (greedy and seeded sampling:
@@ -94,8 +94,8 @@ def random_prompts(rng: random.Random, trial: int, most: int) -> list:
     return prompts
 
 
-def random_settings(rng: random.Random, max_num_seqs: int) -> dict:
-    settings = dict(max_model_len=160, num_kv_blocks=rng.choice([24, 40, 200]),
+def random_settings(rng: random.Random, max_num_seqs: int, tensor_parallel_size: int = 1) -> dict:
+    settings = dict(tensor_parallel_size=tensor_parallel_size, max_model_len=160, num_kv_blocks=rng.choice([24, 40, 200]),
                     max_num_batched_tokens=rng.choice([32, 64, 512]), max_num_seqs=max_num_seqs,
                     enable_prefix_caching=rng.random() < 0.7, preemption_mode=rng.choice(["recompute", "swap"]),
                     swap_space=0.05, enforce_eager=rng.random() < 0.5)
@@ -154,11 +154,11 @@ def differences(expected: list, got: list, params: list, compare: list[int]) -> 
             for i in compare if expected[i] != got[i]]
 
 
-def trial_async(model_dir: str, ref: LLM, rng: random.Random, trial: int) -> list[str]:
+def trial_async(model_dir: str, ref: LLM, rng: random.Random, trial: int, tp: int) -> list[str]:
     max_num_seqs = rng.choice([2, 4, 16])
     prompts = random_prompts(rng, trial, 10)
     params = [random_params(rng, max_num_seqs) for _ in prompts]
-    settings = random_settings(rng, max_num_seqs)
+    settings = random_settings(rng, max_num_seqs, tp)
     off, on = (generate(model_dir, {**settings, "async_scheduling": a}, prompts, params) for a in (False, True))
     problems = differences(summary(off), summary(on), params, range(len(prompts)))
     if not logprobs_close(off, on):
@@ -166,12 +166,12 @@ def trial_async(model_dir: str, ref: LLM, rng: random.Random, trial: int) -> lis
     return [f"settings {settings}"] + problems if problems else []
 
 
-def trial_configs(model_dir: str, ref: LLM, rng: random.Random, trial: int) -> list[str]:
+def trial_configs(model_dir: str, ref: LLM, rng: random.Random, trial: int, tp: int) -> list[str]:
     max_num_seqs = rng.choice([2, 4, 16])
     prompts = random_prompts(rng, trial, 10)
     spec = rng.random() < 0.35
     params = [random_params(rng, max_num_seqs, guided=not spec) for _ in prompts]
-    settings = random_settings(rng, max_num_seqs)
+    settings = random_settings(rng, max_num_seqs, tp)
     if spec:
         settings["speculative_config"] = {"method": "ngram", "num_speculative_tokens": rng.choice([1, 3, 5]),
                                           "prompt_lookup_max": rng.choice([2, 4]), "prompt_lookup_min": 1}
@@ -187,14 +187,14 @@ def trial_configs(model_dir: str, ref: LLM, rng: random.Random, trial: int) -> l
     return [f"settings {settings}"] + problems if problems else []
 
 
-def trial_abort(model_dir: str, ref: LLM, rng: random.Random, trial: int) -> list[str]:
+def trial_abort(model_dir: str, ref: LLM, rng: random.Random, trial: int, tp: int) -> list[str]:
     max_num_seqs = rng.choice([2, 4, 16])
     prompts = random_prompts(rng, trial, 10)
     requests = []   # (id, prompt, params, step added, step aborted or None)
     for i, prompt in enumerate(prompts):
         params = dataclasses.replace(random_params(rng, max_num_seqs), output_kind=rng.choice(list(RequestOutputKind)))
         requests.append((f"r{i}", prompt, params, rng.randint(0, 12), rng.randint(0, 25) if rng.random() < 0.3 else None))
-    settings = {**random_settings(rng, max_num_seqs), "async_scheduling": rng.random() < 0.6}
+    settings = {**random_settings(rng, max_num_seqs, tp), "async_scheduling": rng.random() < 0.6}
     llm = LLM(model_dir, **settings)
     engine, final, aborted_ids, step = llm.llm_engine, {}, set(), 0
     try:
@@ -227,23 +227,24 @@ def trial_abort(model_dir: str, ref: LLM, rng: random.Random, trial: int) -> lis
 MODES = {"async": trial_async, "configs": trial_configs, "abort": trial_abort}
 
 
-def run(mode: str, trials: int, seed: int, arch: str = "llama", log=print) -> int:
-    """`trials` seeded trials of `mode`; returns how many failed (each printed)."""
+def run(mode: str, trials: int, seed: int, arch: str = "llama", tp: int = 1, log=print) -> int:
+    """`trials` seeded trials of `mode` (the engines under test on `tp` ranks); returns how many failed (each
+    printed)."""
     model_dir = build_tiny_model_dir(arch, tempfile.mkdtemp(prefix=f"fuzz-{arch}-"))
     ref = reference(model_dir)
     failed = 0
     try:
         for trial in range(seed, seed + trials):
             try:
-                problems = MODES[mode](model_dir, ref, random.Random(trial), trial)
+                problems = MODES[mode](model_dir, ref, random.Random(trial), trial, tp)
             except Exception:
                 problems = [traceback.format_exc()]
             if problems:
                 failed += 1
-                log(f"{mode} trial {trial} ({arch}) failed:\n" + "\n".join(problems))
+                log(f"{mode} trial {trial} ({arch}, tp {tp}) failed:\n" + "\n".join(problems))
     finally:
         ref.llm_engine.shutdown()
-    log(f"{mode}: {trials} trials from seed {seed} ({arch}), {failed} failed")
+    log(f"{mode}: {trials} trials from seed {seed} ({arch}, tp {tp}), {failed} failed")
     return failed
 
 
@@ -253,8 +254,9 @@ def main(argv=None) -> int:
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--arch", default="llama", help="a tiny architecture of tests/engine/models_util.py")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the engines under test (gloo on CPU)")
     args = parser.parse_args(argv)
-    return min(run(args.mode, args.trials, args.seed, args.arch), 100)
+    return min(run(args.mode, args.trials, args.seed, args.arch, args.tp), 100)
 
 
 if __name__ == "__main__":

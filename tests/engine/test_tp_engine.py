@@ -71,6 +71,35 @@ def test_tp2_with_async_scheduling_equals_tp1(tiny_model_dir):
     assert hit_rate_2 > 0 and preemptions_2 > 0
 
 
+def test_tp2_prompt_logprobs_equal_tp1(tiny_model_dir):
+    """Prompt logprobs take the logits of every prompt position through the vocab-parallel gather, beside the
+    sampling rows' gather: every rank must make the two in the same order. (The worker gathered the sampling rows
+    first and rank 0 the prompt rows: gloo aborted the process on the size mismatch.) A prompt in chunks, one
+    request without prompt logprobs beside it; values equal one process to rounding."""
+    prompts = [{"prompt_token_ids": random_token_ids(53, seed=1)}, {"prompt_token_ids": random_token_ids(8, seed=2)},
+               {"prompt_token_ids": random_token_ids(20, seed=3)}]
+    params = [SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2, logprobs=1),
+              SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=0),
+              SamplingParams(temperature=0, max_tokens=4)]
+    results = []
+    for tensor_parallel_size in (1, 2):
+        llm = LLM(tiny_model_dir("llama"), max_model_len=160, max_num_batched_tokens=32,
+                  tensor_parallel_size=tensor_parallel_size)
+        try:
+            results.append(llm.generate(prompts, params, use_tqdm=False))
+        finally:
+            llm.llm_engine.shutdown()
+    expected, actual = results
+    assert [o.outputs[0].token_ids for o in actual] == [o.outputs[0].token_ids for o in expected]
+    for e, a in zip(expected, actual):
+        assert (e.prompt_logprobs is None) == (a.prompt_logprobs is None)
+        for pe, pa in zip(e.prompt_logprobs or (), a.prompt_logprobs or ()):
+            assert (pe is None) == (pa is None)
+            if pe is not None:
+                assert set(pe) == set(pa) and all(abs(pe[t].logprob - pa[t].logprob) < 1e-4 for t in pe)
+    assert len(actual[0].prompt_logprobs) == 53 and actual[2].prompt_logprobs is None
+
+
 def test_abort_frees_every_block_and_dead_worker_stops_the_engine(tiny_model_dir):
     llm = LLM(tiny_model_dir("llama"), max_model_len=256, num_kv_blocks=32, tensor_parallel_size=2)
     engine = llm.llm_engine
