@@ -5,6 +5,7 @@ trial of each mode so that this stays runnable:
     python -m tests.engine.fuzz_engine async --trials 80 --seed 100
     python -m tests.engine.fuzz_engine configs --trials 100 --seed 1000 --arch qwen3_moe
     python -m tests.engine.fuzz_engine abort --trials 60 --seed 20000 --tp 2
+    python -m tests.engine.fuzz_engine lora --trials 25
 
 Modes:
 - ``async``: the same engine settings with async scheduling off and on: outputs equal (greedy and seeded sampling:
@@ -16,6 +17,9 @@ Modes:
   text and reasons equal; logprobs within 1e-3.
 - ``abort``: requests added at random steps, some aborted at random steps, every output kind: each request that
   was not aborted ends as in the reference.
+- ``lora``: each request on one of the LoRA tests' four PEFT adapters or the base model, under random settings with
+  fewer adapter slots (``max_loras``) and host slots (``max_cpu_loras``) than adapters: outputs as in a reference
+  with a slot for each.
 
 Every mode also checks that every KV block (and swap block) is free at the end. A failing trial prints its
 settings and requests; the exit status is the number of failing trials (capped at 100)."""
@@ -28,7 +32,7 @@ import sys
 import tempfile
 import traceback
 
-from engine import LLM, SamplingParams
+from engine import LLM, LoRARequest, SamplingParams
 from engine.sampling_params import GuidedDecodingParams, RequestOutputKind
 from tests.engine.models_util import build_tiny_model_dir, random_token_ids
 
@@ -106,9 +110,10 @@ def random_settings(rng: random.Random, max_num_seqs: int, tensor_parallel_size:
     return settings
 
 
-def reference(model_dir: str) -> LLM:
+def reference(model_dir: str, enable_lora: bool = False) -> LLM:
+    lora = dict(enable_lora=True, max_loras=4) if enable_lora else {}
     return LLM(model_dir, max_model_len=160, num_kv_blocks=400, max_num_seqs=64, enable_prefix_caching=False,
-               enforce_eager=True)
+               enforce_eager=True, **lora)
 
 
 def summary(outputs) -> list:
@@ -224,19 +229,53 @@ def trial_abort(model_dir: str, ref: LLM, rng: random.Random, trial: int, tp: in
     return [f"settings {settings}"] + problems if problems else []
 
 
-MODES = {"async": trial_async, "configs": trial_configs, "abort": trial_abort}
+def trial_lora(model_dir: str, ref: LLM, rng: random.Random, trial: int, tp: int, loras: list) -> list[str]:
+    max_num_seqs = rng.choice([2, 4, 16])
+    prompts = random_prompts(rng, trial, 10)
+    params = [random_params(rng, max_num_seqs) for _ in prompts]
+    adapters = [rng.choice([None, *loras]) for _ in prompts]
+    max_loras = rng.randint(1, len(loras))
+    settings = {**random_settings(rng, max_num_seqs, tp), "enable_lora": True, "max_loras": max_loras,
+                "max_cpu_loras": rng.randint(max_loras, len(loras)), "async_scheduling": rng.random() < 0.5}
+    expected = ref.generate(prompts, params, lora_request=adapters, use_tqdm=False)
+    llm = LLM(model_dir, **settings)
+    try:
+        got = llm.generate(prompts, params, lora_request=adapters, use_tqdm=False)
+        assert_all_blocks_free(llm)
+    finally:
+        llm.llm_engine.shutdown()
+    problems = differences(summary(expected), summary(got), [(p, a and a.lora_name) for p, a in zip(params, adapters)],
+                           range(len(prompts)))
+    if not logprobs_close(expected, got):
+        problems.append("logprobs differ by more than 1e-3")
+    return [f"settings {settings}"] + problems if problems else []
+
+
+MODES = {"async": trial_async, "configs": trial_configs, "abort": trial_abort, "lora": trial_lora}
+
+
+def lora_adapters(model_dir: str, out_dir: str) -> list:
+    """The LoRA tests' four PEFT adapters of the model (ranks 4 to 16, rslora, rank and alpha patterns)."""
+    from tests.engine.lora_util import ADAPTERS, make_peft_adapter
+
+    return [LoRARequest(name, i + 1, make_peft_adapter(model_dir, f"{out_dir}/{name}", seed=i, **options))
+            for i, (name, options) in enumerate(ADAPTERS.items())]
 
 
 def run(mode: str, trials: int, seed: int, arch: str = "llama", tp: int = 1, log=print) -> int:
     """`trials` seeded trials of `mode` (the engines under test on `tp` ranks); returns how many failed (each
     printed)."""
-    model_dir = build_tiny_model_dir(arch, tempfile.mkdtemp(prefix=f"fuzz-{arch}-"))
-    ref = reference(model_dir)
+    work_dir = tempfile.mkdtemp(prefix=f"fuzz-{arch}-")
+    model_dir = build_tiny_model_dir(arch, f"{work_dir}/model")
+    extra = {}
+    if mode == "lora":
+        extra["loras"] = lora_adapters(model_dir, work_dir)
+    ref = reference(model_dir, enable_lora=mode == "lora")
     failed = 0
     try:
         for trial in range(seed, seed + trials):
             try:
-                problems = MODES[mode](model_dir, ref, random.Random(trial), trial, tp)
+                problems = MODES[mode](model_dir, ref, random.Random(trial), trial, tp, **extra)
             except Exception:
                 problems = [traceback.format_exc()]
             if problems:
