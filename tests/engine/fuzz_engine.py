@@ -15,8 +15,8 @@ Modes:
   max_num_seqs and max_num_seqs_per_request, async scheduling or n-gram speculative decoding (its sampled requests
   draw other samples by design: greedy ones compared there), guided decoding, bad words, allowed tokens. Tokens,
   text and reasons equal; logprobs within 1e-3.
-- ``abort``: requests added at random steps, some aborted at random steps, every output kind: each request that
-  was not aborted ends as in the reference.
+- ``abort``: requests added at random steps (beam searches among them), some aborted at random steps, every output
+  kind: each request that was not aborted ends as in the reference.
 - ``lora``: each request on one of the LoRA tests' four PEFT adapters or the base model, under random settings with
   fewer adapter slots (``max_loras``) and host slots (``max_cpu_loras``) than adapters: outputs as in a reference
   with a slot for each.
@@ -33,6 +33,7 @@ import tempfile
 import traceback
 
 from engine import LLM, LoRARequest, SamplingParams
+from engine.core.beam_search import BeamSearchParams
 from engine.sampling_params import GuidedDecodingParams, RequestOutputKind
 from tests.engine.models_util import build_tiny_model_dir, random_token_ids
 
@@ -195,9 +196,14 @@ def trial_configs(model_dir: str, ref: LLM, rng: random.Random, trial: int, tp: 
 def trial_abort(model_dir: str, ref: LLM, rng: random.Random, trial: int, tp: int) -> list[str]:
     max_num_seqs = rng.choice([2, 4, 16])
     prompts = random_prompts(rng, trial, 10)
-    requests = []   # (id, prompt, params, step added, step aborted or None)
+    requests = []   # (id, prompt, params or BeamSearchParams, step added, step aborted or None)
     for i, prompt in enumerate(prompts):
-        params = dataclasses.replace(random_params(rng, max_num_seqs), output_kind=rng.choice(list(RequestOutputKind)))
+        if rng.random() < 0.15:
+            params = BeamSearchParams(beam_width=rng.randint(1, min(3, max_num_seqs)), max_tokens=rng.randint(1, 12),
+                                      ignore_eos=rng.random() < 0.5)
+        else:
+            params = dataclasses.replace(random_params(rng, max_num_seqs),
+                                         output_kind=rng.choice(list(RequestOutputKind)))
         requests.append((f"r{i}", prompt, params, rng.randint(0, 12), rng.randint(0, 25) if rng.random() < 0.3 else None))
     settings = {**random_settings(rng, max_num_seqs, tp), "async_scheduling": rng.random() < 0.6}
     llm = LLM(model_dir, **settings)
@@ -206,7 +212,11 @@ def trial_abort(model_dir: str, ref: LLM, rng: random.Random, trial: int, tp: in
         while step <= 12 or engine.has_unfinished_requests():
             for request_id, prompt, params, added, aborted in requests:
                 if added == step:
-                    engine.add_request(request_id, prompt, params)
+                    if isinstance(params, BeamSearchParams):
+                        text, token_ids = engine.process_prompt(prompt)
+                        engine.add_beam_request(request_id, {"prompt": text, "prompt_token_ids": token_ids}, params)
+                    else:
+                        engine.add_request(request_id, prompt, params)
                 if aborted == step and added <= step and request_id not in final:
                     engine.abort_request(request_id)
                     aborted_ids.add(request_id)
@@ -220,12 +230,22 @@ def trial_abort(model_dir: str, ref: LLM, rng: random.Random, trial: int, tp: in
         engine.shutdown()
     survivors = [r for r in requests if r[0] not in aborted_ids]
     missing = [r[0] for r in survivors if r[0] not in final]
-    expected = ref.generate([r[1] for r in survivors],
-                            [dataclasses.replace(r[2], output_kind=RequestOutputKind.FINAL_ONLY) for r in survivors],
+    if missing:
+        return [f"settings {settings}", f"no final output for {missing}"]
+    plain = [r for r in survivors if not isinstance(r[2], BeamSearchParams)]
+    expected = ref.generate([r[1] for r in plain],
+                            [dataclasses.replace(r[2], output_kind=RequestOutputKind.FINAL_ONLY) for r in plain],
                             use_tqdm=False)
-    got = [final[r[0]] for r in survivors if r[0] in final]
-    problems = [f"no final output for {missing}"] if missing else differences(
-        summary(expected), summary(got), [r[2] for r in survivors], range(len(survivors)))
+    problems = differences(summary(expected), summary([final[r[0]] for r in plain]), [r[2] for r in plain],
+                           range(len(plain)))
+    for request_id, prompt, params, _, _ in survivors:
+        if isinstance(params, BeamSearchParams):
+            (beams,) = ref.beam_search([prompt], params)
+            num_prompt_tokens = len(ref.llm_engine.process_prompt(prompt)[1])
+            want = [(s.tokens[num_prompt_tokens:], s.finish_reason) for s in beams.sequences]
+            got = [(list(c.token_ids), c.finish_reason) for c in final[request_id].outputs]
+            if want != got:
+                problems.append(f"beam request {request_id} {params}\n  expected {want}\n  got      {got}")
     return [f"settings {settings}"] + problems if problems else []
 
 
