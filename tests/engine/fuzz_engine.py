@@ -49,7 +49,8 @@ def random_params(rng: random.Random, max_n: int, guided: bool = False) -> Sampl
     if rng.random() < 0.4:
         kw["temperature"] = 0.0
     else:
-        kw.update(temperature=rng.choice([0.5, 1.0, 1.5]), seed=rng.randint(0, 1000), n=min(rng.choice([1, 1, 2, 3]), max_n))
+        kw.update(temperature=rng.choice([0.5, 1.0, 1.5]), seed=rng.randint(0, 1000),
+                  n=min(rng.choice([1, 1, 2, 3]), max_n))
         if rng.random() < 0.5:
             kw["top_p"] = rng.choice([0.5, 0.9])
         if rng.random() < 0.5:
@@ -100,7 +101,8 @@ def random_prompts(rng: random.Random, trial: int, most: int) -> list:
 
 
 def random_settings(rng: random.Random, max_num_seqs: int, tensor_parallel_size: int = 1) -> dict:
-    settings = dict(tensor_parallel_size=tensor_parallel_size, max_model_len=160, num_kv_blocks=rng.choice([24, 40, 200]),
+    settings = dict(tensor_parallel_size=tensor_parallel_size, max_model_len=160,
+                    num_kv_blocks=rng.choice([24, 40, 200]),
                     max_num_batched_tokens=rng.choice([32, 64, 512]), max_num_seqs=max_num_seqs,
                     enable_prefix_caching=rng.random() < 0.7, preemption_mode=rng.choice(["recompute", "swap"]),
                     swap_space=0.05, enforce_eager=rng.random() < 0.5)
@@ -204,7 +206,9 @@ def trial_abort(model_dir: str, ref: LLM, rng: random.Random, trial: int, tp: in
         else:
             params = dataclasses.replace(random_params(rng, max_num_seqs),
                                          output_kind=rng.choice(list(RequestOutputKind)))
-        requests.append((f"r{i}", prompt, params, rng.randint(0, 12), rng.randint(0, 25) if rng.random() < 0.3 else None))
+        added = rng.randint(0, 12)
+        aborted = rng.randint(0, 25) if rng.random() < 0.3 else None
+        requests.append((f"r{i}", prompt, params, added, aborted))
     settings = {**random_settings(rng, max_num_seqs, tp), "async_scheduling": rng.random() < 0.6}
     llm = LLM(model_dir, **settings)
     engine, final, aborted_ids, step = llm.llm_engine, {}, set(), 0
@@ -313,7 +317,8 @@ def main(argv=None) -> int:
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--arch", default="llama", help="a tiny architecture of tests/engine/models_util.py")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the engines under test (gloo on CPU)")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel ranks of the engines under test (gloo on CPU)")
     args = parser.parse_args(argv)
     return min(run(args.mode, args.trials, args.seed, args.arch, args.tp), 100)
 

@@ -159,7 +159,8 @@ def test_sigterm_drains_then_ends_every_stream_in_band(served):
     flight at the SIGTERM (sent as soon as those two streams' first chunks are in: 1000 tokens take over a second
     here, and waiting for the non-streamed request to reach the engine after the openai stream began let that stream
     run to its end on a busy machine, in CI). A raw stream begun earlier may have run to its end by then
-    (finish_reason "length": in a fresh-clone CI run all six of the test's earlier form had); every other one ends in-band."""
+    (finish_reason "length": in a fresh-clone CI run all six of the test's earlier form had); every other one ends
+    in-band."""
     pids = served.tree()
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 1000, "ignore_eos": True}
     started = [threading.Event() for _ in range(7)]   # five raw streams, a late raw stream, the openai stream
