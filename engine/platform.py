@@ -117,8 +117,9 @@ class DevicePolicy:
     # The sync-free sampler draws every row in one kernel (pagedkernels.sample_from_logits: the argmax or the
     # inverse-CDF draw, reading the logits three times and writing nothing; min-p by a mask, top-k / top-p by a
     # threshold search of a few more passes, no sort of the batch) instead of a dozen tensor ops over
-    # [rows, vocab] float32 (ENGINE_FUSED_SAMPLER=1 turns it on, 0 off). Off until a GPU measures it: at 256 rows of Qwen3's 151,936-token vocabulary those ops were about 1 ms
-    # of the H200's 8.3 ms decode step (bench/results/2026-11-28-nvidia-h200-phase10-async.md).
+    # [rows, vocab] float32 (ENGINE_FUSED_SAMPLER=1 turns it on, 0 off). Off until a GPU measures it: at 256 rows
+    # of Qwen3's 151,936-token vocabulary those ops were about 1 ms of the H200's 8.3 ms decode step
+    # (bench/results/2026-11-28-nvidia-h200-phase10-async.md).
     fused_sampler: bool = False
 
     @classmethod

@@ -147,19 +147,30 @@ def assert_all_blocks_free(llm: LLM) -> None:
     assert bm.num_free_swap_blocks == bm.num_swap_blocks, "swap blocks leaked"
 
 
-def generate(model_dir: str, settings: dict, prompts: list, params: list):
+def generate(model_dir: str, settings: dict, prompts: list, params: list, lora_request=None):
+    """The requests through a fresh engine of `settings`, which must give every block back."""
     llm = LLM(model_dir, **settings)
     try:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = llm.generate(prompts, params, lora_request=lora_request, use_tqdm=False)
         assert_all_blocks_free(llm)
         return outputs
     finally:
         llm.llm_engine.shutdown()
 
 
-def differences(expected: list, got: list, params: list, compare: list[int]) -> list[str]:
-    return [f"request {i} {params[i]}\n  expected {expected[i]}\n  got      {got[i]}"
+def differences(expected: list, got: list, labels: list, compare) -> list[str]:
+    """The requests `compare` whose summaries differ, each named by its label (its parameters)."""
+    return [f"request {i} {labels[i]}\n  expected {expected[i]}\n  got      {got[i]}"
             for i in compare if expected[i] != got[i]]
+
+
+def verdict(settings: dict, expected: list, got: list, labels: list, problems=()) -> list[str]:
+    """A trial's problems (none: it passed): the outputs that differ, logprobs beyond 1e-3, and `problems` found
+    before; headed by the settings."""
+    problems = [*problems, *differences(summary(expected), summary(got), labels, range(len(expected)))]
+    if not logprobs_close(expected, got):
+        problems.append("logprobs differ by more than 1e-3")
+    return [f"settings {settings}"] + problems if problems else []
 
 
 def trial_async(model_dir: str, ref: LLM, rng: random.Random, trial: int, tp: int) -> list[str]:
@@ -168,10 +179,7 @@ def trial_async(model_dir: str, ref: LLM, rng: random.Random, trial: int, tp: in
     params = [random_params(rng, max_num_seqs) for _ in prompts]
     settings = random_settings(rng, max_num_seqs, tp)
     off, on = (generate(model_dir, {**settings, "async_scheduling": a}, prompts, params) for a in (False, True))
-    problems = differences(summary(off), summary(on), params, range(len(prompts)))
-    if not logprobs_close(off, on):
-        problems.append("logprobs differ by more than 1e-3")
-    return [f"settings {settings}"] + problems if problems else []
+    return verdict(settings, off, on, params)
 
 
 def trial_configs(model_dir: str, ref: LLM, rng: random.Random, trial: int, tp: int) -> list[str]:
@@ -189,10 +197,7 @@ def trial_configs(model_dir: str, ref: LLM, rng: random.Random, trial: int, tp: 
     got = generate(model_dir, settings, prompts, params)
     # Rejection sampling draws other samples than plain decoding: under speculation only greedy requests compare.
     compare = [i for i, p in enumerate(params) if not spec or p.temperature == 0]
-    problems = differences(summary(expected), summary(got), params, compare)
-    if not logprobs_close([expected[i] for i in compare], [got[i] for i in compare]):
-        problems.append("logprobs differ by more than 1e-3")
-    return [f"settings {settings}"] + problems if problems else []
+    return verdict(settings, [expected[i] for i in compare], [got[i] for i in compare], [params[i] for i in compare])
 
 
 def trial_abort(model_dir: str, ref: LLM, rng: random.Random, trial: int, tp: int) -> list[str]:
@@ -240,8 +245,7 @@ def trial_abort(model_dir: str, ref: LLM, rng: random.Random, trial: int, tp: in
     expected = ref.generate([r[1] for r in plain],
                             [dataclasses.replace(r[2], output_kind=RequestOutputKind.FINAL_ONLY) for r in plain],
                             use_tqdm=False)
-    problems = differences(summary(expected), summary([final[r[0]] for r in plain]), [r[2] for r in plain],
-                           range(len(plain)))
+    problems = []
     for request_id, prompt, params, _, _ in survivors:
         if isinstance(params, BeamSearchParams):
             (beams,) = ref.beam_search([prompt], params)
@@ -250,7 +254,7 @@ def trial_abort(model_dir: str, ref: LLM, rng: random.Random, trial: int, tp: in
             got = [(list(c.token_ids), c.finish_reason) for c in final[request_id].outputs]
             if want != got:
                 problems.append(f"beam request {request_id} {params}\n  expected {want}\n  got      {got}")
-    return [f"settings {settings}"] + problems if problems else []
+    return verdict(settings, expected, [final[r[0]] for r in plain], [r[2] for r in plain], problems)
 
 
 def trial_lora(model_dir: str, ref: LLM, rng: random.Random, trial: int, tp: int, loras: list) -> list[str]:
@@ -262,17 +266,8 @@ def trial_lora(model_dir: str, ref: LLM, rng: random.Random, trial: int, tp: int
     settings = {**random_settings(rng, max_num_seqs, tp), "enable_lora": True, "max_loras": max_loras,
                 "max_cpu_loras": rng.randint(max_loras, len(loras)), "async_scheduling": rng.random() < 0.5}
     expected = ref.generate(prompts, params, lora_request=adapters, use_tqdm=False)
-    llm = LLM(model_dir, **settings)
-    try:
-        got = llm.generate(prompts, params, lora_request=adapters, use_tqdm=False)
-        assert_all_blocks_free(llm)
-    finally:
-        llm.llm_engine.shutdown()
-    problems = differences(summary(expected), summary(got), [(p, a and a.lora_name) for p, a in zip(params, adapters)],
-                           range(len(prompts)))
-    if not logprobs_close(expected, got):
-        problems.append("logprobs differ by more than 1e-3")
-    return [f"settings {settings}"] + problems if problems else []
+    got = generate(model_dir, settings, prompts, params, lora_request=adapters)
+    return verdict(settings, expected, got, [(p, a and a.lora_name) for p, a in zip(params, adapters)])
 
 
 MODES = {"async": trial_async, "configs": trial_configs, "abort": trial_abort, "lora": trial_lora}
