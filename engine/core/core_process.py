@@ -74,6 +74,7 @@ class EngineCoreProc:
         self.parent_pid = parent_pid
         self.owners: dict[str, bytes] = {}   # request_id -> the identity of the front end that sent it
         self.clients: set[bytes] = set()
+        self.stop_requested = False   # set by SIGTERM: run() returns between steps
 
     def info(self) -> dict:
         """What a front end needs of the core: the limits its input processor checks, the sampling defaults, where
@@ -92,7 +93,7 @@ class EngineCoreProc:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         last_parent_check = time.monotonic()
-        while True:
+        while not self.stop_requested:
             busy = self.core.has_unfinished_requests()
             if poller.poll(0 if busy else 500):
                 self._drain()
@@ -234,6 +235,13 @@ def run_engine_core(config, address: str, parent_pid: int, ready_pipe) -> None:
         from engine.core.engine_core import EngineCore
 
         core = EngineCoreProc(EngineCore(config), address, parent_pid=parent_pid)
+
+        # The parent stops this process with SIGTERM. Its default action would end the process at once, inside a
+        # step perhaps, and skip the shutdown below: tensor-parallel workers would then fail in their next
+        # collective. Leave the loop between steps instead, and shut down in order.
+        def stop(signum, frame):
+            core.stop_requested = True
+        signal.signal(signal.SIGTERM, stop)
         freeze_startup_objects()
         ready_pipe.send(("ready", core.info()))
         ready_pipe.close()
