@@ -4,14 +4,16 @@ sent to it at once from threads, against a plain offline reference engine. Outsi
 seconds a trial); tests/engine/test_fuzz_engine.py runs one trial so that this stays runnable:
 
     python -m tests.engine.fuzz_serve --trials 40 --seed 0
-    python -m tests.engine.fuzz_serve --trials 10 --seed 900 --arch qwen3_moe --tp 2
+    python -m tests.engine.fuzz_serve --trials 10 --seed 900 --arch mixtral --tp 2
 
-Requests: completions (text or token-id prompts) and chat completions, streamed (with or without usage) or not,
-greedy or seeded sampling with n up to 3, top-k/top-p/min-p, penalties, logit bias, stop strings and token ids,
-min/max tokens, logprobs; some streams are closed by the client after a few chunks. Settings: small KV caches (both
-preemption modes), chunked prefill, prefix caching, CPU graphs or eager, max_num_seqs, async scheduling or n-gram
-speculative decoding (its sampled requests draw other samples by design: greedy ones compared there), one or two
-API server processes.
+Requests: completions (text or token-id prompts, batches of them, echo) and chat completions, streamed (with or
+without usage) or not, with the engine fuzzer's parameters (tests/engine/fuzz_engine.py's random_params: greedy or
+seeded sampling with n up to 3, top-k/top-p/min-p, penalties, logit bias, stop strings and token ids, min/max tokens,
+logprobs and prompt logprobs, guided decoding, bad words, allowed tokens) and the server's own fields (stop strings
+kept in the text, special tokens shown); some streams are closed by the client after a few chunks. Settings: small
+KV caches (both preemption modes), chunked prefill, prefix caching, CPU graphs or eager, max_num_seqs, async
+scheduling or n-gram speculative decoding (its sampled requests draw other samples by design: greedy ones compared
+there), one or two API server processes, tensor parallelism (--tp).
 
 On Llama, Qwen3 and Gemma 2 a server may also serve the LoRA tests' four PEFT adapters as models of their own
 (`--lora-modules`) through fewer slots than adapters, the requests picking one or the base model.
@@ -19,10 +21,11 @@ On Llama, Qwen3 and Gemma 2 a server may also serve the LoRA tests' four PEFT ad
 Every request the client did not close must equal the reference's: per choice its text, finish and stop reasons,
 the sampled tokens' logprobs (within 1e-3), and the usage. Afterwards the server's /metrics shows no request
 running, waiting or swapped and no KV block in use, it serves an ordinary request, its log holds no traceback, and
-SIGTERM ends it with status 0. The exit status is the number of failing trials (capped at 100)."""
+SIGTERM ends it with status 0, leaving no process behind. The exit status is the number of failing trials (capped at 100)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import re
 import sys
@@ -35,9 +38,9 @@ import httpx
 
 from engine import LLM, SamplingParams
 from engine.sampling_params import GuidedDecodingParams
-from tests.engine.fuzz_engine import TEXT_PROMPTS, lora_adapters
+from tests.engine.fuzz_engine import TEXT_PROMPTS, lora_adapters, random_params
 from tests.engine.models_util import build_tiny_model_dir, random_token_ids
-from tests.engine.test_server_isolation import MODEL, ServeProcess
+from tests.engine.test_server_isolation import MODEL, ServeProcess, _wait_gone
 
 TOL = 1e-3
 LORA_ARCHITECTURES = ("llama", "qwen3", "gemma2")   # those the LoRA tests check against PEFT
@@ -48,10 +51,6 @@ CHATS = [[{"role": "user", "content": "Hello"}],
           {"role": "user", "content": "g"}]]
 
 
-GUIDES = [{"response_format": {"type": "json_object"}},
-          {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {
-              "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}},
-          {"guided_choice": ["yes", "no", "maybe"]}, {"guided_regex": "[a-c]{2,6}"}]
 EXTRA_FIELDS = ("top_k", "min_p", "min_tokens", "ignore_eos", "repetition_penalty", "stop_token_ids",
                 "include_stop_str_in_output", "skip_special_tokens", "bad_words", "allowed_token_ids",
                 "prompt_logprobs", "guided_choice", "guided_regex", "response_format", "echo")
@@ -61,52 +60,52 @@ def random_prompt(rng: random.Random, seed: int):
     return random_token_ids(rng.randint(1, 60), seed=seed) if rng.random() < 0.5 else rng.choice(TEXT_PROMPTS)
 
 
+def guide_fields(guide: GuidedDecodingParams) -> dict:
+    """A structured output as the OpenAI body says it (response_format) or vLLM's extras (guided_*)."""
+    if guide.choice is not None:
+        return {"guided_choice": guide.choice}
+    if guide.regex is not None:
+        return {"guided_regex": guide.regex}
+    if guide.json is not None:
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": guide.json}}}
+    assert guide.json_object, guide
+    return {"response_format": {"type": "json_object"}}
+
+
+def openai_body(params: SamplingParams, chat: bool) -> dict:
+    """`params` as an OpenAI request's sampling fields (vLLM's extras among them). The sampling knobs are always
+    sent, so that the model's generation_config defaults (which the server applies to fields left out) never do."""
+    body = {"max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
+            "top_k": params.top_k, "min_p": params.min_p, "presence_penalty": params.presence_penalty,
+            "frequency_penalty": params.frequency_penalty, "repetition_penalty": params.repetition_penalty}
+    optional = {"n": params.n > 1, "seed": params.seed is not None, "min_tokens": params.min_tokens > 0,
+                "stop": bool(params.stop), "stop_token_ids": bool(params.stop_token_ids),
+                "ignore_eos": params.ignore_eos, "include_stop_str_in_output": params.include_stop_str_in_output,
+                "skip_special_tokens": not params.skip_special_tokens, "bad_words": bool(params.bad_words),
+                "allowed_token_ids": params.allowed_token_ids is not None,
+                "prompt_logprobs": params.prompt_logprobs is not None}
+    body.update({name: getattr(params, name) for name, wanted in optional.items() if wanted})
+    if params.logit_bias:
+        body["logit_bias"] = {str(k): v for k, v in params.logit_bias.items()}
+    if params.logprobs is not None:
+        body.update({"logprobs": True, "top_logprobs": params.logprobs} if chat else {"logprobs": params.logprobs})
+    if params.guided_decoding is not None:
+        body.update(guide_fields(params.guided_decoding))
+    return body
+
+
 def random_request(rng: random.Random, trial: int, index: int, max_n: int, guided: bool, loras: list) -> dict:
     """One request: its endpoint, its model (the base or one of `loras`), prompt (a list of them for a batched
-    completion) or messages, the OpenAI body's sampling fields (vLLM's extras among them), whether it streams, and
-    after how many chunks the client closes it (None: never)."""
+    completion) or messages, its parameters (fuzz_engine's draw, with the server's own fields: echo, stop strings
+    kept in the text, special tokens in it) and its OpenAI body, whether it streams, and after how many chunks the
+    client closes it (None: never)."""
     chat = rng.random() < 0.35
-    body: dict = {"max_tokens": rng.randint(1, 24)}
-    if rng.random() < 0.4:
-        body["temperature"] = 0.0
-    else:
-        body.update(temperature=rng.choice([0.5, 1.0, 1.5]), seed=rng.randint(0, 1000),
-                    n=min(rng.choice([1, 1, 2, 3]), max_n))
-        if rng.random() < 0.5:
-            body["top_p"] = rng.choice([0.5, 0.9])
-        if rng.random() < 0.5:
-            body["top_k"] = rng.choice([1, 5, 40])
-        if rng.random() < 0.3:
-            body["min_p"] = rng.choice([0.05, 0.2])
-    if rng.random() < 0.3:
-        body["min_tokens"] = rng.randint(0, body["max_tokens"])
-    if rng.random() < 0.5:
-        body["ignore_eos"] = True
-    if rng.random() < 0.3:
-        body["stop"] = rng.choice([["the"], [" a", "e"], ["."]])
-        if rng.random() < 0.3:
-            body["include_stop_str_in_output"] = True
-    if rng.random() < 0.3:
-        body.update(repetition_penalty=rng.choice([1.1, 1.5]), presence_penalty=rng.choice([0.0, 0.5]),
-                    frequency_penalty=rng.choice([0.0, 0.3]))
-    if rng.random() < 0.2:
-        body["logit_bias"] = {str(rng.randint(5, 200)): rng.choice([-100.0, 5.0])}
-    if rng.random() < 0.15:
-        body["stop_token_ids"] = [rng.randint(0, 200)]
+    params = random_params(rng, max_n, guided)
+    extra = {}
+    if params.stop and rng.random() < 0.3:
+        extra["include_stop_str_in_output"] = True
     if rng.random() < 0.1:
-        body["skip_special_tokens"] = False
-    if guided:
-        r = rng.random()
-        if r < 0.15:
-            body.update(rng.choice(GUIDES))
-            body.pop("stop", None)
-        elif r < 0.22:
-            body["bad_words"] = [rng.choice(["the", " a", "cat"])]
-        elif r < 0.3:
-            body["allowed_token_ids"] = sorted(rng.sample(range(5, 400), 20))
-    num_logprobs = rng.choice([0, 1, 3]) if rng.random() < 0.3 else None
-    if num_logprobs is not None:
-        body.update({"logprobs": True, "top_logprobs": num_logprobs} if chat else {"logprobs": num_logprobs})
+        extra["skip_special_tokens"] = False
     if chat:
         prompt = rng.choice(CHATS)
     elif rng.random() < 0.2:
@@ -117,16 +116,22 @@ def random_request(rng: random.Random, trial: int, index: int, max_n: int, guide
             prompt = [p for p in prompt if isinstance(p, str)] or prompt[:1]
     else:
         prompt = random_prompt(rng, trial * 100 + index * 10)
-    if not chat and rng.random() < 0.15:
-        body["echo"] = True
+    echo = not chat and rng.random() < 0.15
     stream = rng.random() < 0.6
-    if not stream and rng.random() < 0.1:
-        body["prompt_logprobs"] = rng.choice([0, 2])   # refused with stream, as vLLM does
+    if stream or echo:
+        # Refused with stream, as vLLM does; echo's logprobs begin with the prompt's, as many as the completion's.
+        extra["prompt_logprobs"] = params.logprobs if echo else None
+    params = dataclasses.replace(params, **extra)
+    body = openai_body(params, chat)
+    if echo:
+        body["echo"] = True
+        if params.prompt_logprobs is not None:
+            del body["prompt_logprobs"]   # implied by echo with logprobs
     if stream and rng.random() < 0.5:
         body["stream_options"] = {"include_usage": True}
     close_after = rng.randint(0, 3) if stream and rng.random() < 0.25 else None
-    return {"chat": chat, "prompt": prompt, "body": body, "stream": stream, "close_after": close_after,
-            "num_logprobs": num_logprobs, "delay_s": rng.uniform(0, 0.4), "lora": rng.choice([None, *loras])}
+    return {"chat": chat, "prompt": prompt, "params": params, "body": body, "stream": stream,
+            "close_after": close_after, "delay_s": rng.uniform(0, 0.4), "lora": rng.choice([None, *loras])}
 
 
 def prompts_of(request: dict) -> list:
@@ -134,28 +139,6 @@ def prompts_of(request: dict) -> list:
     prompt = request["prompt"]
     batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
     return [{"prompt_token_ids": p} if isinstance(p, list) else p for p in batch]
-
-
-def sampling_params(request: dict) -> SamplingParams:
-    """The request's body as the offline engine's parameters (vLLM's mapping of the OpenAI fields)."""
-    body = dict(request["body"])
-    for name in ("stream_options", "top_logprobs", "echo", "response_format", "guided_choice", "guided_regex"):
-        body.pop(name, None)
-    if "logit_bias" in body:
-        body["logit_bias"] = {int(k): v for k, v in body["logit_bias"].items()}
-    body["logprobs"] = request["num_logprobs"]
-    guide = request["body"]
-    if "guided_choice" in guide:
-        body["guided_decoding"] = GuidedDecodingParams(choice=guide["guided_choice"])
-    elif "guided_regex" in guide:
-        body["guided_decoding"] = GuidedDecodingParams(regex=guide["guided_regex"])
-    elif "response_format" in guide:
-        form = guide["response_format"]
-        body["guided_decoding"] = (GuidedDecodingParams(json_object=True) if form["type"] == "json_object" else
-                                   GuidedDecodingParams(json=form["json_schema"]["schema"]))
-    if guide.get("echo") and request["num_logprobs"] is not None:
-        body["prompt_logprobs"] = request["num_logprobs"]   # echo's logprobs begin with the prompt's
-    return SamplingParams(**body)
 
 
 def expected_choices(request: dict, outputs: list, tokenizer) -> tuple[list, int, int]:
@@ -219,7 +202,7 @@ def send(client, request: dict) -> tuple[list, int, int] | None:
             values = _logprob_values(c.logprobs, chat)
             if values is not None:
                 logprobs[c.index] = logprobs.get(c.index, []) + values
-    want_logprobs = request["num_logprobs"] is not None
+    want_logprobs = request["params"].logprobs is not None
     choices = [(i, texts[i], finish.get(i), stop.get(i), logprobs.get(i, []) if want_logprobs else None)
                for i in sorted(texts)]
     if usage is None:
@@ -304,7 +287,7 @@ def trial(model_dir: str, ref: LLM, rng: random.Random, trial_number: int, count
                 for i in range(rng.randint(1, 12))]
     expected = []
     for request in requests:
-        params = sampling_params(request)
+        params = request["params"]
         outputs = (ref.chat(request["prompt"], params, use_tqdm=False, lora_request=request["lora"])
                    if request["chat"] else
                    ref.generate(prompts_of(request), params, use_tqdm=False, lora_request=request["lora"]))
@@ -324,7 +307,7 @@ def trial(model_dir: str, ref: LLM, rng: random.Random, trial_number: int, count
                 # requests compare.
                 if got is None:
                     counts["closed"] += 1
-                elif not speculative or request["body"]["temperature"] == 0:
+                elif not speculative or request["params"].temperature == 0:
                     counts["compared"] += 1
                     problems += compare(f"request {i} {request}", expected[i], got)
         problems += settle(server)
@@ -335,9 +318,13 @@ def trial(model_dir: str, ref: LLM, rng: random.Random, trial_number: int, count
     except Exception:
         problems.append(traceback.format_exc())
     finally:
+        pids = server.tree()
         status = server.stop()
         if status != 0:
             problems.append(f"the server ended with status {status} on SIGTERM")
+        left = _wait_gone(pids)
+        if left:
+            problems.append(f"processes left after SIGTERM: {sorted(left)}")
         log = "".join(server.lines)
         if "Traceback" in log:
             problems.append("the server's log holds a traceback:\n" + log[-4000:])
