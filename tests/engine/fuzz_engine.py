@@ -281,6 +281,21 @@ def lora_adapters(model_dir: str, out_dir: str) -> list:
             for i, (name, options) in enumerate(ADAPTERS.items())]
 
 
+def run_trials(label: str, seed: int, trials: int, where: str, log, one_trial) -> int:
+    """Trials `seed` to `seed + trials - 1` of `one_trial(rng, trial)` (which returns its problems); each failing one
+    (problems, or an exception) logged with its number; returns how many failed."""
+    failed = 0
+    for trial in range(seed, seed + trials):
+        try:
+            problems = one_trial(random.Random(trial), trial)
+        except Exception:
+            problems = [traceback.format_exc()]
+        if problems:
+            failed += 1
+            log(f"{label} {trial} {where} failed:\n" + "\n".join(problems))
+    return failed
+
+
 def run(mode: str, trials: int, seed: int, arch: str = "llama", tp: int = 1, log=print) -> int:
     """`trials` seeded trials of `mode` (the engines under test on `tp` ranks); returns how many failed (each
     printed)."""
@@ -290,16 +305,9 @@ def run(mode: str, trials: int, seed: int, arch: str = "llama", tp: int = 1, log
     if mode == "lora":
         extra["loras"] = lora_adapters(model_dir, work_dir)
     ref = reference(model_dir, enable_lora=mode == "lora")
-    failed = 0
     try:
-        for trial in range(seed, seed + trials):
-            try:
-                problems = MODES[mode](model_dir, ref, random.Random(trial), trial, tp, **extra)
-            except Exception:
-                problems = [traceback.format_exc()]
-            if problems:
-                failed += 1
-                log(f"{mode} trial {trial} ({arch}, tp {tp}) failed:\n" + "\n".join(problems))
+        failed = run_trials(f"{mode} trial", seed, trials, f"({arch}, tp {tp})", log,
+                            lambda rng, trial: MODES[mode](model_dir, ref, rng, trial, tp, **extra))
     finally:
         ref.llm_engine.shutdown()
     log(f"{mode}: {trials} trials from seed {seed} ({arch}, tp {tp}), {failed} failed")

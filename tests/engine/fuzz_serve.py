@@ -38,13 +38,13 @@ import httpx
 
 from engine import LLM, SamplingParams
 from engine.sampling_params import GuidedDecodingParams
-from tests.engine.fuzz_engine import TEXT_PROMPTS, lora_adapters, random_params
+from tests.engine.fuzz_engine import TEXT_PROMPTS, lora_adapters, random_params, reference, run_trials
 from tests.engine.models_util import build_tiny_model_dir, random_token_ids
 from tests.engine.test_server_isolation import MODEL, ServeProcess, _wait_gone
 
 TOL = 1e-3
 LORA_ARCHITECTURES = ("llama", "qwen3", "gemma2")   # those the LoRA tests check against PEFT
-MAX_MODEL_LEN = 160
+MAX_MODEL_LEN = 160   # the context of fuzz_engine.reference()
 CHATS = [[{"role": "user", "content": "Hello"}],
          [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The cat sat on the mat."}],
          [{"role": "user", "content": "a b c"}, {"role": "assistant", "content": "d e f"},
@@ -337,19 +337,11 @@ def run(trials: int, seed: int, arch: str = "llama", tp: int = 1, log=print) -> 
     work_dir = tempfile.mkdtemp(prefix=f"fuzz-serve-{arch}-")
     model_dir = build_tiny_model_dir(arch, f"{work_dir}/model")
     loras = lora_adapters(model_dir, work_dir) if arch in LORA_ARCHITECTURES else []
-    lora = dict(enable_lora=True, max_loras=len(loras)) if loras else {}
-    ref = LLM(model_dir, max_model_len=MAX_MODEL_LEN, num_kv_blocks=400, max_num_seqs=64,
-              enable_prefix_caching=False, enforce_eager=True, **lora)
-    failed, counts = 0, {"compared": 0, "closed": 0}
+    ref = reference(model_dir, enable_lora=bool(loras))
+    counts = {"compared": 0, "closed": 0}
     try:
-        for number in range(seed, seed + trials):
-            try:
-                problems = trial(model_dir, ref, random.Random(number), number, counts, loras, tp)
-            except Exception:
-                problems = [traceback.format_exc()]
-            if problems:
-                failed += 1
-                log(f"serve trial {number} ({arch}, tp {tp}) failed:\n" + "\n".join(problems))
+        failed = run_trials("serve trial", seed, trials, f"({arch}, tp {tp})", log,
+                            lambda rng, number: trial(model_dir, ref, rng, number, counts, loras, tp))
     finally:
         ref.llm_engine.shutdown()
     log(f"serve: {trials} trials from seed {seed} ({arch}, tp {tp}), {failed} failed; {counts['compared']} requests "
