@@ -21,7 +21,8 @@ On Llama, Qwen3 and Gemma 2 a server may also serve the LoRA tests' four PEFT ad
 Every request the client did not close must equal the reference's: per choice its text, finish and stop reasons,
 the sampled tokens' logprobs (within 1e-3), and the usage. Afterwards the server's /metrics shows no request
 running, waiting or swapped and no KV block in use, it serves an ordinary request, its log holds no traceback, and
-SIGTERM ends it with status 0, leaving no process behind. The exit status is the number of failing trials (capped at 100)."""
+SIGTERM ends it with status 0, leaving no process behind. The exit status is the number of failing trials (capped
+at 100)."""
 from __future__ import annotations
 
 import argparse
