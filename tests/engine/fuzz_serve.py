@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import random
-import re
 import sys
 import tempfile
 import time
@@ -41,7 +40,7 @@ from engine import LLM, SamplingParams
 from engine.sampling_params import GuidedDecodingParams
 from tests.engine.fuzz_engine import TEXT_PROMPTS, lora_adapters, random_params, reference, run_trials
 from tests.engine.models_util import build_tiny_model_dir, random_token_ids
-from tests.engine.test_server_isolation import MODEL, ServeProcess, _wait_gone
+from tests.engine.test_server_isolation import MODEL, ServeProcess, _wait_gone, metric_samples
 
 TOL = 1e-3
 LORA_ARCHITECTURES = ("llama", "qwen3", "gemma2")   # those the LoRA tests check against PEFT
@@ -54,11 +53,7 @@ CHATS = [[{"role": "user", "content": "Hello"}],
 
 EXTRA_FIELDS = ("top_k", "min_p", "min_tokens", "ignore_eos", "repetition_penalty", "stop_token_ids",
                 "include_stop_str_in_output", "skip_special_tokens", "bad_words", "allowed_token_ids",
-                "prompt_logprobs", "guided_choice", "guided_regex", "response_format", "echo")
-
-
-def random_prompt(rng: random.Random, seed: int):
-    return random_token_ids(rng.randint(1, 60), seed=seed) if rng.random() < 0.5 else rng.choice(TEXT_PROMPTS)
+                "prompt_logprobs", "guided_choice", "guided_regex", "response_format")
 
 
 def guide_fields(guide: GuidedDecodingParams) -> dict:
@@ -109,14 +104,11 @@ def random_request(rng: random.Random, trial: int, index: int, max_n: int, guide
         extra["skip_special_tokens"] = False
     if chat:
         prompt = rng.choice(CHATS)
-    elif rng.random() < 0.2:
-        prompt = [random_prompt(rng, trial * 100 + index * 10 + i) for i in range(rng.randint(1, 3))]
-        if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
-            pass   # the API takes a list of strings or a list of token-id lists, not a mix
-        else:
-            prompt = [p for p in prompt if isinstance(p, str)] or prompt[:1]
-    else:
-        prompt = random_prompt(rng, trial * 100 + index * 10)
+    else:   # one prompt, or a batch of one kind (the API takes strings or token-id lists, not a mix)
+        as_ids = rng.random() < 0.5
+        batch = [random_token_ids(rng.randint(1, 60), seed=trial * 100 + index * 10 + i) if as_ids
+                 else rng.choice(TEXT_PROMPTS) for i in range(rng.randint(1, 3) if rng.random() < 0.2 else 1)]
+        prompt = batch if len(batch) > 1 else batch[0]
     echo = not chat and rng.random() < 0.15
     stream = rng.random() < 0.6
     if stream or echo:
@@ -145,7 +137,7 @@ def prompts_of(request: dict) -> list:
 def expected_choices(request: dict, outputs: list, tokenizer) -> tuple[list, int, int]:
     """The reference's RequestOutputs of one request as (per choice: index, text, finish and stop reasons, the
     tokens' logprobs or None), prompt tokens, completion tokens."""
-    choices, echo, n = [], request["body"].get("echo", False), outputs[0] and len(outputs[0].outputs)
+    choices, echo, n = [], request["body"].get("echo", False), len(outputs[0].outputs)
     for i, output in enumerate(outputs):
         prompt_text = ""
         if echo:
@@ -259,17 +251,13 @@ def random_settings(rng: random.Random, max_num_seqs: int, loras: list) -> list[
     return flags
 
 
-def metric(text: str, name: str) -> list[float]:
-    return [float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
-
-
 def settle(server: ServeProcess, timeout_s: float = 30.0) -> list[str]:
     """Wait until /metrics shows the engine idle (no request running, waiting or swapped, no KV block in use);
     the problems if it never does."""
     deadline = time.monotonic() + timeout_s
     while True:
         text = httpx.get(server.url + "/metrics", timeout=30).text
-        left = {name: metric(text, name) for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+        left = {name: metric_samples(text, name) for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                                                       "vllm:num_requests_swapped", "vllm:kv_cache_usage_perc")}
         if all(values and not any(values) for values in left.values()):
             return []
@@ -304,10 +292,10 @@ def trial(model_dir: str, ref: LLM, rng: random.Random, trial_number: int, count
                 except Exception as e:   # an error answer or a broken connection: the trial fails
                     problems.append(f"request {i} {request}: {type(e).__name__}: {e}")
                     continue
-                # Rejection sampling draws other samples than plain decoding: under speculation only greedy
-                # requests compare.
                 if got is None:
                     counts["closed"] += 1
+                # Rejection sampling draws other samples than plain decoding: under speculation only greedy
+                # requests compare.
                 elif not speculative or request["params"].temperature == 0:
                     counts["compared"] += 1
                     problems += compare(f"request {i} {request}", expected[i], got)

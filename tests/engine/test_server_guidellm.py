@@ -5,7 +5,6 @@ Every request must succeed, with exactly the tokens asked for (guidellm reads th
 server's Prometheus counters must agree with what guidellm counted. (Its other routes send what the openai client
 sends in the other server tests.)"""
 import json
-import re
 import subprocess
 import sys
 
@@ -14,7 +13,7 @@ import pytest
 from tests.extras import require_serve_extra
 
 require_serve_extra("guidellm", "httpx")
-from tests.engine.test_server_isolation import MODEL, ServeProcess, httpx  # noqa: E402
+from tests.engine.test_server_isolation import MODEL, ServeProcess, httpx, metric_samples  # noqa: E402
 
 API_KEY = "guidellm-key"
 REQUESTS = 12
@@ -31,10 +30,8 @@ def served(llama_dir):
 
 def counters(served) -> dict[str, float]:
     text = httpx.get(served.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30).text
-    totals = {}
-    for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total"):
-        totals[name] = sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
-    return totals
+    return {name: sum(metric_samples(text, name))
+            for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total")}
 
 
 def test_guidellm_concurrent_streams_all_succeed_with_the_tokens_asked(served, llama_dir, tmp_path):

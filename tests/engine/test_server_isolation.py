@@ -106,6 +106,14 @@ class ServeProcess:
         return self.process.returncode
 
 
+def metric_samples(text: str, name: str) -> list[float]:
+    """The values of every sample named `name` (any labels) in a /metrics page (Prometheus' text format)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+            if sample.name == name]
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
