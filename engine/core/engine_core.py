@@ -136,7 +136,9 @@ class EngineCore:
         self.max_model_len = self.model_config.max_model_len = cache_tokens
 
     def shutdown(self) -> None:
-        """Stop the executor's worker processes (tensor parallelism); the core runs no more steps after it."""
+        """Stop the executor's worker processes (tensor parallelism) and release the model and its caches; the
+        core takes no more requests and runs no more steps after it."""
+        self.shut_down = True
         self.executor.shutdown()
 
     # -- requests --------------------------------------------------------------------------------------------
@@ -144,6 +146,8 @@ class EngineCore:
         """Queue a request (from the input processor). What only the core can check is checked first: a refused
         request raises ValueError and leaves the core (and the requests already in it) untouched."""
         request_id, params = request.request_id, request.params
+        if getattr(self, "shut_down", False):
+            raise RuntimeError("the engine is shut down: it takes no more requests")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         if params.n > self.scheduler.max_num_seqs:

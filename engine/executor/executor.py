@@ -58,10 +58,16 @@ class UniprocExecutor:
         caches = [runner.kv_cache] + ([runner.drafter.kv_cache[:, :, :runner.num_kv_blocks]]
                                       if runner.drafter is not None else [])
         self.cache_engine = CacheEngine(caches, num_swap_blocks_for(swap_space, caches))
+        self._closed = False
 
     @property
     def num_kv_blocks(self) -> int:
         return self.model_runner.num_kv_blocks
+
+    def _open_runner(self):
+        if self._closed:
+            raise RuntimeError("the engine is shut down: it runs no more steps")
+        return self.model_runner
 
     @property
     def num_swap_blocks(self) -> int:
@@ -69,28 +75,36 @@ class UniprocExecutor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step (its block moves are issued before, by the engine)."""
-        return self.model_runner.execute_model(scheduler_output)
+        return self._open_runner().execute_model(scheduler_output)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        self.model_runner.copy_blocks(pairs)
+        self._open_runner().copy_blocks(pairs)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        self._open_runner()
         self.cache_engine.swap_out(pairs)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        self._open_runner()
         self.cache_engine.swap_in(pairs)
 
     def add_lora(self, lora_request) -> bool:
-        return self.model_runner.add_lora(lora_request)
+        return self._open_runner().add_lora(lora_request)
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        return self.model_runner.remove_lora(lora_int_id)
+        return self._open_runner().remove_lora(lora_int_id)
 
     def list_loras(self) -> list[int]:
-        return self.model_runner.list_loras()
+        return self._open_runner().list_loras()
 
     def shutdown(self) -> None:
-        pass
+        """Release the model, its KV cache and swap space, step graphs and compiled tails (idempotent): the device
+        memory goes back to the allocator even while something outside still holds the engine."""
+        if self._closed:
+            return
+        self._closed = True
+        self.cache_engine.release()
+        self.model_runner.release()
 
 
 def _launcher_local_rank(rank: int) -> int:
@@ -377,6 +391,8 @@ class MultiprocExecutor:
         return self.local.list_loras()   # every rank holds the same adapters: rank 0's answer is theirs
 
     def shutdown(self) -> None:
-        """Stop the workers and leave the process group (idempotent)."""
+        """Stop the workers and leave the process group, then release this rank's model and caches (idempotent)."""
         self._closed = True
         self._finalizer()
+        if getattr(self, "local", None) is not None:
+            self.local.shutdown()

@@ -33,6 +33,10 @@ class CacheEngine:
             self.swap_caches.append(torch.empty(shape, dtype=kv_cache.dtype, device="cpu", pin_memory=pin))
         self.num_swap_blocks = num_swap_blocks
 
+    def release(self) -> None:
+        """Drop the caches and the (pinned) swap space: for an engine that is shut down."""
+        self.kv_caches, self.swap_caches = [], []
+
     @property
     def swap_cache(self) -> torch.Tensor:
         """The swap space of the model's own cache."""

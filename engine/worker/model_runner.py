@@ -1067,6 +1067,18 @@ class ModelRunner(DecodeGraphs):
         if self.drafter is not None:   # the draft model's cache mirrors the blocks of the model's
             pk.copy_blocks(self.drafter.key_caches, self.drafter.value_caches, block_mapping)
 
+    def release(self) -> None:
+        """Drop all the runner holds (the model, its KV cache, the drafter, LoRA slots, step graphs, compiled
+        tails, staging buffers) for an engine that is shut down, so its device memory returns to the allocator even
+        while something outside still holds the engine (a closure, a traceback, a benchmark's argument tuple). The
+        compiled tails and graphs close over the runner itself, so only emptying it breaks those cycles. The runner
+        runs no more steps after it; its block count stays readable."""
+        if getattr(self, "released", False):
+            return
+        kept = {"num_kv_blocks": self.num_kv_blocks, "device": self.device, "released": True}
+        self.__dict__.clear()
+        self.__dict__.update(kept)
+
 
 def _is_compile_error(exc: BaseException) -> bool:
     """Whether an exception comes from dynamo/inductor (not from the model's own checks)."""

@@ -486,3 +486,27 @@ def test_a_run_freezes_the_heap_it_started_with_and_thaws_it_after(tiny_model_di
     del llm, runner, original, watch
     gc.collect()
     assert weight() is None, "the dropped LLM's weights were not collected"
+
+
+def test_shutdown_releases_the_model_and_cache_while_the_llm_is_still_held(tiny_model_dir):
+    """A benchmark or a server that shuts an engine down but keeps a reference to it (a closure, an argument tuple,
+    a traceback) must still get its memory back: on a GPU the next engine needs it. The weights and the KV cache
+    are collected at shutdown; a step after it is a clear error, not a crash in a half-empty runner."""
+    import gc
+    import weakref
+
+    llm = LLM(tiny_model_dir("llama"), num_kv_blocks=16, max_model_len=64, swap_space=0.01,
+              preemption_mode="swap")
+    held = (llm,)   # what kept 113 GiB alive on the H200 of 2026-11-30 (bench.engine_gpu's batch-1 arguments)
+    llm.generate([{"prompt_token_ids": random_token_ids(5, seed=1)}], GREEDY, use_tqdm=False)
+    runner = llm.llm_engine.executor.model_runner
+    weight, cache = weakref.ref(next(runner.model.parameters())), weakref.ref(runner.kv_cache)
+    swap = weakref.ref(llm.llm_engine.executor.cache_engine.swap_cache)
+    del runner
+    llm.llm_engine.shutdown()
+    llm.llm_engine.shutdown()   # idempotent
+    gc.collect()
+    assert held[0] is llm
+    assert weight() is None and cache() is None and swap() is None
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate([{"prompt_token_ids": random_token_ids(5, seed=2)}], GREEDY, use_tqdm=False)
