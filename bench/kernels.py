@@ -178,6 +178,9 @@ class Baseline:
     # Returns (callable, note).
     make: Callable[[], tuple[Callable[[], object], str]]
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    # Timed by the plain timer even in a graphed case: a baseline that syncs with the host (a loop over what the
+    # values say) cannot be captured, and runs eagerly wherever it is used.
+    eager: bool = False
 
 
 @dataclass
@@ -243,7 +246,8 @@ def _first_line(e: BaseException) -> str:
 
 def run_case(case: Case, timer: Timer, peaks: Peaks) -> list[Row]:
     """Check the op once, time it and each baseline; one row per baseline (at least one row). A ``graphed`` case
-    is timed with cuda_graph_timer where ``timer`` is the CUDA one."""
+    is timed with cuda_graph_timer where ``timer`` is the CUDA one (its ``eager`` baselines with ``timer``)."""
+    plain_timer = timer
     if case.graphed and timer is cuda_timer:
         timer = cuda_graph_timer
     check = "not checked"
@@ -275,7 +279,7 @@ def run_case(case: Case, timer: Timer, peaks: Peaks) -> list[Row]:
             try:
                 with baseline.context():
                     fn, extra = baseline.make()
-                    baseline_ms = timer(fn)
+                    baseline_ms = (plain_timer if baseline.eager else timer)(fn)
                 ratio = baseline_ms / ms if ms else None
                 row_note = "; ".join(x for x in (note, extra) if x)
             except Exception as e:
@@ -1014,8 +1018,11 @@ def fused_moe_case(device, dtype, *, tokens: int, experts: int, top_k: int, hidd
     routing drawn from a softmax of random logits, against the per-expert loop (its PyTorch twin: a GEMM of each
     expert's tokens, transformers' eager loop). Bytes: the weights of the experts the batch routes to (each read
     once) and the activations; FLOPs: 2 x slots x 3 x H x I. Up to 64 tokens the layer is bound by those bytes
-    (frac of copy bandwidth), from there by the matmul rate. On the CPU dry run the native kernel (bf16 panels,
-    float32 activations) runs as the engine runs it."""
+    (frac of copy bandwidth), from there by the matmul rate. Up to 64 tokens it is timed in a CUDA graph, as the
+    engine's decode steps run it: launched from Python its five launches took longer than its kernels (the H200 of
+    2026-11-30 timed one token at 0.29 ms and 16 tokens at 0.21 ms); the loop, which reads the routing on the host,
+    runs eagerly. On the CPU dry run the native kernel (bf16 panels, float32 activations) runs as the engine runs
+    it."""
     gen = _generator(device)
     w13 = _randn(experts, 2 * intermediate, hidden, dtype=dtype, device=device, gen=gen) * 0.02
     w2 = _randn(experts, hidden, intermediate, dtype=dtype, device=device, gen=gen) * 0.02
@@ -1045,8 +1052,9 @@ def fused_moe_case(device, dtype, *, tokens: int, experts: int, top_k: int, hidd
     return Case("fused_moe", f"{tokens} tokens, E={experts} top-{top_k}, H={hidden} I={intermediate} "
                              f"({active} experts routed to)", dtype, fn, bytes_moved,
                 flops=2 * tokens * top_k * 3 * hidden * intermediate, bound="copy" if tokens <= 64 else "matmul",
-                baselines=[Baseline("per-expert loop", loop, context=lambda: pk.use_backend("torch"))],
-                check=lambda: assert_close(fn(), reference(), dtype, "fused_moe"), target=target)
+                baselines=[Baseline("per-expert loop", loop, context=lambda: pk.use_backend("torch"), eager=True)],
+                check=lambda: assert_close(fn(), reference(), dtype, "fused_moe"), target=target,
+                graphed=tokens <= 64)
 
 
 @dataclass
@@ -1354,6 +1362,8 @@ def tune_suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False) 
         decode_launch_shape, decode_launch_sweep = dict(num_seqs=64, seq_len=4096), DECODE_LAUNCH_SWEEP
     skinny_shapes, skinny_configs, skinny_rows = (([(64, 256)], [(2, 128, 4)], (2,)) if tiny
                                                   else (SKINNY_SWEEP_SHAPES, SKINNY_SWEEP, SKINNY_SWEEP_ROWS))
+    moe_sweep = ([(dict(tokens=1, experts=8, top_k=2, hidden=128, intermediate=96), [None, (16, 16, 32, 32, 4, 1)])]
+                 if tiny else MOE_LAUNCH_SWEEP)
     return [partial(prefill_tile_case, **d, config=c, baseline=i == 0, **shape) for i, c in enumerate(configs)] + [
         partial(decode_split_case, **d, num_seqs=n, seq_len=length, num_splits=splits, **decode_heads)
         for n, length, splits in decode_sweep] + [
@@ -1364,7 +1374,52 @@ def tune_suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False) 
         partial(skinny_config_case, **d, M=M, N=N, K=K, config=None, baseline=True)
         for M in skinny_rows for N, K in skinny_shapes] + [
         partial(skinny_config_case, **d, M=1, N=N, K=K, config=None, baseline=True)
-        for N, K in ([] if tiny else SKINNY_HEAD_SHAPES)]
+        for N, K in ([] if tiny else SKINNY_HEAD_SHAPES)] + [
+        partial(moe_config_case, **d, config=c, **shape) for shape, sweep in moe_sweep for c in sweep]
+
+
+# fused_moe's launches tried by the "tune" phase: (BLOCK_M, GEMM 1's BLOCK_N (gated: each of gate and up), GEMM 2's
+# BLOCK_N, BLOCK_K, num_warps, num_stages) for both grouped GEMMs, None the wrapper's own (fused_moe_launch_config).
+# The H200 of 2026-11-30 read 0.88-0.92 of copy bandwidth at 16 and 64 tokens of Qwen3-30B-A3B's layer with the
+# wrapper's launches and 0.32 of the bf16 matmul rate at 4096 (0.41 at Mixtral's): whether wider tiles, deeper K
+# tiles or more stages (vLLM's tuned H200 table: 16 x 64 x 64-128, 4-5 stages, at decode; 128 x 256 x 64, 8 warps,
+# 4 stages from 1024 tokens) do better. Decode launches first (one token: the weights of 8 experts), then prefill.
+MOE_DECODE_LAUNCHES = [None, (16, 32, 64, 64, 4, 4), (16, 32, 64, 64, 4, 5), (16, 32, 64, 128, 4, 3),
+                       (16, 64, 128, 128, 4, 3), (16, 32, 64, 256, 4, 2), (16, 16, 32, 256, 4, 2), (16, 64, 64, 64, 4, 4),
+                       (16, 16, 32, 64, 4, 5)]
+MOE_PREFILL_LAUNCHES = [None, (128, 128, 256, 64, 8, 4), (128, 64, 128, 64, 8, 4), (128, 64, 128, 64, 4, 3),
+                        (64, 64, 128, 64, 4, 3), (128, 128, 128, 64, 8, 3), (64, 128, 256, 64, 8, 4),
+                        (128, 64, 256, 64, 8, 4)]
+MOE_LAUNCH_SWEEP = [
+    (dict(tokens=1, **QWEN3_30B_A3B_MOE), MOE_DECODE_LAUNCHES),
+    (dict(tokens=1, **MIXTRAL_MOE), MOE_DECODE_LAUNCHES),
+    (dict(tokens=16, **QWEN3_30B_A3B_MOE), MOE_DECODE_LAUNCHES),
+    (dict(tokens=4096, **QWEN3_30B_A3B_MOE), MOE_PREFILL_LAUNCHES),
+    (dict(tokens=4096, **MIXTRAL_MOE), MOE_PREFILL_LAUNCHES),
+]
+
+
+def moe_launch_config(config: tuple[int, int, int, int, int, int]) -> contextlib.AbstractContextManager:
+    """fused_moe launching both grouped GEMMs with ``config`` (see MOE_DECODE_LAUNCHES) inside."""
+    block_m, block_n1, block_n2, block_k, warps, stages = config
+    fused = importlib.import_module("pagedkernels.fused_moe")
+
+    def launch(num_tokens, num_experts, top_k, n, k, gated, dtype, device_kind, num_multiprocessors):
+        return fused.MoELaunchConfig(block_m, block_n1 if gated else block_n2, block_k, 1 if block_m == 16 else 8,
+                                     warps, stages)
+    return mock.patch.object(fused, "fused_moe_launch_config", launch)
+
+
+def moe_config_case(device, dtype, *, config: tuple[int, int, int, int, int, int] | None, **shape) -> Case:
+    """One MoE layer at ``config`` (None: the wrapper's own launches, with the per-expert loop beside it)."""
+    case = fused_moe_case(device, dtype, **shape)
+    if config is not None:
+        case = _launched_under(case, lambda: moe_launch_config(config))
+        case.baselines = []
+    case.op = "fused_moe configs"
+    case.shape += "; heuristic" if config is None else \
+        "; BLOCK_M {} BLOCK_N {}/{} BLOCK_K {} warps {} stages {}".format(*config)
+    return case
 
 
 # skinny_gemm's (BLOCK_N, BLOCK_K, num_warps) tried by the "tune" phase at batch-1 projection shapes
@@ -1486,7 +1541,8 @@ def run_suite(device: torch.device | str, *, tiny: bool = False, compile: bool =
         builds, op_of = tune_suite(device, dtype, tiny=tiny), {prefill_tile_case: "paged_prefill_attention tiles",
                                                               decode_split_case: "paged_decode_attention splits",
                                                               decode_launch_case: "paged_decode_attention launch",
-                                                              skinny_config_case: "skinny_gemm configs"}
+                                                              skinny_config_case: "skinny_gemm configs",
+                                                              moe_config_case: "fused_moe configs"}
     elif quant:
         builds, op_of = quant_suite(device, dtype, tiny=tiny), QUANT_OP_OF_CASE
     elif moe:
