@@ -402,11 +402,6 @@ class MoELaunchConfig:
     num_stages: int
 
 
-# Decode-shaped launches pick the widest column block that still gives this many programs per SM: the
-# weights of a few experts must stream through every SM at once.
-PROGRAMS_PER_SM = 4
-
-
 def fused_moe_launch_config(num_tokens: int, num_experts: int, top_k: int, n: int, k: int, gated: bool,
                             dtype: torch.dtype, device_kind: str, num_multiprocessors: int) -> MoELaunchConfig:
     """Tiles of a grouped GEMM with ``n`` output columns (GEMM 1: I, gated over 2I weight rows; GEMM 2: H) and
@@ -415,38 +410,48 @@ def fused_moe_launch_config(num_tokens: int, num_experts: int, top_k: int, n: in
 
     BLOCK_M follows the mean slots per expert, ``r = num_tokens * top_k / num_experts``: a block of an expert's
     slots reads its weight tile once, so a block should be about as tall as an expert's run but no taller
-    (padding rows cost a full tile's products): 16 rows (tl.dot's least) up to r = 16, 32 up to 64, then 64.
-    With few slots per expert (BLOCK_M 16, decode) the launch is bound by the weights' bytes and there are
-    only ``min(num_slots, E)`` busy row blocks: the column block is the widest of 64 / 32 / 16 that gives
-    ``PROGRAMS_PER_SM`` programs per SM, else 16 (Qwen3-30B-A3B on an H100's 132 SMs: at one token 8 busy
-    experts x 768 / 16 = 384 programs of GEMM 1, where 32 columns would leave 192; at 16 tokens 128 experts x
-    768 / 64), with 128-column K tiles and 3 stages to keep loads in flight. Larger r: 64-column blocks (32 gated:
-    its two accumulators make the same 64 x 64 of float32 per row block), 64-column K tiles, 3 stages, GROUP_M 8 so
-    that neighbouring programs share a column block; 8 warps for 64-row blocks. The gathered A rows make each
-    program hold its (BLOCK_M, BLOCK_K) pointers, and where strides are no multiple of 16 (hidden 1000) loads are
-    not vectorized: 64-row blocks over 4 warps then took 255 registers and spilled 92-240 B (sm_90 and sm_80,
-    Triton 3.9), over 8 warps 159-223 and none; aligned shapes take 46-80. 64 x 128 plain and 64 x 64 gated
-    spilled even aligned (88-192 B, sm_80). fp32 (ieee FMA dots, a
-    correctness dtype): 32-column tiles over 8 warps and 2 stages, as the quantized GEMM's fp32 launches.
+    (padding rows cost a full tile's products): 16 rows (tl.dot's least) up to r = 16, 32 up to 64, then 128 (64
+    where I or H is no multiple of 16, below). Measured on the H200
+    (bench/results/2026-11-30-nvidia-h200-phase9-tune; decode timed in CUDA graphs), against the earlier rule:
+    - Decode (BLOCK_M 16) is bound by the weights' bytes: 32 gated columns (64 weight rows: gate and up) and 64
+      plain ones, 128-deep K tiles, 3 stages, 4 warps: the best or within 1% of it among nine launches at
+      Qwen3-30B-A3B's layer at 1 and 16 tokens and Mixtral's at 1 (0.0392 / 0.203 / 0.195 ms); the earlier rule
+      (the widest column block giving 4 programs a multiprocessor, else 16) was 0-6% slower.
+    - From r = 64 (BLOCK_M 128) the matmul rate bounds it: 128 x 64 gated tiles (two accumulators, 128 weight rows) and
+      128 x 128 plain ones, 64-deep K, 4 stages, 8 warps, GROUP_M 8 so that neighbouring programs share a column block:
+      1.033 ms at Qwen3-30B-A3B's 4096 tokens and 6.43 ms at Mixtral's (0.43 and 0.65 of the bf16 matmul rate), where
+      the earlier 64 x 32 / 64 x 64 tiles took 1.38 and 10.15 ms. Faster launches of the sweep spill on sm_80: 128 x 256
+      plain tiles (0.971 / 6.16 ms with them; 20 B under Triton 3.6) and 128 x 128 gated ones (0.901 / 5.50 ms, as
+      vLLM's H200 table picks; 7 KB, the gathered rows' pointers beside two 128 x 128 float32 accumulators). A launch
+      chosen per architecture would take them on Hopper.
+    - 32-row blocks: 32 x 32 gated, 32 x 64 plain, 64-deep K, 4 warps, 3 stages (not yet swept).
+    The gathered A rows make each program hold its (BLOCK_M, BLOCK_K) pointers, and where strides are no multiple
+    of 16 (hidden 1000) loads are not vectorized and take more registers: those shapes keep 16-column decode tiles
+    and 64-row prefill tiles of 32 / 64 columns over 8 warps, which compile without spills (the wider ones spilled
+    16-8200 B). fp32 (ieee FMA dots, a correctness dtype): 32-column tiles over 8 warps and 2 stages, as the
+    quantized GEMM's fp32 launches.
     Interpreter (CPU): BLOCK_M and GROUP_M as on CUDA, 16/32-column and 32-deep tiles, so tests cross every tile
     edge (and the last, partial group of row blocks) at small sizes.
-    Every CUDA choice compiles for sm_90 and sm_80 without spills (``python -m pagedkernels._aot``)."""
+    Every CUDA choice compiles for sm_90 and sm_80 without spills and within their shared memory
+    (``python -m pagedkernels._aot``)."""
     slots = num_tokens * top_k
     rows_per_expert = slots / num_experts
-    block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 64 else 64
+    # {n, k} is {I, H} for both GEMMs, so both (and their shared BLOCK_M) see the same answer.
+    aligned = n % 16 == 0 and k % 16 == 0
+    block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 64 else 128
+    if block_m == 128 and device_kind == "cuda" and dtype != torch.float32 and not aligned:
+        block_m = 64
     if device_kind != "cuda":
         return MoELaunchConfig(block_m, 16 if gated else 32, 32, 1 if block_m == 16 else 8, 4, 1)
     if dtype == torch.float32:
         return MoELaunchConfig(min(block_m, 32), 32, 32, 8, 8, 2)
     if block_m == 16:
-        busy_blocks = min(slots, num_experts)
-        block_n = 16
-        for candidate in (64, 32):
-            if busy_blocks * triton.cdiv(n, candidate) >= PROGRAMS_PER_SM * num_multiprocessors:
-                block_n = candidate
-                break
-        return MoELaunchConfig(16, block_n, 128, 1, 4, 3)
-    return MoELaunchConfig(block_m, 32 if gated else 64, 64, 8, 8 if block_m == 64 else 4, 3)
+        return MoELaunchConfig(16, (32 if gated else 64) if aligned else 16, 128, 1, 4, 3)
+    if block_m == 32:
+        return MoELaunchConfig(32, 32 if gated else 64, 64, 8, 4, 3)
+    if not aligned:
+        return MoELaunchConfig(64, 32 if gated else 64, 64, 8, 8, 3)
+    return MoELaunchConfig(128, 64 if gated else 128, 64, 8, 8, 4)
 
 
 # Values per program of the top-k sum: 32 float32 accumulators per thread of 4 warps.

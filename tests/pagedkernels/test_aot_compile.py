@@ -80,9 +80,9 @@ def test_every_kernel_is_recorded_for_every_dtype(recorded):
             if launch.kernel.__name__ == "_gguf_dequantize_kernel"} == {2, 3, 8, 12, 14}
     # both grouped GEMMs of the MoE layer (silu- and gelu-gated, then plain), every row block of the alignment
     moe = [_constexprs(launch) for launch in recorded if launch.kernel.__name__ == "_fused_moe_kernel"]
-    assert {c["GATED"] for c in moe} == {0, 1, 2} and {c["BLOCK_M"] for c in moe} == {16, 32, 64}
+    assert {c["GATED"] for c in moe} == {0, 1, 2} and {c["BLOCK_M"] for c in moe} == {16, 32, 64, 128}
     assert {_constexprs(launch)["BLOCK_SIZE"] for launch in recorded
-            if launch.kernel.__name__ == "_moe_align_kernel"} == {16, 32, 64}
+            if launch.kernel.__name__ == "_moe_align_kernel"} == {16, 32, 64, 128}
 
 
 def test_recorded_configs_are_the_cuda_choice(recorded):

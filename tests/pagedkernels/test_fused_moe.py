@@ -285,16 +285,24 @@ def test_moe_align_block_size_layout(backend, tokens, experts, top_k, block):
 
 
 def test_launch_configs_from_shapes():
-    """Decode shapes of Qwen3-30B-A3B on an H100: 16-row blocks, columns narrowed until the 8 busy experts give
-    four programs per SM; prefill: 64-row blocks; fp32 (ieee dots) small tiles; every dot tile >= 16."""
+    """The launches the H200 sweep picked (bench/results/2026-11-30-nvidia-h200-phase9-tune): decode 16-row blocks of 32
+    gated / 64 plain columns; from 64 slots an expert 128-row blocks of 64 gated / 128 plain columns over 8 warps and 4
+    stages; shapes whose I or H is no multiple of 16 (unvectorized loads) the narrower tiles that do not spill, both
+    GEMMs of a layer on the same BLOCK_M; fp32 (ieee dots) small tiles; every dot tile >= 16."""
     one = fused_moe_launch_config(1, 128, 8, 768, 2048, True, torch.bfloat16, "cuda", 132)
-    assert (one.block_m, one.block_n, one.block_k) == (16, 16, 128)  # 32 columns: 8 x 24 programs < 4 x 132
-    sixteen = fused_moe_launch_config(16, 128, 8, 768, 2048, True, torch.bfloat16, "cuda", 132)
-    assert (sixteen.block_m, sixteen.block_n) == (16, 64)  # 128 busy experts x 12 column blocks
+    assert (one.block_m, one.block_n, one.block_k, one.num_stages) == (16, 32, 128, 3)
     down = fused_moe_launch_config(64, 128, 8, 2048, 768, False, torch.bfloat16, "cuda", 132)
     assert (down.block_m, down.block_n) == (16, 64)
+    middle = fused_moe_launch_config(512, 128, 8, 768, 2048, True, torch.bfloat16, "cuda", 132)
+    assert (middle.block_m, middle.block_n, middle.num_warps) == (32, 32, 4)
     big = fused_moe_launch_config(4096, 128, 8, 768, 2048, True, torch.bfloat16, "cuda", 132)
-    assert (big.block_m, big.block_n, big.block_k, big.num_warps) == (64, 32, 64, 8)
+    assert (big.block_m, big.block_n, big.block_k, big.num_warps, big.num_stages) == (128, 64, 64, 8, 4)
+    big_down = fused_moe_launch_config(4096, 128, 8, 2048, 768, False, torch.bfloat16, "cuda", 132)
+    assert (big_down.block_m, big_down.block_n) == (128, 128)
+    for gated, n, k in ((True, 360, 1000), (False, 1000, 360)):   # unaligned: H = 1000, I = 360
+        assert (fused_moe_launch_config(1, 6, 2, n, k, gated, torch.bfloat16, "cuda", 132).block_n) == 16
+        wide = fused_moe_launch_config(4096, 6, 2, n, k, gated, torch.bfloat16, "cuda", 132)
+        assert (wide.block_m, wide.block_n, wide.num_warps) == (64, 32 if gated else 64, 8)
     for tokens in (1, 64, 4096):
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             for gated, n, k in ((True, 768, 2048), (False, 2048, 768), (True, 14336, 4096)):
