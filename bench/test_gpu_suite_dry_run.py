@@ -211,7 +211,13 @@ def _tune(result):
     assert len(prefill) == len(gpu_suite.kernels.TINY_PREFILL_SWEEP)   # one row each, SDPA on the first
     skinny = [r for r in result["rows"] if r["op"] == "skinny_gemm configs"]
     launch = [r for r in result["rows"] if r["op"] == "paged_decode_attention launch"]
-    assert len(decode) == 3 and len(prefill) + len(decode) + len(launch) + len(skinny) == len(result["rows"])
+    moe = [r for r in result["rows"] if r["op"] == "fused_moe configs"]
+    assert len(decode) == 3
+    assert len(prefill) + len(decode) + len(launch) + len(skinny) + len(moe) == len(result["rows"])
+    # fused_moe's own launches against the per-expert loop, then one patched in alone
+    assert [r["shape"].split("; ")[-1] for r in moe] == ["heuristic", "BLOCK_M 16 BLOCK_N 16/32 BLOCK_K 32 warps 4 "
+                                                                      "stages 1"]
+    assert [r["baseline"] for r in moe] == ["per-expert loop", None]
     # the wrapper's launch, then a 64-token tile with 2 stages (TILE_N, the stages and the warps patched in)
     assert [r["shape"].split("; ")[-1] for r in launch] == ["wrapper's launch", "TILE_N 64 stages 2 warps 4"]
     assert all(r["check"] == "ok" and r["ms"] for r in result["rows"])
