@@ -78,7 +78,8 @@ def measure(model: str, *, device: str = "cpu", dtype: str = "float32", num_spec
     # One request at a time: a short graph ladder (8 sequences) keeps the engines' start-up short on a GPU.
     options = dict(dtype=dtype, device=device, max_model_len=1024, max_num_seqs=8)
     engines = {"plain": LLM(model, **options), kind: LLM(model, **options, speculative_config=spec)}
-    if verify_graphs:
+    if verify_graphs:   # the speculative engine itself eager (graphs are the CUDA default), then one in graphs
+        engines[kind].llm_engine.model_runner.set_spec_decode_graphs(False)
         graphed = LLM(model, **options, speculative_config=spec)
         if graphed.llm_engine.model_runner.set_spec_decode_graphs(True):
             engines[f"{kind}_graphs"] = graphed

@@ -103,16 +103,18 @@ class DevicePolicy:
     decode_fused_rope: bool = False
     # Speculative decoding's verification steps whose sequences all verify the same number of tokens (1 + k drafts:
     # single stream always) replay CUDA graphs captured per (padded batch size, tokens a sequence), as decode steps
-    # do, instead of launching the compiled forward's kernels one by one (ENGINE_SPEC_DECODE_GRAPHS=1 turns it on, 0
-    # off), and so do a draft model's proposal steps (one graph per padded batch size: its forward, LM head and
-    # argmax). Off until a GPU measures it: a verification step of a small model is bound by its launches, so without
-    # graphs it costs several decode steps (phase 14 measures n-gram and draft-model decoding both ways).
+    # do, instead of launching the compiled forward's kernels one by one, and so do a draft model's proposal steps
+    # (one graph per padded batch size: its forward, LM head and argmax); ENGINE_SPEC_DECODE_GRAPHS=0 turns it off.
+    # On by default on CUDA since the H200 measured it (bench/results/2026-11-30-nvidia-h200-phase14-spec): n-gram
+    # decoding of SmolLM2-135M in bf16 ran 1502 tok/s with its verification in graphs against 195 without (plain
+    # decoding 774), the same greedy tokens; a draft model's proposals 0.16x plain decoding in graphs against 0.04x.
     spec_decode_graphs: bool = False
     # A CUDA step graph of the few-row layers ends in one few-row product for the LM head with the final RMSNorm in
     # its prologue (LlamaForCausalLM.skinny_logits: pagedkernels.skinny_gemm), where the model's last norm and the LM
-    # head's cuBLAS product are two kernels (ENGINE_SKINNY_LM_HEAD=1 turns it on, 0 off). Off until a GPU measures
-    # it: the LM head is a quarter of a Qwen3-0.6B step's bytes, so what decides is skinny_gemm against cuBLAS at
-    # [1, 1024] x [151936, 1024]^T (phase 13 times both, and the engine both ways).
+    # head's cuBLAS product are two kernels; ENGINE_SKINNY_LM_HEAD=0 turns it off. On by default on CUDA since the
+    # H200 measured batch-1 decode at the Qwen3-0.6B shape 1.33x faster with it on the same engine (940.5 against
+    # 708 tok/s, all 256 greedy tokens the same: bench/results/2026-11-30-nvidia-h200-phase15-decide); the
+    # Llama-3-8B shape is not measured yet.
     skinny_lm_head: bool = False
     # The sync-free sampler draws every row in one kernel (pagedkernels.sample_from_logits: the argmax or the
     # inverse-CDF draw, reading the logits three times and writing nothing; min-p by a mask, top-k / top-p by a
@@ -138,8 +140,8 @@ class DevicePolicy:
                    skinny_gemm_max_rows=_skinny_gemm_max_rows(1 if on_gpu else 0),
                    decode_fused_reduce=on_gpu and _env_flag("ENGINE_DECODE_FUSED_REDUCE", default=False),
                    decode_fused_rope=on_gpu and _env_flag("ENGINE_DECODE_FUSED_ROPE", default=False),
-                   spec_decode_graphs=on_gpu and _env_flag("ENGINE_SPEC_DECODE_GRAPHS", default=False),
-                   skinny_lm_head=on_gpu and _env_flag("ENGINE_SKINNY_LM_HEAD", default=False),
+                   spec_decode_graphs=on_gpu and _env_flag("ENGINE_SPEC_DECODE_GRAPHS", default=True),
+                   skinny_lm_head=on_gpu and _env_flag("ENGINE_SKINNY_LM_HEAD", default=True),
                    fused_sampler=on_gpu and _env_flag("ENGINE_FUSED_SAMPLER", default=False))
 
     def auto_dtype(self, checkpoint: torch.dtype, *, quantized: bool = False) -> tuple[torch.dtype, str]:

@@ -244,13 +244,14 @@ def test_the_fused_decode_rope_setting(tiny_model_dir, monkeypatch):
 def test_verification_graphs_run_the_cuda_paths(tiny_model_dir, monkeypatch):
     """ENGINE_SPEC_DECODE_GRAPHS=1 with n-gram speculation on CUDA: a verification-shaped step (every sequence 1 + 3
     tokens) captures the graph of (padded batch size, 4) on the fake device with no host sync, its static inputs on
-    the device, and replays it; a step of other lengths runs eagerly; off by default."""
+    the device, and replays it; a step of other lengths runs eagerly; on by default, ENGINE_SPEC_DECODE_GRAPHS=0
+    off."""
     model_dir = tiny_model_dir("qwen3")
     spec = {"method": "ngram", "num_speculative_tokens": 3}
-    monkeypatch.delenv("ENGINE_SPEC_DECODE_GRAPHS", raising=False)
+    monkeypatch.setenv("ENGINE_SPEC_DECODE_GRAPHS", "0")
     with fake_cuda(FakeCudaMemory(total=80 * GiB, free=79 * GiB, peak_bytes=GiB // 4, non_torch_bytes=GiB // 4)):
         assert _runner(model_dir, num_kv_blocks=64, speculative_config=spec).spec_graphs is False
-    monkeypatch.setenv("ENGINE_SPEC_DECODE_GRAPHS", "1")
+    monkeypatch.delenv("ENGINE_SPEC_DECODE_GRAPHS", raising=False)
     FakeGraphRunner.captured_batch_sizes = []
     verify = [(Entry(random_token_ids(n + 4, seed=n), n, [0 if n < BLOCK_SIZE else 2, 3]), 4) for n in (5, 9, 12)]
     with fake_cuda(FakeCudaMemory(total=80 * GiB, free=79 * GiB, peak_bytes=GiB // 4, non_torch_bytes=GiB // 4)):

@@ -237,7 +237,7 @@ def test_the_step_graphs_fold_the_final_norm_into_the_lm_head(tiny_model_dir, sk
                           compile_model=compiled)
     monkeypatch.setattr(RecordingGraphRunner, "replays", [])
     monkeypatch.setattr(RecordingGraphRunner, "model_runner", graphed, raising=False)
-    assert graphed.skinny_head is False   # DevicePolicy.skinny_lm_head: off by default (and on CPU)
+    assert graphed.skinny_head is False   # DevicePolicy.skinny_lm_head: off on CPU
     assert graphed.set_skinny_lm_head(True) and graphed.model.can_fold_final_norm()
     heads = []   # the rows of every product on the LM head's weight (with the final norm's weight in its prologue)
     head_weight, norm_weight = graphed.model.lm_head.weight, graphed.model.model.norm.weight
@@ -268,8 +268,10 @@ def test_the_lm_head_fold_stays_off_where_it_cannot_run(tiny_model_dir, skinny_c
     assert make_runner(tiny_model_dir("gemma2"), enforce_eager=True).model.can_fold_final_norm() is False
     assert not hasattr(make_runner(tiny_model_dir("opt"), enforce_eager=True).model, "can_fold_final_norm")
     monkeypatch.delenv("ENGINE_SKINNY_LM_HEAD", raising=False)
-    assert DevicePolicy.for_device("cuda").skinny_lm_head is False
+    assert DevicePolicy.for_device("cuda").skinny_lm_head is True   # on by default on CUDA
     assert DevicePolicy.for_device("cpu").skinny_lm_head is False
+    monkeypatch.setenv("ENGINE_SKINNY_LM_HEAD", "0")
+    assert DevicePolicy.for_device("cuda").skinny_lm_head is False
     monkeypatch.setenv("ENGINE_SKINNY_LM_HEAD", "1")
     assert DevicePolicy.for_device("cuda").skinny_lm_head is True
     assert DevicePolicy.for_device("cpu").skinny_lm_head is False
