@@ -145,6 +145,16 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element
 
 
+def build_seconds(llm) -> dict:
+    """Where an engine's start-up went (ModelRunner.build_seconds: the model, the memory profile's forward and the
+    KV cache, the graphs), rounded."""
+    return {part: round(seconds, 1) for part, seconds in llm.llm_engine.model_runner.build_seconds.items()}
+
+
+def build_parts(parts: dict) -> str:
+    return ", ".join(f"{part} {seconds:.0f} s" for part, seconds in parts.items() if part != "total")
+
+
 def free_device_memory(device: torch.device) -> None:
     """Release what a dropped engine or model held (compiled graphs keep their module alive until reset)."""
     torch._dynamo.reset()
@@ -764,8 +774,10 @@ def run(device: torch.device, *, tiny: bool, models: list[str], parts: tuple[str
                           async_scheduling=async_scheduling)
                 try:
                     row["engine_start_s"] = time.perf_counter() - start
+                    row["engine_build_s"] = build_seconds(llm)
                     row["async_scheduling"] = llm.llm_engine.config.scheduler_config.async_scheduling
-                    log(f"{name}: engine built in {row['engine_start_s']:.0f} s (dummy weights)")
+                    log(f"{name}: engine built in {row['engine_start_s']:.0f} s (dummy weights; "
+                        f"{build_parts(row['engine_build_s'])})")
                     if "throughput" in parts:
                         row["engine"] = engine_throughput(llm, requests, workload.temperature, budget)
                         log(f"{name}: engine {row['engine']['output_tokens_per_s']:.0f} output tok/s"

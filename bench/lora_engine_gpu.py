@@ -37,8 +37,8 @@ import time
 import torch
 
 from bench.budget import Budget
-from bench.engine_gpu import (SHAPES, TINY_SHAPES, Workload, engine_throughput, free_device_memory, left_padded,
-                              make_requests, timed_groups, write_config_dir)
+from bench.engine_gpu import (SHAPES, TINY_SHAPES, Workload, build_parts, build_seconds, engine_throughput,
+                              free_device_memory, left_padded, make_requests, timed_groups, write_config_dir)
 from bench.lora_engine_cpu import GOALS, RANKS, TARGET_MODULES
 
 MODEL = "qwen3-0.6b"
@@ -148,6 +148,7 @@ def run(device: torch.device, *, tiny: bool, budget: Budget | None = None, hf_gr
                       max_num_seqs=256 if not tiny else 8, load_format="dummy", skip_tokenizer_init=True,
                       **(dict(enable_lora=True, max_loras=len(loras), max_lora_rank=max(ranks)) if lora else {}))
             built = time.perf_counter() - start
+            log(f"{side}: engine built in {built:.0f} s ({build_parts(build_seconds(llm))})")
             sides[side] = dict(engine_throughput(llm, requests, workload.temperature, budget,
                                                  lora_requests=[loras[a] for a in adapter_of] if lora else None),
                                engine_start_s=built)

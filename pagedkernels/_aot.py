@@ -6,17 +6,17 @@ need not have (Hopper sm_90 and Ampere sm_80 by default), with the resources ptx
 
 1. Record: every public op runs over :func:`launch_matrix` (dtypes, head sizes, GQA groups, page
    sizes, window, softcap, forced splits, norms, rotary, cache ops) on small CPU tensors inside
-   ``_backend.simulate_cuda_launches()``: the wrappers choose their launch configs exactly as on an
-   H100, and each ``kernel[grid](...)`` is caught by a :class:`_Recorder` instead of launched.
-   Nothing runs, so recording the whole matrix takes a second or two.
+   ``_backend.simulate_cuda_launches()``, once per target's compute capability: the wrappers choose their launch
+   configs exactly as on an H100 (an A100's SMs stand in by the same count), and each ``kernel[grid](...)`` is caught
+   by a :class:`_Recorder` instead of launched. Nothing runs, so recording the whole matrix takes a second or two.
 2. Specialize: each recorded launch goes through Triton's own binder for the target, which gives
    the signature a real launch would compile (pointer dtypes, divisibility by 16, ints equal to 1,
    constexprs, num_warps / num_stages). Launches with the same specialization compile once; with
    ``--representatives`` (the CI test) only one per tile class (:func:`representatives`).
-3. Compile each distinct specialization for every target (one launched with programmatic dependent launch, whose
-   kernel waits with griddepcontrol, for sm_90 alone) with ``triton.compile(ASTSource(...),
-   target=GPUTarget("cuda", cc, 32))`` and read ptxas' ``-v`` report (Triton prints it with
-   ``TRITON_DUMP_PTXAS_LOG=1``): registers, spill stores / loads, stack frame; shared memory is
+3. Compile each distinct specialization for every target whose recording made it (a launch config chosen per
+   architecture, or programmatic dependent launch, whose kernel waits with griddepcontrol, on sm_90 alone) with
+   ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))`` and read ptxas' ``-v`` report (Triton
+   prints it with ``TRITON_DUMP_PTXAS_LOG=1``): registers, spill stores / loads, stack frame; shared memory is
    Triton's allocation (``metadata.shared``) plus ptxas' static smem.
 
 :func:`problems` lists what would fail on the device: a compile error, a spill in a hot kernel
@@ -165,9 +165,9 @@ def launched_kernels() -> dict[str, tuple[Any, str]]:
 
 
 @contextlib.contextmanager
-def record_launches() -> Iterator[tuple[list[Launch], list[str]]]:
-    """Swap every launched kernel for a recorder and simulate a CUDA device for the body. Yields the
-    list the launches go to and a one-item list holding the current case label (set it per case).
+def record_launches(capability: tuple[int, int] = (9, 0)) -> Iterator[tuple[list[Launch], list[str]]]:
+    """Swap every launched kernel for a recorder and simulate a CUDA device of ``capability`` for the body. Yields
+    the list the launches go to and a one-item list holding the current case label (set it per case).
     Nothing is launched, so this works under the interpreter too (compiling needs it off)."""
     from . import _backend
 
@@ -179,7 +179,7 @@ def record_launches() -> Iterator[tuple[list[Launch], list[str]]]:
         originals.append((module, attr, kernel))
         setattr(module, attr, _Recorder(kernel, launches, case))
     try:
-        with _backend.simulate_cuda_launches(SIMULATED_SMS):
+        with _backend.simulate_cuda_launches(SIMULATED_SMS, capability):
             yield launches, case
     finally:
         for module, attr, kernel in originals:
@@ -664,10 +664,11 @@ def launch_matrix() -> list[tuple[str, Callable[[torch.Generator], None]]]:
             *_quant_cases(), *_moe_cases(), *_lora_cases(), *_skinny_cases(), *_pdl_cases()]
 
 
-def record_matrix() -> list[Launch]:
-    """Every launch the wrappers make over :func:`launch_matrix`, configured as on an H100."""
+def record_matrix(capability: tuple[int, int] = (9, 0)) -> list[Launch]:
+    """Every launch the wrappers make over :func:`launch_matrix`, configured as on an H100 (as on a device of
+    ``capability`` with its SM count)."""
     generator = torch.Generator().manual_seed(0)
-    with record_launches() as (launches, case):
+    with record_launches(capability) as (launches, case):
         for label, call in launch_matrix():
             case[0] = label
             before = len(launches)
@@ -694,6 +695,8 @@ class Variant:
     key: str
     cases: list[str]
     grids: list[tuple[int, ...]]
+    # the targets (compute capability x 10) whose recording made this launch; empty: every target
+    capabilities: set[int] = dataclasses.field(default_factory=set)
 
     def describe(self) -> dict:
         """The report's view: the kernel's own constexprs (not the strides Triton specialized to 1),
@@ -749,6 +752,27 @@ def distinct_variants(launches: list[Launch], target) -> list[Variant]:
             variant.cases.append(launch.case)
         variant.grids.append(launch.grid)
     return list(variants.values())
+
+
+def record_variants(targets: tuple[int, ...]) -> tuple[list[Launch], list[Variant]]:
+    """The matrix recorded as on a device of each target's compute capability (the launch configs that depend on
+    the architecture differ), its launches specialized on the first target and merged: each variant notes the
+    targets whose recording made it (:func:`variant_targets` builds it for those only)."""
+    from triton.backends.compiler import GPUTarget
+
+    specialize_on = GPUTarget("cuda", targets[0], 32)
+    launches: list[Launch] = []
+    merged: dict[str, Variant] = {}
+    for cc in targets:
+        recorded = record_matrix(divmod(cc, 10))
+        launches += recorded
+        for variant in distinct_variants(recorded, specialize_on):
+            seen = merged.setdefault(variant.key, variant)
+            if seen is not variant:
+                seen.cases += [case for case in variant.cases if case not in seen.cases]
+                seen.grids += variant.grids
+            seen.capabilities.add(cc)
+    return launches, list(merged.values())
 
 
 # Constexprs that only change values inside code of the same shape (a bound, a mask limit, a scalar,
@@ -907,9 +931,11 @@ def save_results_cache(results: dict[str, dict], path: Path = RESULTS_CACHE) -> 
 
 
 def variant_targets(variant: Variant, targets: tuple[int, ...]) -> tuple[int, ...]:
-    """The targets ``variant`` is built for: all, except that a launch with programmatic dependent launch
-    (``launch_pdl``; its kernel waits with griddepcontrol, an sm_90 instruction) is built for sm_90 and later only."""
-    return tuple(cc for cc in targets if cc >= 90) if variant.option_kwargs.get("launch_pdl") else targets
+    """The targets ``variant`` is built for: those whose recording made it (all, for a variant made without
+    :func:`record_variants`), and a launch with programmatic dependent launch (``launch_pdl``; its kernel waits with
+    griddepcontrol, an sm_90 instruction) for sm_90 and later only."""
+    made = tuple(cc for cc in targets if not variant.capabilities or cc in variant.capabilities)
+    return tuple(cc for cc in made if cc >= 90) if variant.option_kwargs.get("launch_pdl") else made
 
 
 def compile_all(variants: list[Variant], targets: tuple[int, ...], jobs: int,
@@ -972,11 +998,8 @@ def run(targets: tuple[int, ...] = DEFAULT_TARGETS, jobs: int = 1, representativ
     import triton
 
     start = time.perf_counter()
-    launches = record_matrix()
+    launches, distinct = record_variants(targets)
     recorded = time.perf_counter()
-    from triton.backends.compiler import GPUTarget
-
-    distinct = distinct_variants(launches, GPUTarget("cuda", targets[0], 32))
     variants = representatives(distinct) if representatives_only else distinct
     if kernels is not None:
         unknown = set(kernels) - set(launched_kernels())

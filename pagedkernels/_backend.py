@@ -44,20 +44,29 @@ _backend = _parse_backend(os.environ.get("PAGEDKERNELS_BACKEND", "auto").strip()
 # simulate_cuda_launches (pagedkernels._aot records launches that way on any machine): the wrappers
 # then take their Triton path for CPU tensors and choose every launch config as on that device.
 _simulated_cuda_sms: int | None = None
+_simulated_cuda_capability: tuple[int, int] = (9, 0)
 
 
 @contextlib.contextmanager
-def simulate_cuda_launches(num_multiprocessors: int = 132) -> Iterator[None]:
-    """For its body, ops on CPU tensors choose Triton launches as on a CUDA device with
-    ``num_multiprocessors`` SMs (132: an H100 SXM). Only for recording launches through a hook that
-    stands in for the kernels (see ``pagedkernels._aot``): nothing here can run a CUDA kernel."""
-    global _simulated_cuda_sms
-    previous = _simulated_cuda_sms
-    _simulated_cuda_sms = num_multiprocessors
+def simulate_cuda_launches(num_multiprocessors: int = 132, capability: tuple[int, int] = (9, 0)) -> Iterator[None]:
+    """For its body, ops on CPU tensors choose Triton launches as on a CUDA device of compute capability
+    ``capability`` with ``num_multiprocessors`` SMs (132 and 9.0: an H100 SXM). Only for recording launches through a
+    hook that stands in for the kernels (see ``pagedkernels._aot``): nothing here can run a CUDA kernel."""
+    global _simulated_cuda_sms, _simulated_cuda_capability
+    previous = _simulated_cuda_sms, _simulated_cuda_capability
+    _simulated_cuda_sms, _simulated_cuda_capability = num_multiprocessors, tuple(capability)
     try:
         yield
     finally:
-        _simulated_cuda_sms = previous
+        _simulated_cuda_sms, _simulated_cuda_capability = previous
+
+
+def launch_capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability a launch config is chosen for: the simulated device's inside
+    :func:`simulate_cuda_launches`, a CUDA device's own, None elsewhere (the interpreter)."""
+    if _simulated_cuda_sms is not None:
+        return _simulated_cuda_capability
+    return device_capability(device) if device.type == "cuda" else None
 
 
 def launch_device_kind(device: torch.device) -> str:
@@ -87,11 +96,11 @@ def set_programmatic_dependent_launch(enabled: bool) -> bool:
 
 def programmatic_dependent_launch(device: torch.device) -> bool:
     """Whether a decode-path kernel on ``device`` launches with PDL: the setting is on and the device is a CUDA one
-    of compute capability 9.0 or later (a simulated one counts as an H100)."""
+    of compute capability 9.0 or later (a simulated one, of its simulated capability)."""
     if not _pdl:
         return False
     if _simulated_cuda_sms is not None:
-        return True
+        return _simulated_cuda_capability >= (9, 0)
     return device.type == "cuda" and device_capability(device) >= (9, 0)
 
 

@@ -40,8 +40,8 @@ import triton
 import triton.language as tl
 
 from . import _huge_pages, _native
-from ._backend import (has_no_data, launch_device_kind, num_multiprocessors, use_native, use_triton,
-                       value_checks_enabled)
+from ._backend import (has_no_data, launch_capability, launch_device_kind, num_multiprocessors, use_native,
+                       use_triton, value_checks_enabled)
 from ._validate import FLOAT_DTYPES, check_tensor
 from .moe_align import moe_align_block_size
 
@@ -403,10 +403,11 @@ class MoELaunchConfig:
 
 
 def fused_moe_launch_config(num_tokens: int, num_experts: int, top_k: int, n: int, k: int, gated: bool,
-                            dtype: torch.dtype, device_kind: str, num_multiprocessors: int) -> MoELaunchConfig:
+                            dtype: torch.dtype, device_kind: str, num_multiprocessors: int,
+                            capability: tuple[int, int] | None = None) -> MoELaunchConfig:
     """Tiles of a grouped GEMM with ``n`` output columns (GEMM 1: I, gated over 2I weight rows; GEMM 2: H) and
-    ``k`` reduction columns, from shapes, dtype and the device kind only (no autotuning, no host sync; the CUDA
-    choice can be compiled ahead of time anywhere).
+    ``k`` reduction columns, from shapes, dtype, the device kind and its compute capability only (no autotuning, no
+    host sync; the CUDA choice can be compiled ahead of time anywhere, for each architecture).
 
     BLOCK_M follows the mean slots per expert, ``r = num_tokens * top_k / num_experts``: a block of an expert's
     slots reads its weight tile once, so a block should be about as tall as an expert's run but no taller
@@ -417,13 +418,14 @@ def fused_moe_launch_config(num_tokens: int, num_experts: int, top_k: int, n: in
       plain ones, 128-deep K tiles, 3 stages, 4 warps: the best or within 1% of it among nine launches at
       Qwen3-30B-A3B's layer at 1 and 16 tokens and Mixtral's at 1 (0.0392 / 0.203 / 0.195 ms); the earlier rule
       (the widest column block giving 4 programs a multiprocessor, else 16) was 0-6% slower.
-    - From r = 64 (BLOCK_M 128) the matmul rate bounds it: 128 x 64 gated tiles (two accumulators, 128 weight rows) and
-      128 x 128 plain ones, 64-deep K, 4 stages, 8 warps, GROUP_M 8 so that neighbouring programs share a column block:
-      1.033 ms at Qwen3-30B-A3B's 4096 tokens and 6.43 ms at Mixtral's (0.43 and 0.65 of the bf16 matmul rate), where
-      the earlier 64 x 32 / 64 x 64 tiles took 1.38 and 10.15 ms. Faster launches of the sweep spill on sm_80: 128 x 256
-      plain tiles (0.971 / 6.16 ms with them; 20 B under Triton 3.6) and 128 x 128 gated ones (0.901 / 5.50 ms, as
-      vLLM's H200 table picks; 7 KB, the gathered rows' pointers beside two 128 x 128 float32 accumulators). A launch
-      chosen per architecture would take them on Hopper.
+    - From r = 64 (BLOCK_M 128) the matmul rate bounds it: on Hopper (sm_90) 128 x 128 gated tiles (two accumulators,
+      256 weight rows) and 128 x 256 plain ones, 64-deep K, 4 stages, 8 warps, GROUP_M 8 so that neighbouring
+      programs share a column block: 0.901 ms at Qwen3-30B-A3B's 4096 tokens and 5.50 ms at Mixtral's (0.50 and
+      0.76 of the bf16 matmul rate), the best of eight launches at both, as vLLM's tuned H200 table picks (128 x 256
+      over gate and up together); the earlier 64 x 32 / 64 x 64 tiles took 1.38 and 10.15 ms. Those tiles spill on
+      sm_80 (7 KB gated: the gathered rows' pointers beside two 128 x 128 float32 accumulators; 20 B plain under
+      Triton 3.6), so Ampere and the rest take 128 x 64 gated and 128 x 128 plain tiles, otherwise the same: on the
+      H200 1.033 and 6.43 ms (0.43 and 0.65).
     - 32-row blocks: 32 x 32 gated, 32 x 64 plain, 64-deep K, 4 warps, 3 stages (not yet swept).
     The gathered A rows make each program hold its (BLOCK_M, BLOCK_K) pointers, and where strides are no multiple
     of 16 (hidden 1000) loads are not vectorized and take more registers: those shapes keep 16-column decode tiles
@@ -451,6 +453,8 @@ def fused_moe_launch_config(num_tokens: int, num_experts: int, top_k: int, n: in
         return MoELaunchConfig(32, 32 if gated else 64, 64, 8, 4, 3)
     if not aligned:
         return MoELaunchConfig(64, 32 if gated else 64, 64, 8, 8, 3)
+    if capability is not None and capability >= (9, 0):
+        return MoELaunchConfig(128, 128 if gated else 256, 64, 8, 8, 4)
     return MoELaunchConfig(128, 64 if gated else 128, 64, 8, 8, 4)
 
 
@@ -465,11 +469,12 @@ def _fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, activation, exper
     top_k = topk_ids.shape[1]
     num_slots = num_tokens * top_k
     device_kind, sms = launch_device_kind(hidden.device), num_multiprocessors(hidden.device)
+    capability = launch_capability(hidden.device)
     ids = topk_ids if expert_map is None else expert_map[topk_ids.long()]  # local ids, -1: elsewhere
     config1 = fused_moe_launch_config(num_tokens, num_experts, top_k, intermediate, hidden_size, True,
-                                      hidden.dtype, device_kind, sms)
+                                      hidden.dtype, device_kind, sms, capability)
     config2 = fused_moe_launch_config(num_tokens, num_experts, top_k, hidden_size, intermediate, False,
-                                      hidden.dtype, device_kind, sms)
+                                      hidden.dtype, device_kind, sms, capability)
     block_m = config1.block_m
     sorted_ids, expert_ids, num_post_padded = moe_align_block_size(ids, block_m, num_experts)
     em = sorted_ids.numel()

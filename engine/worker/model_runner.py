@@ -139,6 +139,7 @@ class ModelRunner(DecodeGraphs):
         self.num_kv_heads = num_kv_heads_per_rank(model_config.num_key_value_heads)
         torch.manual_seed(engine_config.seed)
 
+        started = time.perf_counter()
         num_kv_blocks, gpu_memory_utilization = cache_config.num_gpu_blocks_override, cache_config.gpu_memory_utilization
         # The KV cache's budget on a GPU is measured (engine/worker/memory.py): counters from before the weights.
         # `memory`: the counters to use instead of the device's (a test double; it turns profiling on anywhere).
@@ -180,10 +181,14 @@ class ModelRunner(DecodeGraphs):
         if spec is not None and spec.method == "draft_model" and self._is_driver():
             from engine.worker.draft_model import DraftModel
             self.drafter = DraftModel(self, spec)
+        built = time.perf_counter()
         self.num_kv_blocks = self._decide_num_kv_blocks(num_kv_blocks, gpu_memory_utilization)
         self._allocate_kv_cache()
         if self.drafter is not None:
             self.drafter.allocate_kv_cache(self.num_kv_blocks)
+        # Where the start-up went (logged when ready; benchmarks record it): the model built and loaded, the memory
+        # profile's forward (the first compilation, on a GPU) and the KV cache, then the graphs captured at start.
+        self.build_seconds = {"model": built - started, "memory profile and KV cache": time.perf_counter() - built}
         self.input_batch = InputBatch(max_num_seqs=max_num_seqs, max_model_len=model_config.max_model_len,
                                       max_num_spec_tokens=self.num_spec_tokens, block_size=block_size,
                                       vocab_size=model_config.vocab_size, device=self.device)
@@ -217,7 +222,12 @@ class ModelRunner(DecodeGraphs):
             if capture_graphs_at_startup is None:
                 capture_graphs_at_startup = graph_runner_class is CUDAGraphRunner
             if capture_graphs_at_startup:
+                cached = time.perf_counter()
                 self.capture_all_graphs()
+                self.build_seconds["graphs"] = time.perf_counter() - cached
+        self.build_seconds["total"] = time.perf_counter() - started
+        logger.info("model runner ready in %.1f s (%s)", self.build_seconds["total"], ", ".join(
+            f"{part} {seconds:.1f} s" for part, seconds in self.build_seconds.items() if part != "total"))
 
     # -- setup ------------------------------------------------------------------------------------
 

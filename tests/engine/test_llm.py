@@ -500,6 +500,9 @@ def test_shutdown_releases_the_model_and_cache_while_the_llm_is_still_held(tiny_
     held = (llm,)   # what kept 113 GiB alive on the H200 of 2026-11-30 (bench.engine_gpu's batch-1 arguments)
     llm.generate([{"prompt_token_ids": random_token_ids(5, seed=1)}], GREEDY, use_tqdm=False)
     runner = llm.llm_engine.executor.model_runner
+    parts = runner.build_seconds   # where the start-up went (logged, and recorded by the GPU benchmarks)
+    assert set(parts) == {"model", "memory profile and KV cache", "total"}   # no graphs captured at start on CPU
+    assert parts["total"] >= parts["model"] + parts["memory profile and KV cache"] and parts["model"] > 0
     weight, cache = weakref.ref(next(runner.model.parameters())), weakref.ref(runner.kv_cache)
     swap = weakref.ref(llm.llm_engine.executor.cache_engine.swap_cache)
     del runner

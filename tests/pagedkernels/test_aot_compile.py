@@ -85,6 +85,16 @@ def test_every_kernel_is_recorded_for_every_dtype(recorded):
             if launch.kernel.__name__ == "_moe_align_kernel"} == {16, 32, 64, 128}
 
 
+def test_launch_configs_chosen_per_architecture_are_recorded_per_target(recorded):
+    """fused_moe's 128-row tiles are chosen per architecture: the table records the matrix as on each target, so
+    sm_90 builds Hopper's 128 x 128 gated / 128 x 256 plain tiles and sm_80 the 128 x 64 / 128 x 128 ones."""
+    def moe_tiles(launches):
+        return {(c["GATED"] > 0, c["BLOCK_N"]) for c in map(_constexprs, launches)
+                if launches and c.get("BLOCK_M") == 128 and "A_ROW_DIV" in c}
+    assert moe_tiles(recorded) == {(True, 128), (False, 256)}
+    assert moe_tiles(_aot.record_matrix((8, 0))) == {(True, 64), (False, 128)}
+
+
 def test_recorded_configs_are_the_cuda_choice(recorded):
     """The wrappers chose as on an H100 (132 SMs), not as for the interpreter: the prefill tiles are
     launch_config(..., "cuda"), fp32 decode runs 8 warps, and one long sequence splits 32 ways
@@ -287,10 +297,19 @@ def test_every_launch_compiles_for_sm90_and_sm80(tmp_path, gpu_image_triton):
         assert report["kernels_recorded"] == report["kernels_launchable"]
         assert 0 < report["variants"] == report["distinct_variants"] <= report["launches"]
         assert not report["representatives_only"]
-        # every variant on both targets, but the programmatic-dependent-launch ones (griddepcontrol) on sm_90 alone
+        # every variant on the targets whose recording made it: both, but the programmatic-dependent-launch ones
+        # (griddepcontrol) and the launch configs chosen for Hopper alone (fused_moe's widest tiles) on sm_90, and
+        # those chosen for the rest on sm_80 (fused_moe's narrower tiles; the PDL cases' launches without PDL)
         pdl = [row for row in report["rows"] if row["constexprs"].get("USE_PDL")]
         assert pdl and all(row["target"] == 90 for row in pdl)
-        assert len(report["rows"]) == 2 * report["variants"] - len(pdl)
+        by_target = {cc: {(row["kernel"], json.dumps(row["constexprs"], sort_keys=True), str(row["pointer_dtypes"]),
+                           row["num_warps"], row["num_stages"]) for row in report["rows"] if row["target"] == cc}
+                     for cc in (90, 80)}
+        only = {cc: {key[0] for key in by_target[cc] - by_target[80 if cc == 90 else 90]} for cc in (90, 80)}
+        pdl_kernels = {row["kernel"] for row in pdl}
+        assert only[90] == {"_fused_moe_kernel", *pdl_kernels}
+        assert "_fused_moe_kernel" in only[80] and only[80] <= {"_fused_moe_kernel", *pdl_kernels}
+        assert len(report["rows"]) <= 2 * report["variants"]
         assert {row["kernel"] for row in report["rows"]} == set(report["kernels_launchable"])
         # ptxas' report was read for every compile (registers are only there)
         assert all(row["error"] or row["registers"] for row in report["rows"])

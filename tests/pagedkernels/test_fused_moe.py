@@ -286,19 +286,21 @@ def test_moe_align_block_size_layout(backend, tokens, experts, top_k, block):
 
 def test_launch_configs_from_shapes():
     """The launches the H200 sweep picked (bench/results/2026-11-30-nvidia-h200-phase9-tune): decode 16-row blocks of 32
-    gated / 64 plain columns; from 64 slots an expert 128-row blocks of 64 gated / 128 plain columns over 8 warps and 4
-    stages; shapes whose I or H is no multiple of 16 (unvectorized loads) the narrower tiles that do not spill, both
-    GEMMs of a layer on the same BLOCK_M; fp32 (ieee dots) small tiles; every dot tile >= 16."""
+    gated / 64 plain columns; from 64 slots an expert 128-row blocks of 128 gated / 256 plain columns over 8 warps and 4
+    stages on Hopper, 64 / 128 elsewhere (the wider ones spill on sm_80); shapes whose I or H is no multiple of 16
+    (unvectorized loads) the narrower tiles that do not spill, both GEMMs of a layer on the same BLOCK_M; fp32 (ieee
+    dots) small tiles; every dot tile >= 16."""
     one = fused_moe_launch_config(1, 128, 8, 768, 2048, True, torch.bfloat16, "cuda", 132)
     assert (one.block_m, one.block_n, one.block_k, one.num_stages) == (16, 32, 128, 3)
     down = fused_moe_launch_config(64, 128, 8, 2048, 768, False, torch.bfloat16, "cuda", 132)
     assert (down.block_m, down.block_n) == (16, 64)
     middle = fused_moe_launch_config(512, 128, 8, 768, 2048, True, torch.bfloat16, "cuda", 132)
     assert (middle.block_m, middle.block_n, middle.num_warps) == (32, 32, 4)
-    big = fused_moe_launch_config(4096, 128, 8, 768, 2048, True, torch.bfloat16, "cuda", 132)
-    assert (big.block_m, big.block_n, big.block_k, big.num_warps, big.num_stages) == (128, 64, 64, 8, 4)
-    big_down = fused_moe_launch_config(4096, 128, 8, 2048, 768, False, torch.bfloat16, "cuda", 132)
-    assert (big_down.block_m, big_down.block_n) == (128, 128)
+    for capability, gated_n, plain_n in (((9, 0), 128, 256), ((8, 0), 64, 128), (None, 64, 128)):
+        big = fused_moe_launch_config(4096, 128, 8, 768, 2048, True, torch.bfloat16, "cuda", 132, capability)
+        assert (big.block_m, big.block_n, big.block_k, big.num_warps, big.num_stages) == (128, gated_n, 64, 8, 4)
+        big_down = fused_moe_launch_config(4096, 128, 8, 2048, 768, False, torch.bfloat16, "cuda", 132, capability)
+        assert (big_down.block_m, big_down.block_n) == (128, plain_n)
     for gated, n, k in ((True, 360, 1000), (False, 1000, 360)):   # unaligned: H = 1000, I = 360
         assert (fused_moe_launch_config(1, 6, 2, n, k, gated, torch.bfloat16, "cuda", 132).block_n) == 16
         wide = fused_moe_launch_config(4096, 6, 2, n, k, gated, torch.bfloat16, "cuda", 132)

@@ -47,6 +47,8 @@ def test_launch_arguments_follow_the_device(pdl_on):
     """On: the CPU (the interpreter has no griddepcontrol) launches as before; a simulated H100 with launch_pdl and
     the kernels' USE_PDL. Off: USE_PDL False everywhere, and no launch_pdl option."""
     assert _backend.pdl_launch(torch.device("cpu")) == {"USE_PDL": False}
+    with _backend.simulate_cuda_launches(capability=(8, 0)):   # an A100: no griddepcontrol
+        assert _backend.pdl_launch(torch.device("cpu")) == {"USE_PDL": False}
     with _backend.simulate_cuda_launches():
         assert _backend.pdl_launch(torch.device("cpu")) == {"USE_PDL": True, "launch_pdl": True}
         pk.set_programmatic_dependent_launch(False)
@@ -62,8 +64,12 @@ def test_the_aot_table_builds_the_pdl_variants_for_sm90_only():
         "_skinny_gemm_kernel", "_rotary_cache_kernel", "_decode_split_kernel", "_decode_reduce_kernel"}
     assert all(launch.kwargs.get("launch_pdl") is True and launch.kwargs["USE_PDL"] is True for launch in launches)
     # a variant's compile options are its launch's (num_warps, launch_pdl, ...): griddepcontrol is sm_90's
-    assert _aot.variant_targets(SimpleNamespace(option_kwargs={"num_warps": 4, "launch_pdl": True}), (90, 80)) == (90,)
-    assert _aot.variant_targets(SimpleNamespace(option_kwargs={"num_warps": 4}), (90, 80)) == (90, 80)
+    made_by_both = dict(capabilities={90, 80})
+    assert _aot.variant_targets(SimpleNamespace(option_kwargs={"num_warps": 4, "launch_pdl": True}, **made_by_both),
+                                (90, 80)) == (90,)
+    assert _aot.variant_targets(SimpleNamespace(option_kwargs={"num_warps": 4}, **made_by_both), (90, 80)) == (90, 80)
+    # a launch config chosen for Hopper alone (fused_moe's widest tiles) is built for sm_90 alone
+    assert _aot.variant_targets(SimpleNamespace(option_kwargs={"num_warps": 8}, capabilities={90}), (90, 80)) == (90,)
 
 
 def _decode_path_calls(dtype: torch.dtype, device: str) -> list:
