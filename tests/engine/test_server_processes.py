@@ -21,10 +21,13 @@ openai, httpx = require_serve_extra("openai", "httpx")
 from tests.engine.test_server_isolation import MODEL, ServeProcess, _wait_gone, stream_text  # noqa: E402
 
 HEADER_TIMEOUT_S = BODY_TIMEOUT_S = 2.0
-# The drain is short so that a 1000-token stream (the most the tiny model's context allows) cannot finish within it:
-# on a 2-core Zen 5 the tiny model ran 4 such streams to their end in about 1.1 s, and with a drain of 1 s the openai
-# client's stream here once did (a fresh-clone CI run), so the test saw no error where it wanted the server's.
+# The drain is short and the SIGTERM test's streams long, so that none can finish within it: on a 2-core Zen 5 the tiny
+# model ran 4 streams of 1000 tokens to their end in about 1.1 s; with a drain of 1 s the openai client's stream here
+# once did (a fresh-clone CI run), and with 0.3 s, once again: on a busy machine its client thread read its first chunk
+# (the SIGTERM's cue) late. The server's context is stretched (max_position_embeddings, as --hf-overrides lets a user)
+# to 8192 so that the streams ask for 8000 tokens: seconds more than any such delay.
 SHUTDOWN_TIMEOUT_S = 0.3
+STREAM_TOKENS = 8000
 LISTENER_CLOSE_S = 1.0   # the listener closes at once on SIGTERM: within this, whatever the drain
 LIMIT = 48
 INNOCENT = "Once upon a time"
@@ -32,7 +35,8 @@ INNOCENT = "Once upon a time"
 
 @pytest.fixture(scope="module")
 def served(llama_dir):
-    server = ServeProcess(llama_dir, "--max-model-len", "1024", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
+    server = ServeProcess(llama_dir, "--max-model-len", "8192", "--hf-overrides", '{"max_position_embeddings": 8192}',
+                          "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
                           "--request-header-timeout", str(HEADER_TIMEOUT_S), "--request-body-timeout",
                           str(BODY_TIMEOUT_S), "--limit-concurrency", str(LIMIT))
     yield server
@@ -154,15 +158,14 @@ def _reached_engine(served) -> int:
 
 
 def test_sigterm_drains_then_ends_every_stream_in_band(served):
-    """Last: the server ends here. Long streams (1000 tokens) cannot finish within the 0.3 s grace period; the
+    """Last: the server ends here. Long streams (8000 tokens) cannot finish within the 0.3 s grace period; the
     non-streamed request, then one raw stream and the openai client's stream together start last, so they are in
-    flight at the SIGTERM (sent as soon as those two streams' first chunks are in: 1000 tokens take over a second
-    here, and waiting for the non-streamed request to reach the engine after the openai stream began let that stream
-    run to its end on a busy machine, in CI). A raw stream begun earlier may have run to its end by then
-    (finish_reason "length": in a fresh-clone CI run all six of the test's earlier form had); every other one ends
-    in-band."""
+    flight at the SIGTERM (sent as soon as those two streams' first chunks are in: waiting for the non-streamed
+    request to reach the engine after the openai stream began let a 1000-token stream run to its end on a busy
+    machine, in CI). A raw stream begun earlier may still have run to its end by then (finish_reason "length": in a
+    fresh-clone CI run all six of the test's earlier, 1000-token form had); every other one ends in-band."""
     pids = served.tree()
-    body = {"model": MODEL, "prompt": "hello", "max_tokens": 1000, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": STREAM_TOKENS, "ignore_eos": True}
     started = [threading.Event() for _ in range(7)]   # five raw streams, a late raw stream, the openai stream
     before = _reached_engine(served)   # the earlier tests' requests
 
@@ -176,14 +179,16 @@ def test_sigterm_drains_then_ends_every_stream_in_band(served):
                     started[i].set()
         return events
 
-    def openai_stream() -> Exception | None:   # a real client: it must see the server's error, not a cut
+    def openai_stream() -> Exception | str:   # a real client: it must see the server's error, not a cut
+        finish = None
         try:
-            for _ in served.client.completions.create(model=MODEL, prompt="hello", max_tokens=1000, stream=True,
-                                                      extra_body={"ignore_eos": True}):
+            for chunk in served.client.completions.create(model=MODEL, prompt="hello", max_tokens=STREAM_TOKENS,
+                                                          stream=True, extra_body={"ignore_eos": True}):
                 started[-1].set()
+                finish = chunk.choices[0].finish_reason if chunk.choices else finish
         except openai.APIError as e:
             return e
-        return None
+        return f"the openai stream ended with no error (finish_reason {finish!r})"
 
     with ThreadPoolExecutor(len(started) + 1) as pool:
         streams = [pool.submit(stream, i) for i in range(5)]
@@ -219,7 +224,8 @@ def test_sigterm_drains_then_ends_every_stream_in_band(served):
         results = [s.result(timeout=10) for s in streams]
         response = whole.result(timeout=10)
         openai_error = by_openai.result(timeout=10)
-    assert isinstance(openai_error, openai.APIError) and not isinstance(openai_error, openai.APIConnectionError)
+    assert isinstance(openai_error, openai.APIError), openai_error
+    assert not isinstance(openai_error, openai.APIConnectionError), openai_error
     assert "--shutdown-timeout" in str(openai_error), openai_error
     for events in results:   # every client sees a clean end: the error in-band (or its own end), then [DONE]
         assert events[-1] == "[DONE]", events[-3:]
