@@ -395,10 +395,12 @@ class DecodeGraphs:
         name = "_compiled_folded_tail" if fold_norm else "_compiled_tail"
         if getattr(self, name, None) is None:
             setattr(self, name, torch.compile(eager, dynamic=True, fullgraph=True))
+        from engine.worker.model_runner import _is_compile_error, compile_shapes   # (a module above this one)
+
         try:
-            return getattr(self, name)(hidden_states)
+            with compile_shapes():
+                return getattr(self, name)(hidden_states)
         except Exception as exc:  # noqa: BLE001 - a compiler failure must not take the engine down
-            from engine.worker.model_runner import _is_compile_error   # the forward's test (a module above this one)
 
             if not _is_compile_error(exc):
                 raise

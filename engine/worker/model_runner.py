@@ -1057,7 +1057,7 @@ class ModelRunner(DecodeGraphs):
         if self.forward is self.model:
             return self.model(input_ids, positions, meta, **kwargs)
         try:
-            with forward_context(self.attention_layers):
+            with forward_context(self.attention_layers), compile_shapes():
                 return self.forward(input_ids, positions, meta, **kwargs)
         except Exception as exc:  # noqa: BLE001 - a compiler failure must not take the engine down
             if not _is_compile_error(exc):
@@ -1088,6 +1088,18 @@ class ModelRunner(DecodeGraphs):
         kept = {"num_kv_blocks": self.num_kv_blocks, "device": self.device, "released": True}
         self.__dict__.clear()
         self.__dict__.update(kept)
+
+
+def compile_shapes():
+    """The symbolic shapes a compilation of the model (or a step's tail) traces under: no duck sizing. With it dynamo
+    gives sizes that happen to be equal at the first capture one symbol and guards on the equality, so the next graph
+    of the ladder compiled the model again: the decode graphs' inputs are views into one buffer per size, and at the
+    largest size a field's storage offset equalled the batch size (any two sizes equal there would do the same).
+    About 11 us a call of the compiled forward, which only eager steps and captures make (a decode graph's replay
+    does not call it)."""
+    from torch.fx.experimental import _config as fx_config
+
+    return fx_config.patch(use_duck_shape=False)
 
 
 def _is_compile_error(exc: BaseException) -> bool:

@@ -435,3 +435,27 @@ def test_verification_steps_replay_graphs(tiny_model_dir, monkeypatch):
     # rows are finite too (a per-tensor activation scale would spread a NaN to the real rows)
     assert all(torch.isfinite(graph.output).all() for graph in graphed.verify_graphs.values())
     assert graphed.set_spec_decode_graphs(False) is False and graphed.verify_graphs == {}
+
+
+def test_the_graph_ladder_compiles_the_model_once_per_kind_of_step(tiny_model_dir, monkeypatch):
+    """Capturing a ladder of decode graphs with the CUDA layout (each size's inputs views into its own buffer)
+    compiles the forward once for steps of several rows and once for one row (its few-row layers), and the step's
+    tail likewise: not once more because sizes happened to be equal at the largest graph. Duck sizing made the
+    storage offset of a field of the largest graph's buffer and its batch size one symbol (and its cu_seqlens_q
+    slice's size and its base's); the next graph failed those guards and the model compiled again (each compile of a
+    real model is many seconds of a GPU engine's start-up)."""
+    from torch._dynamo.utils import counters
+
+    from engine.worker.decode_graphs import DecodeGraphs
+
+    allocate = DecodeGraphs._allocate_static_buffers
+    monkeypatch.setattr(DecodeGraphs, "_allocate_static_buffers",
+                        lambda self, per_size_regions=None: allocate(self, per_size_regions=True))
+    monkeypatch.setenv("ENGINE_SKINNY_GEMM_MAX_ROWS", "1")
+    torch._dynamo.reset()
+    counters.clear()
+    runner = make_runner(tiny_model_dir("qwen3"), enforce_eager=False, graph_runner_class=EagerGraphRunner,
+                         max_num_seqs=64, compile_model=True, capture_graphs_at_startup=True)
+    assert runner.compiled and sorted(runner.graphs) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert counters["stats"]["unique_graphs"] == 4, dict(counters["stats"])
+    torch._dynamo.reset()
