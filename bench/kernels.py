@@ -1404,7 +1404,7 @@ def moe_launch_config(config: tuple[int, int, int, int, int, int]) -> contextlib
     block_m, block_n1, block_n2, block_k, warps, stages = config
     fused = importlib.import_module("pagedkernels.fused_moe")
 
-    def launch(num_tokens, num_experts, top_k, n, k, gated, dtype, device_kind, num_multiprocessors, capability=None):
+    def launch(num_tokens, num_experts, top_k, n, k, gated, dtype, device_kind, *, capability=None):
         return fused.MoELaunchConfig(block_m, block_n1 if gated else block_n2, block_k, 1 if block_m == 16 else 8,
                                      warps, stages)
     return mock.patch.object(fused, "fused_moe_launch_config", launch)

@@ -97,11 +97,8 @@ def set_programmatic_dependent_launch(enabled: bool) -> bool:
 def programmatic_dependent_launch(device: torch.device) -> bool:
     """Whether a decode-path kernel on ``device`` launches with PDL: the setting is on and the device is a CUDA one
     of compute capability 9.0 or later (a simulated one, of its simulated capability)."""
-    if not _pdl:
-        return False
-    if _simulated_cuda_sms is not None:
-        return _simulated_cuda_capability >= (9, 0)
-    return device.type == "cuda" and device_capability(device) >= (9, 0)
+    capability = launch_capability(device) if _pdl else None
+    return capability is not None and capability >= (9, 0)
 
 
 def pdl_launch(device: torch.device) -> dict:

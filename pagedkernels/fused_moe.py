@@ -40,8 +40,8 @@ import triton
 import triton.language as tl
 
 from . import _huge_pages, _native
-from ._backend import (has_no_data, launch_capability, launch_device_kind, num_multiprocessors, use_native,
-                       use_triton, value_checks_enabled)
+from ._backend import (has_no_data, launch_capability, launch_device_kind, use_native, use_triton,
+                       value_checks_enabled)
 from ._validate import FLOAT_DTYPES, check_tensor
 from .moe_align import moe_align_block_size
 
@@ -403,7 +403,7 @@ class MoELaunchConfig:
 
 
 def fused_moe_launch_config(num_tokens: int, num_experts: int, top_k: int, n: int, k: int, gated: bool,
-                            dtype: torch.dtype, device_kind: str, num_multiprocessors: int,
+                            dtype: torch.dtype, device_kind: str, *,
                             capability: tuple[int, int] | None = None) -> MoELaunchConfig:
     """Tiles of a grouped GEMM with ``n`` output columns (GEMM 1: I, gated over 2I weight rows; GEMM 2: H) and
     ``k`` reduction columns, from shapes, dtype, the device kind and its compute capability only (no autotuning, no
@@ -468,13 +468,12 @@ def _fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, activation, exper
     intermediate = two_i // 2
     top_k = topk_ids.shape[1]
     num_slots = num_tokens * top_k
-    device_kind, sms = launch_device_kind(hidden.device), num_multiprocessors(hidden.device)
-    capability = launch_capability(hidden.device)
+    device_kind, capability = launch_device_kind(hidden.device), launch_capability(hidden.device)
     ids = topk_ids if expert_map is None else expert_map[topk_ids.long()]  # local ids, -1: elsewhere
     config1 = fused_moe_launch_config(num_tokens, num_experts, top_k, intermediate, hidden_size, True,
-                                      hidden.dtype, device_kind, sms, capability)
+                                      hidden.dtype, device_kind, capability=capability)
     config2 = fused_moe_launch_config(num_tokens, num_experts, top_k, hidden_size, intermediate, False,
-                                      hidden.dtype, device_kind, sms, capability)
+                                      hidden.dtype, device_kind, capability=capability)
     block_m = config1.block_m
     sorted_ids, expert_ids, num_post_padded = moe_align_block_size(ids, block_m, num_experts)
     em = sorted_ids.numel()

@@ -77,6 +77,7 @@ class EngineCore:
             run_launched_worker(rank, tensor_parallel_size, config)
             raise SystemExit(0)
         self.executor = make_executor(config)
+        self.shut_down = False   # shutdown(): no requests and no steps after it
         block_size = config.cache_config.block_size
         try:
             self._fit_max_model_len_to_cache(block_size, user_max_model_len=self._user_max_model_len())
@@ -146,7 +147,7 @@ class EngineCore:
         """Queue a request (from the input processor). What only the core can check is checked first: a refused
         request raises ValueError and leaves the core (and the requests already in it) untouched."""
         request_id, params = request.request_id, request.params
-        if getattr(self, "shut_down", False):
+        if self.shut_down:
             raise RuntimeError("the engine is shut down: it takes no more requests")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")

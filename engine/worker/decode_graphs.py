@@ -25,6 +25,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
+from torch.fx.experimental import _config as fx_config
 
 from engine.layers.attention import AttentionMetadata
 from engine.layers.quantization.unquantized import recording_decode_graph
@@ -128,6 +129,16 @@ def _region_views(region: torch.Tensor, batch_size: int, max_blocks_per_seq: int
         shape = (batch_size, max_blocks_per_seq) if k == 4 else (batch_size,)
         views.append(region[offset:offset + dtype.itemsize * int(np.prod(shape))].view(dtype).view(shape))
     return StaticInputs(*views)
+
+
+def compile_shapes():
+    """The symbolic shapes a compilation of the model (or a step's tail) traces under: no duck sizing. With it dynamo
+    gives sizes that happen to be equal at the first capture one symbol and guards on the equality, so the next graph
+    of the ladder compiled the model again: the decode graphs' inputs are views into one buffer per size, and at the
+    largest size a field's storage offset equalled the batch size (any two sizes equal there would do the same).
+    About 11 us a call of the compiled forward, which only eager steps and captures make (a decode graph's replay
+    does not call it)."""
+    return fx_config.patch(use_duck_shape=False)
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -395,12 +406,11 @@ class DecodeGraphs:
         name = "_compiled_folded_tail" if fold_norm else "_compiled_tail"
         if getattr(self, name, None) is None:
             setattr(self, name, torch.compile(eager, dynamic=True, fullgraph=True))
-        from engine.worker.model_runner import _is_compile_error, compile_shapes   # (a module above this one)
-
         try:
             with compile_shapes():
                 return getattr(self, name)(hidden_states)
         except Exception as exc:  # noqa: BLE001 - a compiler failure must not take the engine down
+            from engine.worker.model_runner import _is_compile_error   # the forward's test (a module above this one)
 
             if not _is_compile_error(exc):
                 raise

@@ -53,7 +53,7 @@ from engine.worker import memory as gpu_memory
 from engine.worker.memory import MemorySnapshot, check_free_memory, kv_cache_budget
 from engine.step_records import ModelRunnerOutput, PromptLogprobs, SampleLogprobs, SchedulerOutput
 from engine.worker.decode_graphs import (CUDAGraphRunner, DecodeGraphs, EagerGraphRunner,  # noqa: F401 (re-exported)
-                                         cpu_graph_batch_sizes, graph_batch_sizes)
+                                         compile_shapes, cpu_graph_batch_sizes, graph_batch_sizes)
 from engine.worker.input_batch import HostStaging, InputBatch, speculation_allowed
 from engine.worker.ngram_proposer import propose_ngram
 from engine.worker.rejection_sampler import rejection_sample
@@ -1088,18 +1088,6 @@ class ModelRunner(DecodeGraphs):
         kept = {"num_kv_blocks": self.num_kv_blocks, "device": self.device, "released": True}
         self.__dict__.clear()
         self.__dict__.update(kept)
-
-
-def compile_shapes():
-    """The symbolic shapes a compilation of the model (or a step's tail) traces under: no duck sizing. With it dynamo
-    gives sizes that happen to be equal at the first capture one symbol and guards on the equality, so the next graph
-    of the ladder compiled the model again: the decode graphs' inputs are views into one buffer per size, and at the
-    largest size a field's storage offset equalled the batch size (any two sizes equal there would do the same).
-    About 11 us a call of the compiled forward, which only eager steps and captures make (a decode graph's replay
-    does not call it)."""
-    from torch.fx.experimental import _config as fx_config
-
-    return fx_config.patch(use_duck_shape=False)
 
 
 def _is_compile_error(exc: BaseException) -> bool:

@@ -290,25 +290,26 @@ def test_launch_configs_from_shapes():
     stages on Hopper, 64 / 128 elsewhere (the wider ones spill on sm_80); shapes whose I or H is no multiple of 16
     (unvectorized loads) the narrower tiles that do not spill, both GEMMs of a layer on the same BLOCK_M; fp32 (ieee
     dots) small tiles; every dot tile >= 16."""
-    one = fused_moe_launch_config(1, 128, 8, 768, 2048, True, torch.bfloat16, "cuda", 132)
+    one = fused_moe_launch_config(1, 128, 8, 768, 2048, True, torch.bfloat16, "cuda")
     assert (one.block_m, one.block_n, one.block_k, one.num_stages) == (16, 32, 128, 3)
-    down = fused_moe_launch_config(64, 128, 8, 2048, 768, False, torch.bfloat16, "cuda", 132)
+    down = fused_moe_launch_config(64, 128, 8, 2048, 768, False, torch.bfloat16, "cuda")
     assert (down.block_m, down.block_n) == (16, 64)
-    middle = fused_moe_launch_config(512, 128, 8, 768, 2048, True, torch.bfloat16, "cuda", 132)
+    middle = fused_moe_launch_config(512, 128, 8, 768, 2048, True, torch.bfloat16, "cuda")
     assert (middle.block_m, middle.block_n, middle.num_warps) == (32, 32, 4)
     for capability, gated_n, plain_n in (((9, 0), 128, 256), ((8, 0), 64, 128), (None, 64, 128)):
-        big = fused_moe_launch_config(4096, 128, 8, 768, 2048, True, torch.bfloat16, "cuda", 132, capability)
+        big = fused_moe_launch_config(4096, 128, 8, 768, 2048, True, torch.bfloat16, "cuda", capability=capability)
         assert (big.block_m, big.block_n, big.block_k, big.num_warps, big.num_stages) == (128, gated_n, 64, 8, 4)
-        big_down = fused_moe_launch_config(4096, 128, 8, 2048, 768, False, torch.bfloat16, "cuda", 132, capability)
+        big_down = fused_moe_launch_config(4096, 128, 8, 2048, 768, False, torch.bfloat16, "cuda",
+                                           capability=capability)
         assert (big_down.block_m, big_down.block_n) == (128, plain_n)
     for gated, n, k in ((True, 360, 1000), (False, 1000, 360)):   # unaligned: H = 1000, I = 360
-        assert (fused_moe_launch_config(1, 6, 2, n, k, gated, torch.bfloat16, "cuda", 132).block_n) == 16
-        wide = fused_moe_launch_config(4096, 6, 2, n, k, gated, torch.bfloat16, "cuda", 132)
+        assert (fused_moe_launch_config(1, 6, 2, n, k, gated, torch.bfloat16, "cuda").block_n) == 16
+        wide = fused_moe_launch_config(4096, 6, 2, n, k, gated, torch.bfloat16, "cuda")
         assert (wide.block_m, wide.block_n, wide.num_warps) == (64, 32 if gated else 64, 8)
     for tokens in (1, 64, 4096):
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             for gated, n, k in ((True, 768, 2048), (False, 2048, 768), (True, 14336, 4096)):
-                c = fused_moe_launch_config(tokens, 8, 2, n, k, gated, dtype, "cuda", 132)
+                c = fused_moe_launch_config(tokens, 8, 2, n, k, gated, dtype, "cuda")
                 assert min(c.block_m, c.block_n, c.block_k) >= 16
 
 
