@@ -1362,8 +1362,8 @@ def tune_suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False) 
         decode_launch_shape, decode_launch_sweep = dict(num_seqs=64, seq_len=4096), DECODE_LAUNCH_SWEEP
     skinny_shapes, skinny_configs, skinny_rows = (([(64, 256)], [(2, 128, 4)], (2,)) if tiny
                                                   else (SKINNY_SWEEP_SHAPES, SKINNY_SWEEP, SKINNY_SWEEP_ROWS))
-    moe_sweep = ([(dict(tokens=1, experts=8, top_k=2, hidden=128, intermediate=96), [None, (16, 16, 32, 32, 4, 1)])]
-                 if tiny else MOE_LAUNCH_SWEEP)
+    moe_sweep = ([(dict(tokens=1, experts=8, top_k=2, hidden=128, intermediate=96),
+                   [None, "aligned", (16, 16, 32, 32, 4, 1)])] if tiny else MOE_LAUNCH_SWEEP)
     return [partial(prefill_tile_case, **d, config=c, baseline=i == 0, **shape) for i, c in enumerate(configs)] + [
         partial(decode_split_case, **d, num_seqs=n, seq_len=length, num_splits=splits, **decode_heads)
         for n, length, splits in decode_sweep] + [
@@ -1384,7 +1384,10 @@ def tune_suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False) 
 # wrapper's launches and 0.32 of the bf16 matmul rate at 4096 (0.41 at Mixtral's): whether wider tiles, deeper K
 # tiles or more stages (vLLM's tuned H200 table: 16 x 64 x 64-128, 4-5 stages, at decode; 128 x 256 x 64, 8 warps,
 # 4 stages from 1024 tokens) do better. Decode launches first (one token: the weights of 8 experts), then prefill.
-MOE_DECODE_LAUNCHES = [None, (16, 32, 64, 64, 4, 4), (16, 32, 64, 64, 4, 5), (16, 32, 64, 128, 4, 3),
+# "aligned": the wrapper's launches with the alignment kernel run even where the slots are sparse enough for the
+# direct layout (fused_moe.direct_layout: one token of 128 experts, four at its limit), to weigh the launch it saves
+# against the weights two slots of one expert read twice.
+MOE_DECODE_LAUNCHES = [None, "aligned", (16, 32, 64, 64, 4, 4), (16, 32, 64, 64, 4, 5), (16, 32, 64, 128, 4, 3),
                        (16, 64, 128, 128, 4, 3), (16, 32, 64, 256, 4, 2), (16, 16, 32, 256, 4, 2), (16, 64, 64, 64, 4, 4),
                        (16, 16, 32, 64, 4, 5)]
 MOE_PREFILL_LAUNCHES = [None, (128, 128, 256, 64, 8, 4), (128, 64, 128, 64, 8, 4), (128, 64, 128, 64, 4, 3),
@@ -1393,6 +1396,7 @@ MOE_PREFILL_LAUNCHES = [None, (128, 128, 256, 64, 8, 4), (128, 64, 128, 64, 8, 4
 MOE_LAUNCH_SWEEP = [
     (dict(tokens=1, **QWEN3_30B_A3B_MOE), MOE_DECODE_LAUNCHES),
     (dict(tokens=1, **MIXTRAL_MOE), MOE_DECODE_LAUNCHES),
+    (dict(tokens=4, **QWEN3_30B_A3B_MOE), [None, "aligned"]),
     (dict(tokens=16, **QWEN3_30B_A3B_MOE), MOE_DECODE_LAUNCHES),
     (dict(tokens=4096, **QWEN3_30B_A3B_MOE), MOE_PREFILL_LAUNCHES),
     (dict(tokens=4096, **MIXTRAL_MOE), MOE_PREFILL_LAUNCHES),
@@ -1410,15 +1414,23 @@ def moe_launch_config(config: tuple[int, int, int, int, int, int]) -> contextlib
     return mock.patch.object(fused, "fused_moe_launch_config", launch)
 
 
-def moe_config_case(device, dtype, *, config: tuple[int, int, int, int, int, int] | None, **shape) -> Case:
-    """One MoE layer at ``config`` (None: the wrapper's own launches, with the per-expert loop beside it)."""
+def moe_aligned_layout() -> contextlib.AbstractContextManager:
+    """fused_moe sorting and padding its slots by expert (the alignment kernel) at every size: no direct layout."""
+    return mock.patch.object(importlib.import_module("pagedkernels.fused_moe"), "direct_layout",
+                             lambda *args: False)
+
+
+def moe_config_case(device, dtype, *, config: tuple[int, int, int, int, int, int] | str | None, **shape) -> Case:
+    """One MoE layer at ``config`` (None: the wrapper's own launches, with the per-expert loop beside it;
+    "aligned": those launches with the alignment kernel at every size, see MOE_DECODE_LAUNCHES)."""
     case = fused_moe_case(device, dtype, **shape)
     if config is not None:
-        case = _launched_under(case, lambda: moe_launch_config(config))
+        case = _launched_under(case, moe_aligned_layout if config == "aligned" else
+                               lambda: moe_launch_config(config))
         case.baselines = []
     case.op = "fused_moe configs"
-    case.shape += "; heuristic" if config is None else \
-        "; BLOCK_M {} BLOCK_N {}/{} BLOCK_K {} warps {} stages {}".format(*config)
+    case.shape += ("; heuristic" if config is None else "; heuristic, aligned layout" if config == "aligned" else
+                   "; BLOCK_M {} BLOCK_N {}/{} BLOCK_K {} warps {} stages {}".format(*config))
     return case
 
 

@@ -214,10 +214,11 @@ def _tune(result):
     moe = [r for r in result["rows"] if r["op"] == "fused_moe configs"]
     assert len(decode) == 3
     assert len(prefill) + len(decode) + len(launch) + len(skinny) + len(moe) == len(result["rows"])
-    # fused_moe's own launches against the per-expert loop, then one patched in alone
-    assert [r["shape"].split("; ")[-1] for r in moe] == ["heuristic", "BLOCK_M 16 BLOCK_N 16/32 BLOCK_K 32 warps 4 "
-                                                                      "stages 1"]
-    assert [r["baseline"] for r in moe] == ["per-expert loop", None]
+    # fused_moe's own launches against the per-expert loop, then with the alignment at every size, then one launch
+    # patched in alone
+    assert [r["shape"].split("; ")[-1] for r in moe] == ["heuristic", "heuristic, aligned layout",
+                                                         "BLOCK_M 16 BLOCK_N 16/32 BLOCK_K 32 warps 4 stages 1"]
+    assert [r["baseline"] for r in moe] == ["per-expert loop", None, None]
     # the wrapper's launch, then a 64-token tile with 2 stages (TILE_N, the stages and the warps patched in)
     assert [r["shape"].split("; ")[-1] for r in launch] == ["wrapper's launch", "TILE_N 64 stages 2 warps 4"]
     assert all(r["check"] == "ok" and r["ms"] for r in result["rows"])

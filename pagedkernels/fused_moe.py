@@ -17,7 +17,9 @@ Backends:
   block of I columns): it reads its expert's gate and up rows for the same columns, and writes
   ``act(gate) * up`` (the activation fused, so the ``[slots, 2I]`` product is never stored); the same kernel
   runs GEMM 2 over the activated rows; ``_moe_sum_kernel`` weights and sums each token's top_k rows. Four
-  launches, no Python loop over experts, no host sync: every buffer is sized from shapes.
+  launches, no Python loop over experts, no host sync: every buffer is sized from shapes. Where the slots are
+  few against the experts (decode of a fine-grained MoE, :func:`direct_layout`) each slot is a block of its own
+  and the alignment is skipped: three launches.
 - Native (CPU, weights packed by :func:`pack_moe_weight`): ``csrc/moe_cpu.c`` sorts the slots by
   expert (a counting sort), then each expert's slots are one GEMM through the 16-bit-weight GEMM's panel
   kernel (``csrc/w16_panel.h``, shared with :func:`pagedkernels.w16_gemm`; float32, fp16 or bf16 panels), the
@@ -46,7 +48,7 @@ from ._validate import FLOAT_DTYPES, check_tensor
 from .moe_align import moe_align_block_size
 
 __all__ = ["fused_moe", "check_fused_moe_args", "pack_moe_weight", "unpack_moe_weight", "MoELaunchConfig",
-           "fused_moe_launch_config", "ACTIVATIONS", "PANEL", "native_scratch_bytes"]
+           "fused_moe_launch_config", "direct_layout", "ACTIVATIONS", "PANEL", "native_scratch_bytes"]
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 # Output columns per panel of a packed weight (the native kernel's layout, pagedkernels.w16_gemm's PANEL).
@@ -292,19 +294,21 @@ def _fused_moe_kernel(
     a_ptr,  # GEMM 1: hidden [num_tokens, K]; GEMM 2: the activated rows [num_slots, K]
     b_ptr,  # [E, N_B, K]: w13 (N_B = 2N: gate rows [0, N), up rows [N, 2N)) or w2 (N_B = N)
     c_ptr,  # [num_slots, N], rows written for the slots of local experts only
-    sorted_token_ids_ptr,  # int32 [EM]: slots sorted by expert, padding rows = num_slots
-    expert_ids_ptr,  # int32 [EM // BLOCK_M]
-    num_tokens_post_padded_ptr,  # int32 [1]
+    sorted_token_ids_ptr,  # int32 [EM]: slots sorted by expert, padding rows = num_slots (unread when DIRECT)
+    expert_ids_ptr,  # int32 [EM // BLOCK_M]; DIRECT: the slots' local expert ids [num_slots], -1 for none here
+    num_tokens_post_padded_ptr,  # int32 [1] (unread when DIRECT)
     N,
     K,
     EM,
     num_slots,
+    num_experts,
     stride_am: tl.int64,
     stride_be: tl.int64,
     stride_bn: tl.int64,
     stride_cm: tl.int64,
     A_ROW_DIV: tl.constexpr,  # slot s reads row s // A_ROW_DIV of A: top_k for GEMM 1, 1 for GEMM 2
     GATED: tl.constexpr,  # 0: C = A B^T; 1: silu(gate) * up; 2: gelu_tanh(gate) * up
+    DIRECT: tl.constexpr,  # each slot a block of its own, in slot order (EM = num_slots * BLOCK_M): no alignment
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -321,13 +325,20 @@ def _fused_moe_kernel(
     group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % group_rows
     pid_n = (pid % per_group) // group_rows
-    # Blocks past the padded length (the buffers are sized for the worst case) have nothing to do.
-    if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
-        return
-    offs_sorted = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
-    slots = tl.load(sorted_token_ids_ptr + offs_sorted)  # padding rows hold num_slots
+    if DIRECT:
+        # Block pid_m is slot pid_m alone (its other rows padding); a slot of no local expert has nothing to do.
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        if (expert < 0) | (expert >= num_experts):  # as the alignment drops them (ids unchecked on a GPU)
+            return
+        slots = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_slots)  # (BLOCK_M,)
+    else:
+        # Blocks past the padded length (the buffers are sized for the worst case) have nothing to do.
+        if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
+            return
+        offs_sorted = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+        slots = tl.load(sorted_token_ids_ptr + offs_sorted)  # padding rows hold num_slots
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     slot_mask = slots < num_slots
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)  # (BLOCK_K,)
@@ -458,6 +469,16 @@ def fused_moe_launch_config(num_tokens: int, num_experts: int, top_k: int, n: in
     return MoELaunchConfig(128, 64 if gated else 128, 64, 8, 8, 4)
 
 
+def direct_layout(num_slots: int, num_experts: int, block_m: int) -> bool:
+    """Whether the grouped GEMMs take each slot as a block of its own, in slot order, with no alignment (no sort,
+    one launch fewer): where the slots are few against the experts (``4 * num_slots <= num_experts``, 16-row
+    blocks), as at decode of a fine-grained MoE (one token of Qwen3-30B-A3B: 8 slots over 128 experts), most
+    slots have an expert of their own, so a block of one slot reads the weights the aligned layout would (two
+    slots on one expert read its weights twice instead of once), and the alignment, a single program that scans
+    the ids and writes the padded layout ahead of the first GEMM, is not launched: three launches, not four."""
+    return block_m == 16 and 4 * num_slots <= num_experts
+
+
 # Values per program of the top-k sum: 32 float32 accumulators per thread of 4 warps.
 SUM_TILE = 4096
 
@@ -470,13 +491,18 @@ def _fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, activation, exper
     num_slots = num_tokens * top_k
     device_kind, capability = launch_device_kind(hidden.device), launch_capability(hidden.device)
     ids = topk_ids if expert_map is None else expert_map[topk_ids.long()]  # local ids, -1: elsewhere
+    ids = ids if ids.is_contiguous() else ids.contiguous()
     config1 = fused_moe_launch_config(num_tokens, num_experts, top_k, intermediate, hidden_size, True,
                                       hidden.dtype, device_kind, capability=capability)
     config2 = fused_moe_launch_config(num_tokens, num_experts, top_k, hidden_size, intermediate, False,
                                       hidden.dtype, device_kind, capability=capability)
     block_m = config1.block_m
-    sorted_ids, expert_ids, num_post_padded = moe_align_block_size(ids, block_m, num_experts)
-    em = sorted_ids.numel()
+    direct = direct_layout(num_slots, num_experts, block_m)
+    if direct:  # each slot its own block: the ids are the blocks' experts, nothing to sort
+        sorted_ids, expert_ids, num_post_padded, em = ids, ids, ids, num_slots * block_m
+    else:
+        sorted_ids, expert_ids, num_post_padded = moe_align_block_size(ids, block_m, num_experts)
+        em = sorted_ids.numel()
     activated = torch.empty(num_slots, intermediate, dtype=hidden.dtype, device=hidden.device)
     expert_out = torch.empty(num_slots, hidden_size, dtype=hidden.dtype, device=hidden.device)
     precision = "ieee" if hidden.dtype == torch.float32 else None
@@ -485,13 +511,12 @@ def _fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, activation, exper
             (activated, w2, expert_out, hidden_size, intermediate, 1, 0, config2)):
         grid = (triton.cdiv(em, block_m) * triton.cdiv(n, config.block_n),)
         _fused_moe_kernel[grid](
-            a, b, c, sorted_ids, expert_ids, num_post_padded, n, k, em, num_slots,
+            a, b, c, sorted_ids, expert_ids, num_post_padded, n, k, em, num_slots, num_experts,
             a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-            A_ROW_DIV=a_row_div, GATED=gated, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            GROUP_M=config.group_m, DOT_PRECISION=precision, num_warps=config.num_warps,
+            A_ROW_DIV=a_row_div, GATED=gated, DIRECT=direct, BLOCK_M=block_m, BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k, GROUP_M=config.group_m, DOT_PRECISION=precision, num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
-    ids = ids if ids.is_contiguous() else ids.contiguous()
     weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     # Tiles of SUM_TILE values: a row of up to 1024 columns, as many tokens as fill the rest.
     block_n = min(1024, triton.next_power_of_2(hidden_size))

@@ -10,6 +10,7 @@ a block, and none."""
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import pytest
@@ -138,6 +139,38 @@ def test_expert_parallel_map_and_gelu(backend):
     reference = moe_reference(x, w13, w2, weights, ids, "gelu_tanh", expert_map)
     assert_moe_close(out, reference, TOLERANCE[torch.float32])
     assert torch.equal(out[0], torch.zeros(48))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_direct_layout_for_sparse_slots_skips_the_alignment(dtype, monkeypatch):
+    """Decode of a fine-grained MoE (few slots over many experts): each slot its own block, no alignment launched
+    (it raises here); right with slots that share an expert (three tokens on the same two experts), int64 ids,
+    and under an expert map with a slot of no local expert."""
+    fused = importlib.import_module("pagedkernels.fused_moe")  # the package's fused_moe is the function
+
+    assert fused.direct_layout(8, 128, 16) and fused.direct_layout(32, 128, 16)
+    assert not fused.direct_layout(33, 128, 16) and not fused.direct_layout(8, 128, 32)
+    assert fused_moe_launch_config(1, 128, 8, 768, 2048, True, torch.bfloat16, "cuda").block_m == 16
+
+    def no_alignment(*args, **kwargs):
+        raise AssertionError("the direct layout launched the alignment")
+    monkeypatch.setattr(fused, "moe_align_block_size", no_alignment)
+    gen = torch.Generator().manual_seed(11)
+    x, w13, w2, weights, ids = random_moe(4, 48, 40, 64, 4, dtype, gen)
+    ids[1:, :2] = ids[0, :2]  # experts shared by every token: their weights read once a slot
+    ids = ids.to(torch.int64)
+    assert fused.direct_layout(ids.numel(), 64, fused_moe_launch_config(4, 64, 4, 40, 48, True, dtype, "cpu").block_m)
+    _poison_unrouted(w13, w2, ids)
+    assert_moe_close(_run("triton", x, w13, w2, weights, ids), moe_reference(x, w13, w2, weights, ids),
+                     TOLERANCE[dtype])
+
+    x, _, _, weights, ids = random_moe(1, 32, 16, 40, 4, dtype, gen)
+    expert_map = torch.full((40,), -1, dtype=torch.int32)
+    expert_map[ids[0, :3].long()] = torch.tensor([5, 0, 12], dtype=torch.int32)  # the fourth slot: another rank's
+    _, w13, w2, _, _ = random_moe(1, 32, 16, 16, 1, dtype, gen)
+    _poison_unrouted(w13, w2, ids, expert_map)
+    out = _run("triton", x, w13, w2, weights, ids, expert_map=expert_map)
+    assert_moe_close(out, moe_reference(x, w13, w2, weights, ids, expert_map=expert_map), TOLERANCE[dtype])
 
 
 @pytest.mark.skipif(not NATIVE, reason="native CPU kernels unavailable (no C compiler)")
