@@ -1012,6 +1012,28 @@ def fp8_kv_decode_case(device, dtype, *, num_seqs: int, seq_len: int, num_q_head
                 baselines=[Baseline(f"{DTYPE_NAMES[dtype]}-KV decode", make_16bit)], check=lambda: reference(fn()))
 
 
+def _grouped_mm_experts(x, w13, w2, weights, ids) -> torch.Tensor:
+    """A MoE layer on torch's grouped GEMM (``F.grouped_mm``, ``torch._grouped_mm`` before torch 2.10), as
+    transformers' "grouped_mm" experts run it: the slots sorted by expert (a device sort, no host sync), their rows
+    gathered, one grouped GEMM per projection over the experts' runs (offsets: a histogram's cumulative sum), SiLU
+    and mul, the routing weights, the slots put back in order and each token's top-k summed."""
+    grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if grouped_mm is None:
+        raise Skipped(f"torch {torch.__version__} has no grouped_mm")
+    top_k, experts, intermediate = ids.shape[1], w13.shape[0], w2.shape[2]
+    flat = ids.flatten()
+    sorted_ids, order = torch.sort(flat)
+    offsets = torch.cumsum(torch.histc(sorted_ids.float() if x.device.type == "cpu" else sorted_ids.int(),
+                                       bins=experts, min=0, max=experts - 1), dim=0, dtype=torch.int32)
+    gate_up = grouped_mm(x[order // top_k], w13.transpose(-2, -1), offs=offsets)
+    gate, up = gate_up[:, :intermediate], gate_up[:, intermediate:]
+    down = grouped_mm(torch.nn.functional.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
+    weighted = down * weights.flatten()[order].to(down.dtype).unsqueeze(-1)
+    unsorted = torch.empty_like(weighted)
+    unsorted[order] = weighted
+    return unsorted.view(-1, top_k, unsorted.shape[-1]).float().sum(dim=1).to(x.dtype)
+
+
 def fused_moe_case(device, dtype, *, tokens: int, experts: int, top_k: int, hidden: int, intermediate: int,
                    target: Target | None = None) -> Case:
     """One MoE layer (``pk.fused_moe``: both grouped GEMMs, the activation, the top-k sum, the alignment) on
@@ -1021,8 +1043,9 @@ def fused_moe_case(device, dtype, *, tokens: int, experts: int, top_k: int, hidd
     (frac of copy bandwidth), from there by the matmul rate. Up to 64 tokens it is timed in a CUDA graph, as the
     engine's decode steps run it: launched from Python its five launches took longer than its kernels (the H200 of
     2026-11-30 timed one token at 0.29 ms and 16 tokens at 0.21 ms); the loop, which reads the routing on the host,
-    runs eagerly. On the CPU dry run the native kernel (bf16 panels, float32 activations) runs as the engine runs
-    it."""
+    runs eagerly. Past 64 tokens, where the matmul rate bounds it, against torch's grouped GEMM too (transformers'
+    "grouped_mm" experts). On the CPU dry run the native kernel (bf16 panels, float32 activations) runs as the engine
+    runs it."""
     gen = _generator(device)
     w13 = _randn(experts, 2 * intermediate, hidden, dtype=dtype, device=device, gen=gen) * 0.02
     w2 = _randn(experts, hidden, intermediate, dtype=dtype, device=device, gen=gen) * 0.02
@@ -1046,14 +1069,21 @@ def fused_moe_case(device, dtype, *, tokens: int, experts: int, top_k: int, hidd
         loop_out = torch.empty_like(out)
         return (lambda: pk.fused_moe(x, w13, w2, weights, ids, out=loop_out)), ""
 
+    def grouped():
+        grouped_out = _grouped_mm_experts(x, w13, w2, weights, ids)
+        assert_close(grouped_out, reference(), dtype, "grouped_mm experts")
+        return (lambda: _grouped_mm_experts(x, w13, w2, weights, ids)), ""
+
+    baselines = [Baseline("per-expert loop", loop, context=lambda: pk.use_backend("torch"), eager=True)]
+    if tokens > 64:  # bound by the matmul rate: against the grouped GEMM torch has
+        baselines.append(Baseline("torch grouped_mm", grouped))
     active = int(torch.unique(ids).numel())
     weight_bytes = active * 3 * hidden * intermediate * (2 if device.type == "cpu" else w13.element_size())
     bytes_moved = weight_bytes + 2 * x.numel() * x.element_size()
     return Case("fused_moe", f"{tokens} tokens, E={experts} top-{top_k}, H={hidden} I={intermediate} "
                              f"({active} experts routed to)", dtype, fn, bytes_moved,
                 flops=2 * tokens * top_k * 3 * hidden * intermediate, bound="copy" if tokens <= 64 else "matmul",
-                baselines=[Baseline("per-expert loop", loop, context=lambda: pk.use_backend("torch"), eager=True)],
-                check=lambda: assert_close(fn(), reference(), dtype, "fused_moe"), target=target,
+                baselines=baselines, check=lambda: assert_close(fn(), reference(), dtype, "fused_moe"), target=target,
                 graphed=tokens <= 64)
 
 
