@@ -387,28 +387,25 @@ class DecodeGraphs:
             self.drop_graphs()
         return on
 
-    def _greedy_tail(self, hidden_states: torch.Tensor, *, fold_norm: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A step graph's tail: the LM head over its rows, then their greedy ids (logits_and_greedy); with
-        ``fold_norm``, ``hidden_states`` is the stream before the final norm and the head's few-row product norms it
-        (the model's skinny_logits). Compiled where the forward is, so the product's cast to float32, the NaN / inf
-        clean-up and the argmax are one kernel after the product instead of three; a compiler failure falls back to
-        the eager tail, as the forward does."""
-        # Two functions of their own, not one closing over the head: torch.compile caches by code object, and under
-        # torch 2.11 (the GPU image's) the unfolded tail compiled after the folded one gave the folded one's logits
-        # (its guards did not tell the two closed-over methods apart; torch 2.13's do).
+    def _greedy_tail(self, hidden_states: torch.Tensor, *, few_rows: bool = False,
+                     fold_norm: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step graph's tail: the LM head over its rows, then their greedy ids (logits_and_greedy). Compiled where
+        the forward is, so the product's cast to float32, the NaN / inf clean-up and the argmax are one kernel after
+        the product instead of three; a compiler failure falls back to the eager tail, as the forward does. The steps
+        of the few-row layers (``few_rows``: meta.skinny) run it uncompiled, as their forward (ModelRunner._forward):
+        a compile of its own for their one-row steps would cost start-up time to save two launches. With
+        ``fold_norm`` (only there), ``hidden_states`` is the stream before the final norm and the head's few-row
+        product norms it (the model's skinny_logits)."""
         if fold_norm:
-            eager = lambda h: logits_and_greedy(self.model.skinny_logits(h))  # noqa: E731
-        else:
-            eager = lambda h: logits_and_greedy(self.model.compute_logits(h))  # noqa: E731
-        if not self.compiled or getattr(self, "_tail_compile_failed", False):
+            return logits_and_greedy(self.model.skinny_logits(hidden_states))
+        eager = lambda h: logits_and_greedy(self.model.compute_logits(h))  # noqa: E731
+        if few_rows or not self.compiled or getattr(self, "_tail_compile_failed", False):
             return eager(hidden_states)
-        name = "_compiled_folded_tail" if fold_norm else "_compiled_tail"
-        if getattr(self, name, None) is None:
-            setattr(self, name, torch.compile(eager, dynamic=True, fullgraph=True))
+        if getattr(self, "_compiled_tail", None) is None:
+            self._compiled_tail = torch.compile(eager, dynamic=True, fullgraph=True)
         try:
             with compile_shapes():
-                return getattr(self, name)(hidden_states)
+                return self._compiled_tail(hidden_states)
         except Exception as exc:  # noqa: BLE001 - a compiler failure must not take the engine down
             from engine.worker.model_runner import _is_compile_error   # the forward's test (a module above this one)
 
@@ -498,9 +495,10 @@ class DecodeGraphs:
         forward = lambda: self._forward(input_ids, positions, meta)  # noqa: E731
         if self.step_graphs and meta.skinny and self.skinny_head:   # the final norm inside the LM head's product
             forward = lambda: self._greedy_tail(  # noqa: E731
-                self._forward(input_ids, positions, meta, final_norm=False), fold_norm=True)
+                self._forward(input_ids, positions, meta, final_norm=False), few_rows=True, fold_norm=True)
         elif self.step_graphs:
-            forward = lambda: self._greedy_tail(self._forward(input_ids, positions, meta))  # noqa: E731
+            forward = lambda: self._greedy_tail(  # noqa: E731
+                self._forward(input_ids, positions, meta), few_rows=meta.skinny)
         if isinstance(runner, CPUGraph):
             # The first CPU graph warms up and checks its replay against the recorded run; the others record
             # the same forward at another size, and their recording run serves the step that needed them.

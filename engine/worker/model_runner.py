@@ -1052,9 +1052,12 @@ class ModelRunner(DecodeGraphs):
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, *,
                  final_norm: bool = True) -> torch.Tensor:
         """The model's forward (compiled where it is); without ``final_norm`` the stream before the final norm (a
-        step graph whose LM head folds it in: skinny_head)."""
+        step graph whose LM head folds it in: skinny_head). The few-row layers (``meta.skinny``) run uncompiled:
+        they are pagedkernels calls and nothing else, so the compiler has nothing to fuse in them, and compiling
+        the whole model once more for them (dynamo specializes a one-row step) was a third of the forward's compiles
+        at a CUDA engine's start-up; captured in a graph, the same kernels replay."""
         kwargs = {} if final_norm else {"final_norm": False}
-        if self.forward is self.model:
+        if self.forward is self.model or meta.skinny:
             return self.model(input_ids, positions, meta, **kwargs)
         try:
             with forward_context(self.attention_layers), compile_shapes():

@@ -437,13 +437,15 @@ def test_verification_steps_replay_graphs(tiny_model_dir, monkeypatch):
     assert graphed.set_spec_decode_graphs(False) is False and graphed.verify_graphs == {}
 
 
-def test_the_graph_ladder_compiles_the_model_once_per_kind_of_step(tiny_model_dir, monkeypatch):
+def test_the_graph_ladder_compiles_the_model_once(tiny_model_dir, monkeypatch):
     """Capturing a ladder of decode graphs with the CUDA layout (each size's inputs views into its own buffer)
-    compiles the forward once for steps of several rows and once for one row (its few-row layers), and the step's
-    tail likewise: not once more because sizes happened to be equal at the largest graph. Duck sizing made the
-    storage offset of a field of the largest graph's buffer and its batch size one symbol (and its cu_seqlens_q
-    slice's size and its base's); the next graph failed those guards and the model compiled again (each compile of a
-    real model is many seconds of a GPU engine's start-up)."""
+    compiles the forward once, for steps of several rows, and the step's tail likewise; the one-row graph, whose
+    few-row layers are pagedkernels calls only, captures them uncompiled, with its LM head folded or not (each
+    compile of a real model is many seconds of a GPU engine's start-up: the one-row step was a compile of the whole
+    model of its own, dynamo specializing a dimension of 1). Nor once more because sizes happened to be equal at the
+    largest graph: duck sizing made the storage offset of a field of the largest graph's buffer and its batch size
+    one symbol (and its cu_seqlens_q slice's size and its base's); the next graph failed those guards and the model
+    compiled again."""
     from torch._dynamo.utils import counters
 
     from engine.worker.decode_graphs import DecodeGraphs
@@ -456,6 +458,10 @@ def test_the_graph_ladder_compiles_the_model_once_per_kind_of_step(tiny_model_di
     counters.clear()
     runner = make_runner(tiny_model_dir("qwen3"), enforce_eager=False, graph_runner_class=EagerGraphRunner,
                          max_num_seqs=64, compile_model=True, capture_graphs_at_startup=True)
-    assert runner.compiled and sorted(runner.graphs) == [1, 2, 4, 8, 16, 32, 48, 64]
-    assert counters["stats"]["unique_graphs"] == 4, dict(counters["stats"])
+    assert runner.compiled and sorted(runner.graphs) == [1, 2, 4, 8, 16, 32, 48, 64] and runner.skinny_max_rows == 1
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    assert runner.set_skinny_lm_head(True) and 1 not in runner.graphs   # the one-row graph with the folded head
+    runner.capture_all_graphs()
+    assert sorted(runner.graphs) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
     torch._dynamo.reset()

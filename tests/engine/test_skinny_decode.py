@@ -237,6 +237,10 @@ def test_the_step_graphs_fold_the_final_norm_into_the_lm_head(tiny_model_dir, sk
                           compile_model=compiled)
     monkeypatch.setattr(RecordingGraphRunner, "replays", [])
     monkeypatch.setattr(RecordingGraphRunner, "model_runner", graphed, raising=False)
+    compiled_calls = []   # meta.skinny of each call of the compiled forward
+    compiled_forward = graphed.forward
+    graphed.forward = lambda input_ids, positions, meta, **kwargs: (
+        compiled_calls.append(meta.skinny), compiled_forward(input_ids, positions, meta, **kwargs))[1]
     assert graphed.skinny_head is False   # DevicePolicy.skinny_lm_head: off on CPU
     assert graphed.set_skinny_lm_head(True) and graphed.model.can_fold_final_norm()
     heads = []   # the rows of every product on the LM head's weight (with the final norm's weight in its prologue)
@@ -252,8 +256,8 @@ def test_the_step_graphs_fold_the_final_norm_into_the_lm_head(tiny_model_dir, sk
     assert [r["batch_size"] for r in RecordingGraphRunner.replays] == [4, 1, 8, 4]
     # the graphs of 4 and 1 rows (captures and replays), not 8's nor the eager steps'
     assert heads and set(heads) == {(4, True), (1, True)}
-    if compiled:
-        assert graphed.compiled and graphed._compiled_folded_tail is not None
+    if compiled:   # the compiled forward ran, but never for the few-row layers' steps (ModelRunner._forward)
+        assert graphed.compiled and compiled_calls and not any(compiled_calls)
     assert graphed.set_skinny_lm_head(False) is False and sorted(graphed.graphs) == [8]
 
 
