@@ -24,41 +24,47 @@ from engine.layers import pk_ops
 
 # The attention layers of the model whose forward is running (set by forward_context).
 _forward_layers: Sequence["Attention"] | None = None
+_forward_is_decode = False   # the running forward pass: a pure decode batch (forward_context)
 
 
 @contextlib.contextmanager
-def forward_context(layers: Sequence["Attention"]) -> Iterator[None]:
+def forward_context(layers: Sequence["Attention"], is_decode: bool) -> Iterator[None]:
     """Makes ``layers`` (a model's attention layers, in order of ``layer_index``) the ones
-    ``engine::unified_attention`` runs for the duration of a forward pass."""
-    global _forward_layers
-    previous, _forward_layers = _forward_layers, layers
+    ``engine::unified_attention`` runs for the duration of a forward pass, over a batch that is a pure decode or not
+    (``AttentionMetadata.is_decode``). The op reads the batch's kind here rather than as an argument, as vLLM's
+    attention reads its metadata from its forward context: the compiled graph then does not depend on it, and one
+    compile of the model serves the mixed batches and the decode steps (a compile each at a CUDA engine's start-up
+    before: the memory profile's batch, then the decode graphs)."""
+    global _forward_layers, _forward_is_decode
+    previous = _forward_layers, _forward_is_decode
+    _forward_layers, _forward_is_decode = layers, is_decode
     try:
         yield
     finally:
-        _forward_layers = previous
+        _forward_layers, _forward_is_decode = previous
 
 
 @torch.library.custom_op("engine::unified_attention", mutates_args=("out",))
 def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                      cu_seqlens_q: torch.Tensor, is_decode: bool, layer_index: int) -> None:
+                      cu_seqlens_q: torch.Tensor, layer_index: int) -> None:
     """Attention layer ``layer_index`` of the running model on its KV cache: write k/v, attend into ``out``."""
     if _forward_layers is None:
         raise RuntimeError("engine::unified_attention ran outside engine.layers.attention.forward_context")
     meta = AttentionMetadata(slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens,
-                             cu_seqlens_q=cu_seqlens_q, is_decode=is_decode)
+                             cu_seqlens_q=cu_seqlens_q, is_decode=_forward_is_decode)
     _forward_layers[layer_index].attend(q, k, v, meta, out=out)
 
 
 @unified_attention.register_fake
-def _(q, k, v, out, slot_mapping, block_tables, seq_lens, cu_seqlens_q, is_decode, layer_index) -> None:
+def _(q, k, v, out, slot_mapping, block_tables, seq_lens, cu_seqlens_q, layer_index) -> None:
     return None
 
 
 @torch.library.custom_op("engine::unified_attention_rope", mutates_args=("q", "k", "out"))
 def unified_attention_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                            slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           cu_seqlens_q: torch.Tensor, is_decode: bool, layer_index: int, positions: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, layer_index: int, positions: torch.Tensor,
                            cos_sin_cache: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                            eps: float | None) -> None:
     """:func:`unified_attention` with the rotary embedding (after q/k norms when their weights are given) and the K/V
@@ -66,13 +72,13 @@ def unified_attention_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
     if _forward_layers is None:
         raise RuntimeError("engine::unified_attention_rope ran outside engine.layers.attention.forward_context")
     meta = AttentionMetadata(slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens,
-                             cu_seqlens_q=cu_seqlens_q, is_decode=is_decode)
+                             cu_seqlens_q=cu_seqlens_q, is_decode=_forward_is_decode)
     rope = Rope(positions, cos_sin_cache, q_weight, k_weight, eps)
     _forward_layers[layer_index].attend(q, k, v, meta, out=out, rope=rope)
 
 
 @unified_attention_rope.register_fake
-def _(q, k, v, out, slot_mapping, block_tables, seq_lens, cu_seqlens_q, is_decode, layer_index, positions,
+def _(q, k, v, out, slot_mapping, block_tables, seq_lens, cu_seqlens_q, layer_index, positions,
       cos_sin_cache, q_weight, k_weight, eps) -> None:
     return None
 
@@ -172,11 +178,11 @@ class Attention(nn.Module):
             out = q.new_empty(q.shape[0], self.num_heads, self.head_dim)
             if rope is None:
                 torch.ops.engine.unified_attention(q, k, v, out, meta.slot_mapping, meta.block_tables,
-                                                   meta.seq_lens, meta.cu_seqlens_q, meta.is_decode, self.layer_index)
+                                                   meta.seq_lens, meta.cu_seqlens_q, self.layer_index)
             else:
                 torch.ops.engine.unified_attention_rope(q, k, v, out, meta.slot_mapping, meta.block_tables,
-                                                        meta.seq_lens, meta.cu_seqlens_q, meta.is_decode,
-                                                        self.layer_index, rope.positions, rope.cos_sin_cache,
+                                                        meta.seq_lens, meta.cu_seqlens_q, self.layer_index,
+                                                        rope.positions, rope.cos_sin_cache,
                                                         rope.q_weight, rope.k_weight, rope.eps)
             return out.view(-1, self.num_heads * self.head_dim)
         return self.attend(q, k, v, meta, rope=rope).view(-1, self.num_heads * self.head_dim)

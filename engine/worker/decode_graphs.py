@@ -112,10 +112,18 @@ def padding_static_inputs(batch_size: int, max_blocks_per_seq: int, device: torc
 _STATIC_DTYPES = (torch.int64, torch.int64, torch.int64, torch.int32, torch.int32)
 
 
+# Bytes before the first field of a graph's input region, and before the first of a step's inputs staged to the
+# device (HostStaging.to_device_many): no input of the compiled forward starts its storage, on either path. Dynamo
+# specializes a storage offset of 0 or 1 (its 0/1 specialization), so an input at offset 0 on one path and past it on
+# the other failed the guards of the first compile, and the model compiled again (a mixed batch after the decode
+# graphs: the memory profile's at a CUDA engine's start-up).
+INPUT_PAD_BYTES = 64
+
+
 def static_region_layout(batch_size: int, max_blocks_per_seq: int) -> tuple[list[int], int]:
     """Byte offsets of StaticInputs' fields in one device buffer for a graph of ``batch_size`` rows (each field
-    64-byte aligned), and the buffer's size."""
-    offsets, at = [], 0
+    64-byte aligned, the first INPUT_PAD_BYTES in), and the buffer's size."""
+    offsets, at = [], INPUT_PAD_BYTES
     for k, dtype in enumerate(_STATIC_DTYPES):
         offsets.append(at)
         at += -(-dtype.itemsize * batch_size * (max_blocks_per_seq if k == 4 else 1) // 64) * 64
@@ -172,9 +180,16 @@ class DecodeGraphs:
         self._static_regions: dict[int, torch.Tensor] = {}
         self._shared_static: StaticInputs | None = None
         self._staged_decode_inputs: torch.Tensor | None = None   # build_inputs' staging, for run_decode_graph
-        if not (device.type == "cuda" if per_size_regions is None else per_size_regions):
-            self._shared_static = padding_static_inputs(size, self.max_blocks_per_seq, device)
-        self.static_cu_seqlens_q = torch.arange(size + 1, dtype=torch.int32, device=device)
+        # Inference tensors, as every input a step builds under inference_mode: a compiled forward guards on its
+        # inputs' dispatch keys, and one normal tensor among them (cu_seqlens_q) made the decode graphs' inputs
+        # fail the guards of the mixed batches' compile (the memory profile's), and the model compile again.
+        with torch.inference_mode():
+            if not (device.type == "cuda" if per_size_regions is None else per_size_regions):
+                self._shared_static = padding_static_inputs(size, self.max_blocks_per_seq, device)
+                pad = 0   # the CPU's steps take their inputs as arrays' own tensors, at offset 0
+            else:
+                pad = INPUT_PAD_BYTES // 4   # as the CUDA steps' staged inputs (static_region_layout)
+            self.static_cu_seqlens_q = torch.arange(-pad, size + 1, dtype=torch.int32, device=device)[pad:]
         self._verify_static: dict[tuple[int, int], tuple[StaticInputs, torch.Tensor, torch.Tensor]] = {}
         self.graph_pool = self.graph_runner_class.new_pool(device)
 
@@ -187,7 +202,8 @@ class DecodeGraphs:
                 static = StaticInputs(*(t[:batch_size] for t in self._shared_static))
             else:
                 _, nbytes = static_region_layout(batch_size, self.max_blocks_per_seq)
-                region = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+                with torch.inference_mode():   # as the steps' own inputs (_allocate_static_buffers)
+                    region = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
                 self._static_regions[batch_size] = region
                 static = _region_views(region, batch_size, self.max_blocks_per_seq)
                 static.slot_mapping.fill_(-1)

@@ -349,7 +349,8 @@ class HostStaging:
         tensors = [torch.from_numpy(np.ascontiguousarray(array)) for array in arrays]
         if not self.pinned:
             return tuple(tensors)
-        starts, end = [], self._offset
+        # None at the device buffer's start, as the decode graphs' inputs (decode_graphs.INPUT_PAD_BYTES).
+        starts, end = [], self._offset + self.ALIGN
         for tensor in tensors:
             starts.append(end)
             end += -(-tensor.nbytes // self.ALIGN) * self.ALIGN

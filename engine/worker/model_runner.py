@@ -1060,7 +1060,7 @@ class ModelRunner(DecodeGraphs):
         if self.forward is self.model or meta.skinny:
             return self.model(input_ids, positions, meta, **kwargs)
         try:
-            with forward_context(self.attention_layers), compile_shapes():
+            with forward_context(self.attention_layers, meta.is_decode), compile_shapes():
                 return self.forward(input_ids, positions, meta, **kwargs)
         except Exception as exc:  # noqa: BLE001 - a compiler failure must not take the engine down
             if not _is_compile_error(exc):

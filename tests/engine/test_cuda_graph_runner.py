@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.worker.input_batch import HostStaging
 from engine.worker.model_runner import EagerGraphRunner, ModelRunner, graph_batch_sizes
 from pagedkernels.cpu_graph import CPUGraph
 from tests.engine.models_util import engine_config, random_token_ids
@@ -437,9 +438,28 @@ def test_verification_steps_replay_graphs(tiny_model_dir, monkeypatch):
     assert graphed.set_spec_decode_graphs(False) is False and graphed.verify_graphs == {}
 
 
+class ArenaStaging(HostStaging):
+    """HostStaging's CUDA path on the CPU: a step's inputs staged back to back in an arena, each a view of the copy
+    (the CPU's own staging returns the arrays' tensors instead)."""
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self.pinned = True
+
+    def next_step(self) -> None:   # no events to wait on: the "copies" are done when made
+        self._current ^= 1
+        self._offset = 0
+
+    def _arena(self, needed: int) -> torch.Tensor:
+        arena = self._arenas[self._current]
+        if arena is None or arena.numel() < needed:
+            self._arenas[self._current] = arena = torch.empty(max(needed, 1 << 16), dtype=torch.uint8)
+        return arena
+
+
 def test_the_graph_ladder_compiles_the_model_once(tiny_model_dir, monkeypatch):
     """Capturing a ladder of decode graphs with the CUDA layout (each size's inputs views into its own buffer)
-    compiles the forward once, for steps of several rows, and the step's tail likewise; the one-row graph, whose
+    compiles the forward once, for steps of several rows (and mixed batches), and the step's tail likewise; the one-row graph, whose
     few-row layers are pagedkernels calls only, captures them uncompiled, with its LM head folded or not (each
     compile of a real model is many seconds of a GPU engine's start-up: the one-row step was a compile of the whole
     model of its own, dynamo specializing a dimension of 1). Nor once more because sizes happened to be equal at the
@@ -463,5 +483,14 @@ def test_the_graph_ladder_compiles_the_model_once(tiny_model_dir, monkeypatch):
     assert runner.set_skinny_lm_head(True) and 1 not in runner.graphs   # the one-row graph with the folded head
     runner.capture_all_graphs()
     assert sorted(runner.graphs) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    # A mixed batch (prefill chunks) runs the same compiled forward: its attention reads the batch's kind from the
+    # forward context, not from the graph, its inputs are inference tensors as the graphs' are, and none of either
+    # starts its buffer (a compile of its own at start-up before: the memory profile's batch). Its inputs staged as
+    # on CUDA: views of one buffer (HostStaging's pinned path, here without pinned memory or events).
+    runner.staging = ArenaStaging(runner.device)
+    seqs = _sequences(runner.config.vocab_size)
+    logits = runner.compute_logits_for([(seqs[i], n) for i, n in enumerate(PROMPT_LENS[:4])])
+    assert logits.shape[0] == 4 and torch.isfinite(logits).all()
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
     torch._dynamo.reset()

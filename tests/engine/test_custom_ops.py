@@ -73,9 +73,9 @@ def test_unified_attention_opcheck(batch):
     layers, block_tables, seq_lens = _layers()
     q, k, v, slots, cu_seqlens_q = _batch(BATCHES[batch], block_tables)
     out = torch.zeros(q.shape)
-    with forward_context(layers):
+    with forward_context(layers, batch == "decode"):
         for index in range(len(layers)):
-            args = (q, k, v, out, slots, block_tables, seq_lens, cu_seqlens_q, batch == "decode", index)
+            args = (q, k, v, out, slots, block_tables, seq_lens, cu_seqlens_q, index)
             torch.library.opcheck(torch.ops.engine.unified_attention, args)  # runs on copies of args
             # and the op does the layer's work: out and the cache writes as the layer's eager attend()
             torch.ops.engine.unified_attention(*args)
@@ -94,35 +94,42 @@ def test_unified_attention_outside_a_forward_context_is_an_error(op):
     rope = _rope_args(_rope([1, 1, 1], False)) if op == "unified_attention_rope" else ()
     with pytest.raises(RuntimeError, match="forward_context"):
         getattr(torch.ops.engine, op)(q, k, v, torch.empty(q.shape), slots, block_tables, seq_lens, cu_seqlens_q,
-                                      True, 0, *rope)
+                                      0, *rope)
 
 
-@pytest.mark.parametrize("batch", list(BATCHES))
-def test_unified_attention_compiled_fullgraph_inductor(batch):
+def test_unified_attention_compiled_fullgraph_inductor():
     """Both layers' forward, compiled (inductor, fullgraph, dynamic shapes): each runs as one
-    engine::unified_attention node and gives the eager output and cache writes."""
-    torch._dynamo.reset()
-    is_decode = batch == "decode"
+    engine::unified_attention node and gives the eager output and cache writes, for a decode batch and then a
+    prefill batch on the same compiled graph: the op takes the batch's kind from the forward context, so the graph
+    does not depend on it (one compile of a model for both kinds of step)."""
+    from torch._dynamo.utils import counters
 
-    def forward(layers, q, k, v, slots, block_tables, seq_lens, cu_seqlens_q):
-        meta = AttentionMetadata(slot_mapping=slots, block_tables=block_tables, seq_lens=seq_lens,
-                                 cu_seqlens_q=cu_seqlens_q, is_decode=is_decode)
+    from engine.worker.decode_graphs import compile_shapes
+
+    torch._dynamo.reset()
+    counters.clear()
+
+    def forward(layers, q, k, v, meta):
         hidden = layers[0](q, k, v, meta)
         return hidden + layers[1](q * 0.5, k, v, meta).relu()
 
-    eager_layers, block_tables, seq_lens = _layers()
-    compiled_layers, _, _ = _layers()
-    q, k, v, slots, cu_seqlens_q = _batch(BATCHES[batch], block_tables)
-    args = (q, k, v, slots, block_tables, seq_lens, cu_seqlens_q)
-    expected = forward(eager_layers, *args)
     compiled = torch.compile(forward, fullgraph=True, backend="inductor", dynamic=True)
-    with forward_context(compiled_layers):
-        got = compiled(compiled_layers, *args)
-    assert torch.isfinite(expected).all()
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    for eager, comp in zip(eager_layers, compiled_layers):
-        torch.testing.assert_close(comp.key_cache, eager.key_cache, atol=0, rtol=0, equal_nan=True)
-        torch.testing.assert_close(comp.value_cache, eager.value_cache, atol=0, rtol=0, equal_nan=True)
+    for batch in ("decode", "prefill"):
+        eager_layers, block_tables, seq_lens = _layers()
+        compiled_layers, _, _ = _layers()
+        q, k, v, slots, cu_seqlens_q = _batch(BATCHES[batch], block_tables)
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=block_tables, seq_lens=seq_lens,
+                                 cu_seqlens_q=cu_seqlens_q, is_decode=batch == "decode")
+        expected = forward(eager_layers, q, k, v, meta)
+        with forward_context(compiled_layers, meta.is_decode), compile_shapes():   # as the engine compiles
+            got = compiled(compiled_layers, q, k, v, meta)
+        assert torch.isfinite(expected).all()
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        for eager, comp in zip(eager_layers, compiled_layers):
+            torch.testing.assert_close(comp.key_cache, eager.key_cache, atol=0, rtol=0, equal_nan=True)
+            torch.testing.assert_close(comp.value_cache, eager.value_cache, atol=0, rtol=0, equal_nan=True)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    torch._dynamo.reset()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,12 +156,11 @@ def test_unified_attention_rope_opcheck(batch, norms):
     layers, block_tables, seq_lens = _layers()
     q, k, v, slots, cu_seqlens_q = _batch(BATCHES[batch], block_tables)
     rope = _rope(BATCHES[batch], norms)
-    with forward_context(layers):
+    with forward_context(layers, batch == "decode"):
         for index in range(len(layers)):
             out = torch.zeros(q.shape)
             q_i, k_i = q.clone(), k.clone()
-            args = (q_i, k_i, v, out, slots, block_tables, seq_lens, cu_seqlens_q, batch == "decode", index,
-                    *_rope_args(rope))
+            args = (q_i, k_i, v, out, slots, block_tables, seq_lens, cu_seqlens_q, index, *_rope_args(rope))
             torch.library.opcheck(torch.ops.engine.unified_attention_rope, args)  # runs on copies of args
             torch.ops.engine.unified_attention_rope(*args)
             expected_layers, _, _ = _layers()
@@ -196,10 +202,10 @@ def test_unified_attention_rope_compiled_fullgraph_inductor():
     qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
     ropes = (_rope(q_lens, False), _rope(q_lens, True))
     eager_qkv, compiled_qkv = qkv.clone(), qkv.clone()
-    with forward_context(eager_layers):
+    with forward_context(eager_layers, False):
         expected = forward(eager_layers, eager_qkv, slots, block_tables, seq_lens, cu_seqlens_q, *ropes)
     compiled = torch.compile(forward, fullgraph=True, backend="inductor", dynamic=True)
-    with forward_context(compiled_layers):
+    with forward_context(compiled_layers, False):
         got = compiled(compiled_layers, compiled_qkv, slots, block_tables, seq_lens, cu_seqlens_q, *ropes)
     assert torch.isfinite(expected).all()
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
