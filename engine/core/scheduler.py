@@ -177,19 +177,23 @@ class Scheduler:
         while self.swapped and not preempted and self._budget > 0:
             group = self.swapped[0]
             members = [s for s in group.seqs if s.status is SequenceStatus.SWAPPED]
-            if slots + self._share(len(members)) > self.max_num_seqs:
+            if slots + self._share(group.seqs[0], len(members)) > self.max_num_seqs:
                 break
             if not self.block_manager.can_swap_in(members, num_headroom_blocks=len(members)):
                 break
             if not self._lora_fits(members[0], self._step_loras):
                 break
             self.swapped.popleft()
-            slots += self._share(len(members))
+            slots += self._share(group.seqs[0], len(members))
             self.block_manager.swap_in(members, self._moves)
             for seq in members:
                 seq.status = SequenceStatus.RUNNING
                 bisect.insort(self.running, seq, key=lambda s: s.order)
-            for seq in members:
+            # Back as a whole, but computing in this step only within the request's share and the rows the
+            # running left (a step of more than max_num_seqs rows fails every request in it); the other members
+            # take their turns from the next step.
+            room = min(self._share(members[0], len(members)), self.max_num_seqs - len(scheduled))
+            for seq in members[:max(room, 0)]:
                 num_new_tokens = min(seq.num_tokens + seq.num_output_placeholders - seq.num_computed_tokens,
                                      self._budget)
                 if num_new_tokens > 0 and self.block_manager.allocate_slots(seq, num_new_tokens, moves=self._moves):
@@ -200,7 +204,8 @@ class Scheduler:
         loras_in_use = self._loras_in_use() if self.max_loras is not None and self.waiting else set()
         skipped: list[Sequence] = []
         while (self.waiting and not preempted and not self.swapped and self._budget > 0
-               and slots + self._share(self._num_seqs_after_fork(self.waiting[0])) <= self.max_num_seqs):
+               and slots + self._share(self.waiting[0], self._num_seqs_after_fork(self.waiting[0]))
+               <= self.max_num_seqs):
             seq = self.waiting[0]
             if seq.num_output_placeholders:   # preempted with a token in flight: it resumes once the token is here
                 break
@@ -212,7 +217,7 @@ class Scheduler:
             if not self.block_manager.allocate_slots(seq, num_new_tokens, cached_block_ids, moves=self._moves):
                 break   # nothing was taken; wait for blocks to free up
             self.waiting.popleft()
-            slots += self._share(self._num_seqs_after_fork(seq))
+            slots += self._share(seq, self._num_seqs_after_fork(seq))
             seq.spec_token_ids = []
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = time.time()
@@ -278,10 +283,13 @@ class Scheduler:
             step.num_placeholders[child.seq_id] = 1
             child.num_output_placeholders += 1
 
-    def _share(self, num_seqs: int) -> int:
-        """The rows `num_seqs` sequences of one request can take in a step shared with other requests."""
+    def _share(self, seq: Sequence, num_seqs: int) -> int:
+        """The rows `num_seqs` sequences of `seq`'s request can take in a step shared with other requests: at most
+        max_num_seqs_per_request, but every one of a beam search's (its beams step together: _over_fair_share
+        exempts them). Counted as its share, a beam search of width 2 under a limit of 1 let admission take one
+        row too many, and the step of max_num_seqs + 1 rows failed every request in it."""
         limit = self.max_num_seqs_per_request
-        return num_seqs if limit is None else min(num_seqs, limit)
+        return num_seqs if limit is None or seq.group.beam is not None else min(num_seqs, limit)
 
     def _running_slots(self) -> int:
         """Rows the running requests may take in one step (each at most its share): what admission counts. A request
@@ -294,7 +302,8 @@ class Scheduler:
                 per_request[seq.request_id] = [1, seq]
             else:
                 entry[0] += 1
-        return sum(self._share(max(count, self._num_seqs_after_fork(seq))) for count, seq in per_request.values())
+        return sum(self._share(seq, max(count, self._num_seqs_after_fork(seq)))
+                   for count, seq in per_request.values())
 
     def _over_fair_share(self) -> set[int]:
         """The running sequences that sit this step out: while other requests run or wait, each request beyond

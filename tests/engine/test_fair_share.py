@@ -88,3 +88,50 @@ def test_an_n_max_num_seqs_request_admitted_beside_another_forks_within_the_rows
     together = outputs(engine)
     assert together == alone
     assert rows[0] == 16 and max(rows) <= 16
+
+
+def test_a_beam_search_takes_a_row_a_beam_under_the_limit(llama_dir):
+    """A beam search is exempt from the per-request limit (its beams step together), so admission counts every
+    beam's row: counted as its share, a width-2 beam search under a limit of 1 left room for one more request than
+    the rows held, and the step of max_num_seqs + 1 rows failed every request in it (found by tests/engine/
+    fuzz_engine.py abort --seed 9210). Every step within the rows; the outputs those of each request alone."""
+    from engine.core.beam_search import BeamSearchParams
+
+    beam = BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True)
+    lights = [(f"light{i}", random_token_ids(12 + i, seed=10 + i)) for i in range(3)]
+
+    def engine_for(limit):
+        return make_engine(llama_dir, max_model_len=128, num_kv_blocks=256, max_num_seqs=3,
+                           max_num_seqs_per_request=limit)
+
+    def outputs(engine):
+        finished = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    assert out.error is None, out.error
+                    finished[out.request_id] = sorted(c.token_ids for c in out.outputs)
+        return finished
+
+    alone = {}
+    engine = engine_for(None)
+    engine.add_beam_request("beam", {"prompt_token_ids": PROMPT_HEAVY}, beam)
+    alone.update(outputs(engine))
+    for name, prompt in lights:
+        engine = engine_for(None)
+        engine.add_request(name, {"prompt_token_ids": prompt}, LIGHT)
+        alone.update(outputs(engine))
+    engine = engine_for(1)
+    rows = []
+    original = engine.executor.execute_model
+
+    def spy(scheduler_output):
+        rows.append(len(set(scheduler_output.num_scheduled_tokens) | set(scheduler_output.sample_from)))
+        return original(scheduler_output)
+    engine.executor.execute_model = spy
+    engine.add_beam_request("beam", {"prompt_token_ids": PROMPT_HEAVY}, beam)
+    engine.step()   # the beam search's prompt, then its two beams from the next step
+    for name, prompt in lights:
+        engine.add_request(name, {"prompt_token_ids": prompt}, LIGHT)
+    assert outputs(engine) == alone
+    assert max(rows) <= 3
