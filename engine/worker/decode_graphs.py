@@ -312,16 +312,16 @@ class DecodeGraphs:
         size >= n: the inputs copied into its static buffers' first n sequences, the rest padding. Returns the final
         hidden states ``[n * q, hidden_size]``, a view of the graph's output valid until its next replay."""
         batch_size, q = shape
-        num_seqs = meta.seq_lens.shape[0]
-        tokens = num_seqs * q
+        tokens = input_ids.shape[0]
+        num_seqs = tokens // q   # (meta may hold a padding sequence past them: ModelRunner._no_dimension_of_one)
         static, cu_seqlens, pad_positions = self._verify_inputs(batch_size, q)
         static.input_ids[:tokens].copy_(input_ids)
         static.positions[:tokens].copy_(positions)
         static.slot_mapping[:tokens].copy_(meta.slot_mapping)
-        static.seq_lens[:num_seqs].copy_(meta.seq_lens)
-        width = meta.block_tables.shape[1]
+        static.seq_lens[:num_seqs].copy_(meta.seq_lens[:num_seqs])
+        width = min(meta.block_tables.shape[1], static.block_tables.shape[1])   # (a padding column past them too)
         # Columns past a sequence's last block keep stale ids: never read (its seq_len bounds them).
-        static.block_tables[:num_seqs, :width].copy_(meta.block_tables)
+        static.block_tables[:num_seqs, :width].copy_(meta.block_tables[:num_seqs, :width])
         if num_seqs < batch_size:   # padding, over what a larger batch of this graph may have left
             static.input_ids[tokens:].zero_()
             static.positions[tokens:].copy_(pad_positions[tokens:])
@@ -329,7 +329,7 @@ class DecodeGraphs:
             static.seq_lens[num_seqs:].fill_(q)
             # The padding sequences attend over the first sequence's first q positions: written, finite values (an
             # uninitialized block could hold NaN, which a per-tensor activation scale would spread to real rows).
-            static.block_tables[num_seqs:, :width].copy_(meta.block_tables[:1].expand(batch_size - num_seqs, -1))
+            static.block_tables[num_seqs:, :width].copy_(meta.block_tables[:1, :width].expand(batch_size - num_seqs, -1))
         runner = self.verify_graphs.get(shape)
         if runner is None:
             graph_meta = AttentionMetadata(slot_mapping=static.slot_mapping, block_tables=static.block_tables,

@@ -441,11 +441,15 @@ class ModelRunner(DecodeGraphs):
             input_ids_t = static.input_ids[:num_seqs]
             self._staged_decode_inputs = input_ids_t   # run_decode_graph finds them in place
             return input_ids_t, static.positions[:num_seqs], meta
+        is_decode = len(positions) == num_seqs
+        if self.forward is not self.model:
+            seq_lens, block_tables, cu_seqlens_q = _no_dimension_of_one(seq_lens, block_tables, cu_seqlens_q,
+                                                                        is_decode)
         # One copy to the device for the six (on CUDA; views on CPU).
         input_ids_t, positions_t, slot_mapping_t, block_tables_t, seq_lens_t, cu_seqlens_q_t = \
             self.staging.to_device_many(input_ids, positions, slot_mapping, block_tables, seq_lens, cu_seqlens_q)
         meta = AttentionMetadata(slot_mapping=slot_mapping_t, block_tables=block_tables_t, seq_lens=seq_lens_t,
-                                 cu_seqlens_q=cu_seqlens_q_t, is_decode=len(positions) == num_seqs,
+                                 cu_seqlens_q=cu_seqlens_q_t, is_decode=is_decode,
                                  skinny=len(positions) <= self.skinny_max_rows)
         return input_ids_t, positions_t, meta
 
@@ -1091,6 +1095,24 @@ class ModelRunner(DecodeGraphs):
         kept = {"num_kv_blocks": self.num_kv_blocks, "device": self.device, "released": True}
         self.__dict__.clear()
         self.__dict__.update(kept)
+
+
+def _no_dimension_of_one(seq_lens: np.ndarray, block_tables: np.ndarray, cu_seqlens_q: np.ndarray,
+                         is_decode: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A compiled forward's per-sequence inputs with no dimension of 1: dynamo specializes a size of 1 (its 0/1
+    specialization), so the first single-sequence prefill after start-up compiled the whole model again (a user's
+    first request waited tens of seconds on a GPU), and one whose block table was one column wide once more. A batch
+    of one sequence (not a pure decode, whose kernels take a token a sequence) gets a padding sequence with no new
+    token and nothing cached (seq_len 0: it computes and reads nothing); a one-column table a second column, never
+    read (each sequence's seq_len bounds its columns)."""
+    pad_rows = 1 if len(seq_lens) == 1 and not is_decode else 0
+    pad_cols = 1 if block_tables.shape[1] == 1 else 0
+    if pad_rows:
+        seq_lens = np.append(seq_lens, np.int32(0))
+        cu_seqlens_q = np.append(cu_seqlens_q, cu_seqlens_q[-1])
+    if pad_rows or pad_cols:
+        block_tables = np.pad(block_tables, ((0, pad_rows), (0, pad_cols)))
+    return seq_lens, block_tables, cu_seqlens_q
 
 
 def _is_compile_error(exc: BaseException) -> bool:

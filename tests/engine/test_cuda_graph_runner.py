@@ -379,12 +379,13 @@ VERIFY_STEPS = [([0, 1, 2], 3), ([3], 2), ([4, 5, 6, 7, 8], 5), (list(range(10))
                 ([1, 3], [2, 3]), ([5, 6], 6), ([7, 8], 1)]
 
 
-def _spec_runner(model_dir, *, enforce_eager: bool):
+def _spec_runner(model_dir, *, enforce_eager: bool, compile_model: bool | None = None):
     config = engine_config(model_dir, device="cpu", max_model_len=256, block_size=BLOCK_SIZE,
                            num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=10, max_num_batched_tokens=512,
                            enforce_eager=enforce_eager,
                            speculative_config={"method": "ngram", "num_speculative_tokens": 4})
-    runner = ModelRunner(config, graph_runner_class=None if enforce_eager else RecordingGraphRunner)
+    runner = ModelRunner(config, graph_runner_class=None if enforce_eager else RecordingGraphRunner,
+                         compile_model=compile_model)
     runner.kv_cache.fill_(float("nan"))   # a padding row writing K/V, or any stray read, shows
     return runner
 
@@ -404,13 +405,17 @@ def _run_verify_steps(runner, seqs):
     return per_step
 
 
-def test_verification_steps_replay_graphs(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_verification_steps_replay_graphs(tiny_model_dir, monkeypatch, compiled):
     """With speculative decoding's graphs on, steps whose sequences all compute the same 2 to 1 + k tokens replay a
     graph of (padded batch size, tokens a sequence), captured once each; every token's logits and the KV cache are
-    the eager runner's (padding sequences write nothing); other shapes run eagerly."""
+    the eager runner's (padding sequences write nothing); other shapes run eagerly. compiled: as on CUDA, where a
+    step of one sequence comes with a padding sequence in its metadata (_no_dimension_of_one), which the graph of
+    (1, q) does not take."""
     model_dir = tiny_model_dir("qwen3")
     eager = _spec_runner(model_dir, enforce_eager=True)
-    graphed = _spec_runner(model_dir, enforce_eager=False)
+    graphed = _spec_runner(model_dir, enforce_eager=False, compile_model=compiled)
+    assert graphed.compiled is compiled
     assert graphed.spec_graphs is False   # DevicePolicy.spec_decode_graphs: off on CPU
     assert graphed.set_spec_decode_graphs(True) and not eager.set_spec_decode_graphs(True)
     monkeypatch.setattr(RecordingGraphRunner, "replays", [])
@@ -492,5 +497,17 @@ def test_the_graph_ladder_compiles_the_model_once(tiny_model_dir, monkeypatch):
     seqs = _sequences(runner.config.vocab_size)
     logits = runner.compute_logits_for([(seqs[i], n) for i, n in enumerate(PROMPT_LENS[:4])])
     assert logits.shape[0] == 4 and torch.isfinite(logits).all()
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    # Nor a prefill of one sequence (a padding sequence joins it), one block wide (a padding column) or three, nor a
+    # chunk of one: each as an eager runner computes it. Dynamo specializes a dimension of 1, so the first single
+    # request after start-up compiled the model again, and one of another block-table width once more.
+    eager = make_runner(tiny_model_dir("qwen3"), enforce_eager=True, compile_model=False)
+    eager_seqs = _sequences(eager.config.vocab_size)
+    for index, chunk in ((4, PROMPT_LENS[4]), (6, PROMPT_LENS[6]), (5, 2)):
+        got = runner.compute_logits_for([(seqs[index], chunk)])
+        expected = eager.compute_logits_for([(eager_seqs[index], chunk)])
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+        seqs[index].num_computed_tokens += chunk
+        eager_seqs[index].num_computed_tokens += chunk
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
     torch._dynamo.reset()

@@ -147,8 +147,12 @@ def test_half_precision_features(backend, dtype, case, device):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_empty_query_sequences_and_out(backend, device):
-    # Sequences with no new token (q_len 0) own no output rows; `out` is filled and returned.
+    # Sequences with no new token (q_len 0) own no output rows; `out` is filled and returned. Then a sequence of
+    # nothing (seq_len 0), as the engine's compiled forward pads a batch of one sequence with
+    # (engine/worker/model_runner.py _no_dimension_of_one).
     _check([12, 30, 5, 20], [0, 30, 0, 3], block_size=8, num_kv_heads=1, group=4, head_dim=64,
+           dtype=torch.float16, backend=backend, device=device, use_out=True)
+    _check([21, 0], [21, 0], block_size=8, num_kv_heads=1, group=4, head_dim=64,
            dtype=torch.float16, backend=backend, device=device, use_out=True)
 
 
