@@ -14,7 +14,9 @@ exceeds ``u`` times the row's total, so that one number per row (from a seeded g
 decides the draw. A token of weight 0 (a logit of -inf, or NaN) is never drawn. Rows of temperature 0 take the
 argmax (the first index on ties). NaN logits count as -inf and +inf as the largest float32, as the sampler
 cleans them. The PyTorch twin computes the same with tensor ops; the two agree on every draw except where the
-uniform falls within rounding of a boundary between two tokens (their exponentials and sums round differently).
+uniform falls within rounding of a boundary between two tokens (their exponentials and sums round differently; the
+unfiltered draw's block sums, rescaled, round apart from the running sum within the draw's block, and a target that
+rounding leaves past that block's sum takes its last live token).
 
 **Min-p, top-k and top-p without a sort.** With per-row ``min_p`` / ``top_k`` / ``top_p``, the draw is among the
 tokens they keep, with vLLM's semantics and order: min-p drops every token whose weight is below ``min_p`` times the
@@ -48,6 +50,7 @@ _BLOCK = 4096   # logits a program reads per iteration: 16 KiB of float32 in fli
 _NUM_WARPS = 8
 _SEARCH_BLOCK = 1024   # logits per iteration of a threshold search pass
 _PIVOTS = 8   # intervals a search pass splits the current one into: it shrinks at least eightfold a pass
+_MAX_CHUNKS = 1024   # blocks of a row the unfiltered draw's second kernel takes in one program
 
 
 @triton.jit
@@ -199,16 +202,15 @@ def _sample_kernel(
     logits_ptr,  # [num_rows, vocab], fp32/fp16/bf16
     temperature_ptr,  # float32 [num_rows]; 0 = greedy
     uniform_ptr,  # float32 [num_rows] in [0, 1)
-    top_k_ptr,  # int32/int64 [num_rows], <= 0 or >= vocab: off (read when FILTER)
-    top_p_ptr,  # float32 [num_rows], >= 1: off (read when FILTER)
-    min_p_ptr,  # float32 [num_rows], 0: off (read when FILTER)
+    top_k_ptr,  # int32/int64 [num_rows], <= 0 or >= vocab: off
+    top_p_ptr,  # float32 [num_rows], >= 1: off
+    min_p_ptr,  # float32 [num_rows], 0: off
     ids_ptr,  # int64 [num_rows]
     row_max_ptr,  # float32 [num_rows]
     passes_ptr,  # int32 [num_rows]: the threshold search's passes over the row (written when COUNT_PASSES)
     vocab,
     stride_row: tl.int64,
     BLOCK: tl.constexpr,
-    FILTER: tl.constexpr,  # top_k / top_p given
     PIVOTS: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr,
     COUNT_PASSES: tl.constexpr,
@@ -234,17 +236,15 @@ def _sample_kernel(
     if (temperature > 0) & (best > float("-inf")):
         # The kept tokens: from `floor` up (every live one, or top-k's / top-p's smallest).
         floor = tl.full((), float("-inf"), tl.float32)
-        min_p = tl.full((), 0.0, tl.float32)   # a token's weight relative to the maximum's must reach it
-        if FILTER:
-            top_k = tl.minimum(tl.load(top_k_ptr + row), vocab).to(tl.int32)
-            top_p = tl.load(top_p_ptr + row)
-            min_p = tl.load(min_p_ptr + row)
-            passes = 0
-            if (top_k > 0) | (top_p < 1.0):
-                floor, passes = _threshold(base, vocab, best, temperature, min_p, top_k, top_p, PIVOTS,
-                                           SEARCH_BLOCK)
-            if COUNT_PASSES:
-                tl.store(passes_ptr + row, passes)
+        top_k = tl.minimum(tl.load(top_k_ptr + row), vocab).to(tl.int32)
+        top_p = tl.load(top_p_ptr + row)
+        min_p = tl.load(min_p_ptr + row)   # a token's weight relative to the maximum's must reach it
+        passes = 0
+        if (top_k > 0) | (top_p < 1.0):
+            floor, passes = _threshold(base, vocab, best, temperature, min_p, top_k, top_p, PIVOTS,
+                                       SEARCH_BLOCK)
+        if COUNT_PASSES:
+            tl.store(passes_ptr + row, passes)
         # Pass 2: the total weight, block by block. Pass 3 adds the same block sums in the same order, so the
         # block whose carry passes the target is found exactly where pass 2's sum put it.
         total = tl.full((), 0.0, tl.float32)
@@ -282,6 +282,87 @@ def _sample_kernel(
             pos += BLOCK
         chosen = tl.where(found == 1, chosen, last_live)
 
+    tl.store(ids_ptr + row, chosen.to(tl.int64))
+    tl.store(row_max_ptr + row, best)
+
+
+@triton.jit
+def _chunk_stats_kernel(
+    logits_ptr,  # [num_rows, vocab], fp32/fp16/bf16
+    temperature_ptr,  # float32 [num_rows]; 0 = greedy
+    chunk_max_ptr,  # float32 [num_rows, num_chunks]: each chunk's maximum (cleaned)
+    chunk_idx_ptr,  # int32 [num_rows, num_chunks]: its first index
+    chunk_sum_ptr,  # float32 [num_rows, num_chunks]: sum of exp((x - chunk max) / T) over the chunk
+    vocab,
+    stride_row: tl.int64,
+    num_chunks,
+    BLOCK: tl.constexpr,
+):
+    # grid: (num_rows, num_chunks). One block of a row: its maximum, the maximum's first index and its weight
+    # relative to that maximum, so the row's programs read it once between them.
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    idx = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = _clean(tl.load(logits_ptr + row * stride_row + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32))
+    chunk_max = tl.max(x, axis=0)
+    temperature = tl.minimum(tl.load(temperature_ptr + row), 3.4028234663852886e38)
+    temperature = tl.where(temperature > 0, temperature, 1.0)   # a greedy row's sum is not read
+    out = row * num_chunks + chunk
+    tl.store(chunk_max_ptr + out, chunk_max)
+    tl.store(chunk_idx_ptr + out, tl.min(tl.where(x == chunk_max, idx, vocab), axis=0))
+    tl.store(chunk_sum_ptr + out, tl.sum(_weight(x, chunk_max, temperature), axis=0))
+
+
+@triton.jit
+def _chunk_draw_kernel(
+    logits_ptr,  # [num_rows, vocab]
+    temperature_ptr,  # float32 [num_rows]
+    uniform_ptr,  # float32 [num_rows] in [0, 1)
+    chunk_max_ptr,  # _chunk_stats_kernel's
+    chunk_idx_ptr,
+    chunk_sum_ptr,
+    ids_ptr,  # int64 [num_rows]
+    row_max_ptr,  # float32 [num_rows]
+    vocab,
+    stride_row: tl.int64,
+    num_chunks,
+    BLOCK: tl.constexpr,
+    CHUNKS: tl.constexpr,  # next power of two >= num_chunks
+):
+    # grid: (num_rows,). The row's maximum and argmax from its chunks'; for a row that samples, the chunk weights
+    # rescaled to the row's maximum, the chunk where their running sum passes the target, and the token where the
+    # running sum within that chunk does: one block of the row read again.
+    row = tl.program_id(0).to(tl.int64)
+    chunks = tl.arange(0, CHUNKS)
+    live_chunk = chunks < num_chunks
+    stats = row * num_chunks + chunks
+    chunk_max = tl.load(chunk_max_ptr + stats, mask=live_chunk, other=float("-inf"))
+    best = tl.max(chunk_max, axis=0)
+    first = tl.min(tl.where(chunk_max == best, chunks, CHUNKS), axis=0)   # the first chunk holding the maximum
+    chosen = tl.load(chunk_idx_ptr + row * num_chunks + first)
+    temperature = tl.minimum(tl.load(temperature_ptr + row), 3.4028234663852886e38)
+    if (temperature > 0) & (best > float("-inf")):
+        chunk_sum = tl.load(chunk_sum_ptr + stats, mask=live_chunk, other=0.0)
+        weight = tl.where(chunk_max > float("-inf"), chunk_sum * tl.exp((chunk_max - best) / temperature), 0.0)
+        total = tl.sum(weight, axis=0)
+        # Strictly below the total (its float32 predecessor; total >= 1, the maximum's own weight).
+        target = tl.minimum(tl.load(uniform_ptr + row) * total,
+                            (total.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True))
+        running = tl.cumsum(weight, axis=0)
+        # The first chunk whose running sum passes the target (a chunk of weight 0 never is); the last chunk of
+        # weight > 0 if rounding put every sum at or below it.
+        chunk = tl.minimum(tl.sum((running <= target).to(tl.int32), axis=0),
+                           tl.max(tl.where(weight > 0, chunks, -1), axis=0))
+        carry = tl.sum(tl.where(chunks == chunk - 1, running, 0.0), axis=0)
+        idx = chunk * BLOCK + tl.arange(0, BLOCK)
+        x = _clean(tl.load(logits_ptr + row * stride_row + idx, mask=idx < vocab, other=float("-inf"))
+                   .to(tl.float32))
+        w = _weight(x, best, temperature)
+        # As the one-program draw: a token of weight 0 repeats its predecessor's running sum, so the first sum past
+        # the target is a live token's; the chunk's last live one if rounding put every sum at or below it (the
+        # chunk weights above are rounded apart from these).
+        at_or_below = tl.sum(((carry + tl.cumsum(w, axis=0) <= target) & (idx < vocab)).to(tl.int32), axis=0)
+        chosen = tl.minimum(chunk * BLOCK + at_or_below, tl.max(tl.where(w > 0, idx, -1), axis=0))
     tl.store(ids_ptr + row, chosen.to(tl.int64))
     tl.store(row_max_ptr + row, best)
 
@@ -346,14 +427,30 @@ def _filters(num_rows: int, device, top_k, top_p, min_p):
 
 
 def _launch(logits, temperature, uniform, filters, ids, row_max, passes=None) -> None:
-    """The Triton kernel over every row: `filters` (top_k, top_p, min_p) or None for the unfiltered variant;
-    `passes` (int32 [num_rows]) to count the threshold search's passes."""
+    """The Triton kernels over every row: with `filters` (top_k, top_p, min_p) one program a row
+    (_sample_kernel: the threshold search needs the whole row in one program), `passes` (int32 [num_rows]) to count
+    its search's passes; without, the row's blocks in programs of their own, then one program a row for the draw
+    (_chunk_stats_kernel, _chunk_draw_kernel)."""
     num_rows, vocab = logits.shape
-    top_k, top_p, min_p = filters if filters is not None else (ids, row_max, row_max)   # not read without FILTER
+    num_chunks = triton.cdiv(vocab, _BLOCK)
+    if filters is None and num_chunks > _MAX_CHUNKS:   # past 4M tokens: the row's program, its filters off
+        filters = _filters(num_rows, logits.device, None, None, None)
+    if filters is None:
+        stats = torch.empty(3, num_rows, num_chunks, dtype=torch.float32, device=logits.device)
+        chunk_max, chunk_sum = stats[0], stats[1]
+        chunk_idx = stats[2].view(torch.int32)
+        _chunk_stats_kernel[(num_rows, num_chunks)](logits, temperature, chunk_max, chunk_idx, chunk_sum, vocab,
+                                                    logits.stride(0), num_chunks, BLOCK=_BLOCK,
+                                                    num_warps=_NUM_WARPS)
+        _chunk_draw_kernel[(num_rows,)](logits, temperature, uniform, chunk_max, chunk_idx, chunk_sum, ids, row_max,
+                                        vocab, logits.stride(0), num_chunks, BLOCK=_BLOCK,
+                                        CHUNKS=triton.next_power_of_2(num_chunks), num_warps=_NUM_WARPS)
+        return
+    top_k, top_p, min_p = filters
     _sample_kernel[(num_rows,)](logits, temperature, uniform, top_k, top_p, min_p, ids, row_max,
                                 passes if passes is not None else ids, vocab, logits.stride(0), BLOCK=_BLOCK,
-                                FILTER=filters is not None, PIVOTS=_PIVOTS, SEARCH_BLOCK=_SEARCH_BLOCK,
-                                COUNT_PASSES=passes is not None, num_warps=_NUM_WARPS)
+                                PIVOTS=_PIVOTS, SEARCH_BLOCK=_SEARCH_BLOCK, COUNT_PASSES=passes is not None,
+                                num_warps=_NUM_WARPS)
 
 
 def threshold_search_passes(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

@@ -126,6 +126,51 @@ def test_draw_frequencies_are_the_probabilities(backend, device):
 
 
 
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_draw_frequencies_across_blocks(backend, device):
+    """The same sweep over a row of three blocks whose maxima differ (the unfiltered draw sums each block relative to
+    its own maximum, then rescales the sums to the row's): every token drawn within one draw of its exact count,
+    each block's share of the draws its probability mass's."""
+    vocab, num_draws = 2 * BLOCK + 37, 500
+    g = torch.Generator().manual_seed(1)
+    row = torch.rand(vocab, generator=g) * 0.5
+    row[:BLOCK] -= 1.0   # block 0 lower, block 1 higher, block 2 (ragged) between
+    row[BLOCK:2 * BLOCK] += 0.7
+    row[::5] = float("-inf")
+    logits = row.expand(num_draws, vocab).contiguous()
+    temperature = torch.full((num_draws,), 0.9)
+    uniform = (torch.arange(num_draws, dtype=torch.float64) + 0.5).div(num_draws).float()
+    with pk.use_backend(backend):
+        ids, _ = pk.sample_from_logits(logits.to(device), temperature.to(device), uniform.to(device))
+    counts = torch.bincount(ids.cpu(), minlength=vocab).double()
+    probs = torch.softmax(row.double() / 0.9, dim=0)
+    assert (counts - probs * num_draws).abs().max() <= 1.0 + 1e-9
+    assert counts[::5].sum() == 0
+    for block in range(3):
+        part = slice(block * BLOCK, (block + 1) * BLOCK)
+        assert abs(counts[part].sum() - probs[part].sum() * num_draws) <= 1.0 + 1e-9
+
+
+@pytest.mark.parametrize("backend", ["triton"])
+def test_a_vocabulary_past_the_block_limit_draws_in_one_program_a_row(backend, device, monkeypatch):
+    """Past _MAX_CHUNKS blocks a row (4M tokens) the unfiltered draw takes the filtered kernel's one program a row,
+    its filters off: the same draws (within rounding of a boundary) and argmax."""
+    monkeypatch.setattr(sampling, "_MAX_CHUNKS", 1)
+    vocab = 2 * BLOCK + 37
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(6, vocab, generator=g) * 2.0
+    temperature = torch.tensor([0.0, 0.7, 1.0, 1.5, 0.3, 1.0])
+    uniform = torch.rand(6, generator=g)
+    with pk.use_backend(backend):
+        ids, row_max = pk.sample_from_logits(logits.to(device), temperature.to(device), uniform.to(device))
+    assert_valid_draws(ids, logits, temperature.clamp(min=1e-30), uniform)
+    assert ids[0].item() == int(logits[0].argmax())
+    with pk.use_backend("torch"):
+        twin_ids, twin_max = pk.sample_from_logits(logits, temperature, uniform)
+    assert bool(((ids.cpu() == twin_ids) | near_a_boundary(logits, temperature, uniform)).all())
+    torch.testing.assert_close(row_max.cpu(), twin_max, rtol=0, atol=0)
+
 def oracle_kept(logits, temperature, top_k, top_p, tol=1e-5, min_p=None):
     """float64 (kept [rows, vocab] bool, weights, unsure [rows] bool) of vLLM's min-p, then top-k, then top-p: min-p
     drops the tokens whose weight is below min_p times the maximum's, top-k keeps the tokens with fewer than k tokens
