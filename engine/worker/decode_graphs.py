@@ -329,7 +329,8 @@ class DecodeGraphs:
             static.seq_lens[num_seqs:].fill_(q)
             # The padding sequences attend over the first sequence's first q positions: written, finite values (an
             # uninitialized block could hold NaN, which a per-tensor activation scale would spread to real rows).
-            static.block_tables[num_seqs:, :width].copy_(meta.block_tables[:1, :width].expand(batch_size - num_seqs, -1))
+            first_table = meta.block_tables[:1, :width]
+            static.block_tables[num_seqs:, :width].copy_(first_table.expand(batch_size - num_seqs, -1))
         runner = self.verify_graphs.get(shape)
         if runner is None:
             graph_meta = AttentionMetadata(slot_mapping=static.slot_mapping, block_tables=static.block_tables,

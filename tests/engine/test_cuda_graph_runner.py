@@ -464,13 +464,13 @@ class ArenaStaging(HostStaging):
 
 def test_the_graph_ladder_compiles_the_model_once(tiny_model_dir, monkeypatch):
     """Capturing a ladder of decode graphs with the CUDA layout (each size's inputs views into its own buffer)
-    compiles the forward once, for steps of several rows (and mixed batches), and the step's tail likewise; the one-row graph, whose
-    few-row layers are pagedkernels calls only, captures them uncompiled, with its LM head folded or not (each
-    compile of a real model is many seconds of a GPU engine's start-up: the one-row step was a compile of the whole
-    model of its own, dynamo specializing a dimension of 1). Nor once more because sizes happened to be equal at the
-    largest graph: duck sizing made the storage offset of a field of the largest graph's buffer and its batch size
-    one symbol (and its cu_seqlens_q slice's size and its base's); the next graph failed those guards and the model
-    compiled again."""
+    compiles the forward once, for steps of several rows (and mixed batches), and the step's tail likewise; the
+    one-row graph, whose few-row layers are pagedkernels calls only, captures them uncompiled, with its LM head
+    folded or not (each compile of a real model is many seconds of a GPU engine's start-up: the one-row step was a
+    compile of the whole model of its own, dynamo specializing a dimension of 1). Nor once more because sizes
+    happened to be equal at the largest graph: duck sizing made the storage offset of a field of the largest graph's
+    buffer and its batch size one symbol (and its cu_seqlens_q slice's size and its base's); the next graph failed
+    those guards and the model compiled again."""
     from torch._dynamo.utils import counters
 
     from engine.worker.decode_graphs import DecodeGraphs
