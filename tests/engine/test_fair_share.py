@@ -33,6 +33,48 @@ def run(llama_dir, limit, *, light: bool = True):
     return finished, rows_per_step
 
 
+def _finished_outputs(engine) -> dict:
+    """Step `engine` until every request ends: request id -> its completions' token ids in order (no errors)."""
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                assert out.error is None, out.error
+                finished[out.request_id] = [c.token_ids for c in out.outputs]
+    return finished
+
+
+def _add(engine, name: str, prompt: list[int], params) -> None:
+    """A request (a beam search for BeamSearchParams) of token ids."""
+    from engine.core.beam_search import BeamSearchParams
+
+    add = engine.add_beam_request if isinstance(params, BeamSearchParams) else engine.add_request
+    add(name, {"prompt_token_ids": prompt}, params)
+
+
+def _each_alone(engine_for, requests) -> dict:
+    """_finished_outputs of each (name, prompt, params) of `requests` on an engine of its own without the limit."""
+    alone = {}
+    for name, prompt, params in requests:
+        engine = engine_for(None)
+        _add(engine, name, prompt, params)
+        alone.update(_finished_outputs(engine))
+    return alone
+
+
+def _count_rows(engine) -> list[int]:
+    """The rows of each step `engine` runs from now on (scheduled sequences and forks sampling), appended as they
+    run."""
+    rows = []
+    original = engine.executor.execute_model
+
+    def spy(scheduler_output):
+        rows.append(len(set(scheduler_output.num_scheduled_tokens) | set(scheduler_output.sample_from)))
+        return original(scheduler_output)
+    engine.executor.execute_model = spy
+    return rows
+
+
 def test_a_heavy_request_takes_its_share_while_another_runs(llama_dir):
     free, _ = run(llama_dir, None)
     fair, rows = run(llama_dir, 4)
@@ -61,31 +103,12 @@ def test_an_n_max_num_seqs_request_admitted_beside_another_forks_within_the_rows
         return make_engine(llama_dir, max_model_len=128, num_kv_blocks=256, max_num_seqs=16,
                            max_num_seqs_per_request=limit)
 
-    def outputs(engine):
-        finished = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    assert out.error is None, out.error
-                    finished[out.request_id] = [c.token_ids for c in out.outputs]
-        return finished
-
-    alone = {}
-    for name, prompt, params in (("light", PROMPT_LIGHT, LIGHT), ("heavy", PROMPT_HEAVY, HEAVY)):
-        engine = engine_for(None)
-        engine.add_request(name, {"prompt_token_ids": prompt}, params)
-        alone.update(outputs(engine))
+    alone = _each_alone(engine_for, [("light", PROMPT_LIGHT, LIGHT), ("heavy", PROMPT_HEAVY, HEAVY)])
     engine = engine_for(4)
-    rows = []
-    original = engine.executor.execute_model
-
-    def spy(scheduler_output):
-        rows.append(len(set(scheduler_output.num_scheduled_tokens) | set(scheduler_output.sample_from)))
-        return original(scheduler_output)
-    engine.executor.execute_model = spy
+    rows = _count_rows(engine)
     engine.add_request("light", {"prompt_token_ids": PROMPT_LIGHT}, LIGHT)
     engine.add_request("heavy", {"prompt_token_ids": PROMPT_HEAVY}, HEAVY)
-    together = outputs(engine)
+    together = _finished_outputs(engine)
     assert together == alone
     assert rows[0] == 16 and max(rows) <= 16
 
@@ -97,41 +120,19 @@ def test_a_beam_search_takes_a_row_a_beam_under_the_limit(llama_dir):
     fuzz_engine.py abort --seed 9210). Every step within the rows; the outputs those of each request alone."""
     from engine.core.beam_search import BeamSearchParams
 
-    beam = BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True)
-    lights = [(f"light{i}", random_token_ids(12 + i, seed=10 + i)) for i in range(3)]
+    beam = ("beam", PROMPT_HEAVY, BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True))
+    lights = [(f"light{i}", random_token_ids(12 + i, seed=10 + i), LIGHT) for i in range(3)]
 
     def engine_for(limit):
         return make_engine(llama_dir, max_model_len=128, num_kv_blocks=256, max_num_seqs=3,
                            max_num_seqs_per_request=limit)
 
-    def outputs(engine):
-        finished = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    assert out.error is None, out.error
-                    finished[out.request_id] = sorted(c.token_ids for c in out.outputs)
-        return finished
-
-    alone = {}
-    engine = engine_for(None)
-    engine.add_beam_request("beam", {"prompt_token_ids": PROMPT_HEAVY}, beam)
-    alone.update(outputs(engine))
-    for name, prompt in lights:
-        engine = engine_for(None)
-        engine.add_request(name, {"prompt_token_ids": prompt}, LIGHT)
-        alone.update(outputs(engine))
+    alone = _each_alone(engine_for, [beam, *lights])
     engine = engine_for(1)
-    rows = []
-    original = engine.executor.execute_model
-
-    def spy(scheduler_output):
-        rows.append(len(set(scheduler_output.num_scheduled_tokens) | set(scheduler_output.sample_from)))
-        return original(scheduler_output)
-    engine.executor.execute_model = spy
-    engine.add_beam_request("beam", {"prompt_token_ids": PROMPT_HEAVY}, beam)
+    rows = _count_rows(engine)
+    _add(engine, *beam)
     engine.step()   # the beam search's prompt, then its two beams from the next step
-    for name, prompt in lights:
-        engine.add_request(name, {"prompt_token_ids": prompt}, LIGHT)
-    assert outputs(engine) == alone
+    for light in lights:
+        _add(engine, *light)
+    assert _finished_outputs(engine) == alone
     assert max(rows) <= 3

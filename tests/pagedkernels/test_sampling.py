@@ -106,6 +106,18 @@ def test_greedy_rows_take_the_first_maximum(backend, device, dtype):
     assert row_max.cpu().tolist()[3] == FLOAT32_MAX and row_max[4].item() == float("-inf")
 
 
+def stratified_counts(row, temperature, num_draws, backend, device):
+    """(each token's count, its float64 probability) over ``num_draws`` draws from ``row`` at ``temperature``, the
+    uniform numbers swept evenly over [0, 1): a token's count is then within one draw of probability x num_draws."""
+    logits = row.expand(num_draws, row.numel()).contiguous()
+    temperatures = torch.full((num_draws,), temperature)
+    uniform = (torch.arange(num_draws, dtype=torch.float64) + 0.5).div(num_draws).float()
+    with pk.use_backend(backend):
+        ids, _ = pk.sample_from_logits(logits.to(device), temperatures.to(device), uniform.to(device))
+    counts = torch.bincount(ids.cpu(), minlength=row.numel()).double()
+    return counts, torch.softmax(row.double() / temperature, dim=0)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_draw_frequencies_are_the_probabilities(backend, device):
     """A stratified sweep of the uniform over one row: each token is drawn in proportion to its probability
@@ -114,17 +126,9 @@ def test_draw_frequencies_are_the_probabilities(backend, device):
     g = torch.Generator().manual_seed(0)
     row = torch.randn(vocab, generator=g) * 2.0
     row[[3, 17, 49]] = float("-inf")
-    logits = row.expand(num_draws, vocab).contiguous()
-    temperature = torch.full((num_draws,), 0.8)
-    uniform = (torch.arange(num_draws, dtype=torch.float64) + 0.5).div(num_draws).float()
-    with pk.use_backend(backend):
-        ids, _ = pk.sample_from_logits(logits.to(device), temperature.to(device), uniform.to(device))
-    counts = torch.bincount(ids.cpu(), minlength=vocab).double()
-    probs = torch.softmax(row.double() / 0.8, dim=0)
+    counts, probs = stratified_counts(row, 0.8, num_draws, backend, device)
     assert (counts - probs * num_draws).abs().max() <= 1.0 + 1e-9
     assert counts[[3, 17, 49]].sum() == 0
-
-
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -138,13 +142,7 @@ def test_draw_frequencies_across_blocks(backend, device):
     row[:BLOCK] -= 1.0   # block 0 lower, block 1 higher, block 2 (ragged) between
     row[BLOCK:2 * BLOCK] += 0.7
     row[::5] = float("-inf")
-    logits = row.expand(num_draws, vocab).contiguous()
-    temperature = torch.full((num_draws,), 0.9)
-    uniform = (torch.arange(num_draws, dtype=torch.float64) + 0.5).div(num_draws).float()
-    with pk.use_backend(backend):
-        ids, _ = pk.sample_from_logits(logits.to(device), temperature.to(device), uniform.to(device))
-    counts = torch.bincount(ids.cpu(), minlength=vocab).double()
-    probs = torch.softmax(row.double() / 0.9, dim=0)
+    counts, probs = stratified_counts(row, 0.9, num_draws, backend, device)
     assert (counts - probs * num_draws).abs().max() <= 1.0 + 1e-9
     assert counts[::5].sum() == 0
     for block in range(3):
