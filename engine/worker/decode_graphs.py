@@ -409,8 +409,8 @@ class DecodeGraphs:
         """A step graph's tail: the LM head over its rows, then their greedy ids (logits_and_greedy). Compiled where
         the forward is, so the product's cast to float32, the NaN / inf clean-up and the argmax are one kernel after
         the product instead of three; a compiler failure falls back to the eager tail, as the forward does. The steps
-        of the few-row layers (``few_rows``: meta.skinny) run it uncompiled, as their forward (ModelRunner._forward):
-        a compile of its own for their one-row steps would cost start-up time to save two launches. With
+        whose forward runs uncompiled (``few_rows``: ModelRunner.uncompiled_step) run it so too: a compile of its
+        own for their one-row steps would cost start-up time to save two launches. With
         ``fold_norm`` (only there), ``hidden_states`` is the stream before the final norm and the head's few-row
         product norms it (the model's skinny_logits)."""
         if fold_norm:
@@ -515,7 +515,7 @@ class DecodeGraphs:
                 self._forward(input_ids, positions, meta, final_norm=False), few_rows=True, fold_norm=True)
         elif self.step_graphs:
             forward = lambda: self._greedy_tail(  # noqa: E731
-                self._forward(input_ids, positions, meta), few_rows=meta.skinny)
+                self._forward(input_ids, positions, meta), few_rows=self.uncompiled_step(meta, batch_size))
         if isinstance(runner, CPUGraph):
             # The first CPU graph warms up and checks its replay against the recorded run; the others record
             # the same forward at another size, and their recording run serves the step that needed them.

@@ -1053,6 +1053,13 @@ class ModelRunner(DecodeGraphs):
         extra = [self._logits(forward, slice(int(starts[i]), int(starts[i + 1]))) for i in all_logits_for]
         return logits, extra
 
+    def uncompiled_step(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        """Whether a step runs the model itself even where the forward is compiled: the few-row layers', and a
+        step of one token of a model whose layers are linears and pagedkernels calls only
+        (``one_token_uncompiled``): nothing for the compiler to fuse, and a compile of its own (dynamo specializes
+        a dimension of 1) at a CUDA engine's start-up."""
+        return meta.skinny or (num_tokens == 1 and getattr(self.model, "one_token_uncompiled", False))
+
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, *,
                  final_norm: bool = True) -> torch.Tensor:
         """The model's forward (compiled where it is); without ``final_norm`` the stream before the final norm (a
@@ -1061,7 +1068,7 @@ class ModelRunner(DecodeGraphs):
         the whole model once more for them (dynamo specializes a one-row step) was a third of the forward's compiles
         at a CUDA engine's start-up; captured in a graph, the same kernels replay."""
         kwargs = {} if final_norm else {"final_norm": False}
-        if self.forward is self.model or meta.skinny:
+        if self.forward is self.model or self.uncompiled_step(meta, input_ids.shape[0]):
             return self.model(input_ids, positions, meta, **kwargs)
         try:
             with forward_context(self.attention_layers, meta.is_decode), compile_shapes():

@@ -511,3 +511,78 @@ def test_the_graph_ladder_compiles_the_model_once(tiny_model_dir, monkeypatch):
         eager_seqs[index].num_computed_tokens += chunk
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
     torch._dynamo.reset()
+
+
+# What a model's compiled graph may hold for its one-token steps to run uncompiled at no cost: linears, the
+# embedding, pagedkernels and engine ops, and views (nothing the compiler fuses).
+_NOTHING_TO_FUSE = {"torch._C._nn.linear", "torch.nn.functional.embedding", "_operator.getitem"}
+_NOTHING_TO_FUSE_METHODS = {"view", "split", "new_empty", "item", "size", "reshape", "contiguous"}
+
+
+def _ops_to_fuse(arch: str, tiny_model_dir) -> tuple[type, list[str]]:
+    """``arch``'s model class and the nodes of its compiled forward (a mixed batch, traced by dynamo) that a compiler
+    could fuse: any call but a linear, the embedding, a pagedkernels or engine op, or a view."""
+    runner = make_runner(tiny_model_dir(arch), enforce_eager=True, compile_model=True)
+    graphs = []
+    runner.forward = torch.compile(runner.model, backend=lambda gm, inputs: graphs.append(gm) or gm.forward,
+                                   dynamic=True, fullgraph=True)
+    seqs = _sequences(runner.config.vocab_size)
+    runner.compute_logits_for([(seqs[i], n) for i, n in enumerate(PROMPT_LENS[:3])])
+    found = []
+    for node in graphs[0].graph.nodes:
+        if node.op == "call_function":
+            name = f"{getattr(node.target, '__module__', '')}.{getattr(node.target, '__name__', node.target)}"
+            if name not in _NOTHING_TO_FUSE and not name.startswith(("torch._ops.pagedkernels.",
+                                                                        "torch._ops.engine.")):
+                found.append(name)
+        elif node.op == "call_method" and node.target not in _NOTHING_TO_FUSE_METHODS:
+            found.append(f"method.{node.target}")
+    torch._dynamo.reset()
+    return type(runner.model), found
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gemma2"])
+def test_one_token_steps_run_uncompiled_where_nothing_would_fuse(tiny_model_dir, arch):
+    """LlamaForCausalLM.one_token_uncompiled holds exactly where the model's compiled graph is linears, the embedding,
+    pagedkernels and engine ops and views: Qwen3-MoE and Mixtral (their one-token steps then spare a compile of the
+    whole model at start-up, and launch the same kernels); Qwen2-MoE's shared-expert gate (sigmoid, mul, add),
+    OLMoE's q/k/v clamps and Gemma 2's GeGLU and softcaps are ops the compiler fuses, so those keep the compile."""
+    model_class, found = _ops_to_fuse(arch, tiny_model_dir)
+    assert model_class.one_token_uncompiled is (not found), found
+    assert model_class.one_token_uncompiled is (arch in ("qwen3_moe", "mixtral"))
+
+
+def test_a_moe_model_compiles_once_for_its_ladder_and_one_token_steps(tiny_model_dir, monkeypatch):
+    """Qwen3-MoE (one_token_uncompiled): the ladder's one-row graph and a one-token chunk run the model uncompiled,
+    so the ladder, a mixed batch and those compile the forward once (and the greedy tail once); the one-row graph's
+    logits are an eager runner's."""
+    from torch._dynamo.utils import counters
+
+    from engine.worker.decode_graphs import DecodeGraphs
+
+    allocate = DecodeGraphs._allocate_static_buffers
+    monkeypatch.setattr(DecodeGraphs, "_allocate_static_buffers",
+                        lambda self, per_size_regions=None: allocate(self, per_size_regions=True))
+    torch._dynamo.reset()
+    counters.clear()
+    model_dir = tiny_model_dir("qwen3_moe")
+    runner = make_runner(model_dir, enforce_eager=False, graph_runner_class=RecordingGraphRunner,
+                         max_num_seqs=16, compile_model=True, capture_graphs_at_startup=True)
+    monkeypatch.setattr(RecordingGraphRunner, "replays", [])
+    monkeypatch.setattr(RecordingGraphRunner, "model_runner", runner, raising=False)
+    assert runner.compiled and runner.skinny_max_rows == 0 and sorted(runner.graphs) == [1, 2, 4, 8, 16]
+    runner.staging = ArenaStaging(runner.device)
+    eager = make_runner(model_dir, enforce_eager=True, compile_model=False)
+    seqs, eager_seqs = _sequences(runner.config.vocab_size), _sequences(eager.config.vocab_size)
+    # A mixed batch, a one-token chunk of a prompt (one token for one sequence: a decode step's shape, so its graph
+    # replays) and a decode step of one row.
+    for step in ([(0, 5), (1, 17)], [(2, 1)], [(0, 1)]):
+        got = runner.compute_logits_for([(seqs[i], n) for i, n in step])
+        expected = eager.compute_logits_for([(eager_seqs[i], n) for i, n in step])
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+        for i, n in step:
+            seqs[i].num_computed_tokens += n
+            eager_seqs[i].num_computed_tokens += n
+    assert [r["batch_size"] for r in RecordingGraphRunner.replays] == [1, 1]
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    torch._dynamo.reset()
