@@ -68,6 +68,7 @@ class Gemma2Model(LlamaModel):
 class Gemma2ForCausalLM(LlamaForCausalLM):
     """Llama's checkpoint mapping, forward and logits; its own layers, config mapping and softcapped head."""
     tie_word_embeddings_default = True
+    one_token_uncompiled = False   # GeGLU and softcaps: ops to fuse (LlamaForCausalLM)
 
     @classmethod
     def config_from_hf(cls, text: dict, common: ModelConfig) -> dict:

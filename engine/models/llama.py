@@ -207,12 +207,13 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False
     rope_types = ("linear", "llama3")
     mlp_name = "mlp"  # the MLP's module name in the checkpoint (Mixtral: block_sparse_moe)
-    # Whether a step of one token runs the model uncompiled (ModelRunner._forward): where a layer's eager forward
-    # is linears and pagedkernels calls only (tests/engine/test_cuda_graph_runner.py counts it), the compiler has
-    # nothing to fuse at one row, and compiling the whole model for it (dynamo specializes a dimension of 1) costs
-    # only start-up time. The few-row layers (meta.skinny) always run so; a model with elementwise ops between its
-    # calls (Gemma 2's GeGLU and softcaps, Qwen2-MoE's shared-expert gate, OLMoE's clamps) keeps the compile.
-    one_token_uncompiled = False
+    # Whether a step of one token runs the model uncompiled (ModelRunner.uncompiled_step): where the compiled graph
+    # is linears, the embedding, pagedkernels and engine ops and views only (tests/engine/test_cuda_graph_runner.py
+    # traces each architecture's), the compiler has nothing to fuse, and compiling the whole model for one-token
+    # steps (dynamo specializes a dimension of 1) costs only start-up time: so for the Llama family and the MoE
+    # models built on it, LoRA's and quantized layers included (custom ops too). A model with elementwise ops
+    # between its calls (Gemma 2's GeGLU and softcaps, Qwen2-MoE's shared-expert gate, OLMoE's clamps) sets it off.
+    one_token_uncompiled = True
 
     @classmethod
     def make_attention(cls, config: ModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, *, o_bias: bool,

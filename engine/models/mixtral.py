@@ -7,7 +7,6 @@ from engine.models.moe import MoEMixin, moe_config_fields
 
 
 class MixtralForCausalLM(MoEMixin, LlamaForCausalLM):
-    one_token_uncompiled = True   # linears and pagedkernels calls only (LlamaForCausalLM)
     mlp_name = "block_sparse_moe"
     expert_weight_names = {"w1": "w1", "w3": "w3", "w2": "w2"}
     router_weights_in_model_dtype = False

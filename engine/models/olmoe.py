@@ -60,6 +60,8 @@ class OlmoeAttention(LlamaAttention):
 
 
 class OlmoeForCausalLM(MoEMixin, LlamaForCausalLM):
+    one_token_uncompiled = False   # the q/k/v clamps: ops to fuse (LlamaForCausalLM)
+
     @classmethod
     def make_attention(cls, config: ModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, *, o_bias: bool,
                        qk_norm: bool, prefix: str) -> OlmoeAttention:

@@ -35,6 +35,8 @@ class Qwen2MoeSparseMoeBlock(SparseMoeBlock):
 
 
 class Qwen2MoeForCausalLM(MoEMixin, Qwen2ForCausalLM):
+    one_token_uncompiled = False   # the shared expert's gate: ops to fuse (LlamaForCausalLM)
+
     @classmethod
     def config_from_hf(cls, text: dict, common: ModelConfig) -> dict:
         text = {"intermediate_size": text.get("moe_intermediate_size"), **text}

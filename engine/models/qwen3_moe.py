@@ -7,7 +7,6 @@ from engine.models.qwen3 import Qwen3ForCausalLM
 
 
 class Qwen3MoeForCausalLM(MoEMixin, Qwen3ForCausalLM):
-    one_token_uncompiled = True   # linears and pagedkernels calls only (LlamaForCausalLM)
     @classmethod
     def config_from_hf(cls, text: dict, common: ModelConfig) -> dict:
         # intermediate_size is the dense layers' (mlp_only_layers); published configs carry it, sparse-only ones

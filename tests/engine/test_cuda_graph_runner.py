@@ -14,7 +14,7 @@ import torch
 from engine.worker.input_batch import HostStaging
 from engine.worker.model_runner import EagerGraphRunner, ModelRunner, graph_batch_sizes
 from pagedkernels.cpu_graph import CPUGraph
-from tests.engine.models_util import engine_config, random_token_ids
+from tests.engine.models_util import TINY_ARCHITECTURES, TINY_MOE_ARCHITECTURES, engine_config, random_token_ids
 from tests.engine.test_model_runner import BLOCK_SIZE, Seq, scatter_blocks
 
 NUM_KV_BLOCKS = 64
@@ -541,15 +541,16 @@ def _ops_to_fuse(arch: str, tiny_model_dir) -> tuple[type, list[str]]:
     return type(runner.model), found
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gemma2"])
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES + TINY_MOE_ARCHITECTURES)
 def test_one_token_steps_run_uncompiled_where_nothing_would_fuse(tiny_model_dir, arch):
     """LlamaForCausalLM.one_token_uncompiled holds exactly where the model's compiled graph is linears, the embedding,
-    pagedkernels and engine ops and views: Qwen3-MoE and Mixtral (their one-token steps then spare a compile of the
-    whole model at start-up, and launch the same kernels); Qwen2-MoE's shared-expert gate (sigmoid, mul, add),
-    OLMoE's q/k/v clamps and Gemma 2's GeGLU and softcaps are ops the compiler fuses, so those keep the compile."""
+    pagedkernels and engine ops and views: the Llama family, Qwen3-MoE and Mixtral (their one-token steps then spare
+    a compile of the whole model at start-up, and launch the same kernels); Qwen2-MoE's shared-expert gate (sigmoid,
+    mul, add), OLMoE's q/k/v clamps, Gemma 2's GeGLU and softcaps and OPT's residual adds and ReLU are ops the
+    compiler fuses, so those keep the compile."""
     model_class, found = _ops_to_fuse(arch, tiny_model_dir)
-    assert model_class.one_token_uncompiled is (not found), found
-    assert model_class.one_token_uncompiled is (arch in ("qwen3_moe", "mixtral"))
+    assert getattr(model_class, "one_token_uncompiled", False) is (not found), found
+    assert bool(found) is (arch in ("qwen2_moe", "olmoe", "gemma2", "opt"))
 
 
 def test_a_moe_model_compiles_once_for_its_ladder_and_one_token_steps(tiny_model_dir, monkeypatch):
