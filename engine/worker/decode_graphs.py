@@ -29,6 +29,7 @@ from torch.fx.experimental import _config as fx_config
 
 from engine.layers.attention import AttentionMetadata
 from engine.layers.quantization.unquantized import recording_decode_graph
+from engine.worker.input_batch import INPUT_PAD_BYTES
 from pagedkernels.cpu_graph import CPUGraph, GraphCaptureError
 
 logger = logging.getLogger(__name__)
@@ -110,14 +111,6 @@ def padding_static_inputs(batch_size: int, max_blocks_per_seq: int, device: torc
 
 # StaticInputs' dtypes, in their order in a region
 _STATIC_DTYPES = (torch.int64, torch.int64, torch.int64, torch.int32, torch.int32)
-
-
-# Bytes before the first field of a graph's input region, and before the first of a step's inputs staged to the
-# device (HostStaging.to_device_many): no input of the compiled forward starts its storage, on either path. Dynamo
-# specializes a storage offset of 0 or 1 (its 0/1 specialization), so an input at offset 0 on one path and past it on
-# the other failed the guards of the first compile, and the model compiled again (a mixed batch after the decode
-# graphs: the memory profile's at a CUDA engine's start-up).
-INPUT_PAD_BYTES = 64
 
 
 def static_region_layout(batch_size: int, max_blocks_per_seq: int) -> tuple[list[int], int]:
@@ -410,9 +403,9 @@ class DecodeGraphs:
         the forward is, so the product's cast to float32, the NaN / inf clean-up and the argmax are one kernel after
         the product instead of three; a compiler failure falls back to the eager tail, as the forward does. The steps
         whose forward runs uncompiled (``few_rows``: ModelRunner.uncompiled_step) run it so too: a compile of its
-        own for their one-row steps would cost start-up time to save two launches. With
-        ``fold_norm`` (only there), ``hidden_states`` is the stream before the final norm and the head's few-row
-        product norms it (the model's skinny_logits)."""
+        own for their one-row steps would cost start-up time to save two launches. With ``fold_norm`` (the few-row
+        layers' steps, so uncompiled too), ``hidden_states`` is the stream before the final norm and the head's
+        few-row product norms it (the model's skinny_logits)."""
         if fold_norm:
             return logits_and_greedy(self.model.skinny_logits(hidden_states))
         eager = lambda h: logits_and_greedy(self.model.compute_logits(h))  # noqa: E731
@@ -512,7 +505,7 @@ class DecodeGraphs:
         forward = lambda: self._forward(input_ids, positions, meta)  # noqa: E731
         if self.step_graphs and meta.skinny and self.skinny_head:   # the final norm inside the LM head's product
             forward = lambda: self._greedy_tail(  # noqa: E731
-                self._forward(input_ids, positions, meta, final_norm=False), few_rows=True, fold_norm=True)
+                self._forward(input_ids, positions, meta, final_norm=False), fold_norm=True)
         elif self.step_graphs:
             forward = lambda: self._greedy_tail(  # noqa: E731
                 self._forward(input_ids, positions, meta), few_rows=self.uncompiled_step(meta, batch_size))

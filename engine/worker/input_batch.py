@@ -311,6 +311,14 @@ def speculation_allowed(state: SequenceState, num_new_tokens: int = 0) -> bool:
             and state.num_output_tokens + num_new_tokens >= p.min_tokens)
 
 
+# Bytes before the first of a step's inputs staged to the device (HostStaging.to_device_many) and before the first
+# field of a decode graph's input region (decode_graphs.static_region_layout): no input of the compiled forward
+# starts its storage, on either path. Dynamo specializes a storage offset of 0 or 1 (its 0/1 specialization), so an
+# input at offset 0 on one path and past it on the other failed the guards of the first compile, and the model
+# compiled again (a mixed batch after the decode graphs: the memory profile's at a CUDA engine's start-up).
+INPUT_PAD_BYTES = 64
+
+
 class HostStaging:
     """Pinned staging for host -> device copies on CUDA (see the module docstring); on CPU `to_device` is a view.
 
@@ -349,8 +357,7 @@ class HostStaging:
         tensors = [torch.from_numpy(np.ascontiguousarray(array)) for array in arrays]
         if not self.pinned:
             return tuple(tensors)
-        # None at the device buffer's start, as the decode graphs' inputs (decode_graphs.INPUT_PAD_BYTES).
-        starts, end = [], self._offset + self.ALIGN
+        starts, end = [], self._offset + INPUT_PAD_BYTES   # none at the device buffer's start
         for tensor in tensors:
             starts.append(end)
             end += -(-tensor.nbytes // self.ALIGN) * self.ALIGN
