@@ -427,7 +427,11 @@ def batch1_decode(llm, prompt_len: int, new_tokens: int, copy_gbps: float) -> di
         out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
         synchronize(device)
         elapsed = time.perf_counter() - start
-        token_ids[:] = out[0].outputs[0].token_ids
+        completion = out[0].outputs[0]
+        if len(completion.token_ids) != n:   # a failed step fails its request (finish_reason "error"): no figure
+            raise RuntimeError(f"batch-1 decode gave {len(completion.token_ids)} of {n} tokens (finish reason "
+                               f"{completion.finish_reason!r}): the engine's log says why")
+        token_ids[:] = completion.token_ids
         return elapsed
 
     run(4)

@@ -184,7 +184,7 @@ class DecodeGraphs:
                 pad = INPUT_PAD_BYTES // 4   # as the CUDA steps' staged inputs (static_region_layout)
             self.static_cu_seqlens_q = torch.arange(-pad, size + 1, dtype=torch.int32, device=device)[pad:]
         self._verify_static: dict[tuple[int, int], tuple[StaticInputs, torch.Tensor, torch.Tensor]] = {}
-        self.graph_pool = self.graph_runner_class.new_pool(device)
+        self.graph_pool = None   # capture_pool() makes it with the first graph
 
     def static_inputs(self, batch_size: int) -> StaticInputs:
         """The inputs the decode graph of ``batch_size`` rows reads (padding rows: id 0 at position 0, slot -1,
@@ -329,7 +329,7 @@ class DecodeGraphs:
             graph_meta = AttentionMetadata(slot_mapping=static.slot_mapping, block_tables=static.block_tables,
                                            seq_lens=static.seq_lens, cu_seqlens_q=cu_seqlens, is_decode=False,
                                            skinny=batch_size * q <= self.skinny_max_rows)
-            runner = self.graph_runner_class(self.graph_pool)
+            runner = self.graph_runner_class(self.capture_pool())
             with torch.inference_mode():
                 runner.capture(lambda: self._forward(static.input_ids, static.positions, graph_meta))
             self.verify_graphs[shape] = runner
@@ -442,6 +442,19 @@ class DecodeGraphs:
         # Columns past a sequence's last block keep stale ids: never read (its seq_len bounds them).
         static.block_tables[:num_seqs, :meta.block_tables.shape[1]].copy_(meta.block_tables)
 
+    def capture_pool(self):
+        """The memory pool a new graph captures into: the runner's, or a new one when none of its graphs is held any
+        more. Torch keeps a pool whose graphs are all gone for as long as a tensor allocated in it lives (a step's
+        output not read yet, a buffer a layer made during a capture) and refuses a capture into it
+        (CUDACachingAllocator's use_count assert): on the H200, drop_graphs() left a MoE engine none, and every
+        step after it failed."""
+        drafter = getattr(self, "drafter", None)
+        held = (self.graphs, getattr(self, "lora_graphs", None), getattr(self, "verify_graphs", None),
+                drafter is not None and drafter.graphs)
+        if self.graph_pool is None or not any(held):
+            self.graph_pool = self.graph_runner_class.new_pool(self.device)
+        return self.graph_pool
+
     def drop_graphs(self) -> None:
         """Drop every captured decode graph; the next step of each size captures its graph again. For a change to
         how the kernels launch that a graph keeps from its capture (pagedkernels.set_programmatic_dependent_launch:
@@ -501,7 +514,7 @@ class DecodeGraphs:
                                  seq_lens=static.seq_lens, cu_seqlens_q=self.static_cu_seqlens_q[:batch_size + 1],
                                  is_decode=True, skinny=batch_size <= self.skinny_max_rows)
         input_ids, positions = static.input_ids, static.positions
-        runner = self.graph_runner_class(self.graph_pool)
+        runner = self.graph_runner_class(self.capture_pool())
         forward = lambda: self._forward(input_ids, positions, meta)  # noqa: E731
         if self.step_graphs and meta.skinny and self.skinny_head:   # the final norm inside the LM head's product
             forward = lambda: self._greedy_tail(  # noqa: E731

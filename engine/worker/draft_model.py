@@ -223,7 +223,7 @@ class DraftModel:
             meta = AttentionMetadata(slot_mapping=static.slot_mapping, block_tables=static.block_tables,
                                      seq_lens=static.seq_lens, cu_seqlens_q=cu_seqlens, is_decode=True)
             model = self.model
-            graph = runner.graph_runner_class(runner.graph_pool)
+            graph = runner.graph_runner_class(runner.capture_pool())
             graph.capture(lambda: logits_and_greedy(
                 model.compute_logits(model(static.input_ids, static.positions, meta)).float()))
             self.graphs[size] = graph

@@ -8,6 +8,9 @@ size, fallback to eager above the ladder, for mixed batches and with enforce_eag
 
 from __future__ import annotations
 
+import gc
+import itertools
+
 import pytest
 import torch
 
@@ -158,6 +161,57 @@ def test_graphs_captured_at_startup_for_the_whole_ladder(tiny_model_dir, monkeyp
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step}: {m}")
     assert len(captured) == 4, "decode steps must replay the start-up graphs, not capture new ones"
     assert [r["batch_size"] for r in RecordingGraphRunner.replays] == [4, 1, 8, 4]
+
+
+class PoolCountingGraphRunner(EagerGraphRunner):
+    """Torch's rule for a graph pool (CUDACachingAllocator): each capture into it counts, each graph gone uncounts,
+    and a capture into a pool whose graphs are all gone fails for as long as the pool lives (one of its tensors held:
+    always, here)."""
+    use_counts: dict[int, int] = {}
+    pools = itertools.count(1)
+
+    def __init__(self, pool=None):
+        super().__init__(pool)
+        self.pool, self.counted = pool, False
+
+    @staticmethod
+    def new_pool(device):
+        return next(PoolCountingGraphRunner.pools)
+
+    def capture(self, fn):
+        if self.use_counts.get(self.pool) == 0:
+            raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED")
+        self.use_counts[self.pool] = self.use_counts.get(self.pool, 0) + 1
+        self.counted = self.use_counts   # the test's dict, which a graph outliving it still counts in
+        super().capture(fn)
+
+    def __del__(self):
+        if self.counted:
+            self.counted[self.pool] -= 1
+
+
+def test_graphs_dropped_then_captured_again_in_a_new_pool(tiny_model_dir, monkeypatch):
+    """drop_graphs() (and every setting that drops graphs) leaves the runner no graph: the next capture must not go
+    into the old pool, which torch refuses while a tensor of it lives (the H200's MoE engine after its batch-1 PDL
+    switch: every step failed). Partial drops keep the pool its graphs still hold."""
+    monkeypatch.setattr(PoolCountingGraphRunner, "use_counts", {})
+    runner = make_runner(tiny_model_dir("llama"), enforce_eager=False, graph_runner_class=PoolCountingGraphRunner,
+                         capture_graphs_at_startup=True)
+    eager = make_runner(tiny_model_dir("llama"), enforce_eager=True)
+    expected = _run(eager, _sequences(eager.config.vocab_size))
+    first_pool = runner.graph_pool
+    assert PoolCountingGraphRunner.use_counts == {first_pool: len(graph_batch_sizes(10))}
+    runner.drop_graphs()
+    gc.collect()
+    assert PoolCountingGraphRunner.use_counts[first_pool] == 0
+    for step, (a, b) in enumerate(zip(_run(runner, _sequences(runner.config.vocab_size)), expected)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m: f"step {step}: {m}")
+    second_pool = runner.graph_pool
+    assert second_pool != first_pool and PoolCountingGraphRunner.use_counts[second_pool] == len(runner.graphs) == 3
+    del runner.graphs[1]   # a partial drop (as set_skinny_max_rows makes): the graphs left keep their pool
+    gc.collect()
+    _run(runner, _sequences(runner.config.vocab_size))
+    assert runner.graph_pool == second_pool and PoolCountingGraphRunner.use_counts[second_pool] == 3
 
 
 def test_no_graphs_with_enforce_eager(tiny_model_dir, monkeypatch):
