@@ -10,8 +10,9 @@ mode off and is counted apart. Kinds:
 
 - ``decode_greedy``: greedy rows (the nano-vllm workload's);
 - ``decode_sampled``: temperature with top-k, top-p, min-p and repetition/presence penalties, some rows seeded;
-- ``decode_sampled_fused``: the sampler's fused draw on (DevicePolicy.fused_sampler: pagedkernels.sample_from_logits),
-  half the rows at temperature alone (with penalties, some seeded: the kernel's), half with top-k / top-p / min-p;
+- ``decode_sampled_fused``: the sampler's fused draw (DevicePolicy.fused_sampler: pagedkernels.sample_from_logits, which
+  draws batches without top-k / top-p), half the rows at temperature alone (with penalties, some seeded), half with
+  min-p (the kernel's mask);
 - ``speculative``: n-gram speculative decoding (which runs without async scheduling: its rejection sampling reads
   the accepted counts on the host, ModelRunner._read_speculative, counted apart as ``speculative_reads_per_step``);
 - ``speculative_draft``: a draft model's speculative decoding (the model as its own draft, k = 3): the same read, and
@@ -49,7 +50,7 @@ def _params(kind: str, index: int):
         if index % 2:
             return SamplingParams(temperature=0.8, repetition_penalty=1.1, presence_penalty=0.2,
                                   seed=index if index % 4 == 1 else None, max_tokens=64, ignore_eos=True)
-        return SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.02, max_tokens=64, ignore_eos=True)
+        return SamplingParams(temperature=0.8, min_p=0.02, max_tokens=64, ignore_eos=True)
     if kind == "guided":
         return SamplingParams(temperature=0, max_tokens=64,
                               guided_decoding=GuidedDecodingParams(regex=r"[a-z ]{20,60}"))

@@ -116,12 +116,14 @@ class DevicePolicy:
     # 708 tok/s, all 256 greedy tokens the same: bench/results/2026-11-30-nvidia-h200-phase15-decide); the
     # Llama-3-8B shape is not measured yet.
     skinny_lm_head: bool = False
-    # The sync-free sampler draws every row in one kernel (pagedkernels.sample_from_logits: the argmax or the
-    # inverse-CDF draw, reading the logits three times and writing nothing; min-p by a mask, top-k / top-p by a
-    # threshold search of a few more passes, no sort of the batch) instead of a dozen tensor ops over
-    # [rows, vocab] float32 (ENGINE_FUSED_SAMPLER=1 turns it on, 0 off). Off until a GPU measures it: at 256 rows
-    # of Qwen3's 151,936-token vocabulary those ops were about 1 ms of the H200's 8.3 ms decode step
-    # (bench/results/2026-11-28-nvidia-h200-phase10-async.md).
+    # The sync-free sampler draws every row of a batch without top-k / top-p in one kernel
+    # (pagedkernels.sample_from_logits: the argmax or the inverse-CDF draw, min-p by a mask, reading the logits about
+    # once and writing nothing) instead of a dozen tensor ops over [rows, vocab] float32 (ENGINE_FUSED_SAMPLER=0 turns
+    # it off). On by default on CUDA since the H200 measured nano-vllm's protocol (temperature 0.6) 1.18x faster with
+    # it on the same engine at the Qwen3-0.6B shape (21,975 against 18,625 output tok/s) and 1.10x at the
+    # Qwen3-30B-A3B shape (6,009 against 5,480); the kernel alone 0.062 ms against 0.917 for the tensor ops at 256
+    # rows (bench/results/2026-11-30-nvidia-h200-session4-phase15-decide.md, -phase11-moe.md). A batch with top-k /
+    # top-p keeps the tensor ops (the kernel's threshold search ran 0.21x their candidates path there).
     fused_sampler: bool = False
 
     @classmethod
@@ -142,7 +144,7 @@ class DevicePolicy:
                    decode_fused_rope=on_gpu and _env_flag("ENGINE_DECODE_FUSED_ROPE", default=False),
                    spec_decode_graphs=on_gpu and _env_flag("ENGINE_SPEC_DECODE_GRAPHS", default=True),
                    skinny_lm_head=on_gpu and _env_flag("ENGINE_SKINNY_LM_HEAD", default=True),
-                   fused_sampler=on_gpu and _env_flag("ENGINE_FUSED_SAMPLER", default=False))
+                   fused_sampler=on_gpu and _env_flag("ENGINE_FUSED_SAMPLER", default=True))
 
     def auto_dtype(self, checkpoint: torch.dtype, *, quantized: bool = False) -> tuple[torch.dtype, str]:
         """What ``dtype="auto"`` runs a checkpoint stored in ``checkpoint`` in, and why (a line for the log).

@@ -245,8 +245,8 @@ class Sampler:
         self.seed, self.device = seed, device
         self.sync_free = torch.device(device).type == "cuda" if sync_free is None else sync_free
         # The sync-free draw in one kernel (pagedkernels.sample_from_logits: the argmax, or the inverse-CDF draw at
-        # the row's temperature, among the tokens min-p / top-k / top-p keep) instead of a dozen passes of tensor
-        # ops over the logits and a sort (DevicePolicy.fused_sampler).
+        # the row's temperature, among the tokens min-p keeps) instead of a dozen passes of tensor ops over the
+        # logits, for batches without top-k / top-p (DevicePolicy.fused_sampler).
         self.fused_draw = fused_draw
         self._generator: torch.Generator | None = None
 
@@ -300,19 +300,18 @@ class Sampler:
     def _sample_on_device(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """The sync-free draw (see the class docstring): the same stages in the same order, every row's greedy and
         random pick computed and the right one taken per row, a dead row's fallback chosen by masks. With
-        fused_draw, every row takes its token from pagedkernels.sample_from_logits after the stages (min-p, top-k
-        and top-p in the kernel: top-k / top-p by its threshold search, no sort of the batch)."""
+        fused_draw and no row with top-k or top-p, every row takes its token from pagedkernels.sample_from_logits
+        after the stages (min-p in the kernel, by a mask). A batch with top-k / top-p keeps the tensor ops: the
+        kernel's threshold search ran 0.21x the candidates path on the H200 at 256 rows (1.35 against 6.51 ms:
+        bench/results/2026-11-30-nvidia-h200-session4-phase15-decide.md)."""
         num_rows, vocab_size = logits.shape
-        if self.fused_draw:
+        if self.fused_draw and meta.top_k is None and meta.top_p is None:
             unmasked, mask_rows, grammar_rows, grammar_bitmask = apply_stages(logits, meta)
             uniform = self._all_rows_uniform(logits, meta)
-            # The filters' values from pinned memory (min-p's are on the device already): no sort, no sync.
-            top_k = _as_tensor(meta.top_k, logits.device) if meta.top_k is not None else None
-            top_p = _as_tensor([float(p) for p in meta.top_p], logits.device) if meta.top_p is not None else None
             # Every row greedy: no uniform is read (the temperatures stand in, a float32 [num_rows] at hand).
             sampled, row_max = pk_sample_from_logits(logits, meta.temperature,
                                                      uniform if uniform is not None else meta.temperature,
-                                                     top_k, top_p, meta.min_p)
+                                                     None, None, meta.min_p)
             fallback = _fallback_on_device(num_rows, mask_rows, unmasked, grammar_rows, grammar_bitmask, vocab_size,
                                            logits.device)
             return torch.where(row_max == float("-inf"), fallback, sampled)
