@@ -209,9 +209,10 @@ PROFILE_REQUESTS = 256
 PROFILE_STEPS = (40, 60)   # [start, stop): past the first prefills, into the mixed prefill/decode steady state
 
 
-def step_profile(llm, requests, temperature: float, steps: tuple[int, int] = PROFILE_STEPS, top: int = 12) -> dict:
+def step_profile(llm, requests, temperature: float, steps: tuple[int, int] = PROFILE_STEPS, top: int = 12,
+                 lora_requests: list | None = None) -> dict:
     """Steps ``steps`` of the workload ``requests`` under torch.profiler (see the module docstring, part 4); the
-    requests are aborted afterwards."""
+    requests are aborted afterwards. ``lora_requests``: each request's adapter (an engine with LoRA enabled)."""
     from torch.profiler import ProfilerActivity, profile
 
     from engine import SamplingParams
@@ -221,7 +222,8 @@ def step_profile(llm, requests, temperature: float, steps: tuple[int, int] = PRO
     for i, (prompt, n) in enumerate(requests):
         engine.add_request(f"profile-{i}", {"prompt_token_ids": prompt},
                            SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True,
-                                          output_kind=RequestOutputKind.FINAL_ONLY))
+                                          output_kind=RequestOutputKind.FINAL_ONLY),
+                           **({"lora_request": lora_requests[i]} if lora_requests else {}))
     for _ in range(steps[0]):
         if engine.has_unfinished_requests():
             engine.step()

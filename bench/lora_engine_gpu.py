@@ -19,6 +19,9 @@ adapter i mod 4. Three sides, one after another in this process:
   ``--hf-group``, left padding, each group run to its longest request and credited only the requested tokens (as
   bench.engine_gpu runs transformers).
 
+After each engine side's throughput, its step profile (bench.engine_gpu.step_profile: steps ``PROFILE_STEPS`` of the
+same workload under torch.profiler, then cProfile): where a step's time goes, its kernels and the host's ops.
+
 Reported: output tokens/s of each side, ``engine-lora / engine-base`` (goal >= 0.8) and ``engine-lora / peft``
 (goal >= 5), the issue's goals, as on the CPU (bench.lora_engine_cpu). Every side checks the budget and stops
 cleanly, marking what it cut (``"complete": false``); a ratio over a cut side is "n/a".
@@ -38,13 +41,18 @@ import torch
 
 from bench.budget import Budget
 from bench.engine_gpu import (SHAPES, TINY_SHAPES, Workload, build_parts, build_seconds, engine_throughput,
-                              free_device_memory, left_padded, make_requests, timed_groups, write_config_dir)
+                              free_device_memory, left_padded, make_requests, step_profile, timed_groups,
+                              write_config_dir)
 from bench.lora_engine_cpu import GOALS, RANKS, TARGET_MODULES
 
 MODEL = "qwen3-0.6b"
 LORA_WORKLOAD = Workload(128, 64, 512, 2048, temperature=0.0)
 TINY_LORA_WORKLOAD = Workload(8, 4, 16, 256, temperature=0.0)
 TINY_RANKS = (4, 8, 4, 8)
+# Each engine side's step profile (bench.engine_gpu.step_profile) over these steps of the workload, run again after
+# its throughput when the budget has this many seconds left: the decode steady state (the prompts are in by step 6).
+PROFILE_STEPS = (20, 40)
+PROFILE_RESERVE_S = 45.0
 
 
 def write_random_adapter(model_dir: str, out_dir: str, rank: int, seed: int, dtype: torch.dtype) -> str:
@@ -154,6 +162,13 @@ def run(device: torch.device, *, tiny: bool, budget: Budget | None = None, hf_gr
                                engine_start_s=built)
             log(f"{side}: {sides[side]['output_tokens_per_s']:.0f} output tok/s (engine built in {built:.0f} s)"
                 + ("" if sides[side]["complete"] else ", cut at the budget"))
+            if budget.allows(PROFILE_RESERVE_S):   # where a step's time goes: the GPU's kernels or the host
+                prof = sides[side]["profile"] = step_profile(
+                    llm, requests, workload.temperature, steps=(2, 4) if tiny else PROFILE_STEPS,
+                    lora_requests=[loras[a] for a in adapter_of] if lora else None)
+                log(f"{side}: profile: {prof['step_ms']:.2f} ms a step, {prof['execute_model_ms']:.2f} ms in "
+                    f"execute_model, GPU kernels {prof['kernel_ms_per_step']:.2f} ms a step")
+                progress()
             llm.llm_engine.shutdown()
             del llm
             free_device_memory(device)

@@ -249,6 +249,9 @@ def lora_engine_markdown(lora: dict) -> list[str]:
     if lora.get("targets"):
         lines += [_md_table(["target", "value", "status"],
                             [[t["target"], num(t["value"], ".3f"), t["status"]] for t in lora["targets"]]), ""]
+    for name, side in lora.get("sides", {}).items():
+        if side.get("profile"):
+            lines += _profile_lines(name, side["profile"])
     return lines
 
 

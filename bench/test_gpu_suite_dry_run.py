@@ -289,6 +289,9 @@ def _lora(result):
     assert set(sides) == {"engine-lora", "engine-base", "peft"}   # peft is on the image
     assert all(side["complete"] and side["output_tokens"] > 0 for side in sides.values())
     assert all(t["value"] > 0 and t["status"] in ("pass", "fail") for t in result["lora_engine_targets"])
+    # each engine side's step profile (its steps of the same workload, the adapters' included)
+    assert all(sides[side]["profile"]["steps"] > 0 and sides[side]["profile"]["execute_model_ms"] > 0
+               for side in ("engine-lora", "engine-base"))
 
 
 def _spec(result):
