@@ -34,8 +34,10 @@
    against copy bandwidth (the routed experts' weights) and 4096 against the bf16 matmul rate, Mixtral-8x7B's at 1
    and 4096, each against the per-expert loop; then the engine on a Qwen3-30B-A3B-shaped dummy model (61 GB of
    bf16), nano-vllm's protocol and batch-1 decode, its output tok/s beside phase 1's dense Qwen3-0.6B figure.
-12. lora (540 s): multi-LoRA serving (bench.lora_engine_gpu): the Qwen3-0.6B shape with four adapters of ranks 8 / 16
-   mixed in one workload, against the base model alone and against transformers + PEFT serving the same mix.
+12. lora (540 s): the LoRA kernels (shrink + expand at Llama-3-8B's q/k/v and at each LoRA layer of a Qwen3-0.6B
+   decode step of 128 rows, in CUDA graphs up to 256 tokens), then multi-LoRA serving (bench.lora_engine_gpu): the
+   Qwen3-0.6B shape with four adapters of ranks 8 / 16 mixed in one workload, against the base model alone and
+   against transformers + PEFT serving the same mix, each engine's steps profiled.
 13. batch1 (540 s): the few-row decoder layers (pagedkernels.skinny_gemm, rotary_embedding_and_cache) in one call:
    skinny_gemm's launch configurations against cuBLAS at batch-1 projections and its heuristic at 2-8 rows (timed
    in CUDA graphs), then batch-1 decode at the Qwen3-0.6B and Llama-3-8B shapes with the few-row layers (the CUDA
@@ -479,7 +481,11 @@ def _spec(run: PhaseRun) -> None:
 
 
 def _lora(run: PhaseRun) -> None:
-    run.step("multi-LoRA engine", run.lora_engine)
+    # The kernels first (seconds, timed in CUDA graphs up to 256 tokens: what a decode step's adapters cost the GPU),
+    # then the engine sides, each with its step profile.
+    run.step("limits", run.peaks) \
+        and run.step("LoRA kernels", lambda: run.kernels(headline=False, case_s=10.0, only="lora")) \
+        and run.step("multi-LoRA engine", run.lora_engine)
 
 
 def _decide(run: PhaseRun) -> None:

@@ -1164,7 +1164,9 @@ def lora_case(device, dtype, *, num_tokens: int, in_features: int, slice_sizes: 
               num_adapters: int = 4) -> Case:
     """Multi-LoRA on one projection (shrink + expand, the grouping shared by the step's layers computed before)
     against the per-adapter loop on the same batch. Bytes: x, the weights of the adapters the batch uses, the base
-    output read and written, the float32 buffer written and read; FLOPs: 2 M (K S R + N R)."""
+    output read and written, the float32 buffer written and read; FLOPs: 2 M (K S R + N R). Up to 256 tokens (the
+    engine's decode graphs) both are timed in a CUDA graph, as decode steps run them: launched from Python, the
+    H200 of 2026-11-30 timed one token at 0.091 ms, more than the kernels' bytes could take."""
     inp = lora_inputs(device, dtype, num_tokens=num_tokens, in_features=in_features, slice_sizes=slice_sizes,
                       rank=rank, num_adapters=num_adapters)
     out = inp.base.clone()
@@ -1186,7 +1188,7 @@ def lora_case(device, dtype, *, num_tokens: int, in_features: int, slice_sizes: 
                 f"slices={list(slice_sizes)} rank={rank}", dtype, lambda: lora_grouped(inp, out), bytes_moved,
                 flops=2 * num_tokens * (in_features * width + out_features * rank),
                 bound="copy" if num_tokens <= 64 else "matmul", baselines=[Baseline("per-adapter loop", loop)],
-                check=check)
+                check=check, graphed=num_tokens <= 256)
 
 
 OP_OF_CASE = {decode_case: "paged_decode_attention", prefill_case: "paged_prefill_attention",
@@ -1275,6 +1277,10 @@ def suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False,
         # multi-LoRA on Llama-3-8B's q/k/v (rank 16, 4 adapters + base mixed): decode, a decode batch, a prefill chunk
         *(partial(lora_case, **d, num_tokens=n, in_features=4096, slice_sizes=(4096, 1024, 1024))
           for n in (1, 64, 1024)),
+        # ... and a decode step of phase 12's LoRA engine (Qwen3-0.6B: 128 rows, ranks 16), its four LoRA layers
+        # (q/k/v, o, gate/up, down), times its 28 layers: the GPU time the adapters add to that step
+        *(partial(lora_case, **d, num_tokens=128, in_features=k, slice_sizes=sizes)
+          for k, sizes in ((1024, (2048, 1024, 1024)), (2048, (1024,)), (1024, (3072, 3072)), (3072, (1024,)))),
     ]
 
 
