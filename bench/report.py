@@ -261,7 +261,10 @@ def _profile_lines(name: str, prof: dict) -> list[str]:
     lines = [f"Where a step's time goes ({name}, {prof['steps']} steps of the workload under torch.profiler): "
              f"{prof['step_ms']:.2f} ms a step, {prof['execute_model_ms']:.2f} ms of it in execute_model; "
              f"GPU kernels {prof['kernel_ms_per_step']:.2f} ms a step (busy "
-             f"{num(prof['gpu_busy_fraction'], '.2f')}).", ""]
+             f"{num(prof.get('gpu_busy_fraction_under_cpu_profiler', prof['gpu_busy_fraction']), '.2f')})."
+             + (f" The next {w['steps']} steps with the device's activity alone recorded: {w['step_ms']:.2f} ms a "
+                f"step, GPU kernels {w['kernel_ms_per_step']:.2f} ms (busy {num(w['gpu_busy_fraction'], '.2f')})."
+                if (w := prof.get("gpu_busy_window")) else ""), ""]
     if prof.get("top_kernels"):
         lines += [_md_table(["CUDA kernel", "ms a step", "calls"],
                             [[k["name"], f"{k['ms_per_step']:.3f}", str(k["calls"])] for k in prof["top_kernels"]]),
