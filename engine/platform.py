@@ -113,8 +113,9 @@ class DevicePolicy:
     # its prologue (LlamaForCausalLM.skinny_logits: pagedkernels.skinny_gemm), where the model's last norm and the LM
     # head's cuBLAS product are two kernels; ENGINE_SKINNY_LM_HEAD=0 turns it off. On by default on CUDA since the
     # H200 measured batch-1 decode at the Qwen3-0.6B shape 1.33x faster with it on the same engine (940.5 against
-    # 708 tok/s, all 256 greedy tokens the same: bench/results/2026-11-30-nvidia-h200-phase15-decide); the
-    # Llama-3-8B shape is not measured yet.
+    # 708 tok/s, all 256 greedy tokens the same: bench/results/2026-11-30-nvidia-h200-phase15-decide). Since the
+    # one-row step runs uncompiled (its tail with it) the two are even: 956 against 975 tok/s with the norm and
+    # cuBLAS's head at Qwen3-0.6B, 203.6 against 203.6 at Llama-3-8B (...-session4-phase15-decide), one kernel fewer.
     skinny_lm_head: bool = False
     # The sync-free sampler draws every row of a batch without top-k / top-p in one kernel
     # (pagedkernels.sample_from_logits: the argmax or the inverse-CDF draw, min-p by a mask, reading the logits about
