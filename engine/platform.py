@@ -90,16 +90,17 @@ class DevicePolicy:
     skinny_gemm_max_rows: int = 0
     # CUDA decode steps merge the split-K partial results in the split kernel itself (paged_decode_attention with
     # split_counters: the last split of each sequence and KV head merges them), one kernel a layer instead of two
-    # (ENGINE_DECODE_FUSED_REDUCE=1 turns it on, 0 off). Off until a GPU measures it: at batch 1 it takes 28 of the
-    # Qwen3-0.6B step's 222 kernels away, against a serial merge at each KV head's end (bench.engine_gpu's batch-1
-    # part compares both on one engine). CPU decode runs no split kernel.
+    # (ENGINE_DECODE_FUSED_REDUCE=1 turns it on, 0 off). Off: at batch 1 it takes 28 of the Qwen3-0.6B step's 222
+    # kernels away, against a serial merge at each KV head's end, and the H200 ran batch-1 decode 0.88x / 0.96x /
+    # 0.91x as fast with it at the Qwen3-0.6B / Llama-3-8B / Qwen3-30B-A3B shapes (bench.engine_gpu's batch-1 part on
+    # one engine: bench/results/2026-11-30-nvidia-h200-session4-*). CPU decode runs no split kernel.
     decode_fused_reduce: bool = False
     # CUDA decode steps of the few-row layers (those that rotate q/k in their cache write) rotate q and k, write the
     # new K/V and attend in the decode split kernel (pagedkernels.rotary_cache_decode_attention), one kernel a layer
     # where rotary_embedding_and_cache then paged_decode_attention are two (ENGINE_DECODE_FUSED_ROPE=1 turns it on,
-    # 0 off). Off until a GPU measures it: at batch 1 it takes another 28 of the Qwen3-0.6B step's kernels away,
-    # against every split program rotating its group's queries itself (bench.engine_gpu's batch-1 part compares both
-    # on one engine).
+    # 0 off). Off: at batch 1 it takes another 28 of the Qwen3-0.6B step's kernels away, against every split program
+    # rotating its group's queries itself, and the H200 measured 1.05x / 1.01x / 0.99x at the three shapes above,
+    # within the runs' spread (the same bench, the same results).
     decode_fused_rope: bool = False
     # Speculative decoding's verification steps whose sequences all verify the same number of tokens (1 + k drafts:
     # single stream always) replay CUDA graphs captured per (padded batch size, tokens a sequence), as decode steps
