@@ -193,7 +193,17 @@ def spec_decode_markdown(spec: dict) -> list[str]:
                         f"{num(w.get('plain_step_ms'), '.2f')} / {num(w.get(f'{kind}_step_ms'), '.2f')}",
                         str(w["identical_outputs"]),
                         f"{w['same_leading_tokens']} / {w['output_lengths']}"]
-                       for name, w in spec["workloads"].items()]), ""]
+                       for name, w in spec["workloads"].items()]), ""] + _per_request_lines(spec)
+
+
+def _per_request_lines(spec: dict) -> list[str]:
+    """Where a request's time went on each side (bench.spec_decode_cpu's ``per_request_ms``), a table a workload."""
+    rows = [[name, engine_name, num(t["first_token"], ".1f"), num(t["decode"], ".1f"), num(t["rest"], ".1f")]
+            for name, w in spec["workloads"].items() for engine_name, t in w.get("per_request_ms", {}).items()]
+    if not rows:
+        return []
+    return ["A request's time (ms, the mean over the rounds' requests):", "",
+            _md_table(["workload", "engine", "to the first token", "decoding", "the call's rest"], rows), ""]
 
 
 def num(value, spec: str = ".0f") -> str:

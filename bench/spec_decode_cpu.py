@@ -12,8 +12,9 @@ engines taking turns per prompt in the same run. Two workloads of chat prompts:
 itself as its own draft has every draft accepted, and measures what the proposal steps cost).
 
 Reported per workload: output tokens/s of each engine (total output tokens over total wall time, prefill
-included), the speedup, the acceptance rate and mean accepted length, and whether every greedy output is
-identical (it must be: verification keeps the target's tokens).
+included), the speedup, the acceptance rate and mean accepted length, whether every greedy output is identical (it
+must be: verification keeps the target's tokens), and where a request's time goes on each side (``per_request_ms``:
+to the first token, decoding, the call's rest).
 """
 from __future__ import annotations
 
@@ -42,18 +43,29 @@ FREE = [
 ]
 
 
-def run(llm, prompts: list[str], max_tokens: int) -> tuple[list[list[int]], float]:
-    """Each prompt alone (single stream); returns the outputs' token ids and the total wall time."""
+def run(llm, prompts: list[str], max_tokens: int) -> tuple[list[list[int]], float, dict[str, float]]:
+    """Each prompt alone (single stream); returns the outputs' token ids, the total wall time and where it went,
+    summed over the requests (seconds, from each request's metrics): ``first_token`` (arrival to the first token:
+    the prefill and its step), ``decode`` (first token to last), ``rest`` (the call's wall time outside those: the
+    chat template, tokenizing, queueing, the output)."""
     from engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     outputs, seconds = [], 0.0
+    parts = dict.fromkeys(("first_token", "decode", "rest"), 0.0)
     for prompt in prompts:
         start = time.perf_counter()
         out = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0]
-        seconds += time.perf_counter() - start
+        took = time.perf_counter() - start
+        seconds += took
         outputs.append(list(out.outputs[0].token_ids))
-    return outputs, seconds
+        m = out.metrics
+        if m is not None and m.first_token_time is not None and m.last_token_time is not None:
+            first, decode = m.first_token_time - m.arrival_time, m.last_token_time - m.first_token_time
+            parts["first_token"] += first
+            parts["decode"] += decode
+            parts["rest"] += took - first - decode
+    return outputs, seconds, parts
 
 
 def measure(model: str, *, device: str = "cpu", dtype: str = "float32", num_speculative_tokens: int = 5,
@@ -91,15 +103,18 @@ def measure(model: str, *, device: str = "cpu", dtype: str = "float32", num_spec
               "workloads": {}}
     try:
         for llm in engines.values():   # warm-up, untimed: a request of each workload
-            run(llm, [GROUNDED[0], FREE[0]], max_tokens)
+            run(llm, [GROUNDED[0], FREE[0]], max_tokens)   # (its timings dropped)
         for name, prompts in (("grounded", GROUNDED), ("free", FREE)):
             before = {engine_name: _spec_counts(llm) for engine_name, llm in engines.items()}
             seconds = dict.fromkeys(engines, 0.0)
+            parts = {engine_name: dict.fromkeys(("first_token", "decode", "rest"), 0.0) for engine_name in engines}
             outputs = {}
             for _ in range(repeats):
                 for engine_name, llm in engines.items():
-                    outputs[engine_name], took = run(llm, prompts, max_tokens)
+                    outputs[engine_name], took, spent = run(llm, prompts, max_tokens)
                     seconds[engine_name] += took
+                    for key, value in spent.items():
+                        parts[engine_name][key] += value
             num_tokens = sum(len(o) for o in outputs["plain"]) * repeats
             drafts, draft_tokens, accepted = (now - then for now, then in zip(_spec_counts(engines[kind]),
                                                                                before[kind]))
@@ -120,6 +135,11 @@ def measure(model: str, *, device: str = "cpu", dtype: str = "float32", num_spec
                                                      zip(outputs["plain"], outputs[f"{kind}_graphs"])]
             # A step's time on each side, prefill included (about: tokens per step are 1 plain, the mean accepted
             # length with drafts): what a verification step costs against a decode step.
+            # Where a request's time goes on each side, ms a request: the prefill step (to the first token), the
+            # decoding after it, and the call's rest (template, tokenizing, queueing, the output).
+            row["per_request_ms"] = {engine_name: {key: 1000.0 * value / (len(prompts) * repeats)
+                                                   for key, value in spent.items()}
+                                     for engine_name, spent in parts.items()}
             row["plain_step_ms"] = 1000.0 / row["plain_tokens_per_s"]
             row[f"{kind}_step_ms"] = (1000.0 * row["mean_accepted_length"] / row[f"{kind}_tokens_per_s"]
                                       if row["mean_accepted_length"] else None)
@@ -131,6 +151,9 @@ def measure(model: str, *, device: str = "cpu", dtype: str = "float32", num_spec
                    f"({row['graphs_speedup']:.2f}x)" if "graphs_speedup" in row else "")
                 + f", acceptance {row['acceptance_rate']:.2f}, mean accepted length "
                 f"{row['mean_accepted_length']:.2f}, identical {row['identical_outputs']}")
+            log(f"{name:8s}: a request's ms (to the first token / decoding / the rest): " + "; ".join(
+                f"{engine_name} {t['first_token']:.1f} / {t['decode']:.1f} / {t['rest']:.1f}"
+                for engine_name, t in row["per_request_ms"].items()))
     finally:
         for llm in engines.values():
             llm.llm_engine.shutdown()

@@ -300,6 +300,9 @@ def _spec(result):
     for name in ("grounded", "free"):
         row = spec["workloads"][name]
         assert row["output_tokens"] > 0 and row["speedup"] > 0 and row["identical_outputs"], row
+        # where a request's time went on each side: the prefill step, the decoding, the call's rest
+        assert set(row["per_request_ms"]) == set(spec["engines"]), row
+        assert all(t["first_token"] > 0 and t["decode"] > 0 and t["rest"] >= 0 for t in row["per_request_ms"].values())
     assert [t["status"] in ("pass", "fail") for t in result["spec_decode_targets"]] == [True, True]
     draft = result["spec_decode_draft"]   # the model as its own draft: every draft accepted
     assert draft["proposer"] == "draft" and draft["engines"] == ["plain", "draft"]   # no CUDA graphs on the CPU
