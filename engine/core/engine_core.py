@@ -141,6 +141,9 @@ class EngineCore:
         core takes no more requests and runs no more steps after it."""
         self.shut_down = True
         self.executor.shutdown()
+        if self._grammar_pool is not None:   # its thread ends once a compile in flight, if any, is done
+            self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+            self._grammar_pool = None
 
     # -- requests --------------------------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
