@@ -296,20 +296,25 @@ def gpu_busy_window(engine, steps: int) -> dict | None:
 
     if engine.device.type != "cuda":
         return None
-    ran = 0
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        for _ in range(steps):
-            if not engine.has_unfinished_requests():
-                break
-            engine.step()
-            ran += 1
-        synchronize(engine.device)
-        wall = time.perf_counter() - start
+        ran, wall = run_steps(engine, steps)
     kernel_s = sum(device_us(e) for e in kernel_events(prof.key_averages())) / 1e6
     ran = max(ran, 1)
     return {"steps": ran, "step_ms": wall / ran * 1e3, "kernel_ms_per_step": kernel_s / ran * 1e3,
             "gpu_busy_fraction": kernel_s / wall if kernel_s else None}
+
+
+def run_steps(engine, steps: int) -> tuple[int, float]:
+    """Up to ``steps`` engine steps (fewer when the requests run out), the device synchronized after them: (steps
+    run, seconds)."""
+    done, start = 0, time.perf_counter()
+    for _ in range(steps):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+        done += 1
+    synchronize(engine.device)
+    return done, time.perf_counter() - start
 
 
 def device_us(event) -> float:
@@ -334,20 +339,10 @@ def python_profile(engine, steps: int, top: int) -> dict:
     import cProfile
     import pstats
 
-    def run(n: int) -> tuple[int, float]:
-        done, start = 0, time.perf_counter()
-        for _ in range(n):
-            if not engine.has_unfinished_requests():
-                break
-            engine.step()
-            done += 1
-        synchronize(engine.device)
-        return done, time.perf_counter() - start
-
-    plain_steps, plain_s = run(steps)
+    plain_steps, plain_s = run_steps(engine, steps)
     profiler = cProfile.Profile()
     profiler.enable()
-    ran, wall = run(steps)
+    ran, wall = run_steps(engine, steps)
     profiler.disable()
     ran = max(ran, 1)
     stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, primitive, tottime, cumtime, callers)}
