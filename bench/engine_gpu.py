@@ -226,22 +226,11 @@ def step_profile(llm, requests, temperature: float, steps: tuple[int, int] = PRO
                            SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True,
                                           output_kind=RequestOutputKind.FINAL_ONLY),
                            **({"lora_request": lora_requests[i]} if lora_requests else {}))
-    for _ in range(steps[0]):
-        if engine.has_unfinished_requests():
-            engine.step()
-    synchronize(engine.device)
+    run_steps(engine, steps[0])
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
-    ran = 0
     try:
         with timed_execute_model(engine) as inside, profile(activities=activities) as prof:
-            start = time.perf_counter()
-            for _ in range(steps[1] - steps[0]):
-                if not engine.has_unfinished_requests():
-                    break
-                engine.step()
-                ran += 1
-            synchronize(engine.device)
-            wall = time.perf_counter() - start
+            ran, wall = run_steps(engine, steps[1] - steps[0])
         busy = gpu_busy_window(engine, steps[1] - steps[0])
         python = python_profile(engine, steps[1] - steps[0], top)   # (the engine as it is, untimed)
     finally:

@@ -43,16 +43,19 @@ FREE = [
 ]
 
 
+# Where a request's time goes: "first_token" (arrival to the first token: the prefill and its step), "decode" (first
+# token to last), "rest" (the call's wall time outside those: the chat template, tokenizing, queueing, the output).
+REQUEST_PARTS = ("first_token", "decode", "rest")
+
+
 def run(llm, prompts: list[str], max_tokens: int) -> tuple[list[list[int]], float, dict[str, float]]:
     """Each prompt alone (single stream); returns the outputs' token ids, the total wall time and where it went,
-    summed over the requests (seconds, from each request's metrics): ``first_token`` (arrival to the first token:
-    the prefill and its step), ``decode`` (first token to last), ``rest`` (the call's wall time outside those: the
-    chat template, tokenizing, queueing, the output)."""
+    summed over the requests (seconds, from each request's metrics, by REQUEST_PARTS)."""
     from engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     outputs, seconds = [], 0.0
-    parts = dict.fromkeys(("first_token", "decode", "rest"), 0.0)
+    parts = dict.fromkeys(REQUEST_PARTS, 0.0)
     for prompt in prompts:
         start = time.perf_counter()
         out = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0]
@@ -107,7 +110,7 @@ def measure(model: str, *, device: str = "cpu", dtype: str = "float32", num_spec
         for name, prompts in (("grounded", GROUNDED), ("free", FREE)):
             before = {engine_name: _spec_counts(llm) for engine_name, llm in engines.items()}
             seconds = dict.fromkeys(engines, 0.0)
-            parts = {engine_name: dict.fromkeys(("first_token", "decode", "rest"), 0.0) for engine_name in engines}
+            parts = {engine_name: dict.fromkeys(REQUEST_PARTS, 0.0) for engine_name in engines}
             outputs = {}
             for _ in range(repeats):
                 for engine_name, llm in engines.items():
@@ -133,13 +136,12 @@ def measure(model: str, *, device: str = "cpu", dtype: str = "float32", num_spec
                 row["graphs_speedup"] = seconds["plain"] / seconds[f"{kind}_graphs"]
                 row["graphs_same_leading_tokens"] = [_same_prefix(a, b) for a, b in
                                                      zip(outputs["plain"], outputs[f"{kind}_graphs"])]
-            # A step's time on each side, prefill included (about: tokens per step are 1 plain, the mean accepted
-            # length with drafts): what a verification step costs against a decode step.
-            # Where a request's time goes on each side, ms a request: the prefill step (to the first token), the
-            # decoding after it, and the call's rest (template, tokenizing, queueing, the output).
+            # Where a request's time goes on each side, ms a request (REQUEST_PARTS).
             row["per_request_ms"] = {engine_name: {key: 1000.0 * value / (len(prompts) * repeats)
                                                    for key, value in spent.items()}
                                      for engine_name, spent in parts.items()}
+            # A step's time on each side, prefill included (about: tokens per step are 1 plain, the mean accepted
+            # length with drafts): what a verification step costs against a decode step.
             row["plain_step_ms"] = 1000.0 / row["plain_tokens_per_s"]
             row[f"{kind}_step_ms"] = (1000.0 * row["mean_accepted_length"] / row[f"{kind}_tokens_per_s"]
                                       if row["mean_accepted_length"] else None)

@@ -397,19 +397,19 @@ class DecodeGraphs:
             self.drop_graphs()
         return on
 
-    def _greedy_tail(self, hidden_states: torch.Tensor, *, few_rows: bool = False,
+    def _greedy_tail(self, hidden_states: torch.Tensor, *, uncompiled: bool = False,
                      fold_norm: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """A step graph's tail: the LM head over its rows, then their greedy ids (logits_and_greedy). Compiled where
         the forward is, so the product's cast to float32, the NaN / inf clean-up and the argmax are one kernel after
         the product instead of three; a compiler failure falls back to the eager tail, as the forward does. The steps
-        whose forward runs uncompiled (``few_rows``: ModelRunner.uncompiled_step) run it so too: a compile of its
+        whose forward runs uncompiled (``uncompiled``: ModelRunner.uncompiled_step) run it so too: a compile of its
         own for their one-row steps would cost start-up time to save two launches. With ``fold_norm`` (the few-row
         layers' steps, so uncompiled too), ``hidden_states`` is the stream before the final norm and the head's
         few-row product norms it (the model's skinny_logits)."""
         if fold_norm:
             return logits_and_greedy(self.model.skinny_logits(hidden_states))
         eager = lambda h: logits_and_greedy(self.model.compute_logits(h))  # noqa: E731
-        if few_rows or not self.compiled or getattr(self, "_tail_compile_failed", False):
+        if uncompiled or not self.compiled or getattr(self, "_tail_compile_failed", False):
             return eager(hidden_states)
         if getattr(self, "_compiled_tail", None) is None:
             self._compiled_tail = torch.compile(eager, dynamic=True, fullgraph=True)
@@ -521,7 +521,7 @@ class DecodeGraphs:
                 self._forward(input_ids, positions, meta, final_norm=False), fold_norm=True)
         elif self.step_graphs:
             forward = lambda: self._greedy_tail(  # noqa: E731
-                self._forward(input_ids, positions, meta), few_rows=self.uncompiled_step(meta, batch_size))
+                self._forward(input_ids, positions, meta), uncompiled=self.uncompiled_step(meta, batch_size))
         if isinstance(runner, CPUGraph):
             # The first CPU graph warms up and checks its replay against the recorded run; the others record
             # the same forward at another size, and their recording run serves the step that needed them.
