@@ -289,7 +289,9 @@ def _gelu_tanh(x):
     return 0.5 * x * (2.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))
 
 
-@triton.jit
+# Not specialized on the step's routed slots and their padded count: a step of a new shape compiles no variant of
+# its own (tests/engine/test_kernel_variants.py).
+@triton.jit(do_not_specialize=["EM", "num_slots"])
 def _fused_moe_kernel(
     a_ptr,  # GEMM 1: hidden [num_tokens, K]; GEMM 2: the activated rows [num_slots, K]
     b_ptr,  # [E, N_B, K]: w13 (N_B = 2N: gate rows [0, N), up rows [N, 2N)) or w2 (N_B = N)
@@ -367,7 +369,7 @@ def _fused_moe_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=slot_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])   # the step's tokens: no variant per count
 def _moe_sum_kernel(
     c_ptr,  # [num_tokens * TOP_K, N]: expert outputs per slot (rows of non-local slots unwritten, unread)
     weights_ptr,  # [num_tokens, TOP_K]

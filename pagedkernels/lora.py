@@ -445,11 +445,13 @@ def expand_launch_config(num_tokens: int, rank: int, dtype: torch.dtype, device_
     return block_m, 64, min(64, max(16, triton.next_power_of_2(rank))), 4
 
 
-@triton.jit
+# Not specialized on the step's tokens: a step of a new shape compiles no variant of its own
+# (tests/engine/test_kernel_variants.py). Hence no stride of the split planes either (num_tokens * stride_o_m).
+@triton.jit(do_not_specialize=["num_tokens"])
 def _lora_shrink_kernel(
     x_ptr,  # [num_tokens, in_features]
     a_ptr,  # [num_loras, width, in_features]  (width = num_slices * rank)
-    out_ptr,  # fp32 [num_splits, num_tokens, width] (one split: [num_tokens, width])
+    out_ptr,  # fp32 [num_splits, num_tokens, width] contiguous (one split: [num_tokens, width], rows stride_o_m)
     sorted_ids_ptr,  # int32 [num_tokens]: token ids grouped by slot, tokens without an adapter last
     starts_ptr,  # int32 [num_loras + 1]: where each slot's run starts in sorted_ids
     ranks_ptr,  # int32 [num_loras, num_slices]: each slot's rank per slice (read only when has_ranks)
@@ -463,7 +465,6 @@ def _lora_shrink_kernel(
     stride_x_m: tl.int64,
     stride_a_l: tl.int64,
     stride_a_n: tl.int64,
-    stride_o_split: tl.int64,
     stride_o_m: tl.int64,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -492,7 +493,8 @@ def _lora_shrink_kernel(
     tokens = tl.load(sorted_ids_ptr + run_start + m_offs, mask=m_mask, other=0).to(tl.int64)  # [BLOCK_M]
     n_offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     n_mask = n_offs < width
-    out_ptrs = out_ptr + split * stride_o_split + tokens[:, None] * stride_o_m + n_offs[None, :]
+    plane = split.to(tl.int64) * num_tokens * stride_o_m   # split 0 alone when the output is not split
+    out_ptrs = out_ptr + plane + tokens[:, None] * stride_o_m + n_offs[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -604,8 +606,7 @@ def _shrink_triton(x, lora_a, sorted_token_ids, lora_token_starts, scale, num_sp
         x, lora_a, planes, sorted_token_ids, lora_token_starts,
         lora_token_starts if lora_ranks is None else lora_ranks, num_tokens, width, in_features, scale,
         int(lora_ranks is not None), num_slices, width // num_slices,
-        x.stride(0), lora_a.stride(0), lora_a.stride(1), 0 if num_splits == 1 else planes.stride(0),
-        planes.stride(-2),
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), planes.stride(-2),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         num_warps=num_warps,

@@ -123,7 +123,9 @@ def _moe_align_torch(topk_ids, block_size, num_experts, sorted_ids, expert_ids, 
 ALIGN_CHUNK = 1024
 
 
-@triton.jit
+# Not specialized on the step's routed slots and the padded layout's sizes: a step of a new shape compiles no
+# variant of its own (tests/engine/test_kernel_variants.py).
+@triton.jit(do_not_specialize=["num_slots", "max_padded", "num_blocks"])
 def _moe_align_kernel(
     topk_ids_ptr,  # [num_slots] (the [num_tokens, top_k] ids, contiguous), int32 or int64
     sorted_ids_ptr,  # int32 [max_padded]

@@ -157,7 +157,9 @@ def _masked_best(select, cols, axis_len: tl.constexpr):
     return first, best
 
 
-@triton.jit
+# Not specialized on the step's tokens: a step of a new shape compiles no variant of its own
+# (tests/engine/test_kernel_variants.py).
+@triton.jit(do_not_specialize=["num_tokens"])
 def _moe_topk_kernel(
     logits_ptr,  # [num_tokens, num_experts]
     bias_ptr,  # [num_experts], read when HAS_BIAS

@@ -152,7 +152,9 @@ def _attend_kv_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+# Not specialized on the step's sequences or its block table's width (the columns the batch touches): a step of a
+# new shape compiles no variant of its own (tests/engine/test_kernel_variants.py).
+@triton.jit(do_not_specialize=["num_seqs", "stride_table_seq"])
 def _prefill_attention_kernel(
     out_ptr,  # [num_tokens, num_q_heads, head_dim]
     q_ptr,  # [num_tokens, num_q_heads, head_dim]

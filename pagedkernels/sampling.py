@@ -436,9 +436,12 @@ def _launch(logits, temperature, uniform, filters, ids, row_max, passes=None) ->
     if filters is None and num_chunks > _MAX_CHUNKS:   # past 4M tokens: the row's program, its filters off
         filters = _filters(num_rows, logits.device, None, None, None)
     if filters is None:
-        stats = torch.empty(3, num_rows, num_chunks, dtype=torch.float32, device=logits.device)
-        chunk_max, chunk_sum = stats[0], stats[1]
-        chunk_idx = stats[2].view(torch.int32)
+        # Three planes, each starting 16-byte aligned whatever the row count (Triton compiles a variant per
+        # pointer alignment: a step of another batch size must not compile the kernels again).
+        plane = -(-num_rows * num_chunks // 4) * 4
+        stats = torch.empty(3, plane, dtype=torch.float32, device=logits.device)[:, :num_rows * num_chunks]
+        chunk_max, chunk_sum = stats[0].view(num_rows, num_chunks), stats[1].view(num_rows, num_chunks)
+        chunk_idx = stats[2].view(torch.int32).view(num_rows, num_chunks)
         _chunk_stats_kernel[(num_rows, num_chunks)](logits, temperature, chunk_max, chunk_idx, chunk_sum, vocab,
                                                     logits.stride(0), num_chunks, BLOCK=_BLOCK,
                                                     num_warps=_NUM_WARPS)

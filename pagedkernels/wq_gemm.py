@@ -208,7 +208,9 @@ def _dequantize_tile(
     return w
 
 
-@triton.jit
+# Not specialized on the step's rows: a step of a new shape compiles no variant of its own
+# (tests/engine/test_kernel_variants.py).
+@triton.jit(do_not_specialize=["M"])
 def _wq_gemm_kernel(
     x_ptr,  # [M, K], fp16/bf16/fp32
     w_ptr,  # WEIGHT_FORMAT 0: uint8 [N, K // 2]; 1: uint8 [N, K]; 2: uint8 e4m3 codes [N, K]
