@@ -213,6 +213,10 @@ class ModelRunner(DecodeGraphs):
                             and graph_runner_class not in (None, CPUGraph))
         if self.drafter is not None:
             self.drafter.set_graphs(self.spec_graphs)
+        if self.device.type == "cuda":   # Triton compiles on first use: every variant now, not in the first steps
+            warming = time.perf_counter()
+            self.warm_up_kernels()
+            self.build_seconds["kernel warm-up"] = time.perf_counter() - warming
         if not self.enforce_eager:
             self._allocate_static_buffers()
             # On CUDA every graph of the ladder is captured now (largest first, so the smaller ones reuse its
@@ -359,6 +363,45 @@ class ModelRunner(DecodeGraphs):
         sampler_dummy_run(logits)
         del logits, prompt_logits, prompt_logprobs
         self._bind_kv_cache(None)
+        if self.lora is not None:
+            self.lora.prepare_batch(None)
+
+    def warm_up_sizes(self) -> list[int]:
+        """The token counts of :meth:`warm_up_kernels`' forwards: 4, 8, 16, ... below max_num_batched_tokens (the
+        memory profile's step), each within the KV cache's blocks."""
+        sizes, n = [], 4
+        while n < self.max_num_batched_tokens and 2 * -(-(n - n // 2) // self.block_size) <= self.num_kv_blocks:
+            sizes.append(n)
+            n *= 2
+        return sizes
+
+    @torch.inference_mode()
+    def warm_up_kernels(self) -> None:
+        """Launch before serving every kernel variant a step of another shape would otherwise compile on first use.
+
+        Triton compiles a kernel per variant (tests/engine/test_kernel_variants.py), most of a second each
+        (docs/gpu.md): the first prompt of a new size would stall the step, and every request in it. The kernels take no
+        count of the step's as a specialized argument (``do_not_specialize``), so what is left are the launch configs
+        that follow the token count (LoRA's and fused_moe's tiles, fused_moe's layouts, the quantized GEMM's split):
+        prompts of two sequences of 4, 8, 16, ... tokens between them (each config spans at least a doubling), on the KV
+        cache's first blocks (nothing is cached yet), the LoRA kernels on when the engine has adapters; and the
+        sampler's fused draw (Sampler.warm_up_kernels). The memory profile ran the largest step; the decode graphs'
+        captures launch the decode steps' kernels."""
+        sizes = self.warm_up_sizes()
+        for num_tokens in sizes:
+            lens = np.array([num_tokens // 2, num_tokens - num_tokens // 2], dtype=np.int64)
+            width = -(-int(lens[1]) // self.block_size)   # blocks of the longer sequence
+            block_tables = np.arange(2 * width, dtype=np.int32).reshape(2, width)
+            positions = np.concatenate([np.arange(n) for n in lens])
+            input_ids_t, positions_t, meta = self.build_inputs(np.zeros(num_tokens, dtype=np.int64), positions, lens,
+                                                               block_tables)
+            if self.lora is not None:
+                self.lora.prepare_batch(None, num_tokens, active=True)
+            hidden_states = self._forward(input_ids_t, positions_t, meta)
+            if num_tokens == sizes[0]:   # the sampler's kernels on the two sequences' logits
+                last = self._to_device(np.cumsum(lens) - 1)
+                self.sampler.warm_up_kernels(self.model.compute_logits(hidden_states[last]))
+            self.staging.next_step()
         if self.lora is not None:
             self.lora.prepare_batch(None)
 

@@ -412,6 +412,17 @@ class Sampler:
         row_max [len(rows)]) -> sampled ids [len(rows)]."""
         return sample_random(logits, row_max, meta, rows, self.uniform(len(rows), logits.device, meta, rows))
 
+    def warm_up_kernels(self, logits: torch.Tensor) -> None:
+        """With fused_draw, its kernels on ``logits`` (float32 ``[rows, vocab]``, as a step's) before serving, so
+        that the first sampled step does not wait for Triton to compile them (ModelRunner.warm_up_kernels): the
+        draw without filters and with min-p, the two launches ``_sample_on_device`` makes. Nothing is kept."""
+        if not self.fused_draw:
+            return
+        rows = logits.shape[0]
+        half = torch.full((rows,), 0.5, dtype=torch.float32, device=logits.device)
+        pk_sample_from_logits(logits, half, half, None, None, None)
+        pk_sample_from_logits(logits, half, half, None, None, half)
+
     def uniform(self, num: int, device, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:
         """One uniform per row; a row with its own generator draws it from that generator."""
         uniform = torch.rand(num, generator=self.generator, device=device)

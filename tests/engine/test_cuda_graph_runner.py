@@ -552,6 +552,10 @@ def test_the_graph_ladder_compiles_the_model_once(tiny_model_dir, monkeypatch):
     logits = runner.compute_logits_for([(seqs[i], n) for i, n in enumerate(PROMPT_LENS[:4])])
     assert logits.shape[0] == 4 and torch.isfinite(logits).all()
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    # Nor the kernel warm-up's prompts of 4 to 256 tokens (a CUDA runner's start-up: ModelRunner.warm_up_kernels).
+    assert runner.warm_up_sizes() == [4, 8, 16, 32, 64, 128, 256]
+    runner.warm_up_kernels()
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
     # Nor a prefill of one sequence (a padding sequence joins it), one block wide (a padding column) or three, nor a
     # chunk of one: each as an eager runner computes it. Dynamo specializes a dimension of 1, so the first single
     # request after start-up compiled the model again, and one of another block-table width once more.

@@ -141,10 +141,12 @@ def test_the_few_row_layers_run_the_cuda_paths(tiny_model_dir, arch, monkeypatch
         runner = _runner(model_dir, num_kv_blocks=64)
         assert runner.skinny_max_rows == 8 and all(layer.skinny for layer in runner.model.model.layers)
         assert sorted(FakeGraphRunner.captured_batch_sizes) == graph_batch_sizes(MAX_NUM_SEQS)
-        # the residual products of the captures of 8, 4, 2 and 1 rows (warm-up and recording), two a layer; the
-        # graphs of 16 rows the ordinary layers
+        # the residual products of the captures of 8, 4, 2 and 1 rows (warm-up and recording), two a layer, and of
+        # the kernel warm-up's prompts of 4 and 8 tokens (ModelRunner.warm_up_kernels); the graphs of 16 rows and the
+        # longer prompts the ordinary layers
         layers = runner.config.num_hidden_layers
-        assert sorted(set(calls)) == [1, 2, 4, 8] and all(calls.count(n) == 2 * 2 * layers for n in (1, 2, 4, 8))
+        assert sorted(set(calls)) == [1, 2, 4, 8] and runner.warm_up_sizes()[:3] == [4, 8, 16]
+        assert [calls.count(n) for n in (1, 2, 4, 8)] == [2 * 2 * layers] * 2 + [3 * 2 * layers] * 2
         assert runner.compute_logits_for(decodes).shape == (3, runner.config.vocab_size)
         logits = runner.compute_logits_for(mixed)
         assert logits.shape == (4, runner.config.vocab_size) and logits.device.type == "cuda"
@@ -488,11 +490,13 @@ def test_the_fused_draw_runs_the_cuda_paths(tiny_model_dir, monkeypatch, filters
     runner = _sample_two_steps(tiny_model_dir("llama"), kinds, monkeypatch)
     assert runner.sampler.fused_draw
     shape = (len(kinds), runner.config.vocab_size)
+    # first the start-up's kernel warm-up: the draw without and with min-p on its prompts' two rows
+    warm_up = [("cuda", (2, runner.config.vocab_size), "cuda", "cuda", None, None, min_p) for min_p in (None, "cuda")]
     if filters == "top_k_top_p":
-        assert draws == [] and sorted_calls == [1, 1]
+        assert draws == warm_up and sorted_calls == [1, 1]
     else:
         min_p = "cuda" if filters == "min_p" else None
-        assert draws == [("cuda", shape, "cuda", "cuda", None, None, min_p)] * 2 and not sorted_calls
+        assert draws == warm_up + [("cuda", shape, "cuda", "cuda", None, None, min_p)] * 2 and not sorted_calls
 
 
 def test_a_top_k_batch_draws_among_candidates_on_the_cuda_paths(tiny_model_dir, monkeypatch):
@@ -695,7 +699,7 @@ def test_the_folded_lm_head_runs_the_cuda_paths(tiny_model_dir, monkeypatch):
     model_dir = tiny_model_dir("qwen3")
     monkeypatch.setenv("ENGINE_SKINNY_GEMM_MAX_ROWS", "4")
     monkeypatch.setenv("ENGINE_SKINNY_LM_HEAD", "1")
-    heads = []
+    heads, head = [], None   # (the start-up's kernel warm-up runs the few-row layers before the head is known)
     real = torch_ops._skinny_gemm_op
     monkeypatch.setattr(torch_ops, "_skinny_gemm_op", lambda x, weight, *args: (
         heads.append(x.shape[0]) if weight is head else None, real(x, weight, *args))[1])
