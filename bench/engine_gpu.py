@@ -99,6 +99,27 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def compiled_kernel_variants() -> dict[str, int]:
+    """How many variants of each pagedkernels Triton kernel this process has compiled (or loaded from Triton's
+    disk cache) so far, by kernel: the JIT caches' sizes (empty under the interpreter, which compiles nothing). A
+    timed window should add none: the engine compiles what its steps launch at start-up
+    (ModelRunner.warm_up_kernels), and a compile in the window (most of a second) would be timed."""
+    from pagedkernels._aot import launched_kernels
+
+    counts = {}
+    for name, (kernel, _) in launched_kernels().items():
+        caches = getattr(kernel, "device_caches", None)   # Triton 3.6 and 3.9: (kernels, keys, target, ...)
+        total = sum(len(cache[0]) for cache in caches.values()) if caches else 0
+        if total:
+            counts[name] = total
+    return counts
+
+
+def new_kernel_variants(before: dict[str, int]) -> dict[str, int]:
+    """The variants compiled since ``before`` (compiled_kernel_variants), by kernel."""
+    return {name: n - before.get(name, 0) for name, n in compiled_kernel_variants().items() if n > before.get(name, 0)}
+
+
 def write_config_dir(out_dir: str, name: str, *, tiny: bool) -> str:
     """A model directory holding only the config.json of shape ``name`` (``SHAPES``; tiny: ``TINY_SHAPES``)."""
     shapes = TINY_SHAPES if tiny else SHAPES
@@ -183,6 +204,7 @@ def engine_throughput(llm, requests, temperature: float, budget: Budget, lora_re
     llm.generate(warm_up, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False,
                  **({"lora_request": warm_loras} if lora_requests else {}))
     synchronize(engine.device)
+    variants = compiled_kernel_variants()
     start = time.perf_counter()
     for i, (prompt, n) in enumerate(requests):  # FINAL_ONLY, as LLM.generate (nano-vllm's protocol calls generate)
         engine.add_request(f"bench-{i}", {"prompt_token_ids": prompt},
@@ -204,7 +226,8 @@ def engine_throughput(llm, requests, temperature: float, budget: Budget, lora_re
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs.values())
     exact = complete and all(len(outputs[f"bench-{i}"].outputs[0].token_ids) == n for i, (_, n) in enumerate(requests))
     return {"seconds": seconds, "output_tokens": tokens, "output_tokens_per_s": tokens / seconds,
-            "complete": complete, "output_lengths_exact": exact}
+            "complete": complete, "output_lengths_exact": exact,
+            "kernel_variants_compiled_in_window": new_kernel_variants(variants)}
 
 
 PROFILE_REQUESTS = 256
@@ -228,9 +251,11 @@ def step_profile(llm, requests, temperature: float, steps: tuple[int, int] = PRO
                            **({"lora_request": lora_requests[i]} if lora_requests else {}))
     run_steps(engine, steps[0])
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    variants = compiled_kernel_variants()
     try:
         with timed_execute_model(engine) as inside, profile(activities=activities) as prof:
             ran, wall = run_steps(engine, steps[1] - steps[0])
+        compiled = new_kernel_variants(variants)
         busy = gpu_busy_window(engine, steps[1] - steps[0])
         python = python_profile(engine, steps[1] - steps[0], top)   # (the engine as it is, untimed)
     finally:
@@ -250,7 +275,7 @@ def step_profile(llm, requests, temperature: float, steps: tuple[int, int] = PRO
                             for e in kernels[:top]],
             "top_cpu_ops": [{"name": e.key[:120], "self_ms_per_step": e.self_cpu_time_total / 1e3 / ran,
                              "calls": e.count} for e in cpu_ops[:top]],
-            "python": python}
+            "python": python, "kernel_variants_compiled_in_window": compiled}
 
 
 @contextlib.contextmanager

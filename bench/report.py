@@ -236,6 +236,8 @@ def engine_markdown(engine: dict) -> list[str]:
                     for key in ("engine_fused_sampler", "engine_unfused_sampler") if (v := row.get(key))]
     if sampler_rows:
         lines += [_md_table(["model", "variant", "engine out tok/s", "fused draw / tensor ops"], sampler_rows), ""]
+    lines += _compiled_in_window_lines({f"{name}, {key}": run for name, row in engine.get("models", {}).items()
+                                        for key, run in row.items() if isinstance(run, dict)})
     for name, row in engine.get("models", {}).items():
         for label, prof in ((name, row.get("profile")), (f"{name}, batch 1", (row.get("batch1") or {}).get("profile"))):
             if prof:
@@ -259,10 +261,22 @@ def lora_engine_markdown(lora: dict) -> list[str]:
     if lora.get("targets"):
         lines += [_md_table(["target", "value", "status"],
                             [[t["target"], num(t["value"], ".3f"), t["status"]] for t in lora["targets"]]), ""]
+    lines += _compiled_in_window_lines(lora.get("sides", {}))
     for name, side in lora.get("sides", {}).items():
         if side.get("profile"):
             lines += _profile_lines(name, side["profile"])
     return lines
+
+
+def _compiled_in_window_lines(runs: dict) -> list[str]:
+    """Which timed windows compiled pagedkernels kernel variants (bench.engine_gpu.engine_throughput's
+    ``kernel_variants_compiled_in_window``; each compile, most of a second, was timed), or nothing."""
+    found = [f"{name}: " + ", ".join(f"{kernel} x{n}" for kernel, n in sorted(compiled.items()))
+             for name, run in runs.items() if (compiled := run.get("kernel_variants_compiled_in_window"))]
+    if not found:
+        return []
+    return ["Kernel variants Triton compiled inside a timed window (the engine's start-up should have): "
+            + "; ".join(found) + ".", ""]
 
 
 def _profile_lines(name: str, prof: dict) -> list[str]:
@@ -275,6 +289,7 @@ def _profile_lines(name: str, prof: dict) -> list[str]:
              + (f" The next {w['steps']} steps with the device's activity alone recorded: {w['step_ms']:.2f} ms a "
                 f"step, GPU kernels {w['kernel_ms_per_step']:.2f} ms (busy {num(w['gpu_busy_fraction'], '.2f')})."
                 if (w := prof.get("gpu_busy_window")) else ""), ""]
+    lines += _compiled_in_window_lines({"the profiled steps": prof})
     if prof.get("top_kernels"):
         lines += [_md_table(["CUDA kernel", "ms a step", "calls"],
                             [[k["name"], f"{k['ms_per_step']:.3f}", str(k["calls"])] for k in prof["top_kernels"]]),
