@@ -380,13 +380,13 @@ class ModelRunner(DecodeGraphs):
         """Launch before serving every kernel variant a step of another shape would otherwise compile on first use.
 
         Triton compiles a kernel per variant (tests/engine/test_kernel_variants.py), most of a second each
-        (docs/gpu.md): the first prompt of a new size would stall the step, and every request in it. The kernels take no
-        count of the step's as a specialized argument (``do_not_specialize``), so what is left are the launch configs
-        that follow the token count (LoRA's and fused_moe's tiles, fused_moe's layouts, the quantized GEMM's split):
-        prompts of two sequences of 4, 8, 16, ... tokens between them (each config spans at least a doubling), on the KV
-        cache's first blocks (nothing is cached yet), the LoRA kernels on when the engine has adapters; and the
-        sampler's fused draw (Sampler.warm_up_kernels). The memory profile ran the largest step; the decode graphs'
-        captures launch the decode steps' kernels."""
+        (docs/gpu.md): the first prompt of a new size would stall the step, and every request in it. The kernels take
+        no count of the step's as a specialized argument (``do_not_specialize``), so what is left are the launch
+        configs that follow the token count (LoRA's and fused_moe's tiles, fused_moe's layouts, the quantized GEMM's
+        split): prompts of two sequences of 4, 8, 16, ... tokens between them (each config spans at least a doubling),
+        on the KV cache's first blocks (nothing is cached yet), the LoRA kernels on when the engine has adapters, a
+        draft model's forward beside the target's; and the sampler's fused draw (Sampler.warm_up_kernels). The memory
+        profile ran the largest step; the decode graphs' captures launch the decode steps' kernels."""
         sizes = self.warm_up_sizes()
         for num_tokens in sizes:
             lens = np.array([num_tokens // 2, num_tokens - num_tokens // 2], dtype=np.int64)
@@ -398,6 +398,8 @@ class ModelRunner(DecodeGraphs):
             if self.lora is not None:
                 self.lora.prepare_batch(None, num_tokens, active=True)
             hidden_states = self._forward(input_ids_t, positions_t, meta)
+            if self.drafter is not None:   # a draft model computes the KV of every step's tokens too
+                self.drafter.run_target_step(input_ids_t, positions_t, meta)
             if num_tokens == sizes[0]:   # the sampler's kernels on the two sequences' logits
                 last = self._to_device(np.cumsum(lens) - 1)
                 self.sampler.warm_up_kernels(self.model.compute_logits(hidden_states[last]))

@@ -715,3 +715,40 @@ def test_the_folded_lm_head_runs_the_cuda_paths(tiny_model_dir, monkeypatch):
         assert sorted(heads) == [1, 1, 2, 2, 4, 4]
         logits = runner.compute_logits_for(decodes)
         assert logits.shape == (3, runner.config.vocab_size) and logits.device.type == "cuda"
+
+
+def test_the_kernel_warm_up_runs_each_prompt_size_through_every_model(tiny_model_dir, monkeypatch):
+    """A CUDA runner's start-up warms its Triton kernels (ModelRunner.warm_up_kernels; the variants themselves are
+    checked in tests/engine/test_kernel_variants.py): prompts of two sequences of 4, 8, ... tokens below
+    max_num_batched_tokens through the model, a draft model's forward beside it, with the LoRA kernels on, queued
+    with no host sync or pageable copy; its start-up records the time it took."""
+    from engine.worker.draft_model import DraftModel
+    from engine.lora.layers import LoRABatch
+    from tests.engine.fake_cuda import no_host_sync
+
+    forwards, drafts, lora = [], [], []
+    real_forward, real_draft, real_prepare = ModelRunner._forward, DraftModel.run_target_step, LoRABatch.prepare
+    monkeypatch.setattr(ModelRunner, "_forward", lambda self, ids, positions, meta, **kwargs: (
+        forwards.append((ids.shape[0], meta.cu_seqlens_q.shape[0] - 1)),
+        real_forward(self, ids, positions, meta, **kwargs))[1])
+    monkeypatch.setattr(DraftModel, "run_target_step", lambda self, ids, positions, meta: (
+        drafts.append(ids.shape[0]), real_draft(self, ids, positions, meta))[1])
+    monkeypatch.setattr(LoRABatch, "prepare", lambda self, slots, num_tokens=None, **kwargs: (
+        lora.append((num_tokens, kwargs.get("active"))), real_prepare(self, slots, num_tokens, **kwargs))[1])
+    model_dir, draft_dir = tiny_model_dir("llama"), tiny_model_dir("qwen3")
+    with fake_cuda():
+        config = engine_config(model_dir, device="cuda", max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
+                               num_kv_blocks=64, max_num_seqs=MAX_NUM_SEQS,
+                               max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, enable_lora=True, max_loras=2,
+                               max_lora_rank=8, speculative_config={"model": draft_dir, "num_speculative_tokens": 2})
+        runner = ModelRunner(config, graph_runner_class=FakeGraphRunner, compile_model=False,
+                             capture_graphs_at_startup=False)
+        sizes = runner.warm_up_sizes()
+        assert sizes == [4, 8, 16, 32, 64] and MAX_NUM_BATCHED_TOKENS == 96
+        assert forwards == [(n, 2) for n in sizes] and drafts == sizes
+        assert lora == [(n, True) for n in sizes] + [(None, None)]
+        assert runner.build_seconds["kernel warm-up"] >= 0
+        forwards.clear()
+        with no_host_sync():
+            runner.warm_up_kernels()
+        assert forwards == [(n, 2) for n in sizes]
