@@ -471,9 +471,14 @@ def test_several_api_servers_share_one_core_and_stop_cleanly(llama_dir):
         pids = server.tree()
         stopped = time.monotonic()
         assert server.stop() == 0
-    assert time.monotonic() - stopped <= 0.2 + 5
+    stop_took = time.monotonic() - stopped
+    assert stop_took <= 0.2 + 5
     with pool:
         results = [future.result(timeout=30) for future in futures]
+    # What each stream got and when it ended against the SIGTERM: the failure message below (the test failed once in
+    # a fresh-clone CI run with every stream run to its end, and never in 12 runs alone or beside two busy loops).
+    seen = [result if not isinstance(result, tuple) else
+            (len(result[0]), result[0][-2:][0][-160:], f"ended {result[1] - stopped:+.2f} s") for result in results]
     # The first stream may have run to its 1000 tokens (all the tiny model's context allows) before the SIGTERM; the
     # others were queued behind it. A stream in flight at the SIGTERM ends in-band; one whose request had not begun
     # streaming yet is answered 503 with the same reason (no event had been sent: the status is still free).
@@ -491,7 +496,7 @@ def test_several_api_servers_share_one_core_and_stop_cleanly(llama_dir):
             told += 1
         else:
             assert events[-1] == "[DONE]" and last["choices"][0]["finish_reason"] == "length", events[-3:]
-    assert told >= 3
+    assert told >= 3, f"the stop took {stop_took:.2f} s; the streams (events, end, against the SIGTERM): {seen}"
     assert not _wait_gone(pids)
 
 
