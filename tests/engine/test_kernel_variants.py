@@ -157,6 +157,8 @@ def _start_up(model_dir: str, variants: list[str], **options):
 
 
 def test_a_dense_model_with_lora_compiles_nothing_after_start_up(tiny_model_dir, tmp_path):
+    """Llama with two LoRA adapters: the prefill kernel's sequence count and table width, the LoRA kernels' tiles
+    (16- and 64-token blocks) and K splits, the fused draw's kernels and their scratch at other row counts."""
     from bench.lora_engine_gpu import write_random_adapter
 
     model_dir = tiny_model_dir("llama")   # (Qwen3's q/k norms would add a norm program a head and token)
