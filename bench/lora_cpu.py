@@ -12,14 +12,15 @@ method back to back, so load from elsewhere falls on all alike; the minimum is r
 - ``per-adapter loop``: per adapter and slice, its tokens gathered and ``(x A^T) B^T`` added back (PEFT's
   mixed-batch forward; ``bench.kernels.lora_loop``);
 - ``torch twin``: the ops' PyTorch path (float32 GEMMs per slot with tokens);
-- ``base linear``: the projection itself (oneDNN's float32 product on a prepacked weight, as the engine runs it),
-  for scale: what the LoRA delta adds to a layer.
+- ``base linear``: the projection itself as the engine's layer runs it (oneDNN's float32 product on a prepacked
+  weight), for scale: what the LoRA delta adds to a layer.
 
 Rows carry the ratio ``loop / pagedkernels`` (above 1: the grouped kernels are faster) and ``lora / base`` (the
 delta's cost as a share of its layer's), GFLOP/s (2 M (K S R + N R)) and the fraction of the float32 matmul rate
 measured in the same run. Each method's result is checked against a float32 reference first.
 ``--dtype bfloat16``: inputs, adapters and the base linear in bf16 (vLLM-CPU's default dtype; the base linear is then
-oneDNN's prepacked bf16 product), the fraction taken of the bf16 matmul rate, the file named
+oneDNN's prepacked bf16 product, or the native bf16 panels where oneDNN has no bf16, as on AVX2 CPUs), the fraction
+taken of the bf16 matmul rate, the file named
 ``<date>-lora-cpu-kernels-bf16-<cpu>.json``.
 ``--quick``: one tiny projection at 1, 8 and 64 tokens, two rounds, no peak measured: it exercises the code for the
 tests (the numbers then mean nothing).
@@ -78,16 +79,26 @@ def _sig(value: float, digits: int = 4) -> float:
     return float(f"{value:.{digits}g}")
 
 
+def _engine_linear(weight: torch.Tensor, x: torch.Tensor):
+    """``fn() -> x @ weight^T`` as the engine's unquantized CPU layer runs it: the weight prepacked for oneDNN
+    (float32; bf16 where oneDNN multiplies bf16, AVX512BW/VL/DQ or AVX-NE-CONVERT) and, for bf16, the native
+    kernels' panels (every product where oneDNN has no bf16: an AVX2 CPU's)."""
+    from engine.layers.quantization.unquantized import UnquantizedLinearMethod
+
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+    layer.packed_weight = layer.w16_weight = None
+    method = UnquantizedLinearMethod()
+    method.prepack(layer, keep_weight=False)
+    return lambda: method.apply(layer, x)
+
+
 def _methods(inp: kernels.LoRAInputs):
     """(name, fn) of every method; each writes into an output of its own (the deltas pile up over the calls: only
     the first call's result is checked)."""
     outs = {name: inp.base.clone() for name in ("pagedkernels", "loop", "twin")}
     weight = (torch.randn(sum(inp.slice_sizes), inp.x.shape[1]) * inp.x.shape[1] ** -0.5).to(inp.x.dtype)
-    if hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available():
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
-        base = lambda: torch.ops.mkldnn._linear_pointwise(inp.x, packed, None, "none", [], "")  # noqa: E731
-    else:
-        base = lambda: torch.nn.functional.linear(inp.x, weight)  # noqa: E731
+    base = _engine_linear(weight, inp.x)
 
     def twin():
         with pk.use_backend("torch"):
