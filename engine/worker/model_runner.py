@@ -84,6 +84,11 @@ def _env_flag(name: str, default: bool) -> bool:
     return env not in ("0", "false", "False") if env else default
 
 
+def _halves(num_tokens: int) -> list[int]:
+    """The two prompts of a kernel warm-up step of ``num_tokens`` tokens (ModelRunner.warm_up_kernels)."""
+    return [num_tokens // 2, num_tokens - num_tokens // 2]
+
+
 class ModelRunner(DecodeGraphs):
     """One rank's model, KV cache, persistent batch and sampler (see the module docstring).
 
@@ -340,19 +345,10 @@ class ModelRunner(DecodeGraphs):
         num_seqs = min(self.max_num_seqs, self.max_num_batched_tokens)
         num_tokens = min(self.max_num_batched_tokens, num_seqs * max_len)
         lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
-        # Each sequence in its own blocks, its tokens all new.
-        blocks_per_seq = [-(-length // self.block_size) for length in lens]
-        block_tables = np.zeros((num_seqs, max(blocks_per_seq)), dtype=np.int32)
-        next_block = 0
-        for i, num_blocks in enumerate(blocks_per_seq):
-            block_tables[i, :num_blocks] = np.arange(next_block, next_block + num_blocks)
-            next_block += num_blocks
-        self._bind_kv_cache(torch.empty(2, self.config.num_hidden_layers, next_block, self.block_size,
+        input_ids_t, positions_t, meta, num_blocks = self._prompt_inputs(lens)
+        self._bind_kv_cache(torch.empty(2, self.config.num_hidden_layers, num_blocks, self.block_size,
                                         self.num_kv_heads, self.config.head_dim, dtype=self.kv_cache_dtype,
                                         device=self.device))
-        positions = np.concatenate([np.arange(n) for n in lens])
-        input_ids_t, positions_t, meta = self.build_inputs(np.zeros(num_tokens, dtype=np.int64), positions,
-                                                           np.asarray(lens, dtype=np.int64), block_tables)
         if self.lora is not None:   # the LoRA kernels' buffers count in the peak too
             self.lora.prepare_batch(None, num_tokens, active=True)
         hidden_states = self._forward(input_ids_t, positions_t, meta)
@@ -370,10 +366,27 @@ class ModelRunner(DecodeGraphs):
         """The token counts of :meth:`warm_up_kernels`' forwards: 4, 8, 16, ... below max_num_batched_tokens (the
         memory profile's step), each within the KV cache's blocks."""
         sizes, n = [], 4
-        while n < self.max_num_batched_tokens and 2 * -(-(n - n // 2) // self.block_size) <= self.num_kv_blocks:
+        while n < self.max_num_batched_tokens and self._blocks_of(_halves(n)) <= self.num_kv_blocks:
             sizes.append(n)
             n *= 2
         return sizes
+
+    def _blocks_of(self, lens: list[int]) -> int:
+        """KV blocks that sequences of ``lens`` tokens take, each on blocks of its own."""
+        return sum(-(-n // self.block_size) for n in lens)
+
+    def _prompt_inputs(self, lens: list[int]) -> tuple:
+        """A start-up step's inputs: prompts of ``lens`` tokens (token id 0), all new, each on blocks of its own from
+        block 0. Returns (input_ids, positions, metadata, the blocks they take)."""
+        blocks = [-(-n // self.block_size) for n in lens]
+        first = np.cumsum([0] + blocks)
+        block_tables = np.zeros((len(lens), max(blocks)), dtype=np.int32)
+        for i, count in enumerate(blocks):
+            block_tables[i, :count] = np.arange(first[i], first[i] + count)
+        positions = np.concatenate([np.arange(n) for n in lens])
+        inputs = self.build_inputs(np.zeros(len(positions), dtype=np.int64), positions,
+                                   np.asarray(lens, dtype=np.int64), block_tables)
+        return (*inputs, int(first[-1]))
 
     @torch.inference_mode()
     def warm_up_kernels(self) -> None:
@@ -389,12 +402,8 @@ class ModelRunner(DecodeGraphs):
         profile ran the largest step; the decode graphs' captures launch the decode steps' kernels."""
         sizes = self.warm_up_sizes()
         for num_tokens in sizes:
-            lens = np.array([num_tokens // 2, num_tokens - num_tokens // 2], dtype=np.int64)
-            width = -(-int(lens[1]) // self.block_size)   # blocks of the longer sequence
-            block_tables = np.arange(2 * width, dtype=np.int32).reshape(2, width)
-            positions = np.concatenate([np.arange(n) for n in lens])
-            input_ids_t, positions_t, meta = self.build_inputs(np.zeros(num_tokens, dtype=np.int64), positions, lens,
-                                                               block_tables)
+            lens = _halves(num_tokens)
+            input_ids_t, positions_t, meta, _ = self._prompt_inputs(lens)
             if self.lora is not None:
                 self.lora.prepare_batch(None, num_tokens, active=True)
             hidden_states = self._forward(input_ids_t, positions_t, meta)
