@@ -478,7 +478,7 @@ def test_several_api_servers_share_one_core_and_stop_cleanly(llama_dir):
     # What each stream got and when it ended against the SIGTERM: the failure message below (the test failed once in
     # a fresh-clone CI run with every stream run to its end, and never in 12 runs alone or beside two busy loops).
     seen = [result if not isinstance(result, tuple) else
-            (len(result[0]), result[0][-2:][0][-160:], f"ended {result[1] - stopped:+.2f} s") for result in results]
+            (len(result[0]), result[0][-2][-160:], f"ended {result[1] - stopped:+.2f} s") for result in results]
     # The first stream may have run to its 1000 tokens (all the tiny model's context allows) before the SIGTERM; the
     # others were queued behind it. A stream in flight at the SIGTERM ends in-band; one whose request had not begun
     # streaming yet is answered 503 with the same reason (no event had been sent: the status is still free).
