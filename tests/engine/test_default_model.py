@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import torch
 
@@ -77,7 +78,37 @@ def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch):
         pass
     else:
         raise AssertionError("the conversion error was swallowed")
-    assert os.listdir(tmp_path) == []
+    # Only the (hidden) lock file that lets one process convert while others wait.
+    assert os.listdir(tmp_path) == [f".{default_model.MODEL_NAME}.lock"]
+
+
+def test_processes_starting_at_once_convert_once(tmp_path, monkeypatch, capsys):
+    """Two first uses at once (parallel test workers, two servers started together): one converts, the other says
+    it waits and then takes the finished directory. Threads stand in for the processes (the lock is an flock on
+    a file of its own per opener, so two openers in one process exclude each other as two processes do)."""
+    import threading
+
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(default_model, "default_model_gguf_path", lambda: "unused.gguf")
+    started, calls = threading.Event(), []
+
+    def slow_convert(gguf_path, out_dir, on_saving=None):
+        calls.append(out_dir)
+        started.set()
+        time.sleep(0.5)   # the second caller arrives while this one holds the lock
+        os.makedirs(out_dir)
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            f.write("{}")
+
+    monkeypatch.setattr(default_model, "convert_gguf", slow_convert)
+    results = []
+    first = threading.Thread(target=lambda: results.append(default_model.default_model_path()))
+    first.start()
+    assert started.wait(10)
+    results.append(default_model.default_model_path())
+    first.join(10)
+    assert len(calls) == 1 and results == [default_model.model_dir()] * 2
+    assert "another process is making " + default_model.model_dir() + "; waiting" in capsys.readouterr().err
 
 
 def test_first_conversion_says_what_it_does(tmp_path, monkeypatch, capsys):
