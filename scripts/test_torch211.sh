@@ -26,7 +26,7 @@ TORCH_INDEX=https://download.pytorch.org/whl/cpu
 # numpy: Triton 3.6's interpreter (which runs the kernels on CPU tensors in the tests) converts 1-element
 # arrays to ints, which numpy 2.4 made a TypeError (every interpreted attention test fails with it).
 REQUIREMENTS=("triton==3.6.*" "transformers==5.17.*" "numpy<2.4" "safetensors>=0.4" "tokenizers>=0.19" "jinja2"
-              "tqdm" "pytest>=8" "hypothesis")
+              "tqdm" "pytest>=8" "pytest-xdist" "hypothesis")
 PY_VERSION=$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
 CACHE_DIR=${PAGEDKERNELS_CACHE_DIR:-$HOME/.cache/pagedkernels}
 VENV=$CACHE_DIR/venv-torch2.11-triton3.6-py$PY_VERSION
@@ -66,7 +66,7 @@ fi
 AOT_COMPILE=tests/pagedkernels/test_aot_compile.py::test_every_launch_compiles_for_sm90_and_sm80
 if [[ ${1:-} == --ci ]]; then
     # What .ci/run runs: the kernels and every custom op (opcheck, fullgraph inductor), the parts where torch
-    # and Triton versions differ; about a minute on 2 cores.
+    # and Triton versions differ; .ci/run adds two workers (-n 2 --dist loadscope): 3 min on a slow 2-core Zen 3.
     shift
     # CI: where the two torch/Triton pairs differ, the Triton kernels (the interpreter's cases, and the tests that
     # force the Triton backend: marker triton) and the custom ops (opcheck, fullgraph compile, the AOT table's

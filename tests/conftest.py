@@ -10,6 +10,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (`-n 2`) the workers share the cores: each takes its share of torch's threads (and passes it to
+# the processes it starts), where every worker's OpenMP pool the size of the machine would make the threads of one
+# wait on those of the other.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
+    torch.set_num_threads(_threads)
+
 # A CPU engine commits its KV cache at start-up (engine/platform.py, prefault_kv_cache): a quarter of the free RAM,
 # seconds to fault in, held while the engine lives. The suite builds hundreds of engines and keeps some alive in
 # fixtures, so it leaves the caches to their first writes; tests/engine/test_cpu_malloc.py turns it back on.

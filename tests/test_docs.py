@@ -5,6 +5,7 @@ The README's own Python blocks run in tests/test_readme.py (its Server block aga
 tests/engine/test_server_tools.py); the checks of command lines, links and results files here cover the README too.
 """
 
+import functools
 import glob
 import importlib.util
 import re
@@ -99,11 +100,25 @@ def test_command_line_is_valid(path, words):
         except SystemExit as e:
             pytest.fail(f"{path.name}: `python -m engine {' '.join(args)}` does not parse (exit {e.code})")
         return
+    flags = [arg.split("=")[0] for arg in args if arg.startswith("--")]
+    if module == "pytest":   # its options come from its plugins too (pytest-xdist's -n and --dist)
+        known = set(re.findall(r"(?<![\w-])--[\w-]+", _pytest_help()))
+        assert not set(flags) - known, f"{path.name}: pytest (with the installed plugins) has no {set(flags) - known}"
+        return
     spec = importlib.util.find_spec(module)
     assert spec is not None and spec.origin, f"{path.name}: no module {module}"
     source = Path(spec.origin).read_text()
-    for flag in (arg.split("=")[0] for arg in args if arg.startswith("--")):
+    for flag in flags:
         assert f'"{flag}"' in source, f"{path.name}: {module} has no {flag}"
+
+
+@functools.lru_cache(maxsize=1)
+def _pytest_help() -> str:
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "pytest", "--help", "-p", "no:cacheprovider"], cwd=ROOT, check=True,
+                          capture_output=True, text=True).stdout
 
 
 # -- links and results files -----------------------------------------------------------------------------------
