@@ -9,6 +9,13 @@ import torch
 # imports triton first on the same footing.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The interpreter re-patches triton.language on every nested @triton.jit call; tests/triton_interpreter.py skips the
+# calls that would patch nothing new (about a third of an interpreted kernel's time).
+_interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+if _interpreted and os.environ.get("TESTS_TRITON_REPATCH", "0") in ("", "0"):
+    from tests import triton_interpreter
+
+    triton_interpreter.install()
 
 # Under pytest-xdist (`-n 2`) the workers share the cores: each takes its share of torch's threads (and passes it to
 # the processes it starts), where every worker's OpenMP pool the size of the machine would make the threads of one

@@ -1,0 +1,79 @@
+"""Triton's interpreter without its repeated patching of ``triton.language`` on every device-function call.
+
+To run a kernel on CPU tensors the interpreter swaps ``triton.language``'s builtins (``tl.load``, ``tl.sum``,
+``tensor.__add__``, ``tl.range``, ...) for NumPy versions: ``_patch_lang(kernel)`` before the grid runs, restored
+after. It also calls ``_patch_lang`` on *every call of a nested ``@triton.jit`` function* inside the kernel (once per
+program and loop iteration), which walks the language modules with ``inspect.getmembers`` and replaces every builtin
+again by an equal wrapper. For kernels built from small helpers (the skinny GEMMs, the sampler's draw, fused MoE) that
+walk was about 30% of an interpreted test's time (62 of 212 s in a profile of the skinny decode layers).
+
+``install()`` wraps ``_patch_lang`` so that a nested call whose language modules the running kernel already patched
+patches nothing (an empty scope, as the interpreter discards a nested call's scope anyway): the same builtins are in
+place, so the kernels compute the same values. Any other call (a kernel's launch, a helper that reaches a language
+module the kernel did not) goes to Triton's own ``_patch_lang`` as before. Installed by tests/conftest.py when the
+interpreter is on; ``TESTS_TRITON_REPATCH=1`` leaves Triton as it is (to compare).
+"""
+from __future__ import annotations
+
+import inspect
+import threading
+
+_state = threading.local()   # the language modules the running kernel's launch patched (ids), or None
+_installed: list = []        # (interpreter module, Triton's own _patch_lang) once installed
+
+
+def _languages(fn) -> frozenset[int]:
+    """The ``triton.language`` modules ``fn``'s globals reach: what ``_patch_lang(fn)`` patches."""
+    import triton.language as tl
+
+    return frozenset(id(value) for value in fn.__globals__.values()
+                     if inspect.ismodule(value) and value in (tl, tl.core))
+
+
+def install() -> bool:
+    """Wrap the interpreter's ``_patch_lang`` (once). False where this Triton has no such function (then nothing
+    changes)."""
+    if _installed:
+        return True
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    original = getattr(interpreter, "_patch_lang", None)
+    scope_class = getattr(interpreter, "_LangPatchScope", None)
+    if original is None or scope_class is None:
+        return False
+
+    def patch_lang(fn):
+        covered = getattr(_state, "languages", None)
+        languages = _languages(fn)
+        if covered is not None and languages <= covered:
+            return scope_class()   # a nested call: its builtins are in place already
+        scope = original(fn)
+        if covered is not None:
+            # A nested call that reached another language module (triton.language.standard's helpers, tl.sum and
+            # tl.zeros, see tl.core too): the interpreter never restores a nested call's scope, so from now on that
+            # module stays patched as well.
+            _state.languages = covered | languages
+        else:   # a kernel's launch: the grid runs under this scope until its restore
+            _state.languages = languages
+            restore = scope.restore
+
+            def restore_and_forget():
+                _state.languages = None
+                restore()
+
+            scope.restore = restore_and_forget
+        return scope
+
+    interpreter._patch_lang = patch_lang
+    _installed.append((interpreter, original))
+    return True
+
+
+def uninstall() -> None:
+    """Triton's own ``_patch_lang`` back (tests of this module)."""
+    if _installed:
+        interpreter, original = _installed.pop()
+        interpreter._patch_lang = original
+        _state.languages = None
