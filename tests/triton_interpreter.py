@@ -22,12 +22,18 @@ _state = threading.local()   # the language modules the running kernel's launch 
 _installed: list = []        # (interpreter module, Triton's own _patch_lang) once installed
 
 
+_languages_of: dict = {}   # function -> its languages (a module's imports do not change while kernels run)
+
+
 def _languages(fn) -> frozenset[int]:
     """The ``triton.language`` modules ``fn``'s globals reach: what ``_patch_lang(fn)`` patches."""
-    import triton.language as tl
+    languages = _languages_of.get(fn)
+    if languages is None:
+        import triton.language as tl
 
-    return frozenset(id(value) for value in fn.__globals__.values()
-                     if inspect.ismodule(value) and value in (tl, tl.core))
+        languages = _languages_of[fn] = frozenset(id(value) for value in fn.__globals__.values()
+                                                  if inspect.ismodule(value) and value in (tl, tl.core))
+    return languages
 
 
 def install() -> bool:
