@@ -1,4 +1,5 @@
-"""tests/triton_interpreter.py: the interpreter skips re-patching triton.language on nested calls, computing the same."""
+"""tests/triton_interpreter.py: the interpreter skips re-patching triton.language on nested calls and remembers its
+dtype answers, computing the same."""
 from __future__ import annotations
 
 import os
@@ -43,8 +44,8 @@ def _run(x: torch.Tensor, steps: int) -> torch.Tensor:
 
 @pytest.fixture
 def counted_patches(monkeypatch):
-    """Triton's own ``_patch_lang`` counted; yields (calls, install, uninstall) and leaves the wrapper installed as
-    it found it."""
+    """Triton's own ``_patch_lang`` counted, the wrappers uninstalled; yields the list of its calls (function
+    names) and leaves the wrappers installed as it found them."""
     from triton.runtime import interpreter
 
     was_installed = bool(triton_interpreter._installed)
@@ -95,3 +96,14 @@ def test_a_failing_kernel_leaves_the_next_launch_patched(counted_patches):
         _nested_kernel[(1,)](1.5, torch.empty(32), N=16, STEPS=1)   # loads from a number, not a pointer
     assert getattr(triton_interpreter._state, "languages", None) is None
     torch.testing.assert_close(_run(torch.ones(16), 1)[:16], torch.full((16,), 1.5))
+
+
+def test_remembered_np_dtypes_are_the_interpreters(counted_patches):
+    from triton.runtime import interpreter
+
+    dtypes = [tl.int1, tl.float16, tl.bfloat16, tl.float32, tl.float64, tl.int8, tl.uint8, tl.int32, tl.int64,
+              tl.uint64, tl.float8e4nv, tl.float8e5, tl.pointer_type(tl.float16), tl.pointer_type(tl.int32)]
+    cases = dtypes + [tl.block_type(dtype, [4, 8]) for dtype in dtypes]
+    own = [interpreter._get_np_dtype(dtype) for dtype in cases]
+    assert triton_interpreter.install() and interpreter._get_np_dtype is not triton_interpreter._installed[-1][2]
+    assert [interpreter._get_np_dtype(dtype) for dtype in cases * 2] == own * 2
