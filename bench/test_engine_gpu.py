@@ -117,7 +117,9 @@ def test_the_fused_rope_variants_change_the_engine_and_put_it_back(tmp_path):
         default = engine_gpu.batch1_decode(llm, 8, 4, 10.0)
         key, result = engine_gpu.batch1_fused_rope(llm, default, 8, 4, 10.0)
         assert key == "batch1_fused_rope" and result["same_leading_tokens"] == 4
-        assert "fused_rope_speedup" in result or result["decode_tokens_per_s"] is None
+        # The ratio where both sides have a rate (a tiny model's timer noise can leave either without one)
+        rates = result["decode_tokens_per_s"], default["decode_tokens_per_s"]
+        assert ("fused_rope_speedup" in result) == all(rates)
         assert not any(layer.decode_fused_rope for layer in layers)
         runner.decode_split_counters = torch.zeros(2 * layers[0].num_kv_heads, dtype=torch.int32)
         key, result = engine_gpu.batch1_fused_rope(llm, default, 8, 4, 10.0, everything=True)
@@ -149,7 +151,9 @@ def test_the_fused_reduce_variant_changes_the_engine_and_puts_it_back(tmp_path):
         default = engine_gpu.batch1_decode(llm, 8, 4, 10.0)
         key, result = engine_gpu.batch1_fused_reduce(llm, default, 8, 4, 10.0)
         assert key == "batch1_fused_reduce" and result["same_leading_tokens"] == 4
-        assert "fused_reduce_speedup" in result or result["decode_tokens_per_s"] is None
+        # The ratio where both sides have a rate (a tiny model's timer noise can leave either without one)
+        rates = result["decode_tokens_per_s"], default["decode_tokens_per_s"]
+        assert ("fused_reduce_speedup" in result) == all(rates)
         assert all(layer.decode_split_counters is None for layer in runner.attention_layers)
         assert engine_gpu.batch1_fused_reduce(llm, default, 8, 4, 10.0, pdl=True) is None
         assert all(layer.decode_split_counters is None for layer in runner.attention_layers)
