@@ -93,13 +93,12 @@ def _remembering_np_dtype(original):
     def np_dtype(tt_dtype):
         if isinstance(tt_dtype, tl.block_type):
             tt_dtype = tt_dtype.element_ty
-        try:
-            return answers[tt_dtype]
-        except KeyError:
-            answer = answers[tt_dtype] = original(tt_dtype)
-            return answer
-        except TypeError:   # an unhashable dtype: asked each time
+        if isinstance(tt_dtype, tl.pointer_type):   # unhashable; the original answers it before building its table
             return original(tt_dtype)
+        answer = answers.get(tt_dtype)
+        if answer is None:
+            answer = answers[tt_dtype] = original(tt_dtype)
+        return answer
 
     return np_dtype
 
