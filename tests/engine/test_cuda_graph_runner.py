@@ -485,10 +485,13 @@ def test_verification_steps_replay_graphs(tiny_model_dir, monkeypatch, compiled)
     expected = _run_verify_steps(eager, sequences())
     got = _run_verify_steps(graphed, sequences())
     assert sorted(graphed.verify_graphs) == [(1, 2), (4, 3), (8, 5)]
+    # Compiled, the graphs run inductor's code for the padded shapes: its own summation order, so float32 rounds
+    # differently, as the decode graphs' comparisons above allow (an AVX-512 Xeon: 1.4e-5 on 1 of 1024 logits).
+    tol = 1e-4 if compiled else 1e-5
     for step, (a, b) in enumerate(zip(got, expected)):
         for seq, (x, y) in enumerate(zip(a, b)):
-            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5, msg=lambda m: f"step {step} seq {seq}: {m}")
-    torch.testing.assert_close(graphed.kv_cache, eager.kv_cache, atol=1e-5, rtol=1e-5, equal_nan=True)
+            torch.testing.assert_close(x, y, atol=tol, rtol=tol, msg=lambda m: f"step {step} seq {seq}: {m}")
+    torch.testing.assert_close(graphed.kv_cache, eager.kv_cache, atol=tol, rtol=tol, equal_nan=True)
     # the graphs' rows (tokens) at each replay: (4, 3), (1, 2), (8, 5), (4, 3) again, then the decode graph of 2
     assert [r["batch_size"] for r in RecordingGraphRunner.replays] == [12, 2, 40, 12, 2]
     # the padding sequences read written positions (the first sequence's), not the NaN-filled unused blocks: their
