@@ -295,6 +295,7 @@ def _load_library() -> ctypes.CDLL | None:
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = ctypes.c_int, argtypes
+    lib.pk_w16_amx.restype, lib.pk_w16_amx.argtypes = ctypes.c_int, [_i64, ctypes.POINTER(_i64)]
     lib.pk_graph_replay.restype = ctypes.c_int64
     lib.pk_graph_replay.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(ctypes.c_int)]
     return lib
@@ -431,6 +432,15 @@ def w16_gemm(x2d, packed, n: int, out2d) -> None:
                                DTYPE_CODES[packed.dtype], out2d.data_ptr(), out2d.stride(0), DTYPE_CODES[out2d.dtype],
                                torch.get_num_threads())
     _check_rc(rc, "16-bit-weight GEMM")
+
+
+def w16_amx(min_rows: int | None = None) -> tuple[bool, int]:
+    """Whether a bf16 x bf16 :func:`w16_gemm` can take AMX tiles here (a build with AMX-TILE and AMX-BF16, Linux granting
+    the process the tile state, ``PAGEDKERNELS_CPU_AMX`` not 0), and the rows from which it does; ``min_rows`` first
+    sets those rows (``sys.maxsize``: never, the pair dot products for every row). Returns (usable, min_rows)."""
+    current = _i64()
+    usable = library().pk_w16_amx(-1 if min_rows is None else int(min_rows), ctypes.byref(current))
+    return bool(usable), current.value
 
 
 BF16_DOT_PATHS = ("bf16 widened to float32", "AVX512-BF16", "AVX512-BF16 (emulated)")

@@ -10,8 +10,11 @@ The paths (``_native.bf16_dot_path()``, ``PK_BF16_DOT`` in csrc/cpu_common.h):
   test_native's ``portable_builds``);
 - a build with the pair dot emulated (``-DPK_EMULATE_AVX512BF16``): the AVX512-BF16 kernels, every line of them but
   the instruction, on any machine;
+- AMX tiles (``_native.w16_amx()``, csrc/w16_gemm_cpu.c) for the 16-bit-weight GEMM's bf16 products of 5 rows or
+  more where the CPU and the build have them (Xeons since Sapphire Rapids): tested with every row count forced onto
+  them, skipped on other CPUs;
 - builds for Sapphire Rapids (AMX-BF16, AVX512-BF16) and for Zen 4's ISA: compiled here and checked for the
-  instruction; they run (the first group above) where the CPU has it, and their runtime check skips elsewhere.
+  instructions; they run (the first group above) where the CPU has them, and their runtime check skips elsewhere.
 """
 
 from __future__ import annotations
@@ -52,10 +55,30 @@ def test_w16_gemm_bf16_activations_match_float64(M, N, K):
     assert_product(out, x, weight)
 
 
+AMX = NATIVE and _native.w16_amx()[0]
+needs_amx = pytest.mark.skipif(not AMX, reason="needs AMX-BF16 tiles (Intel Xeons since Sapphire Rapids) and a build "
+                                               "with them; test_avx512_bf16_builds compiles the tile kernel here")
+
+
+@pytest.fixture
+def amx_rows():
+    """Sets the rows from which bf16 products take the AMX tiles (w16_amx), restoring the default after the test."""
+    default = _native.w16_amx()[1] if NATIVE else None
+    yield lambda rows: _native.w16_amx(rows)
+    if NATIVE:
+        _native.w16_amx(default)
+
+
 @needs_native
-def test_w16_gemm_bf16_row_gets_the_same_bits_in_any_batch():
-    """A decode step's token does not depend on the rows beside it: each row's pair sums run in the same order in
-    a block of rows, in the last rows' copy, and alone."""
+@pytest.mark.parametrize("path", ["pair dots", "AMX tiles"])
+def test_w16_gemm_bf16_row_gets_the_same_bits_in_any_batch(path, amx_rows):
+    """A decode step's token does not depend on the rows beside it on either path: each row's sums run in the same
+    order in a block of rows, in the last rows' copy, and alone (pair dots: blocks of 8; tiles: blocks of 16 rows, a
+    partial block of k from a padded copy). The two paths round differently, so the rows from which the tiles take
+    over (5 by default) are a switch of bits, as the engine's switch to oneDNN at its row limit is."""
+    if path == "AMX tiles" and not AMX:
+        pytest.skip("needs AMX-BF16 tiles (Intel Xeons since Sapphire Rapids) and a build with them")
+    amx_rows(1 if path == "AMX tiles" else sys.maxsize)
     gen = torch.Generator().manual_seed(11)
     weight = (torch.randn(70, 200, generator=gen) / 8).to(torch.bfloat16)
     x = torch.randn(19, 200, generator=gen).to(torch.bfloat16)
@@ -64,6 +87,40 @@ def test_w16_gemm_bf16_row_gets_the_same_bits_in_any_batch():
         together = pk.w16_gemm(x, packed, 70)
         alone = torch.cat([pk.w16_gemm(x[i:i + 1], packed, 70) for i in range(19)])
     assert torch.equal(together, alone)
+
+
+@needs_amx
+@pytest.mark.parametrize("M,N,K", [(1, 37, 48), (3, 130, 96), (5, 9, 577), (16, 64, 64), (17, 33, 7), (13, 70, 51),
+                                   (40, 32, 130), (33, 96, 1536), (2, 40, 1), (48, 200, 32)])
+def test_w16_gemm_bf16_amx_tiles_match_float64(M, N, K, amx_rows):
+    """The AMX tile kernel (every row count forced onto it): blocks of 16 rows and a partial last one, K in whole
+    blocks of 32 and a partial block (odd K included: the last k without a partner), columns past a panel's 32; bf16
+    out, and float32 out through the op's out=."""
+    amx_rows(1)
+    gen = torch.Generator().manual_seed(M * 1000 + N + K)
+    weight = (torch.randn(N, K, generator=gen) / 8).to(torch.bfloat16)
+    x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+    packed = pk.pack_w16(weight)
+    with pk.use_backend("native"):
+        out = pk.w16_gemm(x, packed, N)
+    assert out.dtype == torch.bfloat16 and out.shape == (M, N)
+    assert_product(out, x, weight)
+
+
+@needs_native
+def test_amx_rows_switch(amx_rows):
+    """w16_amx reports whether the tiles can be used and sets the rows from which they are; PAGEDKERNELS_CPU_AMX=0
+    turns them off for the process. On a CPU with AMX-BF16 and AMX-TILE, a native build has them."""
+    usable, default = _native.w16_amx()
+    assert default == 5
+    assert amx_rows(12) == (usable, 12) and _native.w16_amx() == (usable, 12)
+    assert amx_rows(0) == (usable, 1)   # at least one row
+    flags = _native.cpu_flags()
+    if {"amx_bf16", "amx_tile"} <= flags and _native.native_march() == "native" and not _native.native_extra_flags():
+        assert usable, "this CPU has AMX-BF16 but the native build cannot use the tiles"
+    proc = _run(["-c", "from pagedkernels import _native; print(_native.w16_amx())"],
+                {**os.environ, "PAGEDKERNELS_CPU_AMX": "0"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "(False, 5)", proc.stdout + proc.stderr
 
 
 @needs_native
@@ -174,7 +231,9 @@ def test_avx512_bf16_kernels_emulated(tmp_path):
     env = {**os.environ, "PAGEDKERNELS_NATIVE_MARCH": "x86-64-v3", "PAGEDKERNELS_CACHE_DIR": str(tmp_path),
            "PAGEDKERNELS_NATIVE_CFLAGS": "-DPK_EMULATE_AVX512BF16 -O1"}
     lora = os.path.join(os.path.dirname(__file__), "test_lora.py")
-    select = "test_bf16_cpu and (float64 or same_bits) or test_lora and bfloat16 and (native or same_bits)"
+    # not the AMX tile kernel's tests: a build for AVX2 has no tiles (they run natively where a Xeon has them)
+    select = ("test_bf16_cpu and (float64 or same_bits) and not amx or test_lora and bfloat16 and "
+              "(native or same_bits)")
     script = ("import sys, pytest\nfrom pagedkernels import _native\n"
               "assert _native.bf16_dot_path() == 'AVX512-BF16 (emulated)', _native.bf16_dot_path()\n"
               f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', {__file__!r}, {lora!r}, '-k', {select!r}]))")
@@ -215,3 +274,4 @@ def test_avx512_bf16_builds(target, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     disassembly = subprocess.run(["objdump", "-d", str(built)], capture_output=True, text=True).stdout
     assert "vdpbf16ps" in disassembly
+    assert ("tdpbf16ps" in disassembly) == (target == "sapphirerapids")   # the AMX tile kernel: Xeons only
