@@ -66,8 +66,12 @@ class DevicePolicy:
     # (ENGINE_CPU_BF16_W16_MAX_ROWS overrides it). Up to a few dozen rows a product is bound by its weight's bytes,
     # past that by arithmetic. With AVX512-BF16 alone both multiply in vdpbf16ps: 96, measured (2-core Zen 5, a
     # decode step's SmolLM2 weights streamed from memory: the panels 0.78-0.84x oneDNN's time at 16 rows, 0.87-0.91x
-    # at 64, 0.90x at 96, 0.96x at 128; docs/performance.md). With AMX oneDNN's tiles outrun any vector kernel once a
-    # product leaves the memory-bound range: 16, an estimate (no AMX machine has run it). Without either, oneDNN has
+    # at 64, 0.90x at 96, 0.96x at 128; docs/performance.md). With AMX the panels take the tiles from 5 rows on
+    # (w16_gemm_cpu.c) and stay bound by the weight's bytes where oneDNN's tiles reach ~0.55 of the bandwidth: 64,
+    # measured (2-core Emerald Rapids VM, a decode step's SmolLM2 weights streamed: the panels 0.77-0.79x oneDNN's
+    # time at 1-16 rows, 0.67x at 32, 0.96-0.97x at 48-64, 1.02x at 96). An AMX CPU whose build has no tile kernel
+    # (an old compiler, another -march, PAGEDKERNELS_CPU_AMX=0) has the pair dot products alone, which lose to oneDNN
+    # from ~9 rows (0.92-0.96x at 8, 1.13-1.17x at 10, 1.56-2.2x at 16): 8, and 8 in graphs. Without either, oneDNN has
     # no bf16 inner product (it needs AVX512BW/VL/DQ or AVX-NE-CONVERT) and torch's fallback bf16 GEMM is far slower
     # than the packed kernel at any size (2-core EPYC, one thread, loaded: [256, 576] x [576, 1536] 109 ms against
     # 13 ms): every row. None: no limit.
@@ -78,7 +82,8 @@ class DevicePolicy:
     # with AVX512-BF16 every row (2-core Zen 5, SmolLM2 bf16: the 48 requests' 48-row steps 29-34 ms against 37-39
     # with the oneDNN products from 16 rows; 160 requests of 16-128 tokens in and out, alternating, two prompt sets:
     # 12.0-12.1 and 13.2-13.4 s against 12.5-12.7 and 15.5-15.8 s with the oneDNN products past 64 rows); with AMX
-    # the eager limit, an estimate.
+    # tiles in the build every row too (the 48 requests, engines taking turns in one process, medians of 6 rounds:
+    # 512 tok/s against 530 with 64, both 1.25-1.29x the 409 of the pair dot products up to 16 rows).
     cpu_bf16_w16_graph_max_rows: int | None = None
     # Steps of up to this many tokens run the decoder layers that can as few-row products with the norms and residual
     # adds fused in (pagedkernels.skinny_gemm; engine/models/llama.py); 0: never (ENGINE_SKINNY_GEMM_MAX_ROWS=0..8
@@ -221,10 +226,10 @@ def _skinny_gemm_max_rows(default: int) -> int:
     return int(env)
 
 
-def _cpu_bf16_w16_max_rows(isa: str | None, *, graphs: bool = False) -> int | None:
+def _cpu_bf16_w16_max_rows(isa: str | None, *, graphs: bool = False, amx_tiles: bool = True) -> int | None:
     """DevicePolicy.cpu_bf16_w16_max_rows (``graphs``: cpu_bf16_w16_graph_max_rows) for a CPU whose bf16 arithmetic is
-    ``isa``; ENGINE_CPU_BF16_W16_MAX_ROWS (ENGINE_CPU_BF16_W16_GRAPH_MAX_ROWS), a non-negative int or "all",
-    overrides it."""
+    ``isa`` (``amx_tiles``: whether the native kernels can use AMX tiles there, assumed until they are built);
+    ENGINE_CPU_BF16_W16_MAX_ROWS (ENGINE_CPU_BF16_W16_GRAPH_MAX_ROWS), a non-negative int or "all", overrides it."""
     name = "ENGINE_CPU_BF16_W16_GRAPH_MAX_ROWS" if graphs else "ENGINE_CPU_BF16_W16_MAX_ROWS"
     env = os.environ.get(name, "").strip()
     if env:
@@ -233,9 +238,11 @@ def _cpu_bf16_w16_max_rows(isa: str | None, *, graphs: bool = False) -> int | No
         if not env.isdigit():
             raise ValueError(f"{name} must be a non-negative int or 'all', got {env!r}")
         return int(env)
-    if graphs:   # AMX: the eager limit (an estimate); AVX512-BF16 and CPUs without fast bf16: every row
-        return _cpu_bf16_w16_max_rows(isa) if isa == "amx-bf16" else None
-    return {"amx-bf16": 16, "avx512-bf16": 96}.get(isa)
+    if isa == "amx-bf16" and not amx_tiles:
+        return 8
+    if graphs:   # every row
+        return None
+    return {"amx-bf16": 64, "avx512-bf16": 96}.get(isa)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -261,16 +261,19 @@ def test_dtype_auto_on_cpu_says_why_when_the_kernels_did_not_build(tmp_path, mon
 
 
 def test_bf16_panel_row_limits_by_isa_and_environment(monkeypatch):
-    """The rows up to which a CPU bf16 product takes the panel kernel, eager and in a decode graph: AMX-BF16 16 in
-    both (oneDNN's tiles past that); AVX512-BF16 96, and every row in a graph (measured on Zen 5); no fast bf16: every
+    """The rows up to which a CPU bf16 product takes the panel kernel, eager and in a decode graph: AMX-BF16 64 and
+    every row in a graph where the build has the tile kernel (measured on Emerald Rapids), 8 in both where it has not
+    (the pair dot products alone); AVX512-BF16 96, and every row in a graph (measured on Zen 5); no fast bf16: every
     row. ENGINE_CPU_BF16_W16_MAX_ROWS / ..._GRAPH_MAX_ROWS override them ("all": every row); anything else is refused
     by name."""
     from engine.platform import _cpu_bf16_w16_max_rows as limit
 
     for name in ("ENGINE_CPU_BF16_W16_MAX_ROWS", "ENGINE_CPU_BF16_W16_GRAPH_MAX_ROWS"):
         monkeypatch.delenv(name, raising=False)
-    assert [limit(isa) for isa in ("amx-bf16", "avx512-bf16", None)] == [16, 96, None]
-    assert [limit(isa, graphs=True) for isa in ("amx-bf16", "avx512-bf16", None)] == [16, None, None]
+    assert [limit(isa) for isa in ("amx-bf16", "avx512-bf16", None)] == [64, 96, None]
+    assert [limit(isa, graphs=True) for isa in ("amx-bf16", "avx512-bf16", None)] == [None, None, None]
+    assert limit("amx-bf16", amx_tiles=False) == limit("amx-bf16", graphs=True, amx_tiles=False) == 8
+    assert limit("avx512-bf16", amx_tiles=False) == 96   # only an AMX CPU's limits depend on the tiles
     monkeypatch.setenv("ENGINE_CPU_BF16_W16_GRAPH_MAX_ROWS", "48")
     assert limit("avx512-bf16", graphs=True) == 48 and limit("avx512-bf16") == 96
     monkeypatch.setenv("ENGINE_CPU_BF16_W16_MAX_ROWS", "all")
@@ -278,3 +281,28 @@ def test_bf16_panel_row_limits_by_isa_and_environment(monkeypatch):
     monkeypatch.setenv("ENGINE_CPU_BF16_W16_GRAPH_MAX_ROWS", "many")
     with pytest.raises(ValueError, match="ENGINE_CPU_BF16_W16_GRAPH_MAX_ROWS"):
         limit("avx512-bf16", graphs=True)
+
+
+@pytest.mark.parametrize("tiles", [True, False])
+def test_amx_cpu_without_the_tile_kernel_takes_the_pair_dot_limits(monkeypatch, tiles):
+    """On an AMX CPU the bf16 panel limits assume the native build's tile kernel; once the kernels are built, a build
+    that cannot use the tiles (PAGEDKERNELS_CPU_AMX=0, an old compiler, another -march) gets the pair dot products'
+    limits (8 eager and in graphs) instead of 64 / every row. Other CPUs' limits are left as they are."""
+    import dataclasses
+
+    from engine.layers.quantization import unquantized
+    from pagedkernels import _native
+
+    if _native.library() is None:
+        pytest.skip("native CPU kernels unavailable (no C compiler): no panel path to limit")
+    for name in ("ENGINE_CPU_BF16_W16_MAX_ROWS", "ENGINE_CPU_BF16_W16_GRAPH_MAX_ROWS"):
+        monkeypatch.delenv(name, raising=False)
+    for isa, expected in (("amx-bf16", (64, None) if tiles else (8, 8)), ("avx512-bf16", (96, None))):
+        monkeypatch.setattr(unquantized, "_CPU_POLICY", dataclasses.replace(unquantized._CPU_POLICY, cpu_bf16_isa=isa))
+        monkeypatch.setattr(unquantized, "BF16_W16_MAX_ROWS", expected[0] if isa != "amx-bf16" else 64)
+        monkeypatch.setattr(unquantized, "BF16_W16_GRAPH_MAX_ROWS", None)
+        monkeypatch.setattr(unquantized, "_amx_limits_settled", False)
+        monkeypatch.setattr(_native, "w16_amx", lambda rows=None: (tiles, 5))
+        unquantized._settle_amx_limits()
+        assert (unquantized.BF16_W16_MAX_ROWS, unquantized.BF16_W16_GRAPH_MAX_ROWS) == expected
+        assert unquantized._amx_limits_settled

@@ -88,6 +88,25 @@ def recording_decode_graph():
         _recording.decode_graph = previous
 
 
+_amx_limits_settled = False
+
+
+def _settle_amx_limits() -> None:
+    """Once the native kernels are built: on an AMX CPU whose build cannot use the tiles, the limits of the pair dot
+    products alone (engine/platform.py)."""
+    global BF16_W16_MAX_ROWS, BF16_W16_GRAPH_MAX_ROWS, _amx_limits_settled
+    from pagedkernels import _native
+
+    if _amx_limits_settled or _native.library() is None:
+        return
+    _amx_limits_settled = True
+    if _CPU_POLICY.cpu_bf16_isa == "amx-bf16" and not _native.w16_amx()[0]:
+        from engine.platform import _cpu_bf16_w16_max_rows
+
+        BF16_W16_MAX_ROWS = _cpu_bf16_w16_max_rows("amx-bf16", amx_tiles=False)
+        BF16_W16_GRAPH_MAX_ROWS = _cpu_bf16_w16_max_rows("amx-bf16", graphs=True, amx_tiles=False)
+
+
 def bf16_w16_max_rows() -> int | None:
     """The row limit of a bf16 product's panel path here and now (None: every row)."""
     return BF16_W16_GRAPH_MAX_ROWS if getattr(_recording, "decode_graph", False) else BF16_W16_MAX_ROWS
@@ -182,6 +201,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
             layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, PREPACK_BATCH_HINT)
         if _w16_enabled() and _native.library() is not None:
             layer.w16_weight, layer.w16_rows = pack_w16(weight), weight.shape[0]
+            _settle_amx_limits()
         if layer.packed_weight is None and getattr(layer, "w16_weight", None) is None:
             return False
         if not keep_weight:
