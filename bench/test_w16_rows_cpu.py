@@ -23,8 +23,8 @@ def test_crossover_is_the_last_row_count_before_the_panels_lose():
     assert w16_rows_cpu.crossover([{"rows": 1, "panels_over_onednn": 1.2}]) is None
 
 
-@pytest.mark.skipif(not _comparable(), reason="needs the native kernels and oneDNN's bf16 product (AVX512BW/VL/DQ or "
-                                              "AVX-NE-CONVERT); on other CPUs the engine takes the panels for every row")
+@pytest.mark.skipif(not _comparable(), reason="needs the native kernels and oneDNN's bf16 product (AVX512BW/VL/DQ "
+                                              "or AVX-NE-CONVERT); other CPUs take the panels for every row")
 def test_quick_run_reports_both_products_at_each_row_count(tmp_path, capsys):
     out = tmp_path / "w16.json"
     assert w16_rows_cpu.main(["--quick", "--out", str(out)]) == 0

@@ -435,9 +435,9 @@ def w16_gemm(x2d, packed, n: int, out2d) -> None:
 
 
 def w16_amx(min_rows: int | None = None) -> tuple[bool, int]:
-    """Whether a bf16 x bf16 :func:`w16_gemm` can take AMX tiles here (a build with AMX-TILE and AMX-BF16, Linux granting
-    the process the tile state, ``PAGEDKERNELS_CPU_AMX`` not 0), and the rows from which it does; ``min_rows`` first
-    sets those rows (``sys.maxsize``: never, the pair dot products for every row). Returns (usable, min_rows)."""
+    """Whether a bf16 x bf16 :func:`w16_gemm` can take AMX tiles here (a build with AMX-TILE and AMX-BF16, Linux
+    granting the process the tile state, ``PAGEDKERNELS_CPU_AMX`` not 0), and the rows from which it does; ``min_rows``
+    first sets those rows (``sys.maxsize``: never, the pair dot products for every row). Returns (usable, min_rows)."""
     current = _i64()
     usable = library().pk_w16_amx(-1 if min_rows is None else int(min_rows), ctypes.byref(current))
     return bool(usable), current.value
