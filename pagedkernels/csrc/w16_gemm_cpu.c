@@ -15,7 +15,7 @@
 #include "w16_panel.h"
 
 /* AMX tiles (Intel Xeons since Sapphire Rapids; a build with AMX-TILE and AMX-BF16): a bf16 x times a bf16 weight of
- * at least pk_w16_amx_rows() rows in TDPBF16PS, which multiplies a tile of up to 16 rows by 32 k against 16 columns in
+ * at least pk_w16_amx()'s rows in TDPBF16PS, which multiplies a tile of up to 16 rows by 32 k against 16 columns in
  * one instruction. The pair dot products (vdpbf16ps) are bound by their arithmetic from about 8 rows on such a Xeon
  * (2 cores of an Emerald Rapids VM: 130-145 GFLOP/s with the weight in cache, so a decode step's SmolLM2 weights at 16
  * rows took 34-49 ms against 13-14 ms at one row); the tiles multiply ~8x faster, so a decode step's products stay
