@@ -49,7 +49,7 @@ def test_a_wrong_product_fails_the_run(monkeypatch):
 
     real = w16.w16_gemm
     monkeypatch.setattr(w16, "w16_gemm", lambda x, packed, n, **kw: real(x, packed, n, **kw) * 2)
-    with pytest.raises(AssertionError, match="panels product off"):
+    with pytest.raises(AssertionError, match="panels product at .* max .err."):
         w16_rows_cpu.main(["--quick"])
 
 
