@@ -646,6 +646,35 @@ def batch1_skinny_head(llm, default: dict, prompt_len: int, new_tokens: int, cop
     return ("batch1_cublas_head" if own else "batch1_skinny_head"), other
 
 
+def batch1_moe_gemv(llm, default: dict, prompt_len: int, new_tokens: int, copy_gbps: float, *, pdl: bool = False
+                    ) -> tuple[str, dict] | None:
+    """batch1_decode on ``llm`` with fused_moe's matrix-vector launches (pagedkernels.set_moe_gemv_max_tokens: two
+    launches a layer instead of three) and, with ``pdl``, programmatic dependent launch as well; the decode graphs
+    captured again, then both back. Returns ("batch1_moe_gemv" / "batch1_moe_gemv_pdl", the result with its speedup
+    over ``default``), or None for a model with no MoE layer (or ``pdl`` where PDL does not apply)."""
+    import pagedkernels
+
+    from engine.layers.fused_moe import FusedMoE
+
+    runner = llm.llm_engine.model_runner
+    if not any(isinstance(m, FusedMoE) for m in runner.model.modules()):
+        return None
+    undo_pdl = _pdl_on(llm) if pdl else (lambda: None)
+    if undo_pdl is None:
+        return None
+    previous = pagedkernels.set_moe_gemv_max_tokens(8)
+    runner.drop_graphs()
+
+    def undo() -> None:
+        pagedkernels.set_moe_gemv_max_tokens(previous)
+        runner.drop_graphs()
+        undo_pdl()
+    result = _batch1_changed(llm, default, prompt_len, new_tokens, copy_gbps, undo=undo)
+    if result["decode_tokens_per_s"] and default["decode_tokens_per_s"]:
+        result["speedup"] = result["decode_tokens_per_s"] / default["decode_tokens_per_s"]
+    return ("batch1_moe_gemv_pdl" if pdl else "batch1_moe_gemv"), result
+
+
 def throughput_sampler(llm, requests, temperature: float, budget: Budget, default: dict) -> tuple[str, dict]:
     """engine_throughput on ``llm`` with the sampler's draw the other way than its own (``default``): the rows
     without min-p / top-k / top-p in one kernel (pagedkernels.sample_from_logits; DevicePolicy.fused_sampler,
@@ -903,6 +932,9 @@ def run(device: torch.device, *, tiny: bool, models: list[str], parts: tuple[str
                                 ("batch1_skinny_head", lambda: batch1_skinny_head(*args), "skinny_head_speedup",
                                  "the norm and cuBLAS's LM head"),
                                 ("batch1_all_fused", lambda: batch1_fused_rope(*args, everything=True), "speedup",
+                                 "the default"),
+                                ("batch1_moe_gemv", lambda: batch1_moe_gemv(*args), "speedup", "the default"),
+                                ("batch1_moe_gemv_pdl", lambda: batch1_moe_gemv(*args, pdl=True), "speedup",
                                  "the default")):
                             fused = _variant(row, key, log, name, measure)
                             if fused is not None:

@@ -23,7 +23,9 @@
 9. tune (360 s): the prefill kernel's launch configurations on the target shape against SDPA-flash (which tiles
    launch_config should pick on this GPU), the decode kernel's split counts and its tile / stages / warps at the
    headline shape (DECODE_LAUNCH_SWEEP: the H200's 0.879 of copy bandwidth there), and the few-row GEMM's launch
-   configurations at batch-1 projections against cuBLAS (what skinny_gemm_config should pick).
+   configurations at batch-1 projections against cuBLAS (what skinny_gemm_config should pick); fused_moe's launches
+   at decode and prefill (MOE_LAUNCH_SWEEP: tiles, the aligned layout, the matrix-vector launches with and without
+   PDL).
 10. async (540 s): the sampler's draw kernel (pagedkernels.sample_from_logits) against the same draw in tensor ops
    at 256 and 8 rows of Qwen3's vocabulary; the sampler's top-k/top-p draw among candidates, and the kernel's own
    (its threshold search), against the full sort; the Qwen3-0.6B-shape throughput and step profile with async
@@ -33,7 +35,8 @@
 11. moe (540 s): the mixture-of-experts layer (pagedkernels.fused_moe) at Qwen3-30B-A3B's shape, 1 / 16 / 64 tokens
    against copy bandwidth (the routed experts' weights) and 4096 against the bf16 matmul rate, Mixtral-8x7B's at 1
    and 4096, each against the per-expert loop; then the engine on a Qwen3-30B-A3B-shaped dummy model (61 GB of
-   bf16), nano-vllm's protocol and batch-1 decode, its output tok/s beside phase 1's dense Qwen3-0.6B figure.
+   bf16), nano-vllm's protocol and batch-1 decode, its output tok/s beside phase 1's dense Qwen3-0.6B figure; the
+   batch-1 variants, fused_moe's matrix-vector launches (with and without PDL) among them.
 12. lora (540 s): the LoRA kernels (shrink + expand at Llama-3-8B's q/k/v and at each LoRA layer of a Qwen3-0.6B
    decode step of 128 rows, in CUDA graphs up to 256 tokens), then multi-LoRA serving (bench.lora_engine_gpu): the
    Qwen3-0.6B shape with four adapters of ranks 8 / 16 mixed in one workload, against the base model alone and

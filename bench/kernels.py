@@ -38,7 +38,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable
+from typing import Callable, Iterator
 from unittest import mock
 
 import torch
@@ -1399,7 +1399,7 @@ def tune_suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False) 
     skinny_shapes, skinny_configs, skinny_rows = (([(64, 256)], [(2, 128, 4)], (2,)) if tiny
                                                   else (SKINNY_SWEEP_SHAPES, SKINNY_SWEEP, SKINNY_SWEEP_ROWS))
     moe_sweep = ([(dict(tokens=1, experts=8, top_k=2, hidden=128, intermediate=96),
-                   [None, "aligned", (16, 16, 32, 32, 4, 1)])] if tiny else MOE_LAUNCH_SWEEP)
+                   [None, "aligned", "gemv", "gemv+pdl", (16, 16, 32, 32, 4, 1)])] if tiny else MOE_LAUNCH_SWEEP)
     return [partial(prefill_tile_case, **d, config=c, baseline=i == 0, **shape) for i, c in enumerate(configs)] + [
         partial(decode_split_case, **d, num_seqs=n, seq_len=length, num_splits=splits, **decode_heads)
         for n, length, splits in decode_sweep] + [
@@ -1422,8 +1422,11 @@ def tune_suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False) 
 # 4 stages from 1024 tokens) do better. Decode launches first (one token: the weights of 8 experts), then prefill.
 # "aligned": the wrapper's launches with the alignment kernel run even where the slots are sparse enough for the
 # direct layout (fused_moe.direct_layout: one token of 128 experts, four at its limit), to weigh the launch it saves
-# against the weights two slots of one expert read twice.
-MOE_DECODE_LAUNCHES = [None, "aligned", (16, 32, 64, 64, 4, 4), (16, 32, 64, 64, 4, 5), (16, 32, 64, 128, 4, 3),
+# against the weights two slots of one expert read twice. "gemv": the matrix-vector launches instead
+# (fused_moe.gemv_layout: two launches, no 16-row tile of one real row, the top-k sum inside the second), "gemv+pdl"
+# the same chained by programmatic dependent launch (Hopper): the H200 read 0.52 of copy bandwidth at one token of
+# Qwen3-30B-A3B's layer whatever the tiles, 0.74 at four.
+MOE_DECODE_LAUNCHES = [None, "aligned", "gemv", "gemv+pdl", (16, 32, 64, 64, 4, 4), (16, 32, 64, 64, 4, 5), (16, 32, 64, 128, 4, 3),
                        (16, 64, 128, 128, 4, 3), (16, 32, 64, 256, 4, 2), (16, 16, 32, 256, 4, 2), (16, 64, 64, 64, 4, 4),
                        (16, 16, 32, 64, 4, 5)]
 MOE_PREFILL_LAUNCHES = [None, (128, 128, 256, 64, 8, 4), (128, 64, 128, 64, 8, 4), (128, 64, 128, 64, 4, 3),
@@ -1432,7 +1435,7 @@ MOE_PREFILL_LAUNCHES = [None, (128, 128, 256, 64, 8, 4), (128, 64, 128, 64, 8, 4
 MOE_LAUNCH_SWEEP = [
     (dict(tokens=1, **QWEN3_30B_A3B_MOE), MOE_DECODE_LAUNCHES),
     (dict(tokens=1, **MIXTRAL_MOE), MOE_DECODE_LAUNCHES),
-    (dict(tokens=4, **QWEN3_30B_A3B_MOE), [None, "aligned"]),
+    (dict(tokens=4, **QWEN3_30B_A3B_MOE), [None, "aligned", "gemv", "gemv+pdl"]),
     (dict(tokens=16, **QWEN3_30B_A3B_MOE), MOE_DECODE_LAUNCHES),
     (dict(tokens=4096, **QWEN3_30B_A3B_MOE), MOE_PREFILL_LAUNCHES),
     (dict(tokens=4096, **MIXTRAL_MOE), MOE_PREFILL_LAUNCHES),
@@ -1456,16 +1459,35 @@ def moe_aligned_layout() -> contextlib.AbstractContextManager:
                              lambda *args: False)
 
 
+@contextlib.contextmanager
+def moe_gemv_layout(pdl: bool = False) -> Iterator[None]:
+    """fused_moe taking its matrix-vector launches (fused_moe.gemv_layout) up to 64 tokens; ``pdl``: with
+    programmatic dependent launch on as well (where the device has it)."""
+    previous = pk.set_moe_gemv_max_tokens(64)
+    previous_pdl = pk.set_programmatic_dependent_launch(pdl)
+    try:
+        yield
+    finally:
+        pk.set_programmatic_dependent_launch(previous_pdl)
+        pk.set_moe_gemv_max_tokens(previous)
+
+
+MOE_LAYOUTS = {"aligned": (moe_aligned_layout, "heuristic, aligned layout"),
+               "gemv": (moe_gemv_layout, "matrix-vector launches"),
+               "gemv+pdl": (lambda: moe_gemv_layout(pdl=True), "matrix-vector launches, PDL")}
+
+
 def moe_config_case(device, dtype, *, config: tuple[int, int, int, int, int, int] | str | None, **shape) -> Case:
-    """One MoE layer at ``config`` (None: the wrapper's own launches, with the per-expert loop beside it;
-    "aligned": those launches with the alignment kernel at every size, see MOE_DECODE_LAUNCHES)."""
+    """One MoE layer at ``config`` (None: the wrapper's own launches, with the per-expert loop beside it; a name of
+    MOE_LAYOUTS: "aligned", the alignment kernel at every size, "gemv" / "gemv+pdl", the matrix-vector launches; see
+    MOE_DECODE_LAUNCHES)."""
     case = fused_moe_case(device, dtype, **shape)
     if config is not None:
-        case = _launched_under(case, moe_aligned_layout if config == "aligned" else
+        case = _launched_under(case, MOE_LAYOUTS[config][0] if isinstance(config, str) else
                                lambda: moe_launch_config(config))
         case.baselines = []
     case.op = "fused_moe configs"
-    case.shape += ("; heuristic" if config is None else "; heuristic, aligned layout" if config == "aligned" else
+    case.shape += ("; heuristic" if config is None else "; " + MOE_LAYOUTS[config][1] if isinstance(config, str) else
                    "; BLOCK_M {} BLOCK_N {}/{} BLOCK_K {} warps {} stages {}".format(*config))
     return case
 

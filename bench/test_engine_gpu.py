@@ -132,6 +132,35 @@ def test_the_fused_rope_variants_change_the_engine_and_put_it_back(tmp_path):
         llm.llm_engine.shutdown()
 
 
+def test_the_moe_gemv_variant_measures_moe_engines_and_puts_the_setting_back(tmp_path):
+    """batch1_moe_gemv: None for a dense model (and for PDL on a CPU); on an MoE engine the batch-1 decode with
+    fused_moe's matrix-vector setting on, the same greedy tokens (a CPU runs the native kernel either way), the
+    setting and the decode graphs' absence after as before."""
+    import pagedkernels as pk
+    from bench import engine_gpu
+    from engine import LLM
+    from tests.engine.models_util import build_tiny_model_dir
+
+    dense = LLM(build_tiny_model_dir("qwen3", str(tmp_path / "dense")), device="cpu", dtype="float32",
+                max_model_len=128, max_num_seqs=2, enforce_eager=True)
+    try:
+        assert engine_gpu.batch1_moe_gemv(dense, {}, 8, 4, 10.0) is None
+    finally:
+        dense.llm_engine.shutdown()
+    llm = LLM(build_tiny_model_dir("qwen3_moe", str(tmp_path / "moe")), device="cpu", dtype="float32",
+              max_model_len=128, max_num_seqs=2)
+    try:
+        assert engine_gpu.batch1_moe_gemv(llm, {}, 8, 4, 10.0, pdl=True) is None
+        default = engine_gpu.batch1_decode(llm, 8, 4, 10.0)
+        before = pk.moe_gemv_max_tokens()
+        key, result = engine_gpu.batch1_moe_gemv(llm, default, 8, 4, 10.0)
+        assert key == "batch1_moe_gemv" and result["same_leading_tokens"] == 4
+        assert ("speedup" in result) == bool(result["decode_tokens_per_s"] and default["decode_tokens_per_s"])
+        assert pk.moe_gemv_max_tokens() == before
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_the_fused_reduce_variant_changes_the_engine_and_puts_it_back(tmp_path):
     """batch1_fused_reduce on an engine whose runner has split counters (on CPU given by hand: its decode ops take
     and ignore them): the other merge measured, its ratio reported, the engine's own setting back after; with PDL

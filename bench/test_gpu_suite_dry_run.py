@@ -214,11 +214,12 @@ def _tune(result):
     moe = [r for r in result["rows"] if r["op"] == "fused_moe configs"]
     assert len(decode) == 3
     assert len(prefill) + len(decode) + len(launch) + len(skinny) + len(moe) == len(result["rows"])
-    # fused_moe's own launches against the per-expert loop, then with the alignment at every size, then one launch
-    # patched in alone
+    # fused_moe's own launches against the per-expert loop, then with the alignment at every size, the matrix-vector
+    # launches (with PDL: the same on a CPU), then one launch patched in alone
     assert [r["shape"].split("; ")[-1] for r in moe] == ["heuristic", "heuristic, aligned layout",
+                                                         "matrix-vector launches", "matrix-vector launches, PDL",
                                                          "BLOCK_M 16 BLOCK_N 16/32 BLOCK_K 32 warps 4 stages 1"]
-    assert [r["baseline"] for r in moe] == ["per-expert loop", None, None]
+    assert [r["baseline"] for r in moe] == ["per-expert loop", None, None, None, None]
     # the wrapper's launch, then a 64-token tile with 2 stages (TILE_N, the stages and the warps patched in)
     assert [r["shape"].split("; ")[-1] for r in launch] == ["wrapper's launch", "TILE_N 64 stages 2 warps 4"]
     assert all(r["check"] == "ok" and r["ms"] for r in result["rows"])
@@ -249,6 +250,8 @@ def _moe(result):
                                                         gpu_suite.kernels.MOE_PREFILL_TARGET.name}
     row = result["engine"]["models"]["qwen3-30b-a3b"]
     assert row["engine"]["complete"] and row["engine"]["output_tokens"] > 0 and "decode_tokens_per_s" in row["batch1"]
+    # fused_moe's matrix-vector launches measured on the same engine (with PDL: not on a CPU)
+    assert "error" not in row["batch1_moe_gemv"] and "batch1_moe_gemv_pdl" not in row, sorted(row)
 
 
 def _async(result):

@@ -32,7 +32,7 @@ from .w16_gemm import pack_w16, w16_gemm  # noqa: F401
 from .skinny_gemm import skinny_gemm  # noqa: F401  (few-row GEMM: decode at small batch, norm / residual fused)
 from .moe_topk import moe_topk  # noqa: F401
 from .moe_align import moe_align_block_size  # noqa: F401
-from .fused_moe import fused_moe, pack_moe_weight  # noqa: F401
+from .fused_moe import fused_moe, moe_gemv_max_tokens, pack_moe_weight, set_moe_gemv_max_tokens  # noqa: F401
 from .lora import lora_expand, lora_mapping, lora_shrink  # noqa: F401  (multi-LoRA: Punica-style grouped GEMMs)
 from .sampling import sample_from_logits  # noqa: F401  (next-token draws: argmax or inverse CDF, one kernel)
 from .cpu_graph import CPUGraph, CPUGraphPool, GraphCaptureError  # noqa: F401  (native kernel calls, replayed from C)

@@ -69,7 +69,8 @@ RESULTS_CACHE = Path(__file__).with_name("aot_results.json")
 HOT_KERNELS = frozenset({"_decode_split_kernel", "_decode_reduce_kernel", "_prefill_attention_kernel",
                          "_reshape_and_cache_kernel", "_rms_norm_kernel", "_wq_gemm_kernel", "_fused_moe_kernel",
                          "_moe_sum_kernel", "_moe_topk_kernel", "_moe_align_kernel", "_lora_shrink_kernel",
-                         "_lora_expand_kernel", "_skinny_gemm_kernel", "_rotary_cache_kernel", "_sample_kernel"})
+                         "_lora_expand_kernel", "_skinny_gemm_kernel", "_rotary_cache_kernel", "_sample_kernel",
+                         "_moe_gemv_up_kernel", "_moe_gemv_down_kernel"})
 # Shared memory one block may use (opt-in maximum), bytes: sm_90 (H100) 227 KiB, sm_80 (A100) 163 KiB.
 SHARED_MEMORY_LIMITS = {90: 227 * 1024, 80: 163 * 1024}
 DEFAULT_TARGETS = (90, 80)
@@ -544,6 +545,20 @@ def _moe_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
                                  torch.rand(tokens, top_k, generator=gen), ids,
                                  activation="gelu_tanh" if experts == 6 and tokens == 16 else "silu")
                 yield f"fused_moe {name} E={experts} top{top_k} H={hidden} I={intermediate} tokens={tokens}", moe
+
+            def gemv(gen, dtype=dtype, experts=experts, top_k=top_k, hidden=hidden, intermediate=intermediate):
+                w13 = torch.empty(experts, 2 * intermediate, hidden, dtype=dtype)
+                w2 = torch.empty(experts, hidden, intermediate, dtype=dtype)
+                previous = pk.set_moe_gemv_max_tokens(4)
+                try:
+                    for tokens in (1, 4):
+                        ids = torch.randint(0, experts, (tokens, top_k), generator=gen, dtype=torch.int32)
+                        pk.fused_moe(torch.empty(tokens, hidden, dtype=dtype), w13, w2,
+                                     torch.rand(tokens, top_k, generator=gen), ids,
+                                     activation="gelu_tanh" if experts == 6 else "silu")
+                finally:
+                    pk.set_moe_gemv_max_tokens(previous)
+            yield f"fused_moe matrix-vector {name} E={experts} top{top_k} H={hidden} I={intermediate}", gemv
         for experts, top_k, scoring, groups in ((8, 2, "softmax", 1), (60, 4, "softmax", 1), (128, 8, "softmax", 1),
                                                 (256, 8, "sigmoid", 8)):
             def topk(gen, dtype=dtype, experts=experts, top_k=top_k, scoring=scoring, groups=groups):
@@ -654,6 +669,13 @@ def _pdl_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
                     pk.rotary_cache_decode_attention(torch.tensor([39]), q.view(1, 16, 128), k_new, v_new, k, v,
                                                      torch.tensor([39]), cos_sin, table, lens, **weights,
                                                      split_counters=torch.zeros(8, dtype=torch.int32))
+                previous = pk.set_moe_gemv_max_tokens(1)   # fused_moe's matrix-vector launches, Qwen3-30B-A3B
+                try:
+                    pk.fused_moe(_randn(1, 2048, dtype=dtype, generator=gen), torch.empty(128, 1536, 2048, dtype=dtype),
+                                 torch.empty(128, 2048, 768, dtype=dtype), torch.rand(1, 8, generator=gen),
+                                 torch.randperm(128, generator=gen)[:8].view(1, 8).int())
+                finally:
+                    pk.set_moe_gemv_max_tokens(previous)
         yield f"programmatic dependent launch {name}", call
 
 
@@ -794,6 +816,8 @@ VALUE_CONSTEXPRS = {
     "_rotary_cache_kernel": ("Q_HEAD_BLOCKS", "K_HEAD_BLOCKS", "CACHE_HEAD_BLOCKS"),
     "_fused_moe_kernel": ("A_ROW_DIV",),
     "_moe_sum_kernel": ("TOP_K",),
+    "_moe_gemv_up_kernel": ("TOP_K",),
+    "_moe_gemv_down_kernel": ("TOP_K",),
 }
 # fp16 and bf16 pointers also fall in one class: the configs never tell them apart, and every
 # kernel compiled to the same registers and shared memory for both (Triton 3.6 and 3.9, sm_90 and

@@ -19,7 +19,11 @@ Backends:
   runs GEMM 2 over the activated rows; ``_moe_sum_kernel`` weights and sums each token's top_k rows. Four
   launches, no Python loop over experts, no host sync: every buffer is sized from shapes. Where the slots are
   few against the experts (decode of a fine-grained MoE, :func:`direct_layout`) each slot is a block of its own
-  and the alignment is skipped: three launches.
+  and the alignment is skipped: three launches. Up to :func:`moe_gemv_max_tokens` tokens (off unless set, see
+  :func:`gemv_layout`) two matrix-vector launches instead, with no tile of padding rows and no top-k sum of its own:
+  ``_moe_gemv_up_kernel`` (a program: one slot's block of I columns, gate and up, activated) and
+  ``_moe_gemv_down_kernel`` (a program: one token's block of H columns, summed over its top_k experts with their
+  weights), both launched with programmatic dependent launch where it is on.
 - Native (CPU, weights packed by :func:`pack_moe_weight`): ``csrc/moe_cpu.c`` sorts the slots by
   expert (a counting sort), then each expert's slots are one GEMM through the 16-bit-weight GEMM's panel
   kernel (``csrc/w16_panel.h``, shared with :func:`pagedkernels.w16_gemm`; float32, fp16 or bf16 panels), the
@@ -37,18 +41,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from . import _huge_pages, _native
-from ._backend import (has_no_data, launch_capability, launch_device_kind, use_native, use_triton,
-                       value_checks_enabled)
+from ._backend import (has_no_data, launch_capability, launch_device_kind, num_multiprocessors, pdl_launch,
+                       use_native, use_triton, value_checks_enabled)
+from ._pdl import pdl_wait
 from ._validate import FLOAT_DTYPES, check_tensor
 from .moe_align import moe_align_block_size
 
 __all__ = ["fused_moe", "check_fused_moe_args", "pack_moe_weight", "unpack_moe_weight", "MoELaunchConfig",
-           "fused_moe_launch_config", "direct_layout", "ACTIVATIONS", "PANEL", "native_scratch_bytes"]
+           "fused_moe_launch_config", "direct_layout", "ACTIVATIONS", "PANEL", "native_scratch_bytes",
+           "set_moe_gemv_max_tokens", "moe_gemv_max_tokens", "gemv_layout", "moe_gemv_config"]
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 # Output columns per panel of a packed weight (the native kernel's layout, pagedkernels.w16_gemm's PANEL).
@@ -404,6 +412,105 @@ def _moe_sum_kernel(
              mask=t_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit(do_not_specialize=["num_slots"])   # the step's slots: no variant per count
+def _moe_gemv_up_kernel(
+    x_ptr,  # [num_tokens, K]: the hidden states
+    w_ptr,  # [E, 2N, K]: w13, each expert's gate rows [0, N) then its up rows [N, 2N)
+    ids_ptr,  # [num_slots] local expert ids, -1 (or out of range) for a slot no local expert takes
+    act_ptr,  # [num_slots, N]: act(gate) * up, rows written for the slots of local experts only
+    num_slots,
+    N,
+    K,
+    num_experts,
+    stride_xm: tl.int64,
+    stride_we: tl.int64,
+    stride_wn: tl.int64,
+    stride_am: tl.int64,
+    TOP_K: tl.constexpr,
+    ACTIVATION: tl.constexpr,  # 1: silu(gate) * up; 2: gelu_tanh(gate) * up
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (_backend.programmatic_dependent_launch)
+):
+    # grid: (num_slots, cdiv(N, BLOCK_N)). A program reads BLOCK_N gate rows and the same up rows of its slot's
+    # expert once, whole and in order, against the slot's token: the products summed elementwise over a
+    # [BLOCK_N, BLOCK_K] tile and across K once at the end (as skinny_gemm's one row), in float32.
+    slot = tl.program_id(0)
+    if USE_PDL:
+        pdl_wait()   # the ids and the hidden states are the kernels ahead's outputs
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    if (expert < 0) | (expert >= num_experts):   # as the other layouts drop them (ids unchecked on a GPU)
+        return
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    x_row = x_ptr + (slot // TOP_K).to(tl.int64) * stride_xm
+    gate_rows = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
+    up_rows = gate_rows + N * stride_wn
+    wide_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    wide_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < K
+        xk = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        mask = n_mask[:, None] & k_mask[None, :]
+        wide_gate += tl.load(gate_rows + k[None, :], mask=mask, other=0.0).to(tl.float32) * xk
+        wide_up += tl.load(up_rows + k[None, :], mask=mask, other=0.0).to(tl.float32) * xk
+    gate = tl.sum(wide_gate, axis=1)
+    up = tl.sum(wide_up, axis=1)
+    if ACTIVATION == 1:
+        y = gate / (1.0 + tl.exp(-gate)) * up
+    else:
+        y = _gelu_tanh(gate) * up
+    tl.store(act_ptr + slot.to(tl.int64) * stride_am + offs_n, y.to(act_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])   # the step's tokens: no variant per count
+def _moe_gemv_down_kernel(
+    act_ptr,  # [num_tokens * TOP_K, K]: the activated rows (those of non-local slots unwritten, unread)
+    w_ptr,  # [E, N, K]: w2
+    ids_ptr,  # [num_tokens * TOP_K] local expert ids, -1 (or out of range) for a slot no local expert takes
+    weights_ptr,  # [num_tokens * TOP_K]: the routing weights
+    out_ptr,  # [num_tokens, N]
+    num_tokens,
+    N,
+    K,
+    num_experts,
+    stride_am: tl.int64,
+    stride_we: tl.int64,
+    stride_wn: tl.int64,
+    stride_om: tl.int64,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    # grid: (num_tokens, cdiv(N, BLOCK_N)). A program owns BLOCK_N output columns of one token: for each of its
+    # top_k slots in order, the expert's rows against the slot's activated row, summed in float32 and rounded to
+    # the output's dtype (as the other layouts store each expert's output), then weighted and added in float32
+    # (as their top-k sum adds them): no [slots, H] buffer, no launch of its own for the sum.
+    token = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    if USE_PDL:
+        pdl_wait()   # the activated rows are the kernel ahead's output
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in range(TOP_K):   # a loop, not unrolled: one expert's stream at a time (unrolled, it spilled)
+        slot = token.to(tl.int64) * TOP_K + j
+        expert = tl.load(ids_ptr + slot).to(tl.int64)
+        if (expert >= 0) & (expert < num_experts):
+            rows = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
+            a_row = act_ptr + slot * stride_am
+            wide = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                k_mask = k < K
+                a = tl.load(a_row + k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+                wide += tl.load(rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32) * a
+            expert_out = tl.sum(wide, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32)
+            acc += tl.load(weights_ptr + slot).to(tl.float32) * expert_out
+    tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
 @dataclass(frozen=True)
 class MoELaunchConfig:
     """The tiles of one grouped GEMM launch (BLOCK_M is the alignment's block, shared by both GEMMs)."""
@@ -481,6 +588,72 @@ def direct_layout(num_slots: int, num_experts: int, block_m: int) -> bool:
     return block_m == 16 and 4 * num_slots <= num_experts
 
 
+def _env_gemv_max_tokens() -> int:
+    value = os.environ.get("PAGEDKERNELS_MOE_GEMV_MAX_TOKENS", "").strip()
+    if not value:
+        return 0
+    if not value.isdigit():
+        raise ValueError(f"PAGEDKERNELS_MOE_GEMV_MAX_TOKENS must be a non-negative int, got {value!r}")
+    return int(value)
+
+
+# Tokens up to which the Triton backend takes the matrix-vector launches (gemv_layout); 0: never.
+_gemv_max_tokens = _env_gemv_max_tokens()
+
+
+def set_moe_gemv_max_tokens(max_tokens: int) -> int:
+    """Up to how many tokens fused_moe's Triton backend takes the matrix-vector launches (:func:`gemv_layout`);
+    0 (the default, or ``PAGEDKERNELS_MOE_GEMV_MAX_TOKENS``): never. Returns the previous setting. A CUDA graph
+    keeps the launches it captured: capture again after changing it."""
+    global _gemv_max_tokens
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+        raise ValueError(f"max_tokens must be a non-negative int, got {max_tokens!r}")
+    previous, _gemv_max_tokens = _gemv_max_tokens, max_tokens
+    return previous
+
+
+def moe_gemv_max_tokens() -> int:
+    """The setting of :func:`set_moe_gemv_max_tokens`."""
+    return _gemv_max_tokens
+
+
+def gemv_layout(num_tokens: int) -> bool:
+    """Whether fused_moe's Triton backend runs ``num_tokens`` tokens as two matrix-vector launches: GEMM 1 with a
+    program per (slot, block of I columns), GEMM 2 and the top-k sum with one per (token, block of H columns).
+    Each slot reads its expert's weights itself (two slots of one expert read them twice, as in the direct
+    layout), with no 16-row tile of which one row is real and no launch for the sum: two launches where the
+    direct layout has three, chained by programmatic dependent launch where it is on. Up to
+    :func:`moe_gemv_max_tokens` tokens; off by default until a GPU has measured it against the direct layout
+    (bench.kernels' tune phase: "fused_moe configs", the "gemv" rows; a decode of Qwen3-30B-A3B's layer is the
+    case: 0.52 of the copy bandwidth at one token on the H200 of 2026-11-30, whatever the tiles)."""
+    return 0 < num_tokens <= _gemv_max_tokens
+
+
+def moe_gemv_config(rows: int, n: int, k: int, gated: bool, dtype: torch.dtype, device_kind: str,
+                    num_sms: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of a matrix-vector launch with ``rows`` program rows (GEMM 1: the slots;
+    GEMM 2: the tokens), ``n`` output columns and ``k`` reduction columns, much as skinny_gemm_config chooses for
+    one row: BLOCK_N halved from 16 until the grid has about four programs a multiprocessor (more loads in
+    flight); BLOCK_K up to 256 values (a 16-bit row read in 512 B pieces), the widest power of two from 64 that
+    divides K (768 -> 256: no half-masked last tile); 4 warps up to 2048 float32 accumulators a program, else 8.
+    Every choice compiles for sm_90 and sm_80 without spills (``python -m pagedkernels._aot``; under Triton 3.6
+    the down projection spilled on sm_80 with 512-deep tiles and with 4096 accumulators over 4 warps).
+    Interpreter (CPU): 4 x 32 tiles, so the tests cross every tile edge at small sizes."""
+    if device_kind != "cuda":
+        return 4, 32, 4
+    block_n = 16
+    while block_n > 1 and rows * triton.cdiv(n, block_n) < 4 * num_sms:
+        block_n //= 2
+    cap = 256
+    block_k = cap
+    while block_k > 64 and k % block_k:
+        block_k //= 2
+    if k % block_k:
+        block_k = min(cap, max(64, triton.next_power_of_2(k)))
+    values = block_n * block_k * (2 if gated else 1)
+    return block_n, block_k, 4 if values <= 2048 else 8
+
+
 # Values per program of the top-k sum: 32 float32 accumulators per thread of 4 warps.
 SUM_TILE = 4096
 
@@ -498,6 +671,10 @@ def _fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, activation, exper
                                       hidden.dtype, device_kind, capability=capability)
     config2 = fused_moe_launch_config(num_tokens, num_experts, top_k, hidden_size, intermediate, False,
                                       hidden.dtype, device_kind, capability=capability)
+    weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
+    if gemv_layout(num_tokens):
+        _fused_moe_gemv(hidden, w13, w2, weights, ids, activation, out, device_kind)
+        return
     block_m = config1.block_m
     direct = direct_layout(num_slots, num_experts, block_m)
     if direct:  # each slot its own block: the ids are the blocks' experts, nothing to sort
@@ -519,11 +696,36 @@ def _fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, activation, exper
             BLOCK_K=config.block_k, GROUP_M=config.group_m, DOT_PRECISION=precision, num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
-    weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     # Tiles of SUM_TILE values: a row of up to 1024 columns, as many tokens as fill the rest.
     block_n = min(1024, triton.next_power_of_2(hidden_size))
     block_t = SUM_TILE // block_n
     _moe_sum_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(hidden_size, block_n))](
         expert_out, weights, ids, out, num_tokens, hidden_size, num_experts, expert_out.stride(0), out.stride(0),
         TOP_K=top_k, BLOCK_T=block_t, BLOCK_N=block_n, num_warps=4,
+    )
+
+
+def _fused_moe_gemv(hidden, w13, w2, weights, ids, activation, out, device_kind) -> None:
+    """The two matrix-vector launches of :func:`gemv_layout` (ids: local expert ids, contiguous)."""
+    num_tokens, hidden_size = hidden.shape
+    num_experts, intermediate = w13.shape[0], w13.shape[1] // 2
+    top_k = ids.shape[1]
+    num_slots = num_tokens * top_k
+    sms = num_multiprocessors(hidden.device)
+    pdl = pdl_launch(hidden.device)
+    activated = torch.empty(num_slots, intermediate, dtype=hidden.dtype, device=hidden.device)
+    block_n, block_k, warps = moe_gemv_config(num_slots, intermediate, hidden_size, True, hidden.dtype, device_kind,
+                                              sms)
+    _moe_gemv_up_kernel[(num_slots, triton.cdiv(intermediate, block_n))](
+        hidden, w13, ids, activated, num_slots, intermediate, hidden_size, num_experts,
+        hidden.stride(0), w13.stride(0), w13.stride(1), activated.stride(0),
+        TOP_K=top_k, ACTIVATION=ACTIVATIONS.index(activation) + 1, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, **pdl,
+    )
+    block_n, block_k, warps = moe_gemv_config(num_tokens, hidden_size, intermediate, False, hidden.dtype,
+                                              device_kind, sms)
+    _moe_gemv_down_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
+        activated, w2, ids, weights, out, num_tokens, hidden_size, intermediate, num_experts,
+        activated.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl,
     )

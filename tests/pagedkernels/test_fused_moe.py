@@ -317,6 +317,108 @@ def test_moe_align_block_size_layout(backend, tokens, experts, top_k, block):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def gemv_on():
+    """fused_moe's matrix-vector launches up to 8 tokens (pagedkernels.set_moe_gemv_max_tokens), then as before."""
+    previous = pk.set_moe_gemv_max_tokens(8)
+    yield
+    pk.set_moe_gemv_max_tokens(previous)
+
+
+class _NotLaunched:
+    """Stands in for a Triton kernel that must not run: launching it (``kernel[grid](...)``) fails the test."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __getitem__(self, grid):
+        raise AssertionError(f"the matrix-vector layout launched {self.name}")
+
+
+# (tokens, hidden, intermediate, experts, top_k): one token over 128 experts top-8; top-1 of two experts; odd sizes
+# across the 4 x 32 tiles; a token count past the setting (the tiled launches again); eight tokens on four experts.
+GEMV_CASES = [(1, 64, 48, 128, 8), (3, 40, 24, 2, 1), (2, 72, 37, 8, 2), (9, 32, 16, 8, 2), (8, 33, 20, 4, 4)]
+
+
+@pytest.mark.parametrize("case", GEMV_CASES, ids=lambda c: "T{}-H{}-I{}-E{}-k{}".format(*c))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gemv_layout_matches_the_float64_reference(case, dtype, gemv_on, monkeypatch):
+    """The matrix-vector launches (two: no tiled GEMM, alignment or top-k sum; those raise here) against the float64
+    reference, unrouted experts' weights NaN, and equal to the tiled launches to the bit in fp16 (the same roundings:
+    the activated rows, each expert's output, the weighted sum in float32 in slot order)."""
+    fused = importlib.import_module("pagedkernels.fused_moe")
+    tokens, hidden, intermediate, experts, top_k = case
+    gen = torch.Generator().manual_seed(tokens * 17 + hidden)
+    x, w13, w2, weights, ids = random_moe(tokens, hidden, intermediate, experts, top_k, dtype, gen)
+    ids[-1, 0] = ids[0, -1]   # two slots on one expert: each reads its weights
+    _poison_unrouted(w13, w2, ids)
+    tiled = None
+    if dtype == torch.float16:
+        previous = pk.set_moe_gemv_max_tokens(0)
+        try:
+            tiled = _run("triton", x, w13, w2, weights, ids)
+        finally:
+            pk.set_moe_gemv_max_tokens(previous)
+    assert fused.gemv_layout(tokens) == (tokens <= 8)
+    if tokens <= 8:
+        for kernel in ("_fused_moe_kernel", "_moe_sum_kernel", "moe_align_block_size"):
+            monkeypatch.setattr(fused, kernel, _NotLaunched(kernel))
+    out = _run("triton", x, w13, w2, weights, ids)
+    assert_moe_close(out, moe_reference(x, w13, w2, weights, ids), TOLERANCE[dtype])
+    if tiled is not None:
+        assert torch.equal(out, tiled)
+
+
+def test_gemv_layout_under_an_expert_map_with_gelu(gemv_on):
+    """Slots of experts on another rank (expert_map -1) add nothing and their rows are never read; a token with no
+    local expert is zero; GeGLU (tanh); int64 ids."""
+    gen = torch.Generator().manual_seed(9)
+    x, _, _, weights, ids = random_moe(3, 48, 24, 12, 3, torch.float32, gen)
+    expert_map = torch.full((12,), -1, dtype=torch.int32)
+    expert_map[torch.tensor([9, 2, 11, 4, 7])] = torch.arange(5, dtype=torch.int32)
+    _, w13, w2, _, _ = random_moe(1, 48, 24, 5, 1, torch.float32, gen)
+    ids[0] = torch.tensor([0, 1, 3])
+    _poison_unrouted(w13, w2, ids, expert_map)
+    out = _run("triton", x, w13, w2, weights, ids.to(torch.int64), activation="gelu_tanh", expert_map=expert_map)
+    assert_moe_close(out, moe_reference(x, w13, w2, weights, ids, "gelu_tanh", expert_map), TOLERANCE[torch.float32])
+    assert torch.equal(out[0], torch.zeros(48))
+
+
+def test_gemv_setting_and_its_launches():
+    """Off by default (PAGEDKERNELS_MOE_GEMV_MAX_TOKENS sets it); the setter returns the previous value and refuses
+    what is no count; on a simulated H100 the tiles give about four programs a multiprocessor."""
+    import subprocess
+    import sys
+
+    fused = importlib.import_module("pagedkernels.fused_moe")
+    env = {k: v for k, v in os.environ.items() if k != "PAGEDKERNELS_MOE_GEMV_MAX_TOKENS"}
+    code = "import pagedkernels as pk; print(pk.moe_gemv_max_tokens())"
+    for value, expected in ((None, "0"), ("4", "4"), ("0", "0")):
+        run_env = env if value is None else {**env, "PAGEDKERNELS_MOE_GEMV_MAX_TOKENS": value}
+        result = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True)
+        assert result.stdout.strip() == expected, result.stderr[-2000:]
+    bad = subprocess.run([sys.executable, "-c", code], env={**env, "PAGEDKERNELS_MOE_GEMV_MAX_TOKENS": "x"},
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "PAGEDKERNELS_MOE_GEMV_MAX_TOKENS must be a non-negative int" in bad.stderr
+    previous = pk.set_moe_gemv_max_tokens(3)
+    try:
+        assert pk.set_moe_gemv_max_tokens(5) == 3 and pk.moe_gemv_max_tokens() == 5
+        assert fused.gemv_layout(5) and not fused.gemv_layout(6) and not fused.gemv_layout(0)
+        for bad_value in (-1, 1.5, True):
+            with pytest.raises(ValueError, match="max_tokens must be a non-negative int"):
+                pk.set_moe_gemv_max_tokens(bad_value)
+    finally:
+        pk.set_moe_gemv_max_tokens(previous)
+    # Qwen3-30B-A3B at one token: 8 slots x 768 gated columns, then 1 token x 2048 plain ones; 132 SMs
+    assert fused.moe_gemv_config(8, 768, 2048, True, torch.bfloat16, "cuda", 132) == (8, 256, 8)
+    assert fused.moe_gemv_config(1, 2048, 768, False, torch.bfloat16, "cuda", 132) == (2, 256, 4)
+    assert fused.moe_gemv_config(64, 2048, 768, False, torch.bfloat16, "cuda", 132) == (16, 256, 8)
+    assert fused.moe_gemv_config(1, 4096, 14336, False, torch.bfloat16, "cuda", 132) == (4, 256, 4)  # Mixtral
+    assert fused.moe_gemv_config(4, 1000, 360, False, torch.bfloat16, "cuda", 132)[1] == 256  # K no multiple of 64
+    assert fused.moe_gemv_config(2, 1000, 40, False, torch.bfloat16, "cuda", 132)[1] == 64
+    assert fused.moe_gemv_config(1, 2048, 768, False, torch.bfloat16, "cpu", 4) == (4, 32, 4)
+
+
 def test_launch_configs_from_shapes():
     """The launches the H200 sweep picked (bench/results/2026-11-30-nvidia-h200-phase9-tune): decode 16-row blocks of 32
     gated / 64 plain columns; from 64 slots an expert 128-row blocks of 128 gated / 256 plain columns over 8 warps and 4

@@ -61,7 +61,8 @@ def test_the_aot_table_builds_the_pdl_variants_for_sm90_only():
             case[0] = label
             call(torch.Generator().manual_seed(0))
     assert {launch.kernel.__name__ for launch in launches} == {
-        "_skinny_gemm_kernel", "_rotary_cache_kernel", "_decode_split_kernel", "_decode_reduce_kernel"}
+        "_skinny_gemm_kernel", "_rotary_cache_kernel", "_decode_split_kernel", "_decode_reduce_kernel",
+        "_moe_gemv_up_kernel", "_moe_gemv_down_kernel"}
     assert all(launch.kwargs.get("launch_pdl") is True and launch.kwargs["USE_PDL"] is True for launch in launches)
     # a variant's compile options are its launch's (num_warps, launch_pdl, ...): griddepcontrol is sm_90's
     made_by_both = dict(capabilities={90, 80})
@@ -77,7 +78,7 @@ def _decode_path_calls(dtype: torch.dtype, device: str) -> list:
     their outputs (fresh copies of what they write in place): skinny_gemm with K of one tile, several and not a
     multiple of it, one row and several, every prologue and the residual epilogue; a decode that writes its output
     directly and one that splits; the rotary embedding with the cache write, with and without q/k norms, alone and
-    in the decode split kernel."""
+    in the decode split kernel; fused_moe's matrix-vector launches."""
     g = torch.Generator().manual_seed(3)
 
     def randn(*shape):
@@ -123,6 +124,20 @@ def _decode_path_calls(dtype: torch.dtype, device: str) -> list:
                                                    **weights)
             return out, kc, vc
         calls.append(rotary_cache_decode)
+    # fused_moe's matrix-vector launches (pagedkernels.set_moe_gemv_max_tokens): the activation, then the down
+    # projection with the top-k sum, one token over 16 experts top-4 and three over 4 experts top-2
+    for tokens, experts, top_k in ((1, 16, 4), (3, 4, 2)):
+        x, w13, w2 = randn(tokens, 48), randn(experts, 2 * 40, 48) * 0.15, randn(experts, 48, 40) * 0.15
+        weights = torch.rand(tokens, top_k, generator=g).to(device)
+        ids = torch.randperm(experts, generator=g)[:top_k].repeat(tokens, 1).to(device=device, dtype=torch.int32)
+
+        def moe(x=x, w13=w13, w2=w2, weights=weights, ids=ids):
+            previous = pk.set_moe_gemv_max_tokens(4)
+            try:
+                return pk.fused_moe(x, w13, w2, weights, ids)
+            finally:
+                pk.set_moe_gemv_max_tokens(previous)
+        calls.append(moe)
     return calls
 
 
@@ -150,7 +165,7 @@ def test_the_pdl_code_paths_compute_what_the_plain_ones_do(dtype, monkeypatch):
     calls = _decode_path_calls(dtype, "cpu")
     with pk.use_backend("triton"):
         expected = [call() for call in calls]
-        for name in ("skinny_gemm", "decode_attention", "rotary"):
+        for name in ("skinny_gemm", "decode_attention", "rotary", "fused_moe"):
             module = importlib.import_module(f"pagedkernels.{name}")
             monkeypatch.setattr(module, "pdl_wait", _no_wait)
             monkeypatch.setattr(module, "pdl_launch", lambda device: {"USE_PDL": True})
