@@ -1426,7 +1426,8 @@ def tune_suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False) 
 # (fused_moe.gemv_layout: two launches, no 16-row tile of one real row, the top-k sum inside the second), "gemv+pdl"
 # the same chained by programmatic dependent launch (Hopper): the H200 read 0.52 of copy bandwidth at one token of
 # Qwen3-30B-A3B's layer whatever the tiles, 0.74 at four.
-MOE_DECODE_LAUNCHES = [None, "aligned", "gemv", "gemv+pdl", (16, 32, 64, 64, 4, 4), (16, 32, 64, 64, 4, 5), (16, 32, 64, 128, 4, 3),
+MOE_DECODE_LAUNCHES = [None, "aligned", "gemv", "gemv+pdl",
+                       (16, 32, 64, 64, 4, 4), (16, 32, 64, 64, 4, 5), (16, 32, 64, 128, 4, 3),
                        (16, 64, 128, 128, 4, 3), (16, 32, 64, 256, 4, 2), (16, 16, 32, 256, 4, 2), (16, 64, 64, 64, 4, 4),
                        (16, 16, 32, 64, 4, 5)]
 MOE_PREFILL_LAUNCHES = [None, (128, 128, 256, 64, 8, 4), (128, 64, 128, 64, 8, 4), (128, 64, 128, 64, 4, 3),
