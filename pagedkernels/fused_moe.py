@@ -39,9 +39,8 @@ Backends:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
