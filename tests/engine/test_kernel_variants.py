@@ -186,9 +186,18 @@ def test_a_dense_model_with_lora_compiles_nothing_after_start_up(tiny_model_dir,
     assert not late, f"variants first compiled after start-up: {_kernel_names(late)}\n" + "\n".join(sorted(late))
 
 
-def test_a_moe_model_compiles_nothing_after_start_up(tiny_model_dir, monkeypatch):
+@pytest.fixture(params=[False, True], ids=["tiled", "matrix-vector"])
+def moe_gemv(request):
+    """fused_moe's matrix-vector launches off, or on up to 4 tokens (pagedkernels.set_moe_gemv_max_tokens)."""
+    previous = pk.set_moe_gemv_max_tokens(4 if request.param else 0)
+    yield request.param
+    pk.set_moe_gemv_max_tokens(previous)
+
+
+def test_a_moe_model_compiles_nothing_after_start_up(tiny_model_dir, monkeypatch, moe_gemv):
     """Mixtral (8 experts, top-2): fused_moe's tiles follow the slots per expert (16-, 32- and 128-row blocks,
-    the direct layout of a one-token step), its alignment and top-k the step's token count."""
+    the direct layout of a one-token step), its alignment and top-k the step's token count; with the matrix-vector
+    launches up to 4 tokens, the decodes of 1-3 sequences take those."""
     from engine.layers.fused_moe import FusedMoE
 
     # The experts' weights as on CUDA, in the Triton kernel's layout (the CPU packs them for its native kernel).
@@ -197,6 +206,8 @@ def test_a_moe_model_compiles_nothing_after_start_up(tiny_model_dir, monkeypatch
         runner, started = _start_up(tiny_model_dir("mixtral"), variants, max_num_seqs=16,
                                     max_num_batched_tokens=272)   # the profile's step: 128-row blocks
         assert {"_fused_moe_kernel", "_moe_align_kernel", "_moe_topk_kernel"} <= set(_kernel_names(started))
+        gemv_kernels = {"_moe_gemv_up_kernel", "_moe_gemv_down_kernel"}
+        assert (gemv_kernels <= set(_kernel_names(started))) == moe_gemv
         steps = _Schedule(runner, {})
         steps.step(new={0: (9, 9, None), 1: (30, 30, None)})
         steps.step(decode=[0, 1])
