@@ -479,34 +479,44 @@ def _moe_gemv_down_kernel(
     stride_wn: tl.int64,
     stride_om: tl.int64,
     TOP_K: tl.constexpr,
+    TOP_K_PAD: tl.constexpr,  # TOP_K rounded up to a power of two
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    # grid: (num_tokens, cdiv(N, BLOCK_N)). A program owns BLOCK_N output columns of one token: for each of its
-    # top_k slots in order, the expert's rows against the slot's activated row, summed in float32 and rounded to
-    # the output's dtype (as the other layouts store each expert's output), then weighted and added in float32
-    # (as their top-k sum adds them): no [slots, H] buffer, no launch of its own for the sum.
+    # grid: (num_tokens, cdiv(N, BLOCK_N)). A program owns BLOCK_N output columns of one token and reads them from
+    # all its top_k experts at once: a [TOP_K_PAD, BLOCK_N, BLOCK_K] tile a K step, every expert's rows in flight
+    # together (a loop over the experts would keep one row block in flight and leave the memory idle between).
+    # Each expert's products are summed in float32 and rounded to the output's dtype (as the other layouts store
+    # each expert's output), then weighted and added in float32 in slot order (as their top-k sum adds them): no
+    # [slots, H] buffer, no launch of its own for the sum.
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
+    j = tl.arange(0, TOP_K_PAD)
+    slots = token.to(tl.int64) * TOP_K + j  # [TOP_K_PAD]
+    j_mask = j < TOP_K
     if USE_PDL:
         pdl_wait()   # the activated rows are the kernel ahead's output
+    experts = tl.load(ids_ptr + slots, mask=j_mask, other=-1).to(tl.int64)
+    local = j_mask & (experts >= 0) & (experts < num_experts)   # as the other layouts drop them
+    experts = tl.where(local, experts, 0)
+    rows = (w_ptr + experts[:, None, None] * stride_we
+            + offs_n.to(tl.int64)[None, :, None] * stride_wn)  # [TOP_K_PAD, BLOCK_N, 1]
+    row_mask = local[:, None, None] & n_mask[None, :, None]
+    a_rows = act_ptr + slots[:, None] * stride_am  # [TOP_K_PAD, 1]
+    wide = tl.zeros([TOP_K_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < K
+        a = tl.load(a_rows + k[None, :], mask=local[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        b = tl.load(rows + k[None, None, :], mask=row_mask & k_mask[None, None, :], other=0.0).to(tl.float32)
+        wide += b * a[:, None, :]
+    expert_out = tl.sum(wide, axis=2).to(out_ptr.dtype.element_ty).to(tl.float32)  # [TOP_K_PAD, BLOCK_N]
+    weighted = tl.load(weights_ptr + slots, mask=local, other=0.0).to(tl.float32)[:, None] * expert_out
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in range(TOP_K):   # a loop, not unrolled: one expert's stream at a time (unrolled, it spilled)
-        slot = token.to(tl.int64) * TOP_K + j
-        expert = tl.load(ids_ptr + slot).to(tl.int64)
-        if (expert >= 0) & (expert < num_experts):
-            rows = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
-            a_row = act_ptr + slot * stride_am
-            wide = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                k_mask = k < K
-                a = tl.load(a_row + k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-                wide += tl.load(rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32) * a
-            expert_out = tl.sum(wide, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32)
-            acc += tl.load(weights_ptr + slot).to(tl.float32) * expert_out
+    for i in tl.static_range(TOP_K):   # in slot order, one term at a time (a tree sum would round otherwise)
+        acc += tl.sum(tl.where(j[:, None] == i, weighted, 0.0), axis=0)
     tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -628,29 +638,31 @@ def gemv_layout(num_tokens: int) -> bool:
     return 0 < num_tokens <= _gemv_max_tokens
 
 
-def moe_gemv_config(rows: int, n: int, k: int, gated: bool, dtype: torch.dtype, device_kind: str,
+def moe_gemv_config(rows: int, n: int, k: int, depth: int, dtype: torch.dtype, device_kind: str,
                     num_sms: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) of a matrix-vector launch with ``rows`` program rows (GEMM 1: the slots;
-    GEMM 2: the tokens), ``n`` output columns and ``k`` reduction columns, much as skinny_gemm_config chooses for
-    one row: BLOCK_N halved from 16 until the grid has about four programs a multiprocessor (more loads in
-    flight); BLOCK_K up to 256 values (a 16-bit row read in 512 B pieces), the widest power of two from 64 that
-    divides K (768 -> 256: no half-masked last tile); 4 warps up to 2048 float32 accumulators a program, else 8.
-    Every choice compiles for sm_90 and sm_80 without spills (``python -m pagedkernels._aot``; under Triton 3.6
-    the down projection spilled on sm_80 with 512-deep tiles and with 4096 accumulators over 4 warps).
-    Interpreter (CPU): 4 x 32 tiles, so the tests cross every tile edge at small sizes."""
+    GEMM 2: the tokens), ``n`` output columns, ``k`` reduction columns and ``depth`` weight rows a column (GEMM 1:
+    2, gate and up; GEMM 2: top_k rounded up to a power of two, every expert's rows read together), much as
+    skinny_gemm_config chooses for one row: BLOCK_N halved from 16 until the grid has about four programs a
+    multiprocessor (more loads in flight) and the tile holds at most 4096 values with BLOCK_K >= 128; BLOCK_K up
+    to 256 (a 16-bit row read in 512 B pieces), the widest power of two from 64 that divides K (768 -> 256: no
+    half-masked last tile) and fits those 4096; 4 warps up to 1024 values a tile, else 8. The grid then keeps
+    ``n * depth * BLOCK_K`` weights in flight. Every choice compiles for sm_90 and sm_80 without spills (``python -m
+    pagedkernels._aot``; under Triton 3.6, sm_80 spilled a few bytes with 2048 values over 4 warps, and with 512-deep
+    tiles). Interpreter (CPU): 4 x 32 tiles, so the tests cross every tile edge at small sizes."""
     if device_kind != "cuda":
         return 4, 32, 4
     block_n = 16
-    while block_n > 1 and rows * triton.cdiv(n, block_n) < 4 * num_sms:
+    while block_n > 1 and (rows * triton.cdiv(n, block_n) < 4 * num_sms or block_n * depth * 128 > 4096):
         block_n //= 2
-    cap = 256
+    cap = max(64, min(256, 4096 // (block_n * depth)))
     block_k = cap
     while block_k > 64 and k % block_k:
         block_k //= 2
     if k % block_k:
         block_k = min(cap, max(64, triton.next_power_of_2(k)))
-    values = block_n * block_k * (2 if gated else 1)
-    return block_n, block_k, 4 if values <= 2048 else 8
+    values = block_n * block_k * depth
+    return block_n, block_k, 4 if values <= 1024 else 8
 
 
 # Values per program of the top-k sum: 32 float32 accumulators per thread of 4 warps.
@@ -713,18 +725,18 @@ def _fused_moe_gemv(hidden, w13, w2, weights, ids, activation, out, device_kind)
     sms = num_multiprocessors(hidden.device)
     pdl = pdl_launch(hidden.device)
     activated = torch.empty(num_slots, intermediate, dtype=hidden.dtype, device=hidden.device)
-    block_n, block_k, warps = moe_gemv_config(num_slots, intermediate, hidden_size, True, hidden.dtype, device_kind,
-                                              sms)
+    block_n, block_k, warps = moe_gemv_config(num_slots, intermediate, hidden_size, 2, hidden.dtype, device_kind, sms)
     _moe_gemv_up_kernel[(num_slots, triton.cdiv(intermediate, block_n))](
         hidden, w13, ids, activated, num_slots, intermediate, hidden_size, num_experts,
         hidden.stride(0), w13.stride(0), w13.stride(1), activated.stride(0),
         TOP_K=top_k, ACTIVATION=ACTIVATIONS.index(activation) + 1, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps, **pdl,
     )
-    block_n, block_k, warps = moe_gemv_config(num_tokens, hidden_size, intermediate, False, hidden.dtype,
+    top_k_pad = triton.next_power_of_2(top_k)
+    block_n, block_k, warps = moe_gemv_config(num_tokens, hidden_size, intermediate, top_k_pad, hidden.dtype,
                                               device_kind, sms)
     _moe_gemv_down_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
         activated, w2, ids, weights, out, num_tokens, hidden_size, intermediate, num_experts,
         activated.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl,
+        TOP_K=top_k, TOP_K_PAD=top_k_pad, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl,
     )
