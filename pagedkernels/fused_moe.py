@@ -23,7 +23,8 @@ Backends:
   :func:`gemv_layout`) two matrix-vector launches instead, with no tile of padding rows and no top-k sum of its own:
   ``_moe_gemv_up_kernel`` (a program: one slot's block of I columns, gate and up, activated) and
   ``_moe_gemv_down_kernel`` (a program: one token's block of H columns, summed over its top_k experts with their
-  weights), both launched with programmatic dependent launch where it is on.
+  weights), both launched with programmatic dependent launch where it is on (the down projection's first weight
+  tile then streams in while the up projection finishes).
 - Native (CPU, weights packed by :func:`pack_moe_weight`): ``csrc/moe_cpu.c`` sorts the slots by
   expert (a counting sort), then each expert's slots are one GEMM through the 16-bit-weight GEMM's panel
   kernel (``csrc/w16_panel.h``, shared with :func:`pagedkernels.w16_gemm`; float32, fp16 or bf16 panels), the
@@ -496,8 +497,8 @@ def _moe_gemv_down_kernel(
     j = tl.arange(0, TOP_K_PAD)
     slots = token.to(tl.int64) * TOP_K + j  # [TOP_K_PAD]
     j_mask = j < TOP_K
-    if USE_PDL:
-        pdl_wait()   # the activated rows are the kernel ahead's output
+    # The ids and the routing weights are read before the wait under programmatic dependent launch: they come from
+    # before the up projection, which waited for them to be written before it let this kernel launch.
     experts = tl.load(ids_ptr + slots, mask=j_mask, other=-1).to(tl.int64)
     local = j_mask & (experts >= 0) & (experts < num_experts)   # as the other layouts drop them
     experts = tl.where(local, experts, 0)
@@ -506,7 +507,15 @@ def _moe_gemv_down_kernel(
     row_mask = local[:, None, None] & n_mask[None, :, None]
     a_rows = act_ptr + slots[:, None] * stride_am  # [TOP_K_PAD, 1]
     wide = tl.zeros([TOP_K_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    first = 0
+    if USE_PDL:   # the first weight tile streams in while the up projection finishes (no kernel writes weights)
+        k_first = tl.arange(0, BLOCK_K)
+        b_first = tl.load(rows + k_first[None, None, :], mask=row_mask & (k_first < K)[None, None, :], other=0.0)
+        pdl_wait()   # the activated rows are the kernel ahead's output
+        a_first = tl.load(a_rows + k_first[None, :], mask=local[:, None] & (k_first < K)[None, :], other=0.0)
+        wide += b_first.to(tl.float32) * a_first.to(tl.float32)[:, None, :]
+        first = BLOCK_K
+    for k0 in range(first, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < K
         a = tl.load(a_rows + k[None, :], mask=local[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
