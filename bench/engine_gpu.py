@@ -659,7 +659,7 @@ def batch1_moe_gemv(llm, default: dict, prompt_len: int, new_tokens: int, copy_g
     runner = llm.llm_engine.model_runner
     if not any(isinstance(m, FusedMoE) for m in runner.model.modules()):
         return None
-    undo_pdl = _pdl_on(llm) if pdl else (lambda: None)
+    undo_pdl = _pdl_on(llm) if pdl else runner.drop_graphs   # either way the graphs are captured again, after too
     if undo_pdl is None:
         return None
     previous = pagedkernels.set_moe_gemv_max_tokens(8)
@@ -667,7 +667,6 @@ def batch1_moe_gemv(llm, default: dict, prompt_len: int, new_tokens: int, copy_g
 
     def undo() -> None:
         pagedkernels.set_moe_gemv_max_tokens(previous)
-        runner.drop_graphs()
         undo_pdl()
     result = _batch1_changed(llm, default, prompt_len, new_tokens, copy_gbps, undo=undo)
     if result["decode_tokens_per_s"] and default["decode_tokens_per_s"]:

@@ -642,13 +642,12 @@ def gemv_layout(num_tokens: int) -> bool:
     layout), with no 16-row tile of which one row is real and no launch for the sum: two launches where the
     direct layout has three, chained by programmatic dependent launch where it is on. Up to
     :func:`moe_gemv_max_tokens` tokens; off by default until a GPU has measured it against the direct layout
-    (bench.kernels' tune phase: "fused_moe configs", the "gemv" rows; a decode of Qwen3-30B-A3B's layer is the
-    case: 0.52 of the copy bandwidth at one token on the H200 of 2026-11-30, whatever the tiles)."""
+    (bench.kernels' tune phase: "fused_moe configs", the "matrix-vector launches" rows; a decode of Qwen3-30B-A3B's
+    layer is the case: 0.52 of the copy bandwidth at one token on the H200 of 2026-11-30, whatever the tiles)."""
     return 0 < num_tokens <= _gemv_max_tokens
 
 
-def moe_gemv_config(rows: int, n: int, k: int, depth: int, dtype: torch.dtype, device_kind: str,
-                    num_sms: int) -> tuple[int, int, int]:
+def moe_gemv_config(rows: int, n: int, k: int, depth: int, device_kind: str, num_sms: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) of a matrix-vector launch with ``rows`` program rows (GEMM 1: the slots;
     GEMM 2: the tokens), ``n`` output columns, ``k`` reduction columns and ``depth`` weight rows a column (GEMM 1:
     2, gate and up; GEMM 2: top_k rounded up to a power of two, every expert's rows read together), much as
@@ -687,14 +686,14 @@ def _fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, activation, exper
     device_kind, capability = launch_device_kind(hidden.device), launch_capability(hidden.device)
     ids = topk_ids if expert_map is None else expert_map[topk_ids.long()]  # local ids, -1: elsewhere
     ids = ids if ids.is_contiguous() else ids.contiguous()
-    config1 = fused_moe_launch_config(num_tokens, num_experts, top_k, intermediate, hidden_size, True,
-                                      hidden.dtype, device_kind, capability=capability)
-    config2 = fused_moe_launch_config(num_tokens, num_experts, top_k, hidden_size, intermediate, False,
-                                      hidden.dtype, device_kind, capability=capability)
     weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     if gemv_layout(num_tokens):
         _fused_moe_gemv(hidden, w13, w2, weights, ids, activation, out, device_kind)
         return
+    config1 = fused_moe_launch_config(num_tokens, num_experts, top_k, intermediate, hidden_size, True,
+                                      hidden.dtype, device_kind, capability=capability)
+    config2 = fused_moe_launch_config(num_tokens, num_experts, top_k, hidden_size, intermediate, False,
+                                      hidden.dtype, device_kind, capability=capability)
     block_m = config1.block_m
     direct = direct_layout(num_slots, num_experts, block_m)
     if direct:  # each slot its own block: the ids are the blocks' experts, nothing to sort
@@ -734,7 +733,7 @@ def _fused_moe_gemv(hidden, w13, w2, weights, ids, activation, out, device_kind)
     sms = num_multiprocessors(hidden.device)
     pdl = pdl_launch(hidden.device)
     activated = torch.empty(num_slots, intermediate, dtype=hidden.dtype, device=hidden.device)
-    block_n, block_k, warps = moe_gemv_config(num_slots, intermediate, hidden_size, 2, hidden.dtype, device_kind, sms)
+    block_n, block_k, warps = moe_gemv_config(num_slots, intermediate, hidden_size, 2, device_kind, sms)
     _moe_gemv_up_kernel[(num_slots, triton.cdiv(intermediate, block_n))](
         hidden, w13, ids, activated, num_slots, intermediate, hidden_size, num_experts,
         hidden.stride(0), w13.stride(0), w13.stride(1), activated.stride(0),
@@ -742,8 +741,7 @@ def _fused_moe_gemv(hidden, w13, w2, weights, ids, activation, out, device_kind)
         num_warps=warps, **pdl,
     )
     top_k_pad = triton.next_power_of_2(top_k)
-    block_n, block_k, warps = moe_gemv_config(num_tokens, hidden_size, intermediate, top_k_pad, hidden.dtype,
-                                              device_kind, sms)
+    block_n, block_k, warps = moe_gemv_config(num_tokens, hidden_size, intermediate, top_k_pad, device_kind, sms)
     _moe_gemv_down_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
         activated, w2, ids, weights, out, num_tokens, hidden_size, intermediate, num_experts,
         activated.stride(0), w2.stride(0), w2.stride(1), out.stride(0),

@@ -412,14 +412,14 @@ def test_gemv_setting_and_its_launches():
     # Qwen3-30B-A3B at one token: 8 slots x 768 gated columns (gate and up: 2 rows a column), then 1 token x 2048
     # columns read from its 8 experts together; 132 SMs
     config = fused.moe_gemv_config
-    assert config(8, 768, 2048, 2, torch.bfloat16, "cuda", 132) == (8, 256, 8)
-    assert config(1, 2048, 768, 8, torch.bfloat16, "cuda", 132) == (2, 256, 8)
-    assert config(64, 2048, 768, 8, torch.bfloat16, "cuda", 132) == (4, 128, 8)   # tiles of at most 4096 values
-    assert config(1, 4096, 14336, 2, torch.bfloat16, "cuda", 132) == (4, 256, 8)   # Mixtral's down projection
-    assert config(1, 4096, 14336, 1, torch.bfloat16, "cuda", 132) == (4, 256, 4)   # top-1: 1024 values
-    assert config(4, 1000, 360, 2, torch.bfloat16, "cuda", 132)[1] == 256   # K no multiple of 64
-    assert config(2, 1000, 40, 2, torch.bfloat16, "cuda", 132)[1] == 64
-    assert config(1, 2048, 768, 8, torch.bfloat16, "cpu", 4) == (4, 32, 4)
+    assert config(8, 768, 2048, 2, "cuda", 132) == (8, 256, 8)
+    assert config(1, 2048, 768, 8, "cuda", 132) == (2, 256, 8)
+    assert config(64, 2048, 768, 8, "cuda", 132) == (4, 128, 8)   # tiles of at most 4096 values
+    assert config(1, 4096, 14336, 2, "cuda", 132) == (4, 256, 8)   # Mixtral's down projection
+    assert config(1, 4096, 14336, 1, "cuda", 132) == (4, 256, 4)   # top-1: 1024 values
+    assert config(4, 1000, 360, 2, "cuda", 132)[1] == 256   # K no multiple of 64
+    assert config(2, 1000, 40, 2, "cuda", 132)[1] == 64
+    assert config(1, 2048, 768, 8, "cpu", 4) == (4, 32, 4)
 
 
 def test_launch_configs_from_shapes():
