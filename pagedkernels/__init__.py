@@ -29,7 +29,8 @@ from .gguf_quant import (GGUF_BLOCKS, GGUF_INTERLEAVED, gguf_deinterleave, gguf_
                          gguf_interleave, gguf_take_rows)
 from .fp8_gemm import fp8_gemm, quantize_fp8_weight  # noqa: F401
 from .w16_gemm import pack_w16, w16_gemm  # noqa: F401
-from .skinny_gemm import skinny_gemm  # noqa: F401  (few-row GEMM: decode at small batch, norm / residual fused)
+from .skinny_gemm import (  # noqa: F401  (few-row GEMM: decode at small batch, norm / residual fused)
+    set_skinny_gemm_deep, skinny_gemm, skinny_gemm_deep)
 from .moe_topk import moe_topk  # noqa: F401
 from .moe_align import moe_align_block_size  # noqa: F401
 from .fused_moe import fused_moe, moe_gemv_max_tokens, pack_moe_weight, set_moe_gemv_max_tokens  # noqa: F401

@@ -633,6 +633,27 @@ def _skinny_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
                                residual=torch.zeros(M, N, dtype=dtype) if residual else None)
             yield (f"skinny_gemm {name} M={M} N={N} K={K}{' ' + prologue if prologue else ''}"
                    f"{' residual' if residual else ''}{' bias' if bias else ''}"), call
+    # the deep launches (set_skinny_gemm_deep: K tiles widened, two in flight where K takes several), the 16-bit
+    # dtypes at Qwen3-0.6B's and Llama-3-8B's batch-1 decoder projections and LM heads as the engine calls them
+    for dtype in (torch.bfloat16, torch.float16):
+        name = str(dtype).replace("torch.", "")
+
+        def deep(gen, dtype=dtype):
+            previous = pk.set_skinny_gemm_deep(True)
+            try:
+                for N, K, prologue in ((4096, 1024, "norm"), (1024, 2048, None), (6144, 1024, "norm"),
+                                       (1024, 3072, "silu"), (6144, 4096, "norm"), (4096, 4096, None),
+                                       (28672, 4096, "norm"), (4096, 14336, "silu"), (151936, 1024, "norm"),
+                                       (128256, 4096, "norm")):
+                    x = _randn(1, 2 * K if prologue == "silu" else K, dtype=dtype, generator=gen)
+                    pk.skinny_gemm(x, torch.empty(N, K, dtype=dtype),
+                                   norm_weight=torch.ones(K, dtype=dtype) if prologue == "norm" else None,
+                                   eps=1e-6 if prologue == "norm" else None,
+                                   gated="silu" if prologue == "silu" else None,
+                                   residual=torch.zeros(1, N, dtype=dtype) if prologue != "norm" else None)
+            finally:
+                pk.set_skinny_gemm_deep(previous)
+        yield f"skinny_gemm deep {name} batch-1 projections", deep
 
 
 def _pdl_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
@@ -649,12 +670,19 @@ def _pdl_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
 
         def call(gen, dtype=dtype):
             with mock.patch.object(_backend, "_pdl", True):
-                for M, N, K, prologue in ((1, 4096, 1024, "norm"), (1, 1024, 3072, "silu"), (1, 28672, 4096, None)):
-                    x = _randn(M, 2 * K if prologue == "silu" else K, dtype=dtype, generator=gen)
-                    pk.skinny_gemm(x, torch.empty(N, K, dtype=dtype),
-                                   norm_weight=torch.ones(K, dtype=dtype) if prologue == "norm" else None,
-                                   eps=1e-6 if prologue == "norm" else None, gated="silu" if prologue == "silu" else None,
-                                   residual=torch.zeros(M, N, dtype=dtype) if prologue != "norm" else None)
+                for deep in (False, True):   # and the deep launches (set_skinny_gemm_deep)
+                    previous = pk.set_skinny_gemm_deep(deep)
+                    try:
+                        for M, N, K, prologue in ((1, 4096, 1024, "norm"), (1, 1024, 3072, "silu"),
+                                                  (1, 28672, 4096, None)):
+                            x = _randn(M, 2 * K if prologue == "silu" else K, dtype=dtype, generator=gen)
+                            pk.skinny_gemm(x, torch.empty(N, K, dtype=dtype),
+                                           norm_weight=torch.ones(K, dtype=dtype) if prologue == "norm" else None,
+                                           eps=1e-6 if prologue == "norm" else None,
+                                           gated="silu" if prologue == "silu" else None,
+                                           residual=torch.zeros(M, N, dtype=dtype) if prologue != "norm" else None)
+                    finally:
+                        pk.set_skinny_gemm_deep(previous)
                 k, v, table, lens = _paged_inputs(1, 40, 8, 128, 16, dtype, gen, table_width=64)
                 q = _randn(1, 16, 128, dtype=dtype, generator=gen)
                 pk.paged_decode_attention(q, k, v, table, lens)

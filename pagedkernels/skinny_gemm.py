@@ -25,6 +25,9 @@ over a program's ``[BLOCK_N, BLOCK_K]`` tile and reduces across K once at the en
 
 Launched with programmatic dependent launch (``pagedkernels.set_programmatic_dependent_launch``, Hopper and later), a
 program loads its first weight tile before it waits for the kernel ahead, whose outputs (x, the residual) it reads.
+With :func:`set_skinny_gemm_deep` (off by default until a GPU has measured it) a program reaches deeper into K: tiles
+widened along K, and two in flight where K takes several (the first loaded before the prologue, then each K block's
+loads issued before the block ahead is multiplied: the products and their order unchanged, so are the bits).
 
 Backends: Triton (CUDA; fp32 accumulation; M up to :data:`MAX_ROWS`, the rows unrolled), and a PyTorch twin (CPU and
 the ``torch`` backend) with the same rounding points. There is no native CPU kernel: the CPU's few-row products go
@@ -32,6 +35,8 @@ through ``w16_gemm`` and oneDNN (engine/layers/quantization/unquantized.py).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -41,7 +46,8 @@ from ._backend import has_no_data, num_multiprocessors, pdl_launch, use_triton
 from ._pdl import pdl_wait
 from ._validate import FLOAT_DTYPES, check_tensor
 
-__all__ = ["skinny_gemm", "check_skinny_gemm_args", "skinny_gemm_config", "MAX_ROWS"]
+__all__ = ["skinny_gemm", "check_skinny_gemm_args", "skinny_gemm_config", "set_skinny_gemm_deep",
+           "skinny_gemm_deep", "MAX_ROWS"]
 
 # Rows the kernel unrolls: beyond a few, the weight tile is reused enough that a tiled GEMM (cuBLAS) wins.
 MAX_ROWS = 8
@@ -94,6 +100,7 @@ def _skinny_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (_backend.programmatic_dependent_launch)
+    PREFETCH: tl.constexpr,  # the first weight tile loaded before the prologue, then each tile one K block ahead
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -101,10 +108,11 @@ def _skinny_gemm_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
 
-    if USE_PDL:   # the first weight tile in flight while the kernel ahead finishes (no kernel writes weights)
+    if USE_PDL or PREFETCH:   # the first weight tile in flight while the kernel ahead (or the prologue) runs
         first_k = tl.arange(0, BLOCK_K)
         w_first = tl.load(w_rows + first_k[None, :], mask=n_mask[:, None] & (first_k < K)[None, :], other=0.0)
-        pdl_wait()   # x, the norm's input and the residual are the kernel ahead's outputs
+    if USE_PDL:
+        pdl_wait()   # x, the norm's input and the residual are the kernel ahead's outputs (no kernel writes weights)
 
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_NORM:   # the rows' reciprocal RMS, every program its own (x is small and in L2)
@@ -119,16 +127,27 @@ def _skinny_gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # one row: the products summed elementwise, across K once at the end (no reduction per block); several: unused
     wide = tl.zeros([BLOCK_N if BLOCK_M == 1 else 1, BLOCK_K if BLOCK_M == 1 else 1], dtype=tl.float32)
-    first = 0
-    if USE_PDL:   # the prefetched tile, then the loop from the second
-        acc, wide = _skinny_tile(acc, wide, w_first.to(tl.float32), x_ptr, stride_xm, norm_ptr, rstd, offs_m,
-                                 first_k, M, K, HAS_NORM, GATED, BLOCK_M)
-        first = BLOCK_K
-    for k0 in range(first, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)
-        acc, wide = _skinny_tile(acc, wide, w, x_ptr, stride_xm, norm_ptr, rstd, offs_m, offs_k, M, K, HAS_NORM,
-                                 GATED, BLOCK_M)
+    if PREFETCH:   # two tiles in flight a program: the next K block's loads issued before this one's products
+        w_next = w_first
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            w = w_next
+            ahead = offs_k + BLOCK_K   # past K on the last block: masked, nothing read
+            w_next = tl.load(w_rows + ahead[None, :], mask=n_mask[:, None] & (ahead < K)[None, :], other=0.0)
+            acc, wide = _skinny_tile(acc, wide, w.to(tl.float32), x_ptr, stride_xm, norm_ptr, rstd, offs_m, offs_k,
+                                     M, K, HAS_NORM, GATED, BLOCK_M)
+    else:
+        first = 0
+        if USE_PDL:   # the prefetched tile, then the loop from the second
+            acc, wide = _skinny_tile(acc, wide, w_first.to(tl.float32), x_ptr, stride_xm, norm_ptr, rstd, offs_m,
+                                     first_k, M, K, HAS_NORM, GATED, BLOCK_M)
+            first = BLOCK_K
+        for k0 in range(first, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :],
+                        other=0.0).to(tl.float32)
+            acc, wide = _skinny_tile(acc, wide, w, x_ptr, stride_xm, norm_ptr, rstd, offs_m, offs_k, M, K, HAS_NORM,
+                                     GATED, BLOCK_M)
     if BLOCK_M == 1:
         acc = tl.sum(wide, axis=1)[None, :]
 
@@ -145,16 +164,60 @@ def _skinny_gemm_kernel(
                  mask=mask)
 
 
-def skinny_gemm_config(M: int, N: int, K: int, num_multiprocessors: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for an ``[M, K] x [N, K]^T`` launch: enough programs for about four per SM
-    (a program streams BLOCK_N weight rows; more of them in flight hide the memory latency), BLOCK_N between 1 and
-    16 so a program's tile stays ~2-8K values, BLOCK_K up to 512 (a 16-bit row read in 1 KiB pieces)."""
+def _env_deep() -> bool:
+    value = os.environ.get("PAGEDKERNELS_SKINNY_DEEP", "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"PAGEDKERNELS_SKINNY_DEEP must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+# Whether skinny_gemm_config takes the deep launches (set_skinny_gemm_deep).
+_deep = _env_deep()
+
+
+def set_skinny_gemm_deep(on: bool) -> bool:
+    """Whether skinny_gemm's Triton launches reach deeper into K a program (:func:`skinny_gemm_config`): tiles
+    widened along K to up to 4096 values (a program of one or two rows reads its rows whole, in one or two memory
+    round trips), and where K still takes several tiles, two in flight (the kernel's PREFETCH: the first tile loaded
+    before the prologue, each K block's loads issued before the block ahead is multiplied). The grid of a small
+    projection then asks for its whole weight at once: the 0.6B down projection's one row of 3072 a program ran as
+    six 1 KiB round trips in a row, 1 MiB in flight over the device (a few percent of what an H200 needs to stream).
+    Off by default (or ``PAGEDKERNELS_SKINNY_DEEP=1``) until a GPU has measured it. The same bits either way where
+    the tiles are unchanged (prefetch alone); a wider tile sums in another order. Returns the previous setting. A
+    CUDA graph keeps the launches it captured: capture again after changing it."""
+    global _deep
+    if not isinstance(on, bool):
+        raise ValueError(f"on must be a bool, got {on!r}")
+    previous, _deep = _deep, on
+    return previous
+
+
+def skinny_gemm_deep() -> bool:
+    """The setting of :func:`set_skinny_gemm_deep`."""
+    return _deep
+
+
+# Values of a program's tile the deep launches widen BLOCK_K up to (4 warps: 32 a thread).
+DEEP_TILE = 4096
+
+
+def skinny_gemm_config(M: int, N: int, K: int, num_multiprocessors: int) -> tuple[int, int, int, bool]:
+    """(BLOCK_N, BLOCK_K, num_warps, prefetch) for an ``[M, K] x [N, K]^T`` launch: enough programs for about four
+    per SM (a program streams BLOCK_N weight rows; more of them in flight hide the memory latency), BLOCK_N between
+    1 and 16 so a program's tile stays ~2-8K values, BLOCK_K up to 512 (a 16-bit row read in 1 KiB pieces). With
+    :func:`set_skinny_gemm_deep`: BLOCK_K doubled while the tile stays within DEEP_TILE values and K's power of two,
+    and prefetch (the kernel's PREFETCH) where K still takes more than one tile, with 8 warps from 4096 values."""
     block_n = 16
     while block_n > 1 and triton.cdiv(N, block_n) < 4 * num_multiprocessors:
         block_n //= 2
     block_k = min(512, max(64, triton.next_power_of_2(K)))
-    num_warps = 4 if block_n * block_k <= 4096 else 8
-    return block_n, block_k, num_warps
+    if _deep:
+        while block_k < triton.next_power_of_2(K) and 2 * block_n * block_k <= DEEP_TILE:
+            block_k *= 2
+    prefetch = _deep and K > block_k
+    # two tiles a program in registers: 8 warps from 4096 values (4 spilled on sm_80, the gated 4 x 1024)
+    num_warps = 4 if block_n * block_k <= (2048 if prefetch else 4096) else 8
+    return block_n, block_k, num_warps, prefetch
 
 
 GATED = ("silu",)
@@ -241,7 +304,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def _skinny_triton(x, weight, bias, norm_weight, eps, residual, out, gated=None) -> None:
     M = x.shape[0]
     N, K = weight.shape
-    block_n, block_k, num_warps = skinny_gemm_config(M, N, K, num_multiprocessors(x.device))
+    block_n, block_k, num_warps, prefetch = skinny_gemm_config(M, N, K, num_multiprocessors(x.device))
     dummy = residual if residual is not None else out
     _skinny_gemm_kernel[(triton.cdiv(N, block_n),)](
         x, weight, bias if bias is not None else dummy, norm_weight if norm_weight is not None else dummy,
@@ -251,7 +314,7 @@ def _skinny_triton(x, weight, bias, norm_weight, eps, residual, out, gated=None)
         float(eps) if eps is not None else 0.0,
         HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, GATED=gated is not None,
         HAS_RESIDUAL=residual is not None,
-        BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH=prefetch, num_warps=num_warps,
         **pdl_launch(x.device))
 
 

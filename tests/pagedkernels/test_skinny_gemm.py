@@ -1,11 +1,18 @@
 """skinny_gemm (few-row GEMM with an RMSNorm prologue or a residual-add epilogue) against a float64 oracle, both
 backends, and its argument checks."""
 
+import importlib
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
+import triton
+import triton.language as tl  # noqa: F401  (the interpreter looks for it in a jit function's module)
 
 import pagedkernels as pk
-from pagedkernels import torch_ops
+from pagedkernels import _backend, torch_ops
 from pagedkernels.skinny_gemm import MAX_ROWS, skinny_gemm_config
 
 BACKENDS = ["triton", "torch"]
@@ -127,12 +134,126 @@ def test_the_prologue_equals_rms_norm_then_the_product(backend, device):
 def test_config_fills_the_device_and_stays_in_bounds():
     for N in (1, 7, 1024, 4096, 6144, 151936):
         for K in (16, 1000, 1024, 14336):
-            block_n, block_k, num_warps = skinny_gemm_config(1, N, K, 132)
+            block_n, block_k, num_warps, prefetch = skinny_gemm_config(1, N, K, 132)
             assert block_n in (1, 2, 4, 8, 16) and 64 <= block_k <= 512 and num_warps in (4, 8)
+            assert prefetch is False   # off unless set
             assert block_k >= min(K, 512) or block_k == 64
             programs = -(-N // block_n)
             assert block_n == 1 or programs >= 4 * 132   # fewer programs only when the rows run out
     assert skinny_gemm_config(1, 151936, 1024, 132)[0] == 16
+
+
+def test_deep_setting_env_and_config():
+    """Off by default; PAGEDKERNELS_SKINNY_DEEP=1 turns it on, anything but 0/1 is refused at import; the setter returns
+    the previous value and takes bools only. On, the config widens K tiles up to 4096 values within K's power of two
+    and prefetches where K still takes several tiles."""
+    code = "import pagedkernels as pk; print(pk.skinny_gemm_deep())"
+    env = {k: v for k, v in os.environ.items() if k != "PAGEDKERNELS_SKINNY_DEEP"}
+    for value, expected in ((None, "False"), ("1", "True"), ("0", "False")):
+        run_env = env if value is None else {**env, "PAGEDKERNELS_SKINNY_DEEP": value}
+        out = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == expected, (value, out.stderr[-2000:])
+    bad = subprocess.run([sys.executable, "-c", code], env={**env, "PAGEDKERNELS_SKINNY_DEEP": "yes"},
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "PAGEDKERNELS_SKINNY_DEEP must be 0 or 1" in bad.stderr
+    previous = pk.set_skinny_gemm_deep(True)
+    try:
+        assert pk.set_skinny_gemm_deep(True) is True and pk.skinny_gemm_deep() is True
+        # Qwen3-0.6B on an H200: qkv and o and down whole rows in one tile, gate_up two tiles prefetched
+        assert skinny_gemm_config(1, 4096, 1024, 132) == (4, 1024, 4, False)
+        assert skinny_gemm_config(1, 1024, 2048, 132) == (1, 2048, 4, False)
+        assert skinny_gemm_config(1, 1024, 3072, 132) == (1, 4096, 4, False)
+        assert skinny_gemm_config(1, 6144, 1024, 132) == (8, 512, 8, True)
+        # Llama-3-8B's down projection: 4 x 1024 tiles, fourteen of them, two in flight (8 warps: two tiles held)
+        assert skinny_gemm_config(1, 4096, 14336, 132) == (4, 1024, 8, True)
+        for N in (1, 7, 1024, 6144, 151936):
+            for K in (16, 1000, 1024, 14336):
+                block_n, block_k, num_warps, prefetch = skinny_gemm_config(1, N, K, 132)
+                assert block_n * block_k <= 4096 or block_k == 512 and block_n * block_k <= 8192
+                assert block_k <= max(512, 1 << (K - 1).bit_length()) and prefetch == (K > block_k)
+                assert num_warps == (8 if block_n * block_k > (2048 if prefetch else 4096) else 4)
+        with pytest.raises(ValueError, match="on must be a bool"):
+            pk.set_skinny_gemm_deep(1)
+    finally:
+        pk.set_skinny_gemm_deep(previous)
+    assert pk.skinny_gemm_deep() is previous
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("M, N, K, kind", [(1, 40, 3000, "gated+residual"), (2, 9, 1030, "norm"),
+                                           (1, 1100, 700, "plain"), (8, 24, 520, "norm+bias+residual")])
+def test_deep_launches_match_the_oracle(backend, device, dtype, M, N, K, kind):
+    """The deep launches (whole rows in one wide tile, or several tiles two in flight) against the float64 oracle."""
+    skip_bf16_interpreter(backend, dtype, device)
+    g = torch.Generator().manual_seed(M * 7 + N + K)
+    gated = "silu" if "gated" in kind else None
+    x = rand(M, 2 * K if gated else K, g=g, dtype=dtype, device=device, scale=2.0)
+    weight = rand(N, K, g=g, dtype=dtype, device=device, scale=K ** -0.5)
+    bias = rand(N, g=g, dtype=dtype, device=device) if "bias" in kind else None
+    norm_weight = rand(K, g=g, dtype=torch.float32, device=device) if "norm" in kind else None
+    eps = EPS if norm_weight is not None else None
+    residual = rand(M, N, g=g, dtype=dtype, device=device) if "residual" in kind else None
+    before = residual.clone() if residual is not None else None
+    previous = pk.set_skinny_gemm_deep(True)
+    try:
+        with pk.use_backend(backend):
+            result = pk.skinny_gemm(x, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated,
+                                    residual=residual)
+    finally:
+        pk.set_skinny_gemm_deep(previous)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(result.double().cpu(), oracle(x, weight, bias, norm_weight, eps, before, gated),
+                               atol=atol, rtol=rtol)
+
+
+@triton.jit
+def _no_wait():
+    pass
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_prefetch_gives_the_same_bits(device, dtype, pdl, monkeypatch):
+    """Two tiles in flight change when the weights are read, not what is summed or in which order: the same bits as
+    the plain loop, for every prologue and the epilogue, one row and several, K of one tile (the load ahead wholly
+    masked), of several, and not a multiple of the tile; with the PDL code path too (its wait stood in for in the
+    interpreter, which has no griddepcontrol)."""
+    if dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("bf16 arithmetic is wrong in the Triton interpreter; tested on CUDA")
+    module = importlib.import_module("pagedkernels.skinny_gemm")   # the package's name is the function
+    g = torch.Generator().manual_seed(11)
+    cases = [(1, 24, 100, "norm", False), (1, 10, 1100, "silu", True), (3, 9, 600, None, True),
+             (2, 17, 1024, "norm", False), (1, 33, 512, None, False), (8, 5, 530, "norm", True)]
+    calls = []
+    for M, N, K, prologue, residual in cases:
+        x = rand(M, 2 * K if prologue == "silu" else K, g=g, dtype=dtype, device=device, scale=2.0)
+        w = rand(N, K, g=g, dtype=dtype, device=device, scale=K ** -0.5)
+        norm = rand(K, g=g, dtype=dtype, device=device) if prologue == "norm" else None
+        res = rand(M, N, g=g, dtype=dtype, device=device) if residual else None
+        calls.append(lambda x=x, w=w, norm=norm, res=res, prologue=prologue: pk.skinny_gemm(
+            x, w, norm_weight=norm, eps=EPS if norm is not None else None,
+            gated="silu" if prologue == "silu" else None, residual=res.clone() if res is not None else None))
+    config = module.skinny_gemm_config
+    prefetched = []
+    monkeypatch.setattr(module, "skinny_gemm_config", lambda *shape: (
+        prefetched.append(shape) or (*config(*shape)[:3], prefetch)))
+    if pdl and device == "cpu":
+        monkeypatch.setattr(module, "pdl_wait", _no_wait)
+        monkeypatch.setattr(module, "pdl_launch", lambda device: {"USE_PDL": True})
+    elif pdl:
+        if torch.cuda.get_device_capability()[0] < 9:
+            pytest.skip("programmatic dependent launch needs a GPU of compute capability 9.0 or later")
+        monkeypatch.setattr(_backend, "_pdl", True)
+    with pk.use_backend("triton"):
+        prefetch = False
+        expected = [call() for call in calls]
+        prefetch = True
+        got = [call() for call in calls]
+    assert len(prefetched) == 2 * len(cases)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
 
 
 def test_custom_ops_trace_and_check_on_fake_tensors():
