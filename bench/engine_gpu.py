@@ -674,6 +674,33 @@ def batch1_moe_gemv(llm, default: dict, prompt_len: int, new_tokens: int, copy_g
     return ("batch1_moe_gemv_pdl" if pdl else "batch1_moe_gemv"), result
 
 
+def batch1_skinny_deep(llm, default: dict, prompt_len: int, new_tokens: int, copy_gbps: float, *,
+                       pdl: bool = False) -> tuple[str, dict] | None:
+    """batch1_decode on ``llm`` with skinny_gemm's deep launches (pagedkernels.set_skinny_gemm_deep: K tiles widened
+    so a small projection's grid asks for its whole weight at once, two tiles in flight where K takes several) and,
+    with ``pdl``, programmatic dependent launch as well; the decode graphs captured again, then both back. Returns
+    ("batch1_skinny_deep" / "batch1_skinny_deep_pdl", the result with its speedup over ``default``), or None where
+    the engine's batch-1 steps do not run the few-row layers (or ``pdl`` where PDL does not apply)."""
+    import pagedkernels
+
+    runner = llm.llm_engine.model_runner
+    if not runner.skinny_max_rows:
+        return None
+    undo_pdl = _pdl_on(llm) if pdl else runner.drop_graphs   # either way the graphs are captured again, after too
+    if undo_pdl is None:
+        return None
+    previous = pagedkernels.set_skinny_gemm_deep(True)
+    runner.drop_graphs()
+
+    def undo() -> None:
+        pagedkernels.set_skinny_gemm_deep(previous)
+        undo_pdl()
+    result = _batch1_changed(llm, default, prompt_len, new_tokens, copy_gbps, undo=undo)
+    if result["decode_tokens_per_s"] and default["decode_tokens_per_s"]:
+        result["speedup"] = result["decode_tokens_per_s"] / default["decode_tokens_per_s"]
+    return ("batch1_skinny_deep_pdl" if pdl else "batch1_skinny_deep"), result
+
+
 def throughput_sampler(llm, requests, temperature: float, budget: Budget, default: dict) -> tuple[str, dict]:
     """engine_throughput on ``llm`` with the sampler's draw the other way than its own (``default``): the rows
     without min-p / top-k / top-p in one kernel (pagedkernels.sample_from_logits; DevicePolicy.fused_sampler,
@@ -931,6 +958,10 @@ def run(device: torch.device, *, tiny: bool, models: list[str], parts: tuple[str
                                 ("batch1_skinny_head", lambda: batch1_skinny_head(*args), "skinny_head_speedup",
                                  "the norm and cuBLAS's LM head"),
                                 ("batch1_all_fused", lambda: batch1_fused_rope(*args, everything=True), "speedup",
+                                 "the default"),
+                                ("batch1_skinny_deep", lambda: batch1_skinny_deep(*args), "speedup",
+                                 "the default"),
+                                ("batch1_skinny_deep_pdl", lambda: batch1_skinny_deep(*args, pdl=True), "speedup",
                                  "the default"),
                                 ("batch1_moe_gemv", lambda: batch1_moe_gemv(*args), "speedup", "the default"),
                                 ("batch1_moe_gemv_pdl", lambda: batch1_moe_gemv(*args, pdl=True), "speedup",

@@ -43,10 +43,11 @@
    against transformers + PEFT serving the same mix, each engine's steps profiled.
 13. batch1 (540 s): the few-row decoder layers (pagedkernels.skinny_gemm, rotary_embedding_and_cache) in one call:
    skinny_gemm's launch configurations against cuBLAS at batch-1 projections and its heuristic at 2-8 rows (timed
-   in CUDA graphs), then batch-1 decode at the Qwen3-0.6B and Llama-3-8B shapes with the few-row layers (the CUDA
-   default), with cuBLAS, with programmatic dependent launch, with the decode op's splits merged in its split
-   kernel (alone and with PDL), with the rotary embedding and cache write in that kernel too, and with the final
-   norm inside the LM head's few-row product (each alone, then all of them with PDL) on the same engine, kernels a
+   as chains of calls on copies of the weights in CUDA graphs), then batch-1 decode at the Qwen3-0.6B and
+   Llama-3-8B shapes with the few-row layers (the CUDA default), with cuBLAS, with programmatic dependent launch,
+   with the decode op's splits merged in its split kernel (alone and with PDL), with the rotary embedding and cache
+   write in that kernel too, with the final norm inside the LM head's few-row product (each alone, then all of them
+   with PDL), and with skinny_gemm's deep launches (alone and with PDL) on the same engine, kernels a
    step counted (the sweep times skinny_gemm against cuBLAS at the two LM heads too); then the few-row, PDL and
    fused decode tests on CUDA.
 14. spec (300 s): n-gram speculative decoding against plain decoding, single stream, on SmolLM2-135M in bf16 (real
@@ -57,7 +58,8 @@
 15. decide (540 s): what decides the CUDA defaults still off, in one call for a short lease: the sampler's draw
    kernel; the Qwen3-0.6B-shape throughput with the sampler's draw both ways and its step profile (GPU busy); batch-1
    decode at the Qwen3-0.6B and Llama-3-8B shapes with every fused variant (the fused merge, the fused rope, the
-   folded LM head, PDL, all of them) against the default and cuBLAS, kernels a step counted.
+   folded LM head, PDL, all of them, skinny_gemm's deep launches) against the default and cuBLAS, kernels a step
+   counted.
 
 ``--phase all`` (the default) runs them one after another. Each phase writes
 ``OUT/<date>-<device>-phase<N>-<name>.json`` and ``.md`` after every case (``.png`` at the end, when matplotlib

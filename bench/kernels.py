@@ -67,12 +67,15 @@ def cuda_timer(fn: Callable[[], object]) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
-def cuda_graph_timer(fn: Callable[[], object], calls: int = 20, replays: int = 15) -> float:
+def cuda_graph_timer(fn: Callable[[], object], calls: int = 20, replays: int = 15, flush: bool = True) -> float:
     """Median ms of one call of ``fn`` as a CUDA graph replays it: ``calls`` calls captured in one graph, each after
     a 256 MB write that flushes the L2, the replay time of a graph of the flushes alone taken off. What a decode
     step's graph gives an op of a few microseconds: do_bench launches each call from Python, and a launch that
-    takes longer than the kernel runs (Triton's launcher, a patched launch configuration) is counted as its time."""
-    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    takes longer than the kernel runs (Triton's launcher, a patched launch configuration) is counted as its time.
+    Without ``flush``: the calls back to back, the graph's replay time over ``calls`` (for a ``fn`` that cycles
+    through copies of its inputs larger than the L2 together, see Case.chained): a few-microsecond op after a
+    256 MB write also pays that write's dirty lines leaving the L2, which a decode step's next layer does not."""
+    flusher = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda") if flush else None
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compiled and warmed up outside the capture
@@ -98,8 +101,10 @@ def cuda_graph_timer(fn: Callable[[], object], calls: int = 20, replays: int = 1
         del graph
         return statistics.median(times)
 
-    with_op = replay_ms(lambda: (flush.zero_(), fn()))
-    flushes = replay_ms(flush.zero_)
+    if not flush:
+        return replay_ms(fn) / calls
+    with_op = replay_ms(lambda: (flusher.zero_(), fn()))
+    flushes = replay_ms(flusher.zero_)
     return max(with_op - flushes, 0.0) / calls
 
 
@@ -203,6 +208,10 @@ class Case:
     check: Callable[[], None] | None = None  # raises AssertionError on a wrong result
     target: Target | None = None
     graphed: bool = False  # on CUDA timed by cuda_graph_timer, baselines too (an op of a few us, as in a graph)
+    # with graphed: the number of copies of its weights fn (and each baseline) cycles through, a call on each;
+    # timed as that many calls back to back in one graph with no L2 flush (each call's weights cold in the L2, as
+    # in a decode step's chain of layers); 0: a flush before each call
+    chained: int = 0
 
 
 @dataclass
@@ -249,7 +258,8 @@ def run_case(case: Case, timer: Timer, peaks: Peaks) -> list[Row]:
     is timed with cuda_graph_timer where ``timer`` is the CUDA one (its ``eager`` baselines with ``timer``)."""
     plain_timer = timer
     if case.graphed and timer is cuda_timer:
-        timer = cuda_graph_timer
+        timer = (functools.partial(cuda_graph_timer, calls=case.chained, flush=False) if case.chained
+                 else cuda_graph_timer)
     check = "not checked"
     if case.check is not None:
         try:
@@ -927,22 +937,48 @@ def wq_gemm_case(device, dtype, *, M: int, N: int, K: int, group_size: int = 128
                 baselines=[_dense_linear_baseline(x, dense)], check=_gemm_check(fn, reference, dtype, device, "wq_gemm"))
 
 
+# Bytes a chained case's copies of its weights span together (Case.chained): ten times an H100's or H200's 50 MB
+# L2, so each call finds its weights where a decode step's next layer finds its own, in memory.
+CHAIN_BYTES = 512 * 2**20
+MAX_CHAIN_COPIES = 64
+
+
+def chain_copies(nbytes: int, device: torch.device) -> int:
+    """How many copies of ``nbytes`` of weights a chained case cycles through: CHAIN_BYTES' worth on CUDA (at least
+    2, at most MAX_CHAIN_COPIES calls a graph); 2 elsewhere (the cycling exercised, the memory not spent)."""
+    if device.type != "cuda":
+        return 2
+    return max(2, min(MAX_CHAIN_COPIES, -(-CHAIN_BYTES // max(nbytes, 1))))
+
+
+def _cycling(call: Callable[[torch.Tensor], object], weights: list[torch.Tensor]) -> Callable[[], object]:
+    """A call on the next of ``weights`` each time (in a captured graph, each copy once per ``len(weights)``
+    calls)."""
+    turn = iter(range(2**62))
+    return lambda: call(weights[next(turn) % len(weights)])
+
+
 def skinny_gemm_case(device, dtype, *, M: int, N: int, K: int) -> Case:
     """The few-row GEMM (``pagedkernels.skinny_gemm``: one program per few output rows over all of K) against cuBLAS
-    on the same weight, at a decode step's projection shapes: bound by the weight's bytes (frac of copy bandwidth)."""
+    on the same weights, at a decode step's projection shapes: bound by the weight's bytes (frac of copy bandwidth).
+    Timed on CUDA as a chain of calls in one graph, each on its own copy of the weight (chain_copies: as a decode
+    step's layers, each finding its weights in memory, not in the L2, with no flush's write-back in its way)."""
     gen = _generator(device)
     weight = _randn(N, K, dtype=dtype, device=device, gen=gen) * K ** -0.5
+    weights = [weight] + [weight.clone() for _ in range(chain_copies(weight.numel() * weight.element_size(),
+                                                                     device) - 1)]
     x = _randn(M, K, dtype=dtype, device=device, gen=gen)
     out = torch.empty(M, N, dtype=dtype, device=device)
-
-    def fn():
-        return pk.skinny_gemm(x, weight, out=out)
+    fn = _cycling(lambda w: pk.skinny_gemm(x, w, out=out), weights)
+    dense_out = torch.empty(M, N, dtype=dtype, device=device)
+    cublas = Baseline(f"{DTYPE_NAMES[dtype]} F.linear", lambda: (
+        _cycling(lambda w: torch.matmul(x, w.t(), out=dense_out), weights), ""))
 
     bytes_moved = (weight.numel() + x.numel() + out.numel()) * x.element_size()
     reference = functools.cache(lambda: x.float() @ weight.float().t())
     return Case("skinny_gemm", _gemm_shape(M, N, K), dtype, fn, bytes_moved, flops=2 * M * N * K, bound="copy",
-                baselines=[_dense_linear_baseline(x, weight)],
-                check=_gemm_check(fn, reference, dtype, device, "skinny_gemm"), graphed=True)
+                baselines=[cublas], check=_gemm_check(fn, reference, dtype, device, "skinny_gemm"), graphed=True,
+                chained=len(weights))
 
 
 def fp8_gemm_case(device, dtype, *, M: int, N: int, K: int) -> Case:
@@ -1396,8 +1432,10 @@ def tune_suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False) 
         decode_sweep = DECODE_SPLIT_SWEEP
         decode_heads = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
         decode_launch_shape, decode_launch_sweep = dict(num_seqs=64, seq_len=4096), DECODE_LAUNCH_SWEEP
-    skinny_shapes, skinny_configs, skinny_rows = (([(64, 256)], [(2, 128, 4)], (2,)) if tiny
-                                                  else (SKINNY_SWEEP_SHAPES, SKINNY_SWEEP, SKINNY_SWEEP_ROWS))
+    skinny_shapes, skinny_configs, skinny_rows = (([(64, 256)], ["deep", (2, 128, 4, False), (2, 64, 4, True)],
+                                                   (2,)) if tiny
+                                                  else (SKINNY_SWEEP_SHAPES, ["deep", *SKINNY_SWEEP],
+                                                        SKINNY_SWEEP_ROWS))
     moe_sweep = ([(dict(tokens=1, experts=8, top_k=2, hidden=128, intermediate=96),
                    [None, "aligned", "gemv", "gemv+pdl", (16, 16, 32, 32, 4, 1)])] if tiny else MOE_LAUNCH_SWEEP)
     return [partial(prefill_tile_case, **d, config=c, baseline=i == 0, **shape) for i, c in enumerate(configs)] + [
@@ -1406,7 +1444,8 @@ def tune_suite(device: torch.device, dtype: torch.dtype, *, tiny: bool = False) 
         partial(decode_launch_case, **d, config=c, **decode_launch_shape, **decode_heads)
         for c in decode_launch_sweep] + [
         partial(skinny_config_case, **d, M=1, N=N, K=K, config=c, baseline=c is None)
-        for N, K in skinny_shapes for c in [None, *skinny_configs]] + [
+        for N, K in skinny_shapes for c in [None, *skinny_configs]
+        if isinstance(c, str) or c is None or c[1] <= 1 << (K - 1).bit_length()] + [
         partial(skinny_config_case, **d, M=M, N=N, K=K, config=None, baseline=True)
         for M in skinny_rows for N, K in skinny_shapes] + [
         partial(skinny_config_case, **d, M=1, N=N, K=K, config=None, baseline=True)
@@ -1493,11 +1532,18 @@ def moe_config_case(device, dtype, *, config: tuple[int, int, int, int, int, int
     return case
 
 
-# skinny_gemm's (BLOCK_N, BLOCK_K, num_warps) tried by the "tune" phase at batch-1 projection shapes
-# (SKINNY_SWEEP_SHAPES), beside the wrapper's own heuristic (skinny_gemm_config).
-SKINNY_SWEEP = [(1, 256, 2), (1, 512, 2), (1, 512, 4), (1, 1024, 4), (2, 256, 4), (2, 512, 4), (4, 512, 4),
-                (8, 512, 4), (16, 512, 8), (4, 256, 4), (8, 256, 4), (16, 256, 4), (2, 1024, 4), (4, 1024, 8),
-                (8, 1024, 8)]
+# skinny_gemm's (BLOCK_N, BLOCK_K, num_warps, prefetch) tried by the "tune" phase at batch-1 projection shapes
+# (SKINNY_SWEEP_SHAPES), beside the wrapper's own heuristic (skinny_gemm_config) and its deep launches
+# (set_skinny_gemm_deep), each timed as a chain of calls on copies of the weights (skinny_gemm_case). A program runs
+# K one tile at a time, so a program of few rows makes K / BLOCK_K memory round trips in a row: the 0.6B down
+# projection (N 1024, K 3072) takes the heuristic's one row a program, six 1 KiB tiles, 1 MiB in flight over the
+# grid. Whether wider tiles (whole rows in one or two round trips), two tiles in flight (prefetch), or both, serve
+# the small projections better; BLOCK_K wider than K's power of two is not tried.
+SKINNY_SWEEP = [(1, 1024, 4, False), (1, 2048, 4, False), (1, 4096, 4, False), (1, 4096, 8, False),
+                (2, 1024, 4, False), (2, 2048, 4, False), (4, 1024, 4, False), (4, 1024, 8, False),
+                (8, 512, 4, False), (16, 512, 8, False),
+                (1, 512, 4, True), (1, 1024, 4, True), (2, 1024, 4, True), (4, 512, 4, True), (4, 1024, 4, True),
+                (8, 512, 4, True), (16, 256, 4, True), (16, 512, 8, True)]
 # (N, K) at one row: Qwen3-0.6B's qkv, o, gate_up and down, Llama-3-8B's qkv, o, gate_up and down
 SKINNY_SWEEP_SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072),
                        (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
@@ -1509,20 +1555,34 @@ SKINNY_SWEEP_ROWS = (2, 4, 8)
 SKINNY_HEAD_SHAPES = [(151936, 1024), (128256, 4096)]
 
 
-def skinny_launch_config(config: tuple[int, int, int]) -> contextlib.AbstractContextManager:
-    """skinny_gemm launching with ``config`` (BLOCK_N, BLOCK_K, num_warps) inside (its heuristic set aside)."""
+@contextlib.contextmanager
+def _skinny_deep() -> Iterator[None]:
+    previous = pk.set_skinny_gemm_deep(True)
+    try:
+        yield
+    finally:
+        pk.set_skinny_gemm_deep(previous)
+
+
+def skinny_launch_config(config: tuple[int, int, int, bool] | str) -> contextlib.AbstractContextManager:
+    """skinny_gemm launching with ``config`` (BLOCK_N, BLOCK_K, num_warps, prefetch) inside (its heuristic set
+    aside); "deep": the heuristic with set_skinny_gemm_deep on."""
+    if config == "deep":
+        return _skinny_deep()
     return mock.patch.object(importlib.import_module("pagedkernels.skinny_gemm"), "skinny_gemm_config",
                              lambda M, N, K, num_multiprocessors: config)
 
 
-def skinny_config_case(device, dtype, *, config: tuple[int, int, int] | None, baseline: bool, M: int, N: int,
-                       K: int) -> Case:
-    """The few-row GEMM at ``config`` (None: the heuristic's), cuBLAS beside it only where ``baseline``."""
+def skinny_config_case(device, dtype, *, config: tuple[int, int, int, bool] | str | None, baseline: bool, M: int,
+                       N: int, K: int) -> Case:
+    """The few-row GEMM at ``config`` (None: the heuristic's; "deep": its deep launches), cuBLAS beside it only where
+    ``baseline``."""
     case = skinny_gemm_case(device, dtype, M=M, N=N, K=K)
     if config is not None:
         case = _launched_under(case, lambda: skinny_launch_config(config))
     case.op = "skinny_gemm configs"
-    case.shape += "; heuristic" if config is None else "; BLOCK_N {} BLOCK_K {} warps {}".format(*config)
+    case.shape += ("; heuristic" if config is None else "; heuristic, deep" if config == "deep" else
+                   "; BLOCK_N {} BLOCK_K {} warps {}{}".format(*config[:3], ", prefetch" if config[3] else ""))
     if not baseline:
         case.baselines = []
     return case

@@ -161,6 +161,38 @@ def test_the_moe_gemv_variant_measures_moe_engines_and_puts_the_setting_back(tmp
         llm.llm_engine.shutdown()
 
 
+def test_the_skinny_deep_variant_measures_few_row_engines_and_puts_the_setting_back(tmp_path, monkeypatch):
+    """batch1_skinny_deep: None where the batch-1 steps do not run the few-row layers and for PDL on a CPU; with them
+    (the CPU's weight prepacking off, the layers set by hand) the batch-1 decode with the deep launches on, the same
+    greedy tokens (the CPU runs the op's PyTorch twin either way), the setting back after."""
+    import dataclasses
+
+    import pagedkernels as pk
+    from bench import engine_gpu
+    from engine import LLM
+    from engine.platform import DevicePolicy
+    from tests.engine.models_util import build_tiny_model_dir
+
+    for_device = DevicePolicy.for_device.__func__   # a prepacked layer has no plain weight for the few-row path
+    monkeypatch.setattr(DevicePolicy, "for_device", classmethod(
+        lambda cls, device: dataclasses.replace(for_device(cls, device), prepack_linears=False)))
+    llm = LLM(build_tiny_model_dir("qwen3", str(tmp_path)), device="cpu", dtype="float32", max_model_len=128,
+              max_num_seqs=2)
+    try:
+        runner = llm.llm_engine.model_runner
+        assert runner.skinny_max_rows == 0 and engine_gpu.batch1_skinny_deep(llm, {}, 8, 4, 10.0) is None
+        assert runner.set_skinny_max_rows(1) == 1
+        assert engine_gpu.batch1_skinny_deep(llm, {}, 8, 4, 10.0, pdl=True) is None
+        default = engine_gpu.batch1_decode(llm, 8, 4, 10.0)
+        before = pk.skinny_gemm_deep()
+        key, result = engine_gpu.batch1_skinny_deep(llm, default, 8, 4, 10.0)
+        assert key == "batch1_skinny_deep" and result["same_leading_tokens"] == 4
+        assert ("speedup" in result) == bool(result["decode_tokens_per_s"] and default["decode_tokens_per_s"])
+        assert pk.skinny_gemm_deep() == before and runner.skinny_max_rows == 1
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_the_fused_reduce_variant_changes_the_engine_and_puts_it_back(tmp_path):
     """batch1_fused_reduce on an engine whose runner has split counters (on CPU given by hand: its decode ops take
     and ignore them): the other merge measured, its ratio reported, the engine's own setting back after; with PDL

@@ -224,16 +224,19 @@ def _tune(result):
     assert [r["shape"].split("; ")[-1] for r in launch] == ["wrapper's launch", "TILE_N 64 stages 2 warps 4"]
     assert all(r["check"] == "ok" and r["ms"] for r in result["rows"])
     assert sum(r["baseline"] == "sdpa-flash" for r in result["rows"]) == 1
-    # the heuristic's launch against cuBLAS, then the swept configuration alone, then the heuristic's at 2 rows against
-    # cuBLAS
-    assert [r["baseline"] is not None for r in skinny] == [True, False, True]
-    assert [r["shape"].split()[0] for r in skinny] == ["M=1", "M=1", "M=2"]
+    # the heuristic's launch against cuBLAS, then the heuristic's deep launches and the swept configurations alone, then
+    # the heuristic's at 2 rows against cuBLAS
+    assert [r["baseline"] is not None for r in skinny] == [True, False, False, False, True]
+    assert [r["shape"].split()[0] for r in skinny] == ["M=1"] * 4 + ["M=2"]
+    assert [r["shape"].split("; ")[-1] for r in skinny[:4]] == [
+        "heuristic", "heuristic, deep", "BLOCK_N 2 BLOCK_K 128 warps 4", "BLOCK_N 2 BLOCK_K 64 warps 4, prefetch"]
 
 
 def _batch1(result):
     assert result["rows"] and all(r["op"] == "skinny_gemm configs" and r["check"] == "ok" for r in result["rows"])
-    # the heuristic's against cuBLAS, a swept configuration, the heuristic's at 2 rows against cuBLAS
-    assert [r["baseline"] is not None for r in result["rows"]] == [True, False, True]
+    # the heuristic's against cuBLAS, the heuristic's deep launches and the swept configurations, the heuristic's at 2
+    # rows against cuBLAS
+    assert [r["baseline"] is not None for r in result["rows"]] == [True, False, False, False, True]
     for name in ("qwen3-0.6b", "llama-3-8b"):
         row = result["engine"]["models"][name]
         assert set(row["batch1"]) >= {"decode_tokens_per_s", "frac_of_copy_bandwidth", "profile"}
