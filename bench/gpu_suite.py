@@ -52,8 +52,9 @@
    fused decode tests on CUDA.
 14. spec (300 s): n-gram speculative decoding against plain decoding, single stream, on SmolLM2-135M in bf16 (real
    weights: bring its GGUF with the two calls scripts/gpu_carry_model.sh prints), grounded and free workloads
-   (bench.spec_decode_cpu's): speedup, acceptance, identical greedy outputs; then the speculative decoding tests on
-   CUDA; then the model as its own draft (k = 3), proposal and verification steps eager and in graphs.
+   (bench.spec_decode_cpu's): speedup, acceptance, identical greedy outputs, verification eager, in graphs, and in
+   graphs with the few-row layers at its k + 1 rows; then the speculative decoding tests on CUDA; then the model as
+   its own draft (k = 3), proposal and verification steps eager and in graphs.
 
 15. decide (540 s): what decides the CUDA defaults still off, in one call for a short lease: the sampler's draw
    kernel; the Qwen3-0.6B-shape throughput with the sampler's draw both ways and its step profile (GPU busy); batch-1
@@ -363,7 +364,8 @@ class PhaseRun:
         report = spec_decode_cpu.measure(model, device=str(self.device),
                                          dtype="float32" if self.dry_run else "bfloat16",
                                          max_tokens=16 if self.dry_run else 160, repeats=1 if self.dry_run else 2,
-                                         verify_graphs=True, log=lambda line: print(line, flush=True))
+                                         verify_graphs=True, few_row_verify=True,
+                                         log=lambda line: print(line, flush=True))
         self.result["spec_decode"] = report
         self._spec_targets(report)
 
@@ -382,11 +384,14 @@ class PhaseRun:
 
     def _spec_targets(self, report: dict) -> None:
         grounded = report["workloads"]["grounded"]
-        best = max(grounded["speedup"], grounded.get("graphs_speedup") or 0.0)
+        ways = {"verification eager": grounded["speedup"],
+                "verification in graphs": grounded.get("graphs_speedup") or 0.0,
+                "verification in graphs, few-row layers": grounded.get("few_rows_graphs_speedup") or 0.0}
+        best = max(ways.values())
         self.result["spec_decode_targets"] = [
             {"target": ">= 2x single stream, grounded workload (n-gram speculative decoding)",
              "value": best, "threshold": 2.0, "status": "pass" if best >= 2.0 else "fail",
-             "note": "verification in graphs" if best != grounded["speedup"] else "verification eager"},
+             "note": next(way for way, value in ways.items() if value == best)},
             {"target": "greedy outputs identical with and without speculative decoding",
              "value": float(all(w["identical_outputs"] for w in report["workloads"].values())), "threshold": 1.0,
              "status": "pass" if all(w["identical_outputs"] for w in report["workloads"].values()) else "fail",

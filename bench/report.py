@@ -182,12 +182,14 @@ def spec_decode_markdown(spec: dict) -> list[str]:
             f"{json.dumps(spec['speculative_config'])}, greedy, {spec['max_tokens']} tokens a request, "
             f"{spec['repeats']} rounds)", "",
             _md_table(["workload", "plain tok/s", f"{label} tok/s", "speedup", f"{label}, in graphs",
-                       "acceptance", "mean accepted length", f"ms a step (plain / {label})", "identical outputs",
+                       f"{label}, in graphs, few-row layers", "acceptance", "mean accepted length", f"ms a step (plain / {label})", "identical outputs",
                        "same leading tokens / lengths"],
                       [[name, num(w["plain_tokens_per_s"], ".1f"), num(w[f"{kind}_tokens_per_s"], ".1f"),
                         num(w["speedup"], ".2f"),
                         (f"{num(w[f'{kind}_graphs_tokens_per_s'], '.1f')} tok/s, {num(w['graphs_speedup'], '.2f')}x"
                          if "graphs_speedup" in w else "-"),
+                        (f"{num(w[f'{kind}_graphs_few_rows_tokens_per_s'], '.1f')} tok/s, "
+                         f"{num(w['few_rows_graphs_speedup'], '.2f')}x" if "few_rows_graphs_speedup" in w else "-"),
                         num(w["acceptance_rate"], ".2f"),
                         num(w["mean_accepted_length"], ".2f"),
                         f"{num(w.get('plain_step_ms'), '.2f')} / {num(w.get(f'{kind}_step_ms'), '.2f')}",

@@ -73,14 +73,17 @@ def run(llm, prompts: list[str], max_tokens: int) -> tuple[list[list[int]], floa
 
 def measure(model: str, *, device: str = "cpu", dtype: str = "float32", num_speculative_tokens: int = 5,
             max_tokens: int = 160, repeats: int = 2, verify_graphs: bool = False, draft_model: str | None = None,
-            log=print) -> dict:
+            few_row_verify: bool = False, log=print) -> dict:
     """The engines (plain, n-gram, or with ``draft_model`` a draft model's proposals; with ``verify_graphs`` also the
     speculative engine with its verification (and proposal) steps in graphs, where the runner has graphs that are
     not CPU graphs: ModelRunner.set_spec_decode_graphs) on ``model`` taking turns over both workloads, single stream,
     after one untimed request each (compilation, graph captures); returns the report (per workload: tok/s of each,
     speedup, acceptance, mean accepted length, identical outputs). On CUDA the engines run as the engine does by
     default there (compiled, CUDA graphs for plain decode steps). The speculative engine's keys are named by its
-    proposer (``report["proposer"]``: "ngram" or "draft")."""
+    proposer (``report["proposer"]``: "ngram" or "draft"). ``few_row_verify`` (with ``verify_graphs``): one more
+    speculative engine in graphs whose verification steps of k + 1 tokens run the few-row decoder layers
+    (ModelRunner.set_skinny_max_rows; the CUDA default takes them for one-token steps only, so a verification
+    runs cuBLAS's layers, about 11 launches a layer against 7), where the model can take them."""
     from bench.engine_gpu import _same_prefix
     from engine import LLM
 
@@ -100,6 +103,16 @@ def measure(model: str, *, device: str = "cpu", dtype: str = "float32", num_spec
             engines[f"{kind}_graphs"] = graphed
         else:
             graphed.llm_engine.shutdown()
+        if few_row_verify and f"{kind}_graphs" in engines:
+            from pagedkernels.skinny_gemm import MAX_ROWS
+
+            few = LLM(model, **options, speculative_config=spec)
+            runner = few.llm_engine.model_runner
+            if (num_speculative_tokens + 1 <= MAX_ROWS and runner.set_spec_decode_graphs(True)
+                    and runner.set_skinny_max_rows(num_speculative_tokens + 1)):
+                engines[f"{kind}_graphs_few_rows"] = few
+            else:
+                few.llm_engine.shutdown()
     report = {"model": model, "device": device, "dtype": dtype, "torch": torch.__version__,
               "threads": torch.get_num_threads(), "load_average_before": os.getloadavg(), "speculative_config": spec,
               "proposer": kind, "max_tokens": max_tokens, "repeats": repeats, "engines": list(engines),
@@ -131,11 +144,12 @@ def measure(model: str, *, device: str = "cpu", dtype: str = "float32", num_spec
                    # where the outputs part (bf16: verification's batched forward may round a near-tie apart)
                    "same_leading_tokens": [_same_prefix(a, b) for a, b in zip(outputs["plain"], outputs[kind])],
                    "output_lengths": [len(o) for o in outputs["plain"]]}
-            if f"{kind}_graphs" in engines:
-                row[f"{kind}_graphs_tokens_per_s"] = num_tokens / seconds[f"{kind}_graphs"]
-                row["graphs_speedup"] = seconds["plain"] / seconds[f"{kind}_graphs"]
-                row["graphs_same_leading_tokens"] = [_same_prefix(a, b) for a, b in
-                                                     zip(outputs["plain"], outputs[f"{kind}_graphs"])]
+            for variant, prefix in (("graphs", "graphs"), ("graphs_few_rows", "few_rows_graphs")):
+                if f"{kind}_{variant}" in engines:
+                    row[f"{kind}_{variant}_tokens_per_s"] = num_tokens / seconds[f"{kind}_{variant}"]
+                    row[f"{prefix}_speedup"] = seconds["plain"] / seconds[f"{kind}_{variant}"]
+                    row[f"{prefix}_same_leading_tokens"] = [_same_prefix(a, b) for a, b in
+                                                            zip(outputs["plain"], outputs[f"{kind}_{variant}"])]
             # Where a request's time goes on each side, ms a request (REQUEST_PARTS).
             row["per_request_ms"] = {engine_name: {key: 1000.0 * value / (len(prompts) * repeats)
                                                    for key, value in spent.items()}
@@ -151,6 +165,8 @@ def measure(model: str, *, device: str = "cpu", dtype: str = "float32", num_spec
                 f"tok/s, speedup {row['speedup']:.2f}x"
                 + (f", in graphs {row[f'{kind}_graphs_tokens_per_s']:6.1f} tok/s "
                    f"({row['graphs_speedup']:.2f}x)" if "graphs_speedup" in row else "")
+                + (f", in graphs with the few-row layers {row[f'{kind}_graphs_few_rows_tokens_per_s']:6.1f} tok/s "
+                   f"({row['few_rows_graphs_speedup']:.2f}x)" if "few_rows_graphs_speedup" in row else "")
                 + f", acceptance {row['acceptance_rate']:.2f}, mean accepted length "
                 f"{row['mean_accepted_length']:.2f}, identical {row['identical_outputs']}")
             log(f"{name:8s}: a request's ms (to the first token / decoding / the rest): " + "; ".join(

@@ -174,3 +174,35 @@ def test_a_phase_past_its_budget_stops_cleanly_and_keeps_its_report(tmp_path, fa
     result = json.loads(json_path.read_text())
     assert result["cut"] or result["not_run"], result
     assert signal.alarm(0) == 0
+
+
+def test_spec_decode_section_and_target_name_the_fastest_verification():
+    """The n-gram section shows each way the verification ran (eager, in graphs, in graphs with the few-row layers) and
+    the 2x target takes the fastest, naming it; a report without the few-row engine (a model that cannot take those
+    layers) shows "-" there."""
+    def workload(speedup, graphs, few_rows=None):
+        row = {"plain_tokens_per_s": 800.0, "ngram_tokens_per_s": 800.0 * speedup, "speedup": speedup,
+               "ngram_graphs_tokens_per_s": 800.0 * graphs, "graphs_speedup": graphs, "acceptance_rate": 0.9,
+               "mean_accepted_length": 5.5, "plain_step_ms": 1.25, "ngram_step_ms": 3.1, "identical_outputs": True,
+               "same_leading_tokens": [10, 12], "output_lengths": [10, 12],
+               "per_request_ms": {"plain": {"first_token": 1.0, "decode": 2.0, "rest": 0.5}}}
+        if few_rows is not None:
+            row.update(ngram_graphs_few_rows_tokens_per_s=800.0 * few_rows, few_rows_graphs_speedup=few_rows)
+        return row
+
+    spec = {"model": "m", "dtype": "bfloat16", "speculative_config": {"method": "ngram"}, "max_tokens": 160,
+            "repeats": 2, "proposer": "ngram",
+            "workloads": {"grounded": workload(0.25, 1.94, 2.31), "free": workload(0.2, 0.7)}}
+    text = "\n".join(report.spec_decode_markdown(spec))
+    assert "n-gram, in graphs, few-row layers" in text
+    assert "| grounded | 800.0 | 200.0 | 0.25 | 1552.0 tok/s, 1.94x | 1848.0 tok/s, 2.31x |" in text
+    assert "| free | 800.0 | 160.0 | 0.20 | 560.0 tok/s, 0.70x | - |" in text
+    run = type("Run", (), {"result": {}})()
+    gpu_suite.PhaseRun._spec_targets(run, spec)
+    speedup = run.result["spec_decode_targets"][0]
+    assert (speedup["value"], speedup["status"], speedup["note"]) == (2.31, "pass",
+                                                                      "verification in graphs, few-row layers")
+    spec["workloads"]["grounded"] = workload(0.25, 1.94)
+    gpu_suite.PhaseRun._spec_targets(run, spec)
+    speedup = run.result["spec_decode_targets"][0]
+    assert (speedup["value"], speedup["status"], speedup["note"]) == (1.94, "fail", "verification in graphs")
