@@ -178,8 +178,9 @@ _deep = _env_deep()
 def set_skinny_gemm_deep(on: bool) -> bool:
     """Whether skinny_gemm's Triton launches reach deeper into K a program (:func:`skinny_gemm_config`): tiles
     widened along K to up to 4096 values (a program of one or two rows reads its rows whole, in one or two memory
-    round trips), and where K still takes several tiles, two in flight (the kernel's PREFETCH: the first tile loaded
-    before the prologue, each K block's loads issued before the block ahead is multiplied). The grid of a small
+    round trips), the first loaded before the prologue (the RMSNorm's sums of squares, the SiLU-and-mul's loads), and
+    where K still takes several tiles, two in flight (the kernel's PREFETCH: each K block's loads issued before the
+    block ahead is multiplied). The grid of a small
     projection then asks for its whole weight at once: the 0.6B down projection's one row of 3072 a program ran as
     six 1 KiB round trips in a row, 1 MiB in flight over the device (a few percent of what an H200 needs to stream).
     Off by default (or ``PAGEDKERNELS_SKINNY_DEEP=1``) until a GPU has measured it. The same bits either way where
@@ -206,7 +207,8 @@ def skinny_gemm_config(M: int, N: int, K: int, num_multiprocessors: int) -> tupl
     per SM (a program streams BLOCK_N weight rows; more of them in flight hide the memory latency), BLOCK_N between
     1 and 16 so a program's tile stays ~2-8K values, BLOCK_K up to 512 (a 16-bit row read in 1 KiB pieces). With
     :func:`set_skinny_gemm_deep`: BLOCK_K doubled while the tile stays within DEEP_TILE values and K's power of two,
-    and prefetch (the kernel's PREFETCH) where K still takes more than one tile, with 8 warps from 4096 values."""
+    and prefetch (the kernel's PREFETCH: the first tile loaded before the prologue, the next one ahead where K takes
+    more than one), with 8 warps from 4096 values."""
     block_n = 16
     while block_n > 1 and triton.cdiv(N, block_n) < 4 * num_multiprocessors:
         block_n //= 2
@@ -214,7 +216,7 @@ def skinny_gemm_config(M: int, N: int, K: int, num_multiprocessors: int) -> tupl
     if _deep:
         while block_k < triton.next_power_of_2(K) and 2 * block_n * block_k <= DEEP_TILE:
             block_k *= 2
-    prefetch = _deep and K > block_k
+    prefetch = _deep   # one tile too: loaded before the prologue's reads of x (the load ahead then reads nothing)
     # two tiles a program in registers: 8 warps from 4096 values (4 spilled on sm_80, the gated 4 x 1024)
     num_warps = 4 if block_n * block_k <= (2048 if prefetch else 4096) else 8
     return block_n, block_k, num_warps, prefetch

@@ -146,7 +146,7 @@ def test_config_fills_the_device_and_stays_in_bounds():
 def test_deep_setting_env_and_config():
     """Off by default; PAGEDKERNELS_SKINNY_DEEP=1 turns it on, anything but 0/1 is refused at import; the setter returns
     the previous value and takes bools only. On, the config widens K tiles up to 4096 values within K's power of two
-    and prefetches where K still takes several tiles."""
+    and prefetches (the first tile before the prologue; the next one ahead where K takes several)."""
     code = "import pagedkernels as pk; print(pk.skinny_gemm_deep())"
     env = {k: v for k, v in os.environ.items() if k != "PAGEDKERNELS_SKINNY_DEEP"}
     for value, expected in ((None, "False"), ("1", "True"), ("0", "False")):
@@ -159,10 +159,10 @@ def test_deep_setting_env_and_config():
     previous = pk.set_skinny_gemm_deep(True)
     try:
         assert pk.set_skinny_gemm_deep(True) is True and pk.skinny_gemm_deep() is True
-        # Qwen3-0.6B on an H200: qkv and o and down whole rows in one tile, gate_up two tiles prefetched
-        assert skinny_gemm_config(1, 4096, 1024, 132) == (4, 1024, 4, False)
-        assert skinny_gemm_config(1, 1024, 2048, 132) == (1, 2048, 4, False)
-        assert skinny_gemm_config(1, 1024, 3072, 132) == (1, 4096, 4, False)
+        # Qwen3-0.6B on an H200: qkv and o and down whole rows in one tile, gate_up two tiles
+        assert skinny_gemm_config(1, 4096, 1024, 132) == (4, 1024, 8, True)
+        assert skinny_gemm_config(1, 1024, 2048, 132) == (1, 2048, 4, True)
+        assert skinny_gemm_config(1, 1024, 3072, 132) == (1, 4096, 8, True)
         assert skinny_gemm_config(1, 6144, 1024, 132) == (8, 512, 8, True)
         # Llama-3-8B's down projection: 4 x 1024 tiles, fourteen of them, two in flight (8 warps: two tiles held)
         assert skinny_gemm_config(1, 4096, 14336, 132) == (4, 1024, 8, True)
@@ -170,7 +170,7 @@ def test_deep_setting_env_and_config():
             for K in (16, 1000, 1024, 14336):
                 block_n, block_k, num_warps, prefetch = skinny_gemm_config(1, N, K, 132)
                 assert block_n * block_k <= 4096 or block_k == 512 and block_n * block_k <= 8192
-                assert block_k <= max(512, 1 << (K - 1).bit_length()) and prefetch == (K > block_k)
+                assert block_k <= max(512, 1 << (K - 1).bit_length()) and prefetch is True
                 assert num_warps == (8 if block_n * block_k > (2048 if prefetch else 4096) else 4)
         with pytest.raises(ValueError, match="on must be a bool"):
             pk.set_skinny_gemm_deep(1)
