@@ -656,22 +656,11 @@ def batch1_moe_gemv(llm, default: dict, prompt_len: int, new_tokens: int, copy_g
 
     from engine.layers.fused_moe import FusedMoE
 
-    runner = llm.llm_engine.model_runner
-    if not any(isinstance(m, FusedMoE) for m in runner.model.modules()):
+    if not any(isinstance(m, FusedMoE) for m in llm.llm_engine.model_runner.model.modules()):
         return None
-    undo_pdl = _pdl_on(llm) if pdl else runner.drop_graphs   # either way the graphs are captured again, after too
-    if undo_pdl is None:
-        return None
-    previous = pagedkernels.set_moe_gemv_max_tokens(8)
-    runner.drop_graphs()
-
-    def undo() -> None:
-        pagedkernels.set_moe_gemv_max_tokens(previous)
-        undo_pdl()
-    result = _batch1_changed(llm, default, prompt_len, new_tokens, copy_gbps, undo=undo)
-    if result["decode_tokens_per_s"] and default["decode_tokens_per_s"]:
-        result["speedup"] = result["decode_tokens_per_s"] / default["decode_tokens_per_s"]
-    return ("batch1_moe_gemv_pdl" if pdl else "batch1_moe_gemv"), result
+    result = _batch1_setting(llm, default, prompt_len, new_tokens, copy_gbps, pagedkernels.set_moe_gemv_max_tokens, 8,
+                             pdl=pdl)
+    return None if result is None else ("batch1_moe_gemv_pdl" if pdl else "batch1_moe_gemv", result)
 
 
 def batch1_skinny_deep(llm, default: dict, prompt_len: int, new_tokens: int, copy_gbps: float, *,
@@ -683,22 +672,32 @@ def batch1_skinny_deep(llm, default: dict, prompt_len: int, new_tokens: int, cop
     the engine's batch-1 steps do not run the few-row layers (or ``pdl`` where PDL does not apply)."""
     import pagedkernels
 
-    runner = llm.llm_engine.model_runner
-    if not runner.skinny_max_rows:
+    if not llm.llm_engine.model_runner.skinny_max_rows:
         return None
+    result = _batch1_setting(llm, default, prompt_len, new_tokens, copy_gbps, pagedkernels.set_skinny_gemm_deep, True,
+                             pdl=pdl)
+    return None if result is None else ("batch1_skinny_deep_pdl" if pdl else "batch1_skinny_deep", result)
+
+
+def _batch1_setting(llm, default: dict, prompt_len: int, new_tokens: int, copy_gbps: float, setter, value, *,
+                    pdl: bool) -> dict | None:
+    """batch1_decode on ``llm`` with a pagedkernels launch setting at ``value`` (``setter`` returns the previous one)
+    and, with ``pdl``, programmatic dependent launch as well, the decode graphs captured again; then both back. The
+    result with its speedup over ``default``, or None where ``pdl`` does not apply (nothing changed)."""
+    runner = llm.llm_engine.model_runner
     undo_pdl = _pdl_on(llm) if pdl else runner.drop_graphs   # either way the graphs are captured again, after too
     if undo_pdl is None:
         return None
-    previous = pagedkernels.set_skinny_gemm_deep(True)
+    previous = setter(value)
     runner.drop_graphs()
 
     def undo() -> None:
-        pagedkernels.set_skinny_gemm_deep(previous)
+        setter(previous)
         undo_pdl()
     result = _batch1_changed(llm, default, prompt_len, new_tokens, copy_gbps, undo=undo)
     if result["decode_tokens_per_s"] and default["decode_tokens_per_s"]:
         result["speedup"] = result["decode_tokens_per_s"] / default["decode_tokens_per_s"]
-    return ("batch1_skinny_deep_pdl" if pdl else "batch1_skinny_deep"), result
+    return result
 
 
 def throughput_sampler(llm, requests, temperature: float, budget: Budget, default: dict) -> tuple[str, dict]:

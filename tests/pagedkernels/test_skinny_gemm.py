@@ -54,24 +54,29 @@ def rand(*shape, g, dtype, device, scale=1.0):
 SHAPES = [(1, 40, 64), (2, 7, 100), (3, 33, 600), (4, 64, 1030), (5, 17, 48), (8, 24, 520), (7, 5, 16)]
 
 
+def _inputs(M, N, K, kind, dtype, device):
+    """(x, weight, bias, norm_weight, eps, residual, gated) of a call of ``kind`` ("plain", or "+"-joined "bias",
+    "norm", "residual", "gated"); x's rows strided (a slice of a wider buffer, NaN past its width): only those values
+    of a row are read."""
+    g = torch.Generator().manual_seed(M * 1000 + N * 10 + K)
+    gated = "silu" if "gated" in kind else None
+    width = 2 * K if gated else K
+    buffer = torch.full((M, width + 3), float("nan"), dtype=dtype, device=device)
+    buffer[:, :width] = rand(M, width, g=g, dtype=dtype, device=device, scale=2.0)
+    weight = rand(N, K, g=g, dtype=dtype, device=device, scale=K ** -0.5)
+    bias = rand(N, g=g, dtype=dtype, device=device) if "bias" in kind else None
+    norm_weight = rand(K, g=g, dtype=torch.float32, device=device) if "norm" in kind else None
+    residual = rand(M, N, g=g, dtype=dtype, device=device) if "residual" in kind else None
+    return buffer[:, :width], weight, bias, norm_weight, EPS if norm_weight is not None else None, residual, gated
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("M, N, K", SHAPES)
 @pytest.mark.parametrize("kind", ["plain", "bias", "norm", "residual", "norm+bias+residual", "gated+residual"])
 def test_matches_the_oracle(backend, device, dtype, M, N, K, kind):
     skip_bf16_interpreter(backend, dtype, device)
-    g = torch.Generator().manual_seed(M * 1000 + N * 10 + K)
-    gated = "silu" if "gated" in kind else None
-    width = 2 * K if gated else K
-    # x's rows strided (a slice of a wider buffer, NaN past its width): only those values of a row are read.
-    buffer = torch.full((M, width + 3), float("nan"), dtype=dtype, device=device)
-    buffer[:, :width] = rand(M, width, g=g, dtype=dtype, device=device, scale=2.0)
-    x = buffer[:, :width]
-    weight = rand(N, K, g=g, dtype=dtype, device=device, scale=K ** -0.5)
-    bias = rand(N, g=g, dtype=dtype, device=device) if "bias" in kind else None
-    norm_weight = rand(K, g=g, dtype=torch.float32, device=device) if "norm" in kind else None
-    eps = EPS if norm_weight is not None else None
-    residual = rand(M, N, g=g, dtype=dtype, device=device) if "residual" in kind else None
+    x, weight, bias, norm_weight, eps, residual, gated = _inputs(M, N, K, kind, dtype, device)
     residual_before = residual.clone() if residual is not None else None
     x_before = x.clone()
     with pk.use_backend(backend):
@@ -186,14 +191,7 @@ def test_deep_setting_env_and_config():
 def test_deep_launches_match_the_oracle(backend, device, dtype, M, N, K, kind):
     """The deep launches (whole rows in one wide tile, or several tiles two in flight) against the float64 oracle."""
     skip_bf16_interpreter(backend, dtype, device)
-    g = torch.Generator().manual_seed(M * 7 + N + K)
-    gated = "silu" if "gated" in kind else None
-    x = rand(M, 2 * K if gated else K, g=g, dtype=dtype, device=device, scale=2.0)
-    weight = rand(N, K, g=g, dtype=dtype, device=device, scale=K ** -0.5)
-    bias = rand(N, g=g, dtype=dtype, device=device) if "bias" in kind else None
-    norm_weight = rand(K, g=g, dtype=torch.float32, device=device) if "norm" in kind else None
-    eps = EPS if norm_weight is not None else None
-    residual = rand(M, N, g=g, dtype=dtype, device=device) if "residual" in kind else None
+    x, weight, bias, norm_weight, eps, residual, gated = _inputs(M, N, K, kind, dtype, device)
     before = residual.clone() if residual is not None else None
     previous = pk.set_skinny_gemm_deep(True)
     try:
