@@ -180,9 +180,9 @@ def set_skinny_gemm_deep(on: bool) -> bool:
     widened along K to up to 4096 values (a program of one or two rows reads its rows whole, in one or two memory
     round trips), the first loaded before the prologue (the RMSNorm's sums of squares, the SiLU-and-mul's loads), and
     where K still takes several tiles, two in flight (the kernel's PREFETCH: each K block's loads issued before the
-    block ahead is multiplied). The grid of a small
-    projection then asks for its whole weight at once: the 0.6B down projection's one row of 3072 a program ran as
-    six 1 KiB round trips in a row, 1 MiB in flight over the device (a few percent of what an H200 needs to stream).
+    block ahead is multiplied). The grid of a small projection then asks for its whole weight at once: with the
+    default tiles the 0.6B down projection's one row of 3072 a program runs as six 1 KiB round trips in a row, about
+    1 MiB in flight over the device, a fraction of what an H200 needs in flight to stream at its bandwidth.
     Off by default (or ``PAGEDKERNELS_SKINNY_DEEP=1``) until a GPU has measured it. The same bits either way where
     the tiles are unchanged (prefetch alone); a wider tile sums in another order. Returns the previous setting. A
     CUDA graph keeps the launches it captured: capture again after changing it."""
