@@ -664,26 +664,29 @@ def batch1_moe_gemv(llm, default: dict, prompt_len: int, new_tokens: int, copy_g
 
 
 def batch1_skinny_deep(llm, default: dict, prompt_len: int, new_tokens: int, copy_gbps: float, *,
-                       pdl: bool = False) -> tuple[str, dict] | None:
+                       pdl: bool = False, profile: tuple | None = None) -> tuple[str, dict] | None:
     """batch1_decode on ``llm`` with skinny_gemm's deep launches (pagedkernels.set_skinny_gemm_deep: K tiles widened
     so a small projection's grid asks for its whole weight at once, two tiles in flight where K takes several) and,
-    with ``pdl``, programmatic dependent launch as well; the decode graphs captured again, then both back. Returns
-    ("batch1_skinny_deep" / "batch1_skinny_deep_pdl", the result with its speedup over ``default``), or None where
-    the engine's batch-1 steps do not run the few-row layers (or ``pdl`` where PDL does not apply)."""
+    with ``pdl``, programmatic dependent launch as well; the decode graphs captured again, then both back. With
+    ``profile`` (step_profile's requests and steps) its batch-1 step profile too: each kernel's time a step beside
+    the default's. Returns ("batch1_skinny_deep" / "batch1_skinny_deep_pdl", the result with its speedup over
+    ``default``), or None where the engine's batch-1 steps do not run the few-row layers (or ``pdl`` where PDL does
+    not apply)."""
     import pagedkernels
 
     if not llm.llm_engine.model_runner.skinny_max_rows:
         return None
     result = _batch1_setting(llm, default, prompt_len, new_tokens, copy_gbps, pagedkernels.set_skinny_gemm_deep, True,
-                             pdl=pdl)
+                             pdl=pdl, profile=profile)
     return None if result is None else ("batch1_skinny_deep_pdl" if pdl else "batch1_skinny_deep", result)
 
 
 def _batch1_setting(llm, default: dict, prompt_len: int, new_tokens: int, copy_gbps: float, setter, value, *,
-                    pdl: bool) -> dict | None:
+                    pdl: bool, profile: tuple | None = None) -> dict | None:
     """batch1_decode on ``llm`` with a pagedkernels launch setting at ``value`` (``setter`` returns the previous one)
-    and, with ``pdl``, programmatic dependent launch as well, the decode graphs captured again; then both back. The
-    result with its speedup over ``default``, or None where ``pdl`` does not apply (nothing changed)."""
+    and, with ``pdl``, programmatic dependent launch as well, the decode graphs captured again (with ``profile``, its
+    step profile too: _batch1_changed); then both back. The result with its speedup over ``default``, or None where
+    ``pdl`` does not apply (nothing changed)."""
     runner = llm.llm_engine.model_runner
     undo_pdl = _pdl_on(llm) if pdl else runner.drop_graphs   # either way the graphs are captured again, after too
     if undo_pdl is None:
@@ -694,7 +697,7 @@ def _batch1_setting(llm, default: dict, prompt_len: int, new_tokens: int, copy_g
     def undo() -> None:
         setter(previous)
         undo_pdl()
-    result = _batch1_changed(llm, default, prompt_len, new_tokens, copy_gbps, undo=undo)
+    result = _batch1_changed(llm, default, prompt_len, new_tokens, copy_gbps, undo=undo, profile=profile)
     if result["decode_tokens_per_s"] and default["decode_tokens_per_s"]:
         result["speedup"] = result["decode_tokens_per_s"] / default["decode_tokens_per_s"]
     return result
@@ -718,12 +721,15 @@ def throughput_sampler(llm, requests, temperature: float, budget: Budget, defaul
     return ("engine_unfused_sampler" if own else "engine_fused_sampler"), other
 
 
-def _batch1_changed(llm, default: dict, prompt_len: int, new_tokens: int, copy_gbps: float, *, undo) -> dict:
-    """batch1_decode on ``llm`` as its caller changed it, then ``undo()`` whatever happens; with how many of
-    ``default``'s leading greedy tokens it gave again (bf16 rounds two paths' products differently, so a near-tie may
-    flip one and the rest follow it)."""
+def _batch1_changed(llm, default: dict, prompt_len: int, new_tokens: int, copy_gbps: float, *, undo,
+                    profile: tuple | None = None) -> dict:
+    """batch1_decode on ``llm`` as its caller changed it (and with ``profile``, step_profile's requests and steps,
+    its step profile too), then ``undo()`` whatever happens; with how many of ``default``'s leading greedy tokens it
+    gave again (bf16 rounds two paths' products differently, so a near-tie may flip one and the rest follow it)."""
     try:
         result = batch1_decode(llm, prompt_len, new_tokens, copy_gbps)
+        if profile is not None:
+            result["profile"] = step_profile(llm, profile[0], 0.0, profile[1])
     finally:
         undo()
     result["same_leading_tokens"] = _same_prefix(result.pop("token_ids"), default["token_ids"])
@@ -908,9 +914,11 @@ def run(device: torch.device, *, tiny: bool, models: list[str], parts: tuple[str
                         log(f"{name}: batch-1 decode {_fmt(row['batch1']['decode_tokens_per_s'], '.1f')} tok/s, "
                             f"{_fmt(row['batch1']['frac_of_copy_bandwidth'], '.2f')} of copy bandwidth")
                         progress()
+                        profile = None
                         if {"profile", "batch1_profile"} & set(parts):  # where a batch-1 step's time goes (greedy)
-                            one = [(list(range(100, 116 if tiny else 228)), 64 if tiny else 400)]
-                            row["batch1"]["profile"] = step_profile(llm, one, 0.0, (2, 4) if tiny else (20, 60))
+                            profile = ([(list(range(100, 116 if tiny else 228)), 64 if tiny else 400)],
+                                       (2, 4) if tiny else (20, 60))
+                            row["batch1"]["profile"] = step_profile(llm, profile[0], 0.0, profile[1])
                             log(f"{name}: batch-1 profile: {row['batch1']['profile']['step_ms']:.2f} ms a step, GPU "
                                 f"busy {_fmt(row['batch1']['profile']['gpu_busy_fraction'], '.2f')}")
                             progress()
@@ -958,7 +966,7 @@ def run(device: torch.device, *, tiny: bool, models: list[str], parts: tuple[str
                                  "the norm and cuBLAS's LM head"),
                                 ("batch1_all_fused", lambda: batch1_fused_rope(*args, everything=True), "speedup",
                                  "the default"),
-                                ("batch1_skinny_deep", lambda: batch1_skinny_deep(*args), "speedup",
+                                ("batch1_skinny_deep", lambda: batch1_skinny_deep(*args, profile=profile), "speedup",
                                  "the default"),
                                 ("batch1_skinny_deep_pdl", lambda: batch1_skinny_deep(*args, pdl=True), "speedup",
                                  "the default"),

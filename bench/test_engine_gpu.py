@@ -164,7 +164,7 @@ def test_the_moe_gemv_variant_measures_moe_engines_and_puts_the_setting_back(tmp
 def test_the_skinny_deep_variant_measures_few_row_engines_and_puts_the_setting_back(tmp_path, monkeypatch):
     """batch1_skinny_deep: None where the batch-1 steps do not run the few-row layers and for PDL on a CPU; with them
     (the CPU's weight prepacking off, the layers set by hand) the batch-1 decode with the deep launches on, the same
-    greedy tokens (the CPU runs the op's PyTorch twin either way), the setting back after."""
+    greedy tokens (the CPU runs the op's PyTorch twin either way), its step profile, the setting back after."""
     import dataclasses
 
     import pagedkernels as pk
@@ -185,8 +185,14 @@ def test_the_skinny_deep_variant_measures_few_row_engines_and_puts_the_setting_b
         assert engine_gpu.batch1_skinny_deep(llm, {}, 8, 4, 10.0, pdl=True) is None
         default = engine_gpu.batch1_decode(llm, 8, 4, 10.0)
         before = pk.skinny_gemm_deep()
-        key, result = engine_gpu.batch1_skinny_deep(llm, default, 8, 4, 10.0)
+        profiled_with = []
+        step_profile = engine_gpu.step_profile
+        monkeypatch.setattr(engine_gpu, "step_profile", lambda *a, **k: (
+            profiled_with.append(pk.skinny_gemm_deep()) or step_profile(*a, **k)))
+        key, result = engine_gpu.batch1_skinny_deep(llm, default, 8, 4, 10.0,
+                                                    profile=([(list(range(100, 116)), 16)], (2, 4)))
         assert key == "batch1_skinny_deep" and result["same_leading_tokens"] == 4
+        assert result["profile"]["steps"] == 2 and profiled_with == [True]   # steps 2-4, with the setting on
         assert ("speedup" in result) == bool(result["decode_tokens_per_s"] and default["decode_tokens_per_s"])
         assert pk.skinny_gemm_deep() == before and runner.skinny_max_rows == 1
     finally:
