@@ -208,9 +208,9 @@ class Case:
     check: Callable[[], None] | None = None  # raises AssertionError on a wrong result
     target: Target | None = None
     graphed: bool = False  # on CUDA timed by cuda_graph_timer, baselines too (an op of a few us, as in a graph)
-    # with graphed: the number of copies of its weights fn (and each baseline) cycles through, a call on each;
-    # timed as that many calls back to back in one graph with no L2 flush (each call's weights cold in the L2, as
-    # in a decode step's chain of layers); 0: a flush before each call
+    # with graphed: fn (and each baseline) cycles through copies of its weights, a call on the next each time; timed
+    # as this many calls back to back in one graph with no L2 flush (each call's weights cold in the L2, as in a
+    # decode step's chain of layers); 0: a flush before each call
     chained: int = 0
 
 
@@ -941,6 +941,9 @@ def wq_gemm_case(device, dtype, *, M: int, N: int, K: int, group_size: int = 128
 # L2, so each call finds its weights where a decode step's next layer finds its own, in memory.
 CHAIN_BYTES = 512 * 2**20
 MAX_CHAIN_COPIES = 64
+# Calls a chained case's graph holds at least, cycling through the copies more than once where they are few (large
+# weights: each copy is still cold when its turn comes again), so the graph's own launch is a small part of the time.
+MIN_CHAIN_CALLS = 16
 
 
 def chain_copies(nbytes: int, device: torch.device) -> int:
@@ -952,8 +955,8 @@ def chain_copies(nbytes: int, device: torch.device) -> int:
 
 
 def _cycling(call: Callable[[torch.Tensor], object], weights: list[torch.Tensor]) -> Callable[[], object]:
-    """A call on the next of ``weights`` each time (in a captured graph, each copy once per ``len(weights)``
-    calls)."""
+    """A call on the next of ``weights`` each time, round and round (a captured graph of n calls holds each copy's
+    calls in turn)."""
     turn = iter(range(2**62))
     return lambda: call(weights[next(turn) % len(weights)])
 
@@ -978,7 +981,7 @@ def skinny_gemm_case(device, dtype, *, M: int, N: int, K: int) -> Case:
     reference = functools.cache(lambda: x.float() @ weight.float().t())
     return Case("skinny_gemm", _gemm_shape(M, N, K), dtype, fn, bytes_moved, flops=2 * M * N * K, bound="copy",
                 baselines=[cublas], check=_gemm_check(fn, reference, dtype, device, "skinny_gemm"), graphed=True,
-                chained=len(weights))
+                chained=max(len(weights), MIN_CHAIN_CALLS))
 
 
 def fp8_gemm_case(device, dtype, *, M: int, N: int, K: int) -> Case:

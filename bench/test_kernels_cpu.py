@@ -21,6 +21,7 @@ CPU = torch.device("cpu")
 F32 = dict(device=CPU, dtype=torch.float32)
 HEADS = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
 CACHE = dict(num_kv_heads=8, head_dim=128)
+PEAKS = K.Peaks(copy_gbps=100.0, copy_bytes=1 << 20, matmul_tflops=1.0, matmul_n=512, matmul_dtype="float32")
 
 # Small but meaningful: real head counts and sizes, a few MB to tens of MB per call.
 CASES = {
@@ -81,3 +82,35 @@ def test_the_tune_phases_decode_launch_reaches_the_kernel(monkeypatch):
     assert launched == [{"TILE_N": 64, "num_stages": 2, "num_warps": 8},
                         {"TILE_N": decode_attention.TILE_N, "num_stages": None, "num_warps": 4}]
     assert case.shape.endswith("TILE_N 64 stages 2 warps 8") and case.op == "paged_decode_attention launch"
+
+
+def test_skinny_gemm_is_timed_as_a_chain_of_calls_on_cold_copies(monkeypatch):
+    """skinny_gemm's case (and cuBLAS's beside it) cycles through copies of the weight, 512 MiB of them on CUDA (at
+    most 64, at least 2), and run_case times it as that many calls (at least 16) back to back in one graph without
+    the L2 flush; a case that is not chained keeps the flushed timing."""
+    cuda = torch.device("cuda")   # (a device object only: no CUDA needed)
+    assert K.chain_copies(1024 * 3072 * 2, cuda) == K.MAX_CHAIN_COPIES         # 0.6B's down projection: 6 MiB
+    assert K.chain_copies(28672 * 4096 * 2, cuda) == 3                          # Llama-3-8B's gate_up: 224 MiB
+    assert K.chain_copies(151936 * 1024 * 2, cuda) == 2                         # Qwen3's LM head
+    assert K.chain_copies(1024, CPU) == 2
+
+    used = []
+    monkeypatch.setattr(K.pk, "skinny_gemm", lambda x, w, out: used.append(w.data_ptr()) or out)
+    case = K.skinny_gemm_case(CPU, torch.float32, M=1, N=64, K=256)
+    assert case.graphed and case.chained == K.MIN_CHAIN_CALLS
+    for _ in range(4):
+        case.fn()
+    assert len(set(used)) == 2 and used[0::2] == [used[0]] * 2 and used[1::2] == [used[1]] * 2
+    baseline, _ = case.baselines[0].make()
+    out = [baseline().clone() for _ in range(2)]
+    assert torch.equal(out[0], out[1])   # the same product from either copy
+
+    timed = []
+    monkeypatch.setattr(K, "cuda_graph_timer", lambda fn, **kwargs: timed.append(kwargs) or 0.01)
+    case.check = None
+    rows = K.run_case(case, K.cuda_timer, PEAKS)
+    assert timed == [{"calls": K.MIN_CHAIN_CALLS, "flush": False}] * 2 and rows[0].ms == 0.01
+    plain = K.skinny_gemm_case(CPU, torch.float32, M=1, N=64, K=256)
+    plain.chained, plain.check, timed[:] = 0, None, []
+    K.run_case(plain, K.cuda_timer, PEAKS)
+    assert timed == [{}, {}]
