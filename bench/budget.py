@@ -48,6 +48,9 @@ class Budget:
             return
 
         def handler(signum, frame):
+            if _importing(frame):   # raised inside an import, it would leave a half-run module behind: after it
+                signal.alarm(1)
+                return
             raise BudgetExceeded(f"the budget of {self.seconds:.0f} s ran out")
 
         signal.signal(signal.SIGALRM, handler)
@@ -57,3 +60,17 @@ class Budget:
     def cancel_hard_stop() -> None:
         if hasattr(signal, "SIGALRM"):
             signal.alarm(0)
+
+
+def _importing(frame) -> bool:
+    """Whether ``frame`` runs inside an import (importlib's machinery, or a module's body it runs). An exception raised
+    there leaves the modules it had imported so far in sys.modules and drops the one it was importing, whose next
+    import then finds them half set up: a hard stop inside the engine's first ``import torch._dynamo`` left every
+    later compile of the process failing with "partially initialized module 'torch._dynamo'" (a dry run of the
+    headline phase at a 2 s budget)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):   # (a module's body runs under these too)
+            return True
+        frame = frame.f_back
+    return False
+

@@ -148,6 +148,29 @@ def test_gpu_suite_without_cuda_fails_loudly(tmp_path, capsys):
     assert K.main([]) == 2
 
 
+def test_hard_stop_waits_for_an_import_to_finish(tmp_path, monkeypatch):
+    """A hard stop that comes while a module is being imported raises after the import, not inside it: raised there,
+    it leaves the module's own imports half set up for the rest of the process."""
+    import sys
+
+    from bench.budget import Budget, BudgetExceeded
+
+    (tmp_path / "slow_module_for_budget_test.py").write_text("import time\ntime.sleep(1.6)\nDONE = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    start = time.perf_counter()
+    Budget(1.0).hard_stop()
+    try:
+        import slow_module_for_budget_test   # the alarm comes 1 s in, inside the module's body
+
+        assert slow_module_for_budget_test.DONE and time.perf_counter() - start >= 1.6
+        with pytest.raises(BudgetExceeded):
+            time.sleep(10)
+    finally:
+        Budget.cancel_hard_stop()
+        sys.modules.pop("slow_module_for_budget_test", None)
+    assert time.perf_counter() - start < 5
+
+
 def test_hard_stop_raises_in_the_main_thread():
     from bench.budget import Budget, BudgetExceeded
 
