@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import gc
 import importlib
+import itertools
 import json
 import statistics
 import sys
@@ -957,8 +958,8 @@ def chain_copies(nbytes: int, device: torch.device) -> int:
 def _cycling(call: Callable[[torch.Tensor], object], weights: list[torch.Tensor]) -> Callable[[], object]:
     """A call on the next of ``weights`` each time, round and round (a captured graph of n calls holds each copy's
     calls in turn)."""
-    turn = iter(range(2**62))
-    return lambda: call(weights[next(turn) % len(weights)])
+    turn = itertools.cycle(weights)
+    return lambda: call(next(turn))
 
 
 def skinny_gemm_case(device, dtype, *, M: int, N: int, K: int) -> Case:

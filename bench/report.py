@@ -182,7 +182,8 @@ def spec_decode_markdown(spec: dict) -> list[str]:
             f"{json.dumps(spec['speculative_config'])}, greedy, {spec['max_tokens']} tokens a request, "
             f"{spec['repeats']} rounds)", "",
             _md_table(["workload", "plain tok/s", f"{label} tok/s", "speedup", f"{label}, in graphs",
-                       f"{label}, in graphs, few-row layers", "acceptance", "mean accepted length", f"ms a step (plain / {label})", "identical outputs",
+                       f"{label}, in graphs, few-row layers", "acceptance", "mean accepted length",
+                       f"ms a step (plain / {label})", "identical outputs",
                        "same leading tokens / lengths"],
                       [[name, num(w["plain_tokens_per_s"], ".1f"), num(w[f"{kind}_tokens_per_s"], ".1f"),
                         num(w["speedup"], ".2f"),

@@ -103,13 +103,12 @@ def measure(model: str, *, device: str = "cpu", dtype: str = "float32", num_spec
             engines[f"{kind}_graphs"] = graphed
         else:
             graphed.llm_engine.shutdown()
-        if few_row_verify and f"{kind}_graphs" in engines:
-            from pagedkernels.skinny_gemm import MAX_ROWS
+        from pagedkernels.skinny_gemm import MAX_ROWS
 
+        if few_row_verify and f"{kind}_graphs" in engines and num_speculative_tokens + 1 <= MAX_ROWS:
             few = LLM(model, **options, speculative_config=spec)
             runner = few.llm_engine.model_runner
-            if (num_speculative_tokens + 1 <= MAX_ROWS and runner.set_spec_decode_graphs(True)
-                    and runner.set_skinny_max_rows(num_speculative_tokens + 1)):
+            if runner.set_spec_decode_graphs(True) and runner.set_skinny_max_rows(num_speculative_tokens + 1):
                 engines[f"{kind}_graphs_few_rows"] = few
             else:
                 few.llm_engine.shutdown()
