@@ -109,6 +109,48 @@ def cuda_graph_timer(fn: Callable[[], object], calls: int = 20, replays: int = 1
     return max(with_op - flushes, 0.0) / calls
 
 
+def launch_breakdown(fn: Callable[[], object], calls: int = 10) -> list[tuple[str, float]]:
+    """(kernel name, ms) of each launch one call of ``fn`` makes on the device, in launch order, each the mean of
+    ``calls`` calls recorded by torch.profiler with the device's activity alone (CUPTI's kernel records): where an
+    op of several launches spends its time (fused_moe's alignment, its two grouped GEMMs, its top-k sum). The calls
+    run eagerly, so the gaps between launches are not counted; their sum is the kernels' time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()  # compiled outside the window
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return per_launch(prof.events(), calls)
+
+
+def per_launch(events, calls: int) -> list[tuple[str, float]]:
+    """:func:`launch_breakdown` from a profile's events: the device's records (kernels, copies, memsets) in start
+    order, cut into ``calls`` equal runs, position by position (the same name in every call) averaged. ValueError
+    where the records do not split so (another stream's work in the window, a call that launched differently)."""
+    from torch.autograd import DeviceType
+
+    records = sorted((e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    if not records or len(records) % calls:
+        raise ValueError(f"{len(records)} device records do not split into {calls} calls")
+    per_call = len(records) // calls
+    launches = []
+    for i in range(per_call):
+        runs = records[i::per_call]
+        names = {e.name for e in runs}
+        if len(names) != 1:
+            raise ValueError(f"launch {i} differs between calls: {sorted(names)}")
+        launches.append((runs[0].name, sum(e.time_range.elapsed_us() for e in runs) / calls / 1e3))
+    return launches
+
+
+def breakdown_note(launches: list[tuple[str, float]]) -> str:
+    """Launches as a row's note: "launches (ms): name 0.012, name 0.531, ..." (names cut at their argument list)."""
+    return "launches (ms): " + ", ".join(f"{name.split('(')[0].strip()[:40]} {ms:.4f}" for name, ms in launches)
+
+
 def wall_timer(fn: Callable[[], object], repeats: int = 3) -> float:
     """Trivial CPU timer for the dry run: one warm-up call, median of ``repeats`` wall-clock runs."""
     fn()
@@ -213,6 +255,8 @@ class Case:
     # as this many calls back to back in one graph with no L2 flush (each call's weights cold in the L2, as in a
     # decode step's chain of layers); 0: a flush before each call
     chained: int = 0
+    # on CUDA: the device time of each launch of one call in the row's note (launch_breakdown), for an op of several
+    breakdown: bool = False
 
 
 @dataclass
@@ -279,6 +323,12 @@ def run_case(case: Case, timer: Timer, peaks: Peaks) -> list[Row]:
         frac = achieved / peak if peak and achieved is not None else None
     except Exception as e:
         note = f"error: {_first_line(e)}"
+    launches = ""  # the op's own row only
+    if case.breakdown and plain_timer is cuda_timer and not note:
+        try:
+            launches = breakdown_note(launch_breakdown(case.fn))
+        except Exception as e:  # the timing stands without it
+            launches = f"launches not broken down: {_first_line(e)}"
     peak_name = {"copy": "copy BW", "matmul": f"{peaks.matmul_dtype} matmul", "h2d": "pinned H2D",
                  "d2h": "pinned D2H"}[case.bound]
     rows = []
@@ -297,6 +347,8 @@ def run_case(case: Case, timer: Timer, peaks: Peaks) -> list[Row]:
                 why = ("" if isinstance(e, Skipped) else "wrong result, not timed: " if isinstance(e, AssertionError)
                        else "not available: ") + _first_line(e)
                 row_note = "; ".join(x for x in (note, why) if x)
+        if not rows and launches:
+            row_note = "; ".join(x for x in (row_note, launches) if x)
         rows.append(Row(case.op, case.shape, DTYPE_NAMES[case.dtype], ms, gbps, tflops, frac, peak_name,
                         name, baseline_ms, ratio, check, row_note))
     return rows
@@ -1124,7 +1176,7 @@ def fused_moe_case(device, dtype, *, tokens: int, experts: int, top_k: int, hidd
                              f"({active} experts routed to)", dtype, fn, bytes_moved,
                 flops=2 * tokens * top_k * 3 * hidden * intermediate, bound="copy" if tokens <= 64 else "matmul",
                 baselines=baselines, check=lambda: assert_close(fn(), reference(), dtype, "fused_moe"), target=target,
-                graphed=tokens <= 64)
+                graphed=tokens <= 64, breakdown=True)
 
 
 @dataclass
@@ -1228,7 +1280,7 @@ def lora_case(device, dtype, *, num_tokens: int, in_features: int, slice_sizes: 
                 f"slices={list(slice_sizes)} rank={rank}", dtype, lambda: lora_grouped(inp, out), bytes_moved,
                 flops=2 * num_tokens * (in_features * width + out_features * rank),
                 bound="copy" if num_tokens <= 64 else "matmul", baselines=[Baseline("per-adapter loop", loop)],
-                check=check, graphed=num_tokens <= 256)
+                check=check, graphed=num_tokens <= 256, breakdown=True)
 
 
 OP_OF_CASE = {decode_case: "paged_decode_attention", prefill_case: "paged_prefill_attention",

@@ -114,3 +114,65 @@ def test_skinny_gemm_is_timed_as_a_chain_of_calls_on_cold_copies(monkeypatch):
     plain.chained, plain.check, timed[:] = 0, None, []
     K.run_case(plain, K.cuda_timer, PEAKS)
     assert timed == [{}, {}]
+
+
+def _record(name: str, start: float, us: float, device: str = "CUDA"):
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import Interval
+
+    return SimpleNamespace(name=name, device_type=getattr(DeviceType, device), time_range=Interval(start, start + us))
+
+
+def test_a_calls_launches_are_averaged_position_by_position():
+    """per_launch cuts the device's records (in start order, host events left out) into the calls and averages each
+    launch over them, in launch order; records that do not split into the calls, or a launch whose kernel differs
+    between calls, are refused rather than averaged into a wrong breakdown."""
+    calls = [[("_align", 10.0), ("_gemm", 500.0), ("_gemm", 300.0), ("_sum", 30.0)],
+             [("_align", 12.0), ("_gemm", 520.0), ("_gemm", 280.0), ("_sum", 34.0)]]
+    records, t = [], 0.0
+    for call in calls:
+        for name, us in call:
+            records.append(_record(name, t, us))
+            records.append(_record("aten::empty", t, 1.0, device="CPU"))
+            t += us + 5.0
+    records.reverse()   # the profile's own order is not relied on
+    launches = K.per_launch(records, calls=2)
+    assert [name for name, _ in launches] == ["_align", "_gemm", "_gemm", "_sum"]
+    assert [round(ms, 6) for _, ms in launches] == [0.011, 0.51, 0.29, 0.032]
+    assert K.breakdown_note(launches) == "launches (ms): _align 0.0110, _gemm 0.5100, _gemm 0.2900, _sum 0.0320"
+    assert K.breakdown_note([("void at::native::kernel<float>(float*)", 0.5)]) == \
+        "launches (ms): void at::native::kernel<float> 0.5000"
+    with pytest.raises(ValueError, match="do not split"):
+        K.per_launch([r for r in records if r.name != "_align" or r.time_range.start > 0], calls=2)
+    with pytest.raises(ValueError, match="do not split"):
+        K.per_launch([], calls=2)
+    swapped = [_record("_a", 0, 1), _record("_b", 2, 1), _record("_b", 4, 1), _record("_a", 6, 1)]
+    with pytest.raises(ValueError, match="differs between calls"):
+        K.per_launch(swapped, calls=2)
+
+
+def test_an_op_of_several_launches_notes_each_launchs_time(monkeypatch):
+    """On CUDA a case with ``breakdown`` (fused_moe's, LoRA's) notes its launches' device times in its own row (not
+    the baselines'); a breakdown that fails says so and the timing stands; other timers (the CPU dry run) and
+    cases without it note nothing."""
+    case = K.fused_moe_case(CPU, torch.float32, tokens=2, experts=4, top_k=2, hidden=32, intermediate=16)
+    lora = K.lora_case(CPU, torch.float32, num_tokens=2, in_features=32, slice_sizes=(16, 8), rank=8,
+                       num_adapters=2)
+    assert case.breakdown and lora.breakdown and not K.rms_norm_case(**F32, num_tokens=2, hidden=32).breakdown
+    case.check, case.graphed = None, False
+    monkeypatch.setattr(K, "cuda_timer", lambda fn: 0.25)
+    monkeypatch.setattr(K, "launch_breakdown", lambda fn: [("_fused_moe_kernel", 0.2), ("_moe_sum_kernel", 0.05)])
+    rows = K.run_case(case, K.cuda_timer, PEAKS)
+    assert rows[0].ms == 0.25 and rows[0].note == "launches (ms): _fused_moe_kernel 0.2000, _moe_sum_kernel 0.0500"
+    assert len(rows) == 1 or all("launches" not in row.note for row in rows[1:])
+
+    def broken(fn):
+        raise ValueError("7 device records do not split into 10 calls")
+    monkeypatch.setattr(K, "launch_breakdown", broken)
+    rows = K.run_case(case, K.cuda_timer, PEAKS)
+    assert rows[0].ms == 0.25 and rows[0].note == ("launches not broken down: ValueError: 7 device records do not "
+                                                   "split into 10 calls")
+    monkeypatch.setattr(K, "launch_breakdown", lambda fn: pytest.fail("broken down off CUDA"))
+    assert "launches" not in K.run_case(case, lambda fn: 0.5, PEAKS)[0].note
