@@ -109,6 +109,11 @@ class DraftModel:
         """The draft's KV of the tokens the target computes this step, in the same slots."""
         self.model(input_ids, positions, meta)
 
+    def drop_draft_probs(self, seq_ids: list[int]) -> None:
+        """Forget the q of these sequences' pending drafts: their verification needs none (every one greedy)."""
+        for seq_id in seq_ids:
+            self.draft_probs.pop(seq_id, None)
+
     def draft_probs_for(self, seq_ids: list[int], max_k: int, vocab_size: int) -> torch.Tensor:
         """q of the drafts being verified, [len(seq_ids), max_k, vocab] (rows past a sequence's drafts: zeros)."""
         probs = torch.zeros(len(seq_ids), max_k, vocab_size, dtype=torch.float32, device=self.runner.device)

@@ -56,7 +56,7 @@ from engine.worker.decode_graphs import (CUDAGraphRunner, DecodeGraphs, EagerGra
                                          compile_shapes, cpu_graph_batch_sizes, graph_batch_sizes)
 from engine.worker.input_batch import HostStaging, InputBatch, speculation_allowed
 from engine.worker.ngram_proposer import propose_ngram
-from engine.worker.rejection_sampler import rejection_sample
+from engine.worker.rejection_sampler import rejection_sample, rejection_sample_greedy
 from engine.worker.sampler import (AsyncModelRunnerOutput, Penalties, SampledIds, SampledTensors, Sampler,
                                    SamplingMetadata, _gather_logprobs,
                                    banned_token_ids, plain_greedy, process_logits, random_probs, sampler_dummy_run)
@@ -1002,33 +1002,22 @@ class ModelRunner(DecodeGraphs):
         rows = [row for row, _ in entries for _ in range(max_k + 1)]
         index = np.array([min(first + j, first + k) for (_, first), k in zip(entries, ks) for j in range(max_k + 1)],
                          dtype=np.int64)
-        row_logits = logits[self._to_device(index)].float()
-        want_logprobs = any(batch.state_at(row).params.logprobs is not None for row, _ in entries)
-        raw_logprobs = torch.log_softmax(row_logits, dim=-1) if want_logprobs else None
-        meta = self.sampling_metadata(rows)
-        if self.sampler.sync_free:   # on CUDA: nothing read back but the result, once (below)
-            probs = self.sampler.target_probs(row_logits.clone(), meta)
-        else:
-            processed, row_max, argmax, _ = process_logits(row_logits.clone(), meta)
-            random = [i for i, greedy in enumerate(meta.greedy) if not greedy]
-            probs = processed
-            if random:
-                probs = processed.clone()
-                random_t = torch.tensor(random, device=logits.device)
-                probs[random_t] = random_probs(processed[random_t], row_max[random_t], meta, random)
-        vocab = probs.shape[-1]
         drafts = np.full((len(entries), max_k), -1, dtype=np.int64)
         for j, ((row, _), k) in enumerate(zip(entries, ks)):
             start = batch.num_tokens[row]
             drafts[j, :k] = batch.token_ids[row, start:start + k]
-        generators = [batch.state_at(row).generator for row, _ in entries]
-        draft_probs = None if self.drafter is None else \
-            self.drafter.draft_probs_for([batch.seq_ids[row] for row, _ in entries], max_k, vocab)
-        result = rejection_sample(self._to_device(drafts), self._to_device(np.array(ks, dtype=np.int64)),
-                                  probs.view(len(entries), max_k + 1, vocab), draft_probs,
-                                  self._to_device(np.array(meta.greedy[::max_k + 1], dtype=np.bool_)),
-                                  generators=generators, default_generator=self.sampler.generator,
-                                  num_draft_tokens_host=ks)
+        index_t, drafts_t, ks_t = self.staging.to_device_many(index, drafts, np.array(ks, dtype=np.int64))
+        row_logits = logits[index_t].float()
+        want_logprobs = any(batch.state_at(row).params.logprobs is not None for row, _ in entries)
+        raw_logprobs = torch.log_softmax(row_logits, dim=-1) if want_logprobs else None
+        meta = self.sampling_metadata(rows)
+        if all(meta.greedy):   # the target's picks drawn as a plain step draws them; the drafts checked against them
+            if self.drafter is not None:
+                self.drafter.drop_draft_probs([batch.seq_ids[row] for row, _ in entries])
+            picks = self.sampler.draw(row_logits.contiguous(), meta).view(len(entries), max_k + 1)
+            result = rejection_sample_greedy(drafts_t, ks_t, picks)
+        else:
+            result = self._rejection_sample(entries, row_logits, meta, drafts_t, ks_t, ks)
         read = self._read_speculative(result)
         for j, (row, _) in enumerate(entries):
             seq_id = batch.seq_ids[row]
@@ -1042,6 +1031,32 @@ class ModelRunner(DecodeGraphs):
                 sampled = _gather_logprobs(lp_rows, result.output_token_ids[j, :len(emitted)], [k] * len(emitted))
                 output.logprobs[seq_id] = SampleLogprobs(sampled.sampled_logprobs, sampled.sampled_ranks,
                                                          sampled.topk_token_ids, sampled.topk_logprobs)
+
+    def _rejection_sample(self, entries: list[tuple[int, int]], row_logits: torch.Tensor, meta,
+                          drafts: torch.Tensor, num_drafts: torch.Tensor, ks: list[int]):
+        """Speculative sampling of a verification batch with random requests (rejection_sample): the target's
+        probabilities of the k + 1 rows of each, its drafts (``drafts`` [n, max_k], ``num_drafts`` [n] on the
+        device; ``ks`` the counts on the host) accepted against them."""
+        batch = self.input_batch
+        max_k = drafts.shape[1]
+        if self.sampler.sync_free:   # on CUDA: nothing read back but the result, once (below)
+            probs = self.sampler.target_probs(row_logits.clone(), meta)
+        else:
+            processed, row_max, argmax, _ = process_logits(row_logits.clone(), meta)
+            random = [i for i, greedy in enumerate(meta.greedy) if not greedy]
+            probs = processed
+            if random:
+                probs = processed.clone()
+                random_t = torch.tensor(random, device=row_logits.device)
+                probs[random_t] = random_probs(processed[random_t], row_max[random_t], meta, random)
+        vocab = probs.shape[-1]
+        generators = [batch.state_at(row).generator for row, _ in entries]
+        draft_probs = None if self.drafter is None else \
+            self.drafter.draft_probs_for([batch.seq_ids[row] for row, _ in entries], max_k, vocab)
+        return rejection_sample(drafts, num_drafts, probs.view(len(entries), max_k + 1, vocab), draft_probs,
+                                self._to_device(np.array(meta.greedy[::max_k + 1], dtype=np.bool_)),
+                                generators=generators, default_generator=self.sampler.generator,
+                                num_draft_tokens_host=ks)
 
     @staticmethod
     def _read_speculative(result) -> list[list[int]]:

@@ -277,11 +277,16 @@ class Sampler:
             raise ValueError(f"logits must be [num_rows={len(meta.greedy)}, vocab_size], got {tuple(logits.shape)}")
         logits = logits.float().contiguous()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.num_logprobs is not None else None
+        sampled = self.draw(logits, meta)
+        if raw_logprobs is None:
+            return SampledTensors(sampled)
+        return SampledTensors(sampled, pack_logprobs(raw_logprobs, sampled, meta.num_logprobs), meta.num_logprobs)
+
+    def draw(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The draw of :meth:`sample` alone: int64 [num_rows] ids on the logits' device, no logprobs. logits:
+        [num_rows, vocab_size] float32, contiguous, modified in place."""
         if self.sync_free:
-            sampled = self._sample_on_device(logits, meta)
-            if raw_logprobs is None:
-                return SampledTensors(sampled)
-            return SampledTensors(sampled, pack_logprobs(raw_logprobs, sampled, meta.num_logprobs), meta.num_logprobs)
+            return self._sample_on_device(logits, meta)
         logits, row_max, sampled, context = process_logits(logits, meta)
         dead_rows = context["dead_rows"]
         dead_set = set(dead_rows)
@@ -293,9 +298,7 @@ class Sampler:
                 sampled[rows] = self._sample_random(logits[rows], row_max[rows], meta, random_rows)
             else:
                 sampled = self._sample_random(logits, row_max, meta, random_rows)
-        if raw_logprobs is None:
-            return SampledTensors(sampled)
-        return SampledTensors(sampled, pack_logprobs(raw_logprobs, sampled, meta.num_logprobs), meta.num_logprobs)
+        return sampled
 
     def _sample_on_device(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """The sync-free draw (see the class docstring): the same stages in the same order, every row's greedy and

@@ -569,11 +569,13 @@ def test_a_greedy_decode_step_copies_to_the_device_once(tiny_model_dir, monkeypa
         assert [len(c) for c in copies][:2] == [6, 2]   # a mixed step's inputs, then the in-flight ids' positions
 
 
-def test_a_speculative_step_reads_the_device_once(tiny_model_dir, monkeypatch):
-    """An n-gram speculative step on the CUDA paths (greedy and sampled rows verifying drafts, seeded and not)
-    queues its verification and rejection sampling without a host sync or pageable copy; its one read is the
-    accepted tokens (ModelRunner._read_speculative, stood in for here: a fake device holds no values). The H200's
-    sync audit counted 8 a step before (2026-11-28)."""
+@pytest.mark.parametrize("batch", ["mixed", "greedy"])
+def test_a_speculative_step_reads_the_device_once(tiny_model_dir, monkeypatch, batch):
+    """An n-gram speculative step on the CUDA paths (greedy and sampled rows verifying drafts, seeded and not; or
+    greedy rows alone: the drafts checked against the plain draw's picks) queues its
+    verification and rejection sampling without a host sync or pageable copy; its one read is the accepted tokens
+    (ModelRunner._read_speculative, stood in for here: a fake device holds no values). The H200's sync audit
+    counted 8 a step before (2026-11-28)."""
     from engine.worker.sampler import SampledIds
     from tests.engine.fake_cuda import no_host_sync
 
@@ -586,8 +588,9 @@ def test_a_speculative_step_reads_the_device_once(tiny_model_dir, monkeypatch):
         return [[5] + [-1] * (width - 1) + [0] for _ in range(num_reqs)]
 
     monkeypatch.setattr(ModelRunner, "_read_speculative", staticmethod(read_without_values))
-    kinds = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05),
-             SamplingParams(temperature=0.7, seed=3)]
+    kinds = ([SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05),
+              SamplingParams(temperature=0.7, seed=3)] if batch == "mixed" else
+             [SamplingParams(temperature=0), SamplingParams(temperature=0, min_p=0.1), SamplingParams(temperature=0)])
     prompts = [random_token_ids(9 + i, seed=50 + i) for i in range(len(kinds))]
     with fake_cuda():
         config = engine_config(model_dir, device="cuda", max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,

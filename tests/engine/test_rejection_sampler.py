@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from engine.worker.ngram_proposer import propose_ngram
-from engine.worker.rejection_sampler import PLACEHOLDER, RejectionOutput, rejection_sample
+from engine.worker.rejection_sampler import (PLACEHOLDER, RejectionOutput, rejection_sample,
+                                             rejection_sample_greedy)
 
 VOCAB = 6
 NUM_DRAWS = 40_000
@@ -107,6 +108,31 @@ def test_greedy_rows_follow_the_argmax_and_pad_the_rest():
     assert out.output_token_ids[0].tolist() == argmax[0].tolist()
     assert out.output_token_ids[1].tolist() == [argmax[1, 0], argmax[1, 1], PLACEHOLDER, PLACEHOLDER]
     assert out.output_token_ids[2].tolist() == [argmax[2, 0], PLACEHOLDER, PLACEHOLDER, PLACEHOLDER]
+
+
+@pytest.mark.parametrize("max_k", [0, 1, 3, 5])
+def test_the_all_greedy_path_gives_the_tokens_of_rejection_sampling(max_k):
+    """rejection_sample_greedy (a batch of greedy requests, from the target's picks) emits what rejection_sample
+    emits for it: over many rows of 2-token vocabularies (so drafts often match) with every draft count from 0 to
+    max_k, the padding past each row's drafts -1 or a stale token that would match; wrong shapes are refused."""
+    gen = torch.Generator().manual_seed(max_k)
+    rows = 400
+    logits = torch.randn(rows, max_k + 1, 2, generator=gen)
+    picks = logits.argmax(-1)
+    num_drafts = torch.randint(0, max_k + 1, (rows,), generator=gen)
+    drafts = torch.randint(0, 2, (rows, max_k), generator=gen)
+    past = torch.arange(max_k)[None, :] >= num_drafts[:, None]
+    stale = torch.rand(rows, 1, generator=gen) < 0.5   # padding that would match the pick there, or -1
+    drafts = torch.where(past, torch.where(stale, picks[:, :max_k], PLACEHOLDER), drafts)
+    expected = rejection_sample(drafts, num_drafts, logits, None, torch.ones(rows, dtype=torch.bool),
+                                default_generator=torch.Generator().manual_seed(0))
+    out = rejection_sample_greedy(drafts, num_drafts, picks)
+    assert torch.equal(out.num_accepted, expected.num_accepted)
+    assert torch.equal(out.output_token_ids, expected.output_token_ids)
+    if max_k:
+        assert 0 < int((out.num_accepted == num_drafts).sum()) < rows   # all accepted in some rows, not in all
+    with pytest.raises(ValueError, match="target_token_ids must be"):
+        rejection_sample_greedy(drafts, num_drafts, picks[:, :max_k])
 
 
 def test_no_drafts_is_plain_sampling_and_seeded_rows_ignore_their_batch():

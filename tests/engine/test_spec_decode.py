@@ -88,6 +88,31 @@ def test_oracle_drafts_right_partly_right_and_wrong(llama_dir, monkeypatch, mist
         assert (stats.num_accepted_tokens > 0) == (mistake > 0)
 
 
+@pytest.mark.usefixtures("both_sampler_paths")
+def test_an_all_greedy_verification_checks_the_drafts_against_the_picks_alone(llama_dir, monkeypatch):
+    """A verification batch whose requests are all greedy checks its drafts against the target's picks
+    (rejection_sample_greedy: the plain step's draw of each row, no probabilities); a batch with a random request
+    takes rejection_sample, and its greedy requests still give the plain greedy output."""
+    import engine.worker.model_runner as model_runner_module
+
+    taken = []
+    for name in ("rejection_sample", "rejection_sample_greedy"):
+        real = getattr(model_runner_module, name)
+        monkeypatch.setattr(model_runner_module, name,
+                            lambda *args, _real=real, _name=name, **kwargs: taken.append(_name) or _real(*args, **kwargs))
+    prompts = _prompts()
+    expected = _tokens(_generate(llama_dir, prompts=prompts)[0])
+    outputs, stats = _generate(llama_dir, prompts=prompts, speculative_config=NGRAM)
+    assert _tokens(outputs) == expected and stats.num_drafts > 0
+    assert taken and set(taken) == {"rejection_sample_greedy"}
+    taken.clear()
+    mixed = [GREEDY, SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True), GREEDY, GREEDY]
+    outputs, _ = _generate(llama_dir, mixed, prompts=prompts, speculative_config=NGRAM)
+    assert "rejection_sample" in taken
+    assert [tokens for i, tokens in enumerate(_tokens(outputs)) if i != 1] == \
+        [tokens for i, tokens in enumerate(expected) if i != 1]
+
+
 @pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
 def test_preemption_prefix_caching_and_chunked_prefill(llama_dir, draft_dir, proposer):
     """A cache too small for the batch (preempting by recomputation, then by swapping: a draft model's cache
