@@ -58,8 +58,8 @@ from engine.worker.input_batch import HostStaging, InputBatch, speculation_allow
 from engine.worker.ngram_proposer import propose_ngram
 from engine.worker.rejection_sampler import rejection_sample, rejection_sample_greedy
 from engine.worker.sampler import (AsyncModelRunnerOutput, Penalties, SampledIds, SampledTensors, Sampler,
-                                   SamplingMetadata, _gather_logprobs,
-                                   banned_token_ids, plain_greedy, process_logits, random_probs, sampler_dummy_run)
+                                   SamplingMetadata, banned_token_ids, pack_logprobs, plain_greedy,
+                                   process_logits, random_probs, sampler_dummy_run, unpack_logprobs)
 from engine.platform import DevicePolicy
 from engine.models import get_model_class
 
@@ -1018,17 +1018,21 @@ class ModelRunner(DecodeGraphs):
             result = rejection_sample_greedy(drafts_t, ks_t, picks)
         else:
             result = self._rejection_sample(entries, row_logits, meta, drafts_t, ks_t, ks)
-        read = self._read_speculative(result)
+        num_logprobs = [batch.state_at(row).params.logprobs for row, _ in entries]
+        packed = None
+        if want_logprobs:   # every row's logprobs of the token at its position, packed into the step's one read
+            packed = pack_logprobs(raw_logprobs, result.output_token_ids.reshape(-1).clamp(min=0),
+                                   [k for k in num_logprobs for _ in range(max_k + 1)])
+        read, packed_rows = self._read_speculative(result, packed)
         for j, (row, _) in enumerate(entries):
             seq_id = batch.seq_ids[row]
             accepted = read[j][-1]
             emitted = read[j][:accepted + 1]
             output.sampled_token_ids[seq_id] = emitted
             output.num_accepted_tokens[seq_id] = accepted
-            k = batch.state_at(row).params.logprobs
+            k = num_logprobs[j]
             if k is not None:
-                lp_rows = raw_logprobs[j * (max_k + 1):j * (max_k + 1) + len(emitted)]
-                sampled = _gather_logprobs(lp_rows, result.output_token_ids[j, :len(emitted)], [k] * len(emitted))
+                sampled = unpack_logprobs(packed_rows[j][:len(emitted)], [k] * len(emitted))
                 output.logprobs[seq_id] = SampleLogprobs(sampled.sampled_logprobs, sampled.sampled_ranks,
                                                          sampled.topk_token_ids, sampled.topk_logprobs)
 
@@ -1059,11 +1063,21 @@ class ModelRunner(DecodeGraphs):
                                 num_draft_tokens_host=ks)
 
     @staticmethod
-    def _read_speculative(result) -> list[list[int]]:
+    def _read_speculative(result, packed: torch.Tensor | None = None
+                          ) -> tuple[list[list[int]], list[list[list[float]]] | None]:
         """A speculative step's one read from the device: per request, its output row (drafts then the sampled
         token, -1 after) and, last, how many drafts it accepted. The next schedule needs them now (speculative
-        steps run without async scheduling)."""
-        return torch.cat([result.output_token_ids, result.num_accepted.unsqueeze(1)], dim=1).tolist()
+        steps run without async scheduling). ``packed``: pack_logprobs' rows of every request's k + 1 positions
+        (float64 [num_reqs * (k + 1), width]), read in the same transfer and returned per request (else None)."""
+        ids = torch.cat([result.output_token_ids, result.num_accepted.unsqueeze(1)], dim=1)
+        if packed is None:
+            return ids.tolist(), None
+        num_reqs, positions = result.output_token_ids.shape
+        width = packed.shape[1]
+        both = torch.cat([ids.double(), packed.view(num_reqs, positions * width)], dim=1).tolist()
+        ids_width = positions + 1   # (ids are exact in float64)
+        return ([[int(v) for v in row[:ids_width]] for row in both],
+                [[row[ids_width + p * width:ids_width + (p + 1) * width] for p in range(positions)] for row in both])
 
     def _propose(self, output: ModelRunnerOutput, scheduler_output: SchedulerOutput) -> None:
         """Drafts for each sequence's next step, from its tokens and what it emitted now: n-gram lookups, or the

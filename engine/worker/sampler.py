@@ -867,8 +867,9 @@ def pack_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, num_logprob
 
 
 def unpack_logprobs(packed: list[list[float]], num_logprobs: list[int | None]) -> SamplerOutput:
-    """The SamplerOutput of pack_logprobs' rows (as lists on the host)."""
-    max_k = max(k for k in num_logprobs if k is not None)
+    """The SamplerOutput of pack_logprobs' rows (as lists on the host; any subset of a packed batch's rows: the top
+    logprobs' width, the batch's largest k, read from the rows' length)."""
+    max_k = (len(packed[0]) - 3) // 2 if packed else 0
     out = SamplerOutput(sampled_token_ids=[int(row[0]) for row in packed], topk_token_ids=[], topk_logprobs=[],
                         sampled_logprobs=[], sampled_ranks=[])
     for row, k in zip(packed, num_logprobs):
@@ -878,12 +879,6 @@ def unpack_logprobs(packed: list[list[float]], num_logprobs: list[int | None]) -
         out.sampled_logprobs.append(row[1] if keep else None)
         out.sampled_ranks.append(int(row[2]) if keep else None)
     return out
-
-
-def _gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor,
-                     num_logprobs: list[int | None]) -> SamplerOutput:
-    """pack_logprobs and unpack_logprobs at once (the values read back now)."""
-    return unpack_logprobs(pack_logprobs(raw_logprobs, sampled, num_logprobs).tolist(), num_logprobs)
 
 
 # -- the draws on their way to the host --------------------------------------------------------------------------------

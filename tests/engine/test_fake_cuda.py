@@ -572,7 +572,8 @@ def test_a_greedy_decode_step_copies_to_the_device_once(tiny_model_dir, monkeypa
 @pytest.mark.parametrize("batch", ["mixed", "greedy"])
 def test_a_speculative_step_reads_the_device_once(tiny_model_dir, monkeypatch, batch):
     """An n-gram speculative step on the CUDA paths (greedy and sampled rows verifying drafts, seeded and not; or
-    greedy rows alone: the drafts checked against the plain draw's picks) queues its
+    greedy rows alone, two with logprobs: the drafts checked against the plain draw's picks, the logprobs read with
+    the tokens) queues its
     verification and rejection sampling without a host sync or pageable copy; its one read is the accepted tokens
     (ModelRunner._read_speculative, stood in for here: a fake device holds no values). The H200's sync audit
     counted 8 a step before (2026-11-28)."""
@@ -582,15 +583,17 @@ def test_a_speculative_step_reads_the_device_once(tiny_model_dir, monkeypatch, b
     model_dir = tiny_model_dir("llama")
     reads = []
 
-    def read_without_values(result):   # the one read: every draft rejected, token 5 sampled after it
+    def read_without_values(result, packed=None):   # the one read: every draft rejected, token 5 sampled after it
         reads.append(tuple(result.output_token_ids.shape))
         num_reqs, width = result.output_token_ids.shape
-        return [[5] + [-1] * (width - 1) + [0] for _ in range(num_reqs)]
+        rows = None if packed is None else [[[5.0, -1.0, 1.0] + [-1.0] * (packed.shape[1] - 3)] * width] * num_reqs
+        return [[5] + [-1] * (width - 1) + [0] for _ in range(num_reqs)], rows
 
     monkeypatch.setattr(ModelRunner, "_read_speculative", staticmethod(read_without_values))
     kinds = ([SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05),
               SamplingParams(temperature=0.7, seed=3)] if batch == "mixed" else
-             [SamplingParams(temperature=0), SamplingParams(temperature=0, min_p=0.1), SamplingParams(temperature=0)])
+             [SamplingParams(temperature=0), SamplingParams(temperature=0, logprobs=2),
+              SamplingParams(temperature=0, logprobs=0)])
     prompts = [random_token_ids(9 + i, seed=50 + i) for i in range(len(kinds))]
     with fake_cuda():
         config = engine_config(model_dir, device="cuda", max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
@@ -618,6 +621,9 @@ def test_a_speculative_step_reads_the_device_once(tiny_model_dir, monkeypatch, b
         assert not output.failed, output.failed   # (a sync raised inside sampling fails the rows instead)
         assert reads == [(3, 4)]
         assert output.sampled_token_ids == {0: [5], 1: [5], 2: [5]} and output.num_accepted_tokens == {0: 0, 1: 0, 2: 0}
+        if batch == "greedy":
+            assert sorted(output.logprobs) == [1, 2] and output.logprobs[1].ranks == [1]
+            assert len(output.logprobs[1].topk_token_ids[0]) == 2 and output.logprobs[2].topk_token_ids == [[]]
 
 
 @pytest.mark.parametrize("graphs", ["0", "1"])

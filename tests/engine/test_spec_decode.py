@@ -113,6 +113,41 @@ def test_an_all_greedy_verification_checks_the_drafts_against_the_picks_alone(ll
         [tokens for i, tokens in enumerate(expected) if i != 1]
 
 
+@pytest.mark.usefixtures("both_sampler_paths")
+def test_logprobs_of_several_widths_in_one_verification(llama_dir, monkeypatch):
+    """Requests asking for 3, 1 and no top logprobs verify drafts in the same steps (oracle drafts, all right: every
+    step emits k + 1 tokens each): their tokens and logprobs equal plain decoding's, each read with the step's
+    tokens in its one transfer."""
+    import engine.worker.model_runner as model_runner_module
+
+    prompts = _prompts()[:3]
+    kinds = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3),
+             SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1),
+             SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
+    expected = _generate(llama_dir, kinds, prompts=prompts)[0]
+    full = [p["prompt_token_ids"] + list(o.outputs[0].token_ids) for p, o in zip(prompts, expected)]
+
+    def oracle(tokens, *, num_speculative_tokens, **kwargs):
+        tokens = tokens.tolist()
+        sequence = next(s for s in full if s[:len(tokens)] == tokens)
+        return sequence[len(tokens):len(tokens) + num_speculative_tokens]
+
+    monkeypatch.setattr(model_runner_module, "propose_ngram", oracle)
+    reads = []
+    real_read = model_runner_module.ModelRunner._read_speculative
+    monkeypatch.setattr(model_runner_module.ModelRunner, "_read_speculative",
+                        staticmethod(lambda *args: reads.append(len(args)) or real_read(*args)))
+    actual, stats = _generate(llama_dir, kinds, prompts=prompts, speculative_config=NGRAM)
+    assert stats.acceptance_rate == 1.0 and reads and set(reads) == {2}
+    for got, want in zip(actual, expected):
+        got, want = got.outputs[0], want.outputs[0]
+        assert got.token_ids == want.token_ids
+        assert (got.logprobs is None) == (want.logprobs is None)
+        for g, w in zip(got.logprobs or [], want.logprobs or []):
+            assert set(g) == set(w)
+            assert all(abs(g[t].logprob - w[t].logprob) < 1e-4 and g[t].rank == w[t].rank for t in g)
+
+
 @pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
 def test_preemption_prefix_caching_and_chunked_prefill(llama_dir, draft_dir, proposer):
     """A cache too small for the batch (preempting by recomputation, then by swapping: a draft model's cache
