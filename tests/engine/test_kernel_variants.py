@@ -95,10 +95,13 @@ class _Schedule:
         return blocks
 
     def step(self, new: dict[int, tuple[int, int, LoRARequest | None]] = (), decode: list[int] = (),
-             chunks: dict[int, int] = (), params: dict[int, SamplingParams] = ()) -> None:
+             chunks: dict[int, int] = (), params: dict[int, SamplingParams] = (),
+             drafts: dict[int, list[int]] = ()):
         """new: seq_id -> (prompt length, tokens this step, adapter[, tokens the prefix cache holds]); decode:
         seq_ids taking one token; chunks: seq_id -> the next chunk of a prompt started earlier; params: a new
-        sequence's sampling (default greedy)."""
+        sequence's sampling (default greedy); drafts: seq_id (of decode) -> speculative tokens it verifies this step
+        (once a sequence: what it accepted is not followed). Returns the step's ModelRunnerOutput."""
+        drafts = dict(drafts)
         new, chunks = dict(new), dict(chunks)
         new_seqs, cached, scheduled = [], [], {}
         for seq_id, (length, first, lora, *hit) in new.items():
@@ -116,13 +119,18 @@ class _Schedule:
             scheduled[seq_id] = n
         for seq_id in decode:
             self.tokens[seq_id].append(5)
+            # (with drafts: token 5 in place of the one the worker sampled, so the drafts end the sequence and the
+            # step verifies them)
             cached.append(CachedSequenceData(seq_id, [5], len(self.runner.input_batch.states[seq_id].block_ids), [],
-                                             self.computed[seq_id]))
-            scheduled[seq_id] = 1
-        self.runner.execute_model(SchedulerOutput(new_seqs=new_seqs, cached_seqs=cached,
-                                                  num_scheduled_tokens=scheduled, lora_requests=self.lora_requests))
+                                             self.computed[seq_id],
+                                             token_start=self.computed[seq_id] if seq_id in drafts else None))
+            scheduled[seq_id] = 1 + len(drafts.get(seq_id, ()))
+        output = self.runner.execute_model(SchedulerOutput(new_seqs=new_seqs, cached_seqs=cached,
+                                                           num_scheduled_tokens=scheduled,
+                                                           lora_requests=self.lora_requests, spec_token_ids=drafts))
         for seq_id, n in scheduled.items():
             self.computed[seq_id] += n
+        return output
 
 
 @pytest.fixture(autouse=True)
@@ -183,6 +191,23 @@ def test_a_dense_model_with_lora_compiles_nothing_after_start_up(tiny_model_dir,
                    params={5: SamplingParams(temperature=0.8, seed=1), 6: SamplingParams(temperature=1.0, min_p=0.1)})
         steps.step(new={7: (248, 8, b, 240)}, decode=[5, 6])               # a prefix-cache hit: a 16-block table
         late = set(variants) - started
+    assert not late, f"variants first compiled after start-up: {_kernel_names(late)}\n" + "\n".join(sorted(late))
+
+
+def test_speculative_verification_compiles_nothing_after_start_up(tiny_model_dir):
+    """n-gram speculation, k = 3, greedy: verification steps of one sequence and of three (1 + k tokens each: the
+    prefill kernel over them, the k + 1 rows of each drawn by the fused draw for rejection_sample_greedy)."""
+    model_dir = tiny_model_dir("llama")
+    with recording_variants() as variants:
+        runner, started = _start_up(model_dir, variants, max_num_seqs=16, max_num_batched_tokens=128,
+                                    speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+        steps = _Schedule(runner, {})
+        steps.step(new={0: (20, 20, None), 1: (9, 9, None), 2: (33, 33, None), 3: (12, 12, None)})
+        verified = [steps.step(decode=[0], drafts={0: [3, 4, 5]}),
+                    steps.step(decode=[1, 2, 3], drafts={1: [7, 8, 9], 2: [4, 4, 4], 3: [1, 2, 3]})]
+        late = set(variants) - started
+    assert [sorted(output.num_accepted_tokens) for output in verified] == [[0], [1, 2, 3]]
+    assert {"_prefill_attention_kernel", "_sample_kernel"} <= set(_kernel_names(started))
     assert not late, f"variants first compiled after start-up: {_kernel_names(late)}\n" + "\n".join(sorted(late))
 
 
