@@ -310,11 +310,13 @@ def test_a_heavy_n_request_leaves_others_within_3x_their_latency(served):
         assert len(result.choices) == 256
         return statistics.median(loaded)
 
-    # Two tries: on two cores the core's two torch threads, the API server, the template workers and this client
+    # Three tries: on two cores the core's two torch threads, the API server, the template workers and this client
     # share the CPUs, and a burst of contention (steps of 80-110 ms against 10-15, no garbage collection in
-    # them) can inflate one try. Measured on a quiet 2-core EPYC: 2.0-2.6x in a fresh server, 2.0-3.2x here.
+    # them) can inflate one try. Measured on a quiet 2-core EPYC: 2.0-2.6x in a fresh server, 2.0-3.2x here; with
+    # the suite's other worker busy beside it, one try in a fresh-clone CI read 3.97x and the next 3.18x, and a busy
+    # loop beside it alone put single tries at 17x and 38x, the next at 1.3x and 2.8x.
     ratios = []
-    for _ in range(2):
+    for _ in range(3):
         unloaded = unloaded_latency()
         ratios.append(loaded_latency() / unloaded)
         if ratios[-1] <= 3:
