@@ -95,7 +95,7 @@ from typing import Callable
 import torch
 
 from bench import kernels, report
-from bench.budget import Budget, BudgetExceeded
+from bench.budget import Budget, BudgetExceeded, deferred_stop
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "bench" / "results"
@@ -261,7 +261,8 @@ class PhaseRun:
 
     def save(self, png: bool = False) -> list[Path]:
         self.result["seconds"] = self.budget.elapsed()
-        return report.write_report(self.out_dir, self.result, stem=self.stem, png=png)
+        with deferred_stop():   # a hard stop waits for the files to be whole
+            return report.write_report(self.out_dir, self.result, stem=self.stem, png=png)
 
     def step(self, name: str, fn: Callable[[], None]) -> bool:
         """Run one step; an error is recorded and the phase goes on. Returns False when the budget ran out

@@ -171,6 +171,34 @@ def test_hard_stop_waits_for_an_import_to_finish(tmp_path, monkeypatch):
     assert time.perf_counter() - start < 5
 
 
+def test_a_hard_stop_during_a_report_write_waits_for_it(tmp_path, monkeypatch):
+    """A hard stop that comes while a phase writes its report (after a step, outside the step that records a cut)
+    is raised a second after the write, inside what runs next: the step's report whole and the step returned."""
+    from bench import gpu_suite
+    from bench.budget import Budget, BudgetExceeded
+
+    written = []
+
+    def slow_write(out_dir, result, *, stem=None, png=True):
+        time.sleep(1.6)   # the alarm comes 1 s in
+        written.append(dict(result))
+        return []
+
+    monkeypatch.setattr(gpu_suite.report, "write_report", slow_write)
+    run = gpu_suite.PhaseRun.__new__(gpu_suite.PhaseRun)
+    run.budget, run.result, run.out_dir, run.stem = Budget(30), {"cut": [], "errors": []}, tmp_path, "x"
+    start = time.perf_counter()
+    Budget(1.0).hard_stop()
+    try:
+        assert run.step("a step", lambda: None) is True   # its save() outlived the budget
+        assert len(written) == 1 and time.perf_counter() - start >= 1.6
+        with pytest.raises(BudgetExceeded):
+            time.sleep(10)
+    finally:
+        Budget.cancel_hard_stop()
+    assert time.perf_counter() - start < 5
+
+
 def test_hard_stop_raises_in_the_main_thread():
     from bench.budget import Budget, BudgetExceeded
 
