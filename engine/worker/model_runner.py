@@ -1008,17 +1008,17 @@ class ModelRunner(DecodeGraphs):
             drafts[j, :k] = batch.token_ids[row, start:start + k]
         index_t, drafts_t, ks_t = self.staging.to_device_many(index, drafts, np.array(ks, dtype=np.int64))
         row_logits = logits[index_t].float()
-        want_logprobs = any(batch.state_at(row).params.logprobs is not None for row, _ in entries)
+        num_logprobs = [batch.state_at(row).params.logprobs for row, _ in entries]
+        want_logprobs = any(k is not None for k in num_logprobs)
         raw_logprobs = torch.log_softmax(row_logits, dim=-1) if want_logprobs else None
         meta = self.sampling_metadata(rows)
         if all(meta.greedy):   # the target's picks drawn as a plain step draws them; the drafts checked against them
             if self.drafter is not None:
                 self.drafter.drop_draft_probs([batch.seq_ids[row] for row, _ in entries])
-            picks = self.sampler.draw(row_logits.contiguous(), meta).view(len(entries), max_k + 1)
+            picks = self.sampler.draw(row_logits, meta).view(len(entries), max_k + 1)
             result = rejection_sample_greedy(drafts_t, ks_t, picks)
         else:
             result = self._rejection_sample(entries, row_logits, meta, drafts_t, ks_t, ks)
-        num_logprobs = [batch.state_at(row).params.logprobs for row, _ in entries]
         packed = None
         if want_logprobs:   # every row's logprobs of the token at its position, packed into the step's one read
             packed = pack_logprobs(raw_logprobs, result.output_token_ids.reshape(-1).clamp(min=0),
