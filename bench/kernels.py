@@ -1217,7 +1217,13 @@ def lora_inputs(device, dtype, *, num_tokens: int, in_features: int, slice_sizes
 
 
 def lora_grouped(inp: LoRAInputs, out: torch.Tensor) -> torch.Tensor:
-    """pagedkernels: the shrink and the expand over the whole batch, every adapter at once."""
+    """pagedkernels: ``add_lora`` (the shrink and the expand) over the whole batch, every adapter at once, as the
+    engine's LoRA layers call it."""
+    return pk.add_lora(inp.x, inp.lora_a, inp.lora_b, inp.indices, out, slice_sizes=inp.slice_sizes, **inp.mapping)
+
+
+def lora_apart(inp: LoRAInputs, out: torch.Tensor) -> torch.Tensor:
+    """The two ops called one after the other (on CUDA the shrink's K-split planes summed by a third launch)."""
     buffer = pk.lora_shrink(inp.x, inp.lora_a, inp.indices, **inp.mapping)
     return pk.lora_expand(buffer, inp.lora_b, inp.indices, out, slice_sizes=inp.slice_sizes, **inp.mapping)
 
@@ -1254,8 +1260,9 @@ def lora_reference(inp: LoRAInputs) -> torch.Tensor:
 
 def lora_case(device, dtype, *, num_tokens: int, in_features: int, slice_sizes: tuple[int, ...], rank: int = 16,
               num_adapters: int = 4) -> Case:
-    """Multi-LoRA on one projection (shrink + expand, the grouping shared by the step's layers computed before)
-    against the per-adapter loop on the same batch. Bytes: x, the weights of the adapters the batch uses, the base
+    """Multi-LoRA on one projection (``add_lora``: shrink + expand, the grouping shared by the step's layers
+    computed before) against the per-adapter loop on the same batch, and against ``lora_shrink`` then
+    ``lora_expand`` called apart (what ``add_lora`` saves: on CUDA at decode sizes, the planes' sum launch). Bytes: x, the weights of the adapters the batch uses, the base
     output read and written, the float32 buffer written and read; FLOPs: 2 M (K S R + N R). Up to 256 tokens (the
     engine's decode graphs) both are timed in a CUDA graph, as decode steps run them: launched from Python, the
     H200 of 2026-11-30 timed one token at 0.091 ms, more than the kernels' bytes could take."""
@@ -1276,10 +1283,16 @@ def lora_case(device, dtype, *, num_tokens: int, in_features: int, slice_sizes: 
         assert_close(lora_loop(inp, inp.base.clone()), lora_reference(inp), dtype, "per-adapter loop")
         return (lambda: lora_loop(inp, loop_out)), ""
 
+    def apart():
+        apart_out = inp.base.clone()
+        assert_close(lora_apart(inp, inp.base.clone()), lora_reference(inp), dtype, "shrink then expand")
+        return (lambda: lora_apart(inp, apart_out)), ""
+
     return Case("lora shrink+expand", f"{num_tokens} tok, {num_adapters} adapters + base, K={in_features} "
                 f"slices={list(slice_sizes)} rank={rank}", dtype, lambda: lora_grouped(inp, out), bytes_moved,
                 flops=2 * num_tokens * (in_features * width + out_features * rank),
-                bound="copy" if num_tokens <= 64 else "matmul", baselines=[Baseline("per-adapter loop", loop)],
+                bound="copy" if num_tokens <= 64 else "matmul",
+                baselines=[Baseline("per-adapter loop", loop), Baseline("shrink, expand apart", apart)],
                 check=check, graphed=num_tokens <= 256, breakdown=True)
 
 

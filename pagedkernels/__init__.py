@@ -34,7 +34,7 @@ from .skinny_gemm import (  # noqa: F401  (few-row GEMM: decode at small batch, 
 from .moe_topk import moe_topk  # noqa: F401
 from .moe_align import moe_align_block_size  # noqa: F401
 from .fused_moe import fused_moe, moe_gemv_max_tokens, pack_moe_weight, set_moe_gemv_max_tokens  # noqa: F401
-from .lora import lora_expand, lora_mapping, lora_shrink  # noqa: F401  (multi-LoRA: Punica-style grouped GEMMs)
+from .lora import add_lora, lora_expand, lora_mapping, lora_shrink  # noqa: F401  (multi-LoRA: Punica-style SGMV)
 from .sampling import sample_from_logits  # noqa: F401  (next-token draws: argmax or inverse CDF, one kernel)
 from .cpu_graph import CPUGraph, CPUGraphPool, GraphCaptureError  # noqa: F401  (native kernel calls, replayed from C)
 from . import quant_formats  # noqa: F401  (canonical int4/int8 layout; GPTQ/AWQ/GGUF conversions)

@@ -579,7 +579,8 @@ def _lora_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
     slots: decode (1 token: 16-token tiles, K split 16 or 32 ways) and prefill (64 and 256 tokens: 64-token tiles)
     at the shrink's output widths 8 (one slice of rank 8: a 16-wide tile), 48 (q/k/v at rank 16), 96 (rank 32) and
     128 (gate/up at rank 64: a 64-wide tile twice), so the expand's rank tiles are 16, 32 and 64; with and without
-    ``lora_ranks`` (a slot of half the stack's rank), one slice and several."""
+    ``lora_ranks`` (a slot of half the stack's rank), one slice and several. With ``lora_ranks`` the engine's call,
+    add_lora (the expand reading the shrink's K-split planes)."""
     import pagedkernels as pk
 
     qkv, gate_up = (4096, 1024, 1024), (14336, 14336)
@@ -599,9 +600,12 @@ def _lora_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
                 if ranked:
                     mapping["lora_ranks"] = torch.tensor([[rank // 2] * len(sizes), [rank] * len(sizes)],
                                                          dtype=torch.int32)
+                out = torch.zeros(num_tokens, sum(sizes), dtype=dtype)
+                if ranked:   # the engine's call: the expand sums the shrink's K-split planes
+                    pk.add_lora(x, lora_a, lora_b, indices, out, slice_sizes=sizes, **mapping)
+                    return
                 buffer = pk.lora_shrink(x, lora_a, indices, **mapping)
-                pk.lora_expand(buffer, lora_b, indices, torch.zeros(num_tokens, sum(sizes), dtype=dtype),
-                               slice_sizes=sizes, **mapping)
+                pk.lora_expand(buffer, lora_b, indices, out, slice_sizes=sizes, **mapping)
             yield (f"lora {name} tokens={num_tokens} K={in_features} slices={len(sizes)} rank={rank}"
                    f"{' lora_ranks' if ranked else ''}"), call
 

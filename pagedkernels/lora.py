@@ -61,8 +61,9 @@ from . import _native
 from ._backend import has_no_data, launch_device_kind, num_multiprocessors, use_native, use_triton, value_checks_enabled
 from ._validate import FLOAT_DTYPES, check_tensor
 
-__all__ = ["lora_shrink", "lora_expand", "lora_mapping", "check_lora_shrink_args", "check_lora_expand_args",
-           "shrink_num_splits", "MAX_LORA_SLICES", "MAX_SHRINK_SPLITS"]
+__all__ = ["lora_shrink", "lora_expand", "add_lora", "lora_mapping", "check_lora_shrink_args",
+           "check_lora_expand_args", "check_add_lora_args", "shrink_num_splits", "expand_sums_planes",
+           "MAX_LORA_SLICES", "MAX_SHRINK_SPLITS"]
 
 # Fused projections have at most three slices (q/k/v).
 MAX_LORA_SLICES = 3
@@ -170,9 +171,10 @@ def check_lora_expand_args(buffer, lora_b, token_lora_indices, out, slice_sizes=
         raise ValueError(f"slice_sizes must be 1 to {MAX_LORA_SLICES} positive ints, got {slice_sizes!r}")
     if sum(sizes) != out_features:
         raise ValueError(f"slice_sizes {list(sizes)} sum to {sum(sizes)}, not out's {out_features} features")
-    check_tensor("buffer", buffer, dtypes=(torch.float32,), like=on_out, shape=(num_tokens, len(sizes) * rank))
-    if buffer.stride(-1) != 1:
-        raise ValueError("buffer must be contiguous in its last (S*R) dimension")
+    if buffer is not None:   # None: add_lora's own intermediate
+        check_tensor("buffer", buffer, dtypes=(torch.float32,), like=on_out, shape=(num_tokens, len(sizes) * rank))
+        if buffer.stride(-1) != 1:
+            raise ValueError("buffer must be contiguous in its last (S*R) dimension")
     _check_mapping(token_lora_indices, num_tokens, num_loras, sorted_token_ids, lora_token_starts, on_out)
     _check_ranks(lora_ranks, num_loras, len(sizes), on_out)
     return num_tokens, sizes, num_loras, rank
@@ -269,28 +271,13 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_lora_indices: torch
         return out
     slice_rank = width // (1 if lora_ranks is None else lora_ranks.shape[1])
     if use_triton(x):
-        if sorted_token_ids is None:
-            sorted_token_ids, lora_token_starts = lora_mapping(token_lora_indices, num_loras)
-        elif value_checks_enabled(x):
-            _check_index_values(token_lora_indices, num_loras)
-        if lora_ranks is not None and value_checks_enabled(x):
-            _check_rank_values(lora_ranks, slice_rank)
+        sorted_token_ids, lora_token_starts = _triton_mapping(x, token_lora_indices, num_loras, sorted_token_ids,
+                                                              lora_token_starts, lora_ranks, slice_rank)
         if num_splits is None:
-            num_splits = shrink_num_splits(num_tokens, width, in_features, num_multiprocessors(x.device), x.dtype,
-                                           launch_device_kind(x.device))
+            num_splits = _shrink_splits(x, width)
         _shrink_triton(x, lora_a, sorted_token_ids, lora_token_starts, float(scale), num_splits, out, lora_ranks)
-    elif use_native(x):
-        if not _native.lora_shrink(x, lora_a, token_lora_indices, float(scale), out, lora_ranks):
-            _check_index_values(token_lora_indices, num_loras)
-            if lora_ranks is not None:
-                _check_rank_values(lora_ranks, slice_rank)
-            raise RuntimeError("pagedkernels native lora_shrink rejected values the checks accept")
     else:
-        if value_checks_enabled(x):
-            _check_index_values(token_lora_indices, num_loras)
-            if lora_ranks is not None:
-                _check_rank_values(lora_ranks, slice_rank)
-        _shrink_torch(x, lora_a, token_lora_indices, float(scale), out, lora_ranks)
+        _shrink_cpu(x, lora_a, token_lora_indices, float(scale), out, lora_ranks, num_loras, slice_rank)
     return out
 
 
@@ -321,26 +308,118 @@ def lora_expand(buffer: torch.Tensor, lora_b: torch.Tensor, token_lora_indices: 
             or num_tokens == 0):
         return out
     if use_triton(out):
-        if sorted_token_ids is None:
-            sorted_token_ids, lora_token_starts = lora_mapping(token_lora_indices, num_loras)
-        elif value_checks_enabled(out):
-            _check_index_values(token_lora_indices, num_loras)
-        if lora_ranks is not None and value_checks_enabled(out):
-            _check_rank_values(lora_ranks, rank)
+        sorted_token_ids, lora_token_starts = _triton_mapping(out, token_lora_indices, num_loras, sorted_token_ids,
+                                                              lora_token_starts, lora_ranks, rank)
         _expand_triton(buffer, lora_b, sorted_token_ids, lora_token_starts, out, sizes, lora_ranks)
-    elif use_native(out):
+    else:
+        _expand_cpu(buffer, lora_b, token_lora_indices, out, sizes, lora_ranks, num_loras, rank)
+    return out
+
+
+def check_add_lora_args(x, lora_a, lora_b, token_lora_indices, out, scale=1.0, slice_sizes=None, num_splits=None,
+                        sorted_token_ids=None, lora_token_starts=None,
+                        lora_ranks=None) -> tuple[int, int, tuple[int, ...], int, int]:
+    """Every check of :func:`add_lora`'s arguments that reads no tensor value (shared with its fake
+    implementation): the shrink's and the expand's, and that their weights stack alike. Returns (num_tokens,
+    in_features, slice sizes, num_loras, rank)."""
+    num_tokens, in_features, num_loras, width = check_lora_shrink_args(
+        x, lora_a, token_lora_indices, scale, num_splits, sorted_token_ids, lora_token_starts, None, lora_ranks)
+    _, sizes, b_loras, rank = check_lora_expand_args(None, lora_b, token_lora_indices, out, slice_sizes,
+                                                     sorted_token_ids, lora_token_starts, lora_ranks)
+    if b_loras != num_loras:
+        raise ValueError(f"lora_a and lora_b must stack the same slots, got {num_loras} and {b_loras}")
+    if width != len(sizes) * rank:
+        raise ValueError(f"lora_a has {width} rank rows, not the {len(sizes)} slices x lora_b's rank {rank} = "
+                         f"{len(sizes) * rank}")
+    return num_tokens, in_features, sizes, num_loras, rank
+
+
+def add_lora(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, token_lora_indices: torch.Tensor,
+             out: torch.Tensor, *, scale: float = 1.0, slice_sizes: Sequence[int] | None = None,
+             num_splits: int | None = None, sorted_token_ids: torch.Tensor | None = None,
+             lora_token_starts: torch.Tensor | None = None, lora_ranks: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[t] += scale * (x[t] @ A^T) @ B^T`` with each token's slot's adapter, in place: a LoRA layer's delta
+    (vLLM's ``add_lora_linear``), :func:`lora_shrink` then :func:`lora_expand` in one call.
+
+    Arguments as for those two: ``x`` and ``lora_a`` as the shrink's, ``lora_b``, ``out`` and ``slice_sizes`` as
+    the expand's, the indices, grouping and ``lora_ranks`` shared (so ``lora_a`` holds ``len(slice_sizes) * R``
+    rank rows, R being ``lora_b``'s rank). The float32 intermediate is the op's own.
+
+    On the Triton path, for decode-sized batches of 16-bit activations (:func:`expand_sums_planes`), the expand
+    reads the shrink's K-split planes and sums them as it loads them, in plane order: two launches where the two
+    ops take three (the planes' ``torch.sum``), with the same arithmetic. Elsewhere it is the two ops. Returns
+    ``out``.
+    """
+    num_tokens, in_features, sizes, num_loras, rank = check_add_lora_args(
+        x, lora_a, lora_b, token_lora_indices, out, scale, slice_sizes, num_splits, sorted_token_ids,
+        lora_token_starts, lora_ranks)
+    if (has_no_data(x, lora_a, lora_b, token_lora_indices, out, sorted_token_ids, lora_token_starts, lora_ranks)
+            or num_tokens == 0):
+        return out
+    width = len(sizes) * rank
+    if use_triton(out):
+        sorted_token_ids, lora_token_starts = _triton_mapping(out, token_lora_indices, num_loras, sorted_token_ids,
+                                                              lora_token_starts, lora_ranks, rank)
+        if num_splits is None:
+            num_splits = _shrink_splits(x, width)
+        planes = torch.empty(num_splits, num_tokens, width, dtype=torch.float32, device=x.device)
+        _launch_shrink(x, lora_a, sorted_token_ids, lora_token_starts, float(scale), planes, lora_ranks)
+        if num_splits > 1 and not expand_sums_planes(num_tokens, out.dtype, launch_device_kind(out.device)):
+            planes = torch.sum(planes, dim=0)
+        _expand_triton(planes, lora_b, sorted_token_ids, lora_token_starts, out, sizes, lora_ranks)
+    else:
+        buffer = torch.empty(num_tokens, width, dtype=torch.float32, device=x.device)
+        _shrink_cpu(x, lora_a, token_lora_indices, float(scale), buffer, lora_ranks, num_loras, rank)
+        _expand_cpu(buffer, lora_b, token_lora_indices, out, sizes, lora_ranks, num_loras, rank)
+    return out
+
+
+def _triton_mapping(like, token_lora_indices, num_loras, sorted_token_ids, lora_token_starts, lora_ranks, rank):
+    """The Triton path's grouping (computed when not given) after the value checks, when enabled."""
+    if sorted_token_ids is None:
+        sorted_token_ids, lora_token_starts = lora_mapping(token_lora_indices, num_loras)
+    elif value_checks_enabled(like):
+        _check_index_values(token_lora_indices, num_loras)
+    if lora_ranks is not None and value_checks_enabled(like):
+        _check_rank_values(lora_ranks, rank)
+    return sorted_token_ids, lora_token_starts
+
+
+def _shrink_splits(x: torch.Tensor, width: int) -> int:
+    num_tokens, in_features = x.shape
+    return shrink_num_splits(num_tokens, width, in_features, num_multiprocessors(x.device), x.dtype,
+                             launch_device_kind(x.device))
+
+
+def _shrink_cpu(x, lora_a, token_lora_indices, scale, out, lora_ranks, num_loras, slice_rank):
+    """The native kernel (checking the values as it groups), else the twin."""
+    if use_native(x):
+        if not _native.lora_shrink(x, lora_a, token_lora_indices, scale, out, lora_ranks):
+            _check_index_values(token_lora_indices, num_loras)
+            if lora_ranks is not None:
+                _check_rank_values(lora_ranks, slice_rank)
+            raise RuntimeError("pagedkernels native lora_shrink rejected values the checks accept")
+        return
+    if value_checks_enabled(x):
+        _check_index_values(token_lora_indices, num_loras)
+        if lora_ranks is not None:
+            _check_rank_values(lora_ranks, slice_rank)
+    _shrink_torch(x, lora_a, token_lora_indices, scale, out, lora_ranks)
+
+
+def _expand_cpu(buffer, lora_b, token_lora_indices, out, sizes, lora_ranks, num_loras, rank):
+    if use_native(out):
         if not _native.lora_expand(buffer, lora_b, token_lora_indices, sizes, out, lora_ranks):
             _check_index_values(token_lora_indices, num_loras)
             if lora_ranks is not None:
                 _check_rank_values(lora_ranks, rank)
             raise RuntimeError("pagedkernels native lora_expand rejected values the checks accept")
-    else:
-        if value_checks_enabled(out):
-            _check_index_values(token_lora_indices, num_loras)
-            if lora_ranks is not None:
-                _check_rank_values(lora_ranks, rank)
-        _expand_torch(buffer, lora_b, token_lora_indices, out, sizes, lora_ranks)
-    return out
+        return
+    if value_checks_enabled(out):
+        _check_index_values(token_lora_indices, num_loras)
+        if lora_ranks is not None:
+            _check_rank_values(lora_ranks, rank)
+    _expand_torch(buffer, lora_b, token_lora_indices, out, sizes, lora_ranks)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -523,14 +602,28 @@ def _lora_shrink_kernel(
     tl.store(out_ptrs, acc, mask=out_mask)
 
 
-@triton.jit
+def expand_sums_planes(num_tokens: int, dtype: torch.dtype, device_kind: str) -> bool:
+    """Whether :func:`add_lora`'s expand sums the shrink's K-split planes itself (shapes, dtype and device kind
+    only). On CUDA for the decode tiles of 16-bit weights (16 tokens: 47-72 registers on sm_90 / sm_80, Triton
+    3.9): the 64-token tiles and the float32 ones spilled on sm_80 with the planes' loop (4-8 B), and a prefill's
+    launches are not what its step waits on. The interpreter's tiles are all 16 x 16: always."""
+    if device_kind != "cuda":
+        return True
+    return num_tokens <= 32 and dtype != torch.float32
+
+
+# The planes' count and their stride (num_tokens rows apart) are not specialized on either: a step's token count
+# compiles no variant of its own (tests/engine/test_kernel_variants.py).
+@triton.jit(do_not_specialize=["num_tokens", "num_planes"])
 def _lora_expand_kernel(
-    buffer_ptr,  # fp32 [num_tokens, num_slices * rank]
+    buffer_ptr,  # fp32 [num_planes, num_tokens, num_slices * rank] (one plane: rows stride_buf_m apart)
     b_ptr,  # [num_loras, out_features, rank]
     out_ptr,  # [num_tokens, out_features], updated in place
     sorted_ids_ptr,  # int32 [num_tokens]
     starts_ptr,  # int32 [num_loras + 1]
     ranks_ptr,  # int32 [num_loras, num_slices]: each slot's rank per slice (read only when has_ranks)
+    num_tokens,
+    num_planes,  # the shrink's K splits, unsummed: the buffer is their sum, taken here in plane order
     rank,
     has_ranks,  # 0: every slot of rank `rank`
     num_slices,
@@ -545,6 +638,7 @@ def _lora_expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SUM_PLANES: tl.constexpr,  # read num_planes planes (else one, num_planes ignored)
 ):
     # grid: (cdiv(num_tokens, BLOCK_M) * cdiv(largest slice, BLOCK_N), num_slices, num_loras). Program (i, s,
     # slot): token block i // n_blocks of the slot's run, output block i % n_blocks of slice s.
@@ -570,6 +664,7 @@ def _lora_expand_kernel(
     columns = (slice_start + n_offs).to(tl.int64)  # [BLOCK_N] of out and lora_b
     r_base = tl.arange(0, BLOCK_R)  # [BLOCK_R]
     buf_rows = buffer_ptr + tokens[:, None] * stride_buf_m + s * rank  # [BLOCK_M, 1]
+    plane_stride = num_tokens.to(tl.int64) * stride_buf_m
     b_cols = b_ptr + slot.to(tl.int64) * stride_b_l + columns[None, :] * stride_b_n  # [1, BLOCK_N]
 
     # the slot's rank in this slice: the buffer's and B's columns past it are not read
@@ -581,7 +676,11 @@ def _lora_expand_kernel(
         r_offs = r0 + r_base
         r_mask = r_offs < slot_rank
         # U : (BLOCK_M, BLOCK_R)
-        U = tl.load(buf_rows + r_offs[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+        u_mask = m_mask[:, None] & r_mask[None, :]
+        U = tl.load(buf_rows + r_offs[None, :], mask=u_mask, other=0.0)
+        if SUM_PLANES:
+            for p in range(1, num_planes):  # the K splits' partial sums, in order (as torch.sum over the planes)
+                U += tl.load(buf_rows + p * plane_stride + r_offs[None, :], mask=u_mask, other=0.0)
         # B : (BLOCK_R, BLOCK_N)
         B = tl.load(b_cols + r_offs[:, None], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
         acc += tl.dot(U.to(B.dtype), B, input_precision=DOT_PRECISION)
@@ -593,13 +692,21 @@ def _lora_expand_kernel(
 
 
 def _shrink_triton(x, lora_a, sorted_token_ids, lora_token_starts, scale, num_splits, out, lora_ranks=None):
+    # One split writes `out` itself; more write planes of a scratch, summed in order after.
+    planes = out if num_splits == 1 else torch.empty(num_splits, *out.shape, dtype=torch.float32, device=x.device)
+    _launch_shrink(x, lora_a, sorted_token_ids, lora_token_starts, scale, planes, lora_ranks)
+    if num_splits > 1:
+        torch.sum(planes, dim=0, out=out)
+
+
+def _launch_shrink(x, lora_a, sorted_token_ids, lora_token_starts, scale, planes, lora_ranks):
+    """The shrink into ``planes``: ``[num_tokens, width]`` (rows any stride) for one K split, else contiguous
+    ``[num_splits, num_tokens, width]``, a plane a split."""
     num_tokens, in_features = x.shape
     num_loras, width, _ = lora_a.shape
+    num_splits = 1 if planes.dim() == 2 else planes.shape[0]
     block_m, block_n, block_k, num_warps = shrink_launch_config(num_tokens, width, x.dtype,
                                                                 launch_device_kind(x.device))
-    # One split writes `out` itself; more write planes of a scratch, summed in order after.
-    planes = out if num_splits == 1 else torch.empty(num_splits, num_tokens, width, dtype=torch.float32,
-                                                     device=x.device)
     grid = (triton.cdiv(num_tokens, block_m) * triton.cdiv(width, block_n), num_splits, num_loras + 1)
     num_slices = 1 if lora_ranks is None else lora_ranks.shape[1]
     _lora_shrink_kernel[grid](
@@ -611,12 +718,13 @@ def _shrink_triton(x, lora_a, sorted_token_ids, lora_token_starts, scale, num_sp
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         num_warps=num_warps,
     )
-    if num_splits > 1:
-        torch.sum(planes, dim=0, out=out)
 
 
 def _expand_triton(buffer, lora_b, sorted_token_ids, lora_token_starts, out, sizes, lora_ranks=None):
+    """``buffer``: ``[num_tokens, S*R]`` (rows any stride), or the shrink's unsummed planes, contiguous
+    ``[num_splits, num_tokens, S*R]``."""
     num_tokens = out.shape[0]
+    num_planes = 1 if buffer.dim() == 2 else buffer.shape[0]
     num_loras, _, rank = lora_b.shape
     block_m, block_n, block_r, num_warps = expand_launch_config(num_tokens, rank, out.dtype,
                                                                 launch_device_kind(out.device))
@@ -624,10 +732,10 @@ def _expand_triton(buffer, lora_b, sorted_token_ids, lora_token_starts, out, siz
     grid = (triton.cdiv(num_tokens, block_m) * triton.cdiv(max(sizes), block_n), len(sizes), num_loras)
     _lora_expand_kernel[grid](
         buffer, lora_b, out, sorted_token_ids, lora_token_starts,
-        lora_token_starts if lora_ranks is None else lora_ranks, rank, int(lora_ranks is not None), len(sizes),
-        *padded,
-        buffer.stride(0), lora_b.stride(0), lora_b.stride(1), out.stride(0),
+        lora_token_starts if lora_ranks is None else lora_ranks, num_tokens, num_planes, rank,
+        int(lora_ranks is not None), len(sizes), *padded,
+        buffer.stride(-2), lora_b.stride(0), lora_b.stride(1), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
-        DOT_PRECISION="ieee" if out.dtype == torch.float32 else None,
+        DOT_PRECISION="ieee" if out.dtype == torch.float32 else None, SUM_PLANES=num_planes > 1,
         num_warps=num_warps,
     )

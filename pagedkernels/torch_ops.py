@@ -39,6 +39,7 @@ from .fp8_gemm import fp8_gemm as _fp8_gemm
 from .fused_moe import fused_moe as _fused_moe
 from .gguf_quant import gguf_dequantize as _gguf_dequantize
 from .gguf_quant import gguf_gemm as _gguf_gemm
+from .lora import add_lora as _add_lora
 from .lora import lora_expand as _lora_expand
 from .lora import lora_shrink as _lora_shrink
 from .moe_align import moe_align_block_size as _moe_align_block_size
@@ -55,14 +56,14 @@ from .wq_gemm import wq_gemm as _wq_gemm
 __all__ = ["reshape_and_cache", "paged_decode_attention", "paged_prefill_attention", "rms_norm",
            "fused_add_rms_norm", "rotary_embedding", "qk_norm_rotary_embedding", "silu_and_mul", "wq_gemm",
            "gguf_gemm", "gguf_dequantize", "fp8_gemm", "w16_gemm", "moe_topk", "moe_align_block_size", "fused_moe",
-           "lora_shrink", "lora_expand", "skinny_gemm", "OPS"]
+           "lora_shrink", "lora_expand", "add_lora", "skinny_gemm", "OPS"]
 
 # Every op this module registers, by its name under torch.ops.pagedkernels.
 OPS = ("reshape_and_cache", "paged_decode_attention", "paged_decode_attention_workspace",
        "paged_decode_attention_fused_reduce", "paged_prefill_attention",
        "rms_norm", "fused_add_rms_norm_", "rotary_embedding", "qk_norm_rotary_embedding", "silu_and_mul", "wq_gemm",
        "gguf_gemm", "gguf_dequantize", "fp8_gemm", "w16_gemm", "moe_topk", "moe_align_block_size", "fused_moe",
-       "lora_shrink", "lora_expand_", "skinny_gemm", "skinny_gemm_residual_")
+       "lora_shrink", "lora_expand_", "add_lora_", "skinny_gemm", "skinny_gemm_residual_")
 
 
 # -- KV cache -----------------------------------------------------------------------------------
@@ -446,6 +447,33 @@ def lora_expand(buffer: torch.Tensor, lora_b: torch.Tensor, token_lora_indices: 
     """See :func:`pagedkernels.lora_expand` (``out`` updated in place and returned)."""
     _lora_expand_op(buffer, lora_b, token_lora_indices, out, None if slice_sizes is None else list(slice_sizes),
                     sorted_token_ids, lora_token_starts, lora_ranks)
+    return out
+
+
+@torch.library.custom_op("pagedkernels::add_lora_", mutates_args=("out",))
+def _add_lora_op(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, token_lora_indices: torch.Tensor,
+                 out: torch.Tensor, scale: float = 1.0, slice_sizes: list[int] | None = None,
+                 num_splits: int | None = None, sorted_token_ids: torch.Tensor | None = None,
+                 lora_token_starts: torch.Tensor | None = None, lora_ranks: torch.Tensor | None = None) -> None:
+    _add_lora(x, lora_a, lora_b, token_lora_indices, out, scale=scale, slice_sizes=slice_sizes, num_splits=num_splits,
+              sorted_token_ids=sorted_token_ids, lora_token_starts=lora_token_starts, lora_ranks=lora_ranks)
+
+
+@_add_lora_op.register_fake
+def _(x, lora_a, lora_b, token_lora_indices, out, scale=1.0, slice_sizes=None, num_splits=None,
+      sorted_token_ids=None, lora_token_starts=None, lora_ranks=None) -> None:
+    _add_lora(x, lora_a, lora_b, token_lora_indices, out, scale=scale, slice_sizes=slice_sizes, num_splits=num_splits,
+              sorted_token_ids=sorted_token_ids, lora_token_starts=lora_token_starts,
+              lora_ranks=lora_ranks)  # checks only, on fake tensors
+
+
+def add_lora(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, token_lora_indices: torch.Tensor,
+             out: torch.Tensor, *, scale: float = 1.0, slice_sizes=None, num_splits: int | None = None,
+             sorted_token_ids: torch.Tensor | None = None, lora_token_starts: torch.Tensor | None = None,
+             lora_ranks: torch.Tensor | None = None) -> torch.Tensor:
+    """See :func:`pagedkernels.add_lora` (``out`` updated in place and returned)."""
+    _add_lora_op(x, lora_a, lora_b, token_lora_indices, out, scale, None if slice_sizes is None else list(slice_sizes),
+                 num_splits, sorted_token_ids, lora_token_starts, lora_ranks)
     return out
 
 

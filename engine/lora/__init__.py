@@ -6,7 +6,7 @@
 - adapter.py: PEFT adapters (``adapter_config.json`` + ``adapter_model.safetensors``) loaded and checked against
   the base model.
 - layers.py: :class:`LoRALinear`, the engine's linear layers with their adapters' slots (fused q/k/v and gate/up as
-  slices, tensor-parallel shards), over ``pagedkernels.lora_shrink`` / ``lora_expand``; :class:`LoRABatch`, each
+  slices, tensor-parallel shards), over ``pagedkernels.add_lora`` (shrink, then expand); :class:`LoRABatch`, each
   token's slot in device buffers the runner fills.
 - cache.py / manager.py: :class:`LoRAManager`, the host cache and the device slots (LRU, the running batch's
   adapters pinned); ``lora_targets`` / ``check_lora_adapter``: an adapter checked against a model without

@@ -13,8 +13,8 @@ The kernels take ``lora_ranks``: an adapter of rank 8 in a stack of 16 costs wha
 adapter leaves alone costs nothing.
 
 A fused projection is one slice per checkpoint projection (q / k / v, gate / up) in the order of its output rows.
-Its forward is the base layer's, plus ``pagedkernels.lora_shrink`` and ``lora_expand`` over the step's tokens,
-each token on the slot :class:`LoRABatch` names for it (-1: none).
+Its forward is the base layer's, plus ``pagedkernels.add_lora`` (``lora_shrink`` then ``lora_expand``, two launches
+on CUDA) over the step's tokens, each token on the slot :class:`LoRABatch` names for it (-1: none).
 
 Tensor parallelism (Megatron, as the base layer): a column-parallel layer keeps the whole A and its rank's block
 of each slice's B rows (the base weight's rows: for q/k/v the rank's heads, a replicated KV head included); a
@@ -199,9 +199,8 @@ class LoRALinear(nn.Module):
             num_tokens = x.shape[0]
             indices = self.batch.token_lora_indices[:num_tokens]
             mapping = self.batch.mapping(num_tokens)
-            buffer = ops.lora_shrink(x, self.lora_a, indices, lora_ranks=self.lora_ranks, **mapping)
-            out = ops.lora_expand(buffer, self.lora_b, indices, out, slice_sizes=self.slice_sizes,
-                                  lora_ranks=self.lora_ranks, **mapping)
+            out = ops.add_lora(x, self.lora_a, self.lora_b, indices, out, slice_sizes=self.slice_sizes,
+                               lora_ranks=self.lora_ranks, **mapping)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

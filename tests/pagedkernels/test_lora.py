@@ -292,6 +292,83 @@ def test_a_token_gets_the_same_bits_in_any_batch(dtype):
             assert torch.equal(row, together[t:t + 1])
 
 
+def _add_lora_params():
+    """Every case on the twin and the native kernels; interpreted (a launch a second) the float32 cases with
+    ``lora_ranks`` (the engine's calls) and the float16 case whose K is split."""
+    params = []
+    for case in CASES:
+        for dtype in DTYPES:
+            params.append(pytest.param("torch", "cpu", dtype, case, id=f"torch-{_name(dtype)}-{case}"))
+            params.append(pytest.param("native", "cpu", dtype, case, id=f"native-{_name(dtype)}-{case}",
+                                       marks=pytest.mark.skipif(not NATIVE, reason="no C compiler here")))
+            if TRITON_DEVICE == "cuda" or dtype == torch.float32 or (dtype, case) == (torch.float16,
+                                                                                      "gate-up-split-k"):
+                params.append(pytest.param("triton", TRITON_DEVICE, dtype, case,
+                                           id=f"triton-{TRITON_DEVICE}-{_name(dtype)}-{case}"))
+    return params
+
+
+@pytest.mark.parametrize("backend,device,dtype,case", _add_lora_params())
+def test_add_lora_matches_the_float64_oracle(backend, device, dtype, case):
+    """``add_lora``: the base output plus ``scale * (x A^T) B^T`` per token's slot, in place, with each slot's own
+    rank (the padding NaN: never read), rows of tokens without an adapter untouched bit for bit. On the Triton path
+    the expand sums the shrink's K-split planes as it reads them: interpreted on the CPU, the same bits as
+    ``lora_shrink`` (which sums them with ``torch.sum``) then ``lora_expand`` at the same splits."""
+    adapters, x, indices, splits = _case(case, dtype, seed=4)
+    lora_a, lora_b, ranks = adapters.ranked()
+    base = torch.randn(x.shape[0], sum(adapters.slice_sizes), generator=torch.Generator().manual_seed(4)).to(dtype)
+    args = [t.to(device) for t in (x, lora_a, lora_b, indices)]
+    options = dict(scale=0.5, slice_sizes=adapters.slice_sizes, lora_ranks=ranks.to(device))
+    out = base.clone().to(device)
+    with pk.use_backend(backend):
+        result = pk.add_lora(*args, out, num_splits=splits, **options)
+        if backend == "triton":
+            buffer = pk.lora_shrink(args[0], args[1], args[3], scale=0.5, num_splits=splits or _splits(x, lora_a),
+                                    lora_ranks=options["lora_ranks"])
+            apart = pk.lora_expand(buffer, args[2], args[3], base.clone().to(device),
+                                   slice_sizes=adapters.slice_sizes, lora_ranks=options["lora_ranks"])
+    assert result.data_ptr() == out.data_ptr()
+    got = result.cpu()
+    if backend == "triton" and device == "cpu":
+        assert torch.equal(got, apart)
+    assert torch.equal(got[indices < 0], base[indices < 0])
+    live = indices >= 0
+    absolute = adapters.absolute()
+    exact = adapters.expand(adapters.shrink(x, indices, 0.5), indices, base)
+    magnitudes = (absolute.expand(absolute.shrink(x.abs(), indices, 0.5), indices, torch.zeros_like(base))
+                  + base.double().abs())
+    rounded = dtype if dtype != torch.float32 and (backend == "triton" or (
+        backend == "native" and dtype == torch.bfloat16 and _native.bf16_dot_path() != "bf16 widened to float32")) \
+        else None
+    # two float32 accumulations (the shrink's, then the expand's), each within the product bound
+    _assert_within(got[live], exact[live], _product_bound(2 * magnitudes, dtype, exact, rounded_operand=rounded)[live],
+                   f"{backend} add_lora")
+
+
+@pytest.mark.skipif(TRITON_DEVICE != "cpu", reason="the interpreter's launch of both branches on the same tiles")
+def test_add_lora_sums_the_planes_apart_where_the_expand_does_not(monkeypatch):
+    """Where :func:`expand_sums_planes` says no (prefill tiles, float32 on CUDA), add_lora sums the planes with
+    ``torch.sum`` before the expand, as lora_shrink does: the same bits as the expand summing them."""
+    from pagedkernels import lora
+
+    adapters, x, indices, splits = _case("gate-up-split-k", torch.float32, seed=6)
+    lora_a, lora_b, ranks = adapters.ranked()
+    base = torch.randn(x.shape[0], sum(adapters.slice_sizes), generator=torch.Generator().manual_seed(6))
+    options = dict(scale=0.5, slice_sizes=adapters.slice_sizes, lora_ranks=ranks, num_splits=splits)
+    with pk.use_backend("triton"):
+        summed_in_expand = pk.add_lora(x, lora_a, lora_b, indices, base.clone(), **options)
+        monkeypatch.setattr(lora, "expand_sums_planes", lambda *args: False)
+        summed_apart = pk.add_lora(x, lora_a, lora_b, indices, base.clone(), **options)
+    assert torch.equal(summed_apart, summed_in_expand)
+    assert not torch.equal(summed_apart, base)
+
+
+def _splits(x, lora_a):
+    """The split count add_lora takes by default (so lora_shrink can be given the same)."""
+    from pagedkernels.lora import _shrink_splits
+    return _shrink_splits(x, lora_a.shape[1])
+
+
 # ---------------------------------------------------------------------------------------------
 # the grouping, the split heuristic
 # ---------------------------------------------------------------------------------------------
@@ -345,6 +422,8 @@ def test_a_bad_index_or_rank_raises_before_writing(backend, device, index, rank,
             pk.lora_shrink(x, lora_a, indices, out=out, lora_ranks=ranks)
         with pytest.raises(ValueError, match=match.split(" (.*)")[0]):
             pk.lora_expand(out, lora_b, indices, base, lora_ranks=ranks)
+        with pytest.raises(ValueError, match=match.split(" (.*)")[0]):
+            pk.add_lora(x, lora_a, lora_b, indices, base, lora_ranks=ranks)
     assert (out == 3.0).all() and (base == 5.0).all()
 
 
@@ -378,6 +457,14 @@ def _args():
     (lambda a: pk.lora_expand(a["buffer"].half(), a["lora_b"], a["indices"], a["out"], slice_sizes=(12, 12)),
      r"buffer must have dtype in \(float32\)"),
     (lambda a: pk.lora_mapping(a["indices"], 0), "num_loras must be an int >= 1"),
+    (lambda a: pk.add_lora(a["x"], a["lora_a"], a["lora_b"][:1], a["indices"], a["out"], slice_sizes=(12, 12)),
+     "lora_a and lora_b must stack the same slots, got 2 and 1"),
+    (lambda a: pk.add_lora(a["x"], a["lora_a"], a["lora_b"], a["indices"], a["out"]),
+     r"lora_a has 16 rank rows, not the 1 slices x lora_b's rank 8 = 8"),
+    (lambda a: pk.add_lora(a["x"], a["lora_a"], a["lora_b"], a["indices"], a["out"][:2], slice_sizes=(12, 12)),
+     r"token_lora_indices must have shape \[2\]"),
+    (lambda a: pk.add_lora(a["x"], a["lora_a"], a["lora_b"].half(), a["indices"], a["out"], slice_sizes=(12, 12)),
+     r"lora_b must have dtype in \(float32\)"),
     (lambda a: pk.lora_shrink(a["x"], a["lora_a"], a["indices"], lora_ranks=torch.ones(2, 3, dtype=torch.int32)),
      "lora_ranks has 3 slices, which do not divide lora_a's 16 rank rows"),
     (lambda a: pk.lora_shrink(a["x"], a["lora_a"], a["indices"], lora_ranks=torch.ones(3, 2, dtype=torch.int32)),
@@ -397,9 +484,11 @@ def test_argument_errors_name_the_argument(call, match):
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.skipif(not NATIVE, reason="native CPU kernels unavailable (no C compiler)")
-def test_cpu_graph_replays_follow_new_indices_and_fewer_rows():
-    """shrink + expand recorded once in a CPU graph (pagedkernels.cpu_graph) over static buffers: replays read the
-    indices and activations the buffers hold then, and a replay of fewer rows computes just those."""
+@pytest.mark.parametrize("fused", [False, True], ids=["shrink-expand", "add_lora"])
+def test_cpu_graph_replays_follow_new_indices_and_fewer_rows(fused):
+    """shrink + expand (or add_lora, the engine's call) recorded once in a CPU graph (pagedkernels.cpu_graph) over
+    static buffers: replays read the indices and activations the buffers hold then, and a replay of fewer rows
+    computes just those."""
     from pagedkernels.cpu_graph import CPUGraph
 
     adapters, x, indices, _ = _case("mixed-qkv", torch.float32, seed=5)
@@ -412,6 +501,9 @@ def test_cpu_graph_replays_follow_new_indices_and_fewer_rows():
 
     def step():
         out = static_base.clone()
+        if fused:
+            return pk.add_lora(static_x, lora_a, lora_b, static_indices, out, slice_sizes=adapters.slice_sizes,
+                               lora_ranks=static_ranks)
         buffer = pk.lora_shrink(static_x, lora_a, static_indices, lora_ranks=static_ranks)
         return pk.lora_expand(buffer, lora_b, static_indices, out, slice_sizes=adapters.slice_sizes,
                               lora_ranks=static_ranks)
@@ -439,10 +531,12 @@ def test_cpu_graph_replays_follow_new_indices_and_fewer_rows():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fused", [False, True], ids=["shrink-expand", "add_lora"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_graph_capture_follows_the_index_buffers(dtype, monkeypatch):
-    """The mapping (sort, scatter-add, cumsum), the split shrink and its sum, and the expand capture into one CUDA
-    graph; replays follow the indices copied into the device buffer, with a different number of adapters each."""
+def test_cuda_graph_capture_follows_the_index_buffers(dtype, fused, monkeypatch):
+    """The mapping (sort, scatter-add, cumsum), the split shrink and its sum (or add_lora: the planes summed in the
+    expand), and the expand capture into one CUDA graph; replays follow the indices copied into the device buffer,
+    with a different number of adapters each."""
     monkeypatch.delenv("PAGEDKERNELS_DEBUG", raising=False)
     adapters, x, indices, _ = _case("mixed-qkv", dtype, seed=8)
     lora_a, lora_b = adapters.lora_a.nan_to_num().cuda(), adapters.lora_b.nan_to_num().cuda()
@@ -455,6 +549,10 @@ def test_cuda_graph_capture_follows_the_index_buffers(dtype, monkeypatch):
     def step():
         out.copy_(base)
         pk.lora_mapping(static_indices, lora_a.shape[0], sorted_token_ids=sorted_ids, lora_token_starts=starts)
+        if fused:
+            pk.add_lora(x, lora_a, lora_b, static_indices, out, slice_sizes=adapters.slice_sizes, num_splits=3,
+                        sorted_token_ids=sorted_ids, lora_token_starts=starts)
+            return
         buffer = pk.lora_shrink(x, lora_a, static_indices, num_splits=3, sorted_token_ids=sorted_ids,
                                 lora_token_starts=starts)
         pk.lora_expand(buffer, lora_b, static_indices, out, slice_sizes=adapters.slice_sizes,

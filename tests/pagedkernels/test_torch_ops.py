@@ -7,7 +7,7 @@ all of them compiles with inductor, fullgraph and dynamic shapes (no graph break
 eager results, K/V cache writes and in-place rotary/norm updates included. Decode attention is
 checked with and without a caller's workspace (two ops: see the module's docstring), and the KV ops
 with a float8 cache and its scales; the quantized GEMMs (wq_gemm, gguf_gemm, gguf_dequantize, fp8_gemm, w16_gemm)
-and the multi-LoRA pair (lora_shrink, lora_expand_) are in the compiled step too.
+and the multi-LoRA ops (lora_shrink, lora_expand_, add_lora_) are in the compiled step too.
 
 The fake implementations run each op's own argument checks: under FakeTensorMode with CUDA tensors
 (which FakeTensorMode makes on a CPU-only torch too) every op gives its output's shape, dtype and
@@ -121,11 +121,13 @@ def _step(ops, inp, key_cache, value_cache):
     lora_buffer = ops.lora_shrink(inp["x"], inp["lora_a"], inp["lora_indices"], scale=0.5)
     lora_out = ops.lora_expand(lora_buffer, inp["lora_b"], inp["lora_indices"], inp["x"] @ inp["lora_base"],
                                slice_sizes=(24, 16))
+    lora_added = ops.add_lora(inp["x"], inp["lora_a"], inp["lora_b"], inp["lora_indices"], inp["x"] @ inp["lora_base"],
+                              scale=0.5, slice_sizes=(24, 16))
     skinny = ops.skinny_gemm(act, inp["skinny_w"], inp["skinny_bias"], norm_weight=inp["skinny_norm"], eps=1e-6)
     skinny_res = ops.skinny_gemm(torch.cat([act, act.flip(0)], dim=1), inp["skinny_w"], gated="silu",
                                  residual=skinny * 2)
     return (act, residual, decode_ws, projected, gguf_out, gguf_weight, fp8_out, w16_out, topk_weights, moe_out,
-            sorted_ids, expert_ids, num_post_padded, lora_buffer, lora_out, skinny, skinny_res)
+            sorted_ids, expert_ids, num_post_padded, lora_buffer, lora_out, lora_added, skinny, skinny_res)
 
 
 def test_every_registered_op_is_listed_and_tested():
@@ -211,6 +213,9 @@ def _opcheck_cases():
         "lora_expand_": (torch.randn(num_tokens, 48, generator=gen), torch.randn(4, 40, 16, generator=gen),
                          lora_indices, torch.randn(num_tokens, 40, generator=gen), [24, 8, 8], *lora_mapping,
                          lora_ranks),
+        "add_lora_": (torch.randn(num_tokens, 64, generator=gen), torch.randn(4, 48, 64, generator=gen),
+                      torch.randn(4, 40, 16, generator=gen), lora_indices, torch.randn(num_tokens, 40, generator=gen),
+                      0.5, [24, 8, 8], None, *lora_mapping, lora_ranks),
         "skinny_gemm": (hidden, torch.randn(40, 48, generator=gen), torch.randn(40, generator=gen), None, None, "silu"),
         "skinny_gemm_residual_": (hidden, torch.randn(40, 96, generator=gen),
                                   torch.randn(num_tokens, 40, generator=gen), None, weight, 1e-6),
@@ -345,6 +350,10 @@ SPECS = {
                       ("token_lora_indices", _LORA_INDICES), ("out", ((3, 40), None)), ("slice_sizes", [24, 8, 8]),
                       ("sorted_token_ids", _LORA_INDICES), ("lora_token_starts", ((5,), torch.int32)),
                       ("lora_ranks", ((4, 3), torch.int32))], None),
+    "add_lora_": ([("x", ((3, 64), None)), ("lora_a", ((4, 48, 64), None)), ("lora_b", ((4, 40, 16), None)),
+                   ("token_lora_indices", _LORA_INDICES), ("out", ((3, 40), None)), ("scale", 0.5),
+                   ("slice_sizes", [24, 8, 8]), ("num_splits", None), ("sorted_token_ids", _LORA_INDICES),
+                   ("lora_token_starts", ((5,), torch.int32)), ("lora_ranks", ((4, 3), torch.int32))], None),
     "skinny_gemm": ([("x", ((3, 64), None)), ("weight", ((40, 64), None)), ("bias", ((40,), None)),
                      ("norm_weight", ((64,), None)), ("eps", 1e-6)], ((3, 40), None)),
     "skinny_gemm_residual_": ([("x", ((3, 64), None)), ("weight", ((40, 64), None)), ("residual", ((3, 40), None)),
@@ -454,6 +463,10 @@ def _public_call(op, args):
     if op == "lora_expand_":
         pk.lora_expand(*args[:4], slice_sizes=kw["slice_sizes"], **mapping)
         return None
+    if op == "add_lora_":
+        pk.add_lora(*args[:5], scale=kw["scale"], slice_sizes=kw["slice_sizes"], num_splits=kw["num_splits"],
+                    **mapping)
+        return None
     if op == "skinny_gemm":
         return pk.skinny_gemm(*args[:3], norm_weight=kw["norm_weight"], eps=kw["eps"])
     if op == "skinny_gemm_residual_":
@@ -491,6 +504,7 @@ def test_public_ops_on_fake_and_meta_tensors(op, backend, monkeypatch):
                          (_native, "moe_topk"), (moe_align, "_moe_align_triton"), (moe_align, "_moe_align_torch"),
                          (fused_moe, "_fused_moe_triton"), (fused_moe, "_fused_moe_torch"), (_native, "fused_moe"),
                          (fused_moe, "unpack_moe_weight"), (lora, "_shrink_triton"), (lora, "_expand_triton"),
+                         (lora, "_launch_shrink"),
                          (lora, "_shrink_torch"), (lora, "_expand_torch"), (lora, "lora_mapping"),
                          (_native, "lora_shrink"), (_native, "lora_expand"), (skinny_gemm, "_skinny_triton"),
                          (skinny_gemm, "_skinny_torch")):
