@@ -580,13 +580,17 @@ def _lora_cases() -> Iterator[tuple[str, Callable[[torch.Generator], None]]]:
     at the shrink's output widths 8 (one slice of rank 8: a 16-wide tile), 48 (q/k/v at rank 16), 96 (rank 32) and
     128 (gate/up at rank 64: a 64-wide tile twice), so the expand's rank tiles are 16, 32 and 64; with and without
     ``lora_ranks`` (a slot of half the stack's rank), one slice and several. With ``lora_ranks`` the engine's call,
-    add_lora (the expand reading the shrink's K-split planes)."""
+    add_lora (the expand reading the shrink's K-split planes: at 1 token in rank chunks of 16, 32 and 64, and at 64
+    and 128 tokens (a 128-row decode step's down projection at rank 16) in 64-token tiles of rank chunks 32 and
+    16)."""
     import pagedkernels as pk
 
     qkv, gate_up = (4096, 1024, 1024), (14336, 14336)
     # (tokens, in_features, slice sizes, rank, with lora_ranks: the engine's calls, which always give them)
-    shapes = ((1, 4096, qkv, 16, True), (1, 14336, (4096,), 8, True), (1, 14336, (4096,), 8, False),
-              (64, 4096, qkv, 32, False), (256, 4096, gate_up, 64, True))
+    shapes = ((1, 4096, qkv, 16, True), (1, 4096, qkv, 32, True), (1, 4096, gate_up, 64, True),
+              (1, 14336, (4096,), 8, True), (1, 14336, (4096,), 8, False),
+              (64, 4096, qkv, 32, False), (64, 4096, qkv, 32, True), (128, 3072, (1024,), 16, True),
+              (256, 4096, gate_up, 64, True))
     for dtype in DTYPES:
         name = str(dtype).replace("torch.", "")
         for num_tokens, in_features, sizes, rank, ranked in shapes:

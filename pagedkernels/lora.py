@@ -345,8 +345,8 @@ def add_lora(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, token_
     the expand's, the indices, grouping and ``lora_ranks`` shared (so ``lora_a`` holds ``len(slice_sizes) * R``
     rank rows, R being ``lora_b``'s rank). The float32 intermediate is the op's own.
 
-    On the Triton path, for decode-sized batches of 16-bit activations (:func:`expand_sums_planes`), the expand
-    reads the shrink's K-split planes and sums them as it loads them, in plane order: two launches where the two
+    On the Triton path, for decode batches of 16-bit activations at the usual ranks (:func:`expand_sums_planes`),
+    the expand reads the shrink's K-split planes and sums them as it loads them, in plane order: two launches where the two
     ops take three (the planes' ``torch.sum``), with the same arithmetic. Elsewhere it is the two ops. Returns
     ``out``.
     """
@@ -364,7 +364,7 @@ def add_lora(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, token_
             num_splits = _shrink_splits(x, width)
         planes = torch.empty(num_splits, num_tokens, width, dtype=torch.float32, device=x.device)
         _launch_shrink(x, lora_a, sorted_token_ids, lora_token_starts, float(scale), planes, lora_ranks)
-        if num_splits > 1 and not expand_sums_planes(num_tokens, out.dtype, launch_device_kind(out.device)):
+        if num_splits > 1 and not expand_sums_planes(num_tokens, rank, out.dtype, launch_device_kind(out.device)):
             planes = torch.sum(planes, dim=0)
         _expand_triton(planes, lora_b, sorted_token_ids, lora_token_starts, out, sizes, lora_ranks)
     else:
@@ -602,14 +602,19 @@ def _lora_shrink_kernel(
     tl.store(out_ptrs, acc, mask=out_mask)
 
 
-def expand_sums_planes(num_tokens: int, dtype: torch.dtype, device_kind: str) -> bool:
+def expand_sums_planes(num_tokens: int, rank: int, dtype: torch.dtype, device_kind: str) -> bool:
     """Whether :func:`add_lora`'s expand sums the shrink's K-split planes itself (shapes, dtype and device kind
-    only). On CUDA for the decode tiles of 16-bit weights (16 tokens: 47-72 registers on sm_90 / sm_80, Triton
-    3.9): the 64-token tiles and the float32 ones spilled on sm_80 with the planes' loop (4-8 B), and a prefill's
-    launches are not what its step waits on. The interpreter's tiles are all 16 x 16: always."""
+    only). On CUDA for 16-bit weights whose expand tile holds at most 64 x 32 buffer values (token block x rank
+    chunk): decode batches (16-token tiles, 47-103 registers) and 64-token tiles at ranks up to 32 (125-160), a
+    128-row decode step's at rank 16 among them; no spills on sm_90 / sm_80 with Triton 3.6 and 3.9. With the
+    planes' loop the 64-token tile of 64-rank chunks and the float32 tiles spilled on sm_80 (4-8 B): those sum
+    apart, as :func:`lora_shrink` does. The interpreter's tiles are all 16 x 16 x 16: always."""
     if device_kind != "cuda":
         return True
-    return num_tokens <= 32 and dtype != torch.float32
+    if dtype == torch.float32:
+        return False
+    block_m, _, block_r, _ = expand_launch_config(num_tokens, rank, dtype, device_kind)
+    return block_m * block_r <= 64 * 32
 
 
 # The planes' count and their stride (num_tokens rows apart) are not specialized on either: a step's token count

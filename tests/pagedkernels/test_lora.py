@@ -394,6 +394,18 @@ def test_shrink_splits_follow_the_shapes_only():
     assert splits(1, 16, 1 << 20) == MAX_SHRINK_SPLITS
 
 
+def test_the_expand_sums_the_planes_where_its_tile_allows():
+    """The documented rule (shapes, dtype and device kind only): on CUDA the 16-bit tiles of up to 64 x 32 buffer
+    values (each of them compiled without spills in the AOT table), never float32; the interpreter always."""
+    from pagedkernels.lora import expand_sums_planes
+
+    def sums(tokens, rank, dtype=torch.bfloat16, kind="cuda"):
+        return expand_sums_planes(tokens, rank, dtype, kind)
+    assert sums(1, 16) and sums(32, 64, torch.float16) and sums(128, 16) and sums(64, 32)
+    assert not sums(128, 64) and not sums(1024, 64) and not sums(1, 16, torch.float32)
+    assert sums(128, 64, torch.float32, "interpreter")
+
+
 # ---------------------------------------------------------------------------------------------
 # errors
 # ---------------------------------------------------------------------------------------------
