@@ -13,12 +13,14 @@ itself as its own draft has every draft accepted, and measures what the proposal
 
 Reported per workload: output tokens/s of each engine (total output tokens over total wall time, prefill
 included), the speedup, the acceptance rate and mean accepted length, whether every greedy output is identical (it
-must be: verification keeps the target's tokens), and where a request's time goes on each side (``per_request_ms``:
-to the first token, decoding, the call's rest).
+must be: verification keeps the target's tokens), where a request's time goes on each side (``per_request_ms``:
+to the first token, decoding, the call's rest), and where a step's host time goes (``step_parts_ms``: the runner's
+parts, wall time a step, STEP_PARTS; a part that reads from the device includes the wait for it).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 
@@ -46,6 +48,55 @@ FREE = [
 # Where a request's time goes: "first_token" (arrival to the first token: the prefill and its step), "decode" (first
 # token to last), "rest" (the call's wall time outside those: the chat template, tokenizing, queueing, the output).
 REQUEST_PARTS = ("first_token", "decode", "rest")
+
+# Where a step goes on the host: the runner's methods timed (wall time, the device's work inside what waits for it:
+# the verification's read in "verify_sample", a draft model's in "propose"), by the names reported. "execute_model" is
+# the runner's whole share; "step" the engine's whole step, so "step" - "execute_model" is the core's and the output
+# path's. Parts nest: "draft_target_step" and "forward" are inside "execute_model", "verify_sample" and "propose"
+# inside it too, after "logits".
+STEP_PARTS = {"execute_model": "execute_model", "_forward_hidden": "forward", "_logits": "logits",
+              "_sample_speculative": "verify_sample", "_propose": "propose"}
+
+
+@contextlib.contextmanager
+def step_parts(llm):
+    """Inside, each STEP_PARTS method of the engine's model runner (and a draft model's ``run_target_step``, as
+    "draft_target_step") adds its wall time to the yielded dict (seconds by part), and every engine step to "step"
+    (with "steps" counting them); restored on exit. Yields an empty dict where the runner is not in this process."""
+    engine = llm.llm_engine
+    runner = getattr(engine, "model_runner", None)
+    spent: dict[str, float] = {}
+    if runner is None:
+        yield spent
+        return
+    patched = [(runner, name, part) for name, part in STEP_PARTS.items() if hasattr(runner, name)]
+    if getattr(runner, "drafter", None) is not None:
+        patched.append((runner.drafter, "run_target_step", "draft_target_step"))
+    if hasattr(engine, "step"):
+        patched.append((engine, "step", "step"))
+
+    def timed(fn, part):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[part] = spent.get(part, 0.0) + time.perf_counter() - start
+                if part == "step":
+                    spent["steps"] = spent.get("steps", 0) + 1
+        return wrapper
+
+    saved = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in patched]
+    for owner, name, part in patched:
+        setattr(owner, name, timed(getattr(owner, name), part))
+    try:
+        yield spent
+    finally:
+        for owner, name, before in saved:
+            if before is None:
+                delattr(owner, name)   # the instance attribute goes: the class's method again
+            else:
+                setattr(owner, name, before)
 
 
 def run(llm, prompts: list[str], max_tokens: int) -> tuple[list[list[int]], float, dict[str, float]]:
@@ -124,12 +175,16 @@ def measure(model: str, *, device: str = "cpu", dtype: str = "float32", num_spec
             seconds = dict.fromkeys(engines, 0.0)
             parts = {engine_name: dict.fromkeys(REQUEST_PARTS, 0.0) for engine_name in engines}
             outputs = {}
+            host = {engine_name: {} for engine_name in engines}
             for _ in range(repeats):
                 for engine_name, llm in engines.items():
-                    outputs[engine_name], took, spent = run(llm, prompts, max_tokens)
+                    with step_parts(llm) as in_steps:
+                        outputs[engine_name], took, spent = run(llm, prompts, max_tokens)
                     seconds[engine_name] += took
                     for key, value in spent.items():
                         parts[engine_name][key] += value
+                    for key, value in in_steps.items():
+                        host[engine_name][key] = host[engine_name].get(key, 0.0) + value
             num_tokens = sum(len(o) for o in outputs["plain"]) * repeats
             drafts, draft_tokens, accepted = (now - then for now, then in zip(_spec_counts(engines[kind]),
                                                                                before[kind]))
@@ -153,6 +208,10 @@ def measure(model: str, *, device: str = "cpu", dtype: str = "float32", num_spec
             row["per_request_ms"] = {engine_name: {key: 1000.0 * value / (len(prompts) * repeats)
                                                    for key, value in spent.items()}
                                      for engine_name, spent in parts.items()}
+            # Where a step's host time goes on each side, ms a step (STEP_PARTS), prefill steps included.
+            row["step_parts_ms"] = {engine_name: {key: 1000.0 * value / timed["steps"] for key, value in timed.items()
+                                                  if key != "steps"}
+                                    for engine_name, timed in host.items() if timed.get("steps")}
             # A step's time on each side, prefill included (about: tokens per step are 1 plain, the mean accepted
             # length with drafts): what a verification step costs against a decode step.
             row["plain_step_ms"] = 1000.0 / row["plain_tokens_per_s"]
@@ -171,6 +230,9 @@ def measure(model: str, *, device: str = "cpu", dtype: str = "float32", num_spec
             log(f"{name:8s}: a request's ms (to the first token / decoding / the rest): " + "; ".join(
                 f"{engine_name} {t['first_token']:.1f} / {t['decode']:.1f} / {t['rest']:.1f}"
                 for engine_name, t in row["per_request_ms"].items()))
+            log(f"{name:8s}: a step's host ms: " + "; ".join(
+                f"{engine_name} " + ", ".join(f"{part} {ms:.2f}" for part, ms in t.items())
+                for engine_name, t in row["step_parts_ms"].items()))
     finally:
         for llm in engines.values():
             llm.llm_engine.shutdown()

@@ -72,3 +72,27 @@ def test_no_few_row_engine_where_the_layers_cannot_take_it_or_without_graphs(mon
     assert all(llm.closed for llm in built)
     report, built = _measure(monkeypatch, graphs=False, few_rows=8)   # a CPU: no graphs to verify in
     assert report["engines"] == ["plain", "ngram"] and len(built) == 3
+
+
+def test_step_parts_time_the_runner_s_parts_and_put_the_methods_back(tmp_path):
+    """On a tiny random model with n-gram proposals: every step counted, the runner's parts timed (each within the
+    runner's share, itself within the step), and afterwards the runner's and the engine's own methods again."""
+    from engine import LLM, SamplingParams
+    from tests.engine.models_util import build_tiny_model_dir
+
+    model_dir = build_tiny_model_dir("llama", str(tmp_path / "model"))
+    llm = LLM(model_dir, device="cpu", dtype="float32", max_model_len=256, enforce_eager=True,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                                  "prompt_lookup_min": 1})
+    try:
+        runner, core = llm.llm_engine.model_runner, llm.llm_engine
+        prompt = {"prompt_token_ids": [5, 6, 7, 8] * 6}
+        with spec_decode_cpu.step_parts(llm) as spent:
+            llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+        assert spent["steps"] >= 2
+        assert {"step", "execute_model", "forward", "logits", "propose"} <= set(spent)
+        assert 0 < spent["forward"] <= spent["execute_model"] <= spent["step"]
+        assert spent["propose"] <= spent["execute_model"]
+        assert all(name not in vars(runner) for name in spec_decode_cpu.STEP_PARTS) and "step" not in vars(core)
+    finally:
+        llm.llm_engine.shutdown()
