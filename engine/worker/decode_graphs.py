@@ -302,7 +302,9 @@ class DecodeGraphs:
     def run_verify_graph(self, shape: tuple[int, int], input_ids: torch.Tensor, positions: torch.Tensor,
                          meta: AttentionMetadata) -> torch.Tensor:
         """A verification batch of n sequences of q tokens each through the graph of (b, q), b the smallest ladder
-        size >= n: the inputs copied into its static buffers' first n sequences, the rest padding. Returns the final
+        size >= n: the inputs copied into its static buffers' first n sequences, the rest padding. With a draft model
+        the graph runs its forward over the same tokens too (its KV cache written as the step would write it after the
+        graph: DraftModel.run_target_step), not a second, eager forward of its ~10 launches a layer. Returns the final
         hidden states ``[n * q, hidden_size]``, a view of the graph's output valid until its next replay."""
         batch_size, q = shape
         tokens = input_ids.shape[0]
@@ -329,9 +331,17 @@ class DecodeGraphs:
             graph_meta = AttentionMetadata(slot_mapping=static.slot_mapping, block_tables=static.block_tables,
                                            seq_lens=static.seq_lens, cu_seqlens_q=cu_seqlens, is_decode=False,
                                            skinny=batch_size * q <= self.skinny_max_rows)
+            drafter = self.drafter
+
+            def step() -> torch.Tensor:
+                hidden_states = self._forward(static.input_ids, static.positions, graph_meta)
+                if drafter is not None:   # the draft model's KV of the same tokens, in the same graph
+                    drafter.run_target_step(static.input_ids, static.positions, graph_meta)
+                return hidden_states
+
             runner = self.graph_runner_class(self.capture_pool())
             with torch.inference_mode():
-                runner.capture(lambda: self._forward(static.input_ids, static.positions, graph_meta))
+                runner.capture(step)
             self.verify_graphs[shape] = runner
         return runner.replay()[:tokens]
 

@@ -71,10 +71,12 @@ logger = logging.getLogger(__name__)
 class ForwardResult:
     """A step's forward: the final hidden states [num_tokens, hidden]; or, when a decode graph ran the whole step
     (``step_graphs``), the logits of every token [num_tokens, vocab] float32 and their greedy ids [num_tokens]
-    (NaN counted as -inf, as the sampler counts it), computed inside the graph."""
+    (NaN counted as -inf, as the sampler counts it), computed inside the graph. ``draft_ran``: a verification graph
+    ran a draft model's forward over the same tokens too (DraftModel.run_target_step), so the step runs it no more."""
     hidden_states: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     greedy_ids: torch.Tensor | None = None
+    draft_ran: bool = False
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -527,7 +529,8 @@ class ModelRunner(DecodeGraphs):
             return ForwardResult(hidden_states=output)
         shape = self.verify_graph_shape(input_ids.shape[0], num_seqs, query_lens) if lora_slots is None else None
         if shape is not None:
-            return ForwardResult(hidden_states=self.run_verify_graph(shape, input_ids, positions, meta))
+            return ForwardResult(hidden_states=self.run_verify_graph(shape, input_ids, positions, meta),
+                                 draft_ran=self.drafter is not None)
         self._prepare_lora(lora_slots, input_ids.shape[0])
         return ForwardResult(hidden_states=self._forward(input_ids, positions, meta))
 
@@ -621,7 +624,7 @@ class ModelRunner(DecodeGraphs):
         if self.lora is not None and scheduler_output.lora_requests:
             lora_slots = self._lora_token_slots(scheduler_output, model_rows, query_lens, lora_failed)
         forward = self._forward_hidden(input_ids_t, positions_t, meta, num_seqs, lora_slots, query_lens)
-        if self.drafter is not None:
+        if self.drafter is not None and not forward.draft_ran:
             self.drafter.run_target_step(input_ids_t, positions_t, meta)
         # The forward is queued: now the previous step's ids may come to the host (penalties, bad words, min_tokens
         # and the n-gram proposer read the rows' tokens there).

@@ -427,13 +427,27 @@ def _graphed(llm):
 
 @pytest.mark.usefixtures("both_sampler_paths")
 @pytest.mark.parametrize("sampled, draft", [(False, "self"), (False, "other"), (True, "self")])
-def test_draft_model_proposals_replay_graphs(llama_dir, draft_dir, sampled, draft):
+def test_draft_model_proposals_replay_graphs(llama_dir, draft_dir, sampled, draft, monkeypatch):
     """A draft model's proposal steps in graphs (the CPU double): the four prompts in one batch propose through the
     graphs of their padded batch sizes (4, then smaller as requests finish), each captured once and replayed k times
     a proposal, and the output, drafts and acceptances are the eager engine's: greedy, the plain engine's tokens,
     every draft accepted with the model as its own draft (another model: another attention shape, q/k norms);
     sampled (top-p, seeded, greedy and random rows mixed: the draws made after the replay), with the model as its
-    own draft, every draft accepted and the same tokens as the eager proposals drew."""
+    own draft, every draft accepted and the same tokens as the eager proposals drew. The draft's forward over the
+    tokens a verification graph verifies runs inside that graph: outside graphs only for the other steps (prefills,
+    verifications of unequal lengths), one call a step at most."""
+    from engine.worker.decode_graphs import EagerGraphRunner
+
+    in_graph = [False]
+    for name in ("capture", "replay"):
+        def inside(self, *args, _real=getattr(EagerGraphRunner, name), **kwargs):
+            in_graph[0] = True
+            try:
+                return _real(self, *args, **kwargs)
+            finally:
+                in_graph[0] = False
+        monkeypatch.setattr(EagerGraphRunner, name, inside)
+
     if sampled:
         params = [SamplingParams(temperature=0.8, top_p=0.9, seed=3 + i, max_tokens=21, ignore_eos=True)
                   for i in range(3)] + [GREEDY]
@@ -444,21 +458,41 @@ def test_draft_model_proposals_replay_graphs(llama_dir, draft_dir, sampled, draf
     def run(graphs: bool):
         llm = LLM(llama_dir, max_model_len=160, num_kv_blocks=64, speculative_config=spec, enforce_eager=True)
         try:
-            drafter = llm.llm_engine.model_runner.drafter
+            runner = llm.llm_engine.model_runner
+            drafter = runner.drafter
             assert drafter.graphs_on is False and not drafter.graphs
             if graphs:
                 _graphed(llm)
                 assert drafter.graphs_on and all(layer.use_decode_kernel for layer in drafter.layers)
+            calls = {"steps": 0, "outside": 0, "inside": 0}
+            real_step, real_execute = drafter.run_target_step, runner.execute_model
+
+            def run_target_step(*args, **kwargs):
+                calls["inside" if in_graph[0] else "outside"] += 1
+                return real_step(*args, **kwargs)
+
+            def execute_model(*args, **kwargs):
+                before = calls["outside"]
+                try:
+                    return real_execute(*args, **kwargs)
+                finally:
+                    calls["steps"] += 1
+                    assert calls["outside"] - before <= 1
+            drafter.run_target_step, runner.execute_model = run_target_step, execute_model
             outputs = _tokens(llm.generate(_prompts(), params, use_tqdm=False))
             bm = llm.llm_engine.block_manager
             assert bm.num_free_blocks == bm.num_blocks
             replays = {size: graph.num_replays for size, graph in drafter.graphs.items()}
-            return outputs, llm.llm_engine.get_metrics().spec_decode, replays
+            return outputs, llm.llm_engine.get_metrics().spec_decode, replays, calls, len(runner.verify_graphs)
         finally:
             llm.llm_engine.shutdown()
 
-    eager, eager_stats, none = run(graphs=False)
-    graphed, stats, replays = run(graphs=True)
+    eager, eager_stats, none, eager_calls, _ = run(graphs=False)
+    graphed, stats, replays, calls, verify_shapes = run(graphs=True)
+    assert eager_calls["outside"] == eager_calls["steps"] and eager_calls["inside"] == 0
+    # every verification replay (and each graph's capture) ran the draft's forward inside the graph
+    assert verify_shapes and calls["inside"] > 0 and calls["outside"] + calls["inside"] > calls["steps"]
+    assert calls["outside"] < calls["steps"]
     assert none == {} and 4 in replays and set(replays) <= {1, 2, 4}
     assert all(count >= K and count % K == 0 for count in replays.values())   # k replays a proposal
     assert graphed == eager and stats.num_draft_tokens > 0
