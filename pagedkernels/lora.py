@@ -346,9 +346,9 @@ def add_lora(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, token_
     rank rows, R being ``lora_b``'s rank). The float32 intermediate is the op's own.
 
     On the Triton path, for decode batches of 16-bit activations at the usual ranks (:func:`expand_sums_planes`),
-    the expand reads the shrink's K-split planes and sums them as it loads them, in plane order: two launches where the two
-    ops take three (the planes' ``torch.sum``), with the same arithmetic. Elsewhere it is the two ops. Returns
-    ``out``.
+    the expand reads the shrink's K-split planes and sums them as it loads them, in plane order: two launches where
+    the two ops take three (the planes' ``torch.sum``), with the same arithmetic. Elsewhere it is the two ops.
+    Returns ``out``.
     """
     num_tokens, in_features, sizes, num_loras, rank = check_add_lora_args(
         x, lora_a, lora_b, token_lora_indices, out, scale, slice_sizes, num_splits, sorted_token_ids,
@@ -392,34 +392,37 @@ def _shrink_splits(x: torch.Tensor, width: int) -> int:
 
 
 def _shrink_cpu(x, lora_a, token_lora_indices, scale, out, lora_ranks, num_loras, slice_rank):
-    """The native kernel (checking the values as it groups), else the twin."""
-    if use_native(x):
-        if not _native.lora_shrink(x, lora_a, token_lora_indices, scale, out, lora_ranks):
-            _check_index_values(token_lora_indices, num_loras)
-            if lora_ranks is not None:
-                _check_rank_values(lora_ranks, slice_rank)
-            raise RuntimeError("pagedkernels native lora_shrink rejected values the checks accept")
-        return
-    if value_checks_enabled(x):
-        _check_index_values(token_lora_indices, num_loras)
-        if lora_ranks is not None:
-            _check_rank_values(lora_ranks, slice_rank)
-    _shrink_torch(x, lora_a, token_lora_indices, scale, out, lora_ranks)
+    _run_cpu("lora_shrink", lambda: _native.lora_shrink(x, lora_a, token_lora_indices, scale, out, lora_ranks),
+             lambda: _shrink_torch(x, lora_a, token_lora_indices, scale, out, lora_ranks),
+             x, token_lora_indices, num_loras, lora_ranks, slice_rank)
 
 
 def _expand_cpu(buffer, lora_b, token_lora_indices, out, sizes, lora_ranks, num_loras, rank):
-    if use_native(out):
-        if not _native.lora_expand(buffer, lora_b, token_lora_indices, sizes, out, lora_ranks):
-            _check_index_values(token_lora_indices, num_loras)
-            if lora_ranks is not None:
-                _check_rank_values(lora_ranks, rank)
-            raise RuntimeError("pagedkernels native lora_expand rejected values the checks accept")
+    _run_cpu("lora_expand", lambda: _native.lora_expand(buffer, lora_b, token_lora_indices, sizes, out, lora_ranks),
+             lambda: _expand_torch(buffer, lora_b, token_lora_indices, out, sizes, lora_ranks),
+             out, token_lora_indices, num_loras, lora_ranks, rank)
+
+
+def _run_cpu(what: str, native, twin, like: torch.Tensor, token_lora_indices, num_loras: int, lora_ranks,
+             rank: int) -> None:
+    """The native kernel, which checks the values as it groups (a refusal: the checks say what was wrong), else the
+    twin after the checks (where enabled)."""
+    if use_native(like):
+        if not native():
+            _check_values(token_lora_indices, num_loras, lora_ranks, rank)
+            raise RuntimeError(f"pagedkernels native {what} rejected values the checks accept")
         return
-    if value_checks_enabled(out):
-        _check_index_values(token_lora_indices, num_loras)
-        if lora_ranks is not None:
-            _check_rank_values(lora_ranks, rank)
-    _expand_torch(buffer, lora_b, token_lora_indices, out, sizes, lora_ranks)
+    if value_checks_enabled(like):
+        _check_values(token_lora_indices, num_loras, lora_ranks, rank)
+    twin()
+
+
+def _check_values(token_lora_indices: torch.Tensor, num_loras: int, lora_ranks: torch.Tensor | None,
+                  rank: int) -> None:
+    """The indices' and the ranks' values (a host sync on CUDA)."""
+    _check_index_values(token_lora_indices, num_loras)
+    if lora_ranks is not None:
+        _check_rank_values(lora_ranks, rank)
 
 
 # ----------------------------------------------------------------------------------------------
