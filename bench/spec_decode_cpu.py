@@ -53,7 +53,8 @@ REQUEST_PARTS = ("first_token", "decode", "rest")
 # the verification's read in "verify_sample", a draft model's in "propose"), by the names reported. "execute_model" is
 # the runner's whole share; "step" the engine's whole step, so "step" - "execute_model" is the core's and the output
 # path's. Parts nest: "draft_target_step" and "forward" are inside "execute_model", "verify_sample" and "propose"
-# inside it too, after "logits".
+# inside it too, after "logits". A verification graph runs the draft model's forward itself: then it is in "forward"
+# (on the device), and "draft_target_step" counts the other steps' eager ones.
 STEP_PARTS = {"execute_model": "execute_model", "_forward_hidden": "forward", "_logits": "logits",
               "_sample_speculative": "verify_sample", "_propose": "propose"}
 
