@@ -38,9 +38,10 @@
    bf16), nano-vllm's protocol and batch-1 decode, its output tok/s beside phase 1's dense Qwen3-0.6B figure; the
    batch-1 variants, fused_moe's matrix-vector launches (with and without PDL) among them.
 12. lora (540 s): the LoRA kernels (add_lora, against the shrink and the expand called apart, at Llama-3-8B's q/k/v
-   and at each LoRA layer of a Qwen3-0.6B decode step of 128 rows, in CUDA graphs up to 256 tokens), then multi-LoRA serving (bench.lora_engine_gpu): the
-   Qwen3-0.6B shape with four adapters of ranks 8 / 16 mixed in one workload, against the base model alone and
-   against transformers + PEFT serving the same mix, each engine's steps profiled.
+   and at each LoRA layer of a Qwen3-0.6B decode step of 128 rows, in CUDA graphs up to 256 tokens), then
+   multi-LoRA serving (bench.lora_engine_gpu): the Qwen3-0.6B shape with four adapters of ranks 8 / 16 mixed in
+   one workload, against the base model alone and against transformers + PEFT serving the same mix, each engine's
+   steps profiled.
 13. batch1 (540 s): the few-row decoder layers (pagedkernels.skinny_gemm, rotary_embedding_and_cache) in one call:
    skinny_gemm's launch configurations against cuBLAS at batch-1 projections and its heuristic at 2-8 rows (timed
    as chains of calls on copies of the weights in CUDA graphs), then batch-1 decode at the Qwen3-0.6B and
