@@ -101,6 +101,7 @@ class DraftModel:
             layer.use_decode_kernel = decode_kernel
 
     def forget(self, seq_ids: list[int]) -> None:
+        """Drop the q of these sequences' pending drafts (finished, or verified without them: every one greedy)."""
         for seq_id in seq_ids:
             self.draft_probs.pop(seq_id, None)
 
@@ -108,11 +109,6 @@ class DraftModel:
     def run_target_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
         """The draft's KV of the tokens the target computes this step, in the same slots."""
         self.model(input_ids, positions, meta)
-
-    def drop_draft_probs(self, seq_ids: list[int]) -> None:
-        """Forget the q of these sequences' pending drafts: their verification needs none (every one greedy)."""
-        for seq_id in seq_ids:
-            self.draft_probs.pop(seq_id, None)
 
     def draft_probs_for(self, seq_ids: list[int], max_k: int, vocab_size: int) -> torch.Tensor:
         """q of the drafts being verified, [len(seq_ids), max_k, vocab] (rows past a sequence's drafts: zeros)."""

@@ -1017,7 +1017,7 @@ class ModelRunner(DecodeGraphs):
         meta = self.sampling_metadata(rows)
         if all(meta.greedy):   # the target's picks drawn as a plain step draws them; the drafts checked against them
             if self.drafter is not None:
-                self.drafter.drop_draft_probs([batch.seq_ids[row] for row, _ in entries])
+                self.drafter.forget([batch.seq_ids[row] for row, _ in entries])
             picks = self.sampler.draw(row_logits, meta).view(len(entries), max_k + 1)
             result = rejection_sample_greedy(drafts_t, ks_t, picks)
         else:
