@@ -345,22 +345,46 @@ def test_add_lora_matches_the_float64_oracle(backend, device, dtype, case):
                    f"{backend} add_lora")
 
 
-@pytest.mark.skipif(TRITON_DEVICE != "cpu", reason="the interpreter's launch of both branches on the same tiles")
 def test_add_lora_sums_the_planes_apart_where_the_expand_does_not(monkeypatch):
     """Where :func:`expand_sums_planes` says no (prefill tiles, float32 on CUDA), add_lora sums the planes with
-    ``torch.sum`` before the expand, as lora_shrink does: the same bits as the expand summing them."""
+    ``torch.sum`` before the expand, as lora_shrink does. Interpreted: the same bits as the expand summing them; on
+    CUDA (float16, whose decode tiles the expand sums), both within the float64 oracle's bound (torch.sum's order of
+    the planes is its own there)."""
     from pagedkernels import lora
 
-    adapters, x, indices, splits = _case("gate-up-split-k", torch.float32, seed=6)
+    dtype = torch.float16 if TRITON_DEVICE == "cuda" else torch.float32
+    adapters, x, indices, splits = _case("gate-up-split-k", dtype, seed=6)
     lora_a, lora_b, ranks = adapters.ranked()
-    base = torch.randn(x.shape[0], sum(adapters.slice_sizes), generator=torch.Generator().manual_seed(6))
-    options = dict(scale=0.5, slice_sizes=adapters.slice_sizes, lora_ranks=ranks, num_splits=splits)
+    base = torch.randn(x.shape[0], sum(adapters.slice_sizes), generator=torch.Generator().manual_seed(6)).to(dtype)
+    args = [t.to(TRITON_DEVICE) for t in (x, lora_a, lora_b, indices)]
+    options = dict(scale=0.5, slice_sizes=adapters.slice_sizes, lora_ranks=ranks.to(TRITON_DEVICE),
+                   num_splits=splits)
+    kernel, launched = lora._lora_expand_kernel, []
+
+    class Recorded:   # the expand's launches, noting whether each summed the planes
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                launched.append(kw["SUM_PLANES"])
+                return kernel[grid](*a, **kw)
+            return launch
+    monkeypatch.setattr(lora, "_lora_expand_kernel", Recorded())
+    results = {}
     with pk.use_backend("triton"):
-        summed_in_expand = pk.add_lora(x, lora_a, lora_b, indices, base.clone(), **options)
-        monkeypatch.setattr(lora, "expand_sums_planes", lambda *args: False)
-        summed_apart = pk.add_lora(x, lora_a, lora_b, indices, base.clone(), **options)
-    assert torch.equal(summed_apart, summed_in_expand)
-    assert not torch.equal(summed_apart, base)
+        for sums in (True, False):
+            monkeypatch.setattr(lora, "expand_sums_planes", lambda *a, sums=sums: sums)
+            results[sums] = pk.add_lora(*args, base.clone().to(TRITON_DEVICE), **options).cpu()
+    assert launched == [True, False]
+    if TRITON_DEVICE == "cpu":
+        assert torch.equal(results[False], results[True])
+    live = indices >= 0
+    absolute = adapters.absolute()
+    exact = adapters.expand(adapters.shrink(x, indices, 0.5), indices, base)
+    magnitudes = (absolute.expand(absolute.shrink(x.abs(), indices, 0.5), indices, torch.zeros_like(base))
+                  + base.double().abs())
+    bound = _product_bound(2 * magnitudes, dtype, exact, rounded_operand=None if dtype == torch.float32 else dtype)
+    for sums, got in results.items():
+        assert torch.equal(got[~live], base[~live])
+        _assert_within(got[live], exact[live], bound[live], f"add_lora, planes summed {'in' if sums else 'apart'}")
 
 
 def _splits(x, lora_a):
