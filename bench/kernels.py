@@ -1262,10 +1262,11 @@ def lora_case(device, dtype, *, num_tokens: int, in_features: int, slice_sizes: 
               num_adapters: int = 4) -> Case:
     """Multi-LoRA on one projection (``add_lora``: shrink + expand, the grouping shared by the step's layers
     computed before) against the per-adapter loop on the same batch, and against ``lora_shrink`` then
-    ``lora_expand`` called apart (what ``add_lora`` saves: on CUDA at decode sizes, the planes' sum launch). Bytes: x, the weights of the adapters the batch uses, the base
-    output read and written, the float32 buffer written and read; FLOPs: 2 M (K S R + N R). Up to 256 tokens (the
-    engine's decode graphs) both are timed in a CUDA graph, as decode steps run them: launched from Python, the
-    H200 of 2026-11-30 timed one token at 0.091 ms, more than the kernels' bytes could take."""
+    ``lora_expand`` called apart (what ``add_lora`` saves: on CUDA at decode sizes, the planes' sum launch). Bytes:
+    x, the weights of the adapters the batch uses, the base output read and written, the float32 buffer written and
+    read; FLOPs: 2 M (K S R + N R). Up to 256 tokens (the engine's decode graphs) all are timed in a CUDA graph, as
+    decode steps run them: launched from Python, the H200 of 2026-11-30 timed one token at 0.091 ms, more than the
+    kernels' bytes could take."""
     inp = lora_inputs(device, dtype, num_tokens=num_tokens, in_features=in_features, slice_sizes=slice_sizes,
                       rank=rank, num_adapters=num_adapters)
     out = inp.base.clone()

@@ -98,8 +98,8 @@ def test_an_all_greedy_verification_checks_the_drafts_against_the_picks_alone(ll
     taken = []
     for name in ("rejection_sample", "rejection_sample_greedy"):
         real = getattr(model_runner_module, name)
-        monkeypatch.setattr(model_runner_module, name,
-                            lambda *args, _real=real, _name=name, **kwargs: taken.append(_name) or _real(*args, **kwargs))
+        monkeypatch.setattr(model_runner_module, name, lambda *args, _real=real, _name=name, **kwargs:
+                            taken.append(_name) or _real(*args, **kwargs))
     prompts = _prompts()
     expected = _tokens(_generate(llama_dir, prompts=prompts)[0])
     outputs, stats = _generate(llama_dir, prompts=prompts, speculative_config=NGRAM)
